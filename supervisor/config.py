@@ -1,0 +1,356 @@
+"""Configuration: a TOML file, then command-line flags over it, validated before anything starts.
+
+Every problem is collected and reported as one line (`ConfigError.problems`), so an operator
+fixes a bad file in one pass. See systemd/vime-supervisor.example.toml for every key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from .fsm import ProbePolicy, RestartPolicy
+
+
+class ConfigError(Exception):
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    # Spawned engines: model directory and port. Attached engines: url only.
+    model: str | None = None
+    port: int | None = None
+    host: str = "127.0.0.1"
+    served_model_name: str | None = None
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    url: str | None = None
+
+    @property
+    def spawned(self) -> bool:
+        return self.url is None
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/") if self.url else f"http://{self.host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        """The name requests must use (vLLM defaults it to the model path)."""
+        return self.served_model_name or self.model or ""
+
+
+@dataclass(frozen=True)
+class Config:
+    engines: tuple[EngineSpec, ...]
+    probe: ProbePolicy = ProbePolicy()
+    restart: RestartPolicy = RestartPolicy()
+    use_fault_tolerance: bool = True
+    stop_timeout: float = 10.0  # SIGTERM -> SIGKILL (supervisord's stopwaitsecs)
+    min_healthy: int = 1
+    restart_immediately: bool = False  # boot a dead engine during the round, route it after
+    runtime_dir: str = "/run/vime-supervisor"
+    log_dir: str = "/var/log/vime-supervisor"
+    log_level: str = "info"
+    python: str = ""  # interpreter for `-m vllm.entrypoints.openai.api_server`; "" = ours
+    engine_env: dict[str, str] = field(default_factory=dict)  # for every spawned engine
+    engine_args: tuple[str, ...] = ()  # for every spawned engine, before its own args
+    allowed_uids: tuple[int, ...] = ()  # control socket peers besides our own uid
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.runtime_dir, "supervisor.sock")
+
+
+# Table -> {key: type}. Everything else in the file is an error.
+_TOP = {"supervisor", "health_check", "restart", "engine_defaults", "engines"}
+_SUPERVISOR = {
+    "use_fault_tolerance": bool,
+    "stop_timeout": float,
+    "min_healthy": int,
+    "restart_immediately": bool,
+    "runtime_dir": str,
+    "log_dir": str,
+    "log_level": str,
+    "python": str,
+    "allowed_uids": list,
+}
+_HEALTH = {
+    "first_wait": float,
+    "interval": float,
+    "timeout": float,
+    "failure_threshold": int,
+    "success_threshold": int,
+}
+_RESTART = {
+    "start_retries": int,
+    "backoff_initial": float,
+    "backoff_max": float,
+    "flapping_window": float,
+    "flapping_max_restarts": int,
+}
+_DEFAULTS = {"env": dict, "args": list}
+_ENGINE = {
+    "name": str,
+    "model": str,
+    "port": int,
+    "host": str,
+    "served_model_name": str,
+    "args": list,
+    "env": dict,
+    "url": str,
+}
+_LOG_LEVELS = {"debug", "info", "warning", "error"}
+
+
+def _typename(t: type) -> str:
+    return {float: "a number", int: "an integer", bool: "true or false", str: "a string", list: "a list", dict: "a table"}[t]
+
+
+def _check_table(where: str, table: Any, schema: dict[str, type], problems: list[str]) -> dict[str, Any]:
+    """Keep the well-typed keys of `table`; report unknown keys and wrong types."""
+    if not isinstance(table, dict):
+        problems.append(f"{where}: must be a table")
+        return {}
+    ok: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in schema:
+            problems.append(f"{where}.{key}: unknown key (known: {', '.join(sorted(schema))})")
+            continue
+        want = schema[key]
+        good = (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            if want is float
+            else isinstance(value, int) and not isinstance(value, bool)
+            if want is int
+            else isinstance(value, want)
+        )
+        if not good:
+            problems.append(f"{where}.{key}: must be {_typename(want)}, got {value!r}")
+            continue
+        ok[key] = float(value) if want is float else value
+    return ok
+
+
+def _strs(where: str, value: Any, problems: list[str]) -> tuple[str, ...]:
+    if not all(isinstance(v, str) for v in value):
+        problems.append(f"{where}: must be a list of strings")
+        return ()
+    return tuple(value)
+
+
+def _env(where: str, value: Any, problems: list[str]) -> dict[str, str]:
+    if not all(isinstance(v, str) for v in value.values()):
+        problems.append(f"{where}: every value must be a string")
+        return {}
+    return dict(value)
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: no such config file"]) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
+
+
+def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_dir: str | None = None) -> Config:
+    """Validate a parsed TOML document (plus flag overrides); raise ConfigError with every problem."""
+    problems: list[str] = []
+    for key in raw:
+        if key not in _TOP:
+            problems.append(f"{key}: unknown key (known: {', '.join(sorted(_TOP))})")
+    sup = _check_table("supervisor", raw.get("supervisor", {}), _SUPERVISOR, problems)
+    health = _check_table("health_check", raw.get("health_check", {}), _HEALTH, problems)
+    restart = _check_table("restart", raw.get("restart", {}), _RESTART, problems)
+    defaults = _check_table("engine_defaults", raw.get("engine_defaults", {}), _DEFAULTS, problems)
+    for section, key, value in _apply_overrides(overrides or {}):
+        {"supervisor": sup, "health_check": health, "restart": restart}[section][key] = value
+
+    probe = ProbePolicy(**health)
+    rpolicy = RestartPolicy(**restart)
+    for key in ("first_wait", "interval", "timeout"):
+        if getattr(probe, key) <= 0:
+            problems.append(f"health_check.{key}: must be > 0, got {getattr(probe, key):g}")
+    for key in ("failure_threshold", "success_threshold"):
+        if getattr(probe, key) < 1:
+            problems.append(f"health_check.{key}: must be >= 1, got {getattr(probe, key)}")
+    if probe.interval >= probe.timeout * probe.failure_threshold:
+        problems.append(
+            f"health_check: interval ({probe.interval:g}s) must be less than timeout x "
+            f"failure_threshold ({probe.timeout:g}s x {probe.failure_threshold}); otherwise a hang "
+            "can outlast a whole interval between probes. Lower interval or raise timeout."
+        )
+    if probe.timeout >= probe.first_wait:
+        problems.append(f"health_check: timeout ({probe.timeout:g}s) must be less than first_wait ({probe.first_wait:g}s)")
+    if rpolicy.start_retries < 1:
+        problems.append(f"restart.start_retries: must be >= 1, got {rpolicy.start_retries}")
+    if rpolicy.flapping_max_restarts < 1:
+        problems.append(f"restart.flapping_max_restarts: must be >= 1, got {rpolicy.flapping_max_restarts}")
+    for key in ("backoff_initial", "backoff_max", "flapping_window"):
+        if getattr(rpolicy, key) < 0:
+            problems.append(f"restart.{key}: must be >= 0, got {getattr(rpolicy, key):g}")
+    if rpolicy.backoff_max < rpolicy.backoff_initial:
+        problems.append("restart.backoff_max: must be >= backoff_initial")
+    if sup.get("stop_timeout", 1.0) <= 0:
+        problems.append(f"supervisor.stop_timeout: must be > 0, got {sup['stop_timeout']:g}")
+    if sup.get("log_level", "info") not in _LOG_LEVELS:
+        problems.append(f"supervisor.log_level: must be one of {', '.join(sorted(_LOG_LEVELS))}, got {sup['log_level']!r}")
+    uids = sup.pop("allowed_uids", [])
+    if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids):
+        problems.append("supervisor.allowed_uids: must be a list of non-negative integers")
+        uids = []
+
+    engines = _engines(raw.get("engines", []), problems, base_dir)
+    min_healthy = sup.get("min_healthy", 1)
+    if min_healthy < 0:
+        problems.append(f"supervisor.min_healthy: must be >= 0, got {min_healthy}")
+    elif engines and min_healthy > len(engines):
+        problems.append(f"supervisor.min_healthy: {min_healthy} is more than the {len(engines)} configured engines")
+
+    if problems:
+        raise ConfigError(problems)
+    return Config(
+        engines=tuple(engines),
+        probe=probe,
+        restart=rpolicy,
+        allowed_uids=tuple(uids),
+        engine_env=_env("engine_defaults.env", defaults.get("env", {}), problems),
+        engine_args=_strs("engine_defaults.args", defaults.get("args", []), problems),
+        **sup,
+    )
+
+
+def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[EngineSpec]:
+    if not isinstance(raw, list) or not raw:
+        problems.append("engines: at least one [[engines]] table is needed")
+        return []
+    out: list[EngineSpec] = []
+    names: dict[str, int] = {}
+    ports: dict[tuple[str, int], str] = {}
+    for i, table in enumerate(raw):
+        where = f"engines[{i}]"
+        e = _check_table(where, table, _ENGINE, problems)
+        name = e.get("name")
+        if not name:
+            problems.append(f"{where}: needs a name")
+            continue
+        where = f"engines[{i}] ({name})"
+        if name in names:
+            problems.append(f"{where}: duplicate name (also engines[{names[name]}])")
+        names[name] = i
+        if "url" in e:
+            if "model" in e or "port" in e:
+                problems.append(f"{where}: give either url (attach) or model and port (spawn), not both")
+            u = urlparse(e["url"])
+            if u.scheme not in ("http", "https") or not u.netloc:
+                problems.append(f"{where}.url: must be http://HOST:PORT, got {e['url']!r}")
+        else:
+            if "model" not in e:
+                problems.append(f"{where}: needs model (a directory) and port to spawn, or url to attach")
+            else:
+                model = e["model"]
+                if base_dir and not os.path.isabs(model):
+                    model = os.path.join(base_dir, model)
+                    e["model"] = model
+                if not Path(model).is_dir():
+                    problems.append(f"{where}.model: no such directory: {model}")
+                elif not (Path(model) / "config.json").exists():
+                    problems.append(f"{where}.model: {model} has no config.json; is it a model directory?")
+            port = e.get("port")
+            if port is None:
+                problems.append(f"{where}: needs a port")
+            elif not 1 <= port <= 65535:
+                problems.append(f"{where}.port: must be 1..65535, got {port}")
+            else:
+                key = (e.get("host", "127.0.0.1"), port)
+                if key in ports:
+                    problems.append(f"{where}.port: duplicate port {port} (also used by {ports[key]})")
+                ports[key] = name
+        args = _strs(f"{where}.args", e.get("args", []), problems)
+        for flag in ("--port", "--host", "--model"):
+            if flag in args:
+                problems.append(f"{where}.args: do not pass {flag}; set the engine's own key instead")
+        env = _env(f"{where}.env", e.get("env", {}), problems)
+        out.append(EngineSpec(**{**e, "args": args, "env": env}))
+    return out
+
+
+# --- command-line flags ------------------------------------------------------------------
+
+# flag dest -> (section, key). slime's names where they exist.
+_FLAG_KEYS = {
+    "use_fault_tolerance": ("supervisor", "use_fault_tolerance"),
+    "rollout_health_check_first_wait": ("health_check", "first_wait"),
+    "rollout_health_check_interval": ("health_check", "interval"),
+    "rollout_health_check_timeout": ("health_check", "timeout"),
+    "rollout_health_check_failure_threshold": ("health_check", "failure_threshold"),
+    "rollout_health_check_success_threshold": ("health_check", "success_threshold"),
+    "stop_timeout": ("supervisor", "stop_timeout"),
+    "start_retries": ("restart", "start_retries"),
+    "backoff_initial": ("restart", "backoff_initial"),
+    "backoff_max": ("restart", "backoff_max"),
+    "flapping_window": ("restart", "flapping_window"),
+    "flapping_max_restarts": ("restart", "flapping_max_restarts"),
+    "min_healthy": ("supervisor", "min_healthy"),
+    "restart_immediately": ("supervisor", "restart_immediately"),
+    "runtime_dir": ("supervisor", "runtime_dir"),
+    "log_dir": ("supervisor", "log_dir"),
+    "log_level": ("supervisor", "log_level"),
+}
+
+
+def _apply_overrides(overrides: dict[str, Any]):
+    for dest, value in overrides.items():
+        if value is not None and dest in _FLAG_KEYS:
+            section, key = _FLAG_KEYS[dest]
+            yield section, key, value
+
+
+def add_flags(ap: argparse.ArgumentParser) -> None:
+    d = ProbePolicy()
+    r = RestartPolicy()
+    g = ap.add_argument_group("fault tolerance (override the config file)")
+    g.add_argument("--use-fault-tolerance", action=argparse.BooleanOptionalAction, default=None,
+                   help="probe engines and restart dead ones (default: on)")
+    g.add_argument("--rollout-health-check-first-wait", type=float, metavar="S",
+                   help=f"startup budget of each engine incarnation (default {d.first_wait:g})")
+    g.add_argument("--rollout-health-check-interval", type=float, metavar="S",
+                   help=f"seconds between probes of one engine (default {d.interval:g})")
+    g.add_argument("--rollout-health-check-timeout", type=float, metavar="S",
+                   help=f"timeout of one probe (default {d.timeout:g})")
+    g.add_argument("--rollout-health-check-failure-threshold", type=int, metavar="N",
+                   help=f"consecutive failures that make an engine UNHEALTHY (default {d.failure_threshold})")
+    g.add_argument("--rollout-health-check-success-threshold", type=int, metavar="N",
+                   help=f"consecutive successes that clear SUSPECT (default {d.success_threshold})")
+    g.add_argument("--stop-timeout", type=float, metavar="S", help="SIGTERM to SIGKILL (default 10)")
+    g.add_argument("--start-retries", type=int, metavar="N",
+                   help=f"consecutive failed starts before FATAL (default {r.start_retries})")
+    g.add_argument("--backoff-initial", type=float, metavar="S", help=f"default {r.backoff_initial:g}")
+    g.add_argument("--backoff-max", type=float, metavar="S", help=f"default {r.backoff_max:g}")
+    g.add_argument("--flapping-window", type=float, metavar="S", help=f"default {r.flapping_window:g}")
+    g.add_argument("--flapping-max-restarts", type=int, metavar="N",
+                   help=f"restarts inside the window before FATAL (default {r.flapping_max_restarts})")
+    g.add_argument("--min-healthy", type=int, metavar="N", help="routable engines below which the trainer is told")
+    g.add_argument("--restart-immediately", action=argparse.BooleanOptionalAction, default=None,
+                   help="boot a dead engine during the round (routed only after the gap)")
+    g.add_argument("--runtime-dir", help="holds the control socket (default /run/vime-supervisor)")
+    g.add_argument("--log-dir", help="engine logs, one file per incarnation")
+    g.add_argument("--log-level", help="debug, info, warning, error")
+
+
+def load(path: str, args: argparse.Namespace | None = None) -> Config:
+    raw = load_file(path)
+    overrides = {k: getattr(args, k, None) for k in _FLAG_KEYS} if args else {}
+    return build(raw, overrides, base_dir=os.path.dirname(os.path.abspath(path)))

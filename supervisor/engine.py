@@ -1,0 +1,302 @@
+"""One engine's lifecycle: the I/O around its pure state machine.
+
+A spawned engine's task loops: start (wait for its port, spawn, wait until ready inside
+first_wait), heartbeat until it dies or must be stopped, then wait for the fleet's permission
+to restart (round gaps) or for its backoff to pass. An attached engine is only probed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import structlog
+from tenacity import AsyncRetrying, RetryError, retry_if_result, stop_after_delay, wait_exponential_jitter
+
+from .config import Config, EngineSpec
+from .fsm import EngineFSM, ProbeOutcome
+from .probes import Prober
+from .process import (
+    EngineProcess,
+    classify_failure,
+    describe_returncode,
+    engine_command,
+    engine_env,
+    port_is_free,
+    read_tail,
+)
+from .states import PROCESS_STATES, State
+
+if TYPE_CHECKING:
+    from .fleet import Fleet
+
+S = State
+log = structlog.get_logger("vime.engine")
+
+
+class StartFailed(Exception):
+    def __init__(self, error: str, permanent: bool = True):
+        super().__init__(error)
+        self.error = error
+        self.permanent = permanent
+
+
+def _version(raw: str | None) -> str | None:
+    # vLLM reports "default" until a version is set: that is the base weights.
+    return None if raw in (None, "default") else raw
+
+
+class EngineRunner:
+    def __init__(self, spec: EngineSpec, cfg: Config, fleet: "Fleet", session: aiohttp.ClientSession,
+                 *, phase: float = 0.0, clock=time.monotonic):
+        self.spec = spec
+        self.cfg = cfg
+        self.fleet = fleet
+        self.clock = clock
+        self.phase = phase  # offset inside the interval, to spread probes across the fleet
+        self.fsm = EngineFSM(spec.name, cfg.probe, cfg.restart, clock, on_transition=fleet.on_transition)
+        self.prober = Prober(session, spec.base_url, spec.model_name, cfg.probe.timeout)
+        self.proc: EngineProcess | None = None
+        self.log_path: Path | None = None
+        self.probe_history: deque[tuple[float, ProbeOutcome]] = deque(maxlen=64)
+        self.paused = False  # held paused by us for a weight sync: never probe it then
+        self._wake = asyncio.Event()
+        self._stop_now: asyncio.Event = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc and self.proc.returncode is None else None
+
+    def start(self) -> None:
+        body = self._run_spawned() if self.spec.spawned else self._run_attached()
+        self._task = asyncio.create_task(body, name=f"engine:{self.name}")
+
+    def wake(self) -> None:
+        """Re-evaluate now (a round ended, an operator asked for something)."""
+        self._wake.set()
+
+    async def _sleep_or_wake(self, seconds: float | None) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    # -- spawned engines -------------------------------------------------------------------
+
+    async def _run_spawned(self) -> None:
+        fsm = self.fsm
+        fsm.begin_start("start")
+        while True:
+            if fsm.state is S.STARTING:
+                await self._incarnation()
+            elif fsm.state is S.BACKOFF:
+                await self._sleep_or_wake(max(0.0, (fsm.backoff_until or 0) - self.clock()))
+                if fsm.state is S.BACKOFF and self.clock() >= (fsm.backoff_until or 0):
+                    fsm.begin_start(f"retry after start failure {fsm.failed_starts}")
+            elif fsm.state is S.EXITED:
+                allowed, why_not = self.fleet.may_restart(self)
+                if allowed:
+                    fsm.begin_start(f"restart #{fsm.restarts + 1}: {fsm.reason}")
+                else:
+                    if why_not and why_not not in fsm.reason:
+                        fsm.annotate(f"{fsm.reason}; {why_not}")
+                    await self._sleep_or_wake(None)
+            else:  # STOPPED, FATAL: until an operator acts
+                await self._sleep_or_wake(None)
+
+    async def _incarnation(self) -> None:
+        fsm = self.fsm
+        try:
+            await self._wait_port_free()
+            self.log_path = Path(self.cfg.log_dir) / f"{self.name}.{fsm.incarnation}.log"
+            self.proc = await EngineProcess.spawn(
+                engine_command(self.spec, self.cfg), engine_env(self.spec, self.cfg), self.log_path)
+        except StartFailed as e:
+            fsm.start_failed(e.error)
+            return
+        except OSError as e:
+            fsm.start_failed(f"spawn failed: {e}")
+            return
+        proc = self.proc
+        log.info("engine.spawned", engine=self.name, pid=proc.pid, incarnation=fsm.incarnation,
+                 log=str(self.log_path))
+        exited = asyncio.ensure_future(proc.wait())
+        ready = asyncio.ensure_future(self._wait_ready())
+        done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if ready in done and not exited.done():
+            version = _version(await self.prober.weight_version())
+            fsm.became_ready(version, self.fleet.current_version)
+        else:
+            ready.cancel()
+            if self._stop_reason is not None:  # an operator stopped it while it was starting
+                await proc.stop(self.cfg.stop_timeout)
+                fsm.stopped(self._stop_reason)
+                self._stop_reason = self.proc = None
+                return
+            if exited.done():
+                permanent, summary = classify_failure(read_tail(self.log_path))
+                how = describe_returncode(proc.returncode)
+                await proc.stop(self.cfg.stop_timeout)  # leftover children of the group
+                fsm.start_failed(f"{how} while starting: {summary}")
+            else:
+                fsm.stopping(f"not ready within first_wait ({self.cfg.probe.first_wait:g}s)")
+                how = await proc.stop(self.cfg.stop_timeout)
+                fsm.start_failed(f"not ready within first_wait ({self.cfg.probe.first_wait:g}s); stopped ({how})")
+            self.proc = None
+            return
+        await self._supervise(proc, exited)
+
+    async def _supervise(self, proc: EngineProcess, exited: asyncio.Future) -> None:
+        """Heartbeat until the process exits, the probes condemn it, or a stop is asked for."""
+        fsm = self.fsm
+        self._stop_now.clear()
+        beat = asyncio.ensure_future(self._heartbeat())
+        stop_asked = asyncio.ensure_future(self._stop_now.wait())
+        done, _ = await asyncio.wait({exited, beat, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
+        beat.cancel()
+        stop_asked.cancel()
+        if exited in done:
+            fsm.exited(describe_returncode(proc.returncode))
+            await proc.stop(self.cfg.stop_timeout)  # the EngineCore/Worker it may leave behind
+        else:
+            if fsm.state is not S.STOPPING:
+                fsm.stopping(fsm.reason)
+            how = await proc.stop(self.cfg.stop_timeout)
+            if self._stop_reason is not None:
+                fsm.stopped(self._stop_reason)
+            else:
+                fsm.exited(how)
+        self._stop_reason = None
+        self.proc = None
+
+    _stop_reason: str | None = None
+
+    async def _heartbeat(self) -> None:
+        """Probe every `interval`; after a failure, re-probe one `timeout` after the last start.
+
+        So a hang is confirmed back to back: UNHEALTHY at most interval + timeout x threshold
+        after it began. Returns when the engine must be stopped.
+        """
+        probe = self.cfg.probe
+        await asyncio.sleep(self.phase)
+        if not self.cfg.use_fault_tolerance:
+            await asyncio.Future()  # deaths are still seen by waiting on the process
+        while True:
+            started = self.clock()
+            if self.fsm.probed and not self.paused:
+                outcome = await self.prober.check()
+                self.probe_history.append((started, outcome))
+                self.fleet.on_probe(self, outcome)
+                if self.fsm.probe_result(outcome):
+                    return
+            gap = probe.timeout if self.fsm.consecutive_failures else probe.interval
+            await asyncio.sleep(max(0.0, started + gap - self.clock()))
+
+    async def _wait_port_free(self) -> None:
+        """A previous incarnation (or anything else) may hold the port for a moment: retry."""
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_result(lambda free: not free),
+                stop=stop_after_delay(self.cfg.stop_timeout + 5),
+                wait=wait_exponential_jitter(initial=0.1, max=1.0),
+            ):
+                with attempt:
+                    free = port_is_free(self.spec.host, self.spec.port)
+                if not attempt.retry_state.outcome.failed:
+                    attempt.retry_state.set_result(free)
+        except RetryError:
+            raise StartFailed(f"port {self.spec.port} still in use by another process", permanent=False) from None
+
+    async def _wait_ready(self) -> None:
+        """Ready = /health 200 and one deep probe answered. Connection refused while vLLM
+        boots is transient: retried with jittered backoff until first_wait (the caller's bound).
+        """
+        async for attempt in AsyncRetrying(
+            retry=retry_if_result(lambda ok: not ok),
+            wait=wait_exponential_jitter(initial=0.25, max=2.0),
+        ):
+            with attempt:
+                outcome = await self.prober.health(timeout=self.cfg.probe.timeout)
+                if outcome.ok:
+                    outcome = await self.prober.generate()
+            if not attempt.retry_state.outcome.failed:
+                attempt.retry_state.set_result(outcome.ok)
+
+    # -- operator actions (the control socket) ---------------------------------------------
+
+    async def stop(self, reason: str = "stopped by request") -> None:
+        """Stop and keep stopped (STOPPED), whatever the state."""
+        fsm = self.fsm
+        if fsm.state in (S.STOPPED,):
+            return
+        if self.proc is not None and fsm.state not in (S.EXITED, S.BACKOFF, S.FATAL):
+            self._stop_reason = reason
+            if fsm.state is S.STARTING:
+                # The starting task owns the process; kill it and let the start fail into STOPPED.
+                fsm.stopping(reason)
+                await self.proc.stop(self.cfg.stop_timeout)
+                return
+            self._stop_now.set()
+            while self.fsm.state not in (S.STOPPED, S.EXITED):
+                await asyncio.sleep(0.05)
+            return
+        fsm.stopped(reason)
+
+    async def shutdown(self) -> None:
+        """Daemon exit: end the task, stop the process group if one is left."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        fsm = self.fsm
+        if self.proc is not None:
+            if fsm.state in PROCESS_STATES and fsm.state is not S.STOPPING:
+                fsm.stopping("supervisor shutting down")
+            how = await self.proc.stop(self.cfg.stop_timeout)
+            if fsm.state is S.STOPPING:
+                fsm.stopped(f"supervisor shut down; stopped ({how})")
+            self.proc = None
+
+    # -- attached engines ------------------------------------------------------------------
+
+    async def _run_attached(self) -> None:
+        """Probe an engine we did not start. We cannot stop or restart it; we keep it out of
+        routing while it fails, and take it back once it answers success_threshold probes."""
+        fsm, probe = self.fsm, self.cfg.probe
+        fsm.begin_start(f"attach to {self.spec.base_url}")
+        try:
+            await asyncio.wait_for(self._wait_ready(), probe.first_wait)
+            fsm.became_ready(_version(await self.prober.weight_version()), self.fleet.current_version)
+        except asyncio.TimeoutError:
+            fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)")
+        await asyncio.sleep(self.phase)
+        ok_streak = 0
+        while True:
+            started = self.clock()
+            if fsm.state in (S.UNHEALTHY, S.EXITED):
+                outcome = await self.prober.check()
+                self.probe_history.append((started, outcome))
+                ok_streak = ok_streak + 1 if outcome.ok else 0
+                if ok_streak >= probe.success_threshold:
+                    fsm.recovered(_version(await self.prober.weight_version()), self.fleet.current_version)
+                    ok_streak = 0
+            elif fsm.probed and not self.paused and self.cfg.use_fault_tolerance:
+                outcome = await self.prober.check()
+                self.probe_history.append((started, outcome))
+                self.fleet.on_probe(self, outcome)
+                fsm.probe_result(outcome)
+            gap = probe.timeout if fsm.consecutive_failures else probe.interval
+            await asyncio.sleep(max(0.0, started + gap - self.clock()))

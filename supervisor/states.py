@@ -1,0 +1,47 @@
+"""Engine states: supervisord's process words, plus freshness of weights (STALE, SYNCING)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class State(StrEnum):
+    STOPPED = "STOPPED"  # not started, or stopped on request
+    STARTING = "STARTING"  # spawned, inside its first_wait startup budget
+    STALE = "STALE"  # up and answering, weights behind the current version
+    SYNCING = "SYNCING"  # weights being brought to the current version
+    RUNNING = "RUNNING"  # healthy, current weights
+    SUSPECT = "SUSPECT"  # fewer than failure_threshold consecutive probe failures
+    UNHEALTHY = "UNHEALTHY"  # threshold reached: being stopped now
+    STOPPING = "STOPPING"  # SIGTERM sent to the group, SIGKILL after stop_timeout
+    EXITED = "EXITED"  # died or was stopped as unhealthy: restart pending
+    BACKOFF = "BACKOFF"  # a start failed; waiting before the next attempt
+    FATAL = "FATAL"  # start budget or flapping window exhausted: needs an operator
+
+
+S = State
+
+# Only these may take traffic (and only at the current weight version).
+ROUTABLE = frozenset({S.RUNNING, S.SUSPECT})
+# States in which the heartbeat probes the engine.
+PROBED = frozenset({S.STALE, S.RUNNING, S.SUSPECT})
+# supervisorctl exits 0 only if every listed engine is in one of these.
+RUNNING_STATES = frozenset({S.RUNNING, S.SUSPECT})
+# A process of this incarnation may exist.
+PROCESS_STATES = frozenset({S.STARTING, S.STALE, S.SYNCING, S.RUNNING, S.SUSPECT, S.UNHEALTHY, S.STOPPING})
+
+# Every legal edge. Anything else is a bug in the caller, raised as IllegalTransition.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    S.STOPPED: frozenset({S.STARTING}),
+    S.STARTING: frozenset({S.STALE, S.RUNNING, S.STOPPING, S.BACKOFF, S.FATAL, S.EXITED}),
+    S.STALE: frozenset({S.SYNCING, S.RUNNING, S.UNHEALTHY, S.STOPPING, S.EXITED}),
+    S.SYNCING: frozenset({S.RUNNING, S.STALE, S.UNHEALTHY, S.STOPPING, S.EXITED}),
+    S.RUNNING: frozenset({S.SUSPECT, S.UNHEALTHY, S.STALE, S.SYNCING, S.STOPPING, S.EXITED}),
+    S.SUSPECT: frozenset({S.RUNNING, S.UNHEALTHY, S.STALE, S.SYNCING, S.STOPPING, S.EXITED}),
+    # An attached engine cannot be stopped by us; it may recover by itself.
+    S.UNHEALTHY: frozenset({S.STOPPING, S.EXITED, S.RUNNING, S.STALE}),
+    S.STOPPING: frozenset({S.EXITED, S.STOPPED, S.BACKOFF, S.FATAL}),
+    S.EXITED: frozenset({S.STARTING, S.STOPPED, S.FATAL, S.RUNNING, S.STALE}),
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.FATAL}),
+    S.FATAL: frozenset({S.STARTING, S.STOPPED}),
+}
