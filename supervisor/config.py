@@ -65,6 +65,7 @@ class Config:
     engine_env: dict[str, str] = field(default_factory=dict)  # for every spawned engine
     engine_args: tuple[str, ...] = ()  # for every spawned engine, before its own args
     allowed_uids: tuple[int, ...] = ()  # control socket peers besides our own uid
+    socket_group: str = ""  # group owning the socket (mode 0660), so its members can connect
 
     @property
     def socket_path(self) -> str:
@@ -83,6 +84,7 @@ _SUPERVISOR = {
     "log_level": str,
     "python": str,
     "allowed_uids": list,
+    "socket_group": str,
 }
 _HEALTH = {
     "first_wait": float,
@@ -146,6 +148,12 @@ def _strs(where: str, value: Any, problems: list[str]) -> tuple[str, ...]:
         problems.append(f"{where}: must be a list of strings")
         return ()
     return tuple(value)
+
+
+def _forbidden_flags(where: str, args: tuple[str, ...], problems: list[str]) -> None:
+    for flag in ("--port", "--host", "--model"):
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            problems.append(f"{where}: do not pass {flag}; set the engine's own key instead")
 
 
 def _env(where: str, value: Any, problems: list[str]) -> dict[str, str]:
@@ -212,6 +220,9 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         problems.append("supervisor.allowed_uids: must be a list of non-negative integers")
         uids = []
 
+    engine_env = _env("engine_defaults.env", defaults.get("env", {}), problems)
+    engine_args = _strs("engine_defaults.args", defaults.get("args", []), problems)
+    _forbidden_flags("engine_defaults.args", engine_args, problems)
     engines = _engines(raw.get("engines", []), problems, base_dir)
     min_healthy = sup.get("min_healthy", 1)
     if min_healthy < 0:
@@ -226,8 +237,8 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         probe=probe,
         restart=rpolicy,
         allowed_uids=tuple(uids),
-        engine_env=_env("engine_defaults.env", defaults.get("env", {}), problems),
-        engine_args=_strs("engine_defaults.args", defaults.get("args", []), problems),
+        engine_env=engine_env,
+        engine_args=engine_args,
         **sup,
     )
 
@@ -279,9 +290,7 @@ def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[Engine
                     problems.append(f"{where}.port: duplicate port {port} (also used by {ports[key]})")
                 ports[key] = name
         args = _strs(f"{where}.args", e.get("args", []), problems)
-        for flag in ("--port", "--host", "--model"):
-            if flag in args:
-                problems.append(f"{where}.args: do not pass {flag}; set the engine's own key instead")
+        _forbidden_flags(f"{where}.args", args, problems)
         env = _env(f"{where}.env", e.get("env", {}), problems)
         out.append(EngineSpec(**{**e, "args": args, "env": env}))
     return out

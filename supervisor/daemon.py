@@ -15,6 +15,7 @@ import uvloop
 from . import config as config_mod
 from . import logs
 from .config import Config, ConfigError
+from .control import ControlServer
 from .engine import EngineRunner
 from .fleet import Fleet
 
@@ -49,14 +50,20 @@ class Supervisor:
                 # Spread probes over the interval instead of firing them all at once.
                 runner = EngineRunner(spec, cfg, self.fleet, session, phase=cfg.probe.interval * i / n)
                 self.fleet.runners[spec.name] = runner
-            log.info("supervisor.started", pid=os.getpid(), engines=[s.name for s in cfg.engines],
+            control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
+                                    socket_group=cfg.socket_group or None)
+            await control.start()
+            log.info("supervisor.started", pid=os.getpid(), socket=cfg.socket_path, engines=[s.name for s in cfg.engines],
                      fault_tolerance=cfg.use_fault_tolerance, interval=cfg.probe.interval,
                      timeout=cfg.probe.timeout, failure_threshold=cfg.probe.failure_threshold,
                      first_wait=cfg.probe.first_wait)
             for runner in self.fleet.runners.values():
                 runner.start()
-            await self._stop.wait()
-            await self.shutdown()
+            try:
+                await self._stop.wait()
+                await self.shutdown()
+            finally:
+                await control.stop()
 
     async def shutdown(self) -> None:
         """Stop every engine in parallel, bounded: stop_timeout covers SIGTERM->SIGKILL."""

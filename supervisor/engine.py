@@ -45,9 +45,12 @@ class StartFailed(Exception):
         self.permanent = permanent
 
 
-def _version(raw: str | None) -> str | None:
-    # vLLM reports "default" until a version is set: that is the base weights.
-    return None if raw in (None, "default") else raw
+def _version(raw: str | None) -> int | str | None:
+    """vLLM's weight_version string as ours: "default" (never set) is the base weights (None);
+    we publish integer versions, so digits become an int."""
+    if raw in (None, "default"):
+        return None
+    return int(raw) if raw.isdigit() else raw
 
 
 class EngineRunner:
@@ -64,6 +67,7 @@ class EngineRunner:
         self.log_path: Path | None = None
         self.probe_history: deque[tuple[float, ProbeOutcome]] = deque(maxlen=64)
         self.paused = False  # held paused by us for a weight sync: never probe it then
+        self.retired = False  # never restarted again, never routed
         self._wake = asyncio.Event()
         self._stop_now: asyncio.Event = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -103,7 +107,7 @@ class EngineRunner:
                 await self._sleep_or_wake(max(0.0, (fsm.backoff_until or 0) - self.clock()))
                 if fsm.state is S.BACKOFF and self.clock() >= (fsm.backoff_until or 0):
                     fsm.begin_start(f"retry after start failure {fsm.failed_starts}")
-            elif fsm.state is S.EXITED:
+            elif fsm.state is S.EXITED and not self.retired:
                 allowed, why_not = self.fleet.may_restart(self)
                 if allowed:
                     fsm.begin_start(f"restart #{fsm.restarts + 1}: {fsm.reason}")
@@ -136,7 +140,7 @@ class EngineRunner:
                                      return_when=asyncio.FIRST_COMPLETED)
         if ready in done and not exited.done():
             version = _version(await self.prober.weight_version())
-            fsm.became_ready(version, self.fleet.current_version)
+            fsm.became_ready(version, self.fleet.current_version, hold=self.fleet.hold_reason())
         else:
             ready.cancel()
             if self._stop_reason is not None:  # an operator stopped it while it was starting
@@ -168,7 +172,9 @@ class EngineRunner:
         stop_asked.cancel()
         if exited in done:
             fsm.exited(describe_returncode(proc.returncode))
-            await proc.stop(self.cfg.stop_timeout)  # the EngineCore/Worker it may leave behind
+            # The server is gone: its EngineCore/Worker have nothing left to drain, so a short
+            # grace before SIGKILL keeps the restart quick.
+            await proc.stop(min(1.0, self.cfg.stop_timeout))
         else:
             if fsm.state is not S.STOPPING:
                 fsm.stopping(fsm.reason)
@@ -233,25 +239,58 @@ class EngineRunner:
             if not attempt.retry_state.outcome.failed:
                 attempt.retry_state.set_result(outcome.ok)
 
-    # -- operator actions (the control socket) ---------------------------------------------
+    # -- the control socket's verbs --------------------------------------------------------
 
-    async def stop(self, reason: str = "stopped by request") -> None:
-        """Stop and keep stopped (STOPPED), whatever the state."""
+    def condemn(self) -> None:
+        """Stop the current incarnation now (reported failures crossed the threshold)."""
+        self._stop_now.set()
+
+    def request_start(self, reason: str) -> str:
         fsm = self.fsm
-        if fsm.state in (S.STOPPED,):
-            return
-        if self.proc is not None and fsm.state not in (S.EXITED, S.BACKOFF, S.FATAL):
-            self._stop_reason = reason
-            if fsm.state is S.STARTING:
-                # The starting task owns the process; kill it and let the start fail into STOPPED.
-                fsm.stopping(reason)
-                await self.proc.stop(self.cfg.stop_timeout)
-                return
+        if fsm.state in (S.STOPPED, S.EXITED, S.BACKOFF, S.FATAL):
+            fsm.reset_budget()
+            fsm.begin_start(reason)
+            self.wake()
+            return f"starting (incarnation {fsm.incarnation})"
+        return f"already {fsm.state.value}"
+
+    async def stop(self, reason: str = "stopped by request") -> str:
+        """Stop and keep stopped (STOPPED), whatever the state. Returns what was done."""
+        fsm = self.fsm
+        if fsm.state is S.STOPPED:
+            return "already STOPPED"
+        if self.proc is None or fsm.state in (S.EXITED, S.BACKOFF, S.FATAL):
+            fsm.stopped(reason)
+            self.wake()
+            return "stopped (no process was running)"
+        self._stop_reason = reason
+        if fsm.state is S.STARTING:
+            # The starting task owns the process: kill it, and the start ends in STOPPED.
+            fsm.stopping(reason)
+            await self.proc.stop(self.cfg.stop_timeout)
+        else:
             self._stop_now.set()
-            while self.fsm.state not in (S.STOPPED, S.EXITED):
-                await asyncio.sleep(0.05)
-            return
-        fsm.stopped(reason)
+        while fsm.state is not S.STOPPED:
+            await asyncio.sleep(0.05)
+        return "stopped"
+
+    async def refresh_version(self) -> None:
+        """Read the engine's weight version (vLLM /weight_info) if it is up."""
+        if self.fsm.probed or self.fsm.state is S.SYNCING:
+            raw = await self.prober.weight_version()
+            self.fsm.weight_version = _version(raw)
+
+    def round_ended(self, n: int) -> None:
+        """The gap: a dead engine may restart; one held out of routing may join it."""
+        if self.fsm.state is S.STALE and self.fsm.held:
+            asyncio.ensure_future(self._release(n))
+        self.wake()
+
+    async def _release(self, n: int) -> None:
+        await self.refresh_version()
+        fsm = self.fsm
+        if fsm.state is S.STALE and fsm.held:
+            fsm.release(f"round {n} ended", self.fleet.current_version)
 
     async def shutdown(self) -> None:
         """Daemon exit: end the task, stop the process group if one is left."""
@@ -279,7 +318,8 @@ class EngineRunner:
         fsm.begin_start(f"attach to {self.spec.base_url}")
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait)
-            fsm.became_ready(_version(await self.prober.weight_version()), self.fleet.current_version)
+            fsm.became_ready(_version(await self.prober.weight_version()), self.fleet.current_version,
+                             hold=self.fleet.hold_reason())
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)")
         await asyncio.sleep(self.phase)

@@ -8,7 +8,9 @@ current version), the membership epoch, and the min_healthy floor.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import structlog
@@ -19,6 +21,14 @@ from .states import State
 
 S = State
 log = structlog.get_logger("vime.fleet")
+
+
+class Conflict(Exception):
+    """The request contradicts the daemon's state (a stale round or version): HTTP 409."""
+
+
+class BadRequest(Exception):
+    """The request is wrong in itself (a checkpoint that does not exist): HTTP 400."""
 
 
 class Subscription:
@@ -42,8 +52,15 @@ class Fleet:
         self._routable: frozenset[str] = frozenset()
         self._floor_armed = False  # the floor counts once the fleet first reached it
         self._below_floor = False
+        self.floor_breaches = 0
+        self.detections: dict[tuple[str, str], int] = {}  # (engine, "exit" | "hang") -> count
         self._subscribers: set[Subscription] = set()
         self.started_at = time.time()
+        self.pid = os.getpid()
+
+    @property
+    def below_floor(self) -> bool:
+        return self._below_floor
 
     # -- events ----------------------------------------------------------------------------
 
@@ -65,6 +82,11 @@ class Fleet:
                 self._subscribers.discard(sub)
 
     def on_transition(self, t: Transition) -> None:
+        kind = ("hang" if t.to_state is S.UNHEALTHY
+                else "exit" if t.to_state is S.EXITED and t.from_state is not S.STOPPING else None)
+        if kind:
+            self.detections[(t.engine, kind)] = self.detections.get((t.engine, kind), 0) + 1
+            self.emit("detection", engine=t.engine, kind=kind, reason=t.reason)
         level = log.warning if t.to_state in (S.UNHEALTHY, S.FATAL, S.EXITED) else log.info
         level("engine.transition", engine=t.engine, from_state=t.from_state.value,
               to_state=t.to_state.value, reason=t.reason, incarnation=t.incarnation)
@@ -80,7 +102,8 @@ class Fleet:
 
     def is_routable(self, runner: Any) -> bool:
         fsm = runner.fsm
-        return fsm.routable and (self.current_version is None or fsm.weight_version == self.current_version)
+        return (fsm.routable and not runner.retired
+                and (self.current_version is None or fsm.weight_version == self.current_version))
 
     def routable(self) -> list[Any]:
         return [r for r in self.runners.values() if self.is_routable(r)]
@@ -103,6 +126,7 @@ class Fleet:
                 self.emit("floor_restored", routable=n, min_healthy=floor)
         elif self._floor_armed and not self._below_floor:
             self._below_floor = True
+            self.floor_breaches += 1
             log.error("fleet.below_min_healthy", routable=n, min_healthy=floor,
                       engines={r.name: r.fsm.state.value for r in self.runners.values()})
             self.emit("floor_breach", routable=n, min_healthy=floor)
@@ -120,3 +144,115 @@ class Fleet:
     def wake_all(self) -> None:
         for r in self.runners.values():
             r.wake()
+
+    # -- rounds ----------------------------------------------------------------------------
+
+    def hold_reason(self) -> str | None:
+        """An engine that becomes ready during a round waits for the gap to join routing."""
+        if self.round_open:
+            return f"held out of routing until round {self.round} ends"
+        return None
+
+    def start_round(self, n: int) -> tuple[bool, str]:
+        if self.round_open:
+            if n == self.round:
+                return False, f"round {n} is already open"
+            raise Conflict(f"round {self.round} is still open: end it (POST /v1/rounds/{self.round}/end) "
+                           f"before starting round {n}")
+        if self.round is not None and n <= self.round:
+            raise Conflict(f"round {n} is stale: round {self.round} already ran; start a round greater than {self.round}")
+        self.round, self.round_open = n, True
+        log.info("round.start", round=n, routable=len(self._routable))
+        self.emit("round_start", round=n, epoch=self.epoch)
+        return True, f"round {n} open"
+
+    def end_round(self, n: int) -> tuple[bool, str]:
+        if not self.round_open:
+            if n == self.round:
+                return False, f"round {n} already ended"
+            expected = "no round has started" if self.round is None else f"the last round was {self.round}"
+            raise Conflict(f"round {n} is not open ({expected}); start it first")
+        if n != self.round:
+            raise Conflict(f"round {self.round} is open, not round {n}: end round {self.round}")
+        self.round_open = False
+        log.info("round.end", round=n)
+        self.emit("round_end", round=n, epoch=self.epoch)
+        for r in self.runners.values():
+            r.round_ended(n)
+        return True, f"round {n} ended; restarts and syncs may run until the next round starts"
+
+    # -- weights ---------------------------------------------------------------------------
+
+    async def publish_weights(self, version: int, checkpoint: str | None) -> tuple[bool, str]:
+        """Record version V as current. Engines that do not report V (vLLM /weight_info) go STALE."""
+        if version < 0:
+            raise BadRequest(f"version must be >= 0, got {version}")
+        if checkpoint is not None:
+            checkpoint = validate_checkpoint(checkpoint)
+        cur = self.current_version
+        if cur is not None and version < cur:
+            raise Conflict(f"weight version {version} is stale: the current version is {cur}; versions must increase")
+        if version == cur:
+            if checkpoint is None or checkpoint == self.checkpoint:
+                return False, f"version {version} is already current"
+            raise Conflict(f"version {version} was already published with checkpoint {self.checkpoint}; "
+                           "publish a new version for a new checkpoint")
+        self.current_version, self.checkpoint = version, checkpoint
+        runners = list(self.runners.values())
+        await asyncio.gather(*(r.refresh_version() for r in runners))
+        behind = [r.name for r in runners if r.fsm.routable and r.fsm.weight_version != version]
+        for r in runners:
+            if r.name in behind:
+                r.fsm.version_behind(version)
+        self._membership_changed()
+        log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind)
+        self.emit("weights_published", version=version, checkpoint=checkpoint, stale=behind, epoch=self.epoch)
+        msg = f"version {version} is current"
+        return True, msg + (f"; stale (not routable until synced): {', '.join(behind)}" if behind else "")
+
+    # -- engines ---------------------------------------------------------------------------
+
+    def report_failure(self, runner: Any, detail: str) -> dict[str, Any]:
+        fsm = runner.fsm
+        if not fsm.probed:
+            return {"counted": False, "state": fsm.state.value,
+                    "message": f"{runner.name} is {fsm.state.value}; failures count only while it serves"}
+        self.emit("failure_reported", engine=runner.name, detail=detail)
+        if fsm.report_failure(detail):
+            runner.condemn()
+        return {"counted": True, "state": fsm.state.value, "consecutive_failures": fsm.consecutive_failures,
+                "failure_threshold": self.cfg.probe.failure_threshold}
+
+    async def engine_action(self, runner: Any, action: str) -> str:
+        if not runner.spec.spawned and action != "retire":
+            raise Conflict(f"{runner.name} is attached ({runner.spec.base_url}): the daemon did not start it "
+                           f"and cannot {action} it; only retire it")
+        if runner.retired and action != "retire":
+            raise Conflict(f"{runner.name} is retired; edit the config and restart the daemon to use it again")
+        if action == "stop":
+            return await runner.stop("stopped by request")
+        if action == "start":
+            return runner.request_start("started by request")
+        if action == "restart":
+            await runner.stop("stopped by request (restart)")
+            return runner.request_start("restarted by request")
+        runner.retired = True
+        msg = await runner.stop("retired by request") if runner.spec.spawned else "retired"
+        self._membership_changed()
+        self.emit("retired", engine=runner.name)
+        return msg
+
+
+def validate_checkpoint(path: str) -> str:
+    """A checkpoint directory must exist and hold safetensors and a config.json: vLLM's reload
+    of a bad path fails halfway and leaves the engine poisoned, so it is refused here."""
+    p = Path(path)
+    if not p.is_absolute():
+        raise BadRequest(f"checkpoint must be an absolute path, got {path!r}")
+    if not p.is_dir():
+        raise BadRequest(f"checkpoint {path} does not exist or is not a directory; save the weights there first")
+    if not any(p.glob("*.safetensors")):
+        raise BadRequest(f"checkpoint {path} holds no *.safetensors files; save with safe_serialization=True")
+    if not (p / "config.json").is_file():
+        raise BadRequest(f"checkpoint {path} has no config.json; save the model config beside the weights")
+    return str(p)

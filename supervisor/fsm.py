@@ -60,6 +60,11 @@ class ProbeOutcome:
     latency: float | None = None
 
 
+def vlabel(version: int | str | None) -> str:
+    """How a weight version reads in reasons and status: v118, or base (never published)."""
+    return "base" if version is None else f"v{version}"
+
+
 def backoff_delay(failures: int, policy: RestartPolicy, rng: random.Random) -> float:
     """Exponential backoff with jitter in [d/2, d]: failures=1 -> ~initial, doubling, capped."""
     base = min(policy.backoff_max, policy.backoff_initial * 2 ** max(0, failures - 1))
@@ -88,7 +93,8 @@ class EngineFSM:
     ready_at: float | None = None
     backoff_until: float | None = None
     restarts: int = 0  # total restarts after the first start
-    weight_version: str | None = None
+    weight_version: int | str | None = None
+    held: bool = False  # STALE only because a round is open
     _restart_times: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -144,19 +150,39 @@ class EngineFSM:
         self.consecutive_failures = self.consecutive_successes = 0
         self.last_probe = None
         self.weight_version = None
+        self.held = False
         self._go(S.STARTING, reason)
         return True
 
-    def became_ready(self, weight_version: str | None, current_version: str | None) -> Transition:
-        """First healthy answer inside first_wait. Nothing reaches RUNNING on old weights."""
+    def became_ready(self, weight_version: int | str | None, current_version: int | None,
+                     hold: str | None = None) -> Transition:
+        """First healthy answer inside first_wait. Nothing reaches RUNNING on old weights, and
+        nothing joins routing during a round (`hold` says why it waits): both are STALE."""
         self.ready_at = self.clock()
         self.failed_starts = 0
         self.weight_version = weight_version
-        took = self.ready_at - (self.spawned_at or self.ready_at)
-        if current_version is None or weight_version == current_version:
-            what = "base weights" if current_version is None else f"weights {current_version}, verified"
+        took = self.ready_at - (self.ready_at if self.spawned_at is None else self.spawned_at)
+        current = current_version is None or weight_version == current_version
+        if current and hold is None:
+            what = "base weights" if current_version is None else f"weights {vlabel(current_version)}, verified"
             return self._go(S.RUNNING, f"ready in {took:.1f}s; {what}")
-        return self._go(S.STALE, f"ready in {took:.1f}s; weights {weight_version}, current {current_version}")
+        self.held = hold is not None
+        why = hold if current else f"weights {vlabel(weight_version)}, current {vlabel(current_version)}"
+        return self._go(S.STALE, f"ready in {took:.1f}s; {why}")
+
+    def release(self, why: str, current_version: int | None) -> Transition | None:
+        """A held engine at the current version joins routing (in a round gap)."""
+        self.held = False
+        if current_version is None or self.weight_version == current_version:
+            what = "base weights" if current_version is None else f"weights {vlabel(current_version)}, verified"
+            return self._go(S.RUNNING, f"{why}; {what}")
+        self.reason = f"{why}; weights {vlabel(self.weight_version)}, current {vlabel(current_version)}"
+        return None
+
+    def reset_budget(self) -> None:
+        """An operator's start: a fresh start budget and flapping window (as supervisord)."""
+        self.failed_starts = 0
+        self._restart_times.clear()
 
     def start_failed(self, error: str) -> float | None:
         """A bring-up failed (STARTING, or STOPPING after a failed start).
@@ -205,13 +231,13 @@ class EngineFSM:
         """A request failure seen by the trainer counts like a failed probe."""
         return self.probe_result(ProbeOutcome(False, f"reported: {detail}"))
 
-    def recovered(self, weight_version: str | None, current_version: str | None) -> Transition:
+    def recovered(self, weight_version: int | str | None, current_version: int | None) -> Transition:
         """An attached engine answering again after UNHEALTHY/EXITED."""
         self.consecutive_failures = 0
         self.weight_version = weight_version
         if current_version is None or weight_version == current_version:
             return self._go(S.RUNNING, "recovered: answering probes again")
-        return self._go(S.STALE, f"recovered; weights {weight_version}, current {current_version}")
+        return self._go(S.STALE, f"recovered; weights {vlabel(weight_version)}, current {vlabel(current_version)}")
 
     def stopping(self, reason: str) -> Transition:
         return self._go(S.STOPPING, reason)
@@ -233,12 +259,12 @@ class EngineFSM:
     def sync_started(self, reason: str) -> Transition:
         return self._go(S.SYNCING, reason)
 
-    def sync_finished(self, weight_version: str) -> Transition:
+    def sync_finished(self, weight_version: int | str) -> Transition:
         self.weight_version = weight_version
-        return self._go(S.RUNNING, f"weights {weight_version}, verified")
+        return self._go(S.RUNNING, f"weights {vlabel(weight_version)}, verified")
 
-    def version_behind(self, current_version: str) -> Transition:
-        return self._go(S.STALE, f"weights {self.weight_version}, current {current_version}")
+    def version_behind(self, current_version: int) -> Transition:
+        return self._go(S.STALE, f"weights {vlabel(self.weight_version)}, current {vlabel(current_version)}")
 
     def annotate(self, reason: str) -> None:
         """Refine the reason without a state change (e.g. 'restart after round 412')."""

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.harness import ENGINE_ARGS, ENGINE_ENV, Daemon, child_pids, free_port, live_pids_in_groups, write_config
+from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, child_pids, free_port, live_pids_in_groups, write_config
 
 pytestmark = pytest.mark.engine
 

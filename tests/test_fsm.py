@@ -7,6 +7,7 @@ import random
 import pytest
 
 from supervisor.fsm import (
+    vlabel,
     EngineFSM,
     IllegalTransition,
     ProbeOutcome,
@@ -93,28 +94,28 @@ def test_ready_at_current_version_is_running_verified():
     fsm, clock, seen = make(now=100.0)
     fsm.begin_start("start")
     clock.now = 112.5
-    fsm.became_ready("v3", "v3")
+    fsm.became_ready(3, 3)
     assert fsm.state is S.RUNNING
     assert fsm.reason == "ready in 12.5s; weights v3, verified"
-    assert fsm.weight_version == "v3"
+    assert fsm.weight_version == 3
 
 
-@pytest.mark.parametrize("engine_version", ["v1", None])
+@pytest.mark.parametrize("engine_version", [1, None])
 def test_ready_on_old_weights_is_stale_then_syncs_to_running(engine_version):
     fsm, clock, seen = make(now=100.0)
     fsm.begin_start("start")
     clock.now = 130.0
-    fsm.became_ready(engine_version, "v2")
+    fsm.became_ready(engine_version, 2)
     assert fsm.state is S.STALE
-    assert fsm.reason == f"ready in 30.0s; weights {engine_version}, current v2"
+    assert fsm.reason == f"ready in 30.0s; weights {vlabel(engine_version)}, current v2"
     assert not fsm.routable
     clock.now = 131.0
     fsm.sync_started("syncing to v2")
     assert fsm.state is S.SYNCING and not fsm.routable
     clock.now = 140.0
-    fsm.sync_finished("v2")
+    fsm.sync_finished(2)
     assert fsm.state is S.RUNNING and fsm.routable
-    assert fsm.weight_version == "v2"
+    assert fsm.weight_version == 2
     assert fsm.reason == "weights v2, verified"
     assert [(t.from_state, t.to_state, t.at) for t in seen] == [
         (S.STOPPED, S.STARTING, 100.0),
@@ -127,12 +128,12 @@ def test_ready_on_old_weights_is_stale_then_syncs_to_running(engine_version):
 def test_running_falls_behind_a_new_version_and_a_failed_sync_goes_back_to_stale():
     fsm, clock, seen = make()
     fsm.begin_start("start")
-    fsm.became_ready("v1", "v1")
-    fsm.version_behind("v2")
+    fsm.became_ready(1, 1)
+    fsm.version_behind(2)
     assert fsm.state is S.STALE
     assert fsm.reason == "weights v1, current v2"
     fsm.sync_started("syncing to v2")
-    fsm.version_behind("v2")  # the sync did not land
+    fsm.version_behind(2)  # the sync did not land
     assert fsm.state is S.STALE
     assert edges(seen)[-3:] == [(S.RUNNING, S.STALE), (S.STALE, S.SYNCING), (S.SYNCING, S.STALE)]
 
@@ -219,7 +220,7 @@ def test_failure_threshold_1_goes_straight_to_unhealthy():
 def test_stale_engine_is_probed_and_can_become_unhealthy():
     fsm, clock, seen = make()
     fsm.begin_start("start")
-    fsm.became_ready("v1", "v2")
+    fsm.became_ready(1, 2)
     assert fsm.probe_result(TIMEOUT) is False
     assert fsm.state is S.STALE  # no SUSPECT for an engine that takes no traffic anyway
     assert fsm.reason == "stale; 1/3 probe failures (last: timeout after 5.0s)"
@@ -295,12 +296,12 @@ def test_operator_stop_ends_stopped():
 def test_attached_engine_recovers_from_unhealthy():
     fsm, clock, seen = running(probe=ProbePolicy(failure_threshold=1))
     assert fsm.probe_result(TIMEOUT) is True
-    fsm.recovered("v1", "v1")
+    fsm.recovered(1, 1)
     assert fsm.state is S.RUNNING
     assert fsm.consecutive_failures == 0
     assert fsm.reason == "recovered: answering probes again"
     fsm.exited("not answering")
-    fsm.recovered("v1", "v2")
+    fsm.recovered(1, 2)
     assert fsm.state is S.STALE
     assert fsm.reason == "recovered; weights v1, current v2"
 
@@ -334,7 +335,7 @@ def _to_exited(fsm, clock):
 
 def _to_syncing(fsm, clock):
     fsm.begin_start("start")
-    fsm.became_ready("v1", "v2")
+    fsm.became_ready(1, 2)
     fsm.sync_started("sync")
 
 
@@ -361,7 +362,7 @@ REACH = {
         (S.STARTING, lambda f: f.begin_start("again"), S.STARTING),
         (S.BACKOFF, lambda f: f.became_ready(None, None), S.RUNNING),
         (S.BACKOFF, lambda f: f.stopping("stop"), S.STOPPING),
-        (S.FATAL, lambda f: f.sync_finished("v1"), S.RUNNING),
+        (S.FATAL, lambda f: f.sync_finished(1), S.RUNNING),
         (S.FATAL, lambda f: f.exited("exit status 1"), S.EXITED),
         (S.EXITED, lambda f: f.sync_started("sync"), S.SYNCING),
         (S.STOPPING, lambda f: f.became_ready(None, None), S.RUNNING),
@@ -408,7 +409,7 @@ def test_each_incarnation_is_armed_afresh():
     first_deadline = fsm.spawned_at + fsm.probe.first_wait
     assert first_deadline == 1300.0
     clock.now = 1010.0
-    fsm.became_ready("v1", "v1")
+    fsm.became_ready(1, 1)
     fsm.probe_result(OK)
     fsm.probe_result(TIMEOUT)
     assert fsm.consecutive_failures == 1 and fsm.last_probe == TIMEOUT
@@ -425,7 +426,7 @@ def test_each_incarnation_is_armed_afresh():
     assert fsm.last_probe is None
     assert fsm.backoff_until is None
     clock.now = 1075.0
-    fsm.became_ready("v1", "v1")
+    fsm.became_ready(1, 1)
     assert fsm.reason == "ready in 15.0s; weights v1, verified"
     assert fsm.ready_at == 1075.0
     clock.now = 1080.0
@@ -601,9 +602,11 @@ def test_probe_results_in_unprobed_states_are_ignored(state, outcome):
             fsm.last_probe, len(seen)) == before
 
 
-def test_probed_states_are_exactly_stale_running_suspect():
-    assert {s for s in State if (lambda f: (setattr(f, "state", s), f.probed)[1])(make()[0])} == {
-        S.STALE, S.RUNNING, S.SUSPECT}
+@pytest.mark.parametrize("state", list(State))
+def test_probed_only_when_stale_running_or_suspect(state):
+    fsm, clock, seen = make()
+    fsm.state = state
+    assert fsm.probed is (state in {S.STALE, S.RUNNING, S.SUSPECT})
 
 
 # -- the transition callback ----------------------------------------------------------------

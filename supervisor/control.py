@@ -1,0 +1,253 @@
+"""The control socket: HTTP/JSON over a Unix socket, for the trainer and for supervisorctl.
+
+Every route is under /v1. Errors are JSON `{"error": {"code", "message"}}` with a 4xx that
+says what to do; a rejected request changes nothing. Each connection's peer uid is checked
+with SO_PEERCRED against our own uid and the configured allow-list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import json
+import os
+import socket
+import stat
+import struct
+from typing import Any, Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from .fleet import BadRequest, Conflict, Fleet
+from .process import read_tail
+from .status import fleet_status, routable_view
+
+log = structlog.get_logger("vime.control")
+
+MAX_BODY = 64 * 1024
+API = "/v1"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def peer_uid(request: web.Request) -> int | None:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+class ControlServer:
+    def __init__(self, fleet: Fleet, path: str, *, allowed_uids: tuple[int, ...] = (), socket_group: str | None = None):
+        self.fleet = fleet
+        self.path = path
+        self.allowed = {os.getuid(), *allowed_uids}
+        self.socket_group = socket_group
+        self.app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY)
+        self._runner: web.AppRunner | None = None
+        self._routes()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if os.path.exists(self.path):
+            if not stat.S_ISSOCK(os.stat(self.path).st_mode):
+                raise RuntimeError(f"{self.path} exists and is not a socket; remove it or choose another runtime_dir")
+            os.unlink(self.path)  # a stale socket from a previous daemon
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        old = os.umask(0o117)  # the socket is created 0660, never wider, not even for a moment
+        try:
+            await web.UnixSite(self._runner, self.path).start()
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o660)
+        if self.socket_group:
+            gid = int(self.socket_group) if self.socket_group.isdigit() else grp.getgrnam(self.socket_group).gr_gid
+            os.chown(self.path, -1, gid)
+        log.info("control.listening", socket=self.path, mode="0660", allowed_uids=sorted(self.allowed))
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    # -- middleware: peer check and JSON errors -------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        uid = peer_uid(request)
+        if uid is not None and uid not in self.allowed:
+            log.warning("control.refused", uid=uid, path=request.path)
+            return _error(403, "forbidden", f"uid {uid} may not use this socket; add it to supervisor.allowed_uids")
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return _error(e.status, e.code, e.message)
+        except Conflict as e:
+            return _error(409, "conflict", str(e))
+        except BadRequest as e:
+            return _error(400, "bad_request", str(e))
+        except web.HTTPException as e:  # aiohttp's own: 404 route, 405 method, 413 body
+            if e.status < 400:
+                raise
+            messages = {
+                404: f"no such route: {request.method} {request.path} (routes are under {API}/)",
+                405: f"method {request.method} not allowed on {request.path}",
+                413: f"request body over {MAX_BODY} bytes",
+            }
+            return _error(e.status, e.reason.lower().replace(" ", "_"), messages.get(e.status, e.reason))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away: nothing to answer
+        except Exception as e:  # a bug of ours: answer 500, keep serving
+            log.exception("control.handler_failed", path=request.path)
+            return _error(500, "internal", f"{type(e).__name__}: {e}")
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _body(self, request: web.Request, schema: dict[str, tuple[type, ...]], required: set[str] = frozenset()) -> dict[str, Any]:
+        raw = await request.read()
+        if not raw:
+            data: Any = {}
+        else:
+            try:
+                data = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ApiError(400, "bad_json", f"body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "bad_request", "body must be a JSON object")
+        for key in data:
+            if key not in schema:
+                raise ApiError(400, "bad_request", f"unknown field {key!r}; known: {', '.join(sorted(schema)) or 'none'}")
+        for key in required:
+            if key not in data:
+                raise ApiError(400, "bad_request", f"missing field {key!r}")
+        for key, value in data.items():
+            types = schema[key]
+            if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+                names = " or ".join(t.__name__ for t in types)
+                raise ApiError(400, "bad_request", f"field {key!r} must be {names}, got {type(value).__name__}")
+        return data
+
+    def _engine(self, request: web.Request):
+        name = request.match_info["name"]
+        runner = self.fleet.runners.get(name)
+        if runner is None:
+            known = ", ".join(self.fleet.runners)
+            raise ApiError(404, "unknown_engine", f"no engine named {name!r}; known: {known}")
+        return runner
+
+    @staticmethod
+    def _number(request: web.Request, key: str) -> int:
+        text = request.match_info[key]
+        if not text.isdigit() or len(text) > 18:
+            raise ApiError(400, "bad_request", f"{key} must be a non-negative integer, got {text!r}")
+        return int(text)
+
+    # -- routes ----------------------------------------------------------------------------
+
+    def _routes(self) -> None:
+        r = self.app.router
+        r.add_get(f"{API}/status", self.status)
+        r.add_get(f"{API}/routable", self.routable)
+        r.add_post(f"{API}/rounds/{{n}}/start", self.round_start)
+        r.add_post(f"{API}/rounds/{{n}}/end", self.round_end)
+        r.add_post(f"{API}/weights", self.publish_weights)
+        r.add_post(f"{API}/engines/{{name}}/{{action}}", self.engine_action)
+        r.add_get(f"{API}/engines/{{name}}/log", self.engine_log)
+        r.add_get(f"{API}/events", self.events)
+        r.add_get(f"{API}/metrics", self.metrics)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(fleet_status(self.fleet))
+
+    async def routable(self, request: web.Request) -> web.Response:
+        return web.json_response(routable_view(self.fleet))
+
+    async def round_start(self, request: web.Request) -> web.Response:
+        await self._body(request, {})
+        n = self._number(request, "n")
+        changed, message = self.fleet.start_round(n)
+        return web.json_response({"round": n, "open": True, "changed": changed, "message": message})
+
+    async def round_end(self, request: web.Request) -> web.Response:
+        await self._body(request, {})
+        n = self._number(request, "n")
+        changed, message = self.fleet.end_round(n)
+        return web.json_response({"round": n, "open": False, "changed": changed, "message": message})
+
+    async def publish_weights(self, request: web.Request) -> web.Response:
+        body = await self._body(request, {"version": (int,), "checkpoint": (str, type(None))}, {"version"})
+        changed, message = await self.fleet.publish_weights(body["version"], body.get("checkpoint"))
+        return web.json_response({"weight_version": self.fleet.current_version, "changed": changed,
+                                  "message": message, "epoch": self.fleet.epoch})
+
+    async def engine_action(self, request: web.Request) -> web.Response:
+        runner = self._engine(request)
+        action = request.match_info["action"]
+        if action == "failures":
+            body = await self._body(request, {"detail": (str,)})
+            result = self.fleet.report_failure(runner, body.get("detail") or "request failed")
+            return web.json_response({"engine": runner.name, **result})
+        if action not in ("restart", "stop", "start", "retire"):
+            raise ApiError(404, "unknown_action", f"no action {action!r}; use restart, stop, start, retire or failures")
+        await self._body(request, {})
+        message = await self.fleet.engine_action(runner, action)
+        return web.json_response({"engine": runner.name, "action": action, "state": runner.fsm.state.value,
+                                  "message": message})
+
+    async def engine_log(self, request: web.Request) -> web.Response:
+        runner = self._engine(request)
+        try:
+            nbytes = min(int(request.query.get("bytes", "16384")), 1 << 20)
+        except ValueError:
+            raise ApiError(400, "bad_request", "bytes must be an integer") from None
+        if runner.log_path is None:
+            raise ApiError(409, "no_log", f"{runner.name} has no log yet (attached engines have none)")
+        return web.Response(text=read_tail(runner.log_path, max(0, nbytes)),
+                            headers={"X-Log-Path": str(runner.log_path)})
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """One JSON object per line, until the client goes away. A keepalive line every 10 s
+        lets a reader tell a quiet daemon from a dead connection."""
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        sub = self.fleet.subscribe()
+        try:
+            hello = {"event": "hello", **{k: v for k, v in routable_view(self.fleet).items()},
+                     "round": self.fleet.round, "round_open": self.fleet.round_open}
+            await resp.write(json.dumps(hello).encode() + b"\n")
+            while True:
+                try:
+                    ev = await asyncio.wait_for(sub.queue.get(), 10.0)
+                except asyncio.TimeoutError:
+                    ev = {"event": "keepalive"}
+                await resp.write(json.dumps(ev).encode() + b"\n")
+                if sub.lost:
+                    await resp.write(b'{"event": "overflow", "message": "reader too slow; reconnect"}\n')
+                    break
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self.fleet.unsubscribe(sub)
+        return resp
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from .metrics import render
+
+        return web.Response(body=render(self.fleet), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -1,0 +1,66 @@
+"""What the fleet looks like from outside: the JSON of `status` and `routable`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .fleet import Fleet
+
+
+def engine_status(fleet: Fleet, runner: Any) -> dict[str, Any]:
+    fsm = runner.fsm
+    probe = fsm.last_probe
+    uptime = fsm.uptime()
+    return {
+        "name": runner.name,
+        "state": fsm.state.value,
+        "reason": fsm.reason,
+        "routable": fleet.is_routable(runner),
+        "pid": runner.pid,
+        "url": runner.spec.base_url,
+        "spawned": runner.spec.spawned,
+        "incarnation": fsm.incarnation,
+        "uptime": None if uptime is None or runner.pid is None and runner.spec.spawned else round(uptime, 1),
+        "restarts": fsm.restarts,
+        "failed_starts": fsm.failed_starts,
+        "weight_version": fsm.weight_version,
+        "consecutive_failures": fsm.consecutive_failures,
+        "last_probe": None if probe is None else {
+            "ok": probe.ok, "detail": probe.detail,
+            "latency": None if probe.latency is None else round(probe.latency, 4),
+        },
+        "last_probe_latency": None if probe is None or probe.latency is None else round(probe.latency, 4),
+        "paused": runner.paused,
+        "retired": runner.retired,
+        "state_age": round(fleet.clock() - fsm.since, 1),
+    }
+
+
+def fleet_status(fleet: Fleet) -> dict[str, Any]:
+    engines = [engine_status(fleet, r) for r in fleet.runners.values()]
+    return {
+        "engines": engines,
+        "round": fleet.round,
+        "round_open": fleet.round_open,
+        "weight_version": fleet.current_version,
+        "checkpoint": fleet.checkpoint,
+        "epoch": fleet.epoch,
+        "routable": sum(e["routable"] for e in engines),
+        "min_healthy": fleet.cfg.min_healthy,
+        "below_min_healthy": fleet.below_floor,
+        "fault_tolerance": fleet.cfg.use_fault_tolerance,
+        "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1)},
+    }
+
+
+def routable_view(fleet: Fleet) -> dict[str, Any]:
+    return {
+        "epoch": fleet.epoch,
+        "weight_version": fleet.current_version,
+        "engines": [
+            {"name": r.name, "url": r.spec.base_url, "model": r.spec.model_name,
+             "weight_version": r.fsm.weight_version}
+            for r in fleet.routable()
+        ],
+    }
