@@ -66,6 +66,7 @@ class Config:
     engine_args: tuple[str, ...] = ()  # for every spawned engine, before its own args
     allowed_uids: tuple[int, ...] = ()  # control socket peers besides our own uid
     socket_group: str = ""  # group owning the socket (mode 0660), so its members can connect
+    sync_timeout: float = 300.0  # a push or reload not verified by then poisons the engine
 
     @property
     def socket_path(self) -> str:
@@ -85,6 +86,7 @@ _SUPERVISOR = {
     "python": str,
     "allowed_uids": list,
     "socket_group": str,
+    "sync_timeout": float,
 }
 _HEALTH = {
     "first_wait": float,

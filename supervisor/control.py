@@ -112,8 +112,13 @@ class ControlServer:
                 413: f"request body over {MAX_BODY} bytes",
             }
             return _error(e.status, e.reason.lower().replace(" ", "_"), messages.get(e.status, e.reason))
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise  # the client went away: nothing to answer
+        except asyncio.CancelledError:
+            raise
+        except ConnectionResetError:
+            # The client went away mid-request: nothing to answer. Raising would make aiohttp
+            # print a non-JSON traceback to our log; this response is dropped unsent.
+            log.debug("control.client_gone", path=request.path)
+            return _error(400, "client_gone", "connection lost before the request was read")
         except Exception as e:  # a bug of ours: answer 500, keep serving
             log.exception("control.handler_failed", path=request.path)
             return _error(500, "internal", f"{type(e).__name__}: {e}")
@@ -121,7 +126,10 @@ class ControlServer:
     # -- helpers ---------------------------------------------------------------------------
 
     async def _body(self, request: web.Request, schema: dict[str, tuple[type, ...]], required: set[str] = frozenset()) -> dict[str, Any]:
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.RequestPayloadError as e:  # a body that cannot be decoded (Content-Encoding)
+            raise ApiError(400, "bad_body", f"request body could not be read: {e}".replace("\n", " ")) from None
         if not raw:
             data: Any = {}
         else:
@@ -129,6 +137,8 @@ class ControlServer:
                 data = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as e:
                 raise ApiError(400, "bad_json", f"body is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ApiError(400, "bad_json", "body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise ApiError(400, "bad_request", "body must be a JSON object")
         for key in data:
@@ -155,7 +165,7 @@ class ControlServer:
     @staticmethod
     def _number(request: web.Request, key: str) -> int:
         text = request.match_info[key]
-        if not text.isdigit() or len(text) > 18:
+        if not (text.isascii() and text.isdigit()) or len(text) > 18:  # "²".isdigit(), int() refuses it
             raise ApiError(400, "bad_request", f"{key} must be a non-negative integer, got {text!r}")
         return int(text)
 
@@ -168,6 +178,7 @@ class ControlServer:
         r.add_post(f"{API}/rounds/{{n}}/start", self.round_start)
         r.add_post(f"{API}/rounds/{{n}}/end", self.round_end)
         r.add_post(f"{API}/weights", self.publish_weights)
+        r.add_post(f"{API}/engines/{{name}}/sync/{{phase}}", self.engine_sync)
         r.add_post(f"{API}/engines/{{name}}/{{action}}", self.engine_action)
         r.add_get(f"{API}/engines/{{name}}/log", self.engine_log)
         r.add_get(f"{API}/events", self.events)
@@ -211,6 +222,19 @@ class ControlServer:
         return web.json_response({"engine": runner.name, "action": action, "state": runner.fsm.state.value,
                                   "message": message})
 
+    async def engine_sync(self, request: web.Request) -> web.Response:
+        """The trainer agent's push into one STALE engine: begin, push, end (ok or not)."""
+        runner = self._engine(request)
+        phase = request.match_info["phase"]
+        if phase == "begin":
+            body = await self._body(request, {"version": (int,)}, {"version"})
+            return web.json_response(self.fleet.sync.begin(runner, body["version"]))
+        if phase == "end":
+            body = await self._body(request, {"version": (int,), "ok": (bool,), "error": (str, type(None))},
+                                    {"version", "ok"})
+            return web.json_response(await self.fleet.sync.end(runner, body["version"], body["ok"], body.get("error")))
+        raise ApiError(404, "unknown_action", f"no sync phase {phase!r}; use begin or end")
+
     async def engine_log(self, request: web.Request) -> web.Response:
         runner = self._engine(request)
         try:
@@ -225,9 +249,14 @@ class ControlServer:
     async def events(self, request: web.Request) -> web.StreamResponse:
         """One JSON object per line, until the client goes away. A keepalive line every 10 s
         lets a reader tell a quiet daemon from a dead connection."""
+        role = request.query.get("role", "observer")
+        if role not in ("observer", "agent"):
+            raise ApiError(400, "bad_request", f"role must be observer or agent, got {role!r}")
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         sub = self.fleet.subscribe()
+        if role == "agent":  # it answers sync_request events: the daemon may ask it now
+            self.fleet.sync.agent_connected()
         try:
             hello = {"event": "hello", **{k: v for k, v in routable_view(self.fleet).items()},
                      "round": self.fleet.round, "round_open": self.fleet.round_open}
@@ -245,6 +274,8 @@ class ControlServer:
             pass
         finally:
             self.fleet.unsubscribe(sub)
+            if role == "agent":
+                self.fleet.sync.agent_disconnected()
         return resp
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -32,8 +32,8 @@ class Supervisor:
 
     def request_stop(self, why: str) -> None:
         if not self._stop.is_set():
+            self._stop.set()  # first: a log write can fail (a closed stderr) but must not block the stop
             log.info("supervisor.stop_requested", why=why)
-            self._stop.set()
 
     async def run(self) -> None:
         cfg = self.cfg

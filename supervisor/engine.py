@@ -45,14 +45,6 @@ class StartFailed(Exception):
         self.permanent = permanent
 
 
-def _version(raw: str | None) -> int | str | None:
-    """vLLM's weight_version string as ours: "default" (never set) is the base weights (None);
-    we publish integer versions, so digits become an int."""
-    if raw in (None, "default"):
-        return None
-    return int(raw) if raw.isdigit() else raw
-
-
 class EngineRunner:
     def __init__(self, spec: EngineSpec, cfg: Config, fleet: "Fleet", session: aiohttp.ClientSession,
                  *, phase: float = 0.0, clock=time.monotonic):
@@ -139,7 +131,7 @@ class EngineRunner:
         done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait,
                                      return_when=asyncio.FIRST_COMPLETED)
         if ready in done and not exited.done():
-            version = _version(await self.prober.weight_version())
+            version = await self.prober.weight_version()
             fsm.became_ready(version, self.fleet.current_version, hold=self.fleet.hold_reason())
         else:
             ready.cancel()
@@ -283,8 +275,7 @@ class EngineRunner:
     async def refresh_version(self) -> None:
         """Read the engine's weight version (vLLM /weight_info) if it is up."""
         if self.fsm.probed or self.fsm.state is S.SYNCING:
-            raw = await self.prober.weight_version()
-            self.fsm.weight_version = _version(raw)
+            self.fsm.weight_version = await self.prober.weight_version()
 
     def round_ended(self, n: int) -> None:
         """The gap: a dead engine may restart; one held out of routing may join it."""
@@ -324,7 +315,7 @@ class EngineRunner:
         fsm.begin_start(f"attach to {self.spec.base_url}")
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait)
-            fsm.became_ready(_version(await self.prober.weight_version()), self.fleet.current_version,
+            fsm.became_ready(await self.prober.weight_version(), self.fleet.current_version,
                              hold=self.fleet.hold_reason())
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)")
@@ -337,7 +328,7 @@ class EngineRunner:
                 self.probe_history.append((started, outcome))
                 ok_streak = ok_streak + 1 if outcome.ok else 0
                 if ok_streak >= probe.success_threshold:
-                    fsm.recovered(_version(await self.prober.weight_version()), self.fleet.current_version)
+                    fsm.recovered(await self.prober.weight_version(), self.fleet.current_version)
                     ok_streak = 0
             elif fsm.probed and not self.paused and self.cfg.use_fault_tolerance:
                 outcome = await self.prober.check()

@@ -16,19 +16,12 @@ from typing import Any, Callable
 import structlog
 
 from .config import Config
+from .errors import BadRequest, Conflict
 from .fsm import ProbeOutcome, Transition
 from .states import State
 
 S = State
 log = structlog.get_logger("vime.fleet")
-
-
-class Conflict(Exception):
-    """The request contradicts the daemon's state (a stale round or version): HTTP 409."""
-
-
-class BadRequest(Exception):
-    """The request is wrong in itself (a checkpoint that does not exist): HTTP 400."""
 
 
 class Subscription:
@@ -57,6 +50,9 @@ class Fleet:
         self._subscribers: set[Subscription] = set()
         self.started_at = time.time()
         self.pid = os.getpid()
+        from .sync import SyncCoordinator  # it needs the fleet; the fleet owns it
+
+        self.sync = SyncCoordinator(self, cfg.sync_timeout)
 
     @property
     def below_floor(self) -> bool:
@@ -72,8 +68,8 @@ class Fleet:
     def unsubscribe(self, sub: "Subscription") -> None:
         self._subscribers.discard(sub)
 
-    def emit(self, kind: str, **fields: Any) -> None:
-        event = {"event": kind, "ts": time.time(), **fields}
+    def emit(self, name: str, /, **fields: Any) -> None:
+        event = {"event": name, "ts": time.time(), **fields}
         for sub in list(self._subscribers):
             try:
                 sub.queue.put_nowait(event)
@@ -93,6 +89,9 @@ class Fleet:
         self.emit("transition", engine=t.engine, from_state=t.from_state.value,
                   to_state=t.to_state.value, reason=t.reason, incarnation=t.incarnation)
         self._membership_changed()
+        if t.to_state is S.STALE and t.engine in self.runners:
+            # After the transition has settled: consider() may annotate or start a reload.
+            asyncio.get_running_loop().call_soon(self.sync.consider, self.runners[t.engine])
 
     def on_probe(self, runner: Any, outcome: ProbeOutcome) -> None:
         if not outcome.ok:
@@ -179,6 +178,7 @@ class Fleet:
         self.emit("round_end", round=n, epoch=self.epoch)
         for r in self.runners.values():
             r.round_ended(n)
+        self.sync.kick()
         return True, f"round {n} ended; restarts and syncs may run until the next round starts"
 
     # -- weights ---------------------------------------------------------------------------
@@ -207,6 +207,7 @@ class Fleet:
         self._membership_changed()
         log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind)
         self.emit("weights_published", version=version, checkpoint=checkpoint, stale=behind, epoch=self.epoch)
+        self.sync.kick()
         msg = f"version {version} is current"
         return True, msg + (f"; stale (not routable until synced): {', '.join(behind)}" if behind else "")
 

@@ -1,16 +1,36 @@
-"""Structured logs: one JSON object per line on stderr (journald keeps it as is)."""
+"""Structured logs: one JSON object per line on stderr (journald keeps it as is).
+
+Libraries that use stdlib logging (aiohttp, asyncio) are rendered the same way, so the
+stream stays one JSON object per line even when they report an error.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from datetime import datetime, timezone
 
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "event": record.getMessage(),
+            "logger": record.name,
+            "level": record.levelname.lower(),
+            "timestamp": datetime.fromtimestamp(record.created, timezone.utc).isoformat().replace("+00:00", "Z"),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
 def configure(level: str = "info", stream=None) -> None:
+    stream = stream or sys.stderr
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -20,6 +40,11 @@ def configure(level: str = "info", stream=None) -> None:
             structlog.processors.JSONRenderer(sort_keys=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.WriteLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(_JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(_LEVELS.get(level, logging.INFO), logging.INFO))

@@ -120,14 +120,19 @@ class Prober:
             return live
         return await self.generate()
 
-    async def weight_version(self) -> str | None:
-        """vLLM's /weight_info (dev mode); None if the engine does not serve it."""
+    async def weight_version(self) -> int | str | None:
+        """The engine's weight version from vLLM's /weight_info (dev mode), as ours: None for
+        the base weights ("default", never set) or when the route is not served; our
+        published versions are integers, so digits become an int."""
         try:
             async with self.session.get(
                 f"{self.base_url}/weight_info", timeout=aiohttp.ClientTimeout(total=self.timeout)
             ) as r:
                 if r.status != 200:
                     return None
-                return (await r.json()).get("weight_version")
+                raw = (await r.json()).get("weight_version")
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
             return None
+        if not isinstance(raw, str) or raw == "default":
+            return None
+        return int(raw) if raw.isdigit() else raw
