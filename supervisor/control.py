@@ -26,6 +26,7 @@ from .status import fleet_status, routable_view
 log = structlog.get_logger("vime.control")
 
 MAX_BODY = 64 * 1024
+_CLOSE = object()  # ends an event stream
 API = "/v1"
 
 
@@ -56,6 +57,8 @@ class ControlServer:
         self.socket_group = socket_group
         self.app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY)
         self._runner: web.AppRunner | None = None
+        self._streams: set = set()  # open event streams, ended at stop
+        self._closing = False
         self._routes()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -66,7 +69,8 @@ class ControlServer:
             if not stat.S_ISSOCK(os.stat(self.path).st_mode):
                 raise RuntimeError(f"{self.path} exists and is not a socket; remove it or choose another runtime_dir")
             os.unlink(self.path)  # a stale socket from a previous daemon
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # A short shutdown_timeout: nothing a handler does is worth delaying the daemon's exit.
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
         old = os.umask(0o117)  # the socket is created 0660, never wider, not even for a moment
         try:
@@ -80,6 +84,12 @@ class ControlServer:
         log.info("control.listening", socket=self.path, mode="0660", allowed_uids=sorted(self.allowed))
 
     async def stop(self) -> None:
+        self._closing = True
+        for sub in list(self._streams):  # long-lived streams end now, not at their next event
+            try:
+                sub.queue.put_nowait(_CLOSE)
+            except asyncio.QueueFull:
+                pass
         if self._runner is not None:
             await self._runner.cleanup()
         try:
@@ -247,32 +257,45 @@ class ControlServer:
                             headers={"X-Log-Path": str(runner.log_path)})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
-        """One JSON object per line, until the client goes away. A keepalive line every 10 s
-        lets a reader tell a quiet daemon from a dead connection."""
+        """One JSON object per line, until the client goes away or the daemon stops. A
+        keepalive line every 10 s lets a reader tell a quiet daemon from a dead connection;
+        a client that went away is noticed within a second (an agent must not be asked to
+        sync after it is gone)."""
         role = request.query.get("role", "observer")
         if role not in ("observer", "agent"):
             raise ApiError(400, "bad_request", f"role must be observer or agent, got {role!r}")
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         sub = self.fleet.subscribe()
+        self._streams.add(sub)
         if role == "agent":  # it answers sync_request events: the daemon may ask it now
             self.fleet.sync.agent_connected()
         try:
-            hello = {"event": "hello", **{k: v for k, v in routable_view(self.fleet).items()},
+            hello = {"event": "hello", **routable_view(self.fleet),
                      "round": self.fleet.round, "round_open": self.fleet.round_open}
             await resp.write(json.dumps(hello).encode() + b"\n")
-            while True:
+            quiet = 0.0
+            while not self._closing:
+                if request.transport is None or request.transport.is_closing():
+                    break
                 try:
-                    ev = await asyncio.wait_for(sub.queue.get(), 10.0)
+                    ev = await asyncio.wait_for(sub.queue.get(), 1.0)
                 except asyncio.TimeoutError:
+                    quiet += 1.0
+                    if quiet < 10.0:
+                        continue
                     ev = {"event": "keepalive"}
+                quiet = 0.0
+                if ev is _CLOSE:
+                    break
                 await resp.write(json.dumps(ev).encode() + b"\n")
                 if sub.lost:
                     await resp.write(b'{"event": "overflow", "message": "reader too slow; reconnect"}\n')
                     break
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
             pass
         finally:
+            self._streams.discard(sub)
             self.fleet.unsubscribe(sub)
             if role == "agent":
                 self.fleet.sync.agent_disconnected()

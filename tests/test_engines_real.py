@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from trainer.client import SupervisorClient
 from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, child_pids, free_port, live_pids_in_groups, write_config
 
 pytestmark = pytest.mark.engine
@@ -46,6 +47,7 @@ def fleet(tiny_model, tmp_path_factory):
     )
     d = Daemon(cfg)
     d.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    d.socket = str(root / "run" / "supervisor.sock")  # type: ignore[attr-defined]
     yield d
     d.kill()
     leftovers = live_pids_in_groups(set(d.spawned_pids()))
@@ -120,6 +122,61 @@ def test_sigstopped_engine_core_is_detected_stopped_and_restarted(fleet):
     assert live_pids_in_groups({server}) == []  # the stopped group, SIGCONT'ed and killed
     running = fleet.transition("good", "RUNNING", BOOT, after=mark)
     assert running["incarnation"] == unhealthy["incarnation"] + 1
+    assert complete(fleet.url)["choices"]
+
+
+def test_dead_engine_waits_for_the_round_gap(fleet):
+    """Round N open -> kill -> EXITED, not routable, not restarted, epoch changed -> round N
+    ends -> restarted -> routable again."""
+    fleet.transition("good", "RUNNING", BOOT)
+    client = SupervisorClient(fleet.socket)
+    before = client.routable_engines()
+    assert [e["name"] for e in before["engines"]] == ["good"]
+    client.start_round(7)
+    mark = fleet.mark()
+    os.kill(fleet.last_pid("good"), signal.SIGKILL)
+    fleet.transition("good", "EXITED", 10, after=mark)
+    time.sleep(3 * INTERVAL)  # time enough for a restart, were one allowed
+    status = {e["name"]: e for e in client.status()["engines"]}
+    assert status["good"]["state"] == "EXITED"
+    assert status["good"]["reason"].endswith("restart after round 7")
+    during = client.routable_engines()
+    assert during["engines"] == [] and during["epoch"] != before["epoch"]
+    assert not any(e.get("engine") == "good" and e.get("to_state") == "STARTING" for e in fleet.events[mark:])
+    client.end_round(7)
+    fleet.transition("good", "STARTING", 10, after=mark)
+    fleet.transition("good", "RUNNING", BOOT, after=mark)
+    after = client.routable_engines()
+    assert [e["name"] for e in after["engines"]] == ["good"] and after["epoch"] > during["epoch"]
+    assert complete(fleet.url)["choices"]
+
+
+def test_reported_failures_count_toward_the_threshold(fleet):
+    fleet.transition("good", "RUNNING", BOOT)
+    client = SupervisorClient(fleet.socket)
+    mark = fleet.mark()
+    first = client.report_failure("good", "rollout request timed out")
+    assert first["counted"] and first["consecutive_failures"] == 1 and first["state"] == "SUSPECT"
+    client.report_failure("good", "rollout request timed out")
+    sick = fleet.transition("good", "UNHEALTHY", 10, after=mark)
+    assert "reported: rollout request timed out" in sick["reason"]
+    fleet.transition("good", "EXITED", 30, after=mark)
+    fleet.transition("good", "RUNNING", BOOT, after=mark)
+
+
+def test_operator_stop_and_start(fleet):
+    fleet.transition("good", "RUNNING", BOOT)
+    client = SupervisorClient(fleet.socket)
+    pid = fleet.last_pid("good")
+    mark = fleet.mark()
+    client.stop("good")
+    stopped = fleet.transition("good", "STOPPED", 30, after=mark)
+    assert stopped["reason"] == "stopped by request"
+    assert live_pids_in_groups({pid}) == []
+    time.sleep(2 * INTERVAL)
+    assert client.status()["engines"][0]["state"] == "STOPPED"  # stays down: no restart
+    client.start("good")
+    fleet.transition("good", "RUNNING", BOOT, after=mark)
     assert complete(fleet.url)["choices"]
 
 

@@ -1,0 +1,107 @@
+"""The trainer's sync agent: it answers the daemon's `sync_request` events.
+
+A restarted engine comes back on the base weights. The daemon keeps it STALE (never routed)
+and, in the round gap, asks for a sync on its event stream. The tensors live in the trainer,
+so this agent, a thread in the trainer process, pushes the current version into that engine
+alone (weight_sync.WeightSender, over its own small process group; the surviving engines'
+groups are not touched), then tells the daemon, which verifies `/weight_info` and a deep
+probe before the engine is RUNNING again.
+
+    agent = SyncAgent(client, lambda: (trainer.version, trainer.model.named_parameters()))
+    agent.start()
+    ...
+    agent.stop()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from trainer.client import SupervisorClient, SupervisorError
+
+# () -> (version, named tensors). Called per sync: it must return the version the trainer
+# has published and the tensors of exactly that version.
+WeightsProvider = Callable[[], tuple[int, Iterable[tuple[str, torch.Tensor]]]]
+
+
+@dataclass
+class SyncRecord:
+    engine: str
+    version: int
+    ok: bool
+    seconds: float
+    error: str | None = None
+    reply: dict[str, Any] = field(default_factory=dict)
+
+
+class SyncAgent:
+    def __init__(self, client: SupervisorClient, weights: WeightsProvider, *, backend: str = "gloo",
+                 lock: threading.Lock | None = None, on_sync: Callable[[SyncRecord], None] | None = None):
+        self.client = client
+        self.weights = weights
+        self.backend = backend
+        # Held during a push: the trainer takes it around its optimizer step so a push never
+        # reads tensors that are being updated.
+        self.lock = lock or threading.Lock()
+        self.on_sync = on_sync
+        self.history: list[SyncRecord] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+
+    def start(self, wait: float = 10.0) -> "SyncAgent":
+        self._thread = threading.Thread(target=self._run, name="vime-sync-agent", daemon=True)
+        self._thread.start()
+        self._ready.wait(wait)  # connected and registered as an agent
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.client.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for ev in self.client.events(role="agent"):
+                    if self._stop.is_set():
+                        return
+                    if ev.get("event") == "hello":
+                        self._ready.set()
+                    elif ev.get("event") == "sync_request":
+                        self.handle(ev)
+            except SupervisorError:
+                if self._stop.is_set():
+                    return
+                time.sleep(1.0)  # the daemon is restarting; events() gave up its retries
+
+    def handle(self, request: dict[str, Any]) -> SyncRecord | None:
+        """Push the current version into the one engine the daemon asked about."""
+        from weight_sync.sender import WeightSender
+
+        engine, url, wanted = request["engine"], request["url"], request["version"]
+        with self.lock:
+            version, tensors = self.weights()
+            if version != wanted:
+                return None  # a newer version was published since: the daemon asks again
+            try:
+                self.client.sync_begin(engine, version)
+            except SupervisorError:
+                return None  # someone else took it, or it is no longer STALE
+            t0 = time.monotonic()
+            error = None
+            try:
+                with WeightSender(url, backend=self.backend) as sender:
+                    sender.push(tensors, version)
+            except Exception as e:  # reported to the daemon, which restarts the engine
+                error = f"{type(e).__name__}: {e}"
+        reply = self.client.sync_end(engine, version, ok=error is None, error=error)
+        record = SyncRecord(engine, version, error is None, time.monotonic() - t0, error, reply)
+        self.history.append(record)
+        if self.on_sync is not None:
+            self.on_sync(record)
+        return record
