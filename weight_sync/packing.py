@@ -1,0 +1,217 @@
+"""Wire layout shared by the sender (trainer) and the gloo engine (vLLM worker). Pure torch.
+
+A push carries NCCL-style update_info: ``names``, ``dtype_names``, ``shapes`` (one entry per
+tensor, in send order). Without ``buckets`` every tensor is one broadcast, exactly like vLLM's
+unpacked NCCL path. With ``buckets`` (a list of tensor counts that sums to ``len(names)``) each
+bucket is ONE broadcast of a flat uint8 buffer in which tensor i starts at an offset aligned to
+``bucket_align`` bytes (so that ``view(dtype)`` is legal for every dtype); both sides compute the
+offsets with `bucket_layout`, and ``bucket_nbytes`` lets the receiver check it agrees before
+receiving anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_BUCKET_ALIGN = 16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dt
+
+
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def align_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def bucket_layout(sizes: Sequence[int], align: int = DEFAULT_BUCKET_ALIGN) -> tuple[list[int], int]:
+    """Offsets of tensors of these byte sizes in one bucket, and the bucket's total size."""
+    offsets, pos = [], 0
+    for n in sizes:
+        pos = align_up(pos, align)
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+@dataclass
+class UpdatePlan:
+    """What one push sends: the update_info JSON plus the tensors grouped by bucket."""
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    buckets: list[int] | None = None  # tensor counts per bucket; None: one broadcast per tensor
+    bucket_nbytes: list[int] | None = None
+    bucket_align: int = DEFAULT_BUCKET_ALIGN
+
+    def update_info(self) -> dict:
+        info: dict = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}
+        if self.buckets is not None:
+            info.update(buckets=self.buckets, bucket_nbytes=self.bucket_nbytes,
+                        bucket_align=self.bucket_align)
+        return info
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(nbytes_of(s, dtype_from_name(d)) for s, d in zip(self.shapes, self.dtype_names))
+
+
+DEFAULT_SOLO_BYTES = 1 << 20
+
+
+def plan_update(meta: Sequence[tuple[str, torch.dtype, Sequence[int]]], bucket_bytes: int,
+                align: int = DEFAULT_BUCKET_ALIGN, solo_bytes: int | None = DEFAULT_SOLO_BYTES
+                ) -> UpdatePlan:
+    """Group (name, dtype, shape) entries, in order, into buckets of at most bucket_bytes.
+
+    Only small tensors are worth packing: a tensor of solo_bytes or more (or larger than
+    bucket_bytes) travels alone in its own bucket, which needs no copy (its bytes are broadcast
+    in place). bucket_bytes <= 0 means no buckets at all (one broadcast per tensor, the NCCL
+    engine's unpacked format); solo_bytes=None packs everything that fits.
+    """
+    plan = UpdatePlan(bucket_align=align)
+    for name, dtype, shape in meta:
+        plan.names.append(name)
+        plan.dtype_names.append(dtype_name(dtype))
+        plan.shapes.append([int(x) for x in shape])
+    if bucket_bytes <= 0:
+        return plan
+    solo = bucket_bytes if solo_bytes is None else min(solo_bytes, bucket_bytes)
+    plan.buckets, plan.bucket_nbytes = [], []
+    count, sizes = 0, []
+
+    def flush():
+        nonlocal count, sizes
+        if count:
+            plan.buckets.append(count)
+            plan.bucket_nbytes.append(bucket_layout(sizes, align)[1])
+        count, sizes = 0, []
+
+    for dtype, shape in zip(plan.dtype_names, plan.shapes):
+        n = nbytes_of(shape, dtype_from_name(dtype))
+        if n >= solo:
+            flush()
+            count, sizes = 1, [n]
+            flush()
+            continue
+        if count and bucket_layout(sizes + [n], align)[1] > bucket_bytes:
+            flush()
+        count += 1
+        sizes.append(n)
+    flush()
+    return plan
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU copy of t (no copy when t already is one)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def pack_bucket(tensors: Sequence[torch.Tensor], align: int = DEFAULT_BUCKET_ALIGN) -> torch.Tensor:
+    """One flat uint8 buffer holding these tensors at `bucket_layout` offsets."""
+    flats = [as_bytes(t) for t in tensors]
+    if len(flats) == 1:
+        return flats[0]  # zero copy for a tensor that fills a bucket by itself
+    offsets, total = bucket_layout([f.numel() for f in flats], align)
+    buf = torch.empty(total, dtype=torch.uint8)
+    for off, f in zip(offsets, flats):
+        buf[off:off + f.numel()].copy_(f)
+    return buf
+
+
+def unpack_bucket(buf: torch.Tensor, names: Sequence[str], dtypes: Sequence[torch.dtype],
+                  shapes: Sequence[Sequence[int]], align: int = DEFAULT_BUCKET_ALIGN
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """Views of buf as the named tensors (they keep buf alive; never reuse buf afterwards)."""
+    sizes = [nbytes_of(s, d) for s, d in zip(shapes, dtypes)]
+    offsets, _ = bucket_layout(sizes, align)
+    return [(name, buf[off:off + n].view(dt).view(list(shape)))
+            for name, dt, shape, off, n in zip(names, dtypes, shapes, offsets, sizes)]
+
+
+def iter_buckets(plan: UpdatePlan, tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Sender side: the flat buffers to broadcast, in order (or the tensors themselves, unbucketed)."""
+    it = iter(tensors)
+    if plan.buckets is None:
+        for _ in plan.names:
+            yield as_bytes(next(it))
+        return
+    for count, expect in zip(plan.buckets, plan.bucket_nbytes or []):
+        group = [next(it) for _ in range(count)]
+        buf = pack_bucket(group, plan.bucket_align)
+        if buf.numel() != expect:
+            raise ValueError(f"packed bucket is {buf.numel()} bytes, planned {expect}")
+        yield buf
+
+
+def receive_update(broadcast, update_info: dict, load_weights) -> int:
+    """Receiver side (the gloo engine, and the benchmark's model-less receiver).
+
+    For each bucket (or tensor, unbucketed) allocate a fresh uint8 buffer and post
+    ``broadcast(buf)`` (an asynchronous receive from rank 0 returning a Work); the next bucket's
+    receive is posted before the current one is loaded, so receiving overlaps
+    ``load_weights([(name, tensor), ...])`` (at most two buffers in flight).
+
+    `broadcast` is a callable rather than the process group so that no frame of a failed receive
+    keeps the group alive: gloo closes its connections only when the group object is destroyed
+    (shutdown()/abort() do not), and the peer notices a failure only then.
+    Fresh buffers: vLLM's layerwise reload keeps references to loaded tensors until a layer is
+    complete, so a buffer is never reused. Returns the bytes received.
+    """
+    names = list(update_info["names"])
+    dtypes = [dtype_from_name(d) for d in update_info["dtype_names"]]
+    shapes = [list(s) for s in update_info["shapes"]]
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names/dtype_names/shapes lengths differ: "
+                         f"{len(names)}/{len(dtypes)}/{len(shapes)}")
+    buckets = update_info.get("buckets")
+    align = int(update_info.get("bucket_align") or DEFAULT_BUCKET_ALIGN)
+    if buckets is None:
+        buckets, align = [1] * len(names), 1
+    if sum(buckets) != len(names):
+        raise ValueError(f"buckets count {sum(buckets)} tensors, update_info names {len(names)}")
+    expect = update_info.get("bucket_nbytes")
+    totals, i = [], 0
+    for b, count in enumerate(buckets):  # check the whole layout before receiving anything
+        sizes = [nbytes_of(s, d) for s, d in zip(shapes[i:i + count], dtypes[i:i + count])]
+        totals.append(bucket_layout(sizes, align)[1])
+        i += count
+        if expect is not None and expect[b] != totals[-1]:
+            raise ValueError(f"bucket {b}: layout gives {totals[-1]} bytes, sender says {expect[b]}")
+    starts = [0]
+    for count in buckets:
+        starts.append(starts[-1] + count)
+
+    def post(b):
+        buf = torch.empty(totals[b], dtype=torch.uint8)
+        return buf, broadcast(buf)
+
+    pending = post(0) if buckets else None
+    for b in range(len(buckets)):
+        buf, work = pending
+        pending = post(b + 1) if b + 1 < len(buckets) else None
+        work.wait()
+        sl = slice(starts[b], starts[b + 1])
+        load_weights(unpack_bucket(buf, names[sl], dtypes[sl], shapes[sl], align))
+        del buf, work
+    return sum(totals)
