@@ -81,6 +81,10 @@ class Prober:
                 latency = time.monotonic() - t0
                 if r.status != 200:
                     text = (await r.text())[:200]
+                    if r.status == 503 and "paused" in text.lower():
+                        # vLLM >= 0.33 answers 503 engine_paused while a trainer pushes weights
+                        # (0.32 queues the request instead): a paused engine is not a hung one.
+                        return ProbeOutcome(True, "paused: generation held by /pause", latency)
                     return ProbeOutcome(False, f"generate {r.status}: {text}", latency)
                 data = await r.json()
                 if not data.get("choices"):
