@@ -60,6 +60,7 @@ class Config:
     restart_immediately: bool = False  # boot a dead engine during the round, route it after
     runtime_dir: str = "/run/vime-supervisor"
     log_dir: str = "/var/log/vime-supervisor"
+    state_dir: str = "/var/lib/vime-supervisor"  # the journal (systemd's StateDirectory=)
     log_level: str = "info"
     python: str = ""  # interpreter for `-m vllm.entrypoints.openai.api_server`; "" = ours
     engine_env: dict[str, str] = field(default_factory=dict)  # for every spawned engine
@@ -82,6 +83,7 @@ _SUPERVISOR = {
     "restart_immediately": bool,
     "runtime_dir": str,
     "log_dir": str,
+    "state_dir": str,
     "log_level": str,
     "python": str,
     "allowed_uids": list,
@@ -318,6 +320,7 @@ _FLAG_KEYS = {
     "restart_immediately": ("supervisor", "restart_immediately"),
     "runtime_dir": ("supervisor", "runtime_dir"),
     "log_dir": ("supervisor", "log_dir"),
+    "state_dir": ("supervisor", "state_dir"),
     "log_level": ("supervisor", "log_level"),
 }
 
@@ -358,6 +361,7 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                    help="boot a dead engine during the round (routed only after the gap)")
     g.add_argument("--runtime-dir", help="holds the control socket (default /run/vime-supervisor)")
     g.add_argument("--log-dir", help="engine logs, one file per incarnation")
+    g.add_argument("--state-dir", help="the journal that lets a restarted daemon lose nothing")
     g.add_argument("--log-level", help="debug, info, warning, error")
 
 

@@ -7,6 +7,8 @@ import asyncio
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import aiohttp
 import structlog
@@ -14,10 +16,15 @@ import uvloop
 
 from . import config as config_mod
 from . import logs
+from . import journal as journal_mod
 from .config import Config, ConfigError
 from .control import ControlServer
 from .engine import EngineRunner
 from .fleet import Fleet
+from .fsm import vlabel
+from .journal import JournalError, JournalWriter
+from .sdnotify import Notifier
+from .states import State
 
 log = structlog.get_logger("vime.supervisor")
 
@@ -28,7 +35,10 @@ class Supervisor:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.fleet = Fleet(cfg)
+        self.notifier = Notifier()
+        self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json")
         self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
 
     def request_stop(self, why: str) -> None:
         if not self._stop.is_set():
@@ -50,6 +60,7 @@ class Supervisor:
                 # Spread probes over the interval instead of firing them all at once.
                 runner = EngineRunner(spec, cfg, self.fleet, session, phase=cfg.probe.interval * i / n)
                 self.fleet.runners[spec.name] = runner
+            self._restore()
             control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None)
             await control.start()
@@ -57,13 +68,80 @@ class Supervisor:
                      fault_tolerance=cfg.use_fault_tolerance, interval=cfg.probe.interval,
                      timeout=cfg.probe.timeout, failure_threshold=cfg.probe.failure_threshold,
                      first_wait=cfg.probe.first_wait)
+            self.journal.start()
+            self._tasks = [asyncio.create_task(self._follow_fleet(), name="follow-fleet"),
+                           asyncio.create_task(self._ready_when_checked(), name="sd-ready")]
+            if self.notifier.watchdog_interval:
+                self._tasks.append(asyncio.create_task(self._watchdog(), name="sd-watchdog"))
             for runner in self.fleet.runners.values():
-                runner.start()
+                if not runner.retired:
+                    runner.start()
             try:
                 await self._stop.wait()
+                self.notifier.stopping()
                 await self.shutdown()
             finally:
+                for t in self._tasks:
+                    t.cancel()
                 await control.stop()
+                await self.journal.close()
+                self.notifier.close()
+
+    def _restore(self) -> None:
+        """Pick up where a previous daemon left off: round, version, engines still running."""
+        path = self.journal.path
+        try:
+            data = journal_mod.load(path)
+        except JournalError as e:
+            bad = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+            os.replace(path, bad)
+            log.error("journal.unusable", error=str(e), moved_to=str(bad), action="clean start")
+            return
+        if data is None:
+            log.info("journal.none", path=str(path), action="clean start")
+            return
+        fleet = self.fleet
+        fleet.round, fleet.round_open = data.get("round"), bool(data.get("round_open"))
+        fleet.current_version, fleet.checkpoint = data.get("weight_version"), data.get("checkpoint")
+        adopted, fresh = [], []
+        for name, entry in data["engines"].items():
+            runner = fleet.runners.get(name)
+            if runner is None:
+                if entry.get("pid"):
+                    log.warning("journal.unknown_engine", engine=name, pid=entry["pid"],
+                                hint="no longer in the config; stop it by hand if it still runs")
+                continue
+            runner.retired = bool(entry.get("retired"))
+            if runner.spec.spawned and entry.get("pid"):
+                (adopted if runner.adopt(entry) else fresh).append(name)
+        log.info("journal.restored", round=fleet.round, round_open=fleet.round_open,
+                 weight_version=fleet.current_version, adopted=adopted, gone=fresh)
+
+    async def _follow_fleet(self) -> None:
+        """Every fleet change: the journal and systemd's STATUS= follow."""
+        while True:
+            sub = self.fleet.subscribe()
+            try:
+                while not sub.lost:
+                    await sub.queue.get()
+                    self.journal.mark()
+                    self.notifier.status(status_line(self.fleet))
+            finally:
+                self.fleet.unsubscribe(sub)
+
+    async def _ready_when_checked(self) -> None:
+        """READY=1 once the socket listens and every engine's first start has concluded."""
+        while any(r.fsm.state in (State.STOPPED, State.STARTING) and not r.retired
+                  for r in self.fleet.runners.values()):
+            await asyncio.sleep(0.2)
+        self.notifier.ready(status_line(self.fleet))
+        log.info("supervisor.ready", status=status_line(self.fleet))
+
+    async def _watchdog(self) -> None:
+        # From the event loop itself: if the loop is wedged, systemd stops hearing from us.
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_interval)
 
     async def shutdown(self) -> None:
         """Stop every engine in parallel, bounded: stop_timeout covers SIGTERM->SIGKILL."""
@@ -74,6 +152,14 @@ class Supervisor:
             if isinstance(res, BaseException):
                 log.error("supervisor.stop_failed", engine=r.name, error=repr(res))
         log.info("supervisor.stopped")
+
+
+def status_line(fleet: Fleet) -> str:
+    """systemd's STATUS=: `7/8 engines RUNNING, round 412, weights v118`."""
+    runners = list(fleet.runners.values())
+    running = sum(r.fsm.state is State.RUNNING for r in runners)
+    rnd = "no round yet" if fleet.round is None else f"round {fleet.round}{'' if fleet.round_open else ' ended'}"
+    return f"{running}/{len(runners)} engines RUNNING, {rnd}, weights {vlabel(fleet.current_version)}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

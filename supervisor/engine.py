@@ -89,9 +89,28 @@ class EngineRunner:
 
     # -- spawned engines -------------------------------------------------------------------
 
+    def adopt(self, entry: dict) -> bool:
+        """Take over this engine's process from a previous daemon's journal, if it is still
+        the same process. Call before start()."""
+        try:
+            proc = EngineProcess.adopt(int(entry["pid"]), int(entry["start_time"]), Path(entry["log_path"]))
+        except (KeyError, TypeError, ValueError):
+            return False
+        if proc is None:
+            return False
+        self._adopted = proc
+        self.fsm.incarnation = max(0, int(entry.get("incarnation", 1)) - 1)
+        self.fsm.restarts = int(entry.get("restarts", 0))
+        return True
+
+    _adopted: EngineProcess | None = None
+
     async def _run_spawned(self) -> None:
         fsm = self.fsm
-        fsm.begin_start("start")
+        if self._adopted is not None:
+            fsm.begin_start(f"re-adopting pid {self._adopted.pid} after a daemon restart")
+        else:
+            fsm.begin_start("start")
         while True:
             if fsm.state is S.STARTING:
                 await self._incarnation()
@@ -112,20 +131,25 @@ class EngineRunner:
 
     async def _incarnation(self) -> None:
         fsm = self.fsm
-        try:
-            await self._wait_port_free()
-            self.log_path = Path(self.cfg.log_dir) / f"{self.name}.{fsm.incarnation}.log"
-            self.proc = await EngineProcess.spawn(
-                engine_command(self.spec, self.cfg), engine_env(self.spec, self.cfg), self.log_path)
-        except StartFailed as e:
-            fsm.start_failed(e.error)
-            return
-        except OSError as e:
-            fsm.start_failed(f"spawn failed: {e}")
-            return
+        if self._adopted is not None:
+            self.proc, self._adopted = self._adopted, None
+            self.log_path = self.proc.log_path
+            log.info("engine.adopted", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation)
+        else:
+            try:
+                await self._wait_port_free()
+                self.log_path = Path(self.cfg.log_dir) / f"{self.name}.{fsm.incarnation}.log"
+                self.proc = await EngineProcess.spawn(
+                    engine_command(self.spec, self.cfg), engine_env(self.spec, self.cfg), self.log_path)
+            except StartFailed as e:
+                fsm.start_failed(e.error)
+                return
+            except OSError as e:
+                fsm.start_failed(f"spawn failed: {e}")
+                return
+            log.info("engine.spawned", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation,
+                     log=str(self.log_path))
         proc = self.proc
-        log.info("engine.spawned", engine=self.name, pid=proc.pid, incarnation=fsm.incarnation,
-                 log=str(self.log_path))
         exited = asyncio.ensure_future(proc.wait())
         ready = asyncio.ensure_future(self._wait_ready())
         done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait,
@@ -142,7 +166,7 @@ class EngineRunner:
                 return
             if exited.done():
                 permanent, summary = classify_failure(read_tail(self.log_path))
-                how = describe_returncode(proc.returncode)
+                how = describe_returncode(proc.returncode, proc.adopted)
                 await proc.stop(self.cfg.stop_timeout)  # leftover children of the group
                 fsm.start_failed(f"{how} while starting: {summary}")
             else:
@@ -163,7 +187,7 @@ class EngineRunner:
         beat.cancel()
         stop_asked.cancel()
         if exited in done:
-            fsm.exited(describe_returncode(proc.returncode))
+            fsm.exited(describe_returncode(proc.returncode, proc.adopted))
             # The server is gone: its EngineCore/Worker have nothing left to drain, so a short
             # grace before SIGKILL keeps the restart quick.
             await proc.stop(min(1.0, self.cfg.stop_timeout))

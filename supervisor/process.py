@@ -14,7 +14,6 @@ import re
 import signal
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, EngineSpec
@@ -52,7 +51,11 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def describe_returncode(rc: int) -> str:
+def describe_returncode(rc: int | None, adopted: bool = False) -> str:
+    if adopted:
+        return "exited (adopted from a previous daemon: status unknown)"
+    if rc is None:
+        return "running"
     if rc < 0:
         try:
             return f"killed by {signal.Signals(-rc).name}"
@@ -118,20 +121,38 @@ def live_group_members(pgid: int) -> list[int]:
     return members
 
 
-@dataclass
-class EngineProcess:
-    """One incarnation of a spawned engine."""
+def process_start_time(pid: int) -> int | None:
+    """Start time of pid in clock ticks since boot (/proc/PID/stat field 22): with the pid it
+    names one process for good, so a recycled pid is never taken for our engine."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return int(fields[19]) if len(fields) > 19 and fields[0] != "Z" else None
 
-    proc: asyncio.subprocess.Process
-    log_path: Path
+
+class EngineProcess:
+    """One incarnation of an engine: spawned by us, or adopted from a previous daemon."""
+
+    def __init__(self, pid: int, log_path: Path, proc: asyncio.subprocess.Process | None = None):
+        self.pid = pid
+        self.log_path = log_path
+        self.proc = proc
+        self.start_time = process_start_time(pid)
+        self._exited: asyncio.Future | None = None  # adopted: resolved when its pidfd is readable
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def adopted(self) -> bool:
+        return self.proc is None
 
     @property
     def returncode(self) -> int | None:
-        return self.proc.returncode
+        """None while running. An adopted engine is not our child: its status is unknown (-1)."""
+        if self.proc is not None:
+            return self.proc.returncode
+        return -1 if self._exited is not None and self._exited.done() else None
 
     @classmethod
     async def spawn(cls, cmd: list[str], env: dict[str, str], log_path: Path) -> "EngineProcess":
@@ -141,11 +162,38 @@ class EngineProcess:
                 *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
                 start_new_session=True,  # its own session and process group: pgid == pid
             )
-        return cls(proc, log_path)
+        return cls(proc.pid, log_path, proc)
+
+    @classmethod
+    def adopt(cls, pid: int, start_time: int, log_path: Path) -> "EngineProcess | None":
+        """Take over an engine a previous daemon spawned, if pid is still that very process
+        (same start time) and still leads its own group. Its exit is seen through a pidfd."""
+        if process_start_time(pid) != start_time:
+            return None
+        try:
+            if os.getpgid(pid) != pid:
+                return None
+            fd = os.pidfd_open(pid)
+        except (ProcessLookupError, OSError):
+            return None
+        self = cls(pid, log_path)
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+
+        def readable() -> None:
+            loop.remove_reader(fd)
+            os.close(fd)
+            if not self._exited.done():
+                self._exited.set_result(-1)
+
+        loop.add_reader(fd, readable)
+        return self
 
     async def wait(self) -> int:
-        """Returns when the server process exits (the event loop's child watcher, no polling)."""
-        return await self.proc.wait()
+        """Returns when the server process exits (the child watcher or a pidfd, no polling)."""
+        if self.proc is not None:
+            return await self.proc.wait()
+        return await asyncio.shield(self._exited)
 
     def _signal_group(self, sig: int) -> bool:
         try:
@@ -156,9 +204,6 @@ class EngineProcess:
 
     def group_alive(self) -> bool:
         return bool(live_group_members(self.pid))
-
-    def kill_group(self) -> None:
-        self._signal_group(signal.SIGKILL)
 
     async def stop(self, timeout: float) -> str:
         """SIGCONT, SIGTERM to the group, SIGKILL after `timeout`; reap. Returns what it took.
@@ -181,8 +226,8 @@ class EngineProcess:
         return how
 
     async def _group_gone(self) -> None:
-        # The leader is reaped by proc.wait(). Members re-parented to init may linger as
-        # zombies if init does not reap, so "gone" means no live (non-zombie) member.
-        await self.proc.wait()
+        # The leader is reaped by wait(). Members re-parented to init may linger as zombies if
+        # init does not reap, so "gone" means no live (non-zombie) member.
+        await self.wait()
         while self.group_alive():
             await asyncio.sleep(0.05)

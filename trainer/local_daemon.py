@@ -43,6 +43,10 @@ def toml_value(v: Any) -> str:
 
 
 def write_config(path: Path, *, engines: list[dict], **sections: dict) -> Path:
+    """A TOML config from tables. Unless given, the journal goes beside the config file
+    (state_dir = <dir>/state), so local daemons never share one."""
+    sections = dict(sections)
+    sections["supervisor"] = {"state_dir": str(Path(path).parent / "state"), **sections.get("supervisor", {})}
     lines = []
     for name, table in sections.items():
         lines.append(f"[{name}]")

@@ -1,0 +1,64 @@
+"""systemd's notify protocol (sd_notify(3)), in the few lines it takes.
+
+READY=1 once the control socket listens and the first start of every engine has concluded;
+STATUS= on every fleet change; WATCHDOG=1 from the event loop at half of WATCHDOG_USEC;
+STOPPING=1 at shutdown. Nothing at all when NOTIFY_SOCKET is unset (not under systemd).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Mapping
+
+
+class Notifier:
+    def __init__(self, env: Mapping[str, str] | None = None):
+        env = os.environ if env is None else env
+        addr = env.get("NOTIFY_SOCKET", "")
+        self._sock: socket.socket | None = None
+        self._addr: str | bytes = ""
+        if addr.startswith("@"):  # abstract namespace: a leading NUL byte on the wire
+            self._addr = b"\0" + addr[1:].encode()
+        elif addr.startswith("/"):
+            self._addr = addr
+        if self._addr:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        # The watchdog is ours only if WATCHDOG_PID is unset or names this process.
+        usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
+        mine = not pid or pid == str(os.getpid())
+        self.watchdog_interval: float | None = int(usec) / 2e6 if usec.isdigit() and mine and int(usec) > 0 else None
+        self.last_status = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self._sock is not None
+
+    def notify(self, *assignments: str) -> bool:
+        if self._sock is None:
+            return False
+        try:
+            self._sock.sendto("\n".join(assignments).encode(), self._addr)
+            return True
+        except OSError:  # systemd went away or the socket is full: never fatal for us
+            return False
+
+    def ready(self, status: str) -> None:
+        self.last_status = status
+        self.notify("READY=1", f"STATUS={status}")
+
+    def status(self, text: str) -> None:
+        if text != self.last_status:
+            self.last_status = text
+            self.notify(f"STATUS={text}")
+
+    def watchdog(self) -> None:
+        self.notify("WATCHDOG=1")
+
+    def stopping(self) -> None:
+        self.notify("STOPPING=1", "STATUS=stopping engines")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
