@@ -193,6 +193,7 @@ class ControlServer:
         r.add_get(f"{API}/engines/{{name}}/log", self.engine_log)
         r.add_get(f"{API}/events", self.events)
         r.add_get(f"{API}/metrics", self.metrics)
+        r.add_get(f"{API}/incidents", self.incidents)
 
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(fleet_status(self.fleet))
@@ -300,6 +301,11 @@ class ControlServer:
             if role == "agent":
                 self.fleet.sync.agent_disconnected()
         return resp
+
+    async def incidents(self, request: web.Request) -> web.Response:
+        from .postmortem import list_incidents
+
+        return web.json_response({"incidents": list_incidents(self.fleet.cfg.log_dir)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         from .metrics import render

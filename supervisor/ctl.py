@@ -198,6 +198,21 @@ def cmd_tail(client: SupervisorClient, args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+def cmd_incidents(client: SupervisorClient, args: argparse.Namespace) -> int:
+    try:
+        incidents = client.incidents()
+    except (DaemonUnreachable, Forbidden) as e:
+        return _unreachable(e)
+    if args.json:
+        print(json.dumps(incidents, indent=1))
+        return EXIT_OK
+    for inc in incidents:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(inc["time"])) if inc.get("time") else "?"
+        print(f"{when}  {inc['engine']:<20} #{inc['incarnation']:<4} {inc['reason']}")
+        print(f"{'':21}{inc['folder']} ({', '.join(inc['captured']) or 'nothing captured'})")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=PROG,
@@ -226,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--bytes", type=int, default=1600, metavar="BYTES", help="how much of the end (default 1600)")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new output until Ctrl-C")
     p.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    p = sub.add_parser("incidents", help="post-mortems saved before unhealthy engines were stopped")
+    p.add_argument("--json", action="store_true")
     return ap
 
 
@@ -241,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 _err(f"{PROG}: tail -n must be >= 0, got {args.bytes}")
                 return EXIT_USAGE
             return cmd_tail(client, args)
+        if args.command == "incidents":
+            return cmd_incidents(client, args)
         return cmd_action(client, args)
     except KeyboardInterrupt:
         return 130

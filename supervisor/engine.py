@@ -17,6 +17,7 @@ import aiohttp
 import structlog
 from tenacity import AsyncRetrying, RetryError, retry_if_result, stop_after_delay, wait_exponential_jitter
 
+from . import postmortem
 from .config import Config, EngineSpec
 from .fsm import EngineFSM, ProbeOutcome
 from .probes import Prober
@@ -58,11 +59,12 @@ class EngineRunner:
         self.proc: EngineProcess | None = None
         self.log_path: Path | None = None
         self.probe_history: deque[tuple[float, ProbeOutcome]] = deque(maxlen=64)
-        self.paused = False  # held paused by us for a weight sync: never probe it then
         self.retired = False  # never restarted again, never routed
         self._wake = asyncio.Event()
         self._stop_now: asyncio.Event = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stop_reason: str | None = None  # set by an operator's stop: ends in STOPPED
+        self._adopted: EngineProcess | None = None  # from the journal, taken by the first start
 
     @property
     def name(self) -> str:
@@ -75,6 +77,14 @@ class EngineRunner:
     def start(self) -> None:
         body = self._run_spawned() if self.spec.spawned else self._run_attached()
         self._task = asyncio.create_task(body, name=f"engine:{self.name}")
+        self._task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # Supervision of this engine has stopped: say so as loudly as we can.
+            log.error("engine.supervision_failed", engine=self.name, state=self.fsm.state.value,
+                      error=repr(task.exception()))
+            self.fleet.emit("supervision_failed", engine=self.name, error=repr(task.exception()))
 
     def wake(self) -> None:
         """Re-evaluate now (a round ended, an operator asked for something)."""
@@ -103,12 +113,10 @@ class EngineRunner:
         self.fsm.restarts = int(entry.get("restarts", 0))
         return True
 
-    _adopted: EngineProcess | None = None
-
     async def _run_spawned(self) -> None:
         fsm = self.fsm
         if self._adopted is not None:
-            fsm.begin_start(f"re-adopting pid {self._adopted.pid} after a daemon restart")
+            fsm.begin_start(f"re-adopting pid {self._adopted.pid} after a daemon restart", restart=False)
         else:
             fsm.begin_start("start")
         while True:
@@ -131,6 +139,7 @@ class EngineRunner:
 
     async def _incarnation(self) -> None:
         fsm = self.fsm
+        self._stop_reason = None  # a stop that raced the last incarnation's end is spent
         if self._adopted is not None:
             self.proc, self._adopted = self._adopted, None
             self.log_path = self.proc.log_path
@@ -154,28 +163,31 @@ class EngineRunner:
         ready = asyncio.ensure_future(self._wait_ready())
         done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait,
                                      return_when=asyncio.FIRST_COMPLETED)
-        if ready in done and not exited.done():
+        ready.cancel()
+        if ready in done and ready.exception() is None and not exited.done():
             version = await self.prober.weight_version()
-            fsm.became_ready(version, self.fleet.current_version, hold=self.fleet.hold_reason())
-        else:
-            ready.cancel()
-            if self._stop_reason is not None:  # an operator stopped it while it was starting
-                await proc.stop(self.cfg.stop_timeout)
-                fsm.stopped(self._stop_reason)
-                self._stop_reason = self.proc = None
+            # The awaits above leave room for an operator's stop or a death: check again.
+            if fsm.state is S.STARTING and self._stop_reason is None and not exited.done():
+                fsm.became_ready(version, self.fleet.current_version, hold=self.fleet.hold_reason())
+                await self._supervise(proc, exited)
                 return
-            if exited.done():
-                permanent, summary = classify_failure(read_tail(self.log_path))
-                how = describe_returncode(proc.returncode, proc.adopted)
-                await proc.stop(self.cfg.stop_timeout)  # leftover children of the group
-                fsm.start_failed(f"{how} while starting: {summary}")
-            else:
-                fsm.stopping(f"not ready within first_wait ({self.cfg.probe.first_wait:g}s)")
-                how = await proc.stop(self.cfg.stop_timeout)
-                fsm.start_failed(f"not ready within first_wait ({self.cfg.probe.first_wait:g}s); stopped ({how})")
-            self.proc = None
+        if self._stop_reason is not None:  # an operator stopped it while it was starting
+            await proc.stop(self.cfg.stop_timeout)
+            fsm.stopped(self._stop_reason)
+            self._stop_reason = self.proc = None
+            exited.cancel()
             return
-        await self._supervise(proc, exited)
+        if exited.done():
+            _permanent, summary = classify_failure(read_tail(self.log_path))
+            how = describe_returncode(proc.returncode, proc.adopted)
+            await proc.stop(self.cfg.stop_timeout)  # leftover children of the group
+            fsm.start_failed(f"{how} while starting: {summary}")
+        else:
+            fsm.stopping(f"not ready within first_wait ({self.cfg.probe.first_wait:g}s)")
+            how = await proc.stop(self.cfg.stop_timeout)
+            fsm.start_failed(f"not ready within first_wait ({self.cfg.probe.first_wait:g}s); stopped ({how})")
+        exited.cancel()
+        self.proc = None
 
     async def _supervise(self, proc: EngineProcess, exited: asyncio.Future) -> None:
         """Heartbeat until the process exits, the probes condemn it, or a stop is asked for."""
@@ -186,12 +198,17 @@ class EngineRunner:
         done, _ = await asyncio.wait({exited, beat, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
         beat.cancel()
         stop_asked.cancel()
+        if beat in done and beat.exception() is not None:  # a bug of ours, not the engine's
+            log.error("engine.heartbeat_failed", engine=self.name, error=repr(beat.exception()))
         if exited in done:
             fsm.exited(describe_returncode(proc.returncode, proc.adopted))
             # The server is gone: its EngineCore/Worker have nothing left to drain, so a short
             # grace before SIGKILL keeps the restart quick.
             await proc.stop(min(1.0, self.cfg.stop_timeout))
         else:
+            if self._stop_reason is None and fsm.state is not S.STOPPING:
+                # Condemned (hung, poisoned, failures reported): keep the evidence first.
+                await postmortem.capture(self, fsm.reason)
             if fsm.state is not S.STOPPING:
                 fsm.stopping(self._stop_reason or fsm.reason)
             how = await proc.stop(self.cfg.stop_timeout)
@@ -201,8 +218,6 @@ class EngineRunner:
                 fsm.exited(how)
         self._stop_reason = None
         self.proc = None
-
-    _stop_reason: str | None = None
 
     async def _heartbeat(self) -> None:
         """Probe every `interval`; after a failure, re-probe one `timeout` after the last start.
@@ -216,7 +231,7 @@ class EngineRunner:
             await asyncio.Future()  # deaths are still seen by waiting on the process
         while True:
             started = self.clock()
-            if self.fsm.probed and not self.paused:
+            if self.fsm.probed:
                 outcome = await self.prober.check()
                 self.probe_history.append((started, outcome))
                 self.fleet.on_probe(self, outcome)
@@ -290,11 +305,12 @@ class EngineRunner:
             self._stop_now.set()
         # The incarnation's task carries the stop out; it ends in STOPPED (or EXITED if the
         # process died on its own meanwhile, which we then mark stopped too).
-        while fsm.state in PROCESS_STATES:
+        while fsm.state in PROCESS_STATES and not (self._task and self._task.done()):
             await asyncio.sleep(0.05)
-        if fsm.state is not S.STOPPED:
+        if fsm.state is not S.STOPPED and fsm.state not in PROCESS_STATES:
             fsm.stopped(reason)
-        return "stopped"
+        self._stop_reason = None
+        return "stopped" if fsm.state is S.STOPPED else f"not stopped: {fsm.state.value}"
 
     async def refresh_version(self) -> None:
         """Read the engine's weight version (vLLM /weight_info) if it is up."""
@@ -302,16 +318,8 @@ class EngineRunner:
             self.fsm.weight_version = await self.prober.weight_version()
 
     def round_ended(self, n: int) -> None:
-        """The gap: a dead engine may restart; one held out of routing may join it."""
-        if self.fsm.state is S.STALE and self.fsm.held:
-            asyncio.ensure_future(self._release(n))
+        """The gap: a dead engine may restart now (held STALE ones are the sync's to release)."""
         self.wake()
-
-    async def _release(self, n: int) -> None:
-        await self.refresh_version()
-        fsm = self.fsm
-        if fsm.state is S.STALE and fsm.held:
-            fsm.release(f"round {n} ended", self.fleet.current_version)
 
     async def shutdown(self) -> None:
         """Daemon exit: end the task, stop the process group if one is left."""
@@ -354,7 +362,7 @@ class EngineRunner:
                 if ok_streak >= probe.success_threshold:
                     fsm.recovered(await self.prober.weight_version(), self.fleet.current_version)
                     ok_streak = 0
-            elif fsm.probed and not self.paused and self.cfg.use_fault_tolerance:
+            elif fsm.probed and self.cfg.use_fault_tolerance:
                 outcome = await self.prober.check()
                 self.probe_history.append((started, outcome))
                 self.fleet.on_probe(self, outcome)

@@ -161,6 +161,7 @@ class Fleet:
         if self.round is not None and n <= self.round:
             raise Conflict(f"round {n} is stale: round {self.round} already ran; start a round greater than {self.round}")
         self.round, self.round_open = n, True
+        self.sync.round_started()
         log.info("round.start", round=n, routable=len(self._routable))
         self.emit("round_start", round=n, epoch=self.epoch)
         return True, f"round {n} open"
@@ -188,7 +189,8 @@ class Fleet:
         if version < 0:
             raise BadRequest(f"version must be >= 0, got {version}")
         if checkpoint is not None:
-            checkpoint = validate_checkpoint(checkpoint)
+            models = [r.spec.model for r in self.runners.values() if r.spec.spawned]
+            checkpoint = validate_checkpoint(checkpoint, models[0] if models else None)
         cur = self.current_version
         if cur is not None and version < cur:
             raise Conflict(f"weight version {version} is stale: the current version is {cur}; versions must increase")
@@ -244,16 +246,18 @@ class Fleet:
         return msg
 
 
-def validate_checkpoint(path: str) -> str:
-    """A checkpoint directory must exist and hold safetensors and a config.json: vLLM's reload
-    of a bad path fails halfway and leaves the engine poisoned, so it is refused here."""
+def validate_checkpoint(path: str, reference_model: str | None = None) -> str:
+    """Refuse a checkpoint vLLM could not load, before anything uses it: vLLM's reload of a bad
+    path fails halfway and leaves the engine poisoned. `reference_model` (an engine's model
+    directory) must have the same architecture and shapes."""
+    from weight_sync.checkpoint import validate_checkpoint as check
+    from weight_sync.errors import CheckpointError
+
     p = Path(path)
     if not p.is_absolute():
         raise BadRequest(f"checkpoint must be an absolute path, got {path!r}")
-    if not p.is_dir():
-        raise BadRequest(f"checkpoint {path} does not exist or is not a directory; save the weights there first")
-    if not any(p.glob("*.safetensors")):
-        raise BadRequest(f"checkpoint {path} holds no *.safetensors files; save with safe_serialization=True")
-    if not (p / "config.json").is_file():
-        raise BadRequest(f"checkpoint {path} has no config.json; save the model config beside the weights")
+    try:
+        check(p, expect_config=reference_model)
+    except CheckpointError as e:
+        raise BadRequest(f"{e}; publish a directory saved with weight_sync.checkpoint.save_checkpoint") from None
     return str(p)

@@ -126,10 +126,14 @@ class EngineFSM:
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def begin_start(self, reason: str) -> bool:
-        """A new incarnation. Returns False (and goes FATAL) if the flapping window is full."""
+    def begin_start(self, reason: str, *, restart: bool | None = None) -> bool:
+        """A new incarnation. Returns False (and goes FATAL) if the flapping window is full.
+
+        `restart` defaults to "not the first incarnation"; re-adopting a running engine after
+        a daemon restart passes False: the engine itself did not restart.
+        """
         now = self.clock()
-        is_restart = self.incarnation > 0
+        is_restart = self.incarnation > 0 if restart is None else restart
         if is_restart:
             while self._restart_times and now - self._restart_times[0] > self.restart.flapping_window:
                 self._restart_times.popleft()
@@ -259,9 +263,16 @@ class EngineFSM:
     def sync_started(self, reason: str) -> Transition:
         return self._go(S.SYNCING, reason)
 
-    def sync_finished(self, weight_version: int | str) -> Transition:
+    def sync_finished(self, weight_version: int | str, hold: str | None = None) -> Transition:
         self.weight_version = weight_version
+        if hold is not None:  # verified, but a round is open: it joins routing in the gap
+            self.held = True
+            return self._go(S.STALE, f"weights {vlabel(weight_version)}, verified; {hold}")
         return self._go(S.RUNNING, f"weights {vlabel(weight_version)}, verified")
+
+    def condemn(self, reason: str) -> Transition:
+        """Unusable now (a failed sync): UNHEALTHY, never routed; the runner stops it."""
+        return self._go(S.UNHEALTHY, reason)
 
     def version_behind(self, current_version: int) -> Transition:
         return self._go(S.STALE, f"weights {vlabel(self.weight_version)}, current {vlabel(current_version)}")

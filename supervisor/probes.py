@@ -63,6 +63,8 @@ class Prober:
             return ProbeOutcome(False, f"health: connection refused ({e.os_error.strerror if e.os_error else e})")
         except aiohttp.ClientError as e:
             return ProbeOutcome(False, f"health: {type(e).__name__}: {e}")
+        except Exception as e:  # whatever the engine answered, a probe reports, never raises
+            return ProbeOutcome(False, f"health: {type(e).__name__}: {e}")
 
     async def generate(self) -> ProbeOutcome:
         """One greedy token within the probe timeout; a late answer is judged by progress.
@@ -95,6 +97,8 @@ class Prober:
         except aiohttp.ClientConnectorError:
             return ProbeOutcome(False, "generate: connection refused")
         except aiohttp.ClientError as e:
+            return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
+        except Exception as e:  # a malformed answer (not JSON, wrong shape) is a failed probe
             return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
         finally:
             if not before.done():

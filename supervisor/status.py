@@ -31,7 +31,6 @@ def engine_status(fleet: Fleet, runner: Any) -> dict[str, Any]:
             "latency": None if probe.latency is None else round(probe.latency, 4),
         },
         "last_probe_latency": None if probe is None or probe.latency is None else round(probe.latency, 4),
-        "paused": runner.paused,
         "retired": runner.retired,
         "state_age": round(fleet.clock() - fsm.since, 1),
     }

@@ -47,19 +47,27 @@ class SyncCoordinator:
         self.agents = max(0, self.agents - 1)
         self.kick()
 
+    def round_started(self) -> None:
+        self._asked.clear()  # requests refused during the round are asked again in the gap
+
     def kick(self) -> None:
         for runner in list(self.fleet.runners.values()):
             self.consider(runner)
 
     def consider(self, runner: Any) -> None:
-        """Ask for a sync if this engine is STALE on old weights and we are in a gap."""
+        """A STALE engine in a gap: release it if it already holds the current version,
+        otherwise ask the agents for a push, or reload it from the checkpoint."""
         fleet, fsm = self.fleet, runner.fsm
         version = fleet.current_version
-        if fsm.state is not S.STALE or version is None or fsm.weight_version == version:
+        if fsm.state is not S.STALE:
             return
         if fleet.round_open:
-            fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; "
-                         f"sync after round {fleet.round}")
+            if fsm.weight_version != version:
+                fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; "
+                             f"sync after round {fleet.round}")
+            return
+        if version is None or fsm.weight_version == version:
+            fsm.release("in a round gap", version)
             return
         if self.agents:
             if self._asked.get(runner.name) == version:
@@ -71,7 +79,9 @@ class SyncCoordinator:
             fleet.emit("sync_request", engine=runner.name, url=runner.spec.base_url,
                        model=runner.spec.model_name, version=version)
         elif fleet.checkpoint is not None:
-            self._spawn(self._reload(runner, version, fleet.checkpoint))
+            # SYNCING now, synchronously: a second consider() must not start a second reload.
+            fsm.sync_started(f"reloading {vlabel(version)} from checkpoint {fleet.checkpoint}")
+            self._spawn(self._reload(runner, fsm.incarnation, version, fleet.checkpoint))
         else:
             fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; waiting for a "
                          "trainer agent (no checkpoint published to reload from)")
@@ -80,6 +90,11 @@ class SyncCoordinator:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in [*self._tasks, *self._watchdogs.values()]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._watchdogs.values(), return_exceptions=True)
 
     # -- the trainer agent's push ----------------------------------------------------------
 
@@ -91,71 +106,80 @@ class SyncCoordinator:
             raise Conflict(f"{runner.name} is {fsm.state.value}, not STALE: nothing to sync")
         if fleet.round_open:
             raise Conflict(f"round {fleet.round} is open; syncs run in the gap after it")
-        runner.paused = True  # the agent pauses vLLM for the push: never probe it meanwhile
-        fsm.sync_started(f"trainer agent pushing {vlabel(version)}")
+        fsm.sync_started(f"trainer agent pushing {vlabel(version)}")  # SYNCING is never probed
         self._asked.pop(runner.name, None)
-        self._watchdogs[runner.name] = asyncio.ensure_future(self._watchdog(runner, version))
+        old = self._watchdogs.pop(runner.name, None)
+        if old is not None:
+            old.cancel()
+        self._watchdogs[runner.name] = asyncio.ensure_future(self._watchdog(runner, fsm.incarnation, version))
         return {"engine": runner.name, "url": runner.spec.base_url, "version": version}
 
     async def end(self, runner: Any, version: int, ok: bool, error: str | None) -> dict[str, Any]:
         fsm = runner.fsm
-        if fsm.state is not S.SYNCING:
-            raise Conflict(f"{runner.name} is {fsm.state.value}, not SYNCING: call sync/begin first")
         dog = self._watchdogs.pop(runner.name, None)
         if dog is not None:
             dog.cancel()
+        if fsm.state is not S.SYNCING:
+            raise Conflict(f"{runner.name} is {fsm.state.value}, not SYNCING: call sync/begin first")
         if not ok:
             self._poisoned(runner, f"push of {vlabel(version)} failed: {error or 'no detail'}")
         else:
-            await self._verify(runner, version, "pushed by the trainer agent")
+            await self._verify(runner, fsm.incarnation, version, "pushed by the trainer agent")
         return {"engine": runner.name, "state": fsm.state.value, "reason": fsm.reason}
 
-    async def _watchdog(self, runner: Any, version: int) -> None:
+    async def _watchdog(self, runner: Any, incarnation: int, version: int) -> None:
         await asyncio.sleep(self.sync_timeout)
-        if runner.fsm.state is S.SYNCING:
-            self._watchdogs.pop(runner.name, None)
+        self._watchdogs.pop(runner.name, None)
+        if runner.fsm.state is S.SYNCING and runner.fsm.incarnation == incarnation:
             self._poisoned(runner, f"push of {vlabel(version)} not finished within {self.sync_timeout:g}s")
 
     # -- the disk fallback -----------------------------------------------------------------
 
-    async def _reload(self, runner: Any, version: int, checkpoint: str) -> None:
+    async def _reload(self, runner: Any, incarnation: int, version: int, checkpoint: str) -> None:
         from weight_sync.checkpoint import reload_from_checkpoint
 
-        fsm = runner.fsm
-        runner.paused = True
-        fsm.sync_started(f"reloading {vlabel(version)} from checkpoint {checkpoint}")
         try:
             await asyncio.wait_for(
                 asyncio.to_thread(reload_from_checkpoint, runner.spec.base_url, checkpoint, version),
                 self.sync_timeout)
         except Exception as e:  # any failure mid-reload leaves meta tensors behind
-            if fsm.state is S.SYNCING:
+            if runner.fsm.state is S.SYNCING and runner.fsm.incarnation == incarnation:
                 self._poisoned(runner, f"reload of {vlabel(version)} from {checkpoint} failed: {e}")
             return
-        await self._verify(runner, version, f"reloaded from {checkpoint}")
+        await self._verify(runner, incarnation, version, f"reloaded from {checkpoint}")
 
     # -- verification and poison -----------------------------------------------------------
 
-    async def _verify(self, runner: Any, version: int, how: str) -> None:
+    async def _verify(self, runner: Any, incarnation: int, version: int, how: str) -> None:
         fsm = runner.fsm
+
+        def still_ours() -> bool:  # the engine may have died or been stopped meanwhile
+            return fsm.state is S.SYNCING and fsm.incarnation == incarnation
+
         reported = await runner.prober.weight_version()
+        if not still_ours():
+            return
         if reported != version:
             self._poisoned(runner, f"{how}, but /weight_info says {vlabel(reported)}, not {vlabel(version)}")
             return
         probe = await runner.prober.generate()
+        if not still_ours():
+            return
         if not probe.ok:
             self._poisoned(runner, f"{how}, but the deep probe failed: {probe.detail}")
             return
-        runner.paused = False
-        if fsm.state is not S.SYNCING:
-            return  # it died meanwhile; the runner has it
-        fsm.sync_finished(version)
+        fsm.sync_finished(version, hold=self.fleet.hold_reason())
         log.info("sync.verified", engine=runner.name, version=version, how=how)
         self.fleet.emit("sync_verified", engine=runner.name, version=version, how=how)
+        if version != self.fleet.current_version:  # a newer version was published meanwhile
+            if fsm.state is S.RUNNING:
+                fsm.version_behind(self.fleet.current_version)
+            self.consider(runner)
 
     def _poisoned(self, runner: Any, why: str) -> None:
         log.warning("sync.poisoned", engine=runner.name, why=why)
         self.fleet.emit("sync_failed", engine=runner.name, reason=why)
-        runner.paused = False
-        runner.fsm.annotate(f"poisoned: {why}")
-        runner.condemn()  # stopped and restarted: a half-loaded engine is never routed
+        runner.fsm.condemn(f"poisoned: {why}")
+        # A spawned engine is stopped (post-mortem first) and restarted; an attached one stays
+        # UNHEALTHY, probed, never routed, until it answers again on the current version.
+        runner.condemn()

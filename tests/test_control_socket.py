@@ -323,6 +323,8 @@ def test_peer_uid_refused_with_403_and_logged(group_daemons):
     # (its engines may still be on their way to EXITED: compare the fleet's own fields only)
     after = status(d.sock)
     assert (after["round"], after["round_open"], after["weight_version"], after["epoch"]) == (None, False, None, 0)
+    # The daemon's log is read by another thread: wait for the last refusal to arrive.
+    d.wait_for(lambda e: e.get("event") == "control.refused" and e.get("path") == "/v1/nope", 10, after=mark)
     refused = [e for e in d.events[mark:] if e.get("event") == "control.refused"]
     assert len(refused) == 4 and {e["uid"] for e in refused} == {NOBODY}
 

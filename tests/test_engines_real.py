@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -119,6 +122,18 @@ def test_sigstopped_engine_core_is_detected_stopped_and_restarted(fleet):
     assert unhealthy["reason"].startswith(f"hung: {THRESHOLD} consecutive probe failures")
     exited = fleet.transition("good", "EXITED", 30, after=mark)
     assert "hung" in exited["reason"] and "stopped" in exited["reason"]
+    # The post-mortem was saved before the kill.
+    incident = [i for i in SupervisorClient(fleet.socket).incidents() if i["engine"] == "good"][-1]
+    assert incident["reason"].startswith("hung:") and incident["incarnation"] == unhealthy["incarnation"]
+    folder = Path(incident["folder"])
+    info = json.loads((folder / "incident.json").read_text())
+    assert info["probe_history"] and not info["probe_history"][-1]["ok"]
+    assert cores[0] in info["group"]
+    assert "Application startup complete" in (folder / "log_tail.txt").read_text()
+    assert "vllm:num_requests_running" in (folder / "metrics.txt").read_text()  # the API server still answers
+    if shutil.which("py-spy") or Path(sys.executable).with_name("py-spy").exists():
+        assert f"py-spy-{cores[0]}.txt" in incident["captured"]
+        assert (folder / f"py-spy-{cores[0]}.txt").read_text().strip()
     assert live_pids_in_groups({server}) == []  # the stopped group, SIGCONT'ed and killed
     running = fleet.transition("good", "RUNNING", BOOT, after=mark)
     assert running["incarnation"] == unhealthy["incarnation"] + 1

@@ -479,6 +479,10 @@ class SupervisorClient:
         payload, _ = self._call("GET", f"{API}/metrics")
         return payload.decode("utf-8", "replace")
 
+    def incidents(self) -> list[dict[str, Any]]:
+        """Post-mortem folders saved before unhealthy engines were stopped, oldest first."""
+        return self._json("GET", f"{API}/incidents")["incidents"]
+
     def events(self, *, keepalives: bool = False, reconnect: bool = True, role: str = "observer"
                ) -> Iterator[dict[str, Any]]:
         """The daemon's event stream, one dict per event: first {"event": "hello", ...} with the

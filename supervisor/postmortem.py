@@ -1,0 +1,113 @@
+"""Post-mortem before a kill: what a hung engine looked like, saved before it is stopped.
+
+For an engine about to be stopped as unhealthy (or poisoned), one folder per incident under
+`<log_dir>/incidents/`: why (incident.json, with the probe history), the tail of its log, a
+`/metrics` snapshot if it still answers, and a `py-spy dump` of each of its processes when
+py-spy is installed. The whole capture is bounded in time: a wedged engine must not stall
+the daemon, and the stop follows right after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from .process import live_group_members, read_tail
+
+log = structlog.get_logger("vime.postmortem")
+
+
+def incident_dir(log_dir: str) -> Path:
+    return Path(log_dir) / "incidents"
+
+
+async def capture(runner: Any, reason: str, *, budget: float = 10.0) -> Path | None:
+    """Save the incident folder; returns it (None if even creating it failed)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    folder = incident_dir(runner.cfg.log_dir) / f"{stamp}-{runner.name}-{runner.fsm.incarnation}"
+    try:
+        folder.mkdir(parents=True, exist_ok=False)
+    except OSError as e:
+        log.error("postmortem.failed", engine=runner.name, error=str(e))
+        return None
+    t0 = time.monotonic()
+    pids = live_group_members(runner.proc.pid) if runner.proc is not None else []
+    summary = {
+        "engine": runner.name, "incarnation": runner.fsm.incarnation, "reason": reason,
+        "state": runner.fsm.state.value, "time": time.time(), "url": runner.spec.base_url,
+        "pid": runner.pid, "group": pids,
+        "probe_history": [
+            {"at_monotonic": round(at, 3), "ok": o.ok, "detail": o.detail,
+             "latency": None if o.latency is None else round(o.latency, 4)}
+            for at, o in runner.probe_history
+        ],
+        "captured": [],
+    }
+    if runner.log_path is not None:
+        (folder / "log_tail.txt").write_text(read_tail(runner.log_path, 64 * 1024))
+        summary["captured"].append("log_tail.txt")
+    try:
+        await asyncio.wait_for(_slow_parts(runner, folder, pids, summary), budget)
+    except asyncio.TimeoutError:
+        summary["truncated"] = f"capture stopped after its {budget:g}s budget"
+    summary["took"] = round(time.monotonic() - t0, 3)
+    (folder / "incident.json").write_text(json.dumps(summary, indent=1))
+    log.warning("postmortem.saved", engine=runner.name, folder=str(folder), took=summary["took"],
+                captured=summary["captured"])
+    return folder
+
+
+async def _slow_parts(runner: Any, folder: Path, pids: list[int], summary: dict) -> None:
+    try:
+        async with runner.prober.session.get(f"{runner.spec.base_url}/metrics",
+                                             timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+            (folder / "metrics.txt").write_text(await r.text())
+            summary["captured"].append("metrics.txt")
+    except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+        summary["metrics"] = f"no answer: {type(e).__name__}"
+    pyspy = shutil.which("py-spy") or _beside_python("py-spy")
+    if pyspy is None:
+        summary["py_spy"] = "not installed"
+        return
+    for pid in pids:
+        # --nonblocking: read the stacks without pausing the process (it may be SIGSTOPped).
+        proc = await asyncio.create_subprocess_exec(
+            pyspy, "dump", "--nonblocking", "--pid", str(pid),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), 5.0)
+        except asyncio.TimeoutError:
+            proc.kill()
+            out = b"py-spy timed out after 5s\n"
+        (folder / f"py-spy-{pid}.txt").write_bytes(out)
+        summary["captured"].append(f"py-spy-{pid}.txt")
+
+
+def _beside_python(name: str) -> str | None:
+    import sys
+
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def list_incidents(log_dir: str) -> list[dict[str, Any]]:
+    root = incident_dir(log_dir)
+    out = []
+    if not root.is_dir():
+        return out
+    for folder in sorted(root.iterdir()):
+        try:
+            info = json.loads((folder / "incident.json").read_text())
+        except (OSError, ValueError):
+            continue
+        out.append({"folder": str(folder), "engine": info.get("engine"), "incarnation": info.get("incarnation"),
+                    "reason": info.get("reason"), "time": info.get("time"), "captured": info.get("captured", [])})
+    return out
