@@ -33,7 +33,7 @@ def test_daemon_killed_and_restarted_re_adopts_its_engine(tiny_model, tmp_path):
     cfg = write_config(
         tmp_path / "sup.toml",
         supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "stop_timeout": 5.0},
-        health_check={"first_wait": float(BOOT), "interval": 1.0, "timeout": 2.0, "failure_threshold": 2},
+        health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
         engine_defaults={"args": ENGINE_ARGS, "env": ENGINE_ENV},
         engines=[{"name": "e0", "model": str(tiny_model), "served_model_name": "tiny", "port": port}],
     )

@@ -21,7 +21,7 @@ def daemon(tiny_model, tmp_path_factory):
         root / "supervisor.toml",
         supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 5.0,
                     "restart_immediately": True},
-        health_check={"first_wait": float(BOOT), "interval": 1.0, "timeout": 2.0, "failure_threshold": 2},
+        health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
         engine_defaults={"args": ENGINE_ARGS, "env": ENGINE_ENV},
         engines=[{"name": "solo", "model": str(tiny_model), "served_model_name": "tiny", "port": free_port()}],
     )
