@@ -37,6 +37,7 @@ class Supervisor:
         self.fleet = Fleet(cfg)
         self.notifier = Notifier()
         self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json")
+        self.fleet.persist = self.journal.flush
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 

@@ -156,6 +156,7 @@ class EngineRunner:
             except OSError as e:
                 fsm.start_failed(f"spawn failed: {e}")
                 return
+            self.fleet.persist()  # the pid is on disk before anything else can happen
             log.info("engine.spawned", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation,
                      log=str(self.log_path))
         proc = self.proc
@@ -168,7 +169,10 @@ class EngineRunner:
             version = await self.prober.weight_version()
             # The awaits above leave room for an operator's stop or a death: check again.
             if fsm.state is S.STARTING and self._stop_reason is None and not exited.done():
-                fsm.became_ready(version, self.fleet.current_version, hold=self.fleet.hold_reason())
+                # A re-adopted engine was serving in this round before the daemon died: it
+                # goes on serving if its version checks out. A new one waits for the gap.
+                hold = None if proc.adopted else self.fleet.hold_reason()
+                fsm.became_ready(version, self.fleet.current_version, hold=hold)
                 await self._supervise(proc, exited)
                 return
         if self._stop_reason is not None:  # an operator stopped it while it was starting

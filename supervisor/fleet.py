@@ -50,6 +50,9 @@ class Fleet:
         self._subscribers: set[Subscription] = set()
         self.started_at = time.time()
         self.pid = os.getpid()
+        # Called after a change the trainer was told about (round, version, a new pid): the
+        # daemon's journal is written before the answer, so a kill -9 right after loses nothing.
+        self.persist: Callable[[], None] = lambda: None
         from .sync import SyncCoordinator  # it needs the fleet; the fleet owns it
 
         self.sync = SyncCoordinator(self, cfg.sync_timeout)
@@ -162,6 +165,7 @@ class Fleet:
             raise Conflict(f"round {n} is stale: round {self.round} already ran; start a round greater than {self.round}")
         self.round, self.round_open = n, True
         self.sync.round_started()
+        self.persist()
         log.info("round.start", round=n, routable=len(self._routable))
         self.emit("round_start", round=n, epoch=self.epoch)
         return True, f"round {n} open"
@@ -175,6 +179,7 @@ class Fleet:
         if n != self.round:
             raise Conflict(f"round {self.round} is open, not round {n}: end round {self.round}")
         self.round_open = False
+        self.persist()
         log.info("round.end", round=n)
         self.emit("round_end", round=n, epoch=self.epoch)
         for r in self.runners.values():
@@ -207,6 +212,7 @@ class Fleet:
             if r.name in behind:
                 r.fsm.version_behind(version)
         self._membership_changed()
+        self.persist()
         log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind)
         self.emit("weights_published", version=version, checkpoint=checkpoint, stale=behind, epoch=self.epoch)
         self.sync.kick()

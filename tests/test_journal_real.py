@@ -70,9 +70,11 @@ def test_daemon_killed_and_restarted_re_adopts_its_engine(tiny_model, tmp_path):
         os.kill(pid, signal.SIGKILL)
         exited = second.transition("e0", "EXITED", 5, after=mark)
         assert "adopted from a previous daemon" in exited["reason"]
-        time.sleep(1.0)
-        e0 = SupervisorClient(sock).status()["engines"][0]
-        assert e0["state"] == "EXITED" and e0["reason"].endswith("restart after round 12")
+        deadline = time.monotonic() + 15  # its leftover group is stopped first (1 s grace)
+        while not (e0 := SupervisorClient(sock).status()["engines"][0])["reason"].endswith("restart after round 12"):
+            assert time.monotonic() < deadline, e0
+            time.sleep(0.2)
+        assert e0["state"] == "EXITED"
     finally:
         assert second.terminate(60) == 0
         assert live_pids_in_groups({pid} | set(second.spawned_pids())) == []
