@@ -67,7 +67,7 @@ class SyncCoordinator:
                              f"sync after round {fleet.round}")
             return
         if version is None or fsm.weight_version == version:
-            fsm.release("in a round gap", version)
+            fsm.release("no round yet" if fleet.round is None else f"round {fleet.round} ended", version)
             return
         if self.agents:
             if self._asked.get(runner.name) == version:

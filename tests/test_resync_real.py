@@ -91,8 +91,13 @@ class EventLog:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
-        for ev in self.client.events():
-            self.events.append(ev)
+        from trainer.client import DaemonUnreachable
+
+        try:
+            for ev in self.client.events():
+                self.events.append(ev)
+        except DaemonUnreachable:
+            pass  # the daemon was stopped at teardown
 
 
 @pytest.fixture(scope="module")
