@@ -47,6 +47,14 @@ class Fleet:
         self._below_floor = False
         self.floor_breaches = 0
         self.detections: dict[tuple[str, str], int] = {}  # (engine, "exit" | "hang") -> count
+        from .metrics import PROBE_BUCKETS, RECOVERY_BUCKETS, SYNC_BUCKETS, Histogram
+
+        self.probe_latency = Histogram(PROBE_BUCKETS)
+        self.recovery_time = Histogram(RECOVERY_BUCKETS)
+        self.sync_time = Histogram(SYNC_BUCKETS)
+        self.syncs: dict[str, int] = {}  # "verified" | "failed" -> count
+        self._detected_at: dict[str, float] = {}  # engine -> when its last failure was seen
+        self._sync_began: dict[str, float] = {}
         self._subscribers: set[Subscription] = set()
         self.started_at = time.time()
         self.pid = os.getpid()
@@ -85,7 +93,15 @@ class Fleet:
                 else "exit" if t.to_state is S.EXITED and t.from_state is not S.STOPPING else None)
         if kind:
             self.detections[(t.engine, kind)] = self.detections.get((t.engine, kind), 0) + 1
+            self._detected_at.setdefault(t.engine, t.at)
             self.emit("detection", engine=t.engine, kind=kind, reason=t.reason)
+        if t.to_state is S.SYNCING:
+            self._sync_began[t.engine] = t.at
+        elif t.from_state is S.SYNCING:
+            outcome = "failed" if t.to_state in (S.UNHEALTHY, S.STOPPING, S.EXITED) else "verified"
+            self.syncs[outcome] = self.syncs.get(outcome, 0) + 1
+            if outcome == "verified" and t.engine in self._sync_began:
+                self.sync_time.observe(t.at - self._sync_began.pop(t.engine))
         level = log.warning if t.to_state in (S.UNHEALTHY, S.FATAL, S.EXITED) else log.info
         level("engine.transition", engine=t.engine, from_state=t.from_state.value,
               to_state=t.to_state.value, reason=t.reason, incarnation=t.incarnation)
@@ -97,6 +113,8 @@ class Fleet:
             asyncio.get_running_loop().call_soon(self.sync.consider, self.runners[t.engine])
 
     def on_probe(self, runner: Any, outcome: ProbeOutcome) -> None:
+        if outcome.ok and outcome.latency is not None:
+            self.probe_latency.observe(outcome.latency)
         if not outcome.ok:
             log.info("engine.probe_failed", engine=runner.name, detail=outcome.detail)
 
@@ -112,6 +130,9 @@ class Fleet:
 
     def _membership_changed(self) -> None:
         now = frozenset(r.name for r in self.routable())
+        for name in now - self._routable:
+            if name in self._detected_at:  # back in routing after a failure: time to recover
+                self.recovery_time.observe(self.clock() - self._detected_at.pop(name))
         if now != self._routable:
             self._routable = now
             self.epoch += 1

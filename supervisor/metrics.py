@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
+import bisect
+
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .fleet import Fleet
 from .states import State
+
+
+class Histogram:
+    """Cumulative buckets, kept by the fleet and exposed at scrape time."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        running, buckets = 0, []
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            running += n
+            buckets.append((bound, running))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.sum)
+
+
+PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RECOVERY_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+SYNC_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class FleetCollector:
@@ -36,7 +63,14 @@ class FleetCollector:
                                          labels=["engine", "kind"])
         for (engine, kind), n in sorted(fleet.detections.items()):
             detections.add_metric([engine, kind], n)
-        yield from (state, restarts, version, latency, routable, detections)
+        syncs = CounterMetricFamily("vime_syncs", "Weight syncs of restarted engines, by outcome", labels=["outcome"])
+        for outcome in ("verified", "failed"):
+            syncs.add_metric([outcome], fleet.syncs.get(outcome, 0))
+        yield from (state, restarts, version, latency, routable, detections, syncs)
+        yield fleet.probe_latency.family("vime_probe_latency_seconds", "Latency of answered heartbeats")
+        yield fleet.recovery_time.family("vime_detection_to_routable_seconds",
+                                         "From a detected failure to the engine routable again")
+        yield fleet.sync_time.family("vime_sync_duration_seconds", "From SYNCING to verified")
         yield GaugeMetricFamily("vime_routable_engines", "Engines that may take traffic", value=len(fleet.routable()))
         yield GaugeMetricFamily("vime_membership_epoch", "Changes whenever the routable set changes", value=fleet.epoch)
         yield GaugeMetricFamily("vime_round", "Last round started (-1: none)", value=-1 if fleet.round is None else fleet.round)

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from .config import Config, EngineSpec
 
@@ -103,34 +104,45 @@ def read_tail(path: Path, max_bytes: int = 16384) -> str:
         return ""
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """Pids in process group `pgid` that are not zombies (from /proc; Linux)."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
+class ProcStat(NamedTuple):
+    """The fields of /proc/PID/stat this project reads (Linux)."""
+
+    pid: int
+    comm: str
+    state: str  # "Z": a zombie, dead and waiting to be reaped
+    ppid: int
+    pgrp: int
+    start_time: int  # clock ticks since boot
 
 
-def process_start_time(pid: int) -> int | None:
-    """Start time of pid in clock ticks since boot (/proc/PID/stat field 22): with the pid it
-    names one process for good, so a recycled pid is never taken for our engine."""
+def proc_stat(pid: int | str) -> ProcStat | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    return int(fields[19]) if len(fields) > 19 and fields[0] != "Z" else None
+    # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses.
+    head, fields = stat[:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
+    if len(fields) < 20:
+        return None
+    return ProcStat(int(pid), head[head.find("(") + 1:], fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
+
+
+def all_procs() -> list[ProcStat]:
+    stats = (proc_stat(e.name) for e in os.scandir("/proc") if e.name.isdigit())
+    return [st for st in stats if st is not None]
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` that are not zombies."""
+    return [st.pid for st in all_procs() if st.pgrp == pgid and st.state != "Z"]
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of pid (clock ticks since boot): with the pid it names one process for good,
+    so a recycled pid is never taken for our engine. None if gone or a zombie."""
+    st = proc_stat(pid)
+    return None if st is None or st.state == "Z" else st.start_time
 
 
 class EngineProcess:

