@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml Makefile
 	# transformers; text-only serving needs none of them.
 	if [ "$(ENGINE)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true; fi
 	# vLLM's SageMaker extra pulls in the PyPI package "supervisor" (supervisord), whose
-	# top-level package would shadow ours; nothing imports it.
+	# top-level package would shadow ours and whose uninstall takes bin/supervisorctl with it:
+	# remove it (nothing imports it), then put our console scripts back.
 	$(BIN)/pip uninstall --quiet -y supervisor || true
+	$(BIN)/pip install --quiet --no-deps --force-reinstall -e .
+	$(BIN)/supervisorctl --help | grep -q "vime-supervisor daemon"
 	cd / && $(abspath $(BIN))/python -c "import vllm, torch, supervisor.daemon; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 

@@ -53,7 +53,8 @@ class Supervisor:
             loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
         os.makedirs(cfg.log_dir, exist_ok=True)
         os.makedirs(cfg.runtime_dir, exist_ok=True)
-        # One session for every probe; no per-host connection cap (the fleet can be large).
+        # One session for every probe. No total cap (the fleet can be large); per engine a few
+        # connections: a heartbeat, the /metrics read beside it, a version check.
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=4)
         async with aiohttp.ClientSession(connector=connector) as session:
             n = len(cfg.engines)

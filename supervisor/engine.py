@@ -59,6 +59,7 @@ class EngineRunner:
         self.proc: EngineProcess | None = None
         self.log_path: Path | None = None
         self.probe_history: deque[tuple[float, ProbeOutcome]] = deque(maxlen=64)
+        self.probes = self.probe_failures = self.late_probes = 0  # heartbeats, for status and bench/
         self.retired = False  # never restarted again, never routed
         self._wake = asyncio.Event()
         self._stop_now: asyncio.Event = asyncio.Event()
@@ -233,16 +234,31 @@ class EngineRunner:
         await asyncio.sleep(self.phase)
         if not self.cfg.use_fault_tolerance:
             await asyncio.Future()  # deaths are still seen by waiting on the process
+        due = self.clock()
         while True:
-            started = self.clock()
+            started = self._note_start(due)
             if self.fsm.probed:
-                outcome = await self.prober.check()
-                self.probe_history.append((started, outcome))
-                self.fleet.on_probe(self, outcome)
-                if self.fsm.probe_result(outcome):
+                if self.fsm.probe_result(await self._probe_once(started)):
                     return
             gap = probe.timeout if self.fsm.consecutive_failures else probe.interval
-            await asyncio.sleep(max(0.0, started + gap - self.clock()))
+            due = started + gap
+            await asyncio.sleep(max(0.0, due - self.clock()))
+
+    def _note_start(self, due: float) -> float:
+        """A heartbeat starting more than one interval behind its schedule is late: the
+        daemon itself is too loaded to watch this engine as configured."""
+        started = self.clock()
+        if started - due > self.cfg.probe.interval:
+            self.late_probes += 1
+        return started
+
+    async def _probe_once(self, started: float) -> ProbeOutcome:
+        outcome = await self.prober.check()
+        self.probes += 1
+        self.probe_failures += not outcome.ok
+        self.probe_history.append((started, outcome))
+        self.fleet.on_probe(self, outcome)
+        return outcome
 
     async def _wait_port_free(self) -> None:
         """A previous incarnation (or anything else) may hold the port for a moment: retry."""
@@ -357,19 +373,17 @@ class EngineRunner:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)")
         await asyncio.sleep(self.phase)
         ok_streak = 0
+        due = self.clock()
         while True:
-            started = self.clock()
+            started = self._note_start(due)
             if fsm.state in (S.UNHEALTHY, S.EXITED):
-                outcome = await self.prober.check()
-                self.probe_history.append((started, outcome))
+                outcome = await self._probe_once(started)
                 ok_streak = ok_streak + 1 if outcome.ok else 0
                 if ok_streak >= probe.success_threshold:
                     fsm.recovered(await self.prober.weight_version(), self.fleet.current_version)
                     ok_streak = 0
             elif fsm.probed and self.cfg.use_fault_tolerance:
-                outcome = await self.prober.check()
-                self.probe_history.append((started, outcome))
-                self.fleet.on_probe(self, outcome)
-                fsm.probe_result(outcome)
+                fsm.probe_result(await self._probe_once(started))
             gap = probe.timeout if fsm.consecutive_failures else probe.interval
-            await asyncio.sleep(max(0.0, started + gap - self.clock()))
+            due = started + gap
+            await asyncio.sleep(max(0.0, due - self.clock()))

@@ -37,7 +37,7 @@ class Fleet:
         self.cfg = cfg
         self.clock = clock
         self.runners: dict[str, Any] = {}  # name -> EngineRunner (engine.py imports us)
-        self.current_version: str | None = None
+        self.current_version: int | None = None
         self.checkpoint: str | None = None
         self.round: int | None = None  # last round started
         self.round_open = False

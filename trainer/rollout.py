@@ -1,0 +1,650 @@
+"""The trainer's rollout client: OpenAI-compatible requests to the engines the daemon routes to.
+
+    from trainer.client import AsyncSupervisorClient
+    from trainer.rollout import RolloutClient
+
+    async with RolloutClient(AsyncSupervisorClient()) as rollout:
+        r = await rollout.complete("the quick brown", max_tokens=64, temperature=1.0)
+        r.text, r.token_ids, r.finish_reason, r.engine, r.attempts
+        results = await rollout.gather(prompts, max_tokens=64)          # bounded concurrency
+        r = await rollout.chat([{"role": "user", "content": "hi"}], max_tokens=32)
+
+Membership. The routable engines and the membership epoch come from the daemon
+(`routable_engines()`). They are read again after every failed attempt, every
+`refresh_interval` seconds, and whenever the daemon's event stream announces a membership
+change (a background task follows `events()`; `follow_events=False` turns it off).
+
+Routing. Each attempt goes to the routable engine with the fewest requests outstanding from
+this client (ties: round robin), never to an engine that already failed this request. An
+engine that just aborted a request (paused for a weight sync) or failed one is a last resort
+for every request for `cooldown` seconds.
+
+Failures. An attempt whose engine refused the connection, dropped it (died), timed out,
+answered 5xx, or whose stream ended without a finish reason, is re-sent to another engine
+(tenacity: `stop_after_attempt(max_attempts)`, `wait_random_exponential`), and reported to the
+daemon (`report_failure`, best effort: in the background, never raising; reports for one engine
+are coalesced to one per `cooldown`, so a burst of requests failing together on one engine
+counts once toward its failure threshold). An attempt that answered 200 with finish_reason
+"abort" was cut by a pause (`POST /pause?mode=abort`, a weight sync): its partial output is
+discarded and the request re-sent, preferably to another engine, else to the same one (vLLM
+queues requests while paused); an abort is not reported. A 4xx (a bad request) is not retried:
+`RolloutRequestError`. When no routable engine is left that has not failed this request:
+`NoEngineAvailable`. After `max_attempts`: `RolloutFailed`. All are `RolloutError`.
+
+Exactly once: a logical request returns one `RolloutResult` or raises; partial and aborted
+outputs are never returned. Attempts use their own connections (no pooled keep-alive socket
+is reused), so a dropped connection always means the engine dropped that attempt.
+
+Streaming: every attempt is sent with `"stream": true` (server-sent events), so the result has
+the time of the first token; `"return_token_ids": true` (vLLM >= 0.10, checked on 0.32) gives
+the generated token ids; pass `logprobs=N` (completions) or `logprobs=True` (chat) for the
+sampled tokens' logprobs. Times are wall-clock (`time.time()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+__all__ = [
+    "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine",
+    "RolloutError", "NoEngineAvailable", "RolloutRequestError", "RolloutFailed",
+    "classify_status",
+]
+
+log = logging.getLogger("vime.rollout")
+
+# Outcomes of one attempt (Attempt.outcome).
+OK = "ok"
+ABORT = "abort"          # 200 with finish_reason "abort": the engine was paused; re-sent, not reported
+REFUSED = "refused"      # connection refused / could not connect: nothing was sent
+DIED = "died"            # connection reset or closed mid-answer, or a stream without a finish reason
+TIMEOUT = "timeout"      # no complete answer within request_timeout
+SERVER_ERROR = "server_error"  # HTTP 5xx, or an error event inside the stream
+BUSY = "busy"            # HTTP 429: retried elsewhere, not reported
+BAD_REQUEST = "bad_request"    # HTTP 4xx: not retried
+
+REPORTED = frozenset({REFUSED, DIED, TIMEOUT, SERVER_ERROR})
+
+
+class Attempt(NamedTuple):
+    """One attempt of a logical request: which engine, and how it ended."""
+
+    engine: str
+    outcome: str
+
+
+@dataclass
+class RolloutResult:
+    """The one answer to a logical request (never a partial or aborted one)."""
+
+    request_id: str
+    text: str
+    finish_reason: str
+    engine: str                      # the engine that produced this answer
+    url: str
+    token_ids: list[int] | None      # generated token ids (None if the server did not send them)
+    logprobs: list[float] | None     # logprob of each generated token (None unless requested)
+    prompt_token_ids: list[int] | None
+    n_tokens: int                    # generated tokens (usage.completion_tokens, else len(token_ids))
+    attempts: list[Attempt]          # every attempt, in order; the last one is (engine, "ok")
+    sent: float                      # wall clock: the logical request's first attempt was sent
+    attempt_sent: float              # wall clock: the successful attempt was sent
+    first_token: float | None        # wall clock: its first generated token arrived
+    finished: float                  # wall clock: its last chunk arrived
+    epoch: int | None                # membership epoch the successful attempt was routed under
+    weight_version: Any = None       # the engine's weight version as the daemon listed it
+
+    @property
+    def latency(self) -> float:
+        """Seconds from the first send to the answer, retries included."""
+        return self.finished - self.sent
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from the successful attempt's send to its first token."""
+        return None if self.first_token is None else self.first_token - self.attempt_sent
+
+    @property
+    def retries(self) -> int:
+        return len(self.attempts) - 1
+
+
+@dataclass
+class RolloutStats:
+    """Counters of this client (for tests and traces). `requests` logical requests were
+    started; each ends in exactly one of `succeeded` / `failed`."""
+
+    requests: int = 0
+    sent: int = 0            # attempts sent (or tried to send)
+    retried: int = 0         # attempts after a logical request's first
+    succeeded: int = 0
+    failed: int = 0
+    aborted: int = 0         # attempts answered with finish_reason "abort"
+    attempt_failures: int = 0  # attempts that refused/died/timed out/5xx
+    reported: int = 0        # failure reports the daemon answered
+    reports_coalesced: int = 0
+    report_errors: int = 0   # failure reports that did not reach the daemon
+    refreshes: int = 0
+    refresh_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class Engine:
+    name: str
+    url: str
+    model: str | None = None
+    weight_version: Any = None
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+class RolloutError(Exception):
+    """A logical request failed; `attempts` lists what was tried."""
+
+    def __init__(self, message: str, *, request_id: str | None = None, attempts: Sequence[Attempt] = ()):
+        super().__init__(message)
+        self.request_id = request_id
+        self.attempts = list(attempts)
+
+
+class NoEngineAvailable(RolloutError):
+    """No routable engine is left that has not already failed this request."""
+
+
+class RolloutRequestError(RolloutError):
+    """The engine refused the request itself (HTTP 4xx): fix the request; it is not retried."""
+
+    def __init__(self, message: str, *, status: int, engine: str, request_id: str | None = None,
+                 attempts: Sequence[Attempt] = ()):
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.status = status
+        self.engine = engine
+
+
+class RolloutFailed(RolloutError):
+    """Every one of `max_attempts` attempts failed."""
+
+
+class _Retry(Exception):
+    """One attempt failed in a way another attempt may fix."""
+
+    def __init__(self, outcome: str, detail: str):
+        super().__init__(f"{outcome}: {detail}")
+        self.outcome = outcome
+        self.detail = detail
+
+
+def classify_status(status: int) -> str:
+    """What an HTTP status means for a rollout attempt: OK, BUSY (429, retried, not reported),
+    BAD_REQUEST (other 4xx, not retried) or SERVER_ERROR (5xx, retried and reported)."""
+    if status < 300:
+        return OK
+    if status == 429:
+        return BUSY
+    if status < 500:
+        return BAD_REQUEST
+    return SERVER_ERROR
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:500]
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)[:500]
+        return str(err)[:500]
+    return str(data)[:500]
+
+
+class _Answer:
+    """One streamed completion being assembled."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.logprobs: list[float] | None = None
+        self.finish_reason: str | None = None
+        self.usage_tokens: int | None = None
+        self.first_token: float | None = None
+        self.done = False
+
+    def add(self, chunk: dict[str, Any], chat: bool) -> None:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            self.usage_tokens = int(usage["completion_tokens"])
+        if chunk.get("prompt_token_ids") is not None:  # chat: on the first chunk
+            self.prompt_token_ids = list(chunk["prompt_token_ids"])
+        for choice in chunk.get("choices") or ():
+            if chat:
+                text = (choice.get("delta") or {}).get("content") or ""
+            else:
+                text = choice.get("text") or ""
+            ids = choice.get("token_ids")
+            if choice.get("prompt_token_ids") is not None:  # completions: on the first chunk
+                self.prompt_token_ids = list(choice["prompt_token_ids"])
+            if text or ids:
+                if self.first_token is None:
+                    self.first_token = time.time()
+                self.text.append(text)
+            if ids is not None:
+                self.token_ids = (self.token_ids or []) + list(ids)
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict):
+                if chat:
+                    values = [c.get("logprob") for c in lp.get("content") or ()]
+                else:
+                    values = list(lp.get("token_logprobs") or ())
+                self.logprobs = (self.logprobs or []) + values
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+
+
+# -- the client -----------------------------------------------------------------------------
+
+
+class RolloutClient:
+    """Async rollout client over the daemon's routable engines (see the module docstring).
+
+    supervisor: an AsyncSupervisorClient (or anything with async `routable_engines()`,
+        `report_failure(name, detail)` and, with follow_events, `events()`).
+    max_attempts: attempts per logical request, the first included.
+    request_timeout: seconds one attempt may take from send to its last chunk.
+    connect_timeout: seconds to open the connection to an engine.
+    refresh_interval: seconds between membership reads even when nothing failed.
+    max_concurrency: default bound on requests in flight in `gather`.
+    backoff_initial, backoff_max: jittered exponential wait between attempts
+        (tenacity wait_random_exponential(multiplier=backoff_initial, max=backoff_max)).
+    cooldown: seconds an engine that just failed or aborted a request is a last resort, and
+        the window in which failure reports for one engine are coalesced.
+    model: the model name to send; default each engine's `model` as the daemon lists it.
+    follow_events: follow the daemon's event stream for membership changes.
+    """
+
+    def __init__(self, supervisor: Any, *, max_attempts: int = 4, request_timeout: float = 300.0,
+                 connect_timeout: float = 5.0, refresh_interval: float = 5.0, max_concurrency: int = 64,
+                 backoff_initial: float = 0.05, backoff_max: float = 2.0, cooldown: float = 1.0,
+                 model: str | None = None, follow_events: bool = True, return_token_ids: bool = True):
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        self.supervisor = supervisor
+        self.max_attempts = max_attempts
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.refresh_interval = refresh_interval
+        self.max_concurrency = max_concurrency
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.cooldown = cooldown
+        self.model = model
+        self.follow_events = follow_events
+        self.return_token_ids = return_token_ids
+
+        self.stats = RolloutStats()
+        self.engines: list[Engine] = []
+        self.epoch: int | None = None
+        self.weight_version: Any = None
+        # Every failure report and the daemon's answer (or the error): (engine, detail, answer).
+        self.reports: collections.deque[tuple[str, str, Any]] = collections.deque(maxlen=1000)
+        self._outstanding: dict[str, int] = collections.defaultdict(int)
+        self._cool_until: dict[str, float] = {}
+        self._reported_at: dict[str, float] = {}
+        self._rr = itertools.count()
+        self._refresh_lock = asyncio.Lock()
+        self._last_refresh_started = float("-inf")
+        self._session: Any = None
+        self._tasks: set[asyncio.Task] = set()
+        self._report_tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "RolloutClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Open the HTTP session, read membership once (raises if the daemon is unreachable)
+        and start the background refresher (and event follower)."""
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=self.connect_timeout),
+                trust_env=False,
+            )
+        await self.refresh(force=True)
+        self._spawn(self._refresh_loop())
+        if self.follow_events and hasattr(self.supervisor, "events"):
+            self._spawn(self._follow_events())
+
+    async def aclose(self) -> None:
+        """Stop the background tasks, let pending failure reports finish (up to 5 s), close."""
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._report_tasks:
+            await asyncio.wait(list(self._report_tasks), timeout=5.0)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- membership ------------------------------------------------------------------------
+
+    async def refresh(self, *, force: bool = False) -> None:
+        """Read the routable engines and epoch from the daemon. Concurrent callers share one
+        read: a call returns once a read that began after it was made has finished. If the
+        daemon cannot be reached, the last known membership is kept (unless force)."""
+        asked = time.monotonic()
+        async with self._refresh_lock:
+            if self._last_refresh_started >= asked:
+                return
+            self._last_refresh_started = time.monotonic()
+            try:
+                view = await self.supervisor.routable_engines()
+            except Exception as e:
+                self.stats.refresh_errors += 1
+                if force:
+                    raise
+                log.warning("rollout: could not read routable engines (keeping epoch %s): %s", self.epoch, e)
+                return
+            self.stats.refreshes += 1
+            self._apply(view)
+
+    def _apply(self, view: Mapping[str, Any]) -> None:
+        engines = [Engine(name=e["name"], url=str(e["url"]).rstrip("/"), model=e.get("model"),
+                          weight_version=e.get("weight_version")) for e in view.get("engines") or ()]
+        if view.get("epoch") != self.epoch:
+            log.info("rollout: membership epoch %s -> %s: %s", self.epoch, view.get("epoch"),
+                     [e.name for e in engines])
+        self.engines = engines
+        self.epoch = view.get("epoch")
+        self.weight_version = view.get("weight_version")
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval)
+            if time.monotonic() - self._last_refresh_started >= self.refresh_interval * 0.5:
+                await self.refresh()
+
+    async def _follow_events(self) -> None:
+        """Membership events drop engines at once and trigger a read of the new set."""
+        while True:
+            try:
+                async with contextlib.aclosing(self.supervisor.events()) as stream:
+                    async for ev in stream:
+                        kind = ev.get("event")
+                        if kind == "membership" and ev.get("epoch") != self.epoch:
+                            names = set(ev.get("routable") or ())
+                            self.engines = [e for e in self.engines if e.name in names]
+                            await self.refresh()
+                        elif kind in ("hello", "reconnected"):
+                            await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the daemon is away: the refresher keeps the last set
+                log.debug("rollout: event stream ended: %s", e)
+            await asyncio.sleep(1.0)
+
+    def outstanding(self) -> dict[str, int]:
+        """Requests in flight from this client, per engine."""
+        return {k: v for k, v in self._outstanding.items() if v}
+
+    def pick(self, exclude: Iterable[str] = (), avoid: Iterable[str] = ()) -> Engine | None:
+        """The engine for the next attempt: never one in `exclude` (it failed this request);
+        one in `avoid` (it aborted this request) or cooling down only when nothing else is
+        left; then the fewest outstanding requests, ties in round robin."""
+        exclude, avoid = set(exclude), set(avoid)
+        now = time.monotonic()
+        cands = [e for e in self.engines if e.name not in exclude]
+        if not cands:
+            return None
+        pool = ([e for e in cands if e.name not in avoid and self._cool_until.get(e.name, 0) <= now]
+                or [e for e in cands if e.name not in avoid] or cands)
+        least = min(self._outstanding[e.name] for e in pool)
+        tied = [e for e in pool if self._outstanding[e.name] == least]
+        return tied[next(self._rr) % len(tied)]
+
+    # -- failure reports -------------------------------------------------------------------
+
+    def _report(self, engine: str, detail: str) -> None:
+        now = time.monotonic()
+        if now - self._reported_at.get(engine, float("-inf")) < self.cooldown:
+            self.stats.reports_coalesced += 1
+            return
+        self._reported_at[engine] = now
+        task = asyncio.get_running_loop().create_task(self._send_report(engine, detail))
+        self._report_tasks.add(task)
+        task.add_done_callback(self._report_tasks.discard)
+
+    async def _send_report(self, engine: str, detail: str) -> None:
+        try:
+            answer = await self.supervisor.report_failure(engine, detail)
+        except Exception as e:  # best effort: the daemon also sees deaths and hangs itself
+            self.stats.report_errors += 1
+            self.reports.append((engine, detail, e))
+            log.warning("rollout: failure report for %s did not reach the daemon: %s", engine, e)
+            return
+        self.stats.reported += 1
+        self.reports.append((engine, detail, answer))
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def complete(self, prompt: str | list[int], **sampling: Any) -> RolloutResult:
+        """POST /v1/completions (streamed) with `prompt` and the sampling parameters as given
+        (max_tokens, temperature, top_p, seed, logprobs, ignore_eos, stop, ...)."""
+        return await self._request("/v1/completions", {"prompt": prompt}, sampling, chat=False)
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> RolloutResult:
+        """POST /v1/chat/completions (streamed) with `messages` and the sampling parameters."""
+        return await self._request("/v1/chat/completions", {"messages": messages}, sampling, chat=True)
+
+    async def gather(self, prompts: Sequence[str | list[dict[str, Any]]], *, concurrency: int | None = None,
+                     return_exceptions: bool = False, **sampling: Any) -> list[Any]:
+        """Run a batch, at most `concurrency` (default max_concurrency) in flight; results in
+        the prompts' order. A str is a completion prompt, a list of messages a chat. On the
+        first error the rest are cancelled and it is raised, unless return_exceptions (then
+        each failed request's place holds its exception)."""
+        sem = asyncio.Semaphore(concurrency or self.max_concurrency)
+
+        async def one(p: Any) -> RolloutResult:
+            async with sem:
+                if isinstance(p, str):
+                    return await self.complete(p, **sampling)
+                return await self.chat(list(p), **sampling)
+
+        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        if not tasks:
+            return []
+        if return_exceptions:
+            return list(await asyncio.gather(*tasks, return_exceptions=True))
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _request(self, path: str, payload: dict[str, Any], sampling: dict[str, Any], *, chat: bool
+                       ) -> RolloutResult:
+        if self._session is None:
+            raise RuntimeError("RolloutClient is not started: use `async with RolloutClient(...)`")
+        for key, allowed in (("n", 1), ("best_of", 1), ("stream", True)):
+            if key in sampling and sampling[key] not in (allowed, None):
+                raise ValueError(f"{key}={sampling[key]!r} is not supported: one streamed choice per request")
+        rid = f"rollout-{uuid.uuid4().hex[:16]}"
+        self.stats.requests += 1
+        attempts: list[Attempt] = []
+        failed: set[str] = set()
+        aborted: set[str] = set()
+        sent = time.time()
+        try:
+            retrying = AsyncRetrying(
+                stop=stop_after_attempt(self.max_attempts),
+                wait=wait_random_exponential(multiplier=self.backoff_initial, max=self.backoff_max),
+                retry=retry_if_exception_type(_Retry),
+                reraise=True,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    engine = await self._choose(rid, failed, aborted, attempts)
+                    result = await self._attempt(engine, path, payload, sampling, chat, rid, attempts,
+                                                 failed, aborted, sent)
+        except _Retry as last:
+            self.stats.failed += 1
+            tried = ", ".join(f"{a.engine}: {a.outcome}" for a in attempts)
+            raise RolloutFailed(f"request {rid} failed {len(attempts)} attempt(s) (max_attempts="
+                                f"{self.max_attempts}): {tried}; last: {last.detail}",
+                                request_id=rid, attempts=attempts) from None
+        except BaseException:
+            self.stats.failed += 1
+            raise
+        self.stats.succeeded += 1
+        return result
+
+    async def _choose(self, rid: str, failed: set[str], aborted: set[str], attempts: list[Attempt]) -> Engine:
+        engine = self.pick(failed, aborted)
+        if engine is None:
+            await self.refresh()  # the daemon may list engines we do not know of yet
+            engine = self.pick(failed, aborted)
+        if engine is None:
+            listed = ", ".join(e.name for e in self.engines) or "none"
+            tried = ", ".join(f"{a.engine} ({a.outcome})" for a in attempts) or "none"
+            raise NoEngineAvailable(
+                f"no engine left for request {rid}: tried {len(set(a.engine for a in attempts))} engine(s) "
+                f"in {len(attempts)} attempt(s) [{tried}]; the daemon lists {len(self.engines)} routable "
+                f"engine(s) at epoch {self.epoch} [{listed}]. Check `supervisorctl status`",
+                request_id=rid, attempts=attempts)
+        if attempts:
+            self.stats.retried += 1
+        return engine
+
+    async def _attempt(self, engine: Engine, path: str, payload: dict[str, Any], sampling: dict[str, Any],
+                       chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
+                       sent: float) -> RolloutResult:
+        import aiohttp
+
+        body: dict[str, Any] = {"model": self.model or engine.model, **payload}
+        if self.return_token_ids:
+            body["return_token_ids"] = True
+        body.update(sampling)
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True, **(sampling.get("stream_options") or {})}
+        epoch = self.epoch
+        self.stats.sent += 1
+        self._outstanding[engine.name] += 1
+        attempt_sent = time.time()
+        answer = _Answer()
+        try:
+            try:
+                async with self._session.post(f"{engine.url}{path}", json=body,
+                                              headers={"X-Request-Id": f"{rid}-{len(attempts)}"}) as resp:
+                    if resp.status != 200:
+                        outcome = classify_status(resp.status)
+                        message = _error_message(await resp.read())
+                        if outcome == BAD_REQUEST:
+                            attempts.append(Attempt(engine.name, BAD_REQUEST))
+                            raise RolloutRequestError(
+                                f"{engine.name} refused request {rid} with HTTP {resp.status}: {message}",
+                                status=resp.status, engine=engine.name, request_id=rid, attempts=attempts)
+                        raise _Retry(outcome, f"HTTP {resp.status} from {engine.name}: {message}")
+                    async for raw in resp.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            answer.done = True
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            raise _Retry(DIED, f"{engine.name} sent a chunk that is not JSON: {data[:200]!r}") from None
+                        if "error" in chunk:
+                            message = _error_message(data)
+                            code = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
+                            if isinstance(code, int) and 400 <= code < 500 and code != 429:
+                                attempts.append(Attempt(engine.name, BAD_REQUEST))
+                                raise RolloutRequestError(
+                                    f"{engine.name} refused request {rid} mid-stream ({code}): {message}",
+                                    status=code, engine=engine.name, request_id=rid, attempts=attempts)
+                            raise _Retry(SERVER_ERROR, f"{engine.name} sent an error mid-stream: {message}")
+                        answer.add(chunk, chat)
+            except aiohttp.ClientConnectorError as e:
+                raise _Retry(REFUSED, f"cannot connect to {engine.name} at {engine.url}: {e.os_error or e}") from None
+            except asyncio.TimeoutError:
+                raise _Retry(TIMEOUT, f"{engine.name} did not answer within {self.request_timeout:g}s") from None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
+                raise _Retry(DIED, f"{engine.name} dropped the connection: {type(e).__name__}: {e}") from None
+            if answer.finish_reason is None:
+                raise _Retry(DIED, f"{engine.name}'s stream ended without a finish reason"
+                             + ("" if answer.done else " or [DONE]"))
+            if answer.finish_reason == "abort":
+                raise _Retry(ABORT, f"{engine.name} aborted the request (paused)")
+        except _Retry as r:
+            attempts.append(Attempt(engine.name, r.outcome))
+            self._on_failure(engine, r, rid)
+            if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded
+                aborted.add(engine.name)
+            else:
+                failed.add(engine.name)
+            await self.refresh()  # the epoch may have changed
+            raise
+        finally:
+            self._outstanding[engine.name] -= 1
+        attempts.append(Attempt(engine.name, OK))
+        finished = time.time()
+        return RolloutResult(
+            request_id=rid, text="".join(answer.text), finish_reason=answer.finish_reason, engine=engine.name,
+            url=engine.url, token_ids=answer.token_ids, logprobs=answer.logprobs,
+            prompt_token_ids=answer.prompt_token_ids,
+            n_tokens=answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ()),
+            attempts=list(attempts), sent=sent, attempt_sent=attempt_sent, first_token=answer.first_token,
+            finished=finished, epoch=epoch, weight_version=engine.weight_version)
+
+    def _on_failure(self, engine: Engine, r: _Retry, rid: str) -> None:
+        self._cool_until[engine.name] = time.monotonic() + self.cooldown
+        if r.outcome == ABORT:
+            self.stats.aborted += 1
+            log.info("rollout: %s: %s; re-sending", rid, r.detail)
+            return
+        if r.outcome == BUSY:
+            log.info("rollout: %s: %s; re-sending", rid, r.detail)
+            return
+        self.stats.attempt_failures += 1
+        log.warning("rollout: %s: %s; re-sending", rid, r.detail)
+        if r.outcome in REPORTED:
+            self._report(engine.name, f"rollout request {r.outcome}: {r.detail}"[:500])
