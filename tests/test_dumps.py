@@ -176,7 +176,8 @@ def test_truncated_files(tmp_path):
     lines = text.split("\n")
     # Cut inside the last sample line.
     path.write_text(text[:-40], encoding="utf-8")
-    with pytest.raises(DumpFormatError, match=r":6: truncated: the last line is cut off .*announces 5 samples, 4 are complete"):
+    with pytest.raises(DumpFormatError,
+                       match=r":6: truncated: the last line is cut off .*announces 5 samples, 4 are complete"):
         load_rollout(path)
     # Cut at a line boundary: two whole samples missing.
     path.write_text("\n".join(lines[:4]) + "\n", encoding="utf-8")

@@ -16,6 +16,7 @@ import json
 import socket
 
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from trainer.rollout import (
@@ -36,6 +37,7 @@ class FakeEngine:
         self.max_active = 0
         self.gate: asyncio.Event | None = None  # when set to an unset Event, answers wait on it
         self.runner: web.AppRunner | None = None
+        self.stopping = asyncio.Event()
         self.url = ""
 
     async def start(self) -> "FakeEngine":
@@ -51,6 +53,7 @@ class FakeEngine:
         return self
 
     async def stop(self) -> None:
+        self.stopping.set()
         if self.runner is not None:
             await self.runner.cleanup()
 
@@ -70,7 +73,7 @@ class FakeEngine:
                 return web.json_response({"error": {"message": f"scripted {what}", "code": int(what)}},
                                          status=int(what))
             if what == "hang":
-                await asyncio.sleep(3600)
+                await self.stopping.wait()  # until the test ends
             chat = request.path.endswith("/chat/completions")
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -88,7 +91,7 @@ class FakeEngine:
                     if body.get("logprobs"):
                         tok["logprobs"] = {"content": [{"token": f"w{i}", "logprob": -0.5 - i}]}
                 else:
-                    tok["text"] = f"w{i} "
+                    tok["text"] = (body["prompt"] if body.get("echo") and i == 0 else "") + f"w{i} "
                     if i == 0:
                         tok["prompt_token_ids"] = [1, 2, 3]
                     if body.get("logprobs"):
@@ -147,7 +150,7 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections are refused
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(loop_scope="function")  # the tests' own loop, not the session's
 async def engines():
     a, b = FakeEngine("A"), FakeEngine("B")
     await a.start()
@@ -211,8 +214,8 @@ async def test_success_returns_text_ids_logprobs_timings(engines):
     assert sent["prompt"] == "hello" and sent["logprobs"] == 1
     assert c.text == "w0 w1 w2 " and c.token_ids == [100, 101, 102] and c.logprobs == [-0.5, -1.5, -2.5]
     assert a.requests[1]["messages"] == [{"role": "user", "content": "hi"}]
-    assert rc.stats.as_dict() | {} == {**rc.stats.as_dict(), "requests": 2, "sent": 2, "succeeded": 2,
-                                       "failed": 0, "retried": 0}
+    st = rc.stats
+    assert (st.requests, st.sent, st.succeeded, st.failed, st.retried) == (2, 2, 2, 0, 0)
 
 
 @pytest.mark.parametrize("what,outcome", [("500", SERVER_ERROR), ("die", DIED), ("nofinish", DIED),
@@ -305,6 +308,7 @@ async def test_no_engine_left(engines):
         msg = str(ei.value)
         assert "tried 2 engine(s) in 2 attempt(s)" in msg and "the daemon lists 2 routable engine(s) at epoch 1" in msg
         sup.view = {**sup.view, "epoch": 2, "engines": []}
+        await rc.refresh()
         with pytest.raises(NoEngineAvailable, match=r"tried 0 engine\(s\).*lists 0 routable engine\(s\) at epoch 2"):
             await rc.complete("p", max_tokens=2)
     assert rc.stats.failed == 2 and rc.stats.succeeded == 0
@@ -355,12 +359,12 @@ async def test_requests_spread_by_outstanding_count(engines):
 
 async def test_gather_keeps_order_and_bounds_concurrency(engines):
     a, b = engines
-    a.script, b.script = ["abort", "500"], ["die"]
+    a.script, b.script = ["abort"], ["die", "500"]  # no one request can exhaust both engines
     sup = FakeSupervisor([a.view(), b.view()])
     async with client(sup, cooldown=0.0) as rc:
-        prompts = [f"p{i}" for i in range(20)]
-        results = await rc.gather(prompts, concurrency=3, max_tokens=3)
-    assert [a.requests[i]["prompt"] for i in range(2)] and len(results) == 20
+        prompts = [f"p{i}|" for i in range(20)]
+        results = await rc.gather(prompts, concurrency=3, max_tokens=3, echo=True)
+    assert [r.text for r in results] == [f"{p}w0 w1 w2 " for p in prompts]  # in the prompts' order
     assert all(r.finish_reason == "length" for r in results)
     assert len({r.request_id for r in results}) == 20
     assert a.max_active + b.max_active <= 3 + 3 and max(a.max_active, b.max_active) <= 3
