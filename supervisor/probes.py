@@ -44,6 +44,7 @@ class Prober:
         self.base_url = base_url
         self.model = model
         self.timeout = timeout
+        self._last_progress: Progress | None = None  # /metrics at the last timed-out probe
 
     async def health(self, timeout: float | None = None) -> ProbeOutcome:
         t0 = time.monotonic()
@@ -69,11 +70,13 @@ class Prober:
     async def generate(self) -> ProbeOutcome:
         """One greedy token within the probe timeout; a late answer is judged by progress.
 
-        vLLM's counters are read beside the request, so a timeout can be compared with the
-        state at the moment the probe was sent.
+        vLLM's counters are read only when a probe times out, and compared with the reading at
+        the previous timeout: a healthy engine costs one request per heartbeat. So the first
+        late probe of a busy engine counts as a failure (SUSPECT, still routable) and the next
+        one, seeing tokens generated since, as progress. A success forgets the reading, so a
+        hang is never excused by work done before it.
         """
         t0 = time.monotonic()
-        before = asyncio.ensure_future(self.progress())
         body = {"model": self.model, "prompt": "hi", "max_tokens": 1, "temperature": 0}
         try:
             async with self.session.post(
@@ -91,18 +94,18 @@ class Prober:
                 data = await r.json()
                 if not data.get("choices"):
                     return ProbeOutcome(False, "generate: no choices in answer", latency)
+                self._last_progress = None
                 return ProbeOutcome(True, "ok", latency)
         except asyncio.TimeoutError:
-            return self._judge_timeout(await before, await self.progress())
+            before, now = self._last_progress, await self.progress()
+            self._last_progress = now
+            return self._judge_timeout(before, now)
         except aiohttp.ClientConnectorError:
             return ProbeOutcome(False, "generate: connection refused")
         except aiohttp.ClientError as e:
             return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
         except Exception as e:  # a malformed answer (not JSON, wrong shape) is a failed probe
             return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
-        finally:
-            if not before.done():
-                before.cancel()
 
     async def progress(self) -> Progress | None:
         try:
@@ -122,11 +125,13 @@ class Prober:
         return ProbeOutcome(False, f"timeout after {self.timeout:g}s, no progress")
 
     async def check(self) -> ProbeOutcome:
-        """Liveness, then the deep probe. Either failing is a failed heartbeat."""
+        """One heartbeat: the deep probe, which proves liveness too when it answers. Only when
+        it fails is /health asked, to say why (503: the engine core is dead)."""
+        deep = await self.generate()
+        if deep.ok:
+            return deep
         live = await self.health()
-        if not live.ok:
-            return live
-        return await self.generate()
+        return deep if live.ok else ProbeOutcome(False, f"{live.detail}; {deep.detail}", deep.latency)
 
     async def weight_version(self) -> int | str | None:
         """The engine's weight version from vLLM's /weight_info (dev mode), as ours: None for

@@ -91,9 +91,9 @@ class FakeEngine:
                     if body.get("logprobs"):
                         tok["logprobs"] = {"content": [{"token": f"w{i}", "logprob": -0.5 - i}]}
                 else:
-                    tok["text"] = (body["prompt"] if body.get("echo") and i == 0 else "") + f"w{i} "
+                    tok["text"] = f"w{i} "
                     if i == 0:
-                        tok["prompt_token_ids"] = [1, 2, 3]
+                        tok["prompt_token_ids"] = [ord(c) for c in body["prompt"]]
                     if body.get("logprobs"):
                         tok["logprobs"] = {"tokens": [f"w{i}"], "token_logprobs": [-0.5 - i]}
                 await resp.write(b"data: " + json.dumps({"id": "x", "choices": [tok]}).encode() + b"\n\n")
@@ -205,7 +205,7 @@ async def test_success_returns_text_ids_logprobs_timings(engines):
         r = await rc.complete("hello", max_tokens=5, logprobs=1)
         c = await rc.chat([{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True)
     assert r.text == "w0 w1 w2 w3 w4 " and r.finish_reason == "length"
-    assert r.token_ids == [100, 101, 102, 103, 104] and r.n_tokens == 5 and r.prompt_token_ids == [1, 2, 3]
+    assert r.token_ids == [100, 101, 102, 103, 104] and r.n_tokens == 5 and r.prompt_token_ids == [104, 101, 108, 108, 111]
     assert r.logprobs == [-0.5, -1.5, -2.5, -3.5, -4.5]
     assert r.attempts == [Attempt("A", OK)] and r.engine == "A" and r.epoch == 1 and r.weight_version == 3
     assert r.sent <= r.attempt_sent <= r.first_token <= r.finished and r.ttft >= 0
@@ -362,9 +362,10 @@ async def test_gather_keeps_order_and_bounds_concurrency(engines):
     a.script, b.script = ["abort"], ["die", "500"]  # no one request can exhaust both engines
     sup = FakeSupervisor([a.view(), b.view()])
     async with client(sup, cooldown=0.0) as rc:
-        prompts = [f"p{i}|" for i in range(20)]
-        results = await rc.gather(prompts, concurrency=3, max_tokens=3, echo=True)
-    assert [r.text for r in results] == [f"{p}w0 w1 w2 " for p in prompts]  # in the prompts' order
+        prompts = [f"p{i}" for i in range(20)]
+        results = await rc.gather(prompts, concurrency=3, max_tokens=3)
+    assert [r.prompt_token_ids for r in results] == [[ord(c) for c in p] for p in prompts]  # in order
+    assert all(r.text == "w0 w1 w2 " for r in results)
     assert all(r.finish_reason == "length" for r in results)
     assert len({r.request_id for r in results}) == 20
     assert a.max_active + b.max_active <= 3 + 3 and max(a.max_active, b.max_active) <= 3
@@ -408,6 +409,8 @@ async def test_invalid_sampling_is_refused_before_sending(engines):
             await rc.complete("p", n=2)
         with pytest.raises(ValueError, match="stream=False"):
             await rc.complete("p", stream=False)
+        with pytest.raises(ValueError, match="echo=True"):
+            await rc.complete("p", echo=True)
     assert a.requests == []
 
 

@@ -72,6 +72,9 @@ def fleet(tiny_model, tmp_path_factory):
             daemon.transition(name, "RUNNING", BOOT)
         f.boot_s = time.monotonic() - t0
         f.log = EventLog(f.socket)
+        from transformers import AutoTokenizer
+
+        f.tok = AutoTokenizer.from_pretrained(tiny_model)
         yield f
     finally:
         pids = set(daemon.spawned_pids())
@@ -100,11 +103,11 @@ async def until(pred, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def assert_exactly_once(results, prompts) -> None:
+def assert_exactly_once(f, results, prompts) -> None:
     assert len(results) == len(prompts)
     assert len({r.request_id for r in results}) == len(prompts)
-    # gather keeps order and every prompt got its own answer: echo=True puts the prompt first.
-    assert [r.text[:len(p)] for r, p in zip(results, prompts)] == prompts
+    # gather keeps order and every prompt got its own answer (the engine's tokens of that prompt).
+    assert [r.prompt_token_ids for r in results] == [f.tok(p)["input_ids"] for p in prompts]
     for r in results:
         assert r.finish_reason == "length" and r.n_tokens == MAX_TOKENS and len(r.token_ids) == MAX_TOKENS
         assert r.attempts[-1] == (r.engine, OK) and all(o != OK for _, o in r.attempts[:-1])
@@ -141,7 +144,7 @@ async def test_pause_abort_mid_batch_requests_are_resent_and_complete(fleet):
     f = fleet
     prompts = batch_prompts("pause")
     async with rollout(f) as rc:
-        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, echo=True))
+        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
         await until(lambda: rc.outstanding().get("A", 0) >= 8)
         await asyncio.sleep(0.3)  # tokens are flowing on A
         assert not batch.done()
@@ -151,7 +154,7 @@ async def test_pause_abort_mid_batch_requests_are_resent_and_complete(fleet):
         await asyncio.sleep(1.0)
         assert await asyncio.to_thread(post, f"{f.url['A']}/resume") == 200
         results = await asyncio.wait_for(batch, 120)
-    assert_exactly_once(results, prompts)
+    assert_exactly_once(f, results, prompts)
     resent = [r for r in results if (("A", ABORT) in r.attempts)]
     assert resent, "no request was aborted by the pause"
     assert rc.stats.aborted == sum(o == ABORT for r in results for _, o in r.attempts) >= 1
@@ -175,7 +178,7 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
     prompts = batch_prompts("kill")
     async with rollout(f) as rc:
         epoch_before = rc.epoch
-        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, echo=True))
+        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
         await until(lambda: rc.outstanding().get("A", 0) >= 8)
         await asyncio.sleep(0.3)  # tokens are flowing on A
         assert not batch.done()
@@ -189,7 +192,7 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
         await until(lambda: rc.epoch != epoch_before, 10)  # the client followed the membership epoch
         assert [e.name for e in rc.engines] == ["B"]
         await asyncio.sleep(0.5)  # let the background failure reports land
-    assert_exactly_once(results, prompts)
+    assert_exactly_once(f, results, prompts)
     # Every answer after the kill came from the survivor; A's answers were finished before it.
     assert all(r.engine == "B" for r in results if r.finished >= t_kill)
     assert all(r.finished < t_kill for r in results if r.engine == "A")
@@ -220,7 +223,7 @@ async def test_no_engine_left_when_every_engine_is_stopped(fleet):
     prompts = batch_prompts("stop")
     async with rollout(f) as rc:
         assert [e.name for e in rc.engines] == ["B"]  # A is still down (round 1 is open)
-        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, echo=True,
+        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, 
                                               return_exceptions=True))
         await until(lambda: rc.outstanding().get("B", 0) >= 8)
         mark = d.mark()

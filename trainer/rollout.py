@@ -502,9 +502,10 @@ class RolloutClient:
                        ) -> RolloutResult:
         if self._session is None:
             raise RuntimeError("RolloutClient is not started: use `async with RolloutClient(...)`")
-        for key, allowed in (("n", 1), ("best_of", 1), ("stream", True)):
+        for key, allowed in (("n", 1), ("best_of", 1), ("stream", True), ("echo", False)):
             if key in sampling and sampling[key] not in (allowed, None):
-                raise ValueError(f"{key}={sampling[key]!r} is not supported: one streamed choice per request")
+                raise ValueError(f"{key}={sampling[key]!r} is not supported: one streamed choice per request, "
+                                 "generated text only (the prompt's token ids are in prompt_token_ids)")
         rid = f"rollout-{uuid.uuid4().hex[:16]}"
         self.stats.requests += 1
         attempts: list[Attempt] = []
