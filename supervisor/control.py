@@ -14,6 +14,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -272,7 +273,7 @@ class ControlServer:
         if role == "agent":  # it answers sync_request events: the daemon may ask it now
             self.fleet.sync.agent_connected()
         try:
-            hello = {"event": "hello", **routable_view(self.fleet),
+            hello = {"event": "hello", "ts": time.time(), **routable_view(self.fleet),
                      "round": self.fleet.round, "round_open": self.fleet.round_open}
             await resp.write(json.dumps(hello).encode() + b"\n")
             quiet = 0.0
@@ -285,7 +286,7 @@ class ControlServer:
                     quiet += 1.0
                     if quiet < 10.0:
                         continue
-                    ev = {"event": "keepalive"}
+                    ev = {"event": "keepalive", "ts": time.time()}
                 quiet = 0.0
                 if ev is _CLOSE:
                     break

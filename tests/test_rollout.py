@@ -83,7 +83,7 @@ class FakeEngine:
                 finish = None
                 if what == "abort" and i == 1:
                     finish = "abort"
-                elif last and what != "nofinish":
+                elif last and what not in ("nofinish", "queued_abort"):
                     finish = "length"
                 tok = {"index": 0, "finish_reason": finish, "token_ids": [100 + i]}
                 if chat:
@@ -96,6 +96,8 @@ class FakeEngine:
                         tok["prompt_token_ids"] = [ord(c) for c in body["prompt"]]
                     if body.get("logprobs"):
                         tok["logprobs"] = {"tokens": [f"w{i}"], "token_logprobs": [-0.5 - i]}
+                if what == "queued_abort":  # vLLM: aborted before its first token, no chunk, then [DONE]
+                    break
                 await resp.write(b"data: " + json.dumps({"id": "x", "choices": [tok]}).encode() + b"\n\n")
                 if what == "die" and i == 1:
                     request.transport.close()  # the server died mid-answer
@@ -103,6 +105,9 @@ class FakeEngine:
                 if finish == "abort":
                     break
                 await asyncio.sleep(0)
+            if what == "nofinish":  # a clean end of the body, but no finish reason and no [DONE]
+                await resp.write_eof()
+                return resp
             usage = {"prompt_tokens": 3, "completion_tokens": n if what != "abort" else 2, "total_tokens": n + 3}
             await resp.write(b"data: " + json.dumps({"id": "x", "choices": [], "usage": usage}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
@@ -254,6 +259,17 @@ async def test_abort_is_resent_not_reported_and_partial_text_discarded(engines):
     assert r.attempts == [Attempt("A", ABORT), Attempt("B", OK)]
     assert r.finish_reason == "length" and r.text == "w0 w1 w2 w3 " and r.n_tokens == 4
     assert sup.reports == [] and rc.stats.aborted == 1 and rc.stats.attempt_failures == 0
+
+
+async def test_clean_end_without_finish_reason_is_an_abort(engines):
+    """vLLM 0.32 ends the stream of a request aborted while queued with usage and [DONE] only."""
+    a, b = engines
+    a.script = ["queued_abort"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        rc.pick = _first_then_default(rc, "A")
+        r = await rc.complete("p", max_tokens=4)
+    assert r.attempts == [Attempt("A", ABORT), Attempt("B", OK)] and sup.reports == []
 
 
 async def test_abort_on_the_only_engine_is_resent_to_it(engines):

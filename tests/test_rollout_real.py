@@ -43,8 +43,8 @@ class EventLog:
         except DaemonUnreachable:
             pass  # the daemon was stopped at teardown
 
-    def of(self, kind: str, **match) -> list[dict]:
-        return [e for e in list(self.events) if e.get("event") == kind
+    def of(self, event: str, /, **match) -> list[dict]:
+        return [e for e in list(self.events) if e.get("event") == event
                 and all(e.get(k) == v for k, v in match.items())]
 
 

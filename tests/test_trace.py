@@ -135,7 +135,8 @@ def test_trace_file(tmp_path):
                    and r4["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r4["ts"] + r4["dur"] and e is not r4),
                   key=lambda e: e["ts"])
     assert [k["name"] for k in kids] == ["attempt 1 (engine-1)", "attempt 2 (engine-0)", "queue+prefill", "decode"]
-    assert kids[0]["args"]["error"] == "connection reset" and r4["args"]["attempts"] == 2
+    assert kids[0]["args"]["outcome"] == "connection reset" and r4["args"]["attempts"] == 2
+    assert r4["args"]["attempt_outcomes"] == ["engine-1: connection reset", "engine-0: ?"]
     assert kids[1]["ts"] == kids[0]["ts"] + kids[0]["dur"]  # the overlap was clamped
     # The unfinished request is drawn up to its last known time and marked.
     r5 = next(e for e in xs if e["name"] == "request 5 (round 7)")
@@ -154,6 +155,53 @@ def test_trace_file(tmp_path):
     states = sorted((e for e in xs if e["pid"] == DAEMON_PID), key=lambda e: e["ts"])
     assert [(s["name"], s["ts"], s["ts"] + s["dur"]) for s in states] == [
         ("EXITED", 4_060_000, 10_210_000), ("STARTING", 10_210_000, 12_010_000)]
+
+
+def test_rollout_client_results(tmp_path):
+    """trainer.rollout.RolloutResult as it is: top-level times, attempt_sent for the answering
+    attempt, attempts as (engine, outcome) records without times."""
+    rollout = pytest.importorskip("trainer.rollout")
+    from trainer.dumps import Sample
+
+    def result(i, engine, sent, attempt_sent, first, fin, attempts):
+        return rollout.RolloutResult(
+            request_id=f"r{i}", text="abc", finish_reason="length", engine=engine, url="http://x",
+            token_ids=[1, 2, 3], logprobs=[-0.1, -0.2, -0.3], prompt_token_ids=[7, 8], n_tokens=3,
+            attempts=[rollout.Attempt(e, o) for e, o in attempts], sent=T0 + sent,
+            attempt_sent=T0 + attempt_sent, first_token=T0 + first, finished=T0 + fin, epoch=1,
+            weight_version=4)
+
+    results = [result(0, "engine-0", 0.0, 0.0, 0.5, 2.0, [("engine-0", "ok")]),
+               result(1, "engine-1", 0.0, 1.0, 1.25, 3.0, [("engine-0", "refused"), ("engine-1", "ok")]),
+               result(2, "engine-1", 0.5, 2.0, 2.5, 4.0,
+                      [("engine-0", "died"), ("engine-0", "timeout"), ("engine-1", "ok")])]
+    tr = Tracer()
+    for r in results:
+        tr.add_request(r, round=2)
+    evs = load(tr.write(tmp_path / "t.json"))["traceEvents"]
+    check_fields(evs)
+    check_nesting(evs)
+    xs = [e for e in evs if e["ph"] == "X"]
+    r1 = next(e for e in xs if e["name"] == "request 1 (round 2)")
+    assert (r1["ts"], r1["dur"]) == (0, 3_000_000) and r1["args"]["attempts"] == 2
+    assert r1["args"]["attempt_outcomes"] == ["engine-0: refused", "engine-1: ok"]
+    inside = sorted(((e["name"], e["ts"], e["ts"] + e["dur"]) for e in xs if e["tid"] == r1["tid"]
+                     and e is not r1 and r1["ts"] <= e["ts"] <= e["ts"] + e["dur"] <= r1["ts"] + r1["dur"]),
+                    key=lambda x: (x[1], -x[2]))
+    assert inside == [("attempt 1 (re-sent)", 0, 1_000_000), ("attempt 2 (engine-1)", 1_000_000, 3_000_000),
+                      ("queue+prefill", 1_000_000, 1_250_000), ("decode", 1_250_000, 3_000_000)]
+    r2 = next(e for e in xs if e["name"] == "request 2 (round 2)")
+    assert {e["name"] for e in xs if e["tid"] == r2["tid"] and e["ts"] >= r2["ts"]} >= {
+        "attempts 1-2 (re-sent)", "attempt 3 (engine-1)"}
+    s = long_tail_summary(results)
+    # ttft from the answering attempt's send; latency from the first send (retries included)
+    assert [x["latency_s"] for x in s["slowest"]] == pytest.approx([3.5, 3.0, 2.0])
+    assert s["ttft_s"]["max"] == pytest.approx(0.5) and s["ttft_s"]["min"] == pytest.approx(0.25)
+    sample = Sample.from_rollout(results[1], prompt="p", reward=1.0)
+    assert (sample.prompt_token_ids, sample.output_token_ids, sample.attempts, sample.weight_version) == (
+        [7, 8], [1, 2, 3], 2, 4)
+    assert sample.timings == {"sent": T0, "attempt_sent": T0 + 1.0, "first_token": T0 + 1.25, "finished": T0 + 3.0}
+    assert sample.metadata == {"request_id": "r1"}
 
 
 def test_rounds_context_and_monotonic_times(tmp_path):

@@ -22,7 +22,8 @@ directory, then rename), so a crash never leaves a half-written dump under the f
                 {"prompt": str, "response": str, "prompt_token_ids": [int], "output_token_ids": [int],
                  "logprobs": [float] | null (one per output token), "reward": float | null,
                  "engine": str | null, "finish_reason": str | null, "attempts": int,
-                 "timings": {"sent": s, "first_token": s, "finished": s} (epoch seconds),
+                 "timings": {"sent": s, "attempt_sent": s, "first_token": s, "finished": s}
+                            (epoch seconds; those the result had),
                  "weight_version": int | str | null, "group": str | null, "metadata": {...}}
 
 It is greppable on purpose (`grep -c . dumps/rollout_412.jsonl` is num_samples + 1;
@@ -70,7 +71,7 @@ __all__ = [
 FORMAT = "vime-rollout-dump"
 FORMAT_VERSION = 1
 _HEADER_KEYS = ("format", "version", "rollout_id", "weight_version", "created", "num_samples")
-TIMING_KEYS = ("sent", "first_token", "finished")
+TIMING_KEYS = ("sent", "attempt_sent", "first_token", "finished")
 
 
 class DumpFormatError(ValueError):
@@ -119,7 +120,7 @@ class Sample:
     engine: str | None = None
     finish_reason: str | None = None
     attempts: int = 1
-    timings: dict[str, float] = field(default_factory=dict)  # sent / first_token / finished (epoch s)
+    timings: dict[str, float] = field(default_factory=dict)  # sent/attempt_sent/first_token/finished (epoch s)
     weight_version: int | str | None = None
     group: str | None = None  # GRPO group key; None: the prompt
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -162,10 +163,11 @@ class Sample:
     def from_rollout(cls, result: Any, *, prompt: str, prompt_token_ids: Iterable[int] | None = None,
                      reward: float | None = None, weight_version: int | str | None = None,
                      group: str | None = None, **metadata: Any) -> "Sample":
-        """A Sample from a rollout client's result (an object or a dict with text, token_ids,
-        logprobs, finish_reason, engine, attempts and timings sent/first_token/finished, either
-        in a `timings` mapping/object or as top-level fields). prompt_token_ids default to the
-        result's `prompt_token_ids` when it has them."""
+        """A Sample from a rollout client's result: trainer.rollout.RolloutResult, or any object
+        or dict with text, token_ids, logprobs, finish_reason, engine, attempts (an int or a
+        list) and the times sent/attempt_sent/first_token/finished, either in a `timings`
+        mapping/object or as top-level fields. prompt_token_ids and weight_version default to
+        the result's own; its request_id goes into metadata."""
         timings_src = _get(result, "timings", default=result)
         timings = {k: _get(timings_src, k) for k in TIMING_KEYS}
         timings = {k: v for k, v in timings.items() if v is not None}
@@ -175,6 +177,11 @@ class Sample:
         ptids = prompt_token_ids if prompt_token_ids is not None else _get(result, "prompt_token_ids")
         if ptids is None:
             raise ValueError("prompt_token_ids: the result has none; pass prompt_token_ids=")
+        if weight_version is None:
+            weight_version = _get(result, "weight_version")
+        request_id = _get(result, "request_id")
+        if request_id is not None:
+            metadata.setdefault("request_id", request_id)
         return cls(prompt=prompt, response=_get(result, "text", "response", default=""),
                    prompt_token_ids=list(ptids),
                    output_token_ids=list(_get(result, "token_ids", "output_token_ids", default=[])),

@@ -27,7 +27,9 @@ are coalesced to one per `cooldown`, so a burst of requests failing together on 
 counts once toward its failure threshold). An attempt that answered 200 with finish_reason
 "abort" was cut by a pause (`POST /pause?mode=abort`, a weight sync): its partial output is
 discarded and the request re-sent, preferably to another engine, else to the same one (vLLM
-queues requests while paused); an abort is not reported. A 4xx (a bad request) is not retried:
+queues requests while paused); an abort is not reported. vLLM drops the abort chunk of a request aborted before its first
+token and ends that stream cleanly ([DONE] without a finish reason): that is an abort too,
+while a stream cut without [DONE] is a death. A 4xx (a bad request) is not retried:
 `RolloutRequestError`. When no routable engine is left that has not failed this request:
 `NoEngineAvailable`. After `max_attempts`: `RolloutFailed`. All are `RolloutError`.
 
@@ -610,9 +612,13 @@ class RolloutClient:
                 raise _Retry(TIMEOUT, f"{engine.name} did not answer within {self.request_timeout:g}s") from None
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
                 raise _Retry(DIED, f"{engine.name} dropped the connection: {type(e).__name__}: {e}") from None
+            if answer.finish_reason is None and answer.done:
+                # vLLM (0.32) drops the "abort" chunk of a request aborted before its first
+                # token (an empty chunk) and ends the stream cleanly: usage, then [DONE].
+                raise _Retry(ABORT, f"{engine.name} ended the stream without a finish reason "
+                                    f"after {len(answer.token_ids or answer.text)} token(s) (aborted while queued)")
             if answer.finish_reason is None:
-                raise _Retry(DIED, f"{engine.name}'s stream ended without a finish reason"
-                             + ("" if answer.done else " or [DONE]"))
+                raise _Retry(DIED, f"{engine.name}'s stream ended without a finish reason or [DONE]")
             if answer.finish_reason == "abort":
                 raise _Retry(ABORT, f"{engine.name} aborted the request (paused)")
         except _Retry as r:

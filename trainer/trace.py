@@ -17,11 +17,15 @@ The file is the Chrome trace-event JSON format: {"traceEvents": [...], "displayT
 
   pid 1 "trainer"                  tid "rounds": one "X" span per round (start to end);
                                    tid "requests <engine>" per engine: one "X" span per request
-                                   (sent to finished) with children: one span per attempt when
-                                   the result lists attempts with times (re-sends), and inside
-                                   the last attempt (or the request) "queue+prefill" (sent to
-                                   first token) and "decode" (first token to finished); args
-                                   carry tokens, attempts, finish_reason, round;
+                                   (first send to finished) with children: for a re-sent
+                                   request one span per attempt when the attempts carry their
+                                   own times, else (RolloutResult: only attempt_sent) one span
+                                   for the earlier attempts and one for the answering attempt;
+                                   inside the answering attempt (or the request)
+                                   "queue+prefill" (its send to first token) and "decode"
+                                   (first token to finished); args carry tokens, attempts,
+                                   attempt_outcomes ("engine-0: refused", ...), finish_reason,
+                                   round, latency_s, ttft_s;
                                    tid "<track>" for spans added with span()/add_span().
   pid 2 "vime-supervisor daemon"   tid "fleet": "i" instants for events without an engine
                                    (round_start/end, membership, floor_breach, weights_published,
@@ -39,9 +43,10 @@ Times are wall-clock seconds (time.time(), as the daemon's events carry). A time
 taken as a monotonic clock reading (time.monotonic()/perf_counter() on Linux) and converted
 with the offset measured when the Tracer was made.
 
-long_tail_summary(results) gives one round's latency percentiles (linear interpolation between
-order statistics, as numpy's default), the slowest N requests and their engines, and per-engine
-numbers; format_summary() makes a text table of it; save_summary() writes it.
+long_tail_summary(results) gives one round's latency percentiles (latency: first send to
+finished, re-sends included; ttft: the answering attempt's send to its first token; linear
+interpolation between order statistics, as numpy's default), the slowest N requests and their
+engines, and per-engine numbers; format_summary() makes a text table of it; save_summary() writes it.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ class _Attempt:
     engine: str | None
     sent: float | None
     finished: float | None
-    error: str | None
+    outcome: str | None  # "ok", "refused", "died", ..., or an error text
 
 
 @dataclass
@@ -114,6 +119,7 @@ class _Request:
     index: int
     engine: str
     sent: float | None
+    attempt_sent: float | None  # when the attempt that answered was sent (None: = sent)
     first_token: float | None
     finished: float | None
     tokens: int | None
@@ -133,19 +139,23 @@ class _Request:
 
     @property
     def ttft(self) -> float | None:
-        if self.sent is None or self.first_token is None:
+        """From the send of the attempt that answered to its first token."""
+        start = self.attempt_sent if self.attempt_sent is not None else self.sent
+        if start is None or self.first_token is None:
             return None
-        return self.first_token - self.sent
+        return self.first_token - start
 
 
 def _request(result: Any, index: int, wall: Callable[[Any], float | None], *, round: Any = None,
              name: str | None = None, args: Mapping[str, Any] | None = None) -> _Request:
-    """A rollout result (RolloutResult, a dict, anything with these names) as a record:
-    engine; sent/first_token/finished in `timings` (mapping or object) or at the top level;
-    tokens as n_tokens/num_tokens/completion_tokens or len(token_ids); attempts an int or a list
-    of attempt records (engine, sent, finished, error)."""
+    """A rollout result (trainer.rollout.RolloutResult, a dict, anything with these names) as a
+    record: engine; sent/attempt_sent/first_token/finished in `timings` (mapping or object) or
+    at the top level; tokens as n_tokens/num_tokens/completion_tokens or len(token_ids);
+    attempts an int or a list of attempt records (engine, outcome or error, and optionally
+    their own sent/finished)."""
     timings = _get(result, "timings", default=result)
     sent = wall(_get(timings, "sent"))
+    attempt_sent = wall(_get(timings, "attempt_sent"))
     first = wall(_get(timings, "first_token"))
     finished = wall(_get(timings, "finished"))
     tokens = _get(result, "n_tokens", "num_tokens", "completion_tokens", "tokens")
@@ -161,12 +171,12 @@ def _request(result: Any, index: int, wall: Callable[[Any], float | None], *, ro
         n_attempts = len(raw_list)
         for a in raw_list:
             at = _get(a, "timings", default=a)
-            err = _get(a, "error", "detail", "status")
+            err = _get(a, "error", "detail", "status", "outcome")
             spans.append(_Attempt(_get(a, "engine"), wall(_get(at, "sent")), wall(_get(at, "finished")),
                                   None if err is None else str(err)))
     err = _get(result, "error")
     return _Request(index=index, engine=str(_get(result, "engine", default="unknown")), sent=sent,
-                    first_token=first, finished=finished, tokens=tokens, attempts=n_attempts,
+                    attempt_sent=attempt_sent, first_token=first, finished=finished, tokens=tokens, attempts=n_attempts,
                     attempt_spans=spans, finish_reason=_get(result, "finish_reason"),
                     error=None if err is None else str(err), round=round, name=name,
                     args=dict(args or {}))
@@ -431,6 +441,8 @@ class Tracer:
             args["error"] = r.error
         if r.finished is None:
             args["unfinished"] = True
+        if r.attempt_spans:
+            args["attempt_outcomes"] = [f"{a.engine or '?'}: {a.outcome or '?'}" for a in r.attempt_spans]
         name = r.name or f"request {r.index}" + ("" if r.round is None else f" (round {r.round})")
         root = _Span(name, start, end, {k: v for k, v in args.items() if v is not None})
         phase_parent = root
@@ -439,9 +451,18 @@ class Tracer:
             a_end = a.finished if a.finished is not None else (
                 timed[k].sent if k < len(timed) and timed[k].sent is not None else end)
             span = _Span(f"attempt {k}" + (f" ({a.engine})" if a.engine else ""), a.sent, a_end,
-                         {x: y for x, y in (("engine", a.engine), ("error", a.error)) if y is not None})
+                         {x: y for x, y in (("engine", a.engine), ("outcome", a.outcome)) if y is not None})
             root.children.append(span)
             phase_parent = span
+        if not timed and r.attempt_sent is not None and r.attempt_sent > start:
+            # Re-sent, with only the answering attempt's send time (RolloutResult): the earlier
+            # attempts as one span, then the answering one.
+            earlier = [f"{a.engine or '?'}: {a.outcome or '?'}" for a in r.attempt_spans[:-1]]
+            n = max(r.attempts, 2)
+            root.children.append(_Span(f"attempts 1-{n - 1} (re-sent)" if n > 2 else "attempt 1 (re-sent)",
+                                       start, r.attempt_sent, {"attempts": earlier} if earlier else {}))
+            phase_parent = _Span(f"attempt {n} ({r.engine})", r.attempt_sent, end, {"engine": r.engine})
+            root.children.append(phase_parent)
         if r.first_token is not None:
             p0 = phase_parent.start if phase_parent is not root or r.sent is None else r.sent
             phase_parent.children.append(_Span("queue+prefill", p0, r.first_token))
