@@ -244,10 +244,11 @@ class Fleet:
 
     def report_failure(self, runner: Any, detail: str) -> dict[str, Any]:
         fsm = runner.fsm
-        if not fsm.probed:
+        if not fsm.probed:  # e.g. the daemon saw the death first: on the stream, not counted
+            self.emit("failure_reported", engine=runner.name, detail=detail, counted=False)
             return {"counted": False, "state": fsm.state.value,
                     "message": f"{runner.name} is {fsm.state.value}; failures count only while it serves"}
-        self.emit("failure_reported", engine=runner.name, detail=detail)
+        self.emit("failure_reported", engine=runner.name, detail=detail, counted=True)
         if fsm.report_failure(detail):
             runner.condemn()
         return {"counted": True, "state": fsm.state.value, "consecutive_failures": fsm.consecutive_failures,

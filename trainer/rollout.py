@@ -53,7 +53,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
@@ -248,14 +248,18 @@ class _Answer:
                     self.first_token = time.time()
                 self.text.append(text)
             if ids is not None:
-                self.token_ids = (self.token_ids or []) + list(ids)
+                if self.token_ids is None:
+                    self.token_ids = []
+                self.token_ids.extend(ids)
             lp = choice.get("logprobs")
             if isinstance(lp, dict):
                 if chat:
                     values = [c.get("logprob") for c in lp.get("content") or ()]
                 else:
                     values = list(lp.get("token_logprobs") or ())
-                self.logprobs = (self.logprobs or []) + values
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(values)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
 
@@ -315,7 +319,6 @@ class RolloutClient:
         self._session: Any = None
         self._tasks: set[asyncio.Task] = set()
         self._report_tasks: set[asyncio.Task] = set()
-        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -344,7 +347,6 @@ class RolloutClient:
 
     async def aclose(self) -> None:
         """Stop the background tasks, let pending failure reports finish (up to 5 s), close."""
-        self._closed = True
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
@@ -622,6 +624,7 @@ class RolloutClient:
             if answer.finish_reason == "abort":
                 raise _Retry(ABORT, f"{engine.name} aborted the request (paused)")
         except _Retry as r:
+            self._outstanding[engine.name] -= 1
             attempts.append(Attempt(engine.name, r.outcome))
             self._on_failure(engine, r, rid)
             if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded
@@ -630,8 +633,10 @@ class RolloutClient:
                 failed.add(engine.name)
             await self.refresh()  # the epoch may have changed
             raise
-        finally:
+        except BaseException:
             self._outstanding[engine.name] -= 1
+            raise
+        self._outstanding[engine.name] -= 1
         attempts.append(Attempt(engine.name, OK))
         finished = time.time()
         return RolloutResult(
