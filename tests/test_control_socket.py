@@ -85,7 +85,7 @@ def status(sock: str) -> dict:
     return json.loads(body)
 
 
-VOLATILE_ENGINE = {"state_age", "uptime", "last_probe", "last_probe_latency"}
+VOLATILE_ENGINE = {"state_age", "uptime", "last_probe", "last_probe_latency", "probes", "probe_failures", "late_probes"}
 
 
 def stable(s: dict) -> dict:
