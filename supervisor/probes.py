@@ -108,9 +108,11 @@ class Prober:
             return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
 
     async def progress(self) -> Progress | None:
+        # Its own 2 s bound, not the probe timeout: a busy API server answers /metrics late too,
+        # and a hung EngineCore does not slow /metrics (the API server answers it).
         try:
             async with self.session.get(
-                f"{self.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=min(2.0, self.timeout))
+                f"{self.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
             ) as r:
                 if r.status != 200:
                     return None
