@@ -23,6 +23,7 @@ from .engine import EngineRunner
 from .fleet import Fleet
 from .fsm import vlabel
 from .journal import JournalError, JournalWriter
+from .process import kill_group_of
 from .sdnotify import Notifier
 from .states import State
 
@@ -86,6 +87,7 @@ class Supervisor:
                 for t in self._tasks:
                     t.cancel()
                 await control.stop()
+                await self.fleet.sync.close()
                 await self.journal.close()
                 self.notifier.close()
 
@@ -114,8 +116,13 @@ class Supervisor:
                                 hint="no longer in the config; stop it by hand if it still runs")
                 continue
             runner.retired = bool(entry.get("retired"))
+            runner.start_stopped = entry.get("state") == State.STOPPED.value
             if runner.spec.spawned and entry.get("pid"):
-                (adopted if runner.adopt(entry) else fresh).append(name)
+                if runner.adopt(entry):
+                    adopted.append(name)
+                else:
+                    fresh.append(name)
+                    kill_group_of(int(entry["pid"]), int(entry.get("start_time", 0)))  # its leftovers
         log.info("journal.restored", round=fleet.round, round_open=fleet.round_open,
                  weight_version=fleet.current_version, adopted=adopted, gone=fresh)
 
@@ -133,8 +140,12 @@ class Supervisor:
 
     async def _ready_when_checked(self) -> None:
         """READY=1 once the socket listens and every engine's first start has concluded."""
-        while any(r.fsm.state in (State.STOPPED, State.STARTING) and not r.retired
-                  for r in self.fleet.runners.values()):
+        def first_start_pending(r) -> bool:
+            return not r.retired and (r.fsm.state is State.STARTING
+                                      or r.fsm.state is State.STOPPED and r.fsm.incarnation == 0
+                                      and not r.start_stopped)
+
+        while any(first_start_pending(r) for r in self.fleet.runners.values()):
             await asyncio.sleep(0.2)
         self.notifier.ready(status_line(self.fleet))
         log.info("supervisor.ready", status=status_line(self.fleet))

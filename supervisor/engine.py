@@ -23,6 +23,7 @@ from .fsm import EngineFSM, ProbeOutcome
 from .probes import Prober
 from .process import (
     EngineProcess,
+    kill_group_of,
     classify_failure,
     describe_returncode,
     engine_command,
@@ -66,6 +67,8 @@ class EngineRunner:
         self._task: asyncio.Task | None = None
         self._stop_reason: str | None = None  # set by an operator's stop: ends in STOPPED
         self._adopted: EngineProcess | None = None  # from the journal, taken by the first start
+        self._adopted_routable = False  # it was serving when the previous daemon died
+        self.start_stopped = False  # the journal says an operator stopped it: stay stopped
 
     @property
     def name(self) -> str:
@@ -102,14 +105,27 @@ class EngineRunner:
 
     def adopt(self, entry: dict) -> bool:
         """Take over this engine's process from a previous daemon's journal, if it is still
-        the same process. Call before start()."""
+        the same process, on the same port, and was in a state worth keeping. A process that
+        is ours but not worth keeping (retired, moved port, hung, mid-sync, being stopped) is
+        killed instead of left to hold its port and memory. Call before start()."""
         try:
-            proc = EngineProcess.adopt(int(entry["pid"]), int(entry["start_time"]), Path(entry["log_path"]))
+            pid, start_time = int(entry["pid"]), int(entry["start_time"])
+            proc = EngineProcess.adopt(pid, start_time, Path(entry["log_path"]))
         except (KeyError, TypeError, ValueError):
             return False
         if proc is None:
             return False
+        state = entry.get("state")
+        keep = (not self.retired and entry.get("port") == self.spec.port
+                and state in (S.RUNNING.value, S.SUSPECT.value, S.STALE.value, S.STARTING.value))
+        if not keep:
+            proc.forget()
+            kill_group_of(pid, start_time)
+            log.warning("journal.not_adopted", engine=self.name, pid=pid, state=state,
+                        retired=self.retired, port=entry.get("port"), action="killed its process group")
+            return False
         self._adopted = proc
+        self._adopted_routable = state in (S.RUNNING.value, S.SUSPECT.value)
         self.fsm.incarnation = max(0, int(entry.get("incarnation", 1)) - 1)
         self.fsm.restarts = int(entry.get("restarts", 0))
         return True
@@ -118,6 +134,8 @@ class EngineRunner:
         fsm = self.fsm
         if self._adopted is not None:
             fsm.begin_start(f"re-adopting pid {self._adopted.pid} after a daemon restart", restart=False)
+        elif self.start_stopped:
+            fsm.annotate("stopped by request (before a daemon restart)")
         else:
             fsm.begin_start("start")
         while True:
@@ -163,16 +181,18 @@ class EngineRunner:
         proc = self.proc
         exited = asyncio.ensure_future(proc.wait())
         ready = asyncio.ensure_future(self._wait_ready())
-        done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        ready.cancel()
+        try:
+            done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
         if ready in done and ready.exception() is None and not exited.done():
             version = await self.prober.weight_version()
             # The awaits above leave room for an operator's stop or a death: check again.
             if fsm.state is S.STARTING and self._stop_reason is None and not exited.done():
                 # A re-adopted engine was serving in this round before the daemon died: it
                 # goes on serving if its version checks out. A new one waits for the gap.
-                hold = None if proc.adopted else self.fleet.hold_reason()
+                hold = None if proc.adopted and self._adopted_routable else self.fleet.hold_reason()
                 fsm.became_ready(version, self.fleet.current_version, hold=hold)
                 await self._supervise(proc, exited)
                 return
@@ -200,9 +220,11 @@ class EngineRunner:
         self._stop_now.clear()
         beat = asyncio.ensure_future(self._heartbeat())
         stop_asked = asyncio.ensure_future(self._stop_now.wait())
-        done, _ = await asyncio.wait({exited, beat, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
-        beat.cancel()
-        stop_asked.cancel()
+        try:
+            done, _ = await asyncio.wait({exited, beat, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the daemon shuts down and cancels us
+            beat.cancel()
+            stop_asked.cancel()
         if beat in done and beat.exception() is not None:  # a bug of ours, not the engine's
             log.error("engine.heartbeat_failed", engine=self.name, error=repr(beat.exception()))
         if exited in done:
@@ -212,8 +234,12 @@ class EngineRunner:
             await proc.stop(min(1.0, self.cfg.stop_timeout))
         else:
             if self._stop_reason is None and fsm.state is not S.STOPPING:
-                # Condemned (hung, poisoned, failures reported): keep the evidence first.
-                await postmortem.capture(self, fsm.reason)
+                # Condemned (hung, poisoned, failures reported): keep the evidence first, but
+                # nothing in the capture (a full disk) may keep a hung engine running.
+                try:
+                    await postmortem.capture(self, fsm.reason)
+                except Exception as e:
+                    log.error("postmortem.failed", engine=self.name, error=repr(e))
             if fsm.state is not S.STOPPING:
                 fsm.stopping(self._stop_reason or fsm.reason)
             how = await proc.stop(self.cfg.stop_timeout)
@@ -299,6 +325,9 @@ class EngineRunner:
     def request_start(self, reason: str) -> str:
         fsm = self.fsm
         if fsm.state in (S.STOPPED, S.EXITED, S.BACKOFF, S.FATAL):
+            if self.proc is not None:  # a dead incarnation's group is still being cleaned up
+                return f"busy: the last incarnation is still being stopped ({fsm.state.value}); try again"
+            self.start_stopped = False
             fsm.reset_budget()
             fsm.begin_start(reason)
             self.wake()

@@ -95,6 +95,8 @@ class Fleet:
             self.detections[(t.engine, kind)] = self.detections.get((t.engine, kind), 0) + 1
             self._detected_at.setdefault(t.engine, t.at)
             self.emit("detection", engine=t.engine, kind=kind, reason=t.reason)
+        if t.to_state in (S.STOPPED, S.FATAL):
+            self._detected_at.pop(t.engine, None)  # no recovery to time: it was stopped or gave up
         if t.to_state is S.SYNCING:
             self._sync_began[t.engine] = t.at
         elif t.from_state is S.SYNCING:
@@ -259,7 +261,8 @@ class Fleet:
             raise Conflict(f"{runner.name} is attached ({runner.spec.base_url}): the daemon did not start it "
                            f"and cannot {action} it; only retire it")
         if runner.retired and action != "retire":
-            raise Conflict(f"{runner.name} is retired; edit the config and restart the daemon to use it again")
+            raise Conflict(f"{runner.name} is retired, and stays retired across daemon restarts (the journal "
+                           f"keeps it); to use it again, stop the daemon and delete {self.cfg.state_dir}/journal.json")
         if action == "stop":
             return await runner.stop("stopped by request")
         if action == "start":

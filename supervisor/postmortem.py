@@ -71,7 +71,7 @@ async def _slow_parts(runner: Any, folder: Path, pids: list[int], summary: dict)
                                              timeout=aiohttp.ClientTimeout(total=2.0)) as r:
             (folder / "metrics.txt").write_text(await r.text())
             summary["captured"].append("metrics.txt")
-    except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+    except (asyncio.TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as e:
         summary["metrics"] = f"no answer: {type(e).__name__}"
     pyspy = shutil.which("py-spy") or _beside_python("py-spy")
     if pyspy is None:
@@ -85,8 +85,11 @@ async def _slow_parts(runner: Any, folder: Path, pids: list[int], summary: dict)
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), 5.0)
         except asyncio.TimeoutError:
-            proc.kill()
             out = b"py-spy timed out after 5s\n"
+        finally:  # also when the whole capture's budget runs out: never leave py-spy behind
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
         (folder / f"py-spy-{pid}.txt").write_bytes(out)
         summary["captured"].append(f"py-spy-{pid}.txt")
 

@@ -29,8 +29,11 @@ class Progress:
 
 def parse_progress(metrics_text: str) -> Progress | None:
     """Sum vLLM's counters over label sets; None when the engine does not export them."""
-    tokens = [float(v) for v in _GEN_TOKENS.findall(metrics_text)]
-    running = [float(v) for v in _RUNNING.findall(metrics_text)]
+    try:
+        tokens = [float(v) for v in _GEN_TOKENS.findall(metrics_text)]
+        running = [float(v) for v in _RUNNING.findall(metrics_text)]
+    except ValueError:  # not a number we can read (e.g. "+Inf"): no progress to judge by
+        return None
     if not tokens:
         return None
     return Progress(sum(tokens), sum(running))
@@ -117,7 +120,7 @@ class Prober:
                 if r.status != 200:
                     return None
                 return parse_progress(await r.text())
-        except (asyncio.TimeoutError, aiohttp.ClientError):
+        except Exception:  # whatever went wrong, there is no progress to judge by
             return None
 
     def _judge_timeout(self, before: Progress | None, now: Progress | None) -> ProbeOutcome:
@@ -145,8 +148,9 @@ class Prober:
             ) as r:
                 if r.status != 200:
                     return None
-                raw = (await r.json()).get("weight_version")
-        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
+                body = await r.json()
+                raw = body.get("weight_version") if isinstance(body, dict) else None
+        except Exception:  # unreadable: treated as unknown, so never as the current version
             return None
         if not isinstance(raw, str) or raw == "default":
             return None

@@ -138,6 +138,23 @@ def live_group_members(pgid: int) -> list[int]:
     return [st.pid for st in all_procs() if st.pgrp == pgid and st.state != "Z"]
 
 
+def kill_group_of(pid: int, start_time: int) -> None:
+    """SIGKILL what is left of an engine group a previous daemon spawned: the members of
+    process group `pid` that started no earlier than its leader (so never an unrelated group
+    that reused the number)."""
+    leader = proc_stat(pid)
+    if leader is not None and leader.state != "Z" and leader.start_time != start_time:
+        return  # the number now leads someone else's group
+    # With our leader alive (verified) or gone, members of group `pid` are ours: Linux does not
+    # hand out a pid that is still some group's id.
+    for st in all_procs():
+        if st.pgrp == pid and st.state != "Z" and st.start_time >= start_time:
+            try:
+                os.kill(st.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def process_start_time(pid: int) -> int | None:
     """Start time of pid (clock ticks since boot): with the pid it names one process for good,
     so a recycled pid is never taken for our engine. None if gone or a zombie."""
@@ -154,6 +171,7 @@ class EngineProcess:
         self.proc = proc
         self.start_time = process_start_time(pid)
         self._exited: asyncio.Future | None = None  # adopted: resolved when its pidfd is readable
+        self._fd: int | None = None
 
     @property
     def adopted(self) -> bool:
@@ -191,15 +209,26 @@ class EngineProcess:
         self = cls(pid, log_path)
         loop = asyncio.get_running_loop()
         self._exited = loop.create_future()
+        self._fd = fd
 
         def readable() -> None:
             loop.remove_reader(fd)
             os.close(fd)
+            self._fd = None
             if not self._exited.done():
                 self._exited.set_result(-1)
 
         loop.add_reader(fd, readable)
         return self
+
+    def forget(self) -> None:
+        """Stop watching an adopted process (we decided not to keep it)."""
+        if self._exited is not None and not self._exited.done():
+            self._exited.cancel()
+        if self._fd is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
 
     async def wait(self) -> int:
         """Returns when the server process exits (the child watcher or a pidfd, no polling)."""
