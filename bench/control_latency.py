@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from standin_engine import free_port_range  # noqa: E402  (bench/ is on sys.path when run)
 from trainer.client import SupervisorClient  # noqa: E402
 from trainer.local_daemon import Daemon, free_port, write_config  # noqa: E402
 
@@ -71,7 +72,7 @@ def bare_baseline(calls: int, tmp: Path) -> tuple[list[float], list[float]]:
 
 
 def daemon_with_standins(n: int, calls: int, tmp: Path) -> tuple[list[float], list[float]]:
-    base = free_port() if n == 0 else _free_range(n)
+    base = free_port() if n == 0 else free_port_range(n, 21000)
     standins = None
     engines = [{"name": "none", "url": "http://127.0.0.1:9"}]  # one engine needed; nothing listens
     if n:
@@ -100,23 +101,6 @@ def daemon_with_standins(n: int, calls: int, tmp: Path) -> tuple[list[float], li
         if standins:
             standins.kill()
             standins.wait()
-
-
-def _free_range(n: int) -> int:
-    import socket
-
-    for base in range(21000, 60000, 1024):
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from supervisor.process import proc_stat  # noqa: E402
+from standin_engine import free_port_range  # noqa: E402  (bench/ is on sys.path when run)
 from trainer.client import SupervisorClient  # noqa: E402
 from trainer.local_daemon import Daemon, write_config  # noqa: E402
 
@@ -47,23 +46,8 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def free_range(n: int) -> int:
-    for base in range(20000, 60000 - n, 2048):
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
-
-
 def run(n: int, seconds: float, interval: float, timeout: float, tmp: Path) -> dict:
-    base = free_range(n)
+    base = free_port_range(n)
     helpers = []
     for start in range(0, n, PER_PROCESS):
         count = min(PER_PROCESS, n - start)

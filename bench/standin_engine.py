@@ -25,6 +25,24 @@ _COMPLETION = json.dumps({
 }).encode()
 
 
+def free_port_range(n: int, start: int = 20000) -> int:
+    """The first port of n consecutive free ports on loopback, for n stand-ins."""
+    import socket
+
+    for base in range(start, 60000 - n, 2048):
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def make_app() -> web.Application:
     tokens = 0
 
