@@ -83,7 +83,8 @@ def daemon_with_standins(n: int, calls: int, tmp: Path) -> tuple[list[float], li
                    for i in range(n)]
     run = tmp / f"run-{n}"
     cfg = write_config(tmp / f"sup-{n}.toml",
-                       supervisor={"runtime_dir": str(run), "log_dir": str(tmp / "logs"), "log_level": "warning"},
+                       supervisor={"runtime_dir": str(run), "log_dir": str(tmp / "logs"), "log_level": "warning",
+                                   "state_dir": str(tmp / f"state-{n}")},  # each run its own journal
                        health_check={"first_wait": 30.0, "interval": 1.0, "timeout": 0.9},
                        engines=engines)
     d = Daemon(cfg)

@@ -59,7 +59,7 @@ def run(n: int, seconds: float, interval: float, timeout: float, tmp: Path) -> d
     cfg = write_config(
         tmp / f"scale-{n}.toml",
         supervisor={"runtime_dir": str(tmp / f"run-{n}"), "log_dir": str(tmp / "logs"), "log_level": "warning",
-                    "min_healthy": 0},
+                    "min_healthy": 0, "state_dir": str(tmp / f"state-{n}")},  # each run its own journal
         health_check={"first_wait": 60.0, "interval": interval, "timeout": timeout, "failure_threshold": 3},
         engines=[{"name": f"standin-{i}", "url": f"http://127.0.0.1:{base + i}", "served_model_name": "tiny"}
                  for i in range(n)],
