@@ -1,0 +1,111 @@
+"""Faults on demand for the RL loop, and what the daemon's event stream says happened next.
+
+Three faults, each at a step the user picks (trainer/rl_loop.py flags):
+
+  kill   kill -9 of an engine's API server while the round's requests are in flight;
+  hang   SIGSTOP of an engine's VLLM::EngineCore during the round (its /health still says 200);
+  push   the weight push into one engine fails after half its buckets (between vLLM's
+         start_weight_update and finish_weight_update: the engine is poisoned).
+
+They act on real processes (pids from the daemon's status) and need the engines on this host.
+`timeline()` reads the daemon's events after the injection: when the fault was detected, when
+the engine was back (ready), and when it was RUNNING again on verified current weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from supervisor.process import all_procs
+
+KINDS = ("kill", "hang", "push")
+WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore",
+        "push": "weight push failing midway"}
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int                        # the step asked for
+    engine: str | None = None
+    fired_step: int | None = None    # the step it was injected at (later when it had to wait)
+    injected_at: float | None = None  # wall clock
+    pid: int | None = None
+    incarnation: int | None = None
+    note: str = ""
+    detected_at: float | None = None
+    detected_as: str | None = None   # the transition's reason
+    ready_at: float | None = None    # the restarted engine answered (STALE or RUNNING)
+    resynced_at: float | None = None  # RUNNING on the current weights, verified
+    resync_reason: str | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def after(self, t: float | None) -> float | None:
+        return None if t is None or self.injected_at is None else t - self.injected_at
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "what": WHAT[self.kind], "step": self.step, "fired_step": self.fired_step,
+                "engine": self.engine, "pid": self.pid, "incarnation": self.incarnation, "note": self.note,
+                "detected_after_s": self.after(self.detected_at), "detected_as": self.detected_as,
+                "ready_after_s": self.after(self.ready_at), "resynced_after_s": self.after(self.resynced_at),
+                "resync_reason": self.resync_reason}
+
+
+def kill_server(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The VLLM::EngineCore child of a vLLM API server."""
+    cores = [st.pid for st in all_procs() if st.ppid == server_pid and st.comm.startswith("VLLM::EngineCor")]
+    if not cores:
+        raise LookupError(f"no VLLM::EngineCore child under pid {server_pid}")
+    return cores[0]
+
+
+def hang_core(server_pid: int) -> int:
+    core = engine_core_pid(server_pid)
+    os.kill(core, signal.SIGSTOP)
+    return core
+
+
+class FailHalfway:
+    """A WeightSender `progress` hook that raises once half the buckets are on the wire."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def __call__(self, step: str, info: dict) -> None:
+        if step == "bucket_sent" and not self.raised and info["index"] + 1 >= max(1, info["of"] // 2):
+            self.raised = True
+            raise RuntimeError(f"injected: the trainer failed after {info['index'] + 1} of {info['of']} buckets")
+
+
+def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
+    """Fill in detected/ready/resynced from the daemon's transitions after the injection."""
+    if fault.injected_at is None or fault.engine is None:
+        return fault
+    fault.events = []
+    for ev in events:
+        if ev.get("engine") != fault.engine or ev.get("ts", 0) < fault.injected_at - 0.01:
+            continue
+        if ev.get("event") != "transition":
+            continue
+        fault.events.append(ev)
+        to, frm, reason = ev.get("to_state"), ev.get("from_state"), ev.get("reason", "")
+        if fault.detected_at is None:
+            if to in ("EXITED", "UNHEALTHY"):
+                fault.detected_at, fault.detected_as = ev["ts"], f"{to}: {reason}"
+            continue
+        if fault.ready_at is None:
+            if frm == "STARTING" and to in ("STALE", "RUNNING"):
+                fault.ready_at = ev["ts"]
+            if not (to == "RUNNING" and "verified" in reason):
+                continue
+        if fault.resynced_at is None and to == "RUNNING" and "verified" in reason:
+            fault.resynced_at, fault.resync_reason = ev["ts"], reason
+            break
+    return fault

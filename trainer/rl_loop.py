@@ -1,0 +1,479 @@
+"""The example RL loop: a tiny Llama trained on rollouts from vLLM engines under the daemon.
+
+    python -m trainer.rl_loop --model DIR [--socket PATH] [--num-rollout 30] [faults] [debug flags]
+
+Each step is one round:
+
+    round start N -> rollouts (RolloutClient: routed by the daemon, re-sent on failures)
+    -> round end N -> reward, GRPO-style update (trainer/rl.py) -> push the new weights into
+    every routable engine (weight_sync) -> publish the version -> let recovered engines sync
+
+A SyncAgent thread answers the daemon's `sync_request`s: an engine that was restarted comes
+back on the base weights and gets the current version pushed, verified by the daemon, before it
+is routed again. Faults on demand (`--kill-at`, `--hang-at`, `--fail-push-at`) act on the real
+engine processes; each waits, in the round gap, until every engine is RUNNING so that it is
+measured on a whole fleet. The run ends once every engine is back on the trainer's version, and
+prints (and writes to OUT/summary.json) a table of steps, each fault's detection and recovery,
+the version each engine ends on, and the rounds lost.
+
+slime's debug flags work here: `--save-debug-rollout-data 'DIR/{rollout_id}.jsonl'` keeps each
+round's samples; `--load-debug-rollout-data` replays them instead of rolling out (with
+`--debug-train-only` no daemon or engine is needed at all); `--debug-rollout-only` rolls out
+without training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer import faults as F
+from trainer.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
+from trainer.dumps import Sample, dump_path, load_rollout, save_rollout
+from trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
+
+WHOLE_STATES = ("RUNNING", "SUSPECT")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    round: int | None
+    version: int | None             # the version rolled out with (None: replayed)
+    samples: int
+    reward_mean: float
+    loss: float | None
+    logprob_gap_max: float | None
+    digest: str | None              # the policy's weights after the step
+    engines: dict[str, int]          # answers per engine
+    resent: int                      # requests that needed more than one attempt
+    stale: int                       # answers from an engine listed at another version
+    pushed: dict[str, str]           # engine -> "ok" / error, for this step's version
+    seconds: float
+    lost: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    steps: list[StepRecord] = field(default_factory=list)
+    faults: list[F.Fault] = field(default_factory=list)
+    final_version: int | None = None
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> state, version
+    syncs: list[dict[str, Any]] = field(default_factory=list)         # the agent's pushes
+    rounds_lost: int = 0
+    stale_responses: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": [asdict(s) for s in self.steps], "faults": [f.as_dict() for f in self.faults],
+                "final_version": self.final_version, "engines": self.engines, "syncs": self.syncs,
+                "rounds_lost": self.rounds_lost, "stale_responses": self.stale_responses,
+                "seconds": self.seconds,
+                "reward_first": self.steps[0].reward_mean if self.steps else None,
+                "reward_last": self.steps[-1].reward_mean if self.steps else None}
+
+
+# -- the parts that talk to the daemon -----------------------------------------------------
+
+
+class Fleet:
+    """The daemon as the loop sees it: status, waits, and the engines' processes for faults."""
+
+    def __init__(self, client: SupervisorClient):
+        self.client = client
+
+    def engines(self) -> list[dict[str, Any]]:
+        return self.client.status()["engines"]
+
+    def whole(self, version: int | None) -> bool:
+        return all(e["state"] in WHOLE_STATES and (version is None or e.get("weight_version") == version)
+                   for e in self.engines() if e["state"] != "FATAL")
+
+    def wait(self, pred, timeout: float, poll: float = 0.2) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return True
+            time.sleep(poll)
+        return pred()
+
+    def settle_syncs(self, timeout: float) -> bool:
+        """In the gap: wait while an engine is ready but behind (STALE) or being synced, so
+        the agent's push lands before the next round opens (an engine still booting is not
+        waited for)."""
+        return self.wait(lambda: not any(e["state"] in ("STALE", "SYNCING") for e in self.engines()), timeout)
+
+
+class Pusher:
+    """Pushes each new version into the routable engines, one WeightSender (group) per URL."""
+
+    def __init__(self, backend: str = "gloo"):
+        self.backend = backend
+        self.senders: dict[str, Any] = {}
+
+    def push(self, engine: dict[str, Any], tensors, version: int, *, fail_halfway: bool = False) -> str:
+        from weight_sync.errors import PoisonedEngine, WeightSyncError
+        from weight_sync.sender import WeightSender
+
+        url = engine["url"]
+        if fail_halfway:  # its own sender, in small buckets, so "halfway" is inside the transfer
+            old = self.senders.pop(url, None)
+            if old is not None:
+                old.close()
+            sender = WeightSender(url, backend=self.backend, bucket_bytes=256 << 10, solo_bytes=None,
+                                  progress=F.FailHalfway())
+        else:
+            sender = self.senders.get(url) or self.senders.setdefault(url, WeightSender(url, backend=self.backend))
+        try:
+            sender.push(tensors, version)
+            return "ok"
+        except PoisonedEngine as e:
+            self.senders.pop(url, None)
+            return f"poisoned: {e}"
+        except WeightSyncError as e:  # it died or went away: the daemon sees that itself
+            self.senders.pop(url, None)
+            return f"failed: {e}"
+        finally:
+            if fail_halfway:
+                sender.close()
+
+    def close(self) -> None:
+        for s in self.senders.values():
+            s.close()
+        self.senders.clear()
+
+
+# -- the loop ----------------------------------------------------------------------------
+
+
+class RLLoop:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.policy = Policy(args.model, lr=args.lr, seed=args.seed)
+        self.report = Report()
+        self.plan = [F.Fault(kind, step) for kind, step in
+                     (("kill", args.kill_at), ("hang", args.hang_at), ("push", args.fail_push_at)) if step]
+        self.report.faults = self.plan
+        self.published: int | None = None  # the version the daemon has as current
+        self.base = 0                      # published version = base + policy.version
+
+    def log(self, msg: str) -> None:
+        print(f"[rl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    # -- samples ---------------------------------------------------------------------------
+
+    def prompts(self) -> list[str]:
+        a = self.args
+        chosen = [PROMPTS[i % len(PROMPTS)] for i in range(a.rollout_batch_size)]
+        return [p for p in chosen for _ in range(a.n_samples_per_prompt)]
+
+    def score(self, results, prompts) -> list[Sample]:
+        return [Sample.from_rollout(r, prompt=p, reward=reward(r.text, self.args.target), group=p)
+                for r, p in zip(results, prompts)]
+
+    # -- entry -----------------------------------------------------------------------------
+
+    def run(self) -> Report:
+        t0 = time.monotonic()
+        try:
+            if self.args.debug_train_only:
+                self._train_only()
+            else:
+                asyncio.run(self._run_live())
+        finally:
+            self.report.seconds = time.monotonic() - t0
+            (self.out / "summary.json").write_text(json.dumps(self.report.as_dict(), indent=1, default=str))
+        return self.report
+
+    def _train_only(self) -> None:
+        a = self.args
+        if not a.load_debug_rollout_data:
+            raise SystemExit("--debug-train-only needs --load-debug-rollout-data PATH_WITH_{rollout_id}")
+        for step in range(1, a.num_rollout + 1):
+            t0 = time.monotonic()
+            dump = load_rollout(dump_path(a.load_debug_rollout_data, step))
+            stats = self.policy.train_step(dump.samples)
+            self._record(step, None, None, dump.samples, stats, {}, [], 0, t0)
+
+    def _record(self, step, rnd, version, samples, stats: StepStats | None, pushed, results, stale, t0,
+                lost=False, error=None) -> StepRecord:
+        engines: dict[str, int] = {}
+        for s in samples:
+            engines[s.engine or "?"] = engines.get(s.engine or "?", 0) + 1
+        rec = StepRecord(step=step, round=rnd, version=version, samples=len(samples),
+                         reward_mean=(sum(s.reward or 0 for s in samples) / len(samples)) if samples else 0.0,
+                         loss=stats.loss if stats else None,
+                         logprob_gap_max=stats.logprob_gap_max if stats else None,
+                         digest=self.policy.digest() if stats else None, engines=engines,
+                         resent=sum(1 for r in results if len(r.attempts) > 1), stale=stale, pushed=pushed,
+                         seconds=time.monotonic() - t0, lost=lost, error=error)
+        self.report.steps.append(rec)
+        gap = "" if rec.logprob_gap_max is None else f" logprob gap {rec.logprob_gap_max:.1e}"
+        self.log(f"step {step}: reward {rec.reward_mean:.2f}{gap} from {engines or '-'}"
+                 + (f", {rec.resent} re-sent" if rec.resent else "") + (f", LOST: {error}" if lost else ""))
+        return rec
+
+    async def _run_live(self) -> None:
+        from trainer.agent import SyncAgent
+        from trainer.rollout import RolloutClient
+        from trainer.trace import DaemonEventRecorder, Tracer
+
+        a = self.args
+        client = SupervisorClient(a.socket)
+        fleet = Fleet(client)
+        status = client.status()
+        self.published = status.get("weight_version")
+        first_round = (status.get("round") or 0) + 1
+        tracer = Tracer()
+        recorder = DaemonEventRecorder(client, tracer).start()
+        agent = SyncAgent(SupervisorClient(a.socket), lambda: (self.published, self.policy.named_tensors()),
+                          lock=self.policy.lock,
+                          on_sync=lambda r: self.report.syncs.append(
+                              {"engine": r.engine, "version": r.version, "ok": r.ok,
+                               "seconds": round(r.seconds, 3), "error": r.error}))
+        pusher = Pusher()
+        train = not a.debug_rollout_only
+        try:
+            if train:
+                agent.start()
+                if self.published is not None:
+                    # Another run published before us: the engines hold its weights. Ours go
+                    # out first as the next version, so every round below is on-policy.
+                    self.base = self.published + 1
+                    await asyncio.to_thread(self._push_and_publish, fleet, pusher)
+            async with RolloutClient(AsyncSupervisorClient(a.socket), model=a.served_model_name) as rc:
+                for step in range(1, a.num_rollout + 1):
+                    await self._step(step, first_round + step - 1, fleet, pusher, rc, tracer, train)
+            if train:
+                self.log(f"waiting (in the gap) for every engine to be RUNNING on v{self.published}")
+                await asyncio.to_thread(fleet.wait, lambda: fleet.whole(self.published), a.final_wait)
+        finally:
+            agent.stop()
+            pusher.close()
+            recorder.stop()
+            for f in self.plan:
+                F.timeline(f, recorder.events)
+            tracer.write(self.out / "trace.json")
+            tracer.save_summary(self.out / "long_tail.json")
+            rep = self.report
+            rep.final_version = self.published
+            rep.engines = {e["name"]: {"state": e["state"], "weight_version": e.get("weight_version"),
+                                       "restarts": e.get("restarts")} for e in client.status()["engines"]}
+            rep.rounds_lost = sum(s.lost for s in rep.steps)
+            rep.stale_responses = sum(s.stale for s in rep.steps)
+            client.close()
+
+    async def _step(self, step, rnd, fleet: Fleet, pusher: Pusher, rc, tracer, train: bool) -> None:
+        a = self.args
+        t0 = time.monotonic()
+        fault = next((f for f in self.plan if f.fired_step is None and f.step <= step), None)
+        if fault is not None and not await self._ready_for(fault, fleet):
+            fault = None  # postponed to the next step
+        if a.load_debug_rollout_data:
+            dump = load_rollout(dump_path(a.load_debug_rollout_data, step))
+            samples, results, stale, lost, error = dump.samples, [], 0, False, None
+        else:
+            samples, results, stale, lost, error = await self._rollout(step, rnd, fault, fleet, rc, tracer)
+        if a.save_debug_rollout_data and samples:
+            save_rollout(a.save_debug_rollout_data, step, samples, weight_version=self.published,
+                         round=rnd, target=a.target)
+        stats, pushed = None, {}
+        if train and samples:
+            with tracer.span(f"train step {step}"):
+                push_fault = fault if fault is not None and fault.kind == "push" else None
+                stats, pushed = await asyncio.to_thread(self._train_and_push, step, samples, fleet, pusher,
+                                                        push_fault)
+        self._record(step, rnd, self.published if not a.load_debug_rollout_data else None, samples, stats,
+                     pushed, results, stale, t0, lost=lost, error=error)
+
+    async def _ready_for(self, fault: F.Fault, fleet: Fleet) -> bool:
+        """A fault is injected on a whole fleet: wait for it in the gap (bounded)."""
+        if not await asyncio.to_thread(fleet.whole, self.published):
+            self.log(f"{fault.kind} fault due: waiting (gap) for every engine to be RUNNING on v{self.published}")
+            ok = await asyncio.to_thread(fleet.wait, lambda: fleet.whole(self.published), self.args.fault_wait)
+            if not ok:
+                fault.note = f"postponed: fleet not whole within {self.args.fault_wait:g}s"
+                return False
+        engines = sorted(e["name"] for e in await asyncio.to_thread(fleet.engines) if e["state"] in WHOLE_STATES)
+        last = [f.engine for f in self.plan if f.engine is not None]
+        fresh = [n for n in engines if not last or n != last[-1]]
+        fault.engine = (fresh or engines)[0]
+        return True
+
+    async def _rollout(self, step, rnd, fault, fleet: Fleet, rc, tracer):
+        a = self.args
+        prompts = self.prompts()
+        client = fleet.client
+        await asyncio.to_thread(client.start_round, rnd)
+        injector = None
+        results, lost, error = [], False, None
+        try:
+            await rc.refresh(force=True)
+            if fault is not None and fault.kind in ("kill", "hang"):
+                injector = asyncio.ensure_future(self._inject_during_round(fault, step, fleet))
+            t_round = time.time()
+            results = await rc.gather(prompts, max_tokens=a.rollout_max_response_len,
+                                      temperature=a.rollout_temperature, logprobs=1)
+        except Exception as e:  # noqa: BLE001 - the round is lost; the run goes on and counts it
+            lost, error = True, f"{type(e).__name__}: {e}"
+            t_round = time.time()
+        finally:
+            if injector is not None:
+                await injector
+            await asyncio.to_thread(client.end_round, rnd)
+        tracer.add_round(rnd, t_round, time.time(), step=step)
+        for r in results:
+            tracer.add_request(r, round=rnd)
+        stale = sum(1 for r in results if self.published is not None and r.weight_version != self.published)
+        return (self.score(results, prompts) if results else []), results, stale, lost, error
+
+    async def _inject_during_round(self, fault: F.Fault, step: int, fleet: Fleet) -> None:
+        await asyncio.sleep(self.args.fault_delay)  # requests are in flight by now
+        eng = next(e for e in await asyncio.to_thread(fleet.engines) if e["name"] == fault.engine)
+        fault.pid, fault.incarnation, fault.fired_step = eng.get("pid"), eng.get("incarnation"), step
+        fault.injected_at = time.time()
+        if fault.kind == "kill":
+            F.kill_server(fault.pid)
+            self.log(f"FAULT kill -9 {fault.engine} (pid {fault.pid}) during round of step {step}")
+        else:
+            core = F.hang_core(fault.pid)
+            fault.note = f"EngineCore pid {core}"
+            self.log(f"FAULT SIGSTOP {fault.engine}'s EngineCore (pid {core}) during round of step {step}")
+
+    def _train_and_push(self, step, samples, fleet: Fleet, pusher: Pusher, push_fault: F.Fault | None):
+        with self.policy.lock:  # the agent pushes only between steps
+            stats = self.policy.train_step(samples)
+            pushed = self._push_and_publish(fleet, pusher, push_fault, step)
+        fleet.settle_syncs(self.args.sync_wait)
+        return stats, pushed
+
+    def _push_and_publish(self, fleet: Fleet, pusher: Pusher, push_fault: F.Fault | None = None,
+                          step: int = 0) -> dict[str, str]:
+        version = self.base + self.policy.version
+        tensors = self.policy.named_tensors()
+        pushed: dict[str, str] = {}
+        for eng in fleet.client.routable_engines()["engines"]:
+            fail = push_fault is not None and eng["name"] == push_fault.engine
+            if fail:
+                push_fault.fired_step = step
+                push_fault.injected_at = time.time()
+                st = next((e for e in fleet.engines() if e["name"] == eng["name"]), {})
+                push_fault.pid, push_fault.incarnation = st.get("pid"), st.get("incarnation")
+            pushed[eng["name"]] = outcome = pusher.push(eng, tensors, version, fail_halfway=fail)
+            if outcome.startswith("poisoned"):
+                self.log(f"push of v{version} into {eng['name']}: {outcome}; reporting it poisoned")
+                try:
+                    fleet.client.report_failure(eng["name"], f"push of v{version} failed midway: {outcome}",
+                                                poisoned=True)
+                except SupervisorError as e:
+                    self.log(f"could not report {eng['name']} poisoned: {e}")
+        fleet.client.publish_weights(version)
+        self.published = version
+        return pushed
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def quiet_rollout_log() -> None:
+    """One line per re-sent request is too much beside the step table (which counts them)."""
+    import logging
+
+    logging.getLogger("vime.rollout").setLevel(logging.ERROR)
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}s" if v < 10 else f"{v:.1f}s"
+
+
+def format_report(rep: Report) -> str:
+    lines = ["", "steps", f"  {'step':>4} {'round':>5} {'ver':>4} {'reward':>6} {'gap':>8} {'re-sent':>7}  engines"]
+    for s in rep.steps:
+        gap = "-" if s.logprob_gap_max is None else f"{s.logprob_gap_max:.1e}"
+        eng = " ".join(f"{k}:{v}" for k, v in sorted(s.engines.items()))
+        lines.append(f"  {s.step:>4} {s.round if s.round is not None else '-':>5} "
+                     f"{s.version if s.version is not None else '-':>4} {s.reward_mean:>6.2f} {gap:>8} "
+                     f"{s.resent:>7}  {eng}{'  LOST ' + (s.error or '') if s.lost else ''}")
+    if rep.faults:
+        lines += ["", "faults", f"  {'fault':<28}{'engine':<10}{'step':>5}{'detected':>10}{'back up':>10}"
+                  f"{'resynced':>10}  how it was seen"]
+        for f in rep.faults:
+            if f.injected_at is None:
+                lines.append(f"  {F.WHAT[f.kind]:<28}{'-':<10}{f.step:>5}  not injected: {f.note or 'run too short'}")
+                continue
+            lines.append(f"  {F.WHAT[f.kind]:<28}{f.engine:<10}{f.fired_step:>5}{_s(f.after(f.detected_at)):>10}"
+                         f"{_s(f.after(f.ready_at)):>10}{_s(f.after(f.resynced_at)):>10}  "
+                         f"{(f.detected_as or 'not detected')[:90]}")
+    if rep.engines:
+        lines += ["", f"engines at the end (trainer at v{rep.final_version})"]
+        for name, e in sorted(rep.engines.items()):
+            lines.append(f"  {name:<12}{e['state']:<10}v{e['weight_version']}  restarts {e.get('restarts')}")
+    lines += ["", f"rounds lost {rep.rounds_lost}   stale responses {rep.stale_responses}   "
+              f"agent syncs {len(rep.syncs)} ({sum(1 for s in rep.syncs if s['ok'])} ok)   "
+              f"reward {rep.steps[0].reward_mean if rep.steps else 0:.2f} -> "
+              f"{rep.steps[-1].reward_mean if rep.steps else 0:.2f}   {rep.seconds:.0f}s"]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m trainer.rl_loop", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the policy's model directory (trainer/tiny_model.py builds one)")
+    ap.add_argument("--served-model-name", default=None, help="model name the engines serve (default: the only one)")
+    ap.add_argument("--socket", default=None, help="the daemon's control socket ($VIME_SUPERVISOR_SOCKET)")
+    ap.add_argument("--out", default="rl-run", help="folder for summary.json, trace.json, long_tail.json")
+    g = ap.add_argument_group("rollout and training (slime's names)")
+    g.add_argument("--num-rollout", type=int, default=30, help="steps (one round each)")
+    g.add_argument("--rollout-batch-size", type=int, default=4, help="prompts per round")
+    g.add_argument("--n-samples-per-prompt", type=int, default=8, help="samples per prompt (the GRPO group)")
+    g.add_argument("--rollout-max-response-len", type=int, default=12)
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--target", default=TARGET, help="reward 1 when the sampled text contains this")
+    g = ap.add_argument_group("faults on demand (each waits in the gap until every engine is RUNNING)")
+    g.add_argument("--kill-at", type=int, default=0, metavar="STEP", help="kill -9 an engine's server during that round")
+    g.add_argument("--hang-at", type=int, default=0, metavar="STEP", help="SIGSTOP an engine's EngineCore during that round")
+    g.add_argument("--fail-push-at", type=int, default=0, metavar="STEP", help="fail the push into one engine midway")
+    g.add_argument("--fault-delay", type=float, default=0.3, help="seconds into the round before kill/hang")
+    g.add_argument("--fault-wait", type=float, default=300.0, help="longest wait for a whole fleet before a fault")
+    g.add_argument("--sync-wait", type=float, default=60.0, help="longest wait in a gap for engines being synced")
+    g.add_argument("--final-wait", type=float, default=300.0, help="longest wait at the end for every engine to be current")
+    g = ap.add_argument_group("debug (slime's flags)")
+    g.add_argument("--save-debug-rollout-data", metavar="PATH_WITH_{rollout_id}")
+    g.add_argument("--load-debug-rollout-data", metavar="PATH_WITH_{rollout_id}")
+    g.add_argument("--debug-rollout-only", action="store_true", help="roll out, do not train or push")
+    g.add_argument("--debug-train-only", action="store_true",
+                   help="train on loaded dumps; no daemon or engine (needs --load-debug-rollout-data)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_rollout_log()
+    if args.debug_train_only and not args.load_debug_rollout_data:
+        build_parser().error("--debug-train-only needs --load-debug-rollout-data PATH_WITH_{rollout_id}")
+    if args.debug_train_only and args.debug_rollout_only:
+        build_parser().error("--debug-train-only and --debug-rollout-only exclude each other")
+    if args.load_debug_rollout_data and (args.kill_at or args.hang_at or args.fail_push_at):
+        build_parser().error("faults need live rollouts: drop --load-debug-rollout-data")
+    loop = RLLoop(args)
+    rep = loop.run()
+    print(format_report(rep))
+    ok = rep.rounds_lost == 0 and rep.stale_responses == 0 and (
+        args.debug_train_only or args.debug_rollout_only
+        or all(e["weight_version"] == rep.final_version for e in rep.engines.values() if e["state"] != "FATAL"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
