@@ -224,8 +224,9 @@ class ControlServer:
         runner = self._engine(request)
         action = request.match_info["action"]
         if action == "failures":
-            body = await self._body(request, {"detail": (str,)})
-            result = self.fleet.report_failure(runner, body.get("detail") or "request failed")
+            body = await self._body(request, {"detail": (str,), "poisoned": (bool,)})
+            result = self.fleet.report_failure(runner, body.get("detail") or "request failed",
+                                               poisoned=body.get("poisoned", False))
             return web.json_response({"engine": runner.name, **result})
         if action not in ("restart", "stop", "start", "retire"):
             raise ApiError(404, "unknown_action", f"no action {action!r}; use restart, stop, start, retire or failures")

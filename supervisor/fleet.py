@@ -244,14 +244,21 @@ class Fleet:
 
     # -- engines ---------------------------------------------------------------------------
 
-    def report_failure(self, runner: Any, detail: str) -> dict[str, Any]:
+    def report_failure(self, runner: Any, detail: str, poisoned: bool = False) -> dict[str, Any]:
+        """A failure the trainer saw. `poisoned`: a weight push into this engine failed between
+        start and finish, so it holds half-loaded weights behind a 200 /health; no threshold
+        applies, it is stopped (post-mortem first) and restarted now."""
         fsm = runner.fsm
         if not fsm.probed:  # e.g. the daemon saw the death first: on the stream, not counted
-            self.emit("failure_reported", engine=runner.name, detail=detail, counted=False)
+            self.emit("failure_reported", engine=runner.name, detail=detail, counted=False, poisoned=poisoned)
             return {"counted": False, "state": fsm.state.value,
                     "message": f"{runner.name} is {fsm.state.value}; failures count only while it serves"}
-        self.emit("failure_reported", engine=runner.name, detail=detail, counted=True)
-        if fsm.report_failure(detail):
+        self.emit("failure_reported", engine=runner.name, detail=detail, counted=True, poisoned=poisoned)
+        if poisoned:
+            log.warning("engine.poisoned_reported", engine=runner.name, detail=detail)
+            fsm.condemn(f"poisoned: {detail} (reported by the trainer)")
+            runner.condemn()
+        elif fsm.report_failure(detail):
             runner.condemn()
         return {"counted": True, "state": fsm.state.value, "consecutive_failures": fsm.consecutive_failures,
                 "failure_threshold": self.cfg.probe.failure_threshold}

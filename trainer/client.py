@@ -254,6 +254,10 @@ def _sync_end_body(version: int, ok: bool, error: str | None) -> dict[str, Any]:
     return {"version": version, "ok": bool(ok), "error": error}
 
 
+def _failure_body(detail: str, poisoned: bool) -> dict[str, Any]:
+    return {"detail": detail, "poisoned": True} if poisoned else {"detail": detail}
+
+
 class _Stream:
     """One events() generator's connection, so close() can end it from another thread."""
 
@@ -449,10 +453,11 @@ class SupervisorClient:
         """Take an engine out of routing for good (spawned ones are stopped). Idempotent."""
         return self._action(name, "retire")
 
-    def report_failure(self, name: str, detail: str) -> dict[str, Any]:
-        """A request to this engine failed: counts like a failed probe. Not repeated after a
-        dropped connection (it would count twice)."""
-        return self._json("POST", _engine_path(name, "failures"), {"detail": detail}, idempotent=False)
+    def report_failure(self, name: str, detail: str, *, poisoned: bool = False) -> dict[str, Any]:
+        """A request to this engine failed: counts like a failed probe. poisoned=True: a weight
+        push into it failed midway (weight_sync.PoisonedEngine), so it is stopped and restarted
+        at once. Not repeated after a dropped connection (it would count twice)."""
+        return self._json("POST", _engine_path(name, "failures"), _failure_body(detail, poisoned), idempotent=False)
 
     def sync_begin(self, name: str, version: int) -> dict[str, Any]:
         """The sync agent takes a STALE engine to push `version` into it ({"engine", "url",
@@ -704,9 +709,11 @@ class AsyncSupervisorClient:
         """Take an engine out of routing for good. Idempotent."""
         return await self._action(name, "retire")
 
-    async def report_failure(self, name: str, detail: str) -> dict[str, Any]:
-        """A request to this engine failed. Not repeated after a dropped connection."""
-        return await self._json("POST", _engine_path(name, "failures"), {"detail": detail}, idempotent=False)
+    async def report_failure(self, name: str, detail: str, *, poisoned: bool = False) -> dict[str, Any]:
+        """A request to this engine failed (see SupervisorClient.report_failure). Not repeated
+        after a dropped connection."""
+        return await self._json("POST", _engine_path(name, "failures"), _failure_body(detail, poisoned),
+                                idempotent=False)
 
     async def sync_begin(self, name: str, version: int) -> dict[str, Any]:
         """The sync agent takes a STALE engine to push `version` (see SupervisorClient.sync_begin).
