@@ -275,6 +275,7 @@ class RLLoop:
     async def _step(self, step, rnd, fleet: Fleet, pusher: Pusher, rc, tracer, train: bool) -> None:
         a = self.args
         t0 = time.monotonic()
+        rolled_with = self.published
         fault = next((f for f in self.plan if f.fired_step is None and f.step <= step), None)
         if fault is not None and not await self._ready_for(fault, fleet):
             fault = None  # postponed to the next step
@@ -292,7 +293,7 @@ class RLLoop:
                 push_fault = fault if fault is not None and fault.kind == "push" else None
                 stats, pushed = await asyncio.to_thread(self._train_and_push, step, samples, fleet, pusher,
                                                         push_fault)
-        self._record(step, rnd, self.published if not a.load_debug_rollout_data else None, samples, stats,
+        self._record(step, rnd, rolled_with if not a.load_debug_rollout_data else None, samples, stats,
                      pushed, results, stale, t0, lost=lost, error=error)
 
     async def _ready_for(self, fault: F.Fault, fleet: Fleet) -> bool:
@@ -466,8 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("--debug-train-only and --debug-rollout-only exclude each other")
     if args.load_debug_rollout_data and (args.kill_at or args.hang_at or args.fail_push_at):
         build_parser().error("faults need live rollouts: drop --load-debug-rollout-data")
-    loop = RLLoop(args)
-    rep = loop.run()
+    try:
+        rep = RLLoop(args).run()
+    except (OSError, ValueError, SupervisorError) as e:  # a missing or bad dump, no daemon
+        print(f"rl_loop: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     print(format_report(rep))
     ok = rep.rounds_lost == 0 and rep.stale_responses == 0 and (
         args.debug_train_only or args.debug_rollout_only
