@@ -106,6 +106,13 @@ class ControlServer:
         if uid is not None and uid not in self.allowed:
             log.warning("control.refused", uid=uid, path=request.path)
             return _error(403, "forbidden", f"uid {uid} may not use this socket; add it to supervisor.allowed_uids")
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            # Refused before reading: a client that declares 100 MB and sends a little would
+            # otherwise hold the connection until it sends the rest.
+            resp = _error(413, "request_entity_too_large",
+                          f"request body over {MAX_BODY} bytes (Content-Length {request.content_length})")
+            resp.force_close()  # the unread body must not be parsed as the next request
+            return resp
         try:
             return await handler(request)
         except ApiError as e:
