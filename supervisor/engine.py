@@ -140,7 +140,14 @@ class EngineRunner:
             fsm.begin_start("start")
         while True:
             if fsm.state is S.STARTING:
-                await self._incarnation()
+                # The deep probe's kept-alive connection belongs to one process: dropped before
+                # and after each incarnation (also when cancelled at shutdown), so a new process
+                # is never probed over a connection to the old one.
+                self.prober.close()
+                try:
+                    await self._incarnation()
+                finally:
+                    self.prober.close()
             elif fsm.state is S.BACKOFF:
                 await self._sleep_or_wake(max(0.0, (fsm.backoff_until or 0) - self.clock()))
                 if fsm.state is S.BACKOFF and self.clock() >= (fsm.backoff_until or 0):
@@ -378,6 +385,7 @@ class EngineRunner:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self.prober.close()  # an attached engine's probe connection (spawned: closed already)
         fsm = self.fsm
         if self.proc is not None:
             if fsm.state in PROCESS_STATES and fsm.state is not S.STOPPING:
