@@ -1,11 +1,19 @@
 """Faults on demand for the RL loop, and what the daemon's event stream says happened next.
 
-Three faults, each at a step the user picks (trainer/rl_loop.py flags):
+Three faults at steps the user picks (trainer/rl_loop.py flags):
 
   kill   kill -9 of an engine's API server while the round's requests are in flight;
   hang   SIGSTOP of an engine's VLLM::EngineCore during the round (its /health still says 200);
   push   the weight push into one engine fails after half its buckets (between vLLM's
          start_weight_update and finish_weight_update: the engine is poisoned).
+
+and, for the chaos soak (trainer/soak.py, which lends the loop the hooks they need):
+
+  kill-gap       kill -9 of an engine between rounds;
+  crash-start    kill -9 with the engine's model broken: the restart crashes, then it is mended;
+  poison-reload  no trainer agent, and the checkpoint the daemon reloads from is truncated;
+  disconnect     the trainer drops every connection mid-round and comes back;
+  daemon         kill -9 of the daemon mid-round, restarted as systemd would.
 
 They act on real processes (pids from the daemon's status) and need the engines on this host.
 `timeline()` reads the daemon's events after the injection: when the fault was detected, when
@@ -21,9 +29,13 @@ from typing import Any, Iterable
 
 from supervisor.process import all_procs
 
-KINDS = ("kill", "hang", "push")
+KINDS = ("kill", "hang", "push", "kill-gap", "crash-start", "poison-reload", "disconnect", "daemon")
 WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore",
-        "push": "weight push failing midway"}
+        "push": "weight push failing midway", "kill-gap": "kill -9 in the round gap",
+        "crash-start": "engine crashing at start", "poison-reload": "checkpoint reload poisoned",
+        "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon"}
+IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected fault_delay into a round
+NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
 
 
 @dataclass
@@ -87,6 +99,14 @@ class FailHalfway:
 def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
     """Fill in detected/ready/resynced from the daemon's transitions after the injection."""
     if fault.injected_at is None or fault.engine is None:
+        return fault
+    if fault.kind == "daemon":  # back when the restarted daemon says hello on the stream
+        for ev in events:
+            if ev.get("event") == "hello" and ev.get("ts", 0) >= fault.injected_at:
+                fault.detected_at = fault.ready_at = fault.resynced_at = ev["ts"]
+                fault.detected_as = fault.detected_as or "the restarted daemon answered (hello on the event stream)"
+                fault.resync_reason = fault.resync_reason or "engines re-adopted"
+                break
         return fault
     fault.events = []
     for ev in events:

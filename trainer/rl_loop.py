@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ class StepRecord:
     seconds: float
     lost: bool = False
     error: str | None = None
+    duplicates: int = 0              # samples of one logical request counted twice (must be 0)
 
 
 @dataclass
@@ -153,18 +155,39 @@ class Pusher:
 # -- the loop ----------------------------------------------------------------------------
 
 
+class Hooks:
+    """What a chaos harness lends the loop for faults it cannot do alone (trainer/soak.py):
+    kill -9 of the daemon (restarted like systemd would), and a model directory that can be
+    broken and mended so an engine crashes at start."""
+
+    def kill_daemon(self) -> None:
+        raise NotImplementedError("a daemon fault needs a harness that restarts the daemon")
+
+    def break_model(self, engine: str) -> None:
+        raise NotImplementedError("a crash-start fault needs a harness that owns the engine's model path")
+
+    def fix_model(self, engine: str) -> None:
+        raise NotImplementedError
+
+
 class RLLoop:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, *, plan: list[F.Fault] | None = None, hooks: Hooks | None = None):
         self.args = args
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.policy = Policy(args.model, lr=args.lr, seed=args.seed)
         self.report = Report()
-        self.plan = [F.Fault(kind, step) for kind, step in
-                     (("kill", args.kill_at), ("hang", args.hang_at), ("push", args.fail_push_at)) if step]
+        self.plan = plan if plan is not None else [
+            F.Fault(kind, step) for kind, step in
+            (("kill", args.kill_at), ("hang", args.hang_at), ("push", args.fail_push_at)) if step]
         self.report.faults = self.plan
+        self.hooks = hooks or Hooks()
         self.published: int | None = None  # the version the daemon has as current
         self.base = 0                      # published version = base + policy.version
+        self.next_round = 1
+        self.rc: Any = None
+        self.agent: Any = None
+        self.recorder: Any = None
 
     def log(self, msg: str) -> None:
         print(f"[rl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -207,6 +230,7 @@ class RLLoop:
     def _record(self, step, rnd, version, samples, stats: StepStats | None, pushed, results, stale, t0,
                 lost=False, error=None) -> StepRecord:
         engines: dict[str, int] = {}
+        ids = [s.metadata["request_id"] for s in samples if s.metadata.get("request_id")]
         for s in samples:
             engines[s.engine or "?"] = engines.get(s.engine or "?", 0) + 1
         rec = StepRecord(step=step, round=rnd, version=version, samples=len(samples),
@@ -215,84 +239,111 @@ class RLLoop:
                          logprob_gap_max=stats.logprob_gap_max if stats else None,
                          digest=self.policy.digest() if stats else None, engines=engines,
                          resent=sum(1 for r in results if len(r.attempts) > 1), stale=stale, pushed=pushed,
-                         seconds=time.monotonic() - t0, lost=lost, error=error)
+                         seconds=time.monotonic() - t0, lost=lost, error=error,
+                         duplicates=len(ids) - len(set(ids)))
         self.report.steps.append(rec)
         gap = "" if rec.logprob_gap_max is None else f" logprob gap {rec.logprob_gap_max:.1e}"
         self.log(f"step {step}: reward {rec.reward_mean:.2f}{gap} from {engines or '-'}"
                  + (f", {rec.resent} re-sent" if rec.resent else "") + (f", LOST: {error}" if lost else ""))
         return rec
 
-    async def _run_live(self) -> None:
+    # -- the trainer's connections ---------------------------------------------------------
+
+    async def _connect(self) -> None:
+        """The rollout client and the sync agent: what a trainer process holds open."""
         from trainer.agent import SyncAgent
         from trainer.rollout import RolloutClient
+
+        a = self.args
+        self.rc = RolloutClient(AsyncSupervisorClient(a.socket), model=a.served_model_name)
+        await self.rc.start()
+        if not a.debug_rollout_only:
+            self.agent = SyncAgent(SupervisorClient(a.socket), lambda: (self.published, self.policy.named_tensors()),
+                                   lock=self.policy.lock, on_sync=self._on_sync)
+            await asyncio.to_thread(self.agent.start)
+
+    async def _disconnect(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
+            self.agent = None
+        if self.rc is not None:
+            await self.rc.aclose()
+            self.rc = None
+
+    def _on_sync(self, r) -> None:
+        self.report.syncs.append({"engine": r.engine, "version": r.version, "ok": r.ok,
+                                  "seconds": round(r.seconds, 3), "error": r.error})
+
+    async def _run_live(self) -> None:
         from trainer.trace import DaemonEventRecorder, Tracer
 
         a = self.args
         client = SupervisorClient(a.socket)
         fleet = Fleet(client)
         status = client.status()
+        if status.get("round_open"):
+            # A trainer before us left its round open (it died mid-round): close it.
+            self.log(f"round {status['round']} was left open by a previous trainer: ending it")
+            client.end_round(status["round"])
         self.published = status.get("weight_version")
-        first_round = (status.get("round") or 0) + 1
+        self.next_round = (status.get("round") or 0) + 1
         tracer = Tracer()
-        recorder = DaemonEventRecorder(client, tracer).start()
-        agent = SyncAgent(SupervisorClient(a.socket), lambda: (self.published, self.policy.named_tensors()),
-                          lock=self.policy.lock,
-                          on_sync=lambda r: self.report.syncs.append(
-                              {"engine": r.engine, "version": r.version, "ok": r.ok,
-                               "seconds": round(r.seconds, 3), "error": r.error}))
+        self.recorder = DaemonEventRecorder(client, tracer).start()
         pusher = Pusher()
         train = not a.debug_rollout_only
         try:
-            if train:
-                agent.start()
-                if self.published is not None:
-                    # Another run published before us: the engines hold its weights. Ours go
-                    # out first as the next version, so every round below is on-policy.
-                    self.base = self.published + 1
-                    await asyncio.to_thread(self._push_and_publish, fleet, pusher)
-            async with RolloutClient(AsyncSupervisorClient(a.socket), model=a.served_model_name) as rc:
-                for step in range(1, a.num_rollout + 1):
-                    await self._step(step, first_round + step - 1, fleet, pusher, rc, tracer, train)
+            await self._connect()
+            if train and self.published is not None:
+                # Another run published before us: the engines hold its weights. Ours go
+                # out first as the next version, so every round below is on-policy.
+                self.base = self.published + 1
+                await asyncio.to_thread(self._push_and_publish, fleet, pusher)
+            for step in range(1, a.num_rollout + 1):
+                await self._step(step, fleet, pusher, tracer, train)
             if train:
                 self.log(f"waiting (in the gap) for every engine to be RUNNING on v{self.published}")
                 await asyncio.to_thread(fleet.wait, lambda: fleet.whole(self.published), a.final_wait)
         finally:
-            agent.stop()
+            await self._disconnect()
             pusher.close()
-            recorder.stop()
+            self.recorder.stop()
             for f in self.plan:
-                F.timeline(f, recorder.events)
+                F.timeline(f, self.recorder.events)
             tracer.write(self.out / "trace.json")
             tracer.save_summary(self.out / "long_tail.json")
             rep = self.report
             rep.final_version = self.published
             rep.engines = {e["name"]: {"state": e["state"], "weight_version": e.get("weight_version"),
-                                       "restarts": e.get("restarts")} for e in client.status()["engines"]}
+                                       "restarts": e.get("restarts"), "pid": e.get("pid")}
+                           for e in client.status()["engines"]}
             rep.rounds_lost = sum(s.lost for s in rep.steps)
             rep.stale_responses = sum(s.stale for s in rep.steps)
             client.close()
 
-    async def _step(self, step, rnd, fleet: Fleet, pusher: Pusher, rc, tracer, train: bool) -> None:
+    # -- one step --------------------------------------------------------------------------
+
+    async def _step(self, step, fleet: Fleet, pusher: Pusher, tracer, train: bool) -> None:
         a = self.args
         t0 = time.monotonic()
         rolled_with = self.published
         fault = next((f for f in self.plan if f.fired_step is None and f.step <= step), None)
         if fault is not None and not await self._ready_for(fault, fleet):
             fault = None  # postponed to the next step
+        rnd = None
         if a.load_debug_rollout_data:
             dump = load_rollout(dump_path(a.load_debug_rollout_data, step))
             samples, results, stale, lost, error = dump.samples, [], 0, False, None
         else:
-            samples, results, stale, lost, error = await self._rollout(step, rnd, fault, fleet, rc, tracer)
+            rnd, (samples, results, stale, lost, error) = await self._rollout(step, fault, fleet, tracer)
+        if fault is not None and fault.kind == "kill-gap":
+            await asyncio.to_thread(self._inject, fault, step, fleet, "in the gap")
         if a.save_debug_rollout_data and samples:
             save_rollout(a.save_debug_rollout_data, step, samples, weight_version=self.published,
                          round=rnd, target=a.target)
         stats, pushed = None, {}
         if train and samples:
             with tracer.span(f"train step {step}"):
-                push_fault = fault if fault is not None and fault.kind == "push" else None
-                stats, pushed = await asyncio.to_thread(self._train_and_push, step, samples, fleet, pusher,
-                                                        push_fault)
+                stats, pushed = await asyncio.to_thread(self._train_and_push, step, samples, fleet, pusher, fault)
         self._record(step, rnd, rolled_with if not a.load_debug_rollout_data else None, samples, stats,
                      pushed, results, stale, t0, lost=lost, error=error)
 
@@ -304,61 +355,121 @@ class RLLoop:
             if not ok:
                 fault.note = f"postponed: fleet not whole within {self.args.fault_wait:g}s"
                 return False
+        if fault.kind in F.NO_ENGINE:
+            fault.engine = fault.kind
+            return True
         engines = sorted(e["name"] for e in await asyncio.to_thread(fleet.engines) if e["state"] in WHOLE_STATES)
-        last = [f.engine for f in self.plan if f.engine is not None]
+        last = [f.engine for f in self.plan if f.engine is not None and f.kind not in F.NO_ENGINE]
         fresh = [n for n in engines if not last or n != last[-1]]
         fault.engine = (fresh or engines)[0]
         return True
 
-    async def _rollout(self, step, rnd, fault, fleet: Fleet, rc, tracer):
+    async def _rollout(self, step, fault, fleet: Fleet, tracer):
+        """One round of rollouts; (round, (samples, results, stale, lost, error))."""
+        rnd = self.next_round
+        self.next_round += 1
         a = self.args
         prompts = self.prompts()
         client = fleet.client
         await asyncio.to_thread(client.start_round, rnd)
         injector = None
         results, lost, error = [], False, None
+        t_round = time.time()
         try:
-            await rc.refresh(force=True)
-            if fault is not None and fault.kind in ("kill", "hang"):
-                injector = asyncio.ensure_future(self._inject_during_round(fault, step, fleet))
-            t_round = time.time()
-            results = await rc.gather(prompts, max_tokens=a.rollout_max_response_len,
-                                      temperature=a.rollout_temperature, logprobs=1)
+            await self.rc.refresh(force=True)
+            gather = asyncio.ensure_future(self.rc.gather(prompts, max_tokens=a.rollout_max_response_len,
+                                                          temperature=a.rollout_temperature, logprobs=1))
+            if fault is not None and fault.kind == "disconnect":
+                return await self._disconnect_mid_round(fault, step, rnd, gather, fleet, tracer)
+            if fault is not None and fault.kind in F.IN_ROUND:
+                injector = asyncio.ensure_future(self._inject_later(fault, step, fleet))
+            results = await gather
         except Exception as e:  # noqa: BLE001 - the round is lost; the run goes on and counts it
             lost, error = True, f"{type(e).__name__}: {e}"
-            t_round = time.time()
         finally:
             if injector is not None:
                 await injector
-            await asyncio.to_thread(client.end_round, rnd)
+        await asyncio.to_thread(client.end_round, rnd)
         tracer.add_round(rnd, t_round, time.time(), step=step)
         for r in results:
             tracer.add_request(r, round=rnd)
         stale = sum(1 for r in results if self.published is not None and r.weight_version != self.published)
-        return (self.score(results, prompts) if results else []), results, stale, lost, error
+        return rnd, ((self.score(results, prompts) if results else []), results, stale, lost, error)
 
-    async def _inject_during_round(self, fault: F.Fault, step: int, fleet: Fleet) -> None:
+    async def _disconnect_mid_round(self, fault, step, rnd, gather, fleet: Fleet, tracer):
+        """The trainer goes away mid-round (its connections drop, its requests are abandoned);
+        a trainer that connects again finds the round open, ends it, and runs the step again."""
+        await asyncio.sleep(self.args.fault_delay)
+        fault.fired_step, fault.injected_at = step, time.time()
+        gather.cancel()
+        await asyncio.gather(gather, return_exceptions=True)
+        await self._disconnect()
+        self.log(f"FAULT the trainer disconnected in round {rnd} of step {step}")
+        await asyncio.sleep(1.0)
+        await self._connect()
+        status = await asyncio.to_thread(fleet.client.status)
+        assert status["round_open"] and status["round"] == rnd, status
+        await asyncio.to_thread(fleet.client.end_round, rnd)
+        fault.detected_at = fault.ready_at = time.time()
+        fault.detected_as = f"reconnected: round {rnd} was still open; ended it, step {step} runs again"
+        tracer.add_round(rnd, fault.injected_at, time.time(), step=step, abandoned=True)
+        rnd2, out = await self._rollout(step, None, fleet, tracer)
+        fault.resynced_at = time.time()
+        fault.resync_reason = f"step {step} completed in round {rnd2}"
+        return rnd2, out
+
+    async def _inject_later(self, fault: F.Fault, step: int, fleet: Fleet) -> None:
         await asyncio.sleep(self.args.fault_delay)  # requests are in flight by now
-        eng = next(e for e in await asyncio.to_thread(fleet.engines) if e["name"] == fault.engine)
-        fault.pid, fault.incarnation, fault.fired_step = eng.get("pid"), eng.get("incarnation"), step
-        fault.injected_at = time.time()
-        if fault.kind == "kill":
-            F.kill_server(fault.pid)
-            self.log(f"FAULT kill -9 {fault.engine} (pid {fault.pid}) during round of step {step}")
-        else:
+        await asyncio.to_thread(self._inject, fault, step, fleet, "during the round")
+
+    def _inject(self, fault: F.Fault, step: int, fleet: Fleet, when: str) -> None:
+        engines = fleet.engines()
+        fault.fired_step, fault.injected_at = step, time.time()
+        if fault.kind == "daemon":
+            fault.note = "pids before: " + ", ".join(f"{e['name']}={e.get('pid')}" for e in engines)
+            self.hooks.kill_daemon()
+            self.log(f"FAULT kill -9 of the daemon {when} of step {step}")
+            return
+        eng = next(e for e in engines if e["name"] == fault.engine)
+        fault.pid, fault.incarnation = eng.get("pid"), eng.get("incarnation")
+        if fault.kind == "hang":
             core = F.hang_core(fault.pid)
             fault.note = f"EngineCore pid {core}"
-            self.log(f"FAULT SIGSTOP {fault.engine}'s EngineCore (pid {core}) during round of step {step}")
+            self.log(f"FAULT SIGSTOP {fault.engine}'s EngineCore (pid {core}) {when} of step {step}")
+            return
+        if fault.kind == "crash-start":
+            self.hooks.break_model(fault.engine)
+            threading.Thread(target=self._mend_after_crash, args=(fault,), daemon=True).start()
+        F.kill_server(fault.pid)
+        self.log(f"FAULT kill -9 {fault.engine} (pid {fault.pid}) {when} of step {step}"
+                 + (" with its model broken: the restart will crash" if fault.kind == "crash-start" else ""))
 
-    def _train_and_push(self, step, samples, fleet: Fleet, pusher: Pusher, push_fault: F.Fault | None):
+    def _mend_after_crash(self, fault: F.Fault) -> None:
+        """Once the restart has crashed (BACKOFF), mend the model so the next attempt boots."""
+        ev = self.recorder.wait_for(lambda e: e.get("event") == "transition" and e.get("engine") == fault.engine
+                                    and e.get("to_state") in ("BACKOFF", "FATAL")
+                                    and e.get("ts", 0) >= fault.injected_at, self.args.fault_wait,
+                                    raise_on_timeout=False)
+        self.hooks.fix_model(fault.engine)
+        fault.note = f"start crashed ({(ev or {}).get('reason', 'not seen')[:120]}); model mended"
+        if ev is not None and ev["to_state"] == "FATAL":
+            SupervisorClient(self.args.socket).start(fault.engine)  # what an operator would do
+
+    # -- the gap: train, push, publish -----------------------------------------------------
+
+    def _train_and_push(self, step, samples, fleet: Fleet, pusher: Pusher, fault: F.Fault | None):
         with self.policy.lock:  # the agent pushes only between steps
             stats = self.policy.train_step(samples)
-            pushed = self._push_and_publish(fleet, pusher, push_fault, step)
+            if fault is not None and fault.kind == "poison-reload":
+                pushed = self._poisoned_reload(step, fleet, pusher, fault)
+            else:
+                pushed = self._push_and_publish(fleet, pusher, fault if fault and fault.kind == "push" else None,
+                                                step)
         fleet.settle_syncs(self.args.sync_wait)
         return stats, pushed
 
     def _push_and_publish(self, fleet: Fleet, pusher: Pusher, push_fault: F.Fault | None = None,
-                          step: int = 0) -> dict[str, str]:
+                          step: int = 0, checkpoint: Path | None = None) -> dict[str, str]:
         version = self.base + self.policy.version
         tensors = self.policy.named_tensors()
         pushed: dict[str, str] = {}
@@ -377,8 +488,39 @@ class RLLoop:
                                                 poisoned=True)
                 except SupervisorError as e:
                     self.log(f"could not report {eng['name']} poisoned: {e}")
-        fleet.client.publish_weights(version)
+        fleet.client.publish_weights(version, checkpoint=checkpoint)
         self.published = version
+        return pushed
+
+    def _poisoned_reload(self, step, fleet: Fleet, pusher: Pusher, fault: F.Fault) -> dict[str, str]:
+        """No agent, a checkpoint that breaks while being reloaded: the daemon's reload
+        fallback poisons the engine, which is restarted; mended, the next sync succeeds."""
+        from weight_sync.checkpoint import save_checkpoint
+
+        version = self.base + self.policy.version
+        ckpt = self.out / "checkpoints" / f"v{version}"
+        save_checkpoint(self.policy.model, self.args.model, ckpt)
+        self.agent.stop()  # the trainer's agent is away: the checkpoint is all the daemon has
+        self.agent = None
+        pushed = self._push_and_publish(fleet, pusher, None, step, checkpoint=ckpt)
+        weights = ckpt / "model.safetensors"
+        good = weights.read_bytes()
+        weights.write_bytes(good[: len(good) // 2])  # truncated after it was validated
+        eng = next(e for e in fleet.engines() if e["name"] == fault.engine)
+        fault.pid, fault.incarnation, fault.fired_step = eng.get("pid"), eng.get("incarnation"), step
+        fault.injected_at = time.time()
+        F.kill_server(fault.pid)
+        self.log(f"FAULT kill -9 {fault.engine} in the gap of step {step}, no agent, checkpoint {ckpt} truncated")
+        ev = self.recorder.wait_for(lambda e: e.get("event") == "sync_failed" and e.get("engine") == fault.engine
+                                    and e.get("ts", 0) >= fault.injected_at, self.args.fault_wait,
+                                    raise_on_timeout=False)
+        fault.note = f"reload failed: {(ev or {}).get('reason', 'not seen')[:150]}"
+        weights.write_bytes(good)
+        from trainer.agent import SyncAgent
+
+        self.agent = SyncAgent(SupervisorClient(self.args.socket), lambda: (self.published, self.policy.named_tensors()),
+                               lock=self.policy.lock, on_sync=self._on_sync).start()
+        self.log(f"checkpoint mended and the agent back after: {fault.note}")
         return pushed
 
 
@@ -405,13 +547,13 @@ def format_report(rep: Report) -> str:
                      f"{s.version if s.version is not None else '-':>4} {s.reward_mean:>6.2f} {gap:>8} "
                      f"{s.resent:>7}  {eng}{'  LOST ' + (s.error or '') if s.lost else ''}")
     if rep.faults:
-        lines += ["", "faults", f"  {'fault':<28}{'engine':<10}{'step':>5}{'detected':>10}{'back up':>10}"
+        lines += ["", "faults", f"  {'fault':<30}{'engine':<11}{'step':>5}{'detected':>10}{'back up':>10}"
                   f"{'resynced':>10}  how it was seen"]
         for f in rep.faults:
             if f.injected_at is None:
-                lines.append(f"  {F.WHAT[f.kind]:<28}{'-':<10}{f.step:>5}  not injected: {f.note or 'run too short'}")
+                lines.append(f"  {F.WHAT[f.kind]:<30}{'-':<11}{f.step:>5}  not injected: {f.note or 'run too short'}")
                 continue
-            lines.append(f"  {F.WHAT[f.kind]:<28}{f.engine:<10}{f.fired_step:>5}{_s(f.after(f.detected_at)):>10}"
+            lines.append(f"  {F.WHAT[f.kind]:<30}{f.engine:<11}{f.fired_step:>5}{_s(f.after(f.detected_at)):>10}"
                          f"{_s(f.after(f.ready_at)):>10}{_s(f.after(f.resynced_at)):>10}  "
                          f"{(f.detected_as or 'not detected')[:90]}")
     if rep.engines:
