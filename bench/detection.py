@@ -144,8 +144,9 @@ def main() -> None:
                     else:
                         os.kill(engine_core_pid(pid), signal.SIGSTOP)
                         seen = d.transition("e0", "UNHEALTHY", 60, after=mark)
-                    # Only what the poller saw before the daemon stopped the engine counts.
-                    base = None if poller.failed_at is None or poller.failed_at > _ts(seen) else poller.failed_at - t0
+                    if kind.startswith("hang") and poller.failed_at is not None and poller.failed_at > _ts(seen):
+                        poller.failed_at = None  # it saw the daemon's stop of the engine, not the hang
+                    base = None if poller.failed_at is None else poller.failed_at - t0
                     rows[kind].append((_ts(seen) - t0, base))
                     d.transition("e0", "RUNNING", BOOT, after=mark)
         finally:

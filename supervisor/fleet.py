@@ -46,7 +46,7 @@ class Fleet:
         self._floor_armed = False  # the floor counts once the fleet first reached it
         self._below_floor = False
         self.floor_breaches = 0
-        self.detections: dict[tuple[str, str], int] = {}  # (engine, "exit" | "hang") -> count
+        self.detections: dict[tuple[str, str], int] = {}  # (engine, kind: see detection_kind) -> count
         from .metrics import PROBE_BUCKETS, RECOVERY_BUCKETS, SYNC_BUCKETS, Histogram
 
         self.probe_latency = Histogram(PROBE_BUCKETS)
@@ -89,7 +89,7 @@ class Fleet:
                 self._subscribers.discard(sub)
 
     def on_transition(self, t: Transition) -> None:
-        kind = ("hang" if t.to_state is S.UNHEALTHY
+        kind = (detection_kind(t.reason) if t.to_state is S.UNHEALTHY
                 else "exit" if t.to_state is S.EXITED and t.from_state is not S.STOPPING else None)
         if kind:
             self.detections[(t.engine, kind)] = self.detections.get((t.engine, kind), 0) + 1
@@ -282,6 +282,17 @@ class Fleet:
         self._membership_changed()
         self.emit("retired", engine=runner.name)
         return msg
+
+
+def detection_kind(reason: str) -> str:
+    """How an engine was found unusable, for vime_detections_total{kind}: "poisoned" (a weight
+    sync failed midway), "reported" (the trainer's failure reports crossed the threshold), else
+    "hang" (probes)."""
+    if reason.startswith("poisoned"):
+        return "poisoned"
+    if "(last: reported:" in reason:
+        return "reported"
+    return "hang"
 
 
 def validate_checkpoint(path: str, reference_model: str | None = None) -> str:

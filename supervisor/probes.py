@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -55,7 +56,10 @@ def parse_progress(metrics_text: str) -> Progress | None:
 
 def _lean_target(base_url: str) -> tuple[str, int, str] | None:
     """(host, port, path) of the deep probe for the lean client; None where it cannot go
-    (https: it speaks no TLS), so the probe stays on aiohttp."""
+    (https: it speaks no TLS), so the probe stays on aiohttp. VIME_PROBE_HTTP=aiohttp keeps
+    every probe on aiohttp: an escape hatch, and the baseline of bench/fleet_scale.py."""
+    if os.environ.get("VIME_PROBE_HTTP") == "aiohttp":
+        return None
     try:
         url = urlsplit(base_url)
         port = url.port or 80

@@ -694,3 +694,11 @@ def test_routable_only_when_running_or_suspect(state):
     fsm, clock, seen = make()
     fsm.state = state
     assert fsm.routable is (state in {S.RUNNING, S.SUSPECT})
+
+
+def test_detection_kinds_name_how_an_engine_was_found_unusable():
+    from supervisor.fleet import detection_kind
+
+    assert detection_kind("hung: 2 consecutive probe failures (last: timeout after 2s, no progress)") == "hang"
+    assert detection_kind("hung: 2 consecutive probe failures (last: reported: connection reset)") == "reported"
+    assert detection_kind("poisoned: push of v3 failed midway: boom (reported by the trainer)") == "poisoned"
