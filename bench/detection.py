@@ -124,6 +124,8 @@ def main() -> None:
             tmp / "sup.toml",
             supervisor={"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "stop_timeout": 5.0},
             health_check={"first_wait": BOOT, "interval": INTERVAL, "timeout": TIMEOUT, "failure_threshold": THRESHOLD},
+            # Restarts on purpose, one every ~40 s: not flapping.
+            restart={"flapping_max_restarts": 1000},
             engine_defaults={"args": ENGINE_ARGS, "env": ENGINE_ENV},
             engines=[{"name": "e0", "model": str(model), "served_model_name": "tiny", "port": port}])
         d = Daemon(cfg)

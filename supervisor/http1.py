@@ -21,10 +21,13 @@ request pipelining. Errors come out as three kinds, for the prober to name:
 from __future__ import annotations
 
 import asyncio
+import re
 
 MAX_BODY = 1 << 20  # a probe's answer is a few hundred bytes; more is not an engine talking
 MAX_HEAD = 1 << 16  # status line + headers (also asyncio's default stream buffer limit)
 
+
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 class HttpProtocolError(Exception):
     """The server's answer could not be read: cut short, malformed, or too large."""
@@ -96,8 +99,9 @@ class Http1Client:
                 if not reused:
                     raise HttpProtocolError(f"server closed the connection without answering ({e})") from None
                 # The server closed the idle connection as we sent (keep-alive timeout, or a
-                # restart behind the same port). Once more, on a fresh one. The probe's POST
-                # is harmless to repeat; the server cannot have answered it.
+                # restart behind the same port). Once more, on a fresh one. The server may have
+                # read the request before it went, but sent no answer: a 1-token probe is
+                # harmless to repeat.
                 self._reader, self._writer = await self._connect()
                 try:
                     status, data, keep = await self._exchange(self._reader, self._writer, request)
@@ -181,12 +185,10 @@ class Http1Client:
         parts, total = [], 0
         while True:
             line = await reader.readuntil(b"\r\n")
-            try:
-                size = int(line.split(b";", 1)[0].strip(), 16)  # chunk extensions ignored
-            except ValueError:
-                raise HttpProtocolError(f"bad chunk-size line {line[:40]!r}") from None
-            if size < 0:
+            digits = line.split(b";", 1)[0].strip()  # chunk extensions ignored
+            if not _HEX.fullmatch(digits):  # int(x, 16) would take "0x1f", "+1", "1_0"
                 raise HttpProtocolError(f"bad chunk-size line {line[:40]!r}")
+            size = int(digits, 16)
             if size == 0:
                 while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, discarded
                     pass

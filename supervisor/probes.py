@@ -82,7 +82,6 @@ class Prober:
         self.base_url = base_url
         self.model = model
         self.timeout = timeout
-        self._last_progress: Progress | None = None  # /metrics at the last timed-out probe
         self._body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1, "temperature": 0}).encode()
         self._lean_target = _lean_target(base_url)
         self._lean: Http1Client | None = None  # created at the first probe, dropped by close()
@@ -130,12 +129,9 @@ class Prober:
     async def generate(self) -> ProbeOutcome:
         """One greedy token within the probe timeout; a late answer is judged by progress.
 
-        vLLM's counters (tokens generated and prefilled) are read only when a probe times out:
-        a healthy engine costs one request per heartbeat. They are compared with the reading
-        at the previous timeout or, for a first late probe, with a second reading
-        PROGRESS_WINDOW later; risen counters are progress (a busy engine), still ones a
-        failure. A success forgets the reading, so a hang is never excused by work done
-        before it.
+        vLLM's counters (tokens generated and prefilled) are read only when a probe times out
+        (a healthy engine costs one request per heartbeat): twice, PROGRESS_WINDOW apart.
+        Risen counters are progress (a busy engine), still ones a failure.
         """
         t0 = time.monotonic()
         try:
@@ -151,23 +147,24 @@ class Prober:
             data = json.loads(raw)
             if not data.get("choices"):
                 return ProbeOutcome(False, "generate: no choices in answer", latency)
-            self._last_progress = None
             return ProbeOutcome(True, "ok", latency)
         except asyncio.TimeoutError:  # before OSError: TimeoutError is one since Python 3.11
-            before, now = self._last_progress, await self.progress()
-            if before is None and now is not None:
-                # The first late probe: compare with a second reading shortly after, so that a
-                # busy engine is not counted a failure (seen: a saturated engine stopped as hung).
-                await asyncio.sleep(PROGRESS_WINDOW)
-                before, now = now, await self.progress()
-            self._last_progress = now
-            return self._judge_timeout(before, now)
+            # Two readings of the counters, PROGRESS_WINDOW apart, both taken now: a hang is
+            # never excused by work done before it, and a busy engine is not counted a failure
+            # (seen: a saturated engine at the RL demo's first round stopped as hung).
+            before = await self.progress()
+            if before is None:
+                return self._judge_timeout(None, None)
+            await asyncio.sleep(PROGRESS_WINDOW)
+            return self._judge_timeout(before, await self.progress())
         except aiohttp.ClientConnectorError:
             return ProbeOutcome(False, "generate: connection refused")
         except aiohttp.ClientError as e:
             return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
-        except OSError:  # the lean client could not connect (refused, unreachable)
+        except ConnectionRefusedError:  # the lean client could not connect
             return ProbeOutcome(False, "generate: connection refused")
+        except OSError as e:  # unreachable, no such host, ...
+            return ProbeOutcome(False, f"generate: cannot connect: {e}")
         except HttpProtocolError as e:  # it connected, but the answer was cut short or unreadable
             return ProbeOutcome(False, f"generate: HttpProtocolError: {e}")
         except Exception as e:  # a malformed answer (not JSON, wrong shape) is a failed probe

@@ -60,9 +60,12 @@ class SyncAgent:
         self._ready.wait(wait)  # connected and registered as an agent
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop answering; returns once a push in progress has ended (or after `timeout`)."""
         self._stop.set()
         self.client.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -85,6 +88,8 @@ class SyncAgent:
 
         engine, url, wanted = request["engine"], request["url"], request["version"]
         with self.lock:
+            if self._stop.is_set():  # stopped while waiting for the trainer's step
+                return None
             version, tensors = self.weights()
             if version != wanted:
                 return None  # a newer version was published since: the daemon asks again

@@ -34,7 +34,7 @@ WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore"
         "push": "weight push failing midway", "kill-gap": "kill -9 in the round gap",
         "crash-start": "engine crashing at start", "poison-reload": "checkpoint reload poisoned",
         "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon"}
-IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected fault_delay into a round
+IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected while a round has requests in flight
 NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
 
 
@@ -48,6 +48,8 @@ class Fault:
     pid: int | None = None
     incarnation: int | None = None
     note: str = ""
+    confirmed: bool | None = None    # the fault did what it is for (requests in flight, the start
+                                     # crashed, the reload failed, the push was poisoned)
     detected_at: float | None = None
     detected_as: str | None = None   # the transition's reason
     ready_at: float | None = None    # the restarted engine answered (STALE or RUNNING)
@@ -61,6 +63,7 @@ class Fault:
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "what": WHAT[self.kind], "step": self.step, "fired_step": self.fired_step,
                 "engine": self.engine, "pid": self.pid, "incarnation": self.incarnation, "note": self.note,
+                "confirmed": self.confirmed,
                 "detected_after_s": self.after(self.detected_at), "detected_as": self.detected_as,
                 "ready_after_s": self.after(self.ready_at), "resynced_after_s": self.after(self.resynced_at),
                 "resync_reason": self.resync_reason}

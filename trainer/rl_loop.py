@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -95,8 +96,9 @@ class Fleet:
         return self.client.status()["engines"]
 
     def whole(self, version: int | None) -> bool:
+        """Every engine serving the given version (a FATAL one too must be back)."""
         return all(e["state"] in WHOLE_STATES and (version is None or e.get("weight_version") == version)
-                   for e in self.engines() if e["state"] != "FATAL")
+                   for e in self.engines())
 
     def wait(self, pred, timeout: float, poll: float = 0.2) -> bool:
         deadline = time.monotonic() + timeout
@@ -258,7 +260,7 @@ class RLLoop:
         self.rc = RolloutClient(AsyncSupervisorClient(a.socket), model=a.served_model_name)
         await self.rc.start()
         if not a.debug_rollout_only:
-            self.agent = SyncAgent(SupervisorClient(a.socket), lambda: (self.published, self.policy.named_tensors()),
+            self.agent = SyncAgent(SupervisorClient(a.socket), self._agent_weights,
                                    lock=self.policy.lock, on_sync=self._on_sync)
             await asyncio.to_thread(self.agent.start)
 
@@ -297,7 +299,7 @@ class RLLoop:
                 # Another run published before us: the engines hold its weights. Ours go
                 # out first as the next version, so every round below is on-policy.
                 self.base = self.published + 1
-                await asyncio.to_thread(self._push_and_publish, fleet, pusher)
+                await asyncio.to_thread(self._locked_push_and_publish, fleet, pusher)
             for step in range(1, a.num_rollout + 1):
                 await self._step(step, fleet, pusher, tracer, train)
             if train:
@@ -365,31 +367,40 @@ class RLLoop:
         return True
 
     async def _rollout(self, step, fault, fleet: Fleet, tracer):
-        """One round of rollouts; (round, (samples, results, stale, lost, error))."""
+        """One round of rollouts; (round, (samples, results, stale, lost, error)). The round
+        is ended whatever happens inside it (unless a reconnected trainer already ended it)."""
         rnd = self.next_round
         self.next_round += 1
         a = self.args
         prompts = self.prompts()
         client = fleet.client
         await asyncio.to_thread(client.start_round, rnd)
-        injector = None
-        results, lost, error = [], False, None
+        injector = gather = None
+        results, lost, error, ended = [], False, None, False
         t_round = time.time()
         try:
             await self.rc.refresh(force=True)
             gather = asyncio.ensure_future(self.rc.gather(prompts, max_tokens=a.rollout_max_response_len,
                                                           temperature=a.rollout_temperature, logprobs=1))
             if fault is not None and fault.kind == "disconnect":
+                ended = True  # the reconnected trainer ends it (or it is lost)
                 return await self._disconnect_mid_round(fault, step, rnd, gather, fleet, tracer)
             if fault is not None and fault.kind in F.IN_ROUND:
-                injector = asyncio.ensure_future(self._inject_later(fault, step, fleet))
+                injector = asyncio.ensure_future(self._inject_later(fault, step, fleet, gather))
             results = await gather
         except Exception as e:  # noqa: BLE001 - the round is lost; the run goes on and counts it
             lost, error = True, f"{type(e).__name__}: {e}"
         finally:
+            if gather is not None and not gather.done():  # cancelled (Ctrl-C): abandon the requests
+                gather.cancel()
             if injector is not None:
-                await injector
-        await asyncio.to_thread(client.end_round, rnd)
+                try:
+                    await injector
+                except Exception as e:  # noqa: BLE001 - a fault that could not be injected is a note
+                    fault.note = f"injection failed: {type(e).__name__}: {e}"
+                    self.log(f"{fault.kind} fault: {fault.note}")
+            if not ended:
+                await asyncio.to_thread(client.end_round, rnd)
         tracer.add_round(rnd, t_round, time.time(), step=step)
         for r in results:
             tracer.add_request(r, round=rnd)
@@ -397,10 +408,12 @@ class RLLoop:
         return rnd, ((self.score(results, prompts) if results else []), results, stale, lost, error)
 
     async def _disconnect_mid_round(self, fault, step, rnd, gather, fleet: Fleet, tracer):
-        """The trainer goes away mid-round (its connections drop, its requests are abandoned);
-        a trainer that connects again finds the round open, ends it, and runs the step again."""
-        await asyncio.sleep(self.args.fault_delay)
+        """The trainer goes away mid-round (its rollout client and sync agent drop their
+        connections, its requests are abandoned); a trainer that connects again finds the round
+        open, ends it, and runs the step again in a new round."""
+        await self._in_flight(gather)
         fault.fired_step, fault.injected_at = step, time.time()
+        fault.confirmed = not gather.done()  # requests were in flight when it went
         gather.cancel()
         await asyncio.gather(gather, return_exceptions=True)
         await self._disconnect()
@@ -408,18 +421,35 @@ class RLLoop:
         await asyncio.sleep(1.0)
         await self._connect()
         status = await asyncio.to_thread(fleet.client.status)
-        assert status["round_open"] and status["round"] == rnd, status
-        await asyncio.to_thread(fleet.client.end_round, rnd)
+        if status["round_open"] and status["round"] == rnd:
+            await asyncio.to_thread(fleet.client.end_round, rnd)
+            fault.detected_as = f"reconnected: round {rnd} was still open; ended it, step {step} runs again"
+        else:
+            fault.confirmed = False
+            fault.detected_as = f"reconnected: round {rnd} was not open ({status.get('round')}, open {status.get('round_open')})"
         fault.detected_at = fault.ready_at = time.time()
-        fault.detected_as = f"reconnected: round {rnd} was still open; ended it, step {step} runs again"
         tracer.add_round(rnd, fault.injected_at, time.time(), step=step, abandoned=True)
         rnd2, out = await self._rollout(step, None, fleet, tracer)
         fault.resynced_at = time.time()
         fault.resync_reason = f"step {step} completed in round {rnd2}"
         return rnd2, out
 
-    async def _inject_later(self, fault: F.Fault, step: int, fleet: Fleet) -> None:
-        await asyncio.sleep(self.args.fault_delay)  # requests are in flight by now
+    async def _in_flight(self, gather, engine: str | None = None) -> None:
+        """Wait (at most fault_delay) until this round has requests in flight (on `engine`)."""
+        deadline = time.monotonic() + self.args.fault_delay
+        while not gather.done() and time.monotonic() < deadline:
+            out = self.rc.outstanding()
+            if (out.get(engine) if engine else out):
+                return
+            await asyncio.sleep(0.005)
+
+    async def _inject_later(self, fault: F.Fault, step: int, fleet: Fleet, gather) -> None:
+        await self._in_flight(gather, None if fault.kind in F.NO_ENGINE else fault.engine)
+        if gather.done():  # the round finished first: try again at the next step
+            fault.engine = None
+            fault.note = f"round of step {step} ended before the injection; postponed"
+            return
+        fault.confirmed = True  # injected with the round's requests in flight
         await asyncio.to_thread(self._inject, fault, step, fleet, "during the round")
 
     def _inject(self, fault: F.Fault, step: int, fleet: Fleet, when: str) -> None:
@@ -451,6 +481,7 @@ class RLLoop:
                                     and e.get("ts", 0) >= fault.injected_at, self.args.fault_wait,
                                     raise_on_timeout=False)
         self.hooks.fix_model(fault.engine)
+        fault.confirmed = ev is not None  # the restart really crashed
         fault.note = f"start crashed ({(ev or {}).get('reason', 'not seen')[:120]}); model mended"
         if ev is not None and ev["to_state"] == "FATAL":
             SupervisorClient(self.args.socket).start(fault.engine)  # what an operator would do
@@ -458,6 +489,9 @@ class RLLoop:
     # -- the gap: train, push, publish -----------------------------------------------------
 
     def _train_and_push(self, step, samples, fleet: Fleet, pusher: Pusher, fault: F.Fault | None):
+        if fault is not None and fault.kind == "poison-reload" and self.agent is not None:
+            self.agent.stop()  # before taking the lock: the agent may be waiting for it
+            self.agent = None
         with self.policy.lock:  # the agent pushes only between steps
             stats = self.policy.train_step(samples)
             if fault is not None and fault.kind == "poison-reload":
@@ -467,6 +501,16 @@ class RLLoop:
                                                 step)
         fleet.settle_syncs(self.args.sync_wait)
         return stats, pushed
+
+    def _locked_push_and_publish(self, fleet: Fleet, pusher: Pusher) -> dict[str, str]:
+        with self.policy.lock:
+            return self._push_and_publish(fleet, pusher)
+
+    def _agent_weights(self):
+        """The SyncAgent's view: the published version and its tensors, or no version while the
+        trainer's tensors are ahead of what the daemon has (a step, or a publish that failed)."""
+        current = self.base + self.policy.version
+        return (self.published if self.published == current else None), self.policy.named_tensors()
 
     def _push_and_publish(self, fleet: Fleet, pusher: Pusher, push_fault: F.Fault | None = None,
                           step: int = 0, checkpoint: Path | None = None) -> dict[str, str]:
@@ -481,6 +525,8 @@ class RLLoop:
                 st = next((e for e in fleet.engines() if e["name"] == eng["name"]), {})
                 push_fault.pid, push_fault.incarnation = st.get("pid"), st.get("incarnation")
             pushed[eng["name"]] = outcome = pusher.push(eng, tensors, version, fail_halfway=fail)
+            if fail:
+                push_fault.confirmed = outcome.startswith("poisoned")
             if outcome.startswith("poisoned"):
                 self.log(f"push of v{version} into {eng['name']}: {outcome}; reporting it poisoned")
                 try:
@@ -500,12 +546,11 @@ class RLLoop:
         version = self.base + self.policy.version
         ckpt = self.out / "checkpoints" / f"v{version}"
         save_checkpoint(self.policy.model, self.args.model, ckpt)
-        self.agent.stop()  # the trainer's agent is away: the checkpoint is all the daemon has
-        self.agent = None
+        # The trainer's agent is away (stopped by the caller): the checkpoint is all the daemon has.
         pushed = self._push_and_publish(fleet, pusher, None, step, checkpoint=ckpt)
         weights = ckpt / "model.safetensors"
         good = weights.read_bytes()
-        weights.write_bytes(good[: len(good) // 2])  # truncated after it was validated
+        _replace_bytes(weights, good[: len(good) // 2])  # truncated after it was validated
         eng = next(e for e in fleet.engines() if e["name"] == fault.engine)
         fault.pid, fault.incarnation, fault.fired_step = eng.get("pid"), eng.get("incarnation"), step
         fault.injected_at = time.time()
@@ -514,14 +559,22 @@ class RLLoop:
         ev = self.recorder.wait_for(lambda e: e.get("event") == "sync_failed" and e.get("engine") == fault.engine
                                     and e.get("ts", 0) >= fault.injected_at, self.args.fault_wait,
                                     raise_on_timeout=False)
+        fault.confirmed = ev is not None  # the daemon's reload really failed
         fault.note = f"reload failed: {(ev or {}).get('reason', 'not seen')[:150]}"
-        weights.write_bytes(good)
+        _replace_bytes(weights, good)
         from trainer.agent import SyncAgent
 
-        self.agent = SyncAgent(SupervisorClient(self.args.socket), lambda: (self.published, self.policy.named_tensors()),
+        self.agent = SyncAgent(SupervisorClient(self.args.socket), self._agent_weights,
                                lock=self.policy.lock, on_sync=self._on_sync).start()
         self.log(f"checkpoint mended and the agent back after: {fault.note}")
         return pushed
+
+
+def _replace_bytes(path: Path, data: bytes) -> None:
+    """Rewrite a file atomically: a concurrent reader sees the old bytes or the new, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 # -- output --------------------------------------------------------------------------------
@@ -587,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kill-at", type=int, default=0, metavar="STEP", help="kill -9 an engine's server during that round")
     g.add_argument("--hang-at", type=int, default=0, metavar="STEP", help="SIGSTOP an engine's EngineCore during that round")
     g.add_argument("--fail-push-at", type=int, default=0, metavar="STEP", help="fail the push into one engine midway")
-    g.add_argument("--fault-delay", type=float, default=0.3, help="seconds into the round before kill/hang")
+    g.add_argument("--fault-delay", type=float, default=2.0,
+                   help="longest wait into a round for requests in flight before kill/hang (else postponed)")
     g.add_argument("--fault-wait", type=float, default=300.0, help="longest wait for a whole fleet before a fault")
     g.add_argument("--sync-wait", type=float, default=60.0, help="longest wait in a gap for engines being synced")
     g.add_argument("--final-wait", type=float, default=300.0, help="longest wait at the end for every engine to be current")

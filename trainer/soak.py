@@ -1,7 +1,7 @@
 """The chaos soak: the RL loop on real engines under the daemon, a seeded schedule of faults,
 fuzzed requests at the control socket all along, and exact figures at the end.
 
-    python -m trainer.soak --seed 7 --steps 60 --long        # the long form (every fault kind, twice)
+    python -m trainer.soak --seed 7 --long                   # the long form (every fault kind, twice)
     python -m trainer.soak --seed 7                          # the short form CI runs (tests/test_soak_real.py)
 
 Faults (trainer/faults.py): kill -9 of an engine during a round and in a gap, SIGSTOP of an
@@ -25,6 +25,7 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -66,7 +67,8 @@ class Keeper(Hooks):
         self.daemons: list[Daemon] = []
         self.killed = 0
         self.crashes = 0
-        self.adoption: list[dict[str, Any]] = []
+        self.adoption: list[dict[str, Any]] = []  # (pid, restarts) of each engine around a daemon kill
+        self.outages: list[list[float | None]] = []  # [killed at, answering again at]
         self._lock = threading.Lock()
         self._stopping = False
         self.start()
@@ -95,10 +97,16 @@ class Keeper(Hooks):
                         self.start()
             time.sleep(0.2)
 
+    def in_outage(self, t: float) -> bool:
+        """Was the daemon being killed and restarted at (or just after) time t?"""
+        now = time.time()
+        return any(a - 1.0 <= t <= (b if b is not None else now) for a, b in self.outages)
+
     def kill_daemon(self) -> None:
         with self._lock:
             client = SupervisorClient(self.sock)
-            before = {e["name"]: e.get("pid") for e in client.status()["engines"]}
+            before = {e["name"]: (e.get("pid"), e.get("restarts")) for e in client.status()["engines"]}
+            self.outages.append([time.time(), None])
             d = self.daemon
             d.killed_by_us = True
             d.proc.send_signal(signal.SIGKILL)
@@ -106,8 +114,11 @@ class Keeper(Hooks):
             self.killed += 1
             time.sleep(1.0)  # systemd's RestartSec=1
             self.start()
-        after = {e["name"]: e.get("pid") for e in SupervisorClient(self.sock, connect_timeout=60).status()["engines"]}
-        self.adoption.append({"before": before, "after": after, "same_pids": before == after})
+        after = {e["name"]: (e.get("pid"), e.get("restarts"))
+                 for e in SupervisorClient(self.sock, connect_timeout=60).status()["engines"]}
+        self.outages[-1][1] = time.time()
+        self.adoption.append({"before": before, "after": after,
+                              "same": before == after and all(pid for pid, _ in before.values())})
 
     def _point(self, engine: str, target: Path) -> None:
         link = self.links[engine]
@@ -126,11 +137,22 @@ class Keeper(Hooks):
     def spawned_pids(self) -> set[int]:
         return {p for d in self.daemons for p in d.spawned_pids()}
 
-    def terminate(self) -> int:
+    def terminate(self) -> int | None:
+        """SIGTERM, as systemd stops it. None if it did not exit in time: then it and every
+        engine group are killed, and the soak's clean-stop check fails."""
         self._stopping = True
-        rc = self.daemon.terminate(60)
-        self.log.close()
-        return rc
+        try:
+            return self.daemon.terminate(60)
+        except subprocess.TimeoutExpired:
+            self.daemon.kill()
+            for pid in self.spawned_pids():
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            return None
+        finally:
+            self.log.close()
 
 
 class Fuzzer:
@@ -138,8 +160,9 @@ class Fuzzer:
     with a 4xx and change nothing. Connections refused while the daemon restarts are counted
     apart."""
 
-    def __init__(self, sock: str, seed: int, engines: list[str], rate: float = 20.0):
+    def __init__(self, sock: str, seed: int, engines: list[str], keeper: "Keeper", rate: float = 20.0):
         self.sock, self.rng, self.engines, self.rate = sock, random.Random(seed), engines, rate
+        self.keeper = keeper
         self.sent = self.refused_4xx = self.server_errors = self.unreachable = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -166,23 +189,29 @@ class Fuzzer:
         method, path, body = self.request()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(10)
+        t0 = time.time()
         try:
             s.connect(self.sock)
-        except OSError:
+        except (ConnectionRefusedError, FileNotFoundError):  # the daemon is restarting
             self.unreachable += 1
             s.close()
             return
+        data = b""
         try:
             s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-            data = b""
             while chunk := s.recv(65536):
                 data += chunk
-        except OSError:
-            self.unreachable += 1
-            return
+        except OSError as e:
+            if not data and self.keeper.in_outage(t0):
+                self.unreachable += 1  # the daemon was killed under this request
+                return
+            data = data or f"{type(e).__name__}: {e}".encode()
         finally:
             s.close()
+        if not data and self.keeper.in_outage(t0):
+            self.unreachable += 1
+            return
         self.sent += 1
         try:
             code = int(data.split(b" ", 2)[1])
@@ -252,12 +281,14 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
                     "min_healthy": 1, "sync_timeout": 60.0},
         # Probe timeout 3 s: a loaded 2-core machine must not make a busy engine look hung.
         health_check={"first_wait": BOOT, "interval": 1.0, "timeout": 3.0, "failure_threshold": 2},
-        restart={"start_retries": 5, "backoff_initial": 1.0, "backoff_max": 5.0},
+        # The schedule restarts engines on purpose, every minute or so: not flapping.
+        restart={"start_retries": 5, "backoff_initial": 1.0, "backoff_max": 5.0, "flapping_max_restarts": 1000},
         engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
         engines=[{"name": n, "model": str(links[n]), "served_model_name": "tiny", "port": ports[n],
                   "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % cpus)}} for i, n in enumerate(names)])
     keeper = Keeper(root, cfg, links, model, broken)
     plan = schedule(kinds, seed)
+    steps = max(steps, plan[-1].step + 2 if plan else steps)  # the last fault has rounds after it
     result = SoakResult()
     fuzzer = None
     report = None
@@ -265,7 +296,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     try:
         for n in names:
             keeper.daemon.transition(n, "RUNNING", BOOT)
-        fuzzer = Fuzzer(keeper.sock, seed, names).start()
+        fuzzer = Fuzzer(keeper.sock, seed, names, keeper).start()
         args = build_parser().parse_args([
             "--model", str(model), "--socket", keeper.sock, "--out", str(root / "out"),
             "--num-rollout", str(steps), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
@@ -287,8 +318,11 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
                                       f"{len(steps_done)}/{steps} steps, {report.rounds_lost} rounds lost")
         short = [s.step for s in report.steps if s.samples != expected]
         dup = sum(s.duplicates for s in report.steps)
+        # One answer per logical request is the rollout client's contract: every prompt of
+        # every round answered, and no request id twice among the samples trained on.
         c["no request lost or served twice"] = (not short and dup == 0,
-                                                f"steps short of {expected} samples: {short}; duplicates {dup}")
+                                                f"steps short of {expected} samples: {short}; "
+                                                f"request ids seen twice: {dup}")
         gaps = [s.logprob_gap_max for s in report.steps if s.logprob_gap_max is not None]
         c["no stale response"] = (report.stale_responses == 0 and len(gaps) == steps and max(gaps) < 1e-3,
                                   f"{report.stale_responses} listed at another version; max |vLLM - trainer| "
@@ -298,15 +332,17 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
             all(st == "RUNNING" and v == report.final_version for st, v in ends.values()),
             f"trainer v{report.final_version}; {ends}")
         missing = [f"{f.kind}: {f.note or 'not recovered'}" for f in report.faults
-                   if f.injected_at is None or f.resynced_at is None]
+                   if f.injected_at is None or f.resynced_at is None or f.confirmed is False
+                   or (f.kind in ("crash-start", "poison-reload", "push") and not f.confirmed)]
         c["every fault injected, detected, recovered"] = (not missing, "; ".join(missing) or f"{len(plan)} faults")
     if keeper.adoption:
-        c["the restarted daemon re-adopted its engines"] = (all(a["same_pids"] for a in keeper.adoption),
-                                                            str(keeper.adoption))
+        c["the restarted daemon re-adopted its engines"] = (all(a["same"] for a in keeper.adoption),
+                                                            f"(pid, restarts) before/after: {keeper.adoption}")
     c["no daemon crash"] = (keeper.crashes == 0, f"{keeper.crashes} unexpected exits")
     if fuzzer is not None:
-        c["no fuzzed request got a 5xx or no answer"] = (fuzzer.server_errors == 0 and not fuzzer.errors,
-                                                         "; ".join(fuzzer.errors[:3]) or f"{fuzzer.sent} refused")
+        c["no fuzzed request got a 5xx or no answer"] = (
+            fuzzer.sent > 0 and fuzzer.server_errors == 0 and not fuzzer.errors,
+            "; ".join(fuzzer.errors[:3]) or f"{fuzzer.sent} sent, all refused with a 4xx")
     c["clean stop: exit 0, no process, no port"] = (rc == 0 and not left and not ports_left,
                                                     f"exit {rc}; processes {left}; ports {ports_left}")
     f = result.figures
