@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   builds the venv, a tiny model, and runs the supervisor demo
+#   make demo   builds the venv, a tiny model, and runs the main job: an RL loop on two vLLM
+#               engines under the daemon, with a kill, a hang and a failing push (demo-run/)
 #   make test   builds the venv and runs the whole test suite (real vLLM engines included)
 PYTHON ?= python3
 VENV   ?= .venv
