@@ -26,6 +26,6 @@ def test_soak_short_form(tiny_model, tmp_path):
     f = result.figures
     assert f["faults injected"] == f["faults survived (recovered)"] == len(SHORT)
     assert f["rounds lost"] == 0 and f["stale responses"] == 0
-    assert f["requests answered"] == 12 * 8
+    assert f["steps (rounds)"] >= 12 and f["requests answered"] == f["steps (rounds)"] * 8
     saved = json.loads((tmp_path / "soak" / "soak.json").read_text())
     assert all(c["ok"] for c in saved["checks"].values())
