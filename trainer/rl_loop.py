@@ -315,9 +315,12 @@ class RLLoop:
             tracer.save_summary(self.out / "long_tail.json")
             rep = self.report
             rep.final_version = self.published
-            rep.engines = {e["name"]: {"state": e["state"], "weight_version": e.get("weight_version"),
-                                       "restarts": e.get("restarts"), "pid": e.get("pid")}
-                           for e in client.status()["engines"]}
+            try:
+                rep.engines = {e["name"]: {"state": e["state"], "weight_version": e.get("weight_version"),
+                                           "restarts": e.get("restarts"), "pid": e.get("pid")}
+                               for e in client.status()["engines"]}
+            except SupervisorError as e:  # the daemon is gone: the report says so, the error stands
+                self.log(f"could not read the engines' final state: {e}")
             rep.rounds_lost = sum(s.lost for s in rep.steps)
             rep.stale_responses = sum(s.stale for s in rep.steps)
             client.close()
