@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from supervisor.probes import PROGRESS_WINDOW  # noqa: E402
 from trainer.faults import engine_core_pid  # noqa: E402
-from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, write_config  # noqa: E402
+from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, bare_engine, free_port, write_config  # noqa: E402
 from trainer.tiny_model import build_tiny_model  # noqa: E402
 
 INTERVAL, TIMEOUT, THRESHOLD = 1.0, 2.0, 2
@@ -76,15 +76,8 @@ class HealthPoller:
 def bare_hang_watch(model: Path, tmp: Path, watch: float) -> tuple[float, int | None]:
     """Boot the same engine bare, SIGSTOP its EngineCore, poll /health for `watch` s: the number
     of 200s (None if one failed)."""
-    import subprocess
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS]
-    with open(tmp / "bare.log", "w") as log:
-        proc = subprocess.Popen(cmd, env={**os.environ, **ENGINE_ENV}, stdout=log, stderr=log,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}/health"
+    proc, base = bare_engine(model, tmp / "bare.log")
+    url = f"{base}/health"
     try:
         deadline = time.time() + BOOT
         while time.time() < deadline:

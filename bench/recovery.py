@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,11 +29,11 @@ import torch  # noqa: E402
 
 from trainer.agent import SyncAgent  # noqa: E402
 from trainer.client import SupervisorClient  # noqa: E402
-from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, write_config  # noqa: E402
+from trainer.local_daemon import (  # noqa: E402
+    ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, bare_engine, free_port, write_config)
 from trainer.tiny_model import build_tiny_model  # noqa: E402
 from weight_sync.sender import WeightSender  # noqa: E402
 
-GLOO = ["--weight-transfer-config", '{"backend": "gloo"}']
 
 
 def first_completion(url: str, deadline: float) -> float:
@@ -51,15 +50,10 @@ def first_completion(url: str, deadline: float) -> float:
 
 
 def cold_start(model: Path, tmp: Path) -> float:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *GLOO]
-    env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
     t0 = time.monotonic()
-    with open(tmp / f"cold-{port}.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+    proc, url = bare_engine(model, tmp / f"cold-{time.time_ns()}.log", *GLOO)
     try:
-        return first_completion(f"http://127.0.0.1:{port}", t0 + 300) - t0
+        return first_completion(url, t0 + 300) - t0
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

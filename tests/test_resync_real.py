@@ -19,14 +19,13 @@ import torch
 
 from trainer.agent import SyncAgent
 from trainer.client import SupervisorClient
-from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
+from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, live_pids_in_groups, write_config
 from weight_sync.checkpoint import save_checkpoint
 from weight_sync.sender import WeightSender
 
 pytestmark = pytest.mark.engine
 BOOT = 240
 PROMPTS = ["the quick brown", "one two three", "reward rises when"]
-GLOO = ["--weight-transfer-config", '{"backend": "gloo"}']
 
 
 class Trainer:

@@ -25,11 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
+from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, live_pids_in_groups, write_config
 from trainer.tiny_model import build_tiny_model
 
 BOOT = 300.0
-GLOO = ["--weight-transfer-config", '{"backend": "gloo"}']
 
 
 def _say(msg: str) -> None:
@@ -37,18 +36,23 @@ def _say(msg: str) -> None:
 
 
 def demo_config(out: Path, model: Path, *, engines: int = 2, interval: float = 1.0, timeout: float = 2.0,
-                threshold: int = 2) -> Path:
-    """The daemon config the demo (and its test) runs: fast probes, engines on this host."""
+                threshold: int = 2, models: dict[str, Path] | None = None, **sections: dict) -> Path:
+    """The daemon config the demo (and its tests and the soak) runs: fast probes, engines
+    engine-0.. on this host. `models` gives an engine its own model path; `sections` adds
+    tables (e.g. restart={...})."""
     cpus = max(1, os.cpu_count() or 1)
+    names = [f"engine-{i}" for i in range(engines)]
     return write_config(
         out / "supervisor.toml",
         supervisor={"runtime_dir": str(out / "run"), "log_dir": str(out / "logs"), "stop_timeout": 5.0,
                     "min_healthy": 1, "sync_timeout": 60.0},
         health_check={"first_wait": BOOT, "interval": interval, "timeout": timeout,
                       "failure_threshold": threshold},
+        **sections,
         engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
-        engines=[{"name": f"engine-{i}", "model": str(model), "served_model_name": "tiny", "port": free_port(),
-                  "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % cpus)}} for i in range(engines)],
+        engines=[{"name": n, "model": str((models or {}).get(n, model)), "served_model_name": "tiny",
+                  "port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % cpus)}}
+                 for i, n in enumerate(names)],
     )
 
 
@@ -77,7 +81,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         report = RLLoop(args).run()
         print(format_report(report))
         env = {**os.environ, "VIME_SUPERVISOR_SOCKET": str(sock)}
-        print(f"\n$ supervisorctl status")
+        print("\n$ supervisorctl status")
         st = subprocess.run([str(Path(sys.executable).parent / "supervisorctl"), "status"], env=env,
                             capture_output=True, text=True)
         print(st.stdout + st.stderr, end="")

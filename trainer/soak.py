@@ -29,18 +29,19 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainer import faults as F
 from trainer.client import SupervisorClient
-from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
+from supervisor.process import port_is_free
+from trainer.demo import BOOT, demo_config
+from trainer.local_daemon import Daemon, live_pids_in_groups
 from trainer.rl_loop import Hooks, RLLoop, build_parser, format_report, quiet_rollout_log
 from trainer.tiny_model import build_tiny_model
 
-BOOT = 300.0
-GLOO = ["--weight-transfer-config", '{"backend": "gloo"}']
 SHORT = ["kill-gap", "daemon", "disconnect", "crash-start", "poison-reload"]
 LONG = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "disconnect", "daemon"]
 
@@ -252,12 +253,6 @@ class SoakResult:
         return "\n".join(lines)
 
 
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: int = 2,
              model: Path | None = None) -> SoakResult:
     quiet_rollout_log()
@@ -268,24 +263,18 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     (broken / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"}')
     names = [f"engine-{i}" for i in range(engines)]
     links = {n: root / "models" / n for n in names}
-    ports = {n: free_port() for n in names}
     for n, link in links.items():
         link.parent.mkdir(exist_ok=True)
         if link.is_symlink():
             link.unlink()
         link.symlink_to(model)
-    cpus = max(1, os.cpu_count() or 1)
-    cfg = write_config(
-        root / "supervisor.toml",
-        supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 5.0,
-                    "min_healthy": 1, "sync_timeout": 60.0},
+    cfg = demo_config(
+        root, model, engines=engines, models=links,
         # Probe timeout 3 s: a loaded 2-core machine must not make a busy engine look hung.
-        health_check={"first_wait": BOOT, "interval": 1.0, "timeout": 3.0, "failure_threshold": 2},
+        interval=1.0, timeout=3.0, threshold=2,
         # The schedule restarts engines on purpose, every minute or so: not flapping.
-        restart={"start_retries": 5, "backoff_initial": 1.0, "backoff_max": 5.0, "flapping_max_restarts": 1000},
-        engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
-        engines=[{"name": n, "model": str(links[n]), "served_model_name": "tiny", "port": ports[n],
-                  "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % cpus)}} for i, n in enumerate(names)])
+        restart={"start_retries": 5, "backoff_initial": 1.0, "backoff_max": 5.0, "flapping_max_restarts": 1000})
+    ports = {e["name"]: e["port"] for e in tomllib.loads(cfg.read_text())["engines"]}
     keeper = Keeper(root, cfg, links, model, broken)
     plan = schedule(kinds, seed)
     steps = max(steps, plan[-1].step + 2 if plan else steps)  # the last fault has rounds after it
@@ -309,7 +298,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
         pids = keeper.spawned_pids()
         rc = keeper.terminate()
         left = live_pids_in_groups(pids)
-        ports_left = [p for p in ports.values() if port_open(p)]
+        ports_left = [p for p in ports.values() if not port_is_free("127.0.0.1", p)]
     expected = 2 * 4
     c = result.checks
     if report is not None:
