@@ -20,14 +20,17 @@ import pytest_asyncio
 from aiohttp import web
 
 from trainer.rollout import (
-    ABORT, BAD_REQUEST, BUSY, DIED, OK, REFUSED, SERVER_ERROR, TIMEOUT,
-    Attempt, NoEngineAvailable, RolloutClient, RolloutFailed, RolloutRequestError, classify_status,
+    ABORT, BAD_REQUEST, BUSY, DIED, MALFORMED, OK, REFUSED, SERVER_ERROR, TIMEOUT, TOO_LARGE,
+    Attempt, NoEngineAvailable, RolloutClient, RolloutError, RolloutFailed, RolloutRequestError,
+    RolloutResponseTooLarge, classify_status,
 )
 
 
 class FakeEngine:
     """Protocol stand-in for a vLLM OpenAI server. `script` is consumed one behaviour per
-    request ("ok", "abort", "500", "400", "429", "die", "hang", "nofinish"); then "ok"."""
+    request ("ok", "abort", "500", "400", "429", "die", "hang", "nofinish", and malformed
+    streams: "notjson", "notobject", "badshape", "badhttp"); then "ok". `prompt_ids`, when set,
+    is sent as the first chunk's prompt_token_ids (vLLM sends the whole prompt's ids there)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -36,6 +39,7 @@ class FakeEngine:
         self.active = 0
         self.max_active = 0
         self.gate: asyncio.Event | None = None  # when set to an unset Event, answers wait on it
+        self.prompt_ids: list[int] | None = None
         self.runner: web.AppRunner | None = None
         self.stopping = asyncio.Event()
         self.url = ""
@@ -74,6 +78,10 @@ class FakeEngine:
                                          status=int(what))
             if what == "hang":
                 await self.stopping.wait()  # until the test ends
+            if what == "badhttp":  # not HTTP at all: aiohttp's parser raises
+                request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n")
+                request.transport.close()
+                return web.Response()
             chat = request.path.endswith("/chat/completions")
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -93,11 +101,16 @@ class FakeEngine:
                 else:
                     tok["text"] = f"w{i} "
                     if i == 0:
-                        tok["prompt_token_ids"] = [ord(c) for c in body["prompt"]]
+                        tok["prompt_token_ids"] = self.prompt_ids or [ord(c) for c in body["prompt"]]
                     if body.get("logprobs"):
                         tok["logprobs"] = {"tokens": [f"w{i}"], "token_logprobs": [-0.5 - i]}
                 if what == "queued_abort":  # vLLM: aborted before its first token, no chunk, then [DONE]
                     break
+                if i == 1 and what in ("notjson", "notobject", "badshape"):
+                    bad = {"notjson": b"{not json", "notobject": b"[1, 2]",
+                           "badshape": json.dumps({"choices": [{"text": 5, "token_ids": 7}]}).encode()}[what]
+                    await resp.write(b"data: " + bad + b"\n\n")
+                    await asyncio.sleep(0.05)
                 await resp.write(b"data: " + json.dumps({"id": "x", "choices": [tok]}).encode() + b"\n\n")
                 if what == "die" and i == 1:
                     request.transport.close()  # the server died mid-answer
@@ -452,3 +465,66 @@ async def _until(pred, timeout: float = 5.0) -> None:
     while not pred():
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+# -- fault 16 (issue 13): long stream lines, malformed streams ------------------------------
+
+
+async def test_fault16_long_stream_line(engines):
+    """Issue 13, fault 16: one streamed line over aiohttp's 512 KiB readline limit raised
+    LineTooLong out of RolloutClient (not a rollout error, not re-sent, and gather() cancelled
+    the whole batch). vLLM's first streamed chunk with return_token_ids carries every prompt
+    token id, so a prompt of ~65k tokens makes such a line. A protocol stand-in sends it here:
+    a real vLLM engine cannot, as the tiny test model's context is 256 tokens (a 65k-token prompt
+    is refused with a 400 before anything is streamed)."""
+    a, b = engines
+    long_ids = list(range(100_000, 100_000 + 90_000))  # 90k ids: ~700 KiB in one JSON line
+    a.prompt_ids = b.prompt_ids = long_ids
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        r = await rc.complete("long", max_tokens=3)
+        line = len(json.dumps({"id": "x", "choices": [{"prompt_token_ids": long_ids}]}))
+        assert line > 512 * 1024  # the stand-in's first line really is past aiohttp's limit
+        assert r.prompt_token_ids == long_ids and r.token_ids == [100, 101, 102] and r.finish_reason == "length"
+        assert r.attempts == [Attempt("A", OK)] or r.attempts == [Attempt("B", OK)]
+        # A whole batch of them: every request answered, none re-sent, nothing reported.
+        results = await rc.gather([f"p{i}" for i in range(8)], concurrency=4, max_tokens=2)
+    assert [r.prompt_token_ids == long_ids for r in results] == [True] * 8
+    assert all(len(r.attempts) == 1 for r in results) and sup.reports == []
+
+
+async def test_fault16_line_over_the_bound_is_one_requests_error(engines):
+    """Past max_line_bytes (64 MiB by default; 256 KiB here) the request ends with
+    RolloutResponseTooLarge, a RolloutError: not re-sent (every engine would send the same
+    line), the engine not reported, and with return_exceptions the rest of the batch is served."""
+    a, b = engines
+    a.prompt_ids = b.prompt_ids = list(range(100_000, 160_000))  # ~470 KiB line
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup, max_line_bytes=256 << 10) as rc:
+        with pytest.raises(RolloutResponseTooLarge, match="over 262144 bytes") as ei:
+            await rc.complete("long", max_tokens=3)
+        assert isinstance(ei.value, RolloutError) and len(ei.value.attempts) == 1
+        assert ei.value.attempts[0].outcome == TOO_LARGE
+        assert len(a.requests) + len(b.requests) == 1 and sup.reports == []
+        b.prompt_ids, a.prompt_ids = a.prompt_ids, None  # only B's answers are too long now
+        picks = iter(["B", "A", "A"])  # "x" goes to B, "y" and "z" to A (one at a time)
+        rc.pick = lambda exclude=(), avoid=(), name=None: {e.name: e for e in rc.engines}[next(picks)]
+        out = await rc.gather(["x", "y", "z"], concurrency=1, max_tokens=2, return_exceptions=True)
+    assert isinstance(out[0], RolloutResponseTooLarge)
+    assert [r.finish_reason for r in out[1:]] == ["length", "length"] and {r.engine for r in out[1:]} == {"A"}
+    assert rc.stats.failed == 2 and rc.stats.succeeded == 2
+
+
+@pytest.mark.parametrize("what", ["notjson", "notobject", "badshape", "badhttp"])
+async def test_malformed_stream_is_resent_and_reported(engines, what):
+    """A malformed stream is that attempt's failure (re-sent elsewhere, reported), never an
+    exception out of gather(): the batch around it completes."""
+    a, b = engines
+    a.script = [what]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rc:
+        rc.pick = _first_then_default(rc, "A")
+        results = await rc.gather(["p", "q", "r"], concurrency=1, max_tokens=3)
+    assert results[0].attempts == [Attempt("A", MALFORMED), Attempt("B", OK)]
+    assert all(r.finish_reason == "length" and r.text == "w0 w1 w2 " for r in results)
+    assert [n for n, _ in sup.reports] == ["A"] and MALFORMED in sup.reports[0][1]

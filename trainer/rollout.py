@@ -20,18 +20,22 @@ engine that just aborted a request (paused for a weight sync) or failed one is a
 for every request for `cooldown` seconds.
 
 Failures. An attempt whose engine refused the connection, dropped it (died), timed out,
-answered 5xx, or whose stream ended without a finish reason, is re-sent to another engine
+answered 5xx, sent a malformed stream (a line that is not JSON, a chunk of the wrong shape,
+broken HTTP), or whose stream ended without a finish reason, is re-sent to another engine
 (tenacity: `stop_after_attempt(max_attempts)`, `wait_random_exponential`), and reported to the
 daemon (`report_failure`, best effort: in the background, never raising; reports for one engine
 are coalesced to one per `cooldown`, so a burst of requests failing together on one engine
 counts once toward its failure threshold). An attempt that answered 200 with finish_reason
 "abort" was cut by a pause (`POST /pause?mode=abort`, a weight sync): its partial output is
 discarded and the request re-sent, preferably to another engine, else to the same one (vLLM
-queues requests while paused); an abort is not reported. vLLM drops the abort chunk of a request aborted before its first
-token and ends that stream cleanly ([DONE] without a finish reason): that is an abort too,
-while a stream cut without [DONE] is a death. A 4xx (a bad request) is not retried:
-`RolloutRequestError`. When no routable engine is left that has not failed this request:
-`NoEngineAvailable`. After `max_attempts`: `RolloutFailed`. All are `RolloutError`.
+queues requests while paused); an abort is not reported. vLLM drops the abort chunk of a
+request aborted before its first token and ends that stream cleanly ([DONE] without a finish
+reason): that is an abort too, while a stream cut without [DONE] is a death. A 4xx (a bad request) is not retried:
+`RolloutRequestError`. A streamed line longer than `max_line_bytes` (64 MiB by default) is
+not retried nor reported either (every engine would send the same answer to the same
+request): `RolloutResponseTooLarge`. When no routable engine is left that has not failed this
+request: `NoEngineAvailable`. After `max_attempts`: `RolloutFailed`. All are `RolloutError`;
+whatever an engine answers, nothing else is raised for it.
 
 Exactly once: a logical request returns one `RolloutResult` or raises; partial and aborted
 outputs are never returned. Attempts use their own connections (no pooled keep-alive socket
@@ -40,7 +44,10 @@ is reused), so a dropped connection always means the engine dropped that attempt
 Streaming: every attempt is sent with `"stream": true` (server-sent events), so the result has
 the time of the first token; `"return_token_ids": true` (vLLM >= 0.10, checked on 0.32) gives
 the generated token ids; pass `logprobs=N` (completions) or `logprobs=True` (chat) for the
-sampled tokens' logprobs. Times are wall-clock (`time.time()`).
+sampled tokens' logprobs. Times are wall-clock (`time.time()`). The stream is split into
+lines here, not by aiohttp's `readline` (its 512 KiB line limit raised `LineTooLong` for long
+prompts: vLLM's first chunk carries every prompt token id, about 8 bytes each, so a prompt of
+~65k tokens made one line over the limit).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 __all__ = [
     "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine",
     "RolloutError", "NoEngineAvailable", "RolloutRequestError", "RolloutFailed",
-    "classify_status",
+    "RolloutResponseTooLarge", "classify_status", "MAX_LINE_BYTES",
 ]
 
 log = logging.getLogger("vime.rollout")
@@ -75,8 +82,15 @@ TIMEOUT = "timeout"      # no complete answer within request_timeout
 SERVER_ERROR = "server_error"  # HTTP 5xx, or an error event inside the stream
 BUSY = "busy"            # HTTP 429: retried elsewhere, not reported
 BAD_REQUEST = "bad_request"    # HTTP 4xx: not retried
+MALFORMED = "malformed"  # a stream line that is not JSON, a chunk of the wrong shape, broken HTTP
+TOO_LARGE = "too_large"  # a streamed line over max_line_bytes: not retried, not reported
 
-REPORTED = frozenset({REFUSED, DIED, TIMEOUT, SERVER_ERROR})
+REPORTED = frozenset({REFUSED, DIED, TIMEOUT, SERVER_ERROR, MALFORMED})
+
+# Longest streamed (SSE) line accepted by default. vLLM's first chunk carries every prompt
+# token id (~8 bytes each with the JSON around them): 64 MiB is ~8M tokens, far past any
+# context length, and still a bound on what one answer may make this process hold.
+MAX_LINE_BYTES = 64 << 20
 
 
 class Attempt(NamedTuple):
@@ -182,6 +196,55 @@ class RolloutFailed(RolloutError):
     """Every one of `max_attempts` attempts failed."""
 
 
+class RolloutResponseTooLarge(RolloutError):
+    """One streamed line of the answer was longer than `max_line_bytes`: not retried (another
+    engine would send the same line) and not reported (the engine is not at fault)."""
+
+    def __init__(self, message: str, *, engine: str, limit: int, request_id: str | None = None,
+                 attempts: Sequence[Attempt] = ()):
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.engine = engine
+        self.limit = limit
+
+
+class _LineTooLong(Exception):
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.size = size
+
+
+async def _sse_lines(content: Any, max_line: int):
+    """The lines (without their b"\n") of a streamed body, read in whatever pieces arrive
+    (`content.iter_any()`), so no line limit but ours applies: `_LineTooLong` once a line
+    passes `max_line` bytes (found while it is read, not after). A last line without a
+    newline is yielded too."""
+    parts: list[bytes] = []
+    size = 0
+    async for data in content.iter_any():
+        start = 0
+        while True:
+            nl = data.find(b"\n", start)
+            if nl < 0:
+                if start < len(data):
+                    size += len(data) - start
+                    if size > max_line:
+                        raise _LineTooLong(size)
+                    parts.append(data[start:] if start else data)
+                break
+            if size + (nl - start) > max_line:
+                raise _LineTooLong(size + nl - start)
+            if parts:
+                parts.append(data[start:nl])
+                line = b"".join(parts)
+                parts, size = [], 0
+            else:
+                line = data[start:nl]
+            start = nl + 1
+            yield line
+    if parts:
+        yield b"".join(parts)
+
+
 class _Retry(Exception):
     """One attempt failed in a way another attempt may fix."""
 
@@ -241,6 +304,8 @@ class _Answer:
             else:
                 text = choice.get("text") or ""
             ids = choice.get("token_ids")
+            if not isinstance(text, str) or not (ids is None or isinstance(ids, list)):
+                raise TypeError(f"text {type(text).__name__}, token_ids {type(ids).__name__}")
             if choice.get("prompt_token_ids") is not None:  # completions: on the first chunk
                 self.prompt_token_ids = list(choice["prompt_token_ids"])
             if text or ids:
@@ -283,14 +348,20 @@ class RolloutClient:
         the window in which failure reports for one engine are coalesced.
     model: the model name to send; default each engine's `model` as the daemon lists it.
     follow_events: follow the daemon's event stream for membership changes.
+    max_line_bytes: longest streamed line accepted (default 64 MiB); a longer one ends the
+        request with RolloutResponseTooLarge.
     """
 
     def __init__(self, supervisor: Any, *, max_attempts: int = 4, request_timeout: float = 300.0,
                  connect_timeout: float = 5.0, refresh_interval: float = 5.0, max_concurrency: int = 64,
                  backoff_initial: float = 0.05, backoff_max: float = 2.0, cooldown: float = 1.0,
-                 model: str | None = None, follow_events: bool = True, return_token_ids: bool = True):
+                 model: str | None = None, follow_events: bool = True, return_token_ids: bool = True,
+                 max_line_bytes: int = MAX_LINE_BYTES):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if max_line_bytes < 1:
+            raise ValueError("max_line_bytes must be >= 1")
+        self.max_line_bytes = max_line_bytes
         self.supervisor = supervisor
         self.max_attempts = max_attempts
         self.request_timeout = request_timeout
@@ -561,6 +632,7 @@ class RolloutClient:
                        chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
                        sent: float) -> RolloutResult:
         import aiohttp
+        from aiohttp.http_exceptions import HttpProcessingError
 
         body: dict[str, Any] = {"model": self.model or engine.model, **payload}
         if self.return_token_ids:
@@ -586,34 +658,55 @@ class RolloutClient:
                                 f"{engine.name} refused request {rid} with HTTP {resp.status}: {message}",
                                 status=resp.status, engine=engine.name, request_id=rid, attempts=attempts)
                         raise _Retry(outcome, f"HTTP {resp.status} from {engine.name}: {message}")
-                    async for raw in resp.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            answer.done = True
-                            break
-                        try:
-                            chunk = json.loads(data)
-                        except ValueError:
-                            raise _Retry(DIED, f"{engine.name} sent a chunk that is not JSON: {data[:200]!r}") from None
-                        if "error" in chunk:
-                            message = _error_message(data)
-                            code = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
-                            if isinstance(code, int) and 400 <= code < 500 and code != 429:
-                                attempts.append(Attempt(engine.name, BAD_REQUEST))
-                                raise RolloutRequestError(
-                                    f"{engine.name} refused request {rid} mid-stream ({code}): {message}",
-                                    status=code, engine=engine.name, request_id=rid, attempts=attempts)
-                            raise _Retry(SERVER_ERROR, f"{engine.name} sent an error mid-stream: {message}")
-                        answer.add(chunk, chat)
+                    async with contextlib.aclosing(_sse_lines(resp.content, self.max_line_bytes)) as lines:
+                        async for raw in lines:
+                            line = raw.strip()
+                            if not line.startswith(b"data:"):
+                                continue
+                            data = line[5:].strip()
+                            if data == b"[DONE]":
+                                answer.done = True
+                                break
+                            try:
+                                chunk = json.loads(data)
+                            except ValueError:
+                                raise _Retry(MALFORMED, f"{engine.name} sent a chunk that is not JSON: "
+                                                        f"{data[:200]!r}") from None
+                            if not isinstance(chunk, dict):
+                                raise _Retry(MALFORMED, f"{engine.name} sent a chunk that is not an object: "
+                                                        f"{data[:200]!r}")
+                            if "error" in chunk:
+                                message = _error_message(data)
+                                code = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
+                                if isinstance(code, int) and 400 <= code < 500 and code != 429:
+                                    attempts.append(Attempt(engine.name, BAD_REQUEST))
+                                    raise RolloutRequestError(
+                                        f"{engine.name} refused request {rid} mid-stream ({code}): {message}",
+                                        status=code, engine=engine.name, request_id=rid, attempts=attempts)
+                                raise _Retry(SERVER_ERROR, f"{engine.name} sent an error mid-stream: {message}")
+                            try:
+                                answer.add(chunk, chat)
+                            except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+                                raise _Retry(MALFORMED, f"{engine.name} sent a chunk of the wrong shape "
+                                                        f"({type(e).__name__}: {e}): {data[:200]!r}") from None
+            except _LineTooLong as e:
+                attempts.append(Attempt(engine.name, TOO_LARGE))
+                raise RolloutResponseTooLarge(
+                    f"{engine.name} streamed a line over {self.max_line_bytes} bytes ({e.size}+ bytes read) for "
+                    f"request {rid}; not re-sent: raise RolloutClient(max_line_bytes=...) if answers this "
+                    f"large are expected", engine=engine.name, limit=self.max_line_bytes, request_id=rid,
+                    attempts=attempts) from None
             except aiohttp.ClientConnectorError as e:
                 raise _Retry(REFUSED, f"cannot connect to {engine.name} at {engine.url}: {e.os_error or e}") from None
             except asyncio.TimeoutError:
                 raise _Retry(TIMEOUT, f"{engine.name} did not answer within {self.request_timeout:g}s") from None
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
                 raise _Retry(DIED, f"{engine.name} dropped the connection: {type(e).__name__}: {e}") from None
+            except (aiohttp.ClientError, HttpProcessingError) as e:
+                # Anything else the HTTP layer raises (a response it cannot parse, ...) is this
+                # attempt's failure, never an exception that escapes gather() for the batch.
+                raise _Retry(MALFORMED, f"{engine.name} sent a response that cannot be read: "
+                                        f"{type(e).__name__}: {e}"[:500]) from None
             if answer.finish_reason is None and answer.done:
                 # vLLM (0.32) drops the "abort" chunk of a request aborted before its first
                 # token (an empty chunk) and ends the stream cleanly: usage, then [DONE].
