@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Awaitable, Callable, NamedTuple
 
 from .config import Config, EngineSpec
 
@@ -113,6 +113,7 @@ class ProcStat(NamedTuple):
     ppid: int
     pgrp: int
     start_time: int  # clock ticks since boot
+    cpu_ticks: int = 0  # user + system time, plus that of its reaped children (clock ticks)
 
 
 def proc_stat(pid: int | str) -> ProcStat | None:
@@ -125,7 +126,11 @@ def proc_stat(pid: int | str) -> ProcStat | None:
     head, fields = stat[:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
     if len(fields) < 20:
         return None
-    return ProcStat(int(pid), head[head.find("(") + 1:], fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
+    # utime stime cutime cstime are fields 14-17: a compiler run by the process and reaped
+    # counts once it ends, so the sum keeps rising through a compile.
+    cpu = sum(int(f) for f in fields[11:15])
+    return ProcStat(int(pid), head[head.find("(") + 1:], fields[0], int(fields[1]), int(fields[2]),
+                    int(fields[19]), cpu)
 
 
 def all_procs() -> list[ProcStat]:
@@ -246,11 +251,13 @@ class EngineProcess:
     def group_alive(self) -> bool:
         return bool(live_group_members(self.pid))
 
-    async def stop(self, timeout: float) -> str:
+    async def stop(self, timeout: float, on_overdue: Callable[[], Awaitable[object]] | None = None) -> str:
         """SIGCONT, SIGTERM to the group, SIGKILL after `timeout`; reap. Returns what it took.
 
         SIGCONT first: a SIGSTOPped engine cannot act on SIGTERM. The group is signalled even
         after the leader exited, so a leftover EngineCore or Worker is not orphaned.
+        `on_overdue` runs when SIGTERM was not enough, before the SIGKILL: the last moment
+        to see what the group was doing instead of exiting.
         """
         self._signal_group(signal.SIGCONT)
         if not self._signal_group(signal.SIGTERM):
@@ -260,6 +267,8 @@ class EngineProcess:
             await asyncio.wait_for(self._group_gone(), timeout)
             how = "SIGTERM"
         except asyncio.TimeoutError:
+            if on_overdue is not None:
+                await on_overdue()
             self._signal_group(signal.SIGKILL)
             await self._group_gone()
             how = f"SIGKILL after {timeout:g}s"
