@@ -7,14 +7,21 @@ fixes a bad file in one pass. See systemd/vime-supervisor.example.toml for every
 from __future__ import annotations
 
 import argparse
+import grp
+import math
 import os
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+# sockaddr_un.sun_path is 108 bytes, the terminating NUL included.
+MAX_SOCKET_PATH = 107
+
 from .fsm import ProbePolicy, RestartPolicy
+from .warmup import WarmupPolicy
 
 
 class ConfigError(Exception):
@@ -68,6 +75,7 @@ class Config:
     allowed_uids: tuple[int, ...] = ()  # control socket peers besides our own uid
     socket_group: str = ""  # group owning the socket (mode 0660), so its members can connect
     sync_timeout: float = 300.0  # a push or reload not verified by then poisons the engine
+    warmup: WarmupPolicy = WarmupPolicy()  # sent to each new incarnation before it is RUNNING
 
     @property
     def socket_path(self) -> str:
@@ -75,7 +83,7 @@ class Config:
 
 
 # Table -> {key: type}. Everything else in the file is an error.
-_TOP = {"supervisor", "health_check", "restart", "engine_defaults", "engines"}
+_TOP = {"supervisor", "health_check", "restart", "warmup", "engine_defaults", "engines"}
 _SUPERVISOR = {
     "use_fault_tolerance": bool,
     "stop_timeout": float,
@@ -96,6 +104,15 @@ _HEALTH = {
     "timeout": float,
     "failure_threshold": int,
     "success_threshold": int,
+    "max_busy": float,
+}
+_WARMUP = {
+    "requests": int,
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "logprobs": int,
+    "prompt": str,
 }
 _RESTART = {
     "start_retries": int,
@@ -187,10 +204,22 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     health = _check_table("health_check", raw.get("health_check", {}), _HEALTH, problems)
     restart = _check_table("restart", raw.get("restart", {}), _RESTART, problems)
     defaults = _check_table("engine_defaults", raw.get("engine_defaults", {}), _DEFAULTS, problems)
+    warm = _check_table("warmup", raw.get("warmup", {}), _WARMUP, problems)
     for section, key, value in _apply_overrides(overrides or {}):
-        {"supervisor": sup, "health_check": health, "restart": restart}[section][key] = value
+        {"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm}[section][key] = value
 
-    probe = ProbePolicy(**health)
+    # A paused engine is excused for as long as a weight push may take.
+    probe = ProbePolicy(**health, max_paused=sup.get("sync_timeout", Config.sync_timeout))
+    warmup = WarmupPolicy(**warm)
+    for key in ("requests", "max_tokens", "logprobs"):
+        if getattr(warmup, key) < 0 or (key == "max_tokens" and warmup.max_tokens < 1):
+            problems.append(f"warmup.{key}: must be >= {1 if key == 'max_tokens' else 0}, got {getattr(warmup, key)}")
+    if not 0 <= warmup.temperature < float("inf"):
+        problems.append(f"warmup.temperature: must be >= 0, got {warmup.temperature:g}")
+    if not 0 < warmup.top_p <= 1:
+        problems.append(f"warmup.top_p: must be in (0, 1], got {warmup.top_p:g}")
+    if not probe.max_busy > 0 or probe.max_busy == float("inf"):
+        problems.append(f"health_check.max_busy: must be a number of seconds > 0, got {probe.max_busy:g}")
     rpolicy = RestartPolicy(**restart)
     for key in ("first_wait", "interval", "timeout"):
         if getattr(probe, key) <= 0:
@@ -215,6 +244,8 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
             problems.append(f"restart.{key}: must be >= 0, got {getattr(rpolicy, key):g}")
     if rpolicy.backoff_max < rpolicy.backoff_initial:
         problems.append("restart.backoff_max: must be >= backoff_initial")
+    _check_finite({"supervisor": sup, "health_check": health, "restart": restart}, problems)
+    _check_startup(sup, problems)
     if sup.get("stop_timeout", 1.0) <= 0:
         problems.append(f"supervisor.stop_timeout: must be > 0, got {sup['stop_timeout']:g}")
     if sup.get("log_level", "info") not in _LOG_LEVELS:
@@ -243,8 +274,89 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         allowed_uids=tuple(uids),
         engine_env=engine_env,
         engine_args=engine_args,
+        warmup=warmup,
         **sup,
     )
+
+
+def _check_finite(sections: dict[str, dict[str, Any]], problems: list[str]) -> None:
+    """NaN passes every `<= 0` test and then breaks the loops that sleep on it (interval = nan
+    killed the supervision task); inf never fires. Flags come here too (float("nan") is valid)."""
+    for name, table in sections.items():
+        for key, value in table.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{name}.{key}: must be a finite number of seconds or a count, got {value}")
+    sync_timeout = sections["supervisor"].get("sync_timeout", 1.0)
+    if math.isfinite(sync_timeout) and sync_timeout <= 0:
+        problems.append(f"supervisor.sync_timeout: must be > 0 seconds, got {sync_timeout:g}; a push "
+                        "or reload gets this long before the engine counts as poisoned")
+
+
+def _check_url(where: str, url: str, problems: list[str]) -> None:
+    """An attached engine's url: http(s)://HOST:PORT, with a host and a port in 1..65535."""
+    hint = "must be http://HOST:PORT (an IPv6 host in brackets: http://[::1]:8000)"
+    try:
+        u = urlparse(url)
+        port = u.port  # ValueError for "80a" or a port out of 0..65535
+        host = u.hostname
+    except ValueError as e:
+        problems.append(f"{where}.url: {hint}, got {url!r} ({e})")
+        return
+    if u.scheme not in ("http", "https") or not host:
+        problems.append(f"{where}.url: {hint}, got {url!r}")
+    elif port is not None and not 1 <= port <= 65535:
+        problems.append(f"{where}.url: port must be 1..65535, got {port} in {url!r}")
+
+
+def _check_startup(sup: dict[str, Any], problems: list[str]) -> None:
+    """What start-up would otherwise fail on with a traceback: a socket path over the Unix limit,
+    an unknown socket_group, a directory that is a file; and a runtime_dir others could write
+    to (they could replace the socket the trainer talks to)."""
+    runtime_dir = sup.get("runtime_dir", Config.runtime_dir)
+    sock = os.path.join(runtime_dir, "supervisor.sock")
+    if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
+        problems.append(f"supervisor.runtime_dir: the socket path {sock} is {len(os.fsencode(sock))} bytes, too "
+                        f"long for a Unix socket (at most {MAX_SOCKET_PATH}); choose a shorter runtime_dir")
+    for key in ("runtime_dir", "log_dir", "state_dir"):
+        path = sup.get(key, getattr(Config, key))
+        try:
+            _check_dir(path, owner_only=key == "runtime_dir")
+        except ValueError as e:
+            problems.append(f"supervisor.{key}: {e}")
+    group = sup.get("socket_group", "")
+    if group and not group.isdigit():
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            problems.append(f"supervisor.socket_group: no group named {group!r}; give an existing group "
+                            "(getent group) or a numeric gid")
+
+
+def _check_dir(path: str, *, owner_only: bool) -> None:
+    """The directory (or the nearest ancestor that exists) must be a directory; with owner_only,
+    an existing one must be ours (or root's) and writable by nobody else."""
+    p = os.path.abspath(path)
+    probe = p
+    while True:
+        try:
+            st = os.stat(probe)
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return
+            probe = parent
+        except OSError as e:  # ENAMETOOLONG, ENOTDIR, EACCES: start-up would fail the same way
+            raise ValueError(f"{path} cannot be used: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{probe} is not a directory" + ("" if probe == p else f" (in {path})"))
+    if owner_only and probe == p:
+        if st.st_uid not in (0, os.geteuid()):
+            raise ValueError(f"{path} is owned by uid {st.st_uid}, not by us (uid {os.geteuid()}) or root; "
+                             "whoever owns it could replace the socket. Use a directory of our own")
+        if st.st_mode & 0o022:
+            raise ValueError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                             f"they could replace the socket. chmod go-w {path}, or choose another runtime_dir")
 
 
 def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[EngineSpec]:
@@ -268,9 +380,7 @@ def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[Engine
         if "url" in e:
             if "model" in e or "port" in e:
                 problems.append(f"{where}: give either url (attach) or model and port (spawn), not both")
-            u = urlparse(e["url"])
-            if u.scheme not in ("http", "https") or not u.netloc:
-                problems.append(f"{where}.url: must be http://HOST:PORT, got {e['url']!r}")
+            _check_url(where, e["url"], problems)
         else:
             if "model" not in e:
                 problems.append(f"{where}: needs model (a directory) and port to spawn, or url to attach")
@@ -310,6 +420,8 @@ _FLAG_KEYS = {
     "rollout_health_check_timeout": ("health_check", "timeout"),
     "rollout_health_check_failure_threshold": ("health_check", "failure_threshold"),
     "rollout_health_check_success_threshold": ("health_check", "success_threshold"),
+    "rollout_health_check_max_busy": ("health_check", "max_busy"),
+    "warmup_requests": ("warmup", "requests"),
     "stop_timeout": ("supervisor", "stop_timeout"),
     "start_retries": ("restart", "start_retries"),
     "backoff_initial": ("restart", "backoff_initial"),
@@ -348,6 +460,12 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                    help=f"consecutive failures that make an engine UNHEALTHY (default {d.failure_threshold})")
     g.add_argument("--rollout-health-check-success-threshold", type=int, metavar="N",
                    help=f"consecutive successes that clear SUSPECT (default {d.success_threshold})")
+    g.add_argument("--rollout-health-check-max-busy", type=float, metavar="S",
+                   help="longest a late probe is excused while the engine's processes burn CPU with no "
+                        f"token counted (default {d.max_busy:g})")
+    g.add_argument("--warmup-requests", type=int, metavar="N",
+                   help=f"concurrent warm-up requests before an incarnation is RUNNING; 0: none "
+                        f"(default {WarmupPolicy().requests})")
     g.add_argument("--stop-timeout", type=float, metavar="S", help="SIGTERM to SIGKILL (default 10)")
     g.add_argument("--start-retries", type=int, metavar="N",
                    help=f"consecutive failed starts before FATAL (default {r.start_retries})")

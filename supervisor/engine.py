@@ -18,6 +18,7 @@ import structlog
 from tenacity import AsyncRetrying, RetryError, retry_if_result, stop_after_delay, wait_exponential_jitter
 
 from . import postmortem
+from .activity import sample_group
 from .config import Config, EngineSpec
 from .fsm import EngineFSM, ProbeOutcome
 from .probes import Prober
@@ -32,6 +33,7 @@ from .process import (
     read_tail,
 )
 from .states import PROCESS_STATES, State
+from .warmup import WarmupFailed, warm_up
 
 if TYPE_CHECKING:
     from .fleet import Fleet
@@ -56,9 +58,12 @@ class EngineRunner:
         self.clock = clock
         self.phase = phase  # offset inside the interval, to spread probes across the fleet
         self.fsm = EngineFSM(spec.name, cfg.probe, cfg.restart, clock, on_transition=fleet.on_transition)
-        self.prober = Prober(session, spec.base_url, spec.model_name, cfg.probe.timeout)
         self.proc: EngineProcess | None = None
+        self.prober = Prober(session, spec.base_url, spec.model_name, cfg.probe.timeout,
+                             group=lambda: self.proc.pid if self.proc is not None else None,
+                             api_key=api_key(cfg.engine_args + spec.args, {**cfg.engine_env, **spec.env}))
         self.log_path: Path | None = None
+        # This incarnation's heartbeats only (a post-mortem is about the process being stopped).
         self.probe_history: deque[tuple[float, ProbeOutcome]] = deque(maxlen=64)
         self.probes = self.probe_failures = self.late_probes = 0  # heartbeats, for status and bench/
         self.retired = False  # never restarted again, never routed
@@ -69,6 +74,7 @@ class EngineRunner:
         self._adopted: EngineProcess | None = None  # from the journal, taken by the first start
         self._adopted_routable = False  # it was serving when the previous daemon died
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
+        self._start_pending: str | None = None  # a start asked for while a dead group is cleaned up
 
     @property
     def name(self) -> str:
@@ -139,6 +145,12 @@ class EngineRunner:
         else:
             fsm.begin_start("start")
         while True:
+            if self._start_pending is not None and self.proc is None and fsm.state in (
+                    S.STOPPED, S.EXITED, S.BACKOFF, S.FATAL):
+                reason, self._start_pending = self._start_pending, None
+                self.start_stopped = False
+                fsm.reset_budget()
+                fsm.begin_start(reason)
             if fsm.state is S.STARTING:
                 # The deep probe's kept-alive connection belongs to one process: dropped before
                 # and after each incarnation (also when cancelled at shutdown), so a new process
@@ -166,6 +178,7 @@ class EngineRunner:
     async def _incarnation(self) -> None:
         fsm = self.fsm
         self._stop_reason = None  # a stop that raced the last incarnation's end is spent
+        self.probe_history.clear()
         if self._adopted is not None:
             self.proc, self._adopted = self._adopted, None
             self.log_path = self.proc.log_path
@@ -187,13 +200,14 @@ class EngineRunner:
                      log=str(self.log_path))
         proc = self.proc
         exited = asyncio.ensure_future(proc.wait())
-        ready = asyncio.ensure_future(self._wait_ready())
+        ready = asyncio.ensure_future(self._wait_ready_and_warm() if not proc.adopted else self._wait_ready())
         try:
             done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             ready.cancel()
-        if ready in done and ready.exception() is None and not exited.done():
+        not_ready = ready.exception() if ready in done else None
+        if ready in done and not_ready is None and not exited.done():
             version = await self.prober.weight_version()
             # The awaits above leave room for an operator's stop or a death: check again.
             if fsm.state is S.STARTING and self._stop_reason is None and not exited.done():
@@ -212,14 +226,50 @@ class EngineRunner:
         if exited.done():
             _permanent, summary = classify_failure(read_tail(self.log_path))
             how = describe_returncode(proc.returncode, proc.adopted)
-            await proc.stop(self.cfg.stop_timeout)  # leftover children of the group
+            await self._stop_process(proc)  # leftover children of the group
             fsm.start_failed(f"{how} while starting: {summary}")
+        elif not_ready is not None:
+            why = (f"warm-up failed: {not_ready}" if isinstance(not_ready, WarmupFailed)
+                   else f"readiness check failed: {not_ready!r}")
+            fsm.stopping(why)
+            how = await self._stop_process(proc)
+            fsm.start_failed(f"{why}; stopped ({how})")
         else:
-            fsm.stopping(f"not ready within first_wait ({self.cfg.probe.first_wait:g}s)")
-            how = await proc.stop(self.cfg.stop_timeout)
-            fsm.start_failed(f"not ready within first_wait ({self.cfg.probe.first_wait:g}s); stopped ({how})")
+            # What the processes were doing says why (a compile, a starved API server, a
+            # download): into the reason, and the whole picture into an incident folder.
+            doing = await self._activity(proc)
+            why = f"not ready within first_wait ({self.cfg.probe.first_wait:g}s); processes: {doing}"
+            await self._post_mortem(why)
+            fsm.stopping(why)
+            how = await self._stop_process(proc)
+            fsm.start_failed(f"{why}; stopped ({how})")
         exited.cancel()
         self.proc = None
+
+    async def _activity(self, proc: EngineProcess) -> str:
+        try:
+            return (await asyncio.to_thread(sample_group, proc.pid)).describe()
+        except OSError as e:
+            return f"unreadable ({e})"
+
+    async def _post_mortem(self, reason: str) -> None:
+        """Keep the evidence, but nothing in the capture (a full disk) may keep a hung engine
+        running: failures are logged and the stop goes on."""
+        try:
+            await postmortem.capture(self, reason)
+        except Exception as e:
+            log.error("postmortem.failed", engine=self.name, error=repr(e))
+
+    async def _stop_process(self, proc: EngineProcess, timeout: float | None = None) -> str:
+        """Stop the group; a group that outlives SIGTERM's grace gets a post-mortem first."""
+        grace = self.cfg.stop_timeout if timeout is None else timeout
+
+        async def overdue() -> None:
+            doing = await self._activity(proc)
+            log.warning("engine.stop_overdue", engine=self.name, pid=proc.pid, grace=grace, processes=doing)
+            await self._post_mortem(f"still running {grace:g}s after SIGTERM; processes: {doing}")
+
+        return await proc.stop(grace, on_overdue=overdue)
 
     async def _supervise(self, proc: EngineProcess, exited: asyncio.Future) -> None:
         """Heartbeat until the process exits, the probes condemn it, or a stop is asked for."""
@@ -238,18 +288,17 @@ class EngineRunner:
             fsm.exited(describe_returncode(proc.returncode, proc.adopted))
             # The server is gone: its EngineCore/Worker have nothing left to drain, so a short
             # grace before SIGKILL keeps the restart quick.
-            await proc.stop(min(1.0, self.cfg.stop_timeout))
+            await self._stop_process(proc, min(1.0, self.cfg.stop_timeout))
+            if self._stop_reason is not None and fsm.state is S.EXITED:
+                # An operator's stop raced the death: it still stands (no automatic restart).
+                fsm.stopped(self._stop_reason)
         else:
             if self._stop_reason is None and fsm.state is not S.STOPPING:
-                # Condemned (hung, poisoned, failures reported): keep the evidence first, but
-                # nothing in the capture (a full disk) may keep a hung engine running.
-                try:
-                    await postmortem.capture(self, fsm.reason)
-                except Exception as e:
-                    log.error("postmortem.failed", engine=self.name, error=repr(e))
+                # Condemned (hung, poisoned, failures reported): keep the evidence first.
+                await self._post_mortem(fsm.reason)
             if fsm.state is not S.STOPPING:
                 fsm.stopping(self._stop_reason or fsm.reason)
-            how = await proc.stop(self.cfg.stop_timeout)
+            how = await self._stop_process(proc)
             if self._stop_reason is not None:
                 fsm.stopped(self._stop_reason)
             else:
@@ -308,6 +357,17 @@ class EngineRunner:
         except RetryError:
             raise StartFailed(f"port {self.spec.port} still in use by another process", permanent=False) from None
 
+    async def _wait_ready_and_warm(self) -> None:
+        """Ready, then the warm-up (WarmupFailed if it fails), all inside the caller's bound."""
+        await self._wait_ready()
+        policy = self.cfg.warmup
+        if policy.requests > 0:
+            self.fsm.annotate(f"warming up: {policy.requests} requests down the rollout's sampling path")
+            log.info("engine.warmup", engine=self.name, requests=policy.requests)
+            done = await warm_up(self.prober.session, self.spec.base_url, self.spec.model_name, policy,
+                                 self.prober.auth)
+            log.info("engine.warmed_up", engine=self.name, summary=done)
+
     async def _wait_ready(self) -> None:
         """Ready = /health 200 and one deep probe answered. Connection refused while vLLM
         boots is transient: retried with jittered backoff until first_wait (the caller's bound).
@@ -333,7 +393,9 @@ class EngineRunner:
         fsm = self.fsm
         if fsm.state in (S.STOPPED, S.EXITED, S.BACKOFF, S.FATAL):
             if self.proc is not None:  # a dead incarnation's group is still being cleaned up
-                return f"busy: the last incarnation is still being stopped ({fsm.state.value}); try again"
+                self._start_pending = reason  # the task starts it once the clean-up ends
+                self.wake()
+                return f"starting once the last incarnation is cleaned up ({fsm.state.value})"
             self.start_stopped = False
             fsm.reset_budget()
             fsm.begin_start(reason)
@@ -346,8 +408,16 @@ class EngineRunner:
         fsm = self.fsm
         if fsm.state is S.STOPPED:
             return "already STOPPED"
+        self._start_pending = None  # a stop cancels a start still waiting for a clean-up
         while fsm.state is S.STARTING and self.proc is None:  # still waiting for its port
             await asyncio.sleep(0.05)
+        # A dead incarnation's group being cleaned up: let that finish (it is bounded by the
+        # stop's own SIGKILL), so a start right after this stop is not refused as busy.
+        deadline = self.clock() + self.cfg.stop_timeout + 5
+        while self.proc is not None and fsm.state in (S.EXITED, S.BACKOFF, S.FATAL) and self.clock() < deadline:
+            await asyncio.sleep(0.05)
+        if fsm.state is S.STOPPED:  # the clean-up carried out a stop that raced the death
+            return "stopped"
         if self.proc is None or fsm.state in (S.EXITED, S.BACKOFF, S.FATAL):
             fsm.stopped(reason)
             self.wake()
@@ -417,10 +487,22 @@ class EngineRunner:
                 outcome = await self._probe_once(started)
                 ok_streak = ok_streak + 1 if outcome.ok else 0
                 if ok_streak >= probe.success_threshold:
-                    fsm.recovered(await self.prober.weight_version(), self.fleet.current_version)
+                    # Membership grows only in a round gap: held STALE until the round ends.
+                    fsm.recovered(await self.prober.weight_version(), self.fleet.current_version,
+                                  hold=self.fleet.hold_reason())
                     ok_streak = 0
             elif fsm.probed and self.cfg.use_fault_tolerance:
                 fsm.probe_result(await self._probe_once(started))
             gap = probe.timeout if fsm.consecutive_failures else probe.interval
             due = started + gap
             await asyncio.sleep(max(0.0, due - self.clock()))
+
+
+def api_key(args: tuple[str, ...], env: dict[str, str]) -> str | None:
+    """The key vLLM guards /v1 with (--api-key or VLLM_API_KEY), which the probe must send."""
+    for i, a in enumerate(args):
+        if a == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--api-key="):
+            return a.split("=", 1)[1]
+    return env.get("VLLM_API_KEY") or None

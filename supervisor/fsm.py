@@ -32,6 +32,14 @@ class ProbePolicy:
     timeout: float = 5.0  # timeoutSeconds, per probe
     failure_threshold: int = 3  # consecutive failures -> UNHEALTHY
     success_threshold: int = 1  # consecutive successes to clear SUSPECT
+    # A late probe is excused while the engine's processes burn CPU (a first-use compile, a
+    # long prefill); busy cannot excuse it for ever: on GPU a collective that never completes
+    # spins a core too. Far above a compile of a new shape (seconds here, tens of seconds on
+    # GPU), well below vLLM's own VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300).
+    max_busy: float = 120.0
+    # A paused engine (a weight push holds generation) is excused up to this long: the
+    # config's sync_timeout, past which the push has failed anyway.
+    max_paused: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,10 @@ class ProbeOutcome:
     ok: bool
     detail: str  # "ok", "timeout after 5.0s", "health 503", "busy: 12 tokens generated", ...
     latency: float | None = None
+    # A late probe that is not a failure, but not proof of progress either: "busy" (CPU
+    # advancing, vLLM's counters still) or "paused" (generation held by /pause). Bounded by
+    # ProbePolicy.max_busy / max_paused.
+    excuse: str | None = None
 
 
 def vlabel(version: int | str | None) -> str:
@@ -95,6 +107,8 @@ class EngineFSM:
     restarts: int = 0  # total restarts after the first start
     weight_version: int | str | None = None
     held: bool = False  # STALE only because a round is open
+    excused_since: float | None = None  # first of the unbroken run of excused probes
+    excuse: str | None = None  # what that run's probes were excused as
     _restart_times: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -155,6 +169,7 @@ class EngineFSM:
         self.last_probe = None
         self.weight_version = None
         self.held = False
+        self.excused_since = self.excuse = None
         self._go(S.STARTING, reason)
         return True
 
@@ -212,6 +227,8 @@ class EngineFSM:
         if self.state not in PROBED and self.state is not S.UNHEALTHY:
             return False  # a late answer for an engine that has moved on
         self.last_probe = outcome
+        if self._excused_too_long(outcome):
+            return True
         if outcome.ok:
             self.consecutive_failures = 0
             self.consecutive_successes += 1
@@ -231,17 +248,40 @@ class EngineFSM:
             self.reason = f"{self.state.value.lower()}; {n}/{k} probe failures (last: {outcome.detail})"
         return False
 
+    def _excused_too_long(self, outcome: ProbeOutcome) -> bool:
+        """Track the run of excused late probes; past its bound the engine is hung (UNHEALTHY
+        at once: the excuse itself has lasted longer than any failure threshold would)."""
+        if outcome.excuse is None or not outcome.ok:
+            self.excused_since = self.excuse = None
+            return False
+        now = self.clock()
+        if outcome.excuse != self.excuse or self.excused_since is None:
+            self.excused_since, self.excuse = now, outcome.excuse
+        limit = self.probe.max_paused if outcome.excuse == "paused" else self.probe.max_busy
+        lasted = now - self.excused_since
+        if lasted < limit:
+            return False
+        what = ("without progress" if outcome.excuse == "busy"
+                else f"(longer than sync_timeout, {limit:g}s)")
+        self._go(S.UNHEALTHY, f"hung: {outcome.excuse} for {lasted:.0f}s {what} (last: {outcome.detail})")
+        return True
+
     def report_failure(self, detail: str) -> bool:
         """A request failure seen by the trainer counts like a failed probe."""
         return self.probe_result(ProbeOutcome(False, f"reported: {detail}"))
 
-    def recovered(self, weight_version: int | str | None, current_version: int | None) -> Transition:
-        """An attached engine answering again after UNHEALTHY/EXITED."""
+    def recovered(self, weight_version: int | str | None, current_version: int | None,
+                  hold: str | None = None) -> Transition:
+        """An attached engine answering again after UNHEALTHY/EXITED. Like a new engine, it
+        joins routing only in a round gap (`hold` says why it waits) and at the current version."""
         self.consecutive_failures = 0
         self.weight_version = weight_version
-        if current_version is None or weight_version == current_version:
+        current = current_version is None or weight_version == current_version
+        if current and hold is None:
             return self._go(S.RUNNING, "recovered: answering probes again")
-        return self._go(S.STALE, f"recovered; weights {vlabel(weight_version)}, current {vlabel(current_version)}")
+        self.held = hold is not None
+        why = hold if current else f"weights {vlabel(weight_version)}, current {vlabel(current_version)}"
+        return self._go(S.STALE, f"recovered; {why}")
 
     def stopping(self, reason: str) -> Transition:
         return self._go(S.STOPPING, reason)

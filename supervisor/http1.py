@@ -43,12 +43,14 @@ class Http1Client:
     call concurrently from one event loop (a request made while another is in flight gets a
     connection of its own, closed after it)."""
 
-    def __init__(self, host: str, port: int, *, max_body: int = MAX_BODY):
+    def __init__(self, host: str, port: int, *, max_body: int = MAX_BODY, headers: dict[str, str] | None = None):
         self.host = host
         self.port = port
         self.max_body = max_body
         netloc = f"[{host}]" if ":" in host else host  # an IPv6 literal needs brackets
-        self._host_header = f"Host: {netloc}:{port}\r\n".encode("ascii")
+        # Host plus fixed extra headers (Authorization for an engine behind --api-key).
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._host_header = f"Host: {netloc}:{port}\r\n{extra}".encode("latin-1")
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._busy = False  # the kept connection carries a request right now

@@ -2,8 +2,14 @@
 
 vLLM's /health only reads a flag: it says 200 in about 1 ms while the EngineCore is SIGSTOPped.
 A 1-token completion is the one thing that exercises the engine loop. A busy engine answers
-that probe late (it queues behind the rollout), so a probe timeout with vLLM's own counters
-moving (generation tokens rising while requests run) is progress, not a hang.
+that probe late (it queues behind the rollout, or behind one long step), so a late probe is
+judged by the evidence read right then (`judge_late`):
+- vLLM's own counters moved (tokens generated or prefilled): progress;
+- a process of a spawned engine's group is stopped (state T): hung;
+- the engine is paused (/is_paused: vLLM 0.32 queues requests while a weight push holds it):
+  excused, up to sync_timeout;
+- the group burns CPU (a first-use compile, a long prefill): busy, excused up to max_busy;
+- none of these: a failed probe. Attached engines (no pid) have the counters and the pause only.
 """
 
 from __future__ import annotations
@@ -14,19 +20,25 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from .activity import GroupSample, busy, describe, sample_group
 from .fsm import ProbeOutcome
 from .http1 import Http1Client, HttpProtocolError
 
 _GEN_TOKENS = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 _PROMPT_TOKENS = re.compile(r"^vllm:prompt_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 _RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
-# After a first late probe there is no earlier reading to compare with: /metrics is read again
-# this much later. A stepping engine moves its counters within a few decode steps; a hung one not.
-PROGRESS_WINDOW = 0.25
+# A late probe is judged on readings taken now, this far apart: /metrics twice (a decoding
+# engine moves its counters within a few steps) and the group's CPU time (50 clock ticks of
+# one core: enough resolution to tell 10% of a core from a stopped group's <1%).
+PROGRESS_WINDOW = 0.5
+# Our published versions are integers below 2**63 (what the journal, metrics and JSON
+# consumers all take); anything else an engine says is an opaque label, never "current".
+_VERSION = re.compile(r"[0-9]{1,19}")
 
 
 @dataclass(frozen=True)
@@ -77,11 +89,15 @@ class Prober:
     the daemon's shared aiohttp session. Call close() when the engine's process goes, so a
     new incarnation is never probed over a connection to the old one."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, timeout: float):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, timeout: float, *,
+                 group: Callable[[], int | None] | None = None, api_key: str | None = None):
         self.session = session
         self.base_url = base_url
         self.model = model
         self.timeout = timeout
+        self.group = group  # the process group of a spawned engine's current incarnation
+        # vLLM's --api-key guards /v1 only: the deep probe (and the warm-up) must send it.
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1, "temperature": 0}).encode()
         self._lean_target = _lean_target(base_url)
         self._lean: Http1Client | None = None  # created at the first probe, dropped by close()
@@ -97,12 +113,13 @@ class Prober:
         if self._lean_target is None:
             async with self.session.post(
                 f"{self.base_url}/v1/completions", data=self._body,
-                headers={"Content-Type": "application/json"}, timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers={"Content-Type": "application/json", **self.auth},
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
             ) as r:
                 return r.status, await r.read()
         host, port, path = self._lean_target
         if self._lean is None:
-            self._lean = Http1Client(host, port)
+            self._lean = Http1Client(host, port, headers=self.auth)
         return await self._lean.post_json(path, self._body, self.timeout)
 
     async def health(self, timeout: float | None = None) -> ProbeOutcome:
@@ -142,21 +159,14 @@ class Prober:
                 if status == 503 and "paused" in text.lower():
                     # vLLM >= 0.33 answers 503 engine_paused while a trainer pushes weights
                     # (0.32 queues the request instead): a paused engine is not a hung one.
-                    return ProbeOutcome(True, "paused: generation held by /pause", latency)
+                    return ProbeOutcome(True, "paused: generation held by /pause", latency, excuse="paused")
                 return ProbeOutcome(False, f"generate {status}: {text}", latency)
             data = json.loads(raw)
             if not data.get("choices"):
                 return ProbeOutcome(False, "generate: no choices in answer", latency)
             return ProbeOutcome(True, "ok", latency)
         except asyncio.TimeoutError:  # before OSError: TimeoutError is one since Python 3.11
-            # Two readings of the counters, PROGRESS_WINDOW apart, both taken now: a hang is
-            # never excused by work done before it, and a busy engine is not counted a failure
-            # (seen: a saturated engine at the RL demo's first round stopped as hung).
-            before = await self.progress()
-            if before is None:
-                return self._judge_timeout(None, None)
-            await asyncio.sleep(PROGRESS_WINDOW)
-            return self._judge_timeout(before, await self.progress())
+            return await self._late()
         except aiohttp.ClientConnectorError:
             return ProbeOutcome(False, "generate: connection refused")
         except aiohttp.ClientError as e:
@@ -183,13 +193,36 @@ class Prober:
         except Exception:  # whatever went wrong, there is no progress to judge by
             return None
 
-    def _judge_timeout(self, before: Progress | None, now: Progress | None) -> ProbeOutcome:
-        # Counters that rose prove the engine loop stepped since the last reading, whether or
-        # not requests are still running at this instant (a round may just have ended).
-        if before and now and now.tokens > before.tokens:
-            made = now.tokens - before.tokens
-            return ProbeOutcome(True, f"busy: probe late, {made:g} tokens processed meanwhile")
-        return ProbeOutcome(False, f"timeout after {self.timeout:g}s, no progress")
+    async def _late(self) -> ProbeOutcome:
+        """The evidence about a late probe, all read now (a hang is never excused by work done
+        before it): the group's processes, /is_paused, and two readings of the counters and
+        of the group's CPU time, PROGRESS_WINDOW apart."""
+        pgid = self.group() if self.group is not None else None
+        cpu_before = await asyncio.to_thread(sample_group, pgid) if pgid else None
+        if cpu_before is not None and cpu_before.stopped:  # nothing else to wait for
+            return judge_late(self.timeout, None, None, cpu_before, cpu_before, paused=False)
+        # /is_paused is a utility call into the EngineCore: a paused (idle) core answers at
+        # once, a busy or hung one not within the window, which is then no evidence either way.
+        paused = asyncio.ensure_future(self.is_paused(PROGRESS_WINDOW))
+        try:
+            before = await self.progress()
+            await asyncio.sleep(PROGRESS_WINDOW)
+            now = await self.progress() if before is not None else None
+            cpu_after = await asyncio.to_thread(sample_group, pgid) if pgid else None
+            is_paused = await paused
+        finally:
+            paused.cancel()
+        return judge_late(self.timeout, before, now, cpu_before, cpu_after, paused=is_paused)
+
+    async def is_paused(self, timeout: float) -> bool:
+        """vLLM's /is_paused (dev mode); False when it does not answer in time or at all."""
+        try:
+            async with self.session.get(f"{self.base_url}/is_paused",
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                body = await r.json() if r.status == 200 else None
+        except Exception:  # unknown is not paused: the probe is judged on the rest
+            return False
+        return isinstance(body, dict) and body.get("is_paused") is True
 
     async def check(self) -> ProbeOutcome:
         """One heartbeat: the deep probe, which proves liveness too when it answers. Only when
@@ -214,6 +247,37 @@ class Prober:
                 raw = body.get("weight_version") if isinstance(body, dict) else None
         except Exception:  # unreadable: treated as unknown, so never as the current version
             return None
-        if not isinstance(raw, str) or raw == "default":
-            return None
-        return int(raw) if raw.isdigit() else raw
+        return parse_version(raw)
+
+
+def parse_version(raw: object) -> int | str | None:
+    """An engine's weight version label as ours. The engine's answer is untrusted input: only
+    plain ASCII digits that fit our versions become an int ("²" and 5,000 digits do not);
+    other strings stay opaque labels (shortened), never equal to a published version."""
+    if not isinstance(raw, str) or raw == "default":
+        return None
+    if _VERSION.fullmatch(raw) and int(raw) < 2**63:
+        return int(raw)
+    return raw if len(raw) <= 64 else raw[:61] + "..."
+
+
+def judge_late(timeout: float, before: Progress | None, now: Progress | None,
+               cpu_before: GroupSample | None, cpu_after: GroupSample | None, *, paused: bool) -> ProbeOutcome:
+    """Pure: what a probe that got no answer within `timeout` means, from readings taken now."""
+    late = f"probe late (>{timeout:g}s)"
+    if cpu_after is not None and cpu_after.stopped:
+        return ProbeOutcome(False, f"{late}; stopped: {describe(cpu_after.stopped)}")
+    # Counters that rose prove the engine loop stepped, whether or not requests are still
+    # running at this instant (a round may just have ended).
+    if before and now and now.tokens > before.tokens:
+        return ProbeOutcome(True, f"busy: {late}, {now.tokens - before.tokens:g} tokens processed meanwhile")
+    if paused:
+        return ProbeOutcome(True, f"paused: {late}, generation held by /pause", excuse="paused")
+    if cpu_before is not None and cpu_after is not None:
+        working, cores = busy(cpu_before, cpu_after)
+        if working:
+            return ProbeOutcome(True, f"busy: {late}, no tokens, processes at {cores:.0%} of a core",
+                                excuse="busy")
+        return ProbeOutcome(False, f"timeout after {timeout:g}s, no progress (processes at {cores:.0%} "
+                                   f"of a core: {cpu_after.describe()})")
+    return ProbeOutcome(False, f"timeout after {timeout:g}s, no progress")

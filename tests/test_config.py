@@ -101,13 +101,13 @@ def test_good_config_with_every_section(tmp_path):
 
 def test_unknown_top_level_key(good):
     assert problems({**good, "healthcheck": {}}) == [
-        "healthcheck: unknown key (known: engine_defaults, engines, health_check, restart, supervisor)"]
+        "healthcheck: unknown key (known: engine_defaults, engines, health_check, restart, supervisor, warmup)"]
 
 
 def test_unknown_key_in_health_check(good):
     assert problems({**good, "health_check": {"intervall": 5}}) == [
         "health_check.intervall: unknown key "
-        "(known: failure_threshold, first_wait, interval, success_threshold, timeout)"]
+        "(known: failure_threshold, first_wait, interval, max_busy, success_threshold, timeout)"]
 
 
 @pytest.mark.parametrize(
@@ -281,11 +281,11 @@ def test_several_problems_are_all_reported_together(tmp_path):
         ],
     }
     assert problems(raw) == [
-        "extra: unknown key (known: engine_defaults, engines, health_check, restart, supervisor)",
+        "extra: unknown key (known: engine_defaults, engines, health_check, restart, supervisor, warmup)",
         "supervisor.use_fault_tolerance: must be true or false, got 'yes'",
         "health_check.interval: must be a number, got 'ten'",
         "health_check.intervall: unknown key "
-        "(known: failure_threshold, first_wait, interval, success_threshold, timeout)",
+        "(known: failure_threshold, first_wait, interval, max_busy, success_threshold, timeout)",
         f"engines[1] (e1).model: no such directory: {gone}",
         "engines[1] (e1).port: duplicate port 8001 (also used by e0)",
         "engines[1] (e1).args: do not pass --port; set the engine's own key instead",

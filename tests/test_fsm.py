@@ -702,3 +702,80 @@ def test_detection_kinds_name_how_an_engine_was_found_unusable():
     assert detection_kind("hung: 2 consecutive probe failures (last: timeout after 2s, no progress)") == "hang"
     assert detection_kind("hung: 2 consecutive probe failures (last: reported: connection reset)") == "reported"
     assert detection_kind("poisoned: push of v3 failed midway: boom (reported by the trainer)") == "poisoned"
+
+
+# -- late probes excused as busy or paused, within their bounds --------------------------------
+
+BUSY_LATE = ProbeOutcome(True, "busy: probe late (>2s), no tokens, processes at 97% of a core", excuse="busy")
+PAUSED_LATE = ProbeOutcome(True, "paused: probe late (>2s), generation held by /pause", excuse="paused")
+
+
+def test_busy_probes_are_not_failures_until_max_busy():
+    fsm, clock, seen = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
+    for t in range(11, 40, 3):  # 29 s of busy probes: under max_busy
+        clock.now = float(t)
+        assert fsm.probe_result(BUSY_LATE) is False
+    assert fsm.state is S.RUNNING and fsm.consecutive_failures == 0 and seen == []
+    clock.now = 41.0  # 30 s after the first busy probe
+    assert fsm.probe_result(BUSY_LATE) is True
+    assert fsm.state is S.UNHEALTHY
+    assert fsm.reason.startswith("hung: busy for 30s without progress (last: busy: probe late")
+
+
+def test_progress_or_an_answer_ends_a_busy_run():
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
+    clock.now = 11.0
+    fsm.probe_result(BUSY_LATE)
+    clock.now = 35.0
+    fsm.probe_result(ProbeOutcome(True, "busy: probe late (>2s), 12 tokens processed meanwhile"))
+    assert fsm.excused_since is None
+    clock.now = 40.0
+    assert fsm.probe_result(BUSY_LATE) is False  # a new run starts here
+    clock.now = 69.0
+    assert fsm.probe_result(BUSY_LATE) is False and fsm.state is S.RUNNING
+    clock.now = 70.0
+    assert fsm.probe_result(BUSY_LATE) is True
+
+
+def test_a_failure_inside_a_busy_run_counts_and_restarts_the_run():
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
+    clock.now = 11.0
+    fsm.probe_result(BUSY_LATE)
+    clock.now = 14.0
+    assert fsm.probe_result(TIMEOUT) is False and fsm.state is S.SUSPECT
+    assert fsm.excused_since is None
+    clock.now = 17.0
+    assert fsm.probe_result(BUSY_LATE) is False and fsm.consecutive_failures == 0
+    assert fsm.excused_since == 17.0
+
+
+def test_paused_is_bounded_by_max_paused_not_max_busy():
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=5,
+                                               max_paused=60))
+    clock.now = 11.0
+    fsm.probe_result(PAUSED_LATE)
+    clock.now = 70.0
+    assert fsm.probe_result(PAUSED_LATE) is False and fsm.state is S.RUNNING
+    clock.now = 71.0
+    assert fsm.probe_result(PAUSED_LATE) is True
+    assert fsm.reason.startswith("hung: paused for 60s (longer than sync_timeout, 60s)")
+
+
+def test_a_new_incarnation_starts_with_no_busy_run():
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
+    clock.now = 11.0
+    fsm.probe_result(BUSY_LATE)
+    fsm.exited("killed by SIGKILL")
+    fsm.begin_start("restart")
+    assert fsm.excused_since is None and fsm.excuse is None
+
+
+def test_recovered_attached_engine_is_held_during_a_round():
+    """Fault 11: membership grows only in gaps, also for an attached engine that recovers."""
+    fsm, clock, seen = running()
+    fsm.probe_result(TIMEOUT), fsm.probe_result(TIMEOUT), fsm.probe_result(TIMEOUT)
+    assert fsm.state is S.UNHEALTHY
+    fsm.recovered(None, None, hold="held out of routing until round 3 ends")
+    assert fsm.state is S.STALE and fsm.held and "until round 3 ends" in fsm.reason
+    fsm.release("round 3 ended", None)
+    assert fsm.state is S.RUNNING

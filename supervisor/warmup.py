@@ -1,0 +1,72 @@
+"""The warm-up: a new incarnation's first work goes down the rollout's own sampling path.
+
+vLLM compiles on first use (on CPU, torch inductor compiles the sampler the first time a
+batch samples with temperature and logprobs; on GPU, torch.compile of new shapes). Left to the
+first rollout batch, that compile runs inside a round, for seconds with no counter moving.
+Sent while the engine is still STARTING (inside first_wait), it happens outside the rounds, and
+a warm-up that fails is a failed start with the engine's own error in the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class WarmupPolicy:
+    """The defaults mirror a rollout batch: concurrent sampled requests with logprobs."""
+
+    requests: int = 8  # sent at once; 0 turns the warm-up off
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs: int = 1  # completions' logprobs=N; 0 asks for none
+    prompt: str = "The quick brown fox"
+
+
+class WarmupFailed(Exception):
+    pass
+
+
+async def warm_up(session: aiohttp.ClientSession, base_url: str, model: str, policy: WarmupPolicy,
+                  headers: dict[str, str] | None = None) -> str:
+    """Send the warm-up batch and wait for all of it. Returns a summary; raises WarmupFailed
+    with the engine's answer when a request fails. Unbounded here: the caller holds the bound
+    (what is left of first_wait)."""
+    if policy.requests <= 0:
+        return "warm-up off"
+    body = {"model": model, "prompt": policy.prompt, "max_tokens": policy.max_tokens,
+            "temperature": policy.temperature, "top_p": policy.top_p, "ignore_eos": True}
+    if policy.logprobs > 0:
+        body["logprobs"] = policy.logprobs
+    data = json.dumps(body).encode()
+
+    async def one() -> int:
+        try:
+            async with session.post(f"{base_url}/v1/completions", data=data,
+                                    headers={"Content-Type": "application/json", **(headers or {})}) as r:
+                raw = await r.read()
+        except aiohttp.ClientError as e:
+            raise WarmupFailed(f"warm-up request failed: {type(e).__name__}: {e}") from None
+        if r.status != 200:
+            text = raw.decode("utf-8", "replace").strip()[:300]
+            raise WarmupFailed(f"warm-up request answered {r.status}: {text}")
+        try:
+            usage = json.loads(raw).get("usage") or {}
+            return int(usage.get("completion_tokens", 0))
+        except (ValueError, AttributeError, TypeError):
+            raise WarmupFailed(f"warm-up answer is not a completion: {raw[:200]!r}") from None
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
+            tasks = [tg.create_task(one()) for _ in range(policy.requests)]
+    except* WarmupFailed as group:
+        raise group.exceptions[0] from None
+    tokens = sum(t.result() for t in tasks)
+    return f"warm-up: {policy.requests} requests, {tokens} tokens in {loop.time() - t0:.1f}s"
