@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 MAX_SOCKET_PATH = 107
 
 from .fsm import ProbePolicy, RestartPolicy
+from .warmup import WarmupPolicy
 
 
 class ConfigError(Exception):
@@ -74,6 +75,7 @@ class Config:
     allowed_uids: tuple[int, ...] = ()  # control socket peers besides our own uid
     socket_group: str = ""  # group owning the socket (mode 0660), so its members can connect
     sync_timeout: float = 300.0  # a push or reload not verified by then poisons the engine
+    warmup: WarmupPolicy = WarmupPolicy()  # sent to each new incarnation before it is RUNNING
 
     @property
     def socket_path(self) -> str:
@@ -81,7 +83,7 @@ class Config:
 
 
 # Table -> {key: type}. Everything else in the file is an error.
-_TOP = {"supervisor", "health_check", "restart", "engine_defaults", "engines"}
+_TOP = {"supervisor", "health_check", "restart", "warmup", "engine_defaults", "engines"}
 _SUPERVISOR = {
     "use_fault_tolerance": bool,
     "stop_timeout": float,
@@ -102,6 +104,15 @@ _HEALTH = {
     "timeout": float,
     "failure_threshold": int,
     "success_threshold": int,
+    "max_busy": float,
+}
+_WARMUP = {
+    "requests": int,
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "logprobs": int,
+    "prompt": str,
 }
 _RESTART = {
     "start_retries": int,
@@ -193,10 +204,22 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     health = _check_table("health_check", raw.get("health_check", {}), _HEALTH, problems)
     restart = _check_table("restart", raw.get("restart", {}), _RESTART, problems)
     defaults = _check_table("engine_defaults", raw.get("engine_defaults", {}), _DEFAULTS, problems)
+    warm = _check_table("warmup", raw.get("warmup", {}), _WARMUP, problems)
     for section, key, value in _apply_overrides(overrides or {}):
-        {"supervisor": sup, "health_check": health, "restart": restart}[section][key] = value
+        {"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm}[section][key] = value
 
-    probe = ProbePolicy(**health)
+    # A paused engine is excused for as long as a weight push may take.
+    probe = ProbePolicy(**health, max_paused=sup.get("sync_timeout", Config.sync_timeout))
+    warmup = WarmupPolicy(**warm)
+    for key in ("requests", "max_tokens", "logprobs"):
+        if getattr(warmup, key) < 0 or (key == "max_tokens" and warmup.max_tokens < 1):
+            problems.append(f"warmup.{key}: must be >= {1 if key == 'max_tokens' else 0}, got {getattr(warmup, key)}")
+    if not 0 <= warmup.temperature < float("inf"):
+        problems.append(f"warmup.temperature: must be >= 0, got {warmup.temperature:g}")
+    if not 0 < warmup.top_p <= 1:
+        problems.append(f"warmup.top_p: must be in (0, 1], got {warmup.top_p:g}")
+    if not probe.max_busy > 0 or probe.max_busy == float("inf"):
+        problems.append(f"health_check.max_busy: must be a number of seconds > 0, got {probe.max_busy:g}")
     rpolicy = RestartPolicy(**restart)
     for key in ("first_wait", "interval", "timeout"):
         if getattr(probe, key) <= 0:
@@ -251,6 +274,7 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         allowed_uids=tuple(uids),
         engine_env=engine_env,
         engine_args=engine_args,
+        warmup=warmup,
         **sup,
     )
 
@@ -400,6 +424,8 @@ _FLAG_KEYS = {
     "rollout_health_check_timeout": ("health_check", "timeout"),
     "rollout_health_check_failure_threshold": ("health_check", "failure_threshold"),
     "rollout_health_check_success_threshold": ("health_check", "success_threshold"),
+    "rollout_health_check_max_busy": ("health_check", "max_busy"),
+    "warmup_requests": ("warmup", "requests"),
     "stop_timeout": ("supervisor", "stop_timeout"),
     "start_retries": ("restart", "start_retries"),
     "backoff_initial": ("restart", "backoff_initial"),
@@ -438,6 +464,12 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                    help=f"consecutive failures that make an engine UNHEALTHY (default {d.failure_threshold})")
     g.add_argument("--rollout-health-check-success-threshold", type=int, metavar="N",
                    help=f"consecutive successes that clear SUSPECT (default {d.success_threshold})")
+    g.add_argument("--rollout-health-check-max-busy", type=float, metavar="S",
+                   help="longest a late probe is excused while the engine's processes burn CPU with no "
+                        f"token counted (default {d.max_busy:g})")
+    g.add_argument("--warmup-requests", type=int, metavar="N",
+                   help=f"concurrent warm-up requests before an incarnation is RUNNING; 0: none "
+                        f"(default {WarmupPolicy().requests})")
     g.add_argument("--stop-timeout", type=float, metavar="S", help="SIGTERM to SIGKILL (default 10)")
     g.add_argument("--start-retries", type=int, metavar="N",
                    help=f"consecutive failed starts before FATAL (default {r.start_retries})")
