@@ -63,9 +63,13 @@ def write_config(path: Path, *, engines: list[dict], **sections: dict) -> Path:
 
 
 class Daemon:
-    """`python -m supervisor --config FILE` as a child; its stderr parsed line by line."""
+    """`python -m supervisor --config FILE` as a child; its stderr parsed line by line.
 
-    def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None, tee=None):
+    new_session: start it in a session (and process group) of its own, so that a Ctrl-C at the
+    terminal reaches only the caller, which then stops it in order (the demo does)."""
+
+    def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None, tee=None,
+                 new_session: bool = False):
         self.config = config
         self.tee = tee  # a text file that gets every line too
         self.events: list[dict] = []
@@ -74,6 +78,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor", "--config", str(config), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=new_session,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -147,6 +152,43 @@ class Daemon:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+    def stop_all(self, timeout: float, *, hurry: Callable[[], bool] = lambda: False,
+                 say: Callable[[str], None] = lambda msg: None) -> tuple[int | None, list[tuple[int, int, str]]]:
+        """Stop the daemon and every engine it spawned, bounded: SIGTERM to the daemon (which
+        stops its engines' groups), up to `timeout`; then, as a last resort, SIGKILL to the
+        daemon and to each engine process group it spawned that still has a live member (by
+        the pids of its spawn events, never by name). `hurry()` true skips to the last resort.
+        Returns (the daemon's exit status, None if it had to be killed; what is left)."""
+        groups = set(self.spawned_pids())
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline and not hurry():
+            time.sleep(0.1)
+        rc = self.proc.poll()
+        if rc is None:
+            say(f"the daemon (pid {self.proc.pid}) did not exit within {timeout:g}s of SIGTERM: SIGKILL")
+            self.kill()
+        self._reader.join(5)
+        groups |= set(self.spawned_pids())
+        deadline = time.monotonic() + (0 if hurry() else 5)
+        while live_pids_in_groups(groups) and time.monotonic() < deadline and not hurry():
+            time.sleep(0.1)
+        left = live_pids_in_groups(groups)
+        if left:
+            say("engine processes left behind: " + ", ".join(f"{pid} ({comm})" for pid, _, comm in left)
+                + "; SIGKILL to their process groups")
+            for pgid in sorted({g for _, g, _ in left}):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 5
+            while live_pids_in_groups(groups) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = live_pids_in_groups(groups)
+        return rc, left
 
 
 def live_pids_in_groups(pgids: set[int]) -> list[tuple[int, int, str]]:

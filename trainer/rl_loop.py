@@ -16,6 +16,12 @@ measured on a whole fleet. The run ends once every engine is back on the trainer
 prints (and writes to OUT/summary.json) a table of steps, each fault's detection and recovery,
 the version each engine ends on, and the rounds lost.
 
+It stops early, and says why (`Report.stopped`), when more rounds are lost than
+`--max-lost-rounds` (default 0: at the first), when an engine is FATAL (with `--stop-on-fatal`;
+the demo sets it), or on SIGINT (Ctrl-C) / SIGTERM: the round in progress is abandoned and
+ended, the connections closed, the summary written. Every wait has a bound (`--fault-wait`,
+`--sync-wait`, `--final-wait`, `--round-timeout`).
+
 slime's debug flags work here: `--save-debug-rollout-data 'DIR/{rollout_id}.jsonl'` keeps each
 round's samples; `--load-debug-rollout-data` replays them instead of rolling out (with
 `--debug-train-only` no daemon or engine is needed at all); `--debug-rollout-only` rolls out
@@ -28,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -73,12 +80,14 @@ class Report:
     rounds_lost: int = 0
     stale_responses: int = 0
     seconds: float = 0.0
+    stopped: str | None = None       # why the run stopped before its last step (None: it did not)
+    signal: int | None = None        # the signal that stopped it (SIGINT, SIGTERM), if one did
 
     def as_dict(self) -> dict[str, Any]:
         return {"steps": [asdict(s) for s in self.steps], "faults": [f.as_dict() for f in self.faults],
                 "final_version": self.final_version, "engines": self.engines, "syncs": self.syncs,
                 "rounds_lost": self.rounds_lost, "stale_responses": self.stale_responses,
-                "seconds": self.seconds,
+                "seconds": self.seconds, "stopped": self.stopped, "signal": self.signal,
                 "reward_first": self.steps[0].reward_mean if self.steps else None,
                 "reward_last": self.steps[-1].reward_mean if self.steps else None}
 
@@ -86,14 +95,28 @@ class Report:
 # -- the parts that talk to the daemon -----------------------------------------------------
 
 
-class Fleet:
-    """The daemon as the loop sees it: status, waits, and the engines' processes for faults."""
+class EngineFatal(Exception):
+    """An engine is FATAL (its start budget or flapping window is spent): with --stop-on-fatal
+    no wait goes on for it."""
 
-    def __init__(self, client: SupervisorClient):
+
+class Fleet:
+    """The daemon as the loop sees it: status, waits, and the engines' processes for faults.
+    `stop` (set on SIGINT/SIGTERM) ends every wait at once; with `stop_on_fatal` a wait raises
+    EngineFatal as soon as an engine is FATAL."""
+
+    def __init__(self, client: SupervisorClient, stop: threading.Event | None = None, stop_on_fatal: bool = False):
         self.client = client
+        self.stop = stop or threading.Event()
+        self.stop_on_fatal = stop_on_fatal
 
     def engines(self) -> list[dict[str, Any]]:
         return self.client.status()["engines"]
+
+    def fatal(self, engines: list[dict[str, Any]] | None = None) -> list[str]:
+        """'name: reason' of every FATAL engine."""
+        return [f"{e['name']} FATAL: {e.get('reason') or '?'}" for e in (engines or self.engines())
+                if e["state"] == "FATAL"]
 
     def whole(self, version: int | None) -> bool:
         """Every engine serving the given version (a FATAL one too must be back)."""
@@ -102,11 +125,13 @@ class Fleet:
 
     def wait(self, pred, timeout: float, poll: float = 0.2) -> bool:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.stop.is_set():
             if pred():
                 return True
-            time.sleep(poll)
-        return pred()
+            if self.stop_on_fatal and (fatal := self.fatal()):
+                raise EngineFatal("; ".join(fatal))
+            self.stop.wait(poll)
+        return False if self.stop.is_set() else pred()
 
     def settle_syncs(self, timeout: float) -> bool:
         """In the gap: wait while an engine is ready but behind (STALE) or being synced, so
@@ -190,6 +215,7 @@ class RLLoop:
         self.rc: Any = None
         self.agent: Any = None
         self.recorder: Any = None
+        self.stop = threading.Event()       # set by SIGINT/SIGTERM (or by a caller): every wait ends
 
     def log(self, msg: str) -> None:
         print(f"[rl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -208,12 +234,19 @@ class RLLoop:
     # -- entry -----------------------------------------------------------------------------
 
     def run(self) -> Report:
+        """The whole run. SIGINT/SIGTERM (when called from the main thread) stop it: the report
+        comes back with `stopped` and `signal` set, as it does when it stops for lost rounds or
+        a FATAL engine."""
         t0 = time.monotonic()
         try:
             if self.args.debug_train_only:
                 self._train_only()
             else:
                 asyncio.run(self._run_live())
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            if self.report.signal is None:
+                raise
+            self.report.stopped = f"interrupted by {signal.Signals(self.report.signal).name}"
         finally:
             self.report.seconds = time.monotonic() - t0
             (self.out / "summary.json").write_text(json.dumps(self.report.as_dict(), indent=1, default=str))
@@ -279,12 +312,57 @@ class RLLoop:
         self.report.syncs.append({"engine": r.engine, "version": r.version, "ok": r.ok,
                                   "seconds": round(r.seconds, 3), "error": r.error})
 
+    def _on_signal(self, signum: int, task: asyncio.Task) -> None:
+        if self.stop.is_set():
+            self.log(f"{signal.Signals(signum).name} again: already stopping (bounded)")
+            return
+        self.log(f"{signal.Signals(signum).name}: stopping the run (ending the round, closing connections)")
+        self.report.signal = signum
+        self.stop.set()
+        task.cancel()
+
+    def _catch_signals(self) -> list[tuple[int, Any]]:
+        """SIGINT and SIGTERM cancel the run (main thread only); what to restore after."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        saved = []
+        if threading.current_thread() is not threading.main_thread():
+            return saved
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            saved.append((sig, signal.getsignal(sig)))
+            loop.add_signal_handler(sig, self._on_signal, sig, task)
+        return saved
+
+    @staticmethod
+    def _restore_signals(saved: list[tuple[int, Any]]) -> None:
+        loop = asyncio.get_running_loop()
+        for sig, old in saved:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+    def _stop_reason(self, fleet: Fleet, step: int) -> str | None:
+        """Why the run must stop after this step, if it must."""
+        lost = [s for s in self.report.steps if s.lost]
+        if len(lost) > self.args.max_lost_rounds:
+            return (f"{len(lost)} round(s) lost, more than --max-lost-rounds {self.args.max_lost_rounds} "
+                    f"(step {lost[-1].step}: {lost[-1].error})")
+        if fleet.stop_on_fatal and (fatal := fleet.fatal()):
+            return "; ".join(fatal)
+        return None
+
     async def _run_live(self) -> None:
+        saved = self._catch_signals()
+        try:
+            await self._run_live_inner()
+        finally:
+            self._restore_signals(saved)
+
+    async def _run_live_inner(self) -> None:
         from trainer.trace import DaemonEventRecorder, Tracer
 
         a = self.args
         client = SupervisorClient(a.socket)
-        fleet = Fleet(client)
+        fleet = Fleet(client, self.stop, stop_on_fatal=a.stop_on_fatal)
         status = client.status()
         if status.get("round_open"):
             # A trainer before us left its round open (it died mid-round): close it.
@@ -303,11 +381,21 @@ class RLLoop:
                 # out first as the next version, so every round below is on-policy.
                 self.base = self.published + 1
                 await asyncio.to_thread(self._locked_push_and_publish, fleet, pusher)
-            for step in range(1, a.num_rollout + 1):
-                await self._step(step, fleet, pusher, tracer, train)
-            if train:
+            try:
+                for step in range(1, a.num_rollout + 1):
+                    await self._step(step, fleet, pusher, tracer, train)
+                    why = await asyncio.to_thread(self._stop_reason, fleet, step)
+                    if why:
+                        self.report.stopped = f"stopped after step {step}: {why}"
+                        break
+            except EngineFatal as e:
+                self.report.stopped = f"stopped: {e}"
+            if self.report.stopped:
+                self.log(self.report.stopped)
+            elif train:
                 self.log(f"waiting (in the gap) for every engine to be RUNNING on v{self.published}")
-                await asyncio.to_thread(fleet.wait, lambda: fleet.whole(self.published), a.final_wait)
+                if not await asyncio.to_thread(fleet.wait, lambda: fleet.whole(self.published), a.final_wait):
+                    self.log(f"not every engine is RUNNING on v{self.published} after {a.final_wait:g}s")
         finally:
             await self._disconnect()
             pusher.close()
@@ -393,8 +481,12 @@ class RLLoop:
                 return await self._disconnect_mid_round(fault, step, rnd, gather, fleet, tracer)
             if fault is not None and fault.kind in F.IN_ROUND:
                 injector = asyncio.ensure_future(self._inject_later(fault, step, fleet, gather))
-            results = await gather
-        except Exception as e:  # noqa: BLE001 - the round is lost; the run goes on and counts it
+            try:
+                results = await asyncio.wait_for(asyncio.shield(gather), a.round_timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"the round's rollouts did not end within --round-timeout "
+                                   f"{a.round_timeout:g}s") from None
+        except Exception as e:  # noqa: BLE001 - the round is lost; it is counted (and may stop the run)
             lost, error = True, f"{type(e).__name__}: {e}"
         finally:
             if gather is not None and not gather.done():  # cancelled (Ctrl-C): abandon the requests
@@ -616,6 +708,8 @@ def format_report(rep: Report) -> str:
         lines += ["", f"engines at the end (trainer at v{rep.final_version})"]
         for name, e in sorted(rep.engines.items()):
             lines.append(f"  {name:<12}{e['state']:<10}v{e['weight_version']}  restarts {e.get('restarts')}")
+    if rep.stopped:
+        lines += ["", f"STOPPED EARLY: {rep.stopped}"]
     lines += ["", f"rounds lost {rep.rounds_lost}   stale responses {rep.stale_responses}   "
               f"agent syncs {len(rep.syncs)} ({sum(1 for s in rep.syncs if s['ok'])} ok)   "
               f"reward {rep.steps[0].reward_mean if rep.steps else 0:.2f} -> "
@@ -648,6 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fault-wait", type=float, default=300.0, help="longest wait for a whole fleet before a fault")
     g.add_argument("--sync-wait", type=float, default=60.0, help="longest wait in a gap for engines being synced")
     g.add_argument("--final-wait", type=float, default=300.0, help="longest wait at the end for every engine to be current")
+    g = ap.add_argument_group("when to stop early")
+    g.add_argument("--max-lost-rounds", type=int, default=0, metavar="N",
+                   help="stop once more rounds than this are lost (default 0: at the first lost round)")
+    g.add_argument("--stop-on-fatal", action="store_true",
+                   help="stop as soon as an engine is FATAL instead of waiting (bounded) for an operator to start it")
+    g.add_argument("--round-timeout", type=float, default=900.0,
+                   help="longest a round's rollouts may take; past it the round is lost")
     g = ap.add_argument_group("debug (slime's flags)")
     g.add_argument("--save-debug-rollout-data", metavar="PATH_WITH_{rollout_id}")
     g.add_argument("--load-debug-rollout-data", metavar="PATH_WITH_{rollout_id}")
@@ -672,7 +773,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rl_loop: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print(format_report(rep))
-    ok = rep.rounds_lost == 0 and rep.stale_responses == 0 and (
+    if rep.signal is not None:
+        return 128 + rep.signal
+    ok = not rep.stopped and rep.rounds_lost == 0 and rep.stale_responses == 0 and (
         args.debug_train_only or args.debug_rollout_only
         or all(e["weight_version"] == rep.final_version for e in rep.engines.values() if e["state"] != "FATAL"))
     return 0 if ok else 1
