@@ -20,15 +20,26 @@ from typing import Any, Awaitable, Callable
 import structlog
 from aiohttp import web
 
-from .fleet import BadRequest, Conflict, Fleet
+from .fleet import BadRequest, Conflict, Fleet, check_version
 from .process import read_tail
 from .status import fleet_status, routable_view
 
 log = structlog.get_logger("vime.control")
 
 MAX_BODY = 64 * 1024
+# Event-stream readers: each holds a queue and socket buffers (a stalled one about 1.3 MB), so
+# they are capped, with room kept for trainer agents; a write a reader does not take within
+# STREAM_WRITE_TIMEOUT ends its stream.
+MAX_STREAMS = 64
+MAX_AGENT_STREAMS = 8
+STREAM_QUEUE = 2000
+STREAM_WRITE_TIMEOUT = 10.0
 _CLOSE = object()  # ends an event stream
 API = "/v1"
+
+
+class _StalledReader(Exception):
+    pass
 
 
 class ApiError(Exception):
@@ -66,8 +77,10 @@ class ControlServer:
 
     async def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        if os.path.exists(self.path):
-            if not stat.S_ISSOCK(os.stat(self.path).st_mode):
+        self._check_runtime_dir(os.path.dirname(self.path))
+        gid = self._socket_gid()  # before the socket exists: a bad group leaves nothing behind
+        if os.path.lexists(self.path):
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 raise RuntimeError(f"{self.path} exists and is not a socket; remove it or choose another runtime_dir")
             os.unlink(self.path)  # a stale socket from a previous daemon
         # A short shutdown_timeout: nothing a handler does is worth delaying the daemon's exit.
@@ -78,11 +91,48 @@ class ControlServer:
             await web.UnixSite(self._runner, self.path).start()
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o660)
-        if self.socket_group:
-            gid = int(self.socket_group) if self.socket_group.isdigit() else grp.getgrnam(self.socket_group).gr_gid
-            os.chown(self.path, -1, gid)
+        try:
+            # bind() made it 0660 under the umask; lstat: never chmod what a symlink points to.
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise RuntimeError(f"{self.path} was replaced after bind; runtime_dir must be ours alone")
+            if gid is not None:
+                os.chown(self.path, -1, gid, follow_symlinks=False)
+        except BaseException:
+            await self._runner.cleanup()
+            self._unlink_socket()
+            raise
         log.info("control.listening", socket=self.path, mode="0660", allowed_uids=sorted(self.allowed))
+
+    @staticmethod
+    def _check_runtime_dir(path: str) -> None:
+        """Whoever can write to the socket's directory can replace the socket: it must be ours
+        (or root's) and writable by nobody else. One we just made under a lax umask is fixed."""
+        st = os.stat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise RuntimeError(f"runtime_dir {path} is not a directory")
+        if st.st_uid not in (0, os.geteuid()):
+            raise RuntimeError(f"runtime_dir {path} is owned by uid {st.st_uid}, not by us or root; use a directory of our own")
+        if st.st_mode & 0o022:
+            if st.st_uid != os.geteuid():
+                raise RuntimeError(f"runtime_dir {path} is writable by group or others; chmod go-w {path}")
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+
+    def _socket_gid(self) -> int | None:
+        if not self.socket_group:
+            return None
+        if self.socket_group.isdigit():
+            return int(self.socket_group)
+        try:
+            return grp.getgrnam(self.socket_group).gr_gid
+        except KeyError:
+            raise RuntimeError(f"socket_group: no group named {self.socket_group!r}") from None
+
+    def _unlink_socket(self) -> None:
+        try:
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
     async def stop(self) -> None:
         self._closing = True
@@ -103,7 +153,10 @@ class ControlServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         uid = peer_uid(request)
-        if uid is not None and uid not in self.allowed:
+        if uid is None:  # no credentials (the connection is already gone): fail closed
+            log.warning("control.refused", uid=None, path=request.path)
+            return _error(403, "forbidden", "the peer's credentials could not be read; connect over the Unix socket")
+        if uid not in self.allowed:
             log.warning("control.refused", uid=uid, path=request.path)
             return _error(403, "forbidden", f"uid {uid} may not use this socket; add it to supervisor.allowed_uids")
         if request.content_length is not None and request.content_length > MAX_BODY:
@@ -231,9 +284,12 @@ class ControlServer:
         runner = self._engine(request)
         action = request.match_info["action"]
         if action == "failures":
-            body = await self._body(request, {"detail": (str,), "poisoned": (bool,)})
+            body = await self._body(request, {"detail": (str,), "poisoned": (bool,), "incarnation": (int,)})
+            if "incarnation" in body:
+                check_version("incarnation", body["incarnation"])
             result = self.fleet.report_failure(runner, body.get("detail") or "request failed",
-                                               poisoned=body.get("poisoned", False))
+                                               poisoned=body.get("poisoned", False),
+                                               incarnation=body.get("incarnation"))
             return web.json_response({"engine": runner.name, **result})
         if action not in ("restart", "stop", "start", "retire"):
             raise ApiError(404, "unknown_action", f"no action {action!r}; use restart, stop, start, retire or failures")
@@ -248,10 +304,12 @@ class ControlServer:
         phase = request.match_info["phase"]
         if phase == "begin":
             body = await self._body(request, {"version": (int,)}, {"version"})
+            check_version("version", body["version"])
             return web.json_response(self.fleet.sync.begin(runner, body["version"]))
         if phase == "end":
             body = await self._body(request, {"version": (int,), "ok": (bool,), "error": (str, type(None))},
                                     {"version", "ok"})
+            check_version("version", body["version"])
             return web.json_response(await self.fleet.sync.end(runner, body["version"], body["ok"], body.get("error")))
         raise ApiError(404, "unknown_action", f"no sync phase {phase!r}; use begin or end")
 
@@ -274,16 +332,21 @@ class ControlServer:
         role = request.query.get("role", "observer")
         if role not in ("observer", "agent"):
             raise ApiError(400, "bad_request", f"role must be observer or agent, got {role!r}")
+        cap = MAX_STREAMS + (MAX_AGENT_STREAMS if role == "agent" else 0)
+        if len(self._streams) >= cap:
+            raise ApiError(429, "too_many_streams",
+                           f"{len(self._streams)} event streams are open (at most {MAX_STREAMS} observers, "
+                           f"{MAX_AGENT_STREAMS} more for agents); close unused ones and retry")
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
-        sub = self.fleet.subscribe()
+        sub = self.fleet.subscribe(STREAM_QUEUE)
         self._streams.add(sub)
         if role == "agent":  # it answers sync_request events: the daemon may ask it now
             self.fleet.sync.agent_connected()
         try:
             hello = {"event": "hello", "ts": time.time(), **routable_view(self.fleet),
                      "round": self.fleet.round, "round_open": self.fleet.round_open}
-            await resp.write(json.dumps(hello).encode() + b"\n")
+            await self._write(request, resp, json.dumps(hello).encode() + b"\n")
             quiet = 0.0
             while not self._closing:
                 if request.transport is None or request.transport.is_closing():
@@ -298,11 +361,11 @@ class ControlServer:
                 quiet = 0.0
                 if ev is _CLOSE:
                     break
-                await resp.write(json.dumps(ev).encode() + b"\n")
+                await self._write(request, resp, json.dumps(ev).encode() + b"\n")
                 if sub.lost:
-                    await resp.write(b'{"event": "overflow", "message": "reader too slow; reconnect"}\n')
+                    await self._write(request, resp, b'{"event": "overflow", "message": "reader too slow; reconnect"}\n')
                     break
-        except ConnectionResetError:
+        except (ConnectionResetError, _StalledReader):
             pass
         finally:
             self._streams.discard(sub)
@@ -310,6 +373,18 @@ class ControlServer:
             if role == "agent":
                 self.fleet.sync.agent_disconnected()
         return resp
+
+    @staticmethod
+    async def _write(request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+        """A reader that takes nothing for STREAM_WRITE_TIMEOUT loses its stream: its connection
+        is dropped, which frees its buffers (a blocked write would hold them for ever)."""
+        try:
+            await asyncio.wait_for(resp.write(data), STREAM_WRITE_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("control.stream_stalled", timeout=STREAM_WRITE_TIMEOUT)
+            if request.transport is not None:
+                request.transport.abort()
+            raise _StalledReader() from None
 
     async def incidents(self, request: web.Request) -> web.Response:
         from .postmortem import list_incidents

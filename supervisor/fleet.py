@@ -119,6 +119,8 @@ class Fleet:
             self.probe_latency.observe(outcome.latency)
         if not outcome.ok:
             log.info("engine.probe_failed", engine=runner.name, detail=outcome.detail)
+        elif outcome.excuse is not None:  # late, and judged busy or paused: not a failure
+            log.info("engine.probe_excused", engine=runner.name, excuse=outcome.excuse, detail=outcome.detail)
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -214,11 +216,10 @@ class Fleet:
 
     async def publish_weights(self, version: int, checkpoint: str | None) -> tuple[bool, str]:
         """Record version V as current. Engines that do not report V (vLLM /weight_info) go STALE."""
-        if version < 0:
-            raise BadRequest(f"version must be >= 0, got {version}")
+        check_version("version", version)
         if checkpoint is not None:
             models = [r.spec.model for r in self.runners.values() if r.spec.spawned]
-            checkpoint = validate_checkpoint(checkpoint, models[0] if models else None)
+            checkpoint = await validate_checkpoint_off_loop(checkpoint, models[0] if models else None)
         cur = self.current_version
         if cur is not None and version < cur:
             raise Conflict(f"weight version {version} is stale: the current version is {cur}; versions must increase")
@@ -244,11 +245,19 @@ class Fleet:
 
     # -- engines ---------------------------------------------------------------------------
 
-    def report_failure(self, runner: Any, detail: str, poisoned: bool = False) -> dict[str, Any]:
+    def report_failure(self, runner: Any, detail: str, poisoned: bool = False,
+                       incarnation: int | None = None) -> dict[str, Any]:
         """A failure the trainer saw. `poisoned`: a weight push into this engine failed between
         start and finish, so it holds half-loaded weights behind a 200 /health; no threshold
-        applies, it is stopped (post-mortem first) and restarted now."""
+        applies, it is stopped (post-mortem first) and restarted now. `incarnation`, when the
+        trainer says which one it saw fail: a late report about an earlier one is ignored."""
         fsm = runner.fsm
+        if incarnation is not None and incarnation != fsm.incarnation:
+            self.emit("failure_reported", engine=runner.name, detail=detail, counted=False, poisoned=poisoned,
+                      incarnation=incarnation)
+            return {"counted": False, "state": fsm.state.value, "incarnation": fsm.incarnation,
+                    "message": f"report about incarnation {incarnation} ignored: {runner.name} is now at "
+                               f"incarnation {fsm.incarnation}"}
         if not fsm.probed:  # e.g. the daemon saw the death first: on the stream, not counted
             self.emit("failure_reported", engine=runner.name, detail=detail, counted=False, poisoned=poisoned)
             return {"counted": False, "state": fsm.state.value,
@@ -295,6 +304,35 @@ def detection_kind(reason: str) -> str:
     return "hang"
 
 
+# Versions and incarnations are kept as int64 by every consumer (Prometheus floats, vLLM's
+# weight_version string, the journal): a 401-digit version made /v1/metrics answer 500.
+MAX_VERSION = 2 ** 63 - 1
+
+
+def check_version(name: str, value: int) -> int:
+    if not 0 <= value <= MAX_VERSION:
+        shown = str(value) if len(str(value)) <= 30 else f"a {len(str(abs(value)))}-digit number"
+        raise BadRequest(f"{name} must be >= 0 and < 2**63 (an int64), got {shown}")
+    return value
+
+
+# Reading a checkpoint the trainer names must never hold the event loop: the files are read in
+# a thread of their own (a daemon thread: a read stuck on a dead NFS mount must not hang the
+# daemon's exit either), within this bound.
+CHECKPOINT_READ_TIMEOUT = 60.0
+
+
+async def validate_checkpoint_off_loop(path: str, reference_model: str | None = None) -> str:
+    from weight_sync._http import run_in_thread
+
+    fut = run_in_thread(validate_checkpoint, path, reference_model, name="validate-checkpoint")
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(fut), CHECKPOINT_READ_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"checkpoint {path[:300]} could not be read within {CHECKPOINT_READ_TIMEOUT:g}s; "
+                         "check the file system it is on") from None
+
+
 def validate_checkpoint(path: str, reference_model: str | None = None) -> str:
     """Refuse a checkpoint vLLM could not load, before anything uses it: vLLM's reload of a bad
     path fails halfway and leaves the engine poisoned. `reference_model` (an engine's model
@@ -304,9 +342,13 @@ def validate_checkpoint(path: str, reference_model: str | None = None) -> str:
 
     p = Path(path)
     if not p.is_absolute():
-        raise BadRequest(f"checkpoint must be an absolute path, got {path!r}")
+        raise BadRequest(f"checkpoint must be an absolute path, got {path[:300]!r}")
+    if "\0" in path:
+        raise BadRequest("checkpoint path contains a NUL byte")
     try:
         check(p, expect_config=reference_model)
     except CheckpointError as e:
         raise BadRequest(f"{e}; publish a directory saved with weight_sync.checkpoint.save_checkpoint") from None
+    except (OSError, ValueError) as e:  # what the validator does not name itself: still the path's fault
+        raise BadRequest(f"checkpoint {path[:300]} cannot be read: {e}") from None
     return str(p)

@@ -26,6 +26,17 @@ if TYPE_CHECKING:
 S = State
 log = structlog.get_logger("vime.sync")
 
+# An agent that takes a sync_request answers with sync/begin at once (the push itself is bounded
+# by sync_timeout): one silent for this long is passed over for the checkpoint, if there is one.
+AGENT_ANSWER_TIMEOUT = 60.0
+
+
+def _why(e: BaseException, timeout: float) -> str:
+    """A failure's reason, never empty (a TimeoutError's str() is "")."""
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)) and not str(e):
+        return f"not finished within sync_timeout ({timeout:g}s)"
+    return str(e) or type(e).__name__
+
 
 class SyncCoordinator:
     def __init__(self, fleet: "Fleet", sync_timeout: float = 300.0):
@@ -33,6 +44,8 @@ class SyncCoordinator:
         self.sync_timeout = sync_timeout
         self.agents = 0
         self._asked: dict[str, int] = {}  # engine -> version requested from the agents
+        self._silent: dict[str, int] = {}  # engine -> version the agents never answered for
+        self.agent_timeout = min(AGENT_ANSWER_TIMEOUT, sync_timeout)
         self._watchdogs: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -41,6 +54,7 @@ class SyncCoordinator:
     def agent_connected(self) -> None:
         self.agents += 1
         self._asked.clear()  # a new agent may not have seen earlier requests: ask again
+        self._silent.clear()
         self.kick()
 
     def agent_disconnected(self) -> None:
@@ -69,7 +83,7 @@ class SyncCoordinator:
         if version is None or fsm.weight_version == version:
             fsm.release("no round yet" if fleet.round is None else f"round {fleet.round} ended", version)
             return
-        if self.agents:
+        if self.agents and self._silent.get(runner.name) != version:
             if self._asked.get(runner.name) == version:
                 return
             self._asked[runner.name] = version
@@ -78,13 +92,30 @@ class SyncCoordinator:
             log.info("sync.requested", engine=runner.name, version=version)
             fleet.emit("sync_request", engine=runner.name, url=runner.spec.base_url,
                        model=runner.spec.model_name, version=version)
+            self._spawn(self._agent_deadline(runner, fsm.incarnation, version))
         elif fleet.checkpoint is not None:
             # SYNCING now, synchronously: a second consider() must not start a second reload.
             fsm.sync_started(f"reloading {vlabel(version)} from checkpoint {fleet.checkpoint}")
             self._spawn(self._reload(runner, fsm.incarnation, version, fleet.checkpoint))
+        elif self.agents:
+            fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; the trainer agent "
+                         f"did not answer within {self.agent_timeout:g}s and no checkpoint was published "
+                         "to reload from")
         else:
             fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; waiting for a "
                          "trainer agent (no checkpoint published to reload from)")
+
+    async def _agent_deadline(self, runner: Any, incarnation: int, version: int) -> None:
+        """A connected agent that never calls sync/begin must not hold the engine STALE for
+        ever: past agent_timeout it is passed over (the checkpoint, if any, is used)."""
+        await asyncio.sleep(self.agent_timeout)
+        fsm = runner.fsm
+        if (fsm.state is S.STALE and fsm.incarnation == incarnation and self.fleet.current_version == version
+                and self._asked.get(runner.name) == version):
+            self._asked.pop(runner.name, None)
+            self._silent[runner.name] = version
+            log.warning("sync.agent_silent", engine=runner.name, version=version, timeout=self.agent_timeout)
+            self.consider(runner)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -136,15 +167,23 @@ class SyncCoordinator:
     # -- the disk fallback -----------------------------------------------------------------
 
     async def _reload(self, runner: Any, incarnation: int, version: int, checkpoint: str) -> None:
-        from weight_sync.checkpoint import reload_from_checkpoint
+        from weight_sync.checkpoint import reload_from_checkpoint_async
+
+        from .fleet import validate_checkpoint_off_loop
 
         try:
+            # Checked again (the files may have changed since publishing), off the loop, before
+            # the engine is touched. Then the engine's work alone runs under sync_timeout: the
+            # reload is async, so no engine waits for a thread with its clock running.
+            await validate_checkpoint_off_loop(checkpoint)
             await asyncio.wait_for(
-                asyncio.to_thread(reload_from_checkpoint, runner.spec.base_url, checkpoint, version),
+                reload_from_checkpoint_async(runner.prober.session, runner.spec.base_url, checkpoint, version,
+                                             reload_timeout=self.sync_timeout),
                 self.sync_timeout)
         except Exception as e:  # any failure mid-reload leaves meta tensors behind
             if runner.fsm.state is S.SYNCING and runner.fsm.incarnation == incarnation:
-                self._poisoned(runner, f"reload of {vlabel(version)} from {checkpoint} failed: {e}")
+                self._poisoned(runner, f"reload of {vlabel(version)} from {checkpoint} failed: "
+                                       f"{_why(e, self.sync_timeout)}")
             return
         await self._verify(runner, incarnation, version, f"reloaded from {checkpoint}")
 

@@ -37,6 +37,7 @@ import http.client
 import json
 import os
 import socket
+import struct
 import time
 from typing import Any, AsyncIterator, Callable, Iterator
 from urllib.parse import quote, urlencode
@@ -64,6 +65,8 @@ __all__ = [
 
 DEFAULT_SOCKET = "/run/vime-supervisor/supervisor.sock"
 ENV_SOCKET = "VIME_SUPERVISOR_SOCKET"
+# A daemon running as a dedicated user (neither root nor ours) is trusted only when named here.
+ENV_SERVER_UID = "VIME_SUPERVISOR_UID"
 API = "/v1"
 ENGINE_ACTIONS = ("restart", "stop", "start", "retire")
 
@@ -254,8 +257,33 @@ def _sync_end_body(version: int, ok: bool, error: str | None) -> dict[str, Any]:
     return {"version": version, "ok": bool(ok), "error": error}
 
 
-def _failure_body(detail: str, poisoned: bool) -> dict[str, Any]:
-    return {"detail": detail, "poisoned": True} if poisoned else {"detail": detail}
+def _failure_body(detail: str, poisoned: bool, incarnation: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"detail": detail, "poisoned": True} if poisoned else {"detail": detail}
+    if incarnation is not None:
+        body["incarnation"] = int(incarnation)
+    return body
+
+
+def _trusted_server_uids() -> set[int]:
+    uids = {0, os.geteuid()}
+    extra = os.environ.get(ENV_SERVER_UID, "").strip()
+    if extra.isdigit():
+        uids.add(int(extra))
+    return uids
+
+
+def _check_server(sock: Any, path: str) -> None:
+    """SO_PEERCRED on our side: whoever could replace the socket file could otherwise answer
+    for the daemon. The daemon must be root, our own uid, or $VIME_SUPERVISOR_UID."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return  # not a Unix socket with credentials (never the daemon's): nothing to check
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid not in _trusted_server_uids():
+        raise Forbidden(f"the process behind {path} runs as uid {uid}, not root nor uid {os.geteuid()}: "
+                        f"not trusted as the vime-supervisor daemon. Check who owns its runtime_dir; if the "
+                        f"daemon runs as a dedicated user, set ${ENV_SERVER_UID}={uid}", code="untrusted_server")
 
 
 class _Stream:
@@ -285,6 +313,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         try:
             sock.settimeout(self.timeout)
             sock.connect(self._socket_path)
+            _check_server(sock, self._socket_path)
         except BaseException:
             sock.close()
             raise
@@ -453,11 +482,15 @@ class SupervisorClient:
         """Take an engine out of routing for good (spawned ones are stopped). Idempotent."""
         return self._action(name, "retire")
 
-    def report_failure(self, name: str, detail: str, *, poisoned: bool = False) -> dict[str, Any]:
+    def report_failure(self, name: str, detail: str, *, poisoned: bool = False,
+                       incarnation: int | None = None) -> dict[str, Any]:
         """A request to this engine failed: counts like a failed probe. poisoned=True: a weight
         push into it failed midway (weight_sync.PoisonedEngine), so it is stopped and restarted
-        at once. Not repeated after a dropped connection (it would count twice)."""
-        return self._json("POST", _engine_path(name, "failures"), _failure_body(detail, poisoned), idempotent=False)
+        at once. incarnation: the one the request went to (status's "incarnation"); a report
+        about an earlier one is ignored (counted False). Not repeated after a dropped connection
+        (it would count twice)."""
+        return self._json("POST", _engine_path(name, "failures"), _failure_body(detail, poisoned, incarnation),
+                          idempotent=False)
 
     def sync_begin(self, name: str, version: int) -> dict[str, Any]:
         """The sync agent takes a STALE engine to push `version` into it ({"engine", "url",
@@ -561,6 +594,29 @@ class SupervisorClient:
 # -- the async client -----------------------------------------------------------------------
 
 
+_CHECKED_CONNECTOR: Any = None
+
+
+def _checked_unix_connector() -> Any:
+    """aiohttp's UnixConnector, checking the server's uid on each new connection (_check_server)."""
+    global _CHECKED_CONNECTOR
+    if _CHECKED_CONNECTOR is None:
+        import aiohttp
+
+        class CheckedUnixConnector(aiohttp.UnixConnector):
+            async def _create_connection(self, req, traces, timeout):
+                proto = await super()._create_connection(req, traces, timeout)
+                try:
+                    _check_server(proto.transport.get_extra_info("socket"), self.path)
+                except Forbidden:
+                    proto.close()
+                    raise
+                return proto
+
+        _CHECKED_CONNECTOR = CheckedUnixConnector
+    return _CHECKED_CONNECTOR
+
+
 class AsyncSupervisorClient:
     """asyncio client (aiohttp over aiohttp.UnixConnector). Same verbs as SupervisorClient,
     awaited; `async with client.round(n):`; `async for ev in client.events():`.
@@ -600,7 +656,7 @@ class AsyncSupervisorClient:
     def _session(self, read_timeout: float | None):
         import aiohttp
 
-        connector = aiohttp.UnixConnector(path=self.socket_path, force_close=True)
+        connector = _checked_unix_connector()(path=self.socket_path, force_close=True)
         timeout = aiohttp.ClientTimeout(total=self.timeout if read_timeout is None else None,
                                         sock_connect=min(5.0, self.timeout), sock_read=read_timeout)
         return aiohttp.ClientSession(connector=connector, timeout=timeout)
@@ -709,10 +765,11 @@ class AsyncSupervisorClient:
         """Take an engine out of routing for good. Idempotent."""
         return await self._action(name, "retire")
 
-    async def report_failure(self, name: str, detail: str, *, poisoned: bool = False) -> dict[str, Any]:
+    async def report_failure(self, name: str, detail: str, *, poisoned: bool = False,
+                             incarnation: int | None = None) -> dict[str, Any]:
         """A request to this engine failed (see SupervisorClient.report_failure). Not repeated
         after a dropped connection."""
-        return await self._json("POST", _engine_path(name, "failures"), _failure_body(detail, poisoned),
+        return await self._json("POST", _engine_path(name, "failures"), _failure_body(detail, poisoned, incarnation),
                                 idempotent=False)
 
     async def sync_begin(self, name: str, version: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import struct
 import tempfile
 import time
@@ -92,22 +93,96 @@ def save_checkpoint(model, tokenizer_or_dir, out_dir: str | os.PathLike, *,
     return out
 
 
+# Bounds on what the validator reads: a checkpoint path comes from the trainer and is untrusted.
+MAX_JSON_BYTES = 64 << 20  # config.json, model.safetensors.index.json
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header
+
+
+def _open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """Open a file the checkpoint names, refusing anything but a regular file: opening a FIFO
+    blocks until a writer comes, a device may never answer. O_NONBLOCK makes even the open of
+    a FIFO swapped in after the check return at once; fstat then refuses it."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: not a regular file ({_kind(st.st_mode)}); a checkpoint holds "
+                              "regular files only", path=str(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file ({_kind(st.st_mode)}); a checkpoint holds "
+                                  "regular files only", path=str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.read(fd, min(n - len(out), 1 << 20))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def _read_json(path: Path, what: str, d: Path) -> Any:
+    fd, st = _open_regular(path)
+    try:
+        if st.st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"checkpoint {d}: {what} is {st.st_size} bytes (at most {MAX_JSON_BYTES})",
+                                  path=str(d))
+        raw = _read_exact(fd, MAX_JSON_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"checkpoint {d}: {what} is not valid JSON: {e}", path=str(d)) from None
+
+
 def _read_safetensors_header(path: Path) -> dict:
     """Parse a .safetensors header and check the file is as long as it says (no torch)."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
+    fd, st = _open_regular(path)
+    size = st.st_size
+    try:
+        head = _read_exact(fd, 8)
         if len(head) < 8:
             raise CheckpointError(f"{path}: not a safetensors file ({size} bytes)", path=str(path))
         (n,) = struct.unpack("<Q", head)
-        if n <= 0 or 8 + n > size or n > 100 << 20:
+        if n <= 0 or 8 + n > size or n > MAX_HEADER_BYTES:
             raise CheckpointError(f"{path}: corrupt safetensors header (length {n}, file {size} "
                                   f"bytes)", path=str(path))
         try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
+            header = json.loads(_read_exact(fd, n))
+        except (ValueError, RecursionError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header: {e}", path=str(path)) from e
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    finally:
+        os.close(fd)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an "
+                              "object of tensors", path=str(path))
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name[:200]!r} has no valid "
+                                  "data_offsets [begin, end]", path=str(path))
+        end = max(end, offsets[1])
     if 8 + n + end != size:
         raise CheckpointError(f"{path}: truncated or padded safetensors file: header describes "
                               f"{8 + n + end} bytes, file has {size}", path=str(path))
@@ -120,12 +195,15 @@ def _load_config(ref: Any) -> dict:
     if hasattr(ref, "to_dict"):
         return ref.to_dict()
     p = Path(ref)
-    if p.is_dir():
-        p = p / "config.json"
     try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError) as e:
+        if p.is_dir():
+            p = p / "config.json"
+        cfg = _read_json(p, "config.json", p.parent)
+    except (OSError, CheckpointError) as e:
         raise CheckpointError(f"reference config {p} unreadable: {e}", path=str(p)) from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"reference config {p} is not a JSON object", path=str(p))
+    return cfg
 
 
 def validate_checkpoint(ckpt_dir: str | os.PathLike, expect_config: Any = None) -> dict:
@@ -135,29 +213,48 @@ def validate_checkpoint(ckpt_dir: str | os.PathLike, expect_config: Any = None) 
     no *.safetensors, a shard named in model.safetensors.index.json missing, a truncated or
     corrupt safetensors file, or (with expect_config: a dict, a config object, a config.json or
     a model directory) a mismatch in architectures / hidden size / layer count / heads / vocab.
+    The path is untrusted: only regular files are opened (never a FIFO or a device), reads are
+    bounded, and an OSError (a name too long, no permission) is a CheckpointError too.
     """
     d = Path(ckpt_dir)
-    if not d.exists():
-        raise CheckpointError(f"checkpoint directory {d} does not exist", path=str(d))
-    if not d.is_dir():
+    try:
+        return _validate(d, expect_config)
+    except OSError as e:
+        what = e.strerror or type(e).__name__
+        raise CheckpointError(f"checkpoint {str(d)[:300]}: {what}"
+                              + (f" ({str(e.filename)[:300]})" if e.filename and str(e.filename) != str(d) else ""),
+                              path=str(d)) from None
+
+
+def _validate(d: Path, expect_config: Any) -> dict:
+    try:
+        st = os.stat(d)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint directory {d} does not exist", path=str(d)) from None
+    if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"checkpoint path {d} is not a directory", path=str(d))
     cfg_path = d / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise CheckpointError(f"checkpoint {d} has no config.json", path=str(d))
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {d}: config.json is not valid JSON: {e}", path=str(d)) from e
+    if cfg_path.is_dir():
+        raise CheckpointError(f"checkpoint {d} has no config.json (it is a directory)", path=str(d))
+    cfg = _read_json(cfg_path, "config.json", d)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"checkpoint {d}: config.json is a JSON {type(cfg).__name__}, not an object",
+                              path=str(d))
     shards = sorted(d.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"checkpoint {d} has no *.safetensors weight files "
                               f"(found: {sorted(p.name for p in d.iterdir())[:10]})", path=str(d))
     index = d / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wanted = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {d}: bad {index.name}: {e}", path=str(d)) from e
+    if index.exists():
+        doc = _read_json(index, index.name, d)
+        wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wmap, dict) or not all(
+                isinstance(w, str) and w and "/" not in w and w not in (".", "..") for w in wmap.values()):
+            raise CheckpointError(f"checkpoint {d}: bad {index.name}: needs a \"weight_map\" object of "
+                                  "tensor name -> shard file name in this directory", path=str(d))
+        wanted = set(wmap.values())
         missing = sorted(w for w in wanted if not (d / w).is_file())
         if missing:
             raise CheckpointError(f"checkpoint {d}: shards missing: {missing[:5]}", path=str(d))
@@ -178,7 +275,8 @@ def _compare_configs(cfg: dict, ref: dict, d: Path, where: str = "") -> None:
                               path=str(d))
     for sub in ("text_config", "language_config"):
         if isinstance(ref.get(sub), dict):
-            _compare_configs(cfg.get(sub) or {}, ref[sub], d, f"{where}{sub}.")
+            sub_cfg = cfg.get(sub)
+            _compare_configs(sub_cfg if isinstance(sub_cfg, dict) else {}, ref[sub], d, f"{where}{sub}.")
 
 
 def reload_from_checkpoint(url: str, ckpt_dir: str | os.PathLike, version: int | str, *,
@@ -229,6 +327,72 @@ def reload_from_checkpoint(url: str, ckpt_dir: str | os.PathLike, version: int |
         if pause_mode is not None:
             call("resume", "POST", "/resume")
         got = call("weight_info", "GET", "/weight_info")
+    except HttpFailure as e:
+        raise WeightSyncError(f"{url}: checkpoint loaded but {e}", url=url, step=e.path) from e
+    if not isinstance(got, dict) or got.get("weight_version") != version:
+        raise WeightSyncError(f"{url}: /weight_info reads {got!r} after reloading version {version!r}",
+                              url=url, step="weight_info")
+    return steps
+
+
+async def reload_from_checkpoint_async(session, url: str, ckpt_dir: str | os.PathLike, version: int | str, *,
+                                       pause_mode: str | None = "abort", http_timeout: float = 30.0,
+                                       reload_timeout: float = 600.0) -> dict:
+    """reload_from_checkpoint over an aiohttp session, for callers on an event loop (the
+    daemon): no thread per engine, so a caller's timeout covers only the engine's work, never
+    a wait for a free thread. The checkpoint is not validated here: validate it first (off the
+    loop; see supervisor.fleet). Same steps, same errors: PoisonedEngine for reload_weights."""
+    import asyncio
+
+    import aiohttp
+
+    url = url.rstrip("/")
+    version = str(version)
+    path = Path(ckpt_dir).resolve()
+    steps: dict[str, float] = {}
+
+    async def call(step: str, method: str, route: str, timeout: float = http_timeout, **kw):
+        t0 = time.monotonic()
+        try:
+            async with session.request(method, url + route, timeout=aiohttp.ClientTimeout(total=timeout),
+                                       **kw) as resp:
+                raw = await resp.read()
+                if resp.status >= 400:
+                    raise HttpFailure(method, route, status=resp.status, body=raw.decode("utf-8", "replace"))
+                if not raw:
+                    return None
+                try:
+                    return json.loads(raw)
+                except ValueError:
+                    return raw.decode("utf-8", "replace")
+        except HttpFailure:
+            raise
+        except aiohttp.ClientConnectorError as e:  # never reached the engine
+            raise HttpFailure(method, route, cause=e, delivered=False) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise HttpFailure(method, route, cause=e if str(e) else TimeoutError(f"no answer within {timeout:g}s")
+                              ) from None
+        finally:
+            steps[step] = time.monotonic() - t0
+
+    if pause_mode is not None:
+        try:
+            await call("pause", "POST", "/pause", params={"mode": pause_mode},
+                       timeout=reload_timeout if pause_mode == "wait" else http_timeout)
+        except HttpFailure as e:
+            raise WeightSyncError(f"{url}: /pause failed: {e}", url=url, step="pause") from e
+    try:
+        await call("reload_weights", "POST", "/collective_rpc", timeout=reload_timeout + 10, json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": reload_timeout})
+    except HttpFailure as e:
+        if not e.delivered:
+            raise WeightSyncError(f"{url}: engine unreachable: {e}", url=url, step="reload_weights") from e
+        raise PoisonedEngine(url, "reload_weights", e) from e
+    try:
+        await call("update_weight_version", "POST", "/update_weight_version", json={"new_version": version})
+        if pause_mode is not None:
+            await call("resume", "POST", "/resume")
+        got = await call("weight_info", "GET", "/weight_info")
     except HttpFailure as e:
         raise WeightSyncError(f"{url}: checkpoint loaded but {e}", url=url, step=e.path) from e
     if not isinstance(got, dict) or got.get("weight_version") != version:
