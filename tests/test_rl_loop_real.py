@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trainer.client import SupervisorClient
-from trainer.demo import demo_config
+from trainer.demo import demo_config, judge
 from trainer.dumps import dump_path, load_rollout
 from trainer.local_daemon import Daemon, live_pids_in_groups
 from trainer.rl_loop import RLLoop, build_parser, format_report
@@ -80,6 +80,11 @@ def test_faults_are_detected_and_every_engine_ends_on_the_trainers_version(world
     assert {n: e["weight_version"] for n, e in rep.engines.items()} == {"engine-0": STEPS, "engine-1": STEPS}
     assert {e["state"] for e in rep.engines.values()} == {"RUNNING"}
     assert rep.syncs and all(s["ok"] for s in rep.syncs)
+    # The demo's verdict on this run (what makes `make demo` exit 0 or 1): nothing went wrong,
+    # and the daemon restarted engines exactly once per injected fault (no healthy one stopped).
+    assert rep.stopped is None and rep.signal is None
+    assert sum(e["restarts"] for e in rep.engines.values()) == len(rep.faults) == 3
+    assert judge(rep) == []
     # The daemon agrees, and the engines hold the trainer's weights: vLLM's logprobs of the
     # sampled tokens equal the trainer's own to float32 rounding at every step.
     status = SupervisorClient(world[2]).status()

@@ -76,13 +76,13 @@ class Interrupted(BaseException):
 
 
 class _Signals:
-    """While the demo runs, SIGINT and SIGTERM raise Interrupted (the RL loop swaps in its own
+    """While the demo runs, SIGINT, SIGTERM and SIGHUP (the terminal closed) raise Interrupted (the RL loop swaps in its own
     handlers while it runs, and puts these back). While it stops everything, a signal only
     asks it to hurry: straight to SIGKILL of the daemon and of the engines' groups."""
 
     def __init__(self) -> None:
         self.hurry = False
-        self.saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def raising(self) -> None:
         for sig in self.saved:

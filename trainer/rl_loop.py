@@ -322,13 +322,13 @@ class RLLoop:
         task.cancel()
 
     def _catch_signals(self) -> list[tuple[int, Any]]:
-        """SIGINT and SIGTERM cancel the run (main thread only); what to restore after."""
+        """SIGINT, SIGTERM and SIGHUP cancel the run (main thread only); what to restore after."""
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         saved = []
         if threading.current_thread() is not threading.main_thread():
             return saved
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             saved.append((sig, signal.getsignal(sig)))
             loop.add_signal_handler(sig, self._on_signal, sig, task)
         return saved
