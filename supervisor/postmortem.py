@@ -1,7 +1,9 @@
 """Post-mortem before a kill: what a hung engine looked like, saved before it is stopped.
 
-For an engine about to be stopped as unhealthy (or poisoned), one folder per incident under
-`<log_dir>/incidents/`: why (incident.json, with the probe history), the tail of its log, a
+For an engine about to be stopped as unhealthy (or poisoned), whose start ran out of first_wait,
+or whose stop outlived stop_timeout, one folder per incident under `<log_dir>/incidents/`: why
+(incident.json, with this incarnation's probe history and each process's state and CPU time),
+the tail of its log, a
 `/metrics` snapshot if it still answers, and a `py-spy dump` of each of its processes when
 py-spy is installed. The whole capture is bounded in time: a wedged engine must not stall
 the daemon, and the stop follows right after.
@@ -20,7 +22,8 @@ from typing import Any
 import aiohttp
 import structlog
 
-from .process import live_group_members, read_tail
+from .activity import sample_group
+from .process import read_tail
 
 log = structlog.get_logger("vime.postmortem")
 
@@ -39,11 +42,16 @@ async def capture(runner: Any, reason: str, *, budget: float = 10.0) -> Path | N
         log.error("postmortem.failed", engine=runner.name, error=str(e))
         return None
     t0 = time.monotonic()
-    pids = live_group_members(runner.proc.pid) if runner.proc is not None else []
+    group = sample_group(runner.proc.pid) if runner.proc is not None else None
+    pids = [m.pid for m in group.members] if group is not None else []
     summary = {
         "engine": runner.name, "incarnation": runner.fsm.incarnation, "reason": reason,
         "state": runner.fsm.state.value, "time": time.time(), "url": runner.spec.base_url,
         "pid": runner.pid, "group": pids,
+        # What each process was doing: state (R running, S sleeping, D in I/O, T stopped) and
+        # CPU seconds so far (its own plus its reaped children's).
+        "processes": [{"pid": m.pid, "comm": m.comm, "state": m.state, "cpu_seconds": round(m.cpu, 2)}
+                      for m in group.members] if group is not None else [],
         "probe_history": [
             {"at_monotonic": round(at, 3), "ok": o.ok, "detail": o.detail,
              "latency": None if o.latency is None else round(o.latency, 4)}

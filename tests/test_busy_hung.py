@@ -158,6 +158,7 @@ def test_start_that_runs_out_of_first_wait_says_what_the_processes_did(fleet):
     found = incidents(fleet.root, "slowstart", at_least=1)
     assert found[0]["reason"].startswith("not ready within first_wait (15s); processes: ")
     assert found[0]["incarnation"] == 1 and found[0]["probe_history"] == []  # never probed
+    assert found[0]["processes"] and all(p["state"] in "RSDTt" for p in found[0]["processes"])
     assert "log_tail.txt" in found[0]["captured"]
 
 
