@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from .engine import EngineRunner
 from .fleet import Fleet
 from .fsm import vlabel
 from .journal import JournalError, JournalWriter
-from .process import kill_group_of
+from .process import boot_id, find_engine_leaders, group_members_of, kill_group_of, stop_group_of
 from .sdnotify import Notifier
 from .states import State
 
@@ -63,7 +64,7 @@ class Supervisor:
                 # Spread probes over the interval instead of firing them all at once.
                 runner = EngineRunner(spec, cfg, self.fleet, session, phase=cfg.probe.interval * i / n)
                 self.fleet.runners[spec.name] = runner
-            self._restore()
+            await self._restore()
             control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None)
             await control.start()
@@ -91,40 +92,88 @@ class Supervisor:
                 await self.journal.close()
                 self.notifier.close()
 
-    def _restore(self) -> None:
-        """Pick up where a previous daemon left off: round, version, engines still running."""
+    async def _restore(self) -> None:
+        """Pick up where a previous daemon left off: round, version, engines still running.
+
+        Nothing is left unsupervised: an engine process of ours is adopted (same boot, same
+        process, same config) or stopped, whether the journal names it (not adopted, no longer
+        configured, now attached) or cannot (the journal was unreadable, or of another boot):
+        then our engines are found by their command line and configured port.
+        """
         path = self.journal.path
         try:
             data = journal_mod.load(path)
         except JournalError as e:
             bad = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-            os.replace(path, bad)
-            log.error("journal.unusable", error=str(e), moved_to=str(bad), action="clean start")
-            return
-        if data is None:
-            log.info("journal.none", path=str(path), action="clean start")
-            return
+            try:
+                os.replace(path, bad)
+                moved = str(bad)
+            except OSError as err:  # kept where it is; the first write replaces it
+                moved = f"not moved ({err})"
+            log.error("journal.unusable", error=str(e), moved_to=moved, action="clean start",
+                      engines="ours still running on configured ports are found and stopped")
+            data = None
+        else:
+            if data is None:
+                log.info("journal.none", path=str(path), action="clean start")
         fleet = self.fleet
-        fleet.round, fleet.round_open = data.get("round"), bool(data.get("round_open"))
-        fleet.current_version, fleet.checkpoint = data.get("weight_version"), data.get("checkpoint")
-        adopted, fresh = [], []
-        for name, entry in data["engines"].items():
-            runner = fleet.runners.get(name)
-            if runner is None:
-                if entry.get("pid"):
-                    log.warning("journal.unknown_engine", engine=name, pid=entry["pid"],
-                                hint="no longer in the config; stop it by hand if it still runs")
-                continue
-            runner.retired = bool(entry.get("retired"))
-            runner.start_stopped = entry.get("state") == State.STOPPED.value
-            if runner.spec.spawned and entry.get("pid"):
-                if runner.adopt(entry):
-                    adopted.append(name)
-                else:
-                    fresh.append(name)
-                    kill_group_of(int(entry["pid"]), int(entry.get("start_time", 0)))  # its leftovers
+        adopted, gone, killed = [], [], []
+        if data is not None:
+            fleet.round, fleet.round_open = data.get("round"), bool(data.get("round_open"))
+            fleet.current_version, fleet.checkpoint = data.get("weight_version"), data.get("checkpoint")
+            here, then = boot_id(), data.get("boot_id")
+            # Pids and start times name processes of one boot only; without both ids (an
+            # older journal) we cannot tell, so nothing is adopted or killed by pid.
+            same_boot = here is not None and then == here
+            if not same_boot and any(e.get("pid") for e in data["engines"].values()):
+                log.warning("journal.other_boot", journal_boot=then, this_boot=here,
+                            action="no engine adopted or killed by pid; ours are found by command line and port")
+            for name, entry in data["engines"].items():
+                runner = fleet.runners.get(name)
+                if runner is not None:
+                    runner.retired = bool(entry.get("retired"))
+                    # Only an operator's stop survives a restart; the daemon's own shutdown does not.
+                    runner.start_stopped = (entry.get("state") == State.STOPPED.value
+                                            and bool(entry.get("operator_stopped")))
+                if not entry.get("pid") or not same_boot:
+                    continue
+                pid, start_time = int(entry["pid"]), int(entry["start_time"])
+                if runner is not None and runner.spec.spawned:
+                    if runner.adopt(entry):
+                        adopted.append(name)
+                        continue
+                    gone.append(name)
+                else:  # what this config would not have started: stop it, and say so
+                    why = "no longer in the config" if runner is None else "now attached by url, no longer spawned"
+                    if group_members_of(pid, start_time):
+                        log.warning("journal.not_adopted", engine=name, pid=pid, why=why,
+                                    action="killed its process group")
+                        fleet.emit("not_adopted", engine=name, pid=pid, why=why)
+                kill_group_of(pid, start_time)  # its leftovers, if any
+                killed.append((pid, start_time))
+        await self._await_gone(killed)
+        await self._stop_orphans({r._adopted.pid for r in fleet.runners.values() if r._adopted is not None})
         log.info("journal.restored", round=fleet.round, round_open=fleet.round_open,
-                 weight_version=fleet.current_version, adopted=adopted, gone=fresh)
+                 weight_version=fleet.current_version, adopted=adopted, gone=gone)
+
+    async def _await_gone(self, groups: list[tuple[int, int]]) -> None:
+        """Groups just sent SIGKILL: wait (bounded) until they are gone, so the orphan scan
+        does not see them again and a new spawn finds the port free."""
+        deadline = time.monotonic() + 5.0
+        while any(group_members_of(p, t) for p, t in groups) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def _stop_orphans(self, keep: set[int]) -> None:
+        """Engines of ours that no journal accounts for (a corrupt or lost journal, another
+        boot's): leaders of their own session, running our engine module on a port this config
+        spawns on. They would hold the port and outlive us: stop them."""
+        ports = {s.port: s.name for s in self.cfg.engines if s.spawned and s.port is not None}
+        found = [(pid, st, port) for pid, st, port in find_engine_leaders(set(ports)) if pid not in keep]
+        hows = await asyncio.gather(*(stop_group_of(pid, st, self.cfg.stop_timeout) for pid, st, _ in found))
+        for (pid, _st, port), how in zip(found, hows):
+            log.warning("journal.orphan_stopped", pid=pid, port=port, engine=ports[port], how=how,
+                        why="an engine process of ours on a configured port that the journal does not name")
+            self.fleet.emit("orphan_stopped", pid=pid, port=port, engine=ports[port], how=how)
 
     async def _follow_fleet(self) -> None:
         """Every fleet change: the journal and systemd's STATUS= follow."""
@@ -187,6 +236,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+class LockError(Exception):
+    pass
+
+
+def acquire_locks(cfg: Config) -> list[int]:
+    """One daemon per runtime and state directory: an flock on `supervisor.lock` in each,
+    held (fds open, not inherited by engines) until the process ends, so a kill -9 frees it.
+    A second daemon gets LockError before it touches the socket, the journal or an engine."""
+    fds: list[int] = []
+    seen: set[str] = set()
+    for d in (cfg.state_dir, cfg.runtime_dir):
+        try:
+            os.makedirs(d, exist_ok=True)
+            real = os.path.realpath(d)
+            if real in seen:  # one lock per directory: a second flock of ours would conflict
+                continue
+            seen.add(real)
+            path = os.path.join(real, "supervisor.lock")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise LockError(f"cannot create the lock file in {d}: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            except OSError:
+                holder = "unknown"
+            os.close(fd)
+            for f in fds:
+                os.close(f)
+            raise LockError(f"another daemon (pid {holder}) already runs with {d} (it holds {path}); "
+                            "nothing was started and its socket was left alone. Stop that daemon first, "
+                            "or give this one its own runtime_dir and state_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        fds.append(fd)
+    return fds
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -200,8 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(f"{args.config}: ok, {len(cfg.engines)} engine(s)")
         return 0
+    try:
+        locks = acquire_locks(cfg)
+    except LockError as e:
+        print(f"vime-supervisor: {e}", file=sys.stderr)
+        return 1
     logs.configure(cfg.log_level)
-    uvloop.run(Supervisor(cfg).run())
+    try:
+        uvloop.run(Supervisor(cfg).run())
+    finally:
+        for fd in locks:
+            os.close(fd)
     return 0
 
 

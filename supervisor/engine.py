@@ -111,9 +111,13 @@ class EngineRunner:
 
     def adopt(self, entry: dict) -> bool:
         """Take over this engine's process from a previous daemon's journal, if it is still
-        the same process, on the same port, and was in a state worth keeping. A process that
-        is ours but not worth keeping (retired, moved port, hung, mid-sync, being stopped) is
-        killed instead of left to hold its port and memory. Call before start()."""
+        the same process, started by this very config (same fingerprint: model, port, args,
+        env), and was in a state worth keeping. A process that is ours but not worth keeping
+        (retired, another config, hung, mid-sync, being stopped) is killed instead of left to
+        hold its port and memory, and the log says why. Call before start(), and only with a
+        journal of this boot."""
+        from .process import engine_fingerprint
+
         try:
             pid, start_time = int(entry["pid"]), int(entry["start_time"])
             proc = EngineProcess.adopt(pid, start_time, Path(entry["log_path"]))
@@ -122,13 +126,20 @@ class EngineRunner:
         if proc is None:
             return False
         state = entry.get("state")
-        keep = (not self.retired and entry.get("port") == self.spec.port
-                and state in (S.RUNNING.value, S.SUSPECT.value, S.STALE.value, S.STARTING.value))
-        if not keep:
+        why = None
+        if self.retired:
+            why = "retired"
+        elif entry.get("fingerprint") != engine_fingerprint(self.spec, self.cfg):
+            why = ("started under another config (its model, port, args or env differ from this one's)"
+                   if entry.get("fingerprint") else "no config fingerprint in the journal (an older daemon's)")
+        elif state not in (S.RUNNING.value, S.SUSPECT.value, S.STALE.value, S.STARTING.value):
+            why = f"it was {state}, not a state worth keeping"
+        if why is not None:
             proc.forget()
             kill_group_of(pid, start_time)
-            log.warning("journal.not_adopted", engine=self.name, pid=pid, state=state,
-                        retired=self.retired, port=entry.get("port"), action="killed its process group")
+            log.warning("journal.not_adopted", engine=self.name, pid=pid, state=state, why=why,
+                        port=entry.get("port"), action="killed its process group; a fresh one is started")
+            self.fleet.emit("not_adopted", engine=self.name, pid=pid, why=why)
             return False
         self._adopted = proc
         self._adopted_routable = state in (S.RUNNING.value, S.SUSPECT.value)
@@ -449,6 +460,9 @@ class EngineRunner:
 
     async def shutdown(self) -> None:
         """Daemon exit: end the task, stop the process group if one is left."""
+        # The journal must tell this stop from an operator's: only the latter survives a
+        # restart (journal.snapshot reads this).
+        self.stopped_by_shutdown = self.fsm.state is not S.STOPPED
         if self._task is not None:
             self._task.cancel()
             try:

@@ -1,10 +1,14 @@
 """The daemon's journal: what a restarted daemon needs so that nothing is lost.
 
-The current round, the weight version and its checkpoint, and for each engine its pid (with
-the process's start time, so a recycled pid is never adopted), port, incarnation, restarts and
-verified weight version. Written atomically (temp file, fsync, rename) whenever it changes,
-coalesced. Killed with -9 and started again, the daemon re-adopts engines that still run and
-knows the current version, so no engine serves stale weights.
+The current round, the weight version and its checkpoint, the boot it was written in, and
+for each engine its pid (with the process's start time, so a recycled pid is never adopted),
+port, the fingerprint of the config that started it, incarnation, restarts, verified weight
+version, and whether an operator stopped it. Written atomically (temp file, fsync, rename)
+whenever it changes, coalesced. Killed with -9 and started again, the daemon re-adopts engines
+that still run and knows the current version, so no engine serves stale weights.
+
+A journal is untrusted input: `load` checks it against the schema below, and one that does
+not fit is moved aside by the daemon, never half-used.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from .process import boot_id, engine_fingerprint
 from .states import State
 
 log = structlog.get_logger("vime.journal")
@@ -38,12 +43,17 @@ def snapshot(fleet: Any) -> dict[str, Any]:
             # Only a version the daemon verified counts: RUNNING/SUSPECT engines' versions.
             "verified_version": r.fsm.weight_version if r.fsm.state in (State.RUNNING, State.SUSPECT) else None,
             "retired": r.retired,
+            # STOPPED by an operator, not by the daemon's own shutdown: only that survives a
+            # restart (EngineRunner.shutdown sets stopped_by_shutdown).
+            "operator_stopped": r.fsm.state is State.STOPPED and not getattr(r, "stopped_by_shutdown", False),
         }
         if proc is not None and proc.returncode is None and proc.start_time is not None:
-            entry.update(pid=proc.pid, start_time=proc.start_time, port=r.spec.port, log_path=str(proc.log_path))
+            entry.update(pid=proc.pid, start_time=proc.start_time, port=r.spec.port, log_path=str(proc.log_path),
+                         fingerprint=engine_fingerprint(r.spec, r.cfg))
         engines[r.name] = entry
     return {
         "format": FORMAT,
+        "boot_id": _BOOT_ID,
         "daemon_pid": os.getpid(),
         "round": fleet.round,
         "round_open": fleet.round_open,
@@ -51,6 +61,66 @@ def snapshot(fleet: Any) -> dict[str, Any]:
         "checkpoint": fleet.checkpoint,
         "engines": engines,
     }
+
+
+_BOOT_ID = boot_id()
+
+
+def _int(v: Any, lo: int = 0, hi: int | None = None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+
+
+def _check(ok: bool, where: str, what: str, value: Any, problems: list[str]) -> None:
+    if not ok:
+        problems.append(f"{where}: {what}, got {value!r:.80}")
+
+
+_STATES = {s.value for s in State}
+
+
+def validate(data: Any) -> list[str]:
+    """What is wrong with a parsed journal (empty: nothing). Every field the daemon reads is
+    checked here, so restoring one cannot raise or leave the fleet in a state no request can
+    get out of (a string round, an open round with no number)."""
+    if not isinstance(data, dict):
+        return [f"not a JSON object but {type(data).__name__}"]
+    p: list[str] = []
+    _check(data.get("format") == FORMAT, "format", f"must be {FORMAT}", data.get("format"), p)
+    rnd, is_open = data.get("round"), data.get("round_open", False)
+    _check(rnd is None or _int(rnd), "round", "must be null or an integer >= 0", rnd, p)
+    _check(isinstance(is_open, bool), "round_open", "must be true or false", is_open, p)
+    _check(not (is_open is True and rnd is None), "round_open", "true with no round number", is_open, p)
+    v = data.get("weight_version")
+    _check(v is None or _int(v), "weight_version", "must be null or an integer >= 0", v, p)
+    ck = data.get("checkpoint")
+    _check(ck is None or isinstance(ck, str), "checkpoint", "must be null or a path", ck, p)
+    b = data.get("boot_id")
+    _check(b is None or isinstance(b, str), "boot_id", "must be null or a string", b, p)
+    engines = data.get("engines")
+    if not isinstance(engines, dict):
+        p.append(f"engines: must be an object of engine entries, got {engines!r:.80}")
+        return p
+    for name, e in engines.items():
+        w = f"engines.{name}"
+        if not isinstance(e, dict):
+            p.append(f"{w}: must be an object, got {e!r:.80}")
+            continue
+        _check(e.get("state", "STOPPED") in _STATES, f"{w}.state", "must be an engine state", e.get("state"), p)
+        for key in ("incarnation", "restarts"):
+            _check(_int(e.get(key, 0)), f"{w}.{key}", "must be an integer >= 0", e.get(key), p)
+        vv = e.get("verified_version")
+        _check(vv is None or _int(vv), f"{w}.verified_version", "must be null or an integer >= 0", vv, p)
+        for key in ("retired", "operator_stopped"):
+            _check(isinstance(e.get(key, False), bool), f"{w}.{key}", "must be true or false", e.get(key), p)
+        if e.get("pid") is not None:  # a process: never named without what verifies it
+            _check(_int(e["pid"], 1), f"{w}.pid", "must be an integer >= 1", e["pid"], p)
+            _check(_int(e.get("start_time")), f"{w}.start_time", "must be an integer >= 0", e.get("start_time"), p)
+            _check(_int(e.get("port", 1), 1, 65535), f"{w}.port", "must be 1..65535", e.get("port"), p)
+            lp = e.get("log_path", "")
+            _check(isinstance(lp, str), f"{w}.log_path", "must be a path", lp, p)
+            fp = e.get("fingerprint")
+            _check(fp is None or isinstance(fp, str), f"{w}.fingerprint", "must be a string", fp, p)
+    return p
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -71,20 +141,23 @@ def write_atomic(path: Path, data: dict[str, Any]) -> None:
 def load(path: Path) -> dict[str, Any] | None:
     """The journal, or None if there is none. JournalError if it cannot be trusted."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as e:
         raise JournalError(f"cannot read {path}: {e}") from None
     try:
-        data = json.loads(text)
-    except ValueError as e:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise JournalError(f"{path} is not UTF-8 text ({e})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." thousands deep
         raise JournalError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("engines"), dict):
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise JournalError(f"{path} is not a format-{FORMAT} journal")
-    v = data.get("weight_version")
-    if v is not None and not isinstance(v, int):
-        raise JournalError(f"{path}: weight_version must be an integer, got {v!r}")
+    problems = validate(data)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise JournalError(f"{path} does not fit the journal's schema: {'; '.join(problems[:3])}{more}")
     return data
 
 

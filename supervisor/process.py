@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
+import json
 import os
 import re
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Awaitable, Callable, NamedTuple
 
+import structlog
+
 from .config import Config, EngineSpec
+
+log = structlog.get_logger("vime.process")
+# After SIGKILL, how long to wait for a group to vanish: a member in D state (uninterruptible
+# I/O) cannot die until its I/O ends, and must not keep the engine STOPPING for ever.
+KILL_WAIT = 5.0
+# How our engine servers are started (engine_command): the mark the orphan scan looks for.
+ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def engine_command(spec: EngineSpec, cfg: Config) -> list[str]:
@@ -28,6 +40,26 @@ def engine_command(spec: EngineSpec, cfg: Config) -> list[str]:
     if spec.served_model_name:
         cmd += ["--served-model-name", spec.served_model_name]
     return cmd + list(cfg.engine_args) + list(spec.args)
+
+
+def engine_fingerprint(spec: EngineSpec, cfg: Config) -> str:
+    """What this config starts for `spec`: its command line (model, host, port, args,
+    interpreter) and the environment the config sets. Recorded in the journal, so a daemon
+    adopts only an engine it would have started itself. The daemon's own environment is left
+    out: it changes between restarts (systemd's INVOCATION_ID, NOTIFY_SOCKET) without
+    changing the engine."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", **cfg.engine_env, **spec.env}
+    blob = json.dumps({"cmd": engine_command(spec, cfg), "env": env}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def boot_id() -> str | None:
+    """This boot's id: pids and start times (ticks since boot) mean nothing across boots."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def engine_env(spec: EngineSpec, cfg: Config) -> dict[str, str]:
@@ -143,21 +175,83 @@ def live_group_members(pgid: int) -> list[int]:
     return [st.pid for st in all_procs() if st.pgrp == pgid and st.state != "Z"]
 
 
-def kill_group_of(pid: int, start_time: int) -> None:
-    """SIGKILL what is left of an engine group a previous daemon spawned: the members of
-    process group `pid` that started no earlier than its leader (so never an unrelated group
-    that reused the number)."""
+def group_members_of(pid: int, start_time: int) -> list[ProcStat]:
+    """The live members of an engine group a previous daemon spawned: process group `pid`,
+    started no earlier than its leader (so never an unrelated group that reused the number)."""
     leader = proc_stat(pid)
     if leader is not None and leader.state != "Z" and leader.start_time != start_time:
-        return  # the number now leads someone else's group
+        return []  # the number now leads someone else's group
     # With our leader alive (verified) or gone, members of group `pid` are ours: Linux does not
     # hand out a pid that is still some group's id.
+    return [st for st in all_procs() if st.pgrp == pid and st.state != "Z" and st.start_time >= start_time]
+
+
+def signal_group_of(pid: int, start_time: int, sig: int) -> int:
+    """Send sig to each member of group_members_of(pid, start_time); how many there were."""
+    members = group_members_of(pid, start_time)
+    for st in members:
+        try:
+            os.kill(st.pid, sig)
+        except ProcessLookupError:
+            pass
+    return len(members)
+
+
+def kill_group_of(pid: int, start_time: int) -> None:
+    """SIGKILL what is left of an engine group a previous daemon spawned."""
+    signal_group_of(pid, start_time, signal.SIGKILL)
+
+
+async def stop_group_of(pid: int, start_time: int, timeout: float) -> str:
+    """Stop an engine group that is not (or no longer) supervised: SIGCONT and SIGTERM,
+    SIGKILL after `timeout`, then wait at most KILL_WAIT. Returns what it took."""
+    if not signal_group_of(pid, start_time, signal.SIGCONT):
+        return "already gone"
+    signal_group_of(pid, start_time, signal.SIGTERM)
+    how = "SIGTERM"
+    for sig, wait in ((signal.SIGKILL, timeout), (None, KILL_WAIT)):
+        deadline = time.monotonic() + wait
+        while group_members_of(pid, start_time) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not group_members_of(pid, start_time):
+            return how
+        if sig is not None:
+            signal_group_of(pid, start_time, sig)
+            how = f"SIGKILL after {timeout:g}s"
+    left = group_members_of(pid, start_time)
+    log.error("process.group_survives_sigkill", pgid=pid, members=[(st.pid, st.comm, st.state) for st in left])
+    return f"{how}; {len(left)} member(s) still alive after {KILL_WAIT:g}s (D state?)"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode("utf-8", "replace").split("\0")
+    except OSError:
+        return []
+
+
+def find_engine_leaders(ports: set[int]) -> list[tuple[int, int, int]]:
+    """(pid, start_time, port) of live processes that look like engines a daemon of ours
+    spawned on one of `ports`: our uid, leader of its own session and process group (as
+    EngineProcess.spawn makes them), `-m vllm.entrypoints.openai.api_server` and `--port P`
+    on its command line. For when no journal can say which pids they are."""
+    found, me = [], os.getuid()
     for st in all_procs():
-        if st.pgrp == pid and st.state != "Z" and st.start_time >= start_time:
-            try:
-                os.kill(st.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if st.pgrp != st.pid or st.state == "Z" or st.pid == os.getpid():
+            continue
+        try:
+            if os.stat(f"/proc/{st.pid}").st_uid != me or os.getsid(st.pid) != st.pid:
+                continue
+        except OSError:
+            continue
+        argv = _cmdline(st.pid)
+        if not any(a == "-m" and b == ENGINE_MODULE for a, b in zip(argv, argv[1:])):
+            continue
+        port = next((b for a, b in zip(argv, argv[1:]) if a == "--port"), None)
+        if port is not None and port.isdigit() and int(port) in ports:
+            found.append((st.pid, st.start_time, int(port)))
+    return found
 
 
 def process_start_time(pid: int) -> int | None:
@@ -203,13 +297,18 @@ class EngineProcess:
     def adopt(cls, pid: int, start_time: int, log_path: Path) -> "EngineProcess | None":
         """Take over an engine a previous daemon spawned, if pid is still that very process
         (same start time) and still leads its own group. Its exit is seen through a pidfd."""
-        if process_start_time(pid) != start_time:
+        # The pidfd first, then the checks: the pidfd pins the process, so the checks cannot
+        # pass for one process and the pidfd name another that reused the number in between.
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
             return None
         try:
-            if os.getpgid(pid) != pid:
+            if process_start_time(pid) != start_time or os.getpgid(pid) != pid:
+                os.close(fd)
                 return None
-            fd = os.pidfd_open(pid)
-        except (ProcessLookupError, OSError):
+        except OSError:
+            os.close(fd)
             return None
         self = cls(pid, log_path)
         loop = asyncio.get_running_loop()
@@ -270,8 +369,16 @@ class EngineProcess:
             if on_overdue is not None:
                 await on_overdue()
             self._signal_group(signal.SIGKILL)
-            await self._group_gone()
             how = f"SIGKILL after {timeout:g}s"
+            try:
+                await asyncio.wait_for(self._group_gone(), KILL_WAIT)
+            except asyncio.TimeoutError:
+                # A member in D state cannot die until its I/O ends: say so and move on (the
+                # next start's port check copes with a holder that lingers).
+                left = [(st.pid, st.comm, st.state) for st in all_procs()
+                        if st.pgrp == self.pid and st.state != "Z"]
+                log.error("process.group_survives_sigkill", pgid=self.pid, members=left)
+                return f"{how}; {len(left)} member(s) still alive after {KILL_WAIT:g}s (D state?)"
         await self.wait()
         return how
 
