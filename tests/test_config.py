@@ -516,3 +516,20 @@ def test_cli_toml_syntax_error(tmp_path):
     first, last = r.stderr.splitlines()
     assert first.startswith(f"{PREFIX}{bad}: not valid TOML: ") and "line 3" in first
     assert last == f"vime-supervisor: 1 problem(s) in {bad}; nothing was started"
+
+
+def test_each_engine_has_its_own_compiler_caches_under_the_state_dir(tmp_path):
+    """Engines never share a compile lock, and a restart reuses its first incarnation's caches;
+    the config's env still has the last word."""
+    from supervisor.process import CACHE_VARS, engine_env
+
+    m, other = model_dir(tmp_path), model_dir(tmp_path / "other")
+    cfg = build({"supervisor": {"state_dir": str(tmp_path / "state")},
+                 "engines": [engine("e0", m, 8001), engine("e1", m, 8002), engine("e2", other, 8003,
+                                                                                 env={"VLLM_CACHE_ROOT": "/x"})]})
+    env0, env1, env2 = (engine_env(spec, cfg) for spec in cfg.engines)
+    for var in CACHE_VARS:
+        assert env0[var].startswith(str(tmp_path / "state" / "engine-cache" / "e0"))
+        assert env0[var] != env1[var]
+    assert env0 == engine_env(cfg.engines[0], cfg)  # the same folders for every incarnation
+    assert env2["VLLM_CACHE_ROOT"] == "/x"

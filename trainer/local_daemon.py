@@ -212,13 +212,3 @@ def bare_engine(model: Path, log_path: Path, *extra: str) -> tuple[subprocess.Po
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
-
-def cold_cache_env(root: Path) -> dict[str, str]:
-    """Engine environment whose compiler caches are new, empty folders under `root`, as on a
-    fresh machine: torch inductor's, Triton's, vLLM's cache root, and the XDG cache home
-    that anything else an engine writes on first use falls back to."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": root / "torchinductor", "TRITON_CACHE_DIR": root / "triton",
-           "VLLM_CACHE_ROOT": root / "vllm", "XDG_CACHE_HOME": root / "xdg"}
-    for folder in env.values():
-        folder.mkdir(parents=True, exist_ok=True)
-    return {k: str(v) for k, v in env.items()}
