@@ -599,3 +599,27 @@ while True:
         import shutil
 
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_stalled_event_stream_reader_is_dropped(tmp_path):
+    d = start_daemon(tmp_path, unheard_engines(1), health={"first_wait": 2.0})
+    reader = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        wait_until(lambda: status(d.sock)["engines"][0]["state"] == "EXITED", 20, "e0 EXITED")
+        mark = d.mark()
+        reader.connect(d.sock)  # asks for the stream, then reads nothing
+        reader.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.5)
+        detail = "x" * 60000  # each report is one ~60 KB event: a few fill the socket's buffers
+        for _ in range(40):
+            code, doc = jcall(d.sock, "POST", "/v1/engines/e0/failures", {"detail": detail})
+            assert code == 200, doc
+        ev = d.wait_for(lambda e: e.get("event") == "control.stream_stalled", 30, after=mark)
+        assert ev["timeout"] > 0
+        code, _ = call(d.sock, "GET", "/v1/status")
+        assert code == 200
+        time.sleep(1.0)
+        assert not [x for x in d.raw if x.startswith("Traceback") or "Error handling request" in x]
+    finally:
+        reader.close()
+        stop_daemon(d)
