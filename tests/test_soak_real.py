@@ -1,7 +1,8 @@
 """The chaos soak, short form: the RL loop on two real engines under the daemon while a seeded
 schedule kills an engine in a round gap, kills the daemon (restarted as systemd would),
-disconnects the trainer mid-round, crashes an engine at start and poisons a checkpoint
-reload, with fuzzed requests at the control socket all along. Every check of trainer/soak.py
+restarts the daemon cleanly (SIGTERM, then start) and after a torn journal (kill -9, journal
+corrupted, then start) in round gaps, disconnects the trainer mid-round, crashes an engine at
+start and poisons a checkpoint reload, with fuzzed requests at the control socket all along. Every check of trainer/soak.py
 must hold, exactly. The long form is `python -m trainer.soak --long` (every fault kind, twice).
 """
 
@@ -22,10 +23,13 @@ def test_soak_short_form(tiny_model, tmp_path):
     failed = {name: detail for name, (ok, detail) in result.checks.items() if not ok}
     assert not failed, failed
     # Every check the soak promises was made (none skipped for lack of data).
-    assert len(result.checks) == 9, sorted(result.checks)
+    assert len(result.checks) == 10, sorted(result.checks)
     f = result.figures
     assert f["faults injected"] == f["faults survived (recovered)"] == len(SHORT)
     assert f["rounds lost"] == 0 and f["stale responses"] == 0
     assert f["steps (rounds)"] >= 12 and f["requests answered"] == f["steps (rounds)"] * 8
     saved = json.loads((tmp_path / "soak" / "soak.json").read_text())
     assert all(c["ok"] for c in saved["checks"].values())
+    # The clean and the corrupt-journal restart each happened, and left no old engine behind.
+    restarts = [x for x in saved["faults"] if x["kind"] == "daemon" and "then start" in x["note"]]
+    assert len(restarts) == 2 and all(x["confirmed"] for x in restarts), restarts

@@ -8,18 +8,24 @@ Faults (trainer/faults.py): kill -9 of an engine during a round and in a gap, SI
 EngineCore, an engine that crashes at start (its model path broken, then mended), a push that
 fails midway, a checkpoint reload that is poisoned (no agent, a truncated checkpoint), a trainer
 that disconnects mid-round, and kill -9 of the daemon itself (restarted a second later, as
-systemd's Restart=on-failure would). Each waits for a whole fleet, so each is measured alone.
+systemd's Restart=on-failure would). Two more daemon restarts, in a round gap: a clean one
+(SIGTERM, engines stopped, then started again: `systemctl restart`), and kill -9 with the
+journal then torn (the new daemon must find and stop the old engines, start new ones, and be
+told the version again by the trainer). Each waits for a whole fleet, so each is measured alone.
 
 Checked, exactly: every round completes with every sample (none lost, none twice); no answer
 came from an engine at another version than the trainer's (the daemon's listing, and vLLM's
 logprobs equal to the trainer's); every engine ends RUNNING on the trainer's version; the
-restarted daemon re-adopted the engines (same pids); no daemon crash; no fuzzed request got a
-5xx; after the daemon's SIGTERM no engine process and no engine port is left.
+restarted daemon re-adopted the engines (same pids); after a clean or corrupt-journal restart
+no old engine process is left and every engine is RUNNING on the trainer's version again; no
+daemon crash; no fuzzed request got a 5xx; after the daemon's SIGTERM no engine process and no
+engine port is left.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -42,8 +48,13 @@ from trainer.local_daemon import Daemon, live_pids_in_groups
 from trainer.rl_loop import Hooks, RLLoop, build_parser, format_report, quiet_rollout_log
 from trainer.tiny_model import build_tiny_model
 
-SHORT = ["kill-gap", "daemon", "disconnect", "crash-start", "poison-reload"]
-LONG = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "disconnect", "daemon"]
+# Daemon restarts in a round gap, the soak's own kinds (run as trainer/faults.py's "daemon"
+# kind): a clean one, and one with the journal torn after a kill -9.
+GAP_RESTARTS = {"daemon-term": "SIGTERM then start (clean restart)",
+                "daemon-corrupt": "kill -9, journal torn, then start"}
+SHORT = ["kill-gap", "daemon", "disconnect", "crash-start", "poison-reload", "daemon-term", "daemon-corrupt"]
+LONG = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "disconnect", "daemon",
+        "daemon-term", "daemon-corrupt"]
 
 
 def schedule(kinds: list[str], seed: int, first: int = 2, spacing: int = 2) -> list[F.Fault]:
@@ -67,6 +78,8 @@ class Keeper(Hooks):
         self.log = open(root / "daemon.log", "a")
         self.daemons: list[Daemon] = []
         self.killed = 0
+        self.restarts = 0  # gap restarts (GAP_RESTARTS)
+        self.gap_restarts: list[dict[str, Any]] = []
         self.crashes = 0
         self.adoption: list[dict[str, Any]] = []  # (pid, restarts) of each engine around a daemon kill
         self.outages: list[list[float | None]] = []  # [killed at, answering again at]
@@ -121,6 +134,35 @@ class Keeper(Hooks):
         self.adoption.append({"before": before, "after": after,
                               "same": before == after and all(pid for pid, _ in before.values())})
 
+    def restart_daemon(self, kind: str) -> dict[str, Any]:
+        """A gap restart (GAP_RESTARTS): the daemon goes, comes back, and must leave no engine
+        of the old one behind. What happened, for the soak's check."""
+        with self._lock:
+            before = {e["name"]: e.get("pid") for e in SupervisorClient(self.sock).status()["engines"]}
+            self.outages.append([time.time(), None])
+            d = self.daemon
+            d.killed_by_us = True
+            rc = None
+            if kind == "daemon-term":
+                rc = d.terminate(60)  # stops its engines; the next daemon must start them again
+            else:  # kill -9 leaves the engines running; then the journal is torn mid-write
+                d.proc.send_signal(signal.SIGKILL)
+                d.proc.wait(10)
+                state_dir = Path(tomllib.loads(self.cfg.read_text())["supervisor"]["state_dir"])
+                (state_dir / "journal.json").write_bytes(b'{"format": 1, "engines": {"engine-0": {"pid": \xff')
+            self.restarts += 1
+            time.sleep(1.0)  # systemd's RestartSec=1
+            self.start()
+        SupervisorClient(self.sock, connect_timeout=60).status()
+        self.outages[-1][1] = time.time()
+        old = {p for p in before.values() if p}
+        deadline = time.time() + 30  # the new daemon stops the old groups before it starts any
+        while (left := live_pids_in_groups(old)) and time.time() < deadline:
+            time.sleep(0.2)
+        record = {"kind": kind, "exit": rc, "before": before, "old processes left": left}
+        self.gap_restarts.append(record)
+        return record
+
     def _point(self, engine: str, target: Path) -> None:
         link = self.links[engine]
         tmp = link.with_name(link.name + ".tmp")
@@ -154,6 +196,39 @@ class Keeper(Hooks):
             return None
         finally:
             self.log.close()
+
+
+class SoakLoop(RLLoop):
+    """The RL loop plus the soak's gap restarts of the daemon: injected before a step's round
+    (so no round loses its engines), then the fleet is waited for until whole again."""
+
+    def __init__(self, args: argparse.Namespace, *, plan: list[F.Fault], hooks: Keeper, gap: dict[int, str]):
+        super().__init__(args, plan=plan, hooks=hooks)
+        self.keeper = hooks
+        self.gap = gap  # id(fault) -> its GAP_RESTARTS kind
+
+    async def _step(self, step, fleet, pusher, tracer, train: bool) -> None:
+        fault = next((f for f in self.plan if f.fired_step is None and f.step <= step), None)
+        if fault is not None and id(fault) in self.gap and await self._ready_for(fault, fleet):
+            await asyncio.to_thread(self._restart_in_gap, fault, step, fleet)
+        await super()._step(step, fleet, pusher, tracer, train)
+
+    def _restart_in_gap(self, fault: F.Fault, step: int, fleet) -> None:
+        kind = self.gap[id(fault)]
+        fault.fired_step, fault.injected_at = step, time.time()
+        rec = self.keeper.restart_daemon(kind)
+        self.log(f"FAULT {GAP_RESTARTS[kind]} of the daemon before step {step}")
+        status = fleet.client.status()
+        if self.published is not None and status["weight_version"] != self.published:
+            # A daemon that lost its journal lost the version too: the trainer says it again,
+            # or engines on the base weights would be routed as current.
+            self.log(f"the daemon has v{status['weight_version']}, not v{self.published}: publishing it again")
+            fleet.client.publish_weights(self.published)
+        whole = fleet.wait(lambda: fleet.whole(self.published), self.args.fault_wait)
+        rec["whole again"] = whole
+        fault.confirmed = whole and not rec["old processes left"] and rec["exit"] in (0, None)
+        fault.note = (f"{GAP_RESTARTS[kind]}: exit {rec['exit']}, old pids {sorted(p for p in rec['before'].values() if p)}, "
+                      f"left {rec['old processes left']}, whole again {whole}")
 
 
 class Fuzzer:
@@ -277,6 +352,10 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     ports = {e["name"]: e["port"] for e in tomllib.loads(cfg.read_text())["engines"]}
     keeper = Keeper(root, cfg, links, model, broken)
     plan = schedule(kinds, seed)
+    gap = {}
+    for f in plan:  # the gap restarts run as trainer/faults.py's "daemon" kind, by SoakLoop
+        if f.kind in GAP_RESTARTS:
+            gap[id(f)], f.kind = f.kind, "daemon"
     steps = max(steps, plan[-1].step + 2 if plan else steps)  # the last fault has rounds after it
     result = SoakResult()
     fuzzer = None
@@ -290,7 +369,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
             "--model", str(model), "--socket", keeper.sock, "--out", str(root / "out"),
             "--num-rollout", str(steps), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
             "--fault-wait", str(BOOT), "--final-wait", str(BOOT), "--seed", str(seed)])
-        report = RLLoop(args, plan=plan, hooks=keeper).run()
+        report = SoakLoop(args, plan=plan, hooks=keeper, gap=gap).run()
         print(format_report(report))
     finally:
         if fuzzer is not None:
@@ -327,6 +406,13 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     if keeper.adoption:
         c["the restarted daemon re-adopted its engines"] = (all(a["same"] for a in keeper.adoption),
                                                             f"(pid, restarts) before/after: {keeper.adoption}")
+    if gap:
+        bad = [r for r in keeper.gap_restarts if r["old processes left"] or r["exit"] not in (0, None)
+               or not r.get("whole again")]
+        c["clean and corrupt-journal restarts: old engines gone, fleet whole again"] = (
+            len(keeper.gap_restarts) == len(gap) and not bad,
+            f"{len(keeper.gap_restarts)}/{len(gap)} done; failed: {bad}" if bad or len(keeper.gap_restarts) != len(gap)
+            else f"{len(gap)} restarts, exit 0 (clean), no old process left, every engine RUNNING on the trainer's version")
     c["no daemon crash"] = (keeper.crashes == 0, f"{keeper.crashes} unexpected exits")
     if fuzzer is not None:
         c["no fuzzed request got a 5xx or no answer"] = (
@@ -346,6 +432,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     f["fuzzed requests (all 4xx)"] = f"{fuzzer.sent} ({fuzzer.refused_4xx})" if fuzzer else 0
     f["fuzz: daemon unreachable"] = fuzzer.unreachable if fuzzer else 0
     f["daemon kills / crashes"] = f"{keeper.killed} / {keeper.crashes}"
+    f["daemon gap restarts (clean, corrupt)"] = keeper.restarts
     f["seconds"] = round(time.monotonic() - t0)
     (root / "soak.json").write_text(json.dumps({"checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in c.items()},
                                                 "figures": f, "faults": [x.as_dict() for x in plan]},
@@ -360,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--steps", type=int, default=None, help="rounds (default: 12 short, 40 long)")
     ap.add_argument("--long", action="store_true", help="every fault kind, twice (else the short CI set)")
-    ap.add_argument("--kinds", nargs="*", choices=F.KINDS, help="the faults to schedule (overrides --long)")
+    ap.add_argument("--kinds", nargs="*", choices=[*F.KINDS, *GAP_RESTARTS],
+                    help="the faults to schedule (overrides --long)")
     args = ap.parse_args(argv)
     kinds = args.kinds or (LONG * 2 if args.long else SHORT)
     steps = args.steps or (40 if args.long else 12)
