@@ -214,11 +214,11 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     for key in ("requests", "max_tokens", "logprobs"):
         if getattr(warmup, key) < 0 or (key == "max_tokens" and warmup.max_tokens < 1):
             problems.append(f"warmup.{key}: must be >= {1 if key == 'max_tokens' else 0}, got {getattr(warmup, key)}")
-    if not 0 <= warmup.temperature < float("inf"):
+    if warmup.temperature < 0:
         problems.append(f"warmup.temperature: must be >= 0, got {warmup.temperature:g}")
-    if not 0 < warmup.top_p <= 1:
+    if math.isfinite(warmup.top_p) and not 0 < warmup.top_p <= 1:
         problems.append(f"warmup.top_p: must be in (0, 1], got {warmup.top_p:g}")
-    if not probe.max_busy > 0 or probe.max_busy == float("inf"):
+    if probe.max_busy <= 0:  # not finite: said once, by _check_finite
         problems.append(f"health_check.max_busy: must be a number of seconds > 0, got {probe.max_busy:g}")
     rpolicy = RestartPolicy(**restart)
     for key in ("first_wait", "interval", "timeout"):
@@ -244,7 +244,7 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
             problems.append(f"restart.{key}: must be >= 0, got {getattr(rpolicy, key):g}")
     if rpolicy.backoff_max < rpolicy.backoff_initial:
         problems.append("restart.backoff_max: must be >= backoff_initial")
-    _check_finite({"supervisor": sup, "health_check": health, "restart": restart}, problems)
+    _check_finite({"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm}, problems)
     _check_startup(sup, problems)
     if sup.get("stop_timeout", 1.0) <= 0:
         problems.append(f"supervisor.stop_timeout: must be > 0, got {sup['stop_timeout']:g}")
