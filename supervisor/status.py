@@ -62,7 +62,7 @@ def routable_view(fleet: Fleet) -> dict[str, Any]:
         "weight_version": fleet.current_version,
         "engines": [
             {"name": r.name, "url": r.spec.base_url, "model": r.spec.model_name,
-             "weight_version": r.fsm.weight_version}
+             "weight_version": r.fsm.weight_version, "incarnation": r.fsm.incarnation}
             for r in fleet.routable()
         ],
     }

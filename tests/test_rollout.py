@@ -62,7 +62,7 @@ class FakeEngine:
             await self.runner.cleanup()
 
     def view(self) -> dict:
-        return {"name": self.name, "url": self.url, "model": "tiny", "weight_version": 3}
+        return {"name": self.name, "url": self.url, "model": "tiny", "weight_version": 3, "incarnation": 2}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -136,6 +136,7 @@ class FakeSupervisor:
     def __init__(self, engines: list[dict], *, report_raises: bool = False, with_events: bool = False):
         self.view = {"epoch": 1, "weight_version": 3, "engines": engines}
         self.reports: list[tuple[str, str]] = []
+        self.report_incarnations: list[int | None] = []
         self.routable_calls = 0
         self.report_raises = report_raises
         self.event_queue: asyncio.Queue = asyncio.Queue()
@@ -146,8 +147,9 @@ class FakeSupervisor:
         self.routable_calls += 1
         return copy.deepcopy(self.view)
 
-    async def report_failure(self, name: str, detail: str) -> dict:
+    async def report_failure(self, name: str, detail: str, incarnation: int | None = None) -> dict:
         self.reports.append((name, detail))
+        self.report_incarnations.append(incarnation)
         if self.report_raises:
             raise ConnectionError("daemon away (scripted)")
         return {"counted": True, "state": "SUSPECT"}
@@ -248,6 +250,7 @@ async def test_engine_failure_is_resent_elsewhere_and_reported(engines, what, ou
     assert r.attempts == [Attempt("A", outcome), Attempt("B", OK)]
     assert r.engine == "B" and r.text == "w0 w1 w2 w3 " and r.finish_reason == "length"
     assert [name for name, _ in sup.reports] == ["A"] and outcome in sup.reports[0][1]
+    assert sup.report_incarnations == [2]  # the incarnation the routable list named
     assert rc.stats.retried == 1 and rc.stats.attempt_failures == 1 and rc.stats.reported == 1
     assert sup.routable_calls >= 2  # membership was read again after the failure
 

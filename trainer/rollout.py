@@ -164,6 +164,7 @@ class Engine:
     url: str
     model: str | None = None
     weight_version: Any = None
+    incarnation: int | None = None  # which process of it the routable list named
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -457,7 +458,8 @@ class RolloutClient:
 
     def _apply(self, view: Mapping[str, Any]) -> None:
         engines = [Engine(name=e["name"], url=str(e["url"]).rstrip("/"), model=e.get("model"),
-                          weight_version=e.get("weight_version")) for e in view.get("engines") or ()]
+                          weight_version=e.get("weight_version"), incarnation=e.get("incarnation"))
+                   for e in view.get("engines") or ()]
         if view.get("epoch") != self.epoch:
             log.info("rollout: membership epoch %s -> %s: %s", self.epoch, view.get("epoch"),
                      [e.name for e in engines])
@@ -511,19 +513,22 @@ class RolloutClient:
 
     # -- failure reports -------------------------------------------------------------------
 
-    def _report(self, engine: str, detail: str) -> None:
+    def _report(self, engine: str, detail: str, incarnation: int | None = None) -> None:
         now = time.monotonic()
         if now - self._reported_at.get(engine, float("-inf")) < self.cooldown:
             self.stats.reports_coalesced += 1
             return
         self._reported_at[engine] = now
-        task = asyncio.get_running_loop().create_task(self._send_report(engine, detail))
+        task = asyncio.get_running_loop().create_task(self._send_report(engine, detail, incarnation))
         self._report_tasks.add(task)
         task.add_done_callback(self._report_tasks.discard)
 
-    async def _send_report(self, engine: str, detail: str) -> None:
+    async def _send_report(self, engine: str, detail: str, incarnation: int | None) -> None:
+        # With the incarnation the failure was seen on, a late report cannot count against
+        # the engine's next process (the daemon ignores it and says so).
+        extra = {} if incarnation is None else {"incarnation": incarnation}
         try:
-            answer = await self.supervisor.report_failure(engine, detail)
+            answer = await self.supervisor.report_failure(engine, detail, **extra)
         except Exception as e:  # best effort: the daemon also sees deaths and hangs itself
             self.stats.report_errors += 1
             self.reports.append((engine, detail, e))
@@ -752,4 +757,4 @@ class RolloutClient:
         self.stats.attempt_failures += 1
         log.warning("rollout: %s: %s; re-sending", rid, r.detail)
         if r.outcome in REPORTED:
-            self._report(engine.name, f"rollout request {r.outcome}: {r.detail}"[:500])
+            self._report(engine.name, f"rollout request {r.outcome}: {r.detail}"[:500], engine.incarnation)
