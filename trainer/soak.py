@@ -432,7 +432,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     f["fuzzed requests (all 4xx)"] = f"{fuzzer.sent} ({fuzzer.refused_4xx})" if fuzzer else 0
     f["fuzz: daemon unreachable"] = fuzzer.unreachable if fuzzer else 0
     f["daemon kills / crashes"] = f"{keeper.killed} / {keeper.crashes}"
-    f["daemon gap restarts (clean, corrupt)"] = keeper.restarts
+    f["daemon gap restarts (clean, torn)"] = keeper.restarts
     f["seconds"] = round(time.monotonic() - t0)
     (root / "soak.json").write_text(json.dumps({"checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in c.items()},
                                                 "figures": f, "faults": [x.as_dict() for x in plan]},
