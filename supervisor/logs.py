@@ -29,8 +29,32 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class _LossTolerant:
+    """The log stream, minus its failures: when its reader goes away (a terminal closed, the
+    process reading a pipe killed) writes fail with EPIPE, and a log line must never be what
+    stops the daemon from supervising, or from stopping its engines at shutdown. Lines that
+    cannot be written are dropped and counted."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.dropped = 0
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):  # EPIPE and friends; ValueError: the file was closed
+            self.dropped += 1
+            return 0
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def configure(level: str = "info", stream=None) -> None:
-    stream = stream or sys.stderr
+    stream = _LossTolerant(stream or sys.stderr)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

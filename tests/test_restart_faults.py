@@ -294,3 +294,37 @@ def test_journal_of_another_boot_neither_adopts_nor_kills(tmp_path, fake_python,
     finally:
         stranger.kill()
         stranger.wait()
+
+
+# -- a log reader that went away --------------------------------------------------------------
+
+def test_sigterm_after_the_log_pipe_closed_still_stops_every_engine(tmp_path, fake_python, cleanup):
+    """The daemon's log stream is a pipe whose reader died (a terminal closed, a demo killed):
+    its writes fail with EPIPE, and SIGTERM must still stop every engine and exit 0."""
+    model = model_dir(tmp_path / "model")
+    cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port())])
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--config", str(cfg)],
+                            stdout=write_fd, stderr=write_fd, stdin=subprocess.DEVNULL)
+    os.close(write_fd)
+    reader = os.fdopen(read_fd, "rb")
+    try:
+        pid = None
+        deadline = time.monotonic() + 30
+        for line in reader:  # until e0 is RUNNING
+            ev = json.loads(line) if line.startswith(b"{") else {}
+            pid = ev.get("pid", pid) if ev.get("event") == "engine.spawned" else pid
+            if ev.get("event") == "engine.transition" and ev.get("to_state") == "RUNNING":
+                break
+            assert time.monotonic() < deadline, "e0 not RUNNING within 30 s"
+        assert pid is not None
+        cleanup[1].add(pid)
+        reader.close()  # the reader goes away: every later log line hits a closed pipe
+        SupervisorClient(sock(tmp_path)).status()  # still serving
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert live_pids_in_groups({pid}) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
