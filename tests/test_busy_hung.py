@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -123,7 +124,7 @@ def test_stopped_engine_core_is_detected_within_the_bound(fleet):
     wait_state(fleet.client, "hang", {"RUNNING"}, timeout=30)  # restarted (no round open)
 
 
-def test_paused_engine_is_not_declared_hung(fleet):
+def test_fault8_paused_engine_is_not_declared_hung(fleet):
     """Fault 8 (stand-in; the real engine is in test_busy_real.py): vLLM 0.32 queues requests
     while paused instead of answering 503; /is_paused says so, and the engine is kept."""
     d, mark = fleet.daemon, fleet.daemon.mark()
@@ -204,3 +205,41 @@ def test_fault9_unreadable_weight_version_does_not_end_supervision(fleet):
     probes = e["probes"]
     time.sleep(2.5)
     assert engines_by_name(fleet.client.status())["version"]["probes"] > probes
+
+
+def test_fault11_recovered_attached_engine_waits_for_the_gap(tmp_path):
+    """An attached engine that answers again during an open round is held out of routing
+    (STALE) until the round ends: membership grows only in gaps. It used to rejoin at once."""
+    port = free_port()
+    standin = [sys.executable, str(Path(__file__).parents[1] / "bench" / "standin_engine.py"),
+               "--base-port", str(port)]
+    engine = subprocess.Popen(standin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = write_config(
+        tmp_path / "supervisor.toml",
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs")},
+        health_check={"first_wait": 15.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
+        engines=[{"name": "att", "url": f"http://127.0.0.1:{port}"}],
+    )
+    d = Daemon(cfg)
+    try:
+        listening(d)
+        client = SupervisorClient(str(tmp_path / "run" / "supervisor.sock"))
+        wait_state(client, "att", {"RUNNING"})
+        client.start_round(1)
+        engine.kill()
+        engine.wait(10)
+        wait_state(client, "att", {"UNHEALTHY", "EXITED"})
+        epoch = client.routable_engines()["epoch"]
+        engine = subprocess.Popen(standin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        e = wait_state(client, "att", {"STALE", "RUNNING"})
+        assert e["state"] == "STALE" and "until round 1 ends" in e["reason"], e
+        time.sleep(1.0)  # several more good probes: still held
+        view = client.routable_engines()
+        assert view["engines"] == [] and view["epoch"] == epoch
+        client.end_round(1)
+        wait_state(client, "att", {"RUNNING"})
+        assert [x["name"] for x in client.routable_engines()["engines"]] == ["att"]
+    finally:
+        engine.kill()
+        engine.wait(10)
+        assert d.terminate(30) == 0
