@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 MAX_SOCKET_PATH = 107
 
 from .fsm import ProbePolicy, RestartPolicy
-from .warmup import WarmupPolicy
+from .warmup import MAX_REQUESTS, WarmupPolicy
 
 
 class ConfigError(Exception):
@@ -211,9 +211,10 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     # A paused engine is excused for as long as a weight push may take.
     probe = ProbePolicy(**health, max_paused=sup.get("sync_timeout", Config.sync_timeout))
     warmup = WarmupPolicy(**warm)
-    for key in ("requests", "max_tokens", "logprobs"):
-        if getattr(warmup, key) < 0 or (key == "max_tokens" and warmup.max_tokens < 1):
-            problems.append(f"warmup.{key}: must be >= {1 if key == 'max_tokens' else 0}, got {getattr(warmup, key)}")
+    # Bounded: each request is held in the daemon while it runs (vLLM's own logprobs cap is 20).
+    for key, low, high in (("requests", 0, MAX_REQUESTS), ("max_tokens", 1, 4096), ("logprobs", 0, 20)):
+        if not low <= getattr(warmup, key) <= high:
+            problems.append(f"warmup.{key}: must be in {low}..{high}, got {getattr(warmup, key)}")
     if warmup.temperature < 0:
         problems.append(f"warmup.temperature: must be >= 0, got {warmup.temperature:g}")
     if math.isfinite(warmup.top_p) and not 0 < warmup.top_p <= 1:

@@ -107,8 +107,8 @@ class EngineFSM:
     restarts: int = 0  # total restarts after the first start
     weight_version: int | str | None = None
     held: bool = False  # STALE only because a round is open
-    excused_since: float | None = None  # first of the unbroken run of excused probes
-    excuse: str | None = None  # what that run's probes were excused as
+    excused_since: float | None = None  # first of the unbroken run of probes without progress
+    excuse: str | None = None  # what the last of them was excused as
     _restart_times: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -249,14 +249,20 @@ class EngineFSM:
         return False
 
     def _excused_too_long(self, outcome: ProbeOutcome) -> bool:
-        """Track the run of excused late probes; past its bound the engine is hung (UNHEALTHY
-        at once: the excuse itself has lasted longer than any failure threshold would)."""
-        if outcome.excuse is None or not outcome.ok:
+        """Track the unbroken run of probes without progress (excused or failed); an excused
+        one past its bound makes the engine hung (UNHEALTHY at once: the excuse has lasted
+        longer than any failure threshold would). Only an answer or real progress ends the
+        run: neither an excuse that changes (paused, busy, paused, ...) nor a failure between
+        two excuses starts the clock again."""
+        if outcome.ok and outcome.excuse is None:
             self.excused_since = self.excuse = None
             return False
         now = self.clock()
-        if outcome.excuse != self.excuse or self.excused_since is None:
-            self.excused_since, self.excuse = now, outcome.excuse
+        if self.excused_since is None:
+            self.excused_since = now
+        self.excuse = outcome.excuse
+        if not outcome.ok:
+            return False  # failures are the threshold's to count
         limit = self.probe.max_paused if outcome.excuse == "paused" else self.probe.max_busy
         lasted = now - self.excused_since
         if lasted < limit:

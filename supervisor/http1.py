@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import aiohttp
 
 MAX_BODY = 1 << 20  # a probe's answer is a few hundred bytes; more is not an engine talking
 MAX_HEAD = 1 << 16  # status line + headers (also asyncio's default stream buffer limit)
@@ -230,3 +234,16 @@ def _parse_head(head: bytes) -> tuple[int, bytes, dict[bytes, bytes]]:
             raise HttpProtocolError("conflicting content-length headers")
         headers[name] = value
     return int(parts[1]), parts[0], headers
+
+
+async def read_bounded(response: "aiohttp.ClientResponse", limit: int) -> bytes | None:
+    """The body of an answer read over aiohttp (the rare reads, the warm-up), or None past
+    `limit` bytes: an engine's answer is untrusted input, never buffered whole whatever its
+    size (this client's own answers are bounded by max_body)."""
+    chunks, size = [], 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -27,11 +27,15 @@ import aiohttp
 
 from .activity import GroupSample, busy, describe, sample_group
 from .fsm import ProbeOutcome
-from .http1 import Http1Client, HttpProtocolError
+from .http1 import Http1Client, HttpProtocolError, read_bounded
 
-_GEN_TOKENS = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
-_PROMPT_TOKENS = re.compile(r"^vllm:prompt_tokens_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
-_RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+# Labels end on their own line ([^}\n]): an unclosed "{" must not make a scan of the whole
+# answer per line (quadratic time on the event loop, seen with a 480 KB answer).
+_GEN_TOKENS = re.compile(r"^vllm:generation_tokens_total(?:\{[^}\n]*\})?[ \t]+([0-9.eE+-]+)", re.M)
+_PROMPT_TOKENS = re.compile(r"^vllm:prompt_tokens_total(?:\{[^}\n]*\})?[ \t]+([0-9.eE+-]+)", re.M)
+_RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}\n]*\})?[ \t]+([0-9.eE+-]+)", re.M)
+# One engine's /metrics is tens of KB (its histograms); more is not read, and not judged.
+MAX_METRICS = 4 << 20
 # A late probe is judged on readings taken now, this far apart: /metrics twice (a decoding
 # engine moves its counters within a few steps) and the group's CPU time (50 clock ticks of
 # one core: enough resolution to tell 10% of a core from a stopped group's <1%).
@@ -187,9 +191,8 @@ class Prober:
             async with self.session.get(
                 f"{self.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
             ) as r:
-                if r.status != 200:
-                    return None
-                return parse_progress(await r.text())
+                raw = await read_bounded(r, MAX_METRICS) if r.status == 200 else None
+            return None if raw is None else parse_progress(raw.decode("utf-8", "replace"))
         except Exception:  # whatever went wrong, there is no progress to judge by
             return None
 

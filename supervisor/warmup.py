@@ -15,6 +15,13 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from .http1 import read_bounded
+
+# A warm-up answer is a few KB; an engine that sends more is refused, never buffered whole.
+MAX_ANSWER = 1 << 20
+# More at once than any engine batches is no warm-up, only load (and memory in the daemon).
+MAX_REQUESTS = 256
+
 
 @dataclass(frozen=True)
 class WarmupPolicy:
@@ -32,8 +39,7 @@ class WarmupFailed(Exception):
     pass
 
 
-async def warm_up(session: aiohttp.ClientSession, base_url: str, model: str, policy: WarmupPolicy,
-                  headers: dict[str, str] | None = None) -> str:
+async def warm_up(base_url: str, model: str, policy: WarmupPolicy, headers: dict[str, str] | None = None) -> str:
     """Send the warm-up batch and wait for all of it. Returns a summary; raises WarmupFailed
     with the engine's answer when a request fails. Unbounded here: the caller holds the bound
     (what is left of first_wait)."""
@@ -45,28 +51,33 @@ async def warm_up(session: aiohttp.ClientSession, base_url: str, model: str, pol
         body["logprobs"] = policy.logprobs
     data = json.dumps(body).encode()
 
-    async def one() -> int:
+    async def one(session: aiohttp.ClientSession) -> int:
         try:
             async with session.post(f"{base_url}/v1/completions", data=data,
                                     headers={"Content-Type": "application/json", **(headers or {})}) as r:
-                raw = await r.read()
+                raw = await read_bounded(r, MAX_ANSWER)
         except aiohttp.ClientError as e:
             raise WarmupFailed(f"warm-up request failed: {type(e).__name__}: {e}") from None
+        if raw is None:
+            raise WarmupFailed(f"warm-up answer ({r.status}) over {MAX_ANSWER} bytes: not a completion")
         if r.status != 200:
-            text = raw.decode("utf-8", "replace").strip()[:300]
+            text = raw[:300].decode("utf-8", "replace").strip()
             raise WarmupFailed(f"warm-up request answered {r.status}: {text}")
         try:
             usage = json.loads(raw).get("usage") or {}
             return int(usage.get("completion_tokens", 0))
-        except (ValueError, AttributeError, TypeError):
+        except (ValueError, AttributeError, TypeError, OverflowError):
             raise WarmupFailed(f"warm-up answer is not a completion: {raw[:200]!r}") from None
 
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    try:
-        async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
-            tasks = [tg.create_task(one()) for _ in range(policy.requests)]
-    except* WarmupFailed as group:
-        raise group.exceptions[0] from None
+    # A pool of its own: the daemon's shared one allows 4 connections per engine, and the
+    # batch must reach the engine at once to warm the shapes a rollout batch has.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=policy.requests)) as session:
+        try:
+            async with asyncio.TaskGroup() as tg:  # the first failure cancels the rest
+                tasks = [tg.create_task(one(session)) for _ in range(policy.requests)]
+        except* WarmupFailed as group:
+            raise group.exceptions[0] from None
     tokens = sum(t.result() for t in tasks)
     return f"warm-up: {policy.requests} requests, {tokens} tokens in {loop.time() - t0:.1f}s"

@@ -538,7 +538,7 @@ def test_each_engine_has_its_own_compiler_caches_under_the_state_dir(tmp_path):
 def test_warmup_and_max_busy_are_checked_once_each(good):
     assert problems({**good, "health_check": {"max_busy": float("nan")},
                      "warmup": {"temperature": float("nan"), "top_p": 1.5, "requests": -1}}) == [
-        "warmup.requests: must be >= 0, got -1",
+        "warmup.requests: must be in 0..256, got -1",
         "warmup.top_p: must be in (0, 1], got 1.5",
         "health_check.max_busy: must be a finite number of seconds or a count, got nan",
         "warmup.temperature: must be a finite number of seconds or a count, got nan",

@@ -737,16 +737,29 @@ def test_progress_or_an_answer_ends_a_busy_run():
     assert fsm.probe_result(BUSY_LATE) is True
 
 
-def test_a_failure_inside_a_busy_run_counts_and_restarts_the_run():
+def test_a_failure_inside_a_busy_run_counts_and_does_not_restart_the_clock():
     fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
     clock.now = 11.0
     fsm.probe_result(BUSY_LATE)
     clock.now = 14.0
     assert fsm.probe_result(TIMEOUT) is False and fsm.state is S.SUSPECT
-    assert fsm.excused_since is None
     clock.now = 17.0
     assert fsm.probe_result(BUSY_LATE) is False and fsm.consecutive_failures == 0
-    assert fsm.excused_since == 17.0
+    assert fsm.excused_since == 11.0  # still the run that began at 11
+    clock.now = 41.0
+    assert fsm.probe_result(BUSY_LATE) is True and fsm.reason.startswith("hung: busy for 30s")
+
+
+def test_alternating_excuses_cannot_escape_the_bound():
+    """Review: /is_paused flipping on each call while the group burns CPU kept an engine that
+    never answered RUNNING for 54 s with max_busy 6 s; the run is bounded whatever the excuse."""
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=6,
+                                               max_paused=8))
+    for i, t in enumerate(range(11, 17)):
+        clock.now = float(t)
+        assert fsm.probe_result(PAUSED_LATE if i % 2 else BUSY_LATE) is False
+    clock.now = 17.0
+    assert fsm.probe_result(BUSY_LATE) is True and fsm.reason.startswith("hung: busy for 6s")
 
 
 def test_paused_is_bounded_by_max_paused_not_max_busy():

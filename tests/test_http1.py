@@ -497,3 +497,40 @@ async def test_late_probe_of_a_stepping_engine_is_busy_not_failed(engine, sessio
     assert out.excuse is None  # progress needs no excuse
     assert engine.metric_reads == 2
     p.close()
+
+
+async def test_an_engines_oversized_answers_are_not_buffered(session):
+    """Review: a 256 MiB warm-up answer grew the daemon to 3.6 GB, a 128 MiB /metrics to 440 MB.
+    /metrics past MAX_METRICS is no evidence, a warm-up answer past MAX_ANSWER a failed start."""
+    from aiohttp import web
+
+    from supervisor.probes import MAX_METRICS
+    from supervisor.warmup import MAX_ANSWER, WarmupFailed, WarmupPolicy, warm_up
+
+    big = b"x" * (max(MAX_METRICS, MAX_ANSWER) + 1)
+
+    async def huge(request):
+        return web.Response(body=big)
+
+    app = web.Application()
+    app.router.add_get("/metrics", huge)
+    app.router.add_post("/v1/completions", huge)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert await Prober(session, url, "tiny", 1.0).progress() is None
+        with pytest.raises(WarmupFailed, match=f"over {MAX_ANSWER} bytes"):
+            await warm_up(url, "tiny", WarmupPolicy(requests=2))
+    finally:
+        await runner.cleanup()
+
+
+def test_metrics_labels_end_on_their_line():
+    """An unclosed '{' no longer scans the rest of the answer (quadratic on the event loop)."""
+    from supervisor.probes import parse_progress
+
+    text = "vllm:generation_tokens_total{\n" * 1000 + 'vllm:generation_tokens_total{engine="0"} 7.0\n'
+    assert parse_progress(text).generation_tokens == 7.0
