@@ -24,7 +24,8 @@ from .engine import EngineRunner
 from .fleet import Fleet
 from .fsm import vlabel
 from .journal import JournalError, JournalWriter
-from .process import boot_id, find_engine_leaders, group_members_of, kill_group_of, stop_group_of
+from .process import (
+    boot_id, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of, proc_stat, stop_group_of)
 from .sdnotify import Notifier
 from .states import State
 
@@ -132,12 +133,24 @@ class Supervisor:
                 runner = fleet.runners.get(name)
                 if runner is not None:
                     runner.retired = bool(entry.get("retired"))
+                    # Incarnations go on counting across daemon restarts: a failure report or
+                    # a log file names one process, never two.
+                    runner.fsm.incarnation = int(entry.get("incarnation", 0))
+                    runner.fsm.restarts = int(entry.get("restarts", 0))
                     # Only an operator's stop survives a restart; the daemon's own shutdown does not.
                     runner.start_stopped = (entry.get("state") == State.STOPPED.value
                                             and bool(entry.get("operator_stopped")))
                 if not entry.get("pid") or not same_boot:
                     continue
                 pid, start_time = int(entry["pid"]), int(entry["start_time"])
+                leader = proc_stat(pid)
+                if (leader is not None and leader.state != "Z" and leader.start_time == start_time
+                        and engine_leader_port(leader) != entry.get("port")):
+                    # A live process that is not an engine of ours on the journal's port (a
+                    # hand-edited or foreign journal): never adopted, never signalled.
+                    log.warning("journal.not_ours", engine=name, pid=pid, port=entry.get("port"),
+                                action="left alone: not an engine server of ours on that port")
+                    continue
                 if runner is not None and runner.spec.spawned:
                     if runner.adopt(entry):
                         adopted.append(name)
@@ -191,8 +204,7 @@ class Supervisor:
         """READY=1 once the socket listens and every engine's first start has concluded."""
         def first_start_pending(r) -> bool:
             return not r.retired and (r.fsm.state is State.STARTING
-                                      or r.fsm.state is State.STOPPED and r.fsm.incarnation == 0
-                                      and not r.start_stopped)
+                                      or not r.first_start_begun and not r.start_stopped)
 
         while any(first_start_pending(r) for r in self.fleet.runners.values()):
             await asyncio.sleep(0.2)

@@ -75,6 +75,7 @@ class EngineRunner:
         self._adopted_routable = False  # it was serving when the previous daemon died
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
         self._start_pending: str | None = None  # a start asked for while a dead group is cleaned up
+        self.first_start_begun = False  # this daemon has begun its first start (READY waits)
 
     @property
     def name(self) -> str:
@@ -153,8 +154,9 @@ class EngineRunner:
             fsm.begin_start(f"re-adopting pid {self._adopted.pid} after a daemon restart", restart=False)
         elif self.start_stopped:
             fsm.annotate("stopped by request (before a daemon restart)")
-        else:
-            fsm.begin_start("start")
+        else:  # this daemon's first start of it (a daemon restart is no engine restart)
+            fsm.begin_start("start", restart=False)
+        self.first_start_begun = True
         while True:
             if self._start_pending is not None and self.proc is None and fsm.state in (
                     S.STOPPED, S.EXITED, S.BACKOFF, S.FATAL):
@@ -375,8 +377,7 @@ class EngineRunner:
         if policy.requests > 0:
             self.fsm.annotate(f"warming up: {policy.requests} requests down the rollout's sampling path")
             log.info("engine.warmup", engine=self.name, requests=policy.requests)
-            done = await warm_up(self.prober.session, self.spec.base_url, self.spec.model_name, policy,
-                                 self.prober.auth)
+            done = await warm_up(self.spec.base_url, self.spec.model_name, policy, self.prober.auth)
             log.info("engine.warmed_up", engine=self.name, summary=done)
 
     async def _wait_ready(self) -> None:
@@ -392,7 +393,9 @@ class EngineRunner:
                 if outcome.ok:
                     outcome = await self.prober.generate()
             if not attempt.retry_state.outcome.failed:
-                attempt.retry_state.set_result(outcome.ok)
+                # Ready means an answer (or tokens counted): an excused late probe (paused,
+                # busy) proves no engine loop.
+                attempt.retry_state.set_result(outcome.ok and outcome.excuse is None)
 
     # -- the control socket's verbs --------------------------------------------------------
 
@@ -434,6 +437,7 @@ class EngineRunner:
             self.wake()
             return "stopped (no process was running)"
         self._stop_reason = reason
+        incarnation = fsm.incarnation
         if fsm.state is S.STARTING:
             # The starting task owns the process: kill it, and the start ends in STOPPED.
             fsm.stopping(reason)
@@ -441,9 +445,13 @@ class EngineRunner:
         else:
             self._stop_now.set()
         # The incarnation's task carries the stop out; it ends in STOPPED (or EXITED if the
-        # process died on its own meanwhile, which we then mark stopped too).
-        while fsm.state in PROCESS_STATES and not (self._task and self._task.done()):
+        # process died on its own meanwhile, which we then mark stopped too). A start asked for
+        # meanwhile begins a new incarnation: this stop was carried out, and is answered.
+        while (fsm.state in PROCESS_STATES and fsm.incarnation == incarnation
+               and not (self._task and self._task.done())):
             await asyncio.sleep(0.05)
+        if fsm.incarnation != incarnation:
+            return f"stopped; started again since by a later request (incarnation {fsm.incarnation})"
         if fsm.state is not S.STOPPED and fsm.state not in PROCESS_STATES:
             fsm.stopped(reason)
         self._stop_reason = None
@@ -485,7 +493,8 @@ class EngineRunner:
         """Probe an engine we did not start. We cannot stop or restart it; we keep it out of
         routing while it fails, and take it back once it answers success_threshold probes."""
         fsm, probe = self.fsm, self.cfg.probe
-        fsm.begin_start(f"attach to {self.spec.base_url}")
+        fsm.begin_start(f"attach to {self.spec.base_url}", restart=False)
+        self.first_start_begun = True
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait)
             fsm.became_ready(await self.prober.weight_version(), self.fleet.current_version,
@@ -499,7 +508,7 @@ class EngineRunner:
             started = self._note_start(due)
             if fsm.state in (S.UNHEALTHY, S.EXITED):
                 outcome = await self._probe_once(started)
-                ok_streak = ok_streak + 1 if outcome.ok else 0
+                ok_streak = ok_streak + 1 if outcome.ok and outcome.excuse is None else 0
                 if ok_streak >= probe.success_threshold:
                     # Membership grows only in a round gap: held STALE until the round ends.
                     fsm.recovered(await self.prober.weight_version(), self.fleet.current_version,

@@ -66,8 +66,14 @@ def snapshot(fleet: Any) -> dict[str, Any]:
 _BOOT_ID = boot_id()
 
 
-def _int(v: Any, lo: int = 0, hi: int | None = None) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+# Every number is kept as int64 by some consumer (metrics, the socket's clients): a journal
+# with a 400-digit round made /v1/metrics answer 500 and every round call 409.
+_MAX = 2**63 - 1
+PID_MAX = 1 << 22  # the kernel's ceiling for pid_max
+
+
+def _int(v: Any, lo: int = 0, hi: int = _MAX) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
 def _check(ok: bool, where: str, what: str, value: Any, problems: list[str]) -> None:
@@ -113,7 +119,7 @@ def validate(data: Any) -> list[str]:
         for key in ("retired", "operator_stopped"):
             _check(isinstance(e.get(key, False), bool), f"{w}.{key}", "must be true or false", e.get(key), p)
         if e.get("pid") is not None:  # a process: never named without what verifies it
-            _check(_int(e["pid"], 1), f"{w}.pid", "must be an integer >= 1", e["pid"], p)
+            _check(_int(e["pid"], 1, PID_MAX), f"{w}.pid", f"must be a pid, 1..{PID_MAX}", e["pid"], p)
             _check(_int(e.get("start_time")), f"{w}.start_time", "must be an integer >= 0", e.get("start_time"), p)
             _check(_int(e.get("port", 1), 1, 65535), f"{w}.port", "must be 1..65535", e.get("port"), p)
             lp = e.get("log_path", "")

@@ -207,7 +207,7 @@ def signal_group_of(pid: int, start_time: int, sig: int) -> int:
     for st in members:
         try:
             os.kill(st.pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone, or not ours to signal
             pass
     return len(members)
 
@@ -246,26 +246,43 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def engine_leader_port(st: ProcStat) -> int | None:
+    """The port of `st` if it looks like an engine a daemon of ours spawned: our uid, leader of
+    its own session and process group (as EngineProcess.spawn makes them), with
+    `-m vllm.entrypoints.openai.api_server` and `--port P` on its command line; else None."""
+    if st.pgrp != st.pid or st.state == "Z" or st.pid == os.getpid():
+        return None
+    try:
+        if os.stat(f"/proc/{st.pid}").st_uid != os.getuid() or os.getsid(st.pid) != st.pid:
+            return None
+    except OSError:
+        return None
+    argv = _cmdline(st.pid)
+    if not any(a == "-m" and b == ENGINE_MODULE for a, b in zip(argv, argv[1:])):
+        return None
+    port = next((b for a, b in zip(argv, argv[1:]) if a == "--port"), None)
+    return int(port) if port is not None and port.isdigit() else None
+
+
+def supervised_elsewhere(st: ProcStat) -> bool:
+    """Its parent is a live supervisor daemon other than us: that daemon's engine (an orphan's
+    parent is init or a subreaper)."""
+    if st.ppid in (0, 1, os.getpid()):
+        return False
+    argv = _cmdline(st.ppid)
+    return (any(a == "-m" and b in ("supervisor", "vime.supervisor") for a, b in zip(argv, argv[1:]))
+            or any(os.path.basename(a) == "vime-supervisor" for a in argv[:2]))
+
+
 def find_engine_leaders(ports: set[int]) -> list[tuple[int, int, int]]:
-    """(pid, start_time, port) of live processes that look like engines a daemon of ours
-    spawned on one of `ports`: our uid, leader of its own session and process group (as
-    EngineProcess.spawn makes them), `-m vllm.entrypoints.openai.api_server` and `--port P`
-    on its command line. For when no journal can say which pids they are."""
-    found, me = [], os.getuid()
+    """(pid, start_time, port) of engine leaders of ours (engine_leader_port) on one of
+    `ports` that no other live daemon supervises. For when no journal can say which pids
+    they are."""
+    found = []
     for st in all_procs():
-        if st.pgrp != st.pid or st.state == "Z" or st.pid == os.getpid():
-            continue
-        try:
-            if os.stat(f"/proc/{st.pid}").st_uid != me or os.getsid(st.pid) != st.pid:
-                continue
-        except OSError:
-            continue
-        argv = _cmdline(st.pid)
-        if not any(a == "-m" and b == ENGINE_MODULE for a, b in zip(argv, argv[1:])):
-            continue
-        port = next((b for a, b in zip(argv, argv[1:]) if a == "--port"), None)
-        if port is not None and port.isdigit() and int(port) in ports:
-            found.append((st.pid, st.start_time, int(port)))
+        port = engine_leader_port(st)
+        if port in ports and not supervised_elsewhere(st):
+            found.append((st.pid, st.start_time, port))
     return found
 
 

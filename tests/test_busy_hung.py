@@ -243,3 +243,19 @@ def test_fault11_recovered_attached_engine_waits_for_the_gap(tmp_path):
         engine.kill()
         engine.wait(10)
         assert d.terminate(30) == 0
+
+
+def test_stop_racing_starts_is_answered(fleet):
+    """Review: a stop followed by a storm of starts never answered (it waited for a state the
+    next incarnation never left). Each call is answered; the last word is the last start."""
+    import threading
+
+    answers: list = []
+    stop = threading.Thread(target=lambda: answers.append(fleet.client.stop("version")))
+    stop.start()
+    for _ in range(10):
+        fleet.client.start("version")
+        time.sleep(0.1)
+    stop.join(30)
+    assert not stop.is_alive() and len(answers) == 1, "the stop was never answered"
+    wait_state(fleet.client, "version", {"RUNNING"}, timeout=30)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.process import all_procs, proc_stat
+from supervisor.process import all_procs, boot_id, proc_stat
 from trainer.client import SupervisorClient
 from trainer.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
 
@@ -245,6 +245,9 @@ CORRUPT = {
     "engine_not_object": json.dumps({"format": 1, "engines": {"e0": 5}, "round": 3}).encode(),
     "string_round": json.dumps({"format": 1, "engines": {}, "round": "3", "round_open": False}).encode(),
     "open_null_round": json.dumps({"format": 1, "engines": {}, "round": None, "round_open": True}).encode(),
+    # Review: 400-digit numbers were accepted, then /v1/metrics answered 500 and rounds 409.
+    "huge_round": json.dumps({"format": 1, "round": 10**400, "round_open": True, "engines": {}}).encode(),
+    "huge_version": json.dumps({"format": 1, "weight_version": 10**400, "engines": {}}).encode(),
 }
 
 
@@ -328,3 +331,35 @@ def test_sigterm_after_the_log_pipe_closed_still_stops_every_engine(tmp_path, fa
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# -- review: a journal naming a live process that is not an engine of ours ---------------------
+
+def test_journal_naming_a_stranger_of_this_boot_leaves_it_alone(tmp_path, fake_python, cleanup):
+    """A hand-edited journal with this boot's id naming a live process of ours (same pid and
+    start time) that is no engine server on that port: it used to be SIGKILLed (or adopted)."""
+    port = free_port()
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+    cleanup[1].add(stranger.pid)
+    try:
+        wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
+        entry = {"state": "RUNNING", "incarnation": 4, "restarts": 3, "verified_version": None, "retired": False,
+                 "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
+                 "log_path": str(tmp_path / "x.log"), "fingerprint": "deadbeef"}
+        journal_path(tmp_path).parent.mkdir(parents=True)
+        journal_path(tmp_path).write_text(json.dumps({
+            "format": 1, "boot_id": boot_id(), "daemon_pid": 1, "round": 2, "round_open": False,
+            "weight_version": None, "checkpoint": None, "engines": {"e0": entry, "gone": entry}}))
+        d = start(cfg, cleanup)
+        d.transition("e0", "RUNNING", 30)
+        assert alive(stranger.pid)
+        assert sum(e.get("event") == "journal.not_ours" for e in d.events) == 2
+        e0 = SupervisorClient(sock(tmp_path)).status()["engines"][0]
+        assert e0["pid"] != stranger.pid
+        assert SupervisorClient(sock(tmp_path)).routable_engines()["engines"][0]["incarnation"] == 5  # counts on
+        assert d.terminate(30) == 0
+        assert alive(stranger.pid)
+    finally:
+        stranger.kill()
+        stranger.wait()
