@@ -10,6 +10,7 @@ import argparse
 import grp
 import math
 import os
+import re
 import stat
 import tomllib
 from dataclasses import dataclass, field
@@ -133,6 +134,7 @@ _ENGINE = {
     "url": str,
 }
 _LOG_LEVELS = {"debug", "info", "warning", "error"}
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 def _typename(t: type) -> str:
@@ -379,6 +381,10 @@ def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[Engine
             problems.append(f"{where}: needs a name")
             continue
         where = f"engines[{i}] ({name})"
+        if not _NAME.fullmatch(name):
+            # A name becomes file names (logs, caches) and label values: "../x" escaped log_dir.
+            problems.append(f"{where}.name: use letters, digits, '.', '_' and '-' (64 at most, not "
+                            f"starting with '.' or '-'), got {name!r}")
         if name in names:
             problems.append(f"{where}: duplicate name (also engines[{names[name]}])")
         names[name] = i

@@ -543,3 +543,10 @@ def test_warmup_and_max_busy_are_checked_once_each(good):
         "health_check.max_busy: must be a finite number of seconds or a count, got nan",
         "warmup.temperature: must be a finite number of seconds or a count, got nan",
     ]
+
+
+@pytest.mark.parametrize("name", ["../../escaped/x", "a/b", "with space", ".hidden", "-flag", "x" * 65])
+def test_engine_names_that_are_not_safe_file_names_are_refused(tmp_path, name):
+    """Review: name = "../../e5-escaped/x" put the engine's log outside log_dir."""
+    out = problems({"engines": [engine(name, model_dir(tmp_path), 8001)]})
+    assert len(out) == 1 and out[0].endswith(f"got {name!r}") and ".name: use letters" in out[0]
