@@ -36,16 +36,7 @@ NOBODY = 65534
 # -- helpers ----------------------------------------------------------------------------------
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 10.0):
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.unix_path)
-        self.sock = s
+from test_control_socket import UnixHTTPConnection  # noqa: E402  (one raw client for the socket tests)
 
 
 def call(sock: str, method: str, path: str, body=None, *, timeout: float = 10.0):
