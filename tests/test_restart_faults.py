@@ -363,3 +363,36 @@ def test_journal_naming_a_stranger_of_this_boot_leaves_it_alone(tmp_path, fake_p
     finally:
         stranger.kill()
         stranger.wait()
+
+
+# -- a journal lost with the version in it ------------------------------------------------------
+
+def test_sync_agent_restores_a_version_the_daemon_lost(tmp_path, fake_python, cleanup):
+    """A daemon restarted over a torn journal knows no weight version, and would route engines
+    on the base weights as current; the trainer's sync agent publishes its version again at
+    its reconnect."""
+    from trainer.agent import SyncAgent
+
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "bench" / "standin_engine.py"),
+                               "--base-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = config(tmp_path, fake_python, [{"name": "att", "url": f"http://127.0.0.1:{port}"}])
+    try:
+        d = start(cfg, cleanup)
+        d.transition("att", "RUNNING", 30)
+        client = SupervisorClient(sock(tmp_path))
+        client.publish_weights(3)
+        kill9(d)
+        journal_path(tmp_path).write_text('{"format": 1, "engi')  # torn
+        d2 = start(cfg, cleanup)
+        d2.wait_for(lambda e: e.get("event") == "supervisor.ready", 30)
+        assert client.status()["weight_version"] is None  # lost with the journal
+        agent = SyncAgent(SupervisorClient(sock(tmp_path)), lambda: (3, [])).start()
+        try:
+            wait_until(lambda: client.status()["weight_version"] == 3, 10, "the agent published v3 again")
+        finally:
+            agent.stop()
+        assert d2.terminate(30) == 0
+    finally:
+        engine.kill()
+        engine.wait(10)

@@ -74,6 +74,7 @@ class SyncAgent:
                     if self._stop.is_set():
                         return
                     if ev.get("event") == "hello":
+                        self.restore_version(ev.get("weight_version"))
                         self._ready.set()
                     elif ev.get("event") == "sync_request":
                         self.handle(ev)
@@ -81,6 +82,21 @@ class SyncAgent:
                 if self._stop.is_set():
                     return
                 time.sleep(1.0)  # the daemon is restarting; events() gave up its retries
+
+    def restore_version(self, daemon_version: Any) -> bool:
+        """At each (re)connect: a daemon that came back without its journal (lost, corrupt)
+        knows no version, and would route engines on the base weights as current. The trainer
+        knows better: it publishes its version again. True if it did."""
+        version, _ = self.weights()
+        if version is None:
+            return False
+        if daemon_version is not None and not (isinstance(daemon_version, int) and daemon_version < version):
+            return False
+        try:
+            self.client.publish_weights(version)
+        except SupervisorError:
+            return False  # the next reconnect tries again
+        return True
 
     def handle(self, request: dict[str, Any]) -> SyncRecord | None:
         """Push the current version into the one engine the daemon asked about."""
