@@ -1009,8 +1009,11 @@ def test_ctl_tail_follow(fleet, client):
     wait_state(client, "spawned", {"RUNNING"})
     numbers = lambda text: [int(n) for n in re.findall(r"completion request #(\d+)", text)]  # noqa: E731
     logged = max(numbers(client.engine_log("spawned")), default=0)
+    # SIGINT at its default, as for a command in a terminal's foreground: a test run started in
+    # the background of a non-interactive shell inherits it ignored, and Ctrl-C would not reach.
     proc = subprocess.Popen([sys.executable, "-m", "supervisor.ctl", "--socket", fleet.sock, "tail", "-f", "spawned"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
     try:
