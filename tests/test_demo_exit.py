@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -210,7 +211,7 @@ def test_signal_stops_the_loop_in_a_long_wait(booting_daemon, tiny_model, tmp_pa
         until(lambda: SupervisorClient(sock).status()["engines"] and _waiting(proc), 90, "the loop waiting")
         t0 = time.monotonic()
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=60)
+        out = _all_output(proc, 60)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -223,20 +224,31 @@ def test_signal_stops_the_loop_in_a_long_wait(booting_daemon, tiny_model, tmp_pa
     assert SupervisorClient(sock).status()["round_open"] is False
 
 
-_LINES: dict[int, list[str]] = {}
+_READERS: dict[int, tuple[list[str], threading.Thread]] = {}
+
+
+def _lines(proc: subprocess.Popen) -> list[str]:
+    """The output so far, read by a thread of its own: select() on the pipe cannot see lines
+    already taken into the reader's buffer."""
+    if proc.pid not in _READERS:
+        buf: list[str] = []
+        reader = threading.Thread(target=lambda: buf.extend(proc.stdout), daemon=True)
+        reader.start()
+        _READERS[proc.pid] = (buf, reader)
+    return _READERS[proc.pid][0]
 
 
 def _waiting(proc: subprocess.Popen) -> bool:
-    """True once the loop printed that it waits for a whole fleet (reads its output so far)."""
-    import select
+    """True once the loop printed that it waits for a whole fleet."""
+    return any("waiting (gap) for every engine" in ln for ln in list(_lines(proc)))
 
-    buf = _LINES.setdefault(proc.pid, [])
-    while select.select([proc.stdout], [], [], 0)[0]:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        buf.append(line)
-    return any("waiting (gap) for every engine" in ln for ln in buf)
+
+def _all_output(proc: subprocess.Popen, timeout: float) -> str:
+    """Everything it printed, once it has exited (within `timeout`)."""
+    proc.wait(timeout)
+    buf, reader = _READERS[proc.pid]
+    reader.join(10)
+    return "".join(buf)
 
 
 def test_loop_stops_at_the_first_lost_round(booting_daemon, tiny_model, tmp_path):
