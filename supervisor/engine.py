@@ -423,12 +423,13 @@ class EngineRunner:
         if fsm.state is S.STOPPED:
             return "already STOPPED"
         self._start_pending = None  # a stop cancels a start still waiting for a clean-up
-        while fsm.state is S.STARTING and self.proc is None:  # still waiting for its port
-            await asyncio.sleep(0.05)
-        # A dead incarnation's group being cleaned up: let that finish (it is bounded by the
-        # stop's own SIGKILL), so a start right after this stop is not refused as busy.
+        # Wait until there is one thing to stop: a start still waiting for its port (no process
+        # yet), or a dead incarnation's group being cleaned up (bounded by that stop's own
+        # SIGKILL), after which the task may begin an automatic restart: one loop, so whichever
+        # comes last is the state this stop acts on.
         deadline = self.clock() + self.cfg.stop_timeout + 5
-        while self.proc is not None and fsm.state in (S.EXITED, S.BACKOFF, S.FATAL) and self.clock() < deadline:
+        while (fsm.state is S.STARTING and self.proc is None
+               or self.proc is not None and fsm.state in (S.EXITED, S.BACKOFF, S.FATAL) and self.clock() < deadline):
             await asyncio.sleep(0.05)
         if fsm.state is S.STOPPED:  # the clean-up carried out a stop that raced the death
             return "stopped"
