@@ -381,15 +381,16 @@ def test_sync_agent_restores_a_version_the_daemon_lost(tmp_path, fake_python, cl
         d = start(cfg, cleanup)
         d.transition("att", "RUNNING", 30)
         client = SupervisorClient(sock(tmp_path))
-        client.publish_weights(3)
-        kill9(d)
-        journal_path(tmp_path).write_text('{"format": 1, "engi')  # torn
-        d2 = start(cfg, cleanup)
-        d2.wait_for(lambda e: e.get("event") == "supervisor.ready", 30)
-        assert client.status()["weight_version"] is None  # lost with the journal
         agent = SyncAgent(SupervisorClient(sock(tmp_path)), lambda: (3, [])).start()
         try:
-            wait_until(lambda: client.status()["weight_version"] == 3, 10, "the agent published v3 again")
+            client.publish_weights(3)
+            time.sleep(0.5)  # the agent sees it on its stream
+            kill9(d)
+            journal_path(tmp_path).write_text('{"format": 1, "engi')  # torn
+            d2 = start(cfg, cleanup)
+            d2.wait_for(lambda e: e.get("event") == "weights.published", 30)  # the agent, reconnected
+            assert client.status()["weight_version"] == 3
+            assert d2.wait_for(lambda e: e.get("event") == "journal.unusable", 1)  # it was lost indeed
         finally:
             agent.stop()
         assert d2.terminate(30) == 0

@@ -53,6 +53,7 @@ class SyncAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self._published: int | None = None  # the last version the daemon announced publishing
 
     def start(self, wait: float = 10.0) -> "SyncAgent":
         self._thread = threading.Thread(target=self._run, name="vime-sync-agent", daemon=True)
@@ -76,6 +77,8 @@ class SyncAgent:
                     if ev.get("event") == "hello":
                         self.restore_version(ev.get("weight_version"))
                         self._ready.set()
+                    elif ev.get("event") == "weights_published":
+                        self._published = ev.get("version")
                     elif ev.get("event") == "sync_request":
                         self.handle(ev)
             except SupervisorError:
@@ -84,11 +87,12 @@ class SyncAgent:
                 time.sleep(1.0)  # the daemon is restarting; events() gave up its retries
 
     def restore_version(self, daemon_version: Any) -> bool:
-        """At each (re)connect: a daemon that came back without its journal (lost, corrupt)
-        knows no version, and would route engines on the base weights as current. The trainer
-        knows better: it publishes its version again. True if it did."""
-        version, _ = self.weights()
-        if version is None:
+        """At each reconnect: a daemon that came back without its journal (lost, corrupt)
+        knows no version, and would route engines on the base weights as current. The agent
+        remembers the last version it saw published, and publishes it again. True if it did.
+        (The weights provider is not asked: it is for syncs only, and may be costly.)"""
+        version = self._published
+        if not isinstance(version, int):
             return False
         if daemon_version is not None and not (isinstance(daemon_version, int) and daemon_version < version):
             return False
