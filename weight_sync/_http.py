@@ -47,6 +47,11 @@ def http_json(base_url: str, method: str, path: str, *, body: Any = None,
                           delivered=not refused) from None
     except (TimeoutError, socket.timeout, ConnectionError, OSError) as e:
         raise HttpFailure(method, path, cause=e) from None
+    return decode_body(raw)
+
+
+def decode_body(raw: bytes) -> Any:
+    """An engine's answer: None if empty, the JSON if it is JSON, else the text."""
     if not raw:
         return None
     try:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weight_sync._http import HttpFailure, http_json
+from weight_sync._http import HttpFailure, decode_body, http_json
 from weight_sync.errors import CheckpointError, PoisonedEngine, WeightSyncError
 
 # Files a tokenizer may consist of (copied when the tokenizer is given as a directory).
@@ -318,10 +318,7 @@ def reload_from_checkpoint(url: str, ckpt_dir: str | os.PathLike, version: int |
             "method": "reload_weights", "kwargs": {"weights_path": str(path)},
             "timeout": reload_timeout})
     except HttpFailure as e:
-        if not e.delivered:
-            raise WeightSyncError(f"{url}: engine unreachable: {e}", url=url,
-                                  step="reload_weights") from e
-        raise PoisonedEngine(url, "reload_weights", e) from e
+        raise _reload_failed(url, e) from e
     try:
         call("update_weight_version", "POST", "/update_weight_version", body={"new_version": version})
         if pause_mode is not None:
@@ -329,10 +326,22 @@ def reload_from_checkpoint(url: str, ckpt_dir: str | os.PathLike, version: int |
         got = call("weight_info", "GET", "/weight_info")
     except HttpFailure as e:
         raise WeightSyncError(f"{url}: checkpoint loaded but {e}", url=url, step=e.path) from e
+    _check_reloaded(url, got, version)
+    return steps
+
+
+def _reload_failed(url: str, e: HttpFailure) -> WeightSyncError:
+    """reload_weights failed: poisoned if the request reached the engine (it may have loaded
+    half), else only unreachable."""
+    if not e.delivered:
+        return WeightSyncError(f"{url}: engine unreachable: {e}", url=url, step="reload_weights")
+    return PoisonedEngine(url, "reload_weights", e)
+
+
+def _check_reloaded(url: str, got: Any, version: str) -> None:
     if not isinstance(got, dict) or got.get("weight_version") != version:
         raise WeightSyncError(f"{url}: /weight_info reads {got!r} after reloading version {version!r}",
                               url=url, step="weight_info")
-    return steps
 
 
 async def reload_from_checkpoint_async(session, url: str, ckpt_dir: str | os.PathLike, version: int | str, *,
@@ -359,12 +368,7 @@ async def reload_from_checkpoint_async(session, url: str, ckpt_dir: str | os.Pat
                 raw = await resp.read()
                 if resp.status >= 400:
                     raise HttpFailure(method, route, status=resp.status, body=raw.decode("utf-8", "replace"))
-                if not raw:
-                    return None
-                try:
-                    return json.loads(raw)
-                except ValueError:
-                    return raw.decode("utf-8", "replace")
+                return decode_body(raw)
         except HttpFailure:
             raise
         except aiohttp.ClientConnectorError as e:  # never reached the engine
@@ -385,9 +389,7 @@ async def reload_from_checkpoint_async(session, url: str, ckpt_dir: str | os.Pat
         await call("reload_weights", "POST", "/collective_rpc", timeout=reload_timeout + 10, json={
             "method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": reload_timeout})
     except HttpFailure as e:
-        if not e.delivered:
-            raise WeightSyncError(f"{url}: engine unreachable: {e}", url=url, step="reload_weights") from e
-        raise PoisonedEngine(url, "reload_weights", e) from e
+        raise _reload_failed(url, e) from e
     try:
         await call("update_weight_version", "POST", "/update_weight_version", json={"new_version": version})
         if pause_mode is not None:
@@ -395,7 +397,5 @@ async def reload_from_checkpoint_async(session, url: str, ckpt_dir: str | os.Pat
         got = await call("weight_info", "GET", "/weight_info")
     except HttpFailure as e:
         raise WeightSyncError(f"{url}: checkpoint loaded but {e}", url=url, step=e.path) from e
-    if not isinstance(got, dict) or got.get("weight_version") != version:
-        raise WeightSyncError(f"{url}: /weight_info reads {got!r} after reloading version {version!r}",
-                              url=url, step="weight_info")
+    _check_reloaded(url, got, version)
     return steps
