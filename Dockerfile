@@ -9,9 +9,11 @@ COPY pyproject.toml README.md ./
 COPY supervisor ./supervisor
 COPY trainer ./trainer
 COPY weight_sync ./weight_sync
-# vLLM pulls in a PyPI package named "supervisor" (supervisord) whose top-level package is
-# the same directory as ours: remove it first (nothing imports it), then install ours.
-RUN (pip uninstall -y supervisor || true) && pip install --no-cache-dir .
+COPY harness ./harness
+# Ours imports as vime.*, beside supervisord (which vLLM pulls in); --force-reinstall makes
+# bin/supervisorctl ours, and it hands supervisord's invocations to supervisord's.
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps --force-reinstall . \
+    && pip check
 
 VOLUME ["/run/vime-supervisor"]
 ENTRYPOINT ["vime-supervisor", "--config", "/etc/vime-supervisor/config.toml"]

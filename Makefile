@@ -19,19 +19,18 @@ $(STAMP): pyproject.toml Makefile
 	# CPU torch it pins ("operator torchvision::nms does not exist") and then break
 	# transformers; text-only serving needs none of them.
 	if [ "$(ENGINE)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true; fi
-	# vLLM's SageMaker extra pulls in the PyPI package "supervisor" (supervisord), whose
-	# top-level package would shadow ours and whose uninstall takes bin/supervisorctl with it:
-	# remove it (nothing imports it), then put our console scripts back.
-	$(BIN)/pip uninstall --quiet -y supervisor || true
+	# supervisord (the PyPI package "supervisor", which vLLM pulls in) stays installed: our code
+	# imports as vime.*. Its wheel also ships a bin/supervisorctl; reinstalling ours last makes
+	# that command ours, which hands supervisord's invocations over to supervisord's (README).
 	$(BIN)/pip install --quiet --no-deps --force-reinstall -e .
 	$(BIN)/supervisorctl --help | grep -q "vime-supervisor daemon"
-	cd / && $(abspath $(BIN))/python -c "import vllm, torch, supervisor.daemon; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	cd / && $(abspath $(BIN))/python -c "import vllm, torch, vime.supervisor.daemon; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m trainer.demo
+	$(BIN)/python -m vime.harness.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

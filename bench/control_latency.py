@@ -1,6 +1,6 @@
 """Control-socket latency while the daemon probes N engines, against a bare aiohttp handler.
 
-For each N it starts N engine stand-ins (bench/standin_engine.py: a protocol stand-in, since
+For each N it starts N engine stand-ins (harness/standin_engine.py: a protocol stand-in, since
 N real vLLM servers do not fit here) and the real daemon attached to them at a 1 s interval,
 then times round start+end pairs and status calls from the trainer's sync client. The
 baseline, measured in the same run, is a bare aiohttp Unix-socket server answering a
@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from standin_engine import free_port_range  # noqa: E402  (bench/ is on sys.path when run)
-from trainer.client import SupervisorClient  # noqa: E402
-from trainer.local_daemon import Daemon, free_port, write_config  # noqa: E402
+from vime.harness.standin_engine import free_port_range  # noqa: E402  (bench/ is on sys.path when run)
+from vime.trainer.client import SupervisorClient  # noqa: E402
+from vime.harness.local_daemon import Daemon, free_port, write_config  # noqa: E402
 
 BARE_SERVER = r"""
 import asyncio, os, sys, uvloop
@@ -76,7 +75,7 @@ def daemon_with_standins(n: int, calls: int, tmp: Path) -> tuple[list[float], li
     standins = None
     engines = [{"name": "none", "url": "http://127.0.0.1:9"}]  # one engine needed; nothing listens
     if n:
-        standins = subprocess.Popen([sys.executable, str(ROOT / "bench" / "standin_engine.py"),
+        standins = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"),
                                      "--base-port", str(base), "--count", str(n)], stdout=subprocess.PIPE)
         standins.stdout.readline()
         engines = [{"name": f"standin-{i}", "url": f"http://127.0.0.1:{base + i}", "served_model_name": "tiny"}

@@ -29,12 +29,11 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from supervisor.probes import PROGRESS_WINDOW  # noqa: E402
-from trainer.faults import engine_core_pid  # noqa: E402
-from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, bare_engine, free_port, write_config  # noqa: E402
-from trainer.tiny_model import build_tiny_model  # noqa: E402
+from vime.supervisor.probes import PROGRESS_WINDOW  # noqa: E402
+from vime.harness.faults import engine_core_pid  # noqa: E402
+from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, bare_engine, free_port, write_config  # noqa: E402
+from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
 
 INTERVAL, TIMEOUT, THRESHOLD = 1.0, 2.0, 2
 BOOT = 300.0

@@ -35,15 +35,14 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from supervisor.probes import PROGRESS_WINDOW  # noqa: E402
-from supervisor.warmup import WarmupPolicy  # noqa: E402
-from trainer.client import SupervisorClient  # noqa: E402
-from trainer.faults import engine_core_pid  # noqa: E402
-from trainer.local_daemon import (  # noqa: E402
+from vime.supervisor.probes import PROGRESS_WINDOW  # noqa: E402
+from vime.supervisor.warmup import WarmupPolicy  # noqa: E402
+from vime.trainer.client import SupervisorClient  # noqa: E402
+from vime.harness.faults import engine_core_pid  # noqa: E402
+from vime.harness.local_daemon import (  # noqa: E402
     ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, write_config)
-from trainer.tiny_model import build_tiny_model  # noqa: E402
+from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
 
 INTERVAL, TIMEOUT, THRESHOLD = 1.0, 2.0, 2
 BOOT = 600.0

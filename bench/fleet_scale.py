@@ -1,6 +1,6 @@
 """Fleet scale: one daemon probing 64 / 256 / 1024 engines at a 1 s interval.
 
-The engines are protocol stand-ins (bench/standin_engine.py): a real vLLM server needs ~3 GB
+The engines are protocol stand-ins (harness/standin_engine.py): a real vLLM server needs ~3 GB
 and ~40 s to boot on CPU, so hundreds of them cannot run here. Each stand-in answers /health,
 a 1-token /v1/completions, /metrics and /weight_info like vLLM. The daemon is the real one.
 
@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from standin_engine import free_port_range  # noqa: E402  (bench/ is on sys.path when run)
-from trainer.client import SupervisorClient  # noqa: E402
-from trainer.local_daemon import Daemon, write_config  # noqa: E402
+from vime.harness.standin_engine import free_port_range  # noqa: E402  (bench/ is on sys.path when run)
+from vime.trainer.client import SupervisorClient  # noqa: E402
+from vime.harness.local_daemon import Daemon, write_config  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 PER_PROCESS = 256  # stand-ins per helper process (each an aiohttp app on its own port)
@@ -52,7 +51,7 @@ def run(n: int, seconds: float, interval: float, timeout: float, tmp: Path, clie
     helpers = []
     for start in range(0, n, PER_PROCESS):
         count = min(PER_PROCESS, n - start)
-        p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "standin_engine.py"),
+        p = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"),
                               "--base-port", str(base + start), "--count", str(count)], stdout=subprocess.PIPE)
         helpers.append(p)
     for p in helpers:

@@ -23,16 +23,15 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from trainer.agent import SyncAgent  # noqa: E402
-from trainer.client import SupervisorClient  # noqa: E402
-from trainer.local_daemon import (  # noqa: E402
+from vime.trainer.agent import SyncAgent  # noqa: E402
+from vime.trainer.client import SupervisorClient  # noqa: E402
+from vime.harness.local_daemon import (  # noqa: E402
     ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, bare_engine, free_port, write_config)
-from trainer.tiny_model import build_tiny_model  # noqa: E402
-from weight_sync.sender import WeightSender  # noqa: E402
+from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
+from vime.weight_sync.sender import WeightSender  # noqa: E402
 
 
 

@@ -6,7 +6,7 @@ What is measured, per tensor set (all on this machine, loopback TCP, CPU only):
            does); rank 0 broadcasts every tensor, one broadcast per tensor; rank 1 receives each
            into a fresh tensor. Timed on rank 0 from the first broadcast to a 1-element ack
            broadcast back from rank 1 (so the data has landed).
-* push     WeightSender.push() into a model-free receiver process (python -m weight_sync.loopback):
+* push     WeightSender.push() into a model-free receiver process (python -m vime.harness.loopback):
            the REAL GlooWeightTransferEngine receive code (group, wire parsing, buckets, unpack)
            behind vLLM's HTTP routes, but its load_weights discards the tensors and there is no
            vLLM layerwise reload. Timed end to end: /pause, /start_weight_update, packing into
@@ -41,10 +41,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from trainer.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port  # noqa: E402
-from weight_sync.sender import WeightSender  # noqa: E402
+from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port  # noqa: E402
+from vime.weight_sync.sender import WeightSender  # noqa: E402
 
 MB = 1e6
 
@@ -129,7 +128,7 @@ def push_bench(url: str, pairs, rounds: int, bucket_bytes: int) -> tuple[list[fl
 
 
 def start_loopback():
-    p = subprocess.Popen([sys.executable, "-m", "weight_sync.loopback"], cwd=ROOT,
+    p = subprocess.Popen([sys.executable, "-m", "vime.harness.loopback"], cwd=ROOT,
                          stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     if not line.startswith("READY"):
@@ -190,7 +189,7 @@ def main(argv=None) -> None:
 
     from safetensors.torch import load_file
 
-    from trainer.tiny_model import build_tiny_model
+    from vime.trainer.tiny_model import build_tiny_model
 
     tiny_dir = build_tiny_model(Path(tempfile.gettempdir()) / "vime-bench-tiny-model")
     tiny = list(load_file(tiny_dir / "model.safetensors").items())

@@ -1,4 +1,4 @@
-"""The daemon: `vime-supervisor --config FILE [flags]` (or `python -m supervisor`)."""
+"""The daemon: `vime-supervisor --config FILE [flags]` (or `python -m vime.supervisor`)."""
 
 from __future__ import annotations
 

@@ -323,7 +323,7 @@ CHECKPOINT_READ_TIMEOUT = 60.0
 
 
 async def validate_checkpoint_off_loop(path: str, reference_model: str | None = None) -> str:
-    from weight_sync._http import run_in_thread
+    from vime.weight_sync._http import run_in_thread
 
     fut = run_in_thread(validate_checkpoint, path, reference_model, name="validate-checkpoint")
     try:
@@ -337,8 +337,8 @@ def validate_checkpoint(path: str, reference_model: str | None = None) -> str:
     """Refuse a checkpoint vLLM could not load, before anything uses it: vLLM's reload of a bad
     path fails halfway and leaves the engine poisoned. `reference_model` (an engine's model
     directory) must have the same architecture and shapes."""
-    from weight_sync.checkpoint import validate_checkpoint as check
-    from weight_sync.errors import CheckpointError
+    from vime.weight_sync.checkpoint import validate_checkpoint as check
+    from vime.weight_sync.errors import CheckpointError
 
     p = Path(path)
     if not p.is_absolute():
@@ -348,7 +348,7 @@ def validate_checkpoint(path: str, reference_model: str | None = None) -> str:
     try:
         check(p, expect_config=reference_model)
     except CheckpointError as e:
-        raise BadRequest(f"{e}; publish a directory saved with weight_sync.checkpoint.save_checkpoint") from None
+        raise BadRequest(f"{e}; publish a directory saved with vime.weight_sync.checkpoint.save_checkpoint") from None
     except (OSError, ValueError) as e:  # what the validator does not name itself: still the path's fault
         raise BadRequest(f"checkpoint {path[:300]} cannot be read: {e}") from None
     return str(p)

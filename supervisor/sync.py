@@ -167,7 +167,7 @@ class SyncCoordinator:
     # -- the disk fallback -----------------------------------------------------------------
 
     async def _reload(self, runner: Any, incarnation: int, version: int, checkpoint: str) -> None:
-        from weight_sync.checkpoint import reload_from_checkpoint_async
+        from vime.weight_sync.checkpoint import reload_from_checkpoint_async
 
         from .fleet import validate_checkpoint_off_loop
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.tiny_model import build_tiny_model
+from vime.trainer.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

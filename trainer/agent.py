@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from trainer.client import SupervisorClient, SupervisorError
+from vime.trainer.client import SupervisorClient, SupervisorError
 
 # () -> (version, named tensors). Called per sync: it must return the version the trainer
 # has published and the tensors of exactly that version.
@@ -104,7 +104,7 @@ class SyncAgent:
 
     def handle(self, request: dict[str, Any]) -> SyncRecord | None:
         """Push the current version into the one engine the daemon asked about."""
-        from weight_sync.sender import WeightSender
+        from vime.weight_sync.sender import WeightSender
 
         engine, url, wanted = request["engine"], request["url"], request["version"]
         with self.lock:

@@ -2,7 +2,7 @@
 
 Every round's samples can be written to a file named by a template with `{rollout_id}`:
 
-    from trainer.dumps import Sample, save_rollout, load_rollout, build_training_batch
+    from vime.trainer.dumps import Sample, save_rollout, load_rollout, build_training_batch
     path = save_rollout("dumps/rollout_{rollout_id}.jsonl", 412, samples, weight_version=118)
     dump = load_rollout(path)                  # RolloutDump: .samples, .rollout_id, .weight_version
     batch = build_training_batch(dump.samples) # what the RL step trains on
@@ -163,7 +163,7 @@ class Sample:
     def from_rollout(cls, result: Any, *, prompt: str, prompt_token_ids: Iterable[int] | None = None,
                      reward: float | None = None, weight_version: int | str | None = None,
                      group: str | None = None, **metadata: Any) -> "Sample":
-        """A Sample from a rollout client's result: trainer.rollout.RolloutResult, or any object
+        """A Sample from a rollout client's result: vime.trainer.rollout.RolloutResult, or any object
         or dict with text, token_ids, logprobs, finish_reason, engine, attempts (an int or a
         list) and the times sent/attempt_sent/first_token/finished, either in a `timings`
         mapping/object or as top-level fields. prompt_token_ids and weight_version default to

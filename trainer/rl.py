@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from trainer.dumps import Sample, build_training_batch
+from vime.trainer.dumps import Sample, build_training_batch
 
 TARGET = " fox"
 PROMPTS = ["the quick brown", "hello world,", "one two three", "red green blue",

@@ -1,6 +1,6 @@
 """The example RL loop: a tiny Llama trained on rollouts from vLLM engines under the daemon.
 
-    python -m trainer.rl_loop --model DIR [--socket PATH] [--num-rollout 30] [faults] [debug flags]
+    python -m vime.trainer.rl_loop --model DIR [--socket PATH] [--num-rollout 30] [faults] [debug flags]
 
 Each step is one round:
 
@@ -42,10 +42,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer import faults as F
-from trainer.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
-from trainer.dumps import Sample, dump_path, load_rollout, save_rollout
-from trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
+from vime.harness import faults as F
+from vime.trainer.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
+from vime.trainer.dumps import Sample, dump_path, load_rollout, save_rollout
+from vime.trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
 
 WHOLE_STATES = ("RUNNING", "SUSPECT")
 
@@ -148,8 +148,8 @@ class Pusher:
         self.senders: dict[str, Any] = {}
 
     def push(self, engine: dict[str, Any], tensors, version: int, *, fail_halfway: bool = False) -> str:
-        from weight_sync.errors import PoisonedEngine, WeightSyncError
-        from weight_sync.sender import WeightSender
+        from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
+        from vime.weight_sync.sender import WeightSender
 
         url = engine["url"]
         if fail_halfway:  # its own sender, in small buckets, so "halfway" is inside the transfer
@@ -183,7 +183,7 @@ class Pusher:
 
 
 class Hooks:
-    """What a chaos harness lends the loop for faults it cannot do alone (trainer/soak.py):
+    """What a chaos harness lends the loop for faults it cannot do alone (harness/soak.py):
     kill -9 of the daemon (restarted like systemd would), and a model directory that can be
     broken and mended so an engine crashes at start."""
 
@@ -286,7 +286,7 @@ class RLLoop:
 
     async def _connect(self) -> None:
         """The rollout client and the sync agent: what a trainer process holds open."""
-        from trainer.rollout import RolloutClient
+        from vime.trainer.rollout import RolloutClient
 
         a = self.args
         self.rc = RolloutClient(AsyncSupervisorClient(a.socket), model=a.served_model_name)
@@ -295,7 +295,7 @@ class RLLoop:
             await asyncio.to_thread(self._start_agent)
 
     def _start_agent(self) -> None:
-        from trainer.agent import SyncAgent
+        from vime.trainer.agent import SyncAgent
 
         self.agent = SyncAgent(SupervisorClient(self.args.socket), self._agent_weights,
                                lock=self.policy.lock, on_sync=self._on_sync).start()
@@ -358,7 +358,7 @@ class RLLoop:
             self._restore_signals(saved)
 
     async def _run_live_inner(self) -> None:
-        from trainer.trace import DaemonEventRecorder, Tracer
+        from vime.trainer.trace import DaemonEventRecorder, Tracer
 
         a = self.args
         client = SupervisorClient(a.socket)
@@ -639,7 +639,7 @@ class RLLoop:
     def _poisoned_reload(self, step, fleet: Fleet, pusher: Pusher, fault: F.Fault) -> dict[str, str]:
         """No agent, a checkpoint that breaks while being reloaded: the daemon's reload
         fallback poisons the engine, which is restarted; mended, the next sync succeeds."""
-        from weight_sync.checkpoint import save_checkpoint
+        from vime.weight_sync.checkpoint import save_checkpoint
 
         version = self.base + self.policy.version
         ckpt = self.out / "checkpoints" / f"v{version}"
@@ -718,7 +718,7 @@ def format_report(rep: Report) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m trainer.rl_loop", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m vime.trainer.rl_loop", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the policy's model directory (trainer/tiny_model.py builds one)")
     ap.add_argument("--served-model-name", default=None, help="model name the engines serve (default: the only one)")

@@ -1,7 +1,7 @@
 """The trainer's rollout client: OpenAI-compatible requests to the engines the daemon routes to.
 
-    from trainer.client import AsyncSupervisorClient
-    from trainer.rollout import RolloutClient
+    from vime.trainer.client import AsyncSupervisorClient
+    from vime.trainer.rollout import RolloutClient
 
     async with RolloutClient(AsyncSupervisorClient()) as rollout:
         r = await rollout.complete("the quick brown", max_tokens=64, temperature=1.0)

@@ -4,7 +4,7 @@ vLLM's CPU attention needs head_dim >= 64 (16 starts fine and kills the engine a
 request), hence hidden 128 with 2 heads. Weights are random but seeded, so two builds with the
 same seed are byte-identical and tests can compare engines against each other.
 
-    python -m trainer.tiny_model DIR
+    python -m vime.trainer.tiny_model DIR
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Traces of a training job's rollouts and of the supervisor daemon, in one Chrome trace file.
 
-    from trainer.trace import Tracer, DaemonEventRecorder, long_tail_summary, format_summary
+    from vime.trainer.trace import Tracer, DaemonEventRecorder, long_tail_summary, format_summary
     tracer = Tracer()
     with DaemonEventRecorder(SupervisorClient(), tracer):        # the daemon's events, in a thread
         with tracer.round(412):                                  # a round span
@@ -148,7 +148,7 @@ class _Request:
 
 def _request(result: Any, index: int, wall: Callable[[Any], float | None], *, round: Any = None,
              name: str | None = None, args: Mapping[str, Any] | None = None) -> _Request:
-    """A rollout result (trainer.rollout.RolloutResult, a dict, anything with these names) as a
+    """A rollout result (vime.trainer.rollout.RolloutResult, a dict, anything with these names) as a
     record: engine; sent/attempt_sent/first_token/finished in `timings` (mapping or object) or
     at the top level; tokens as n_tokens/num_tokens/completion_tokens or len(token_ids);
     attempts an int or a list of attempt records (engine, outcome or error, and optionally
@@ -571,7 +571,7 @@ class Tracer:
         """Write the Chrome trace JSON (atomically) and return its path."""
         events = self.trace_events()
         doc = {"traceEvents": events, "displayTimeUnit": "ms",
-               "otherData": {"origin_unix_s": self._origin, "generator": "vime-supervisor trainer.trace"}}
+               "otherData": {"origin_unix_s": self._origin, "generator": "vime-supervisor vime.trainer.trace"}}
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.tmp")
@@ -618,7 +618,7 @@ class DaemonEventRecorder:
     """
 
     def __init__(self, client: Any, tracer: Tracer | None = None) -> None:
-        from trainer.client import SupervisorClient
+        from vime.trainer.client import SupervisorClient
 
         self.tracer = tracer if tracer is not None else Tracer()
         socket_path = getattr(client, "socket_path", None)

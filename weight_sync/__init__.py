@@ -1,24 +1,24 @@
 """Move weights from a trainer into running vLLM engines.
 
-* `weight_sync.sender` (trainer side, pure torch): `WeightSender`, `push_to_many`.
-* `weight_sync.gloo_engine` + `weight_sync.vllm_plugin` (engine side): the "gloo" backend for
+* `vime.weight_sync.sender` (trainer side, pure torch): `WeightSender`, `push_to_many`.
+* `vime.weight_sync.gloo_engine` + `vime.weight_sync.vllm_plugin` (engine side): the "gloo" backend for
   vLLM's weight-transfer routes, registered by a ``vllm.general_plugins`` entry point.
-* `weight_sync.checkpoint` (disk path): `save_checkpoint`, `validate_checkpoint`,
+* `vime.weight_sync.checkpoint` (disk path): `save_checkpoint`, `validate_checkpoint`,
   `reload_from_checkpoint`.
 
 Importing this package is cheap (vLLM loads it in every process through the plugin entry
 point): the names below are resolved lazily.
 """
 
-from weight_sync.errors import CheckpointError, PoisonedEngine, WeightSyncError
+from vime.weight_sync.errors import CheckpointError, PoisonedEngine, WeightSyncError
 
 _LAZY = {
-    "WeightSender": "weight_sync.sender",
-    "PushResult": "weight_sync.sender",
-    "push_to_many": "weight_sync.sender",
-    "save_checkpoint": "weight_sync.checkpoint",
-    "validate_checkpoint": "weight_sync.checkpoint",
-    "reload_from_checkpoint": "weight_sync.checkpoint",
+    "WeightSender": "vime.weight_sync.sender",
+    "PushResult": "vime.weight_sync.sender",
+    "push_to_many": "vime.weight_sync.sender",
+    "save_checkpoint": "vime.weight_sync.checkpoint",
+    "validate_checkpoint": "vime.weight_sync.checkpoint",
+    "reload_from_checkpoint": "vime.weight_sync.checkpoint",
 }
 
 __all__ = ["CheckpointError", "PoisonedEngine", "WeightSyncError", *_LAZY]

