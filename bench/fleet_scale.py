@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 from vime.harness.standin_engine import free_port_range  # noqa: E402  (bench/ is on sys.path when run)
-from vime.trainer.client import SupervisorClient  # noqa: E402
+from vime.supervisor.client import SupervisorClient  # noqa: E402
 from vime.harness.local_daemon import Daemon, write_config  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import torch  # noqa: E402
 
 from vime.trainer.agent import SyncAgent  # noqa: E402
-from vime.trainer.client import SupervisorClient  # noqa: E402
+from vime.supervisor.client import SupervisorClient  # noqa: E402
 from vime.harness.local_daemon import (  # noqa: E402
     ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, bare_engine, free_port, write_config)
 from vime.trainer.tiny_model import build_tiny_model  # noqa: E402

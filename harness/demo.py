@@ -113,7 +113,7 @@ def _engine_lines(daemon: Daemon, client, names: list[str]) -> list[str]:
     """One line per engine: its state and reason from the daemon's status over the control
     socket, and the last line of its log (from the daemon's event log when the socket does not
     answer yet)."""
-    from vime.trainer.client import SupervisorError
+    from vime.supervisor.client import SupervisorError
 
     try:
         engines = {e["name"]: e for e in client.status()["engines"]}
@@ -137,7 +137,7 @@ def wait_for_engines(daemon: Daemon, sock: Path, names: list[str], boot: float, 
     """Wait, at most `boot` seconds, until every engine is RUNNING, printing what they are
     doing every `every` seconds. Returns the problems that end the wait early: an engine FATAL,
     the daemon gone, the bound passed ([] when all are RUNNING)."""
-    from vime.trainer.client import SupervisorClient
+    from vime.supervisor.client import SupervisorClient
 
     client = SupervisorClient(str(sock), connect_timeout=1.0, timeout=5.0)
     t0 = time.monotonic()

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.harness import faults as F
-from vime.trainer.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient
 from vime.supervisor.process import port_is_free
 from vime.harness.demo import BOOT, demo_config
 from vime.harness.local_daemon import Daemon, live_pids_in_groups

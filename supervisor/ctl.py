@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from vime.trainer.client import (
+from vime.supervisor.client import (
     DEFAULT_SOCKET,
     ENV_SOCKET,
     ConflictError,

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from vime.trainer.client import SupervisorClient, SupervisorError
+from vime.supervisor.client import SupervisorClient, SupervisorError
 
 # () -> (version, named tensors). Called per sync: it must return the version the trainer
 # has published and the tensors of exactly that version.

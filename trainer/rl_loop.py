@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.harness import faults as F
-from vime.trainer.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
+from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
 from vime.trainer.dumps import Sample, dump_path, load_rollout, save_rollout
 from vime.trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
 

@@ -1,6 +1,6 @@
 """The trainer's rollout client: OpenAI-compatible requests to the engines the daemon routes to.
 
-    from vime.trainer.client import AsyncSupervisorClient
+    from vime.supervisor.client import AsyncSupervisorClient
     from vime.trainer.rollout import RolloutClient
 
     async with RolloutClient(AsyncSupervisorClient()) as rollout:

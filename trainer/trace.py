@@ -618,7 +618,7 @@ class DaemonEventRecorder:
     """
 
     def __init__(self, client: Any, tracer: Tracer | None = None) -> None:
-        from vime.trainer.client import SupervisorClient
+        from vime.supervisor.client import SupervisorClient
 
         self.tracer = tracer if tracer is not None else Tracer()
         socket_path = getattr(client, "socket_path", None)

@@ -22,7 +22,7 @@ import pytest
 
 from vime.supervisor.activity import sample_group
 from vime.supervisor.probes import PROGRESS_WINDOW
-from vime.trainer.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, write_config
 
 from test_client_ctl import engines_by_name, listening, wait_state

@@ -1,4 +1,4 @@
-"""trainer/client.py (sync and async) and supervisorctl, against a real daemon (`python -m vime.supervisor`).
+"""supervisor/client/ (sync and async) and supervisorctl, against a real daemon (`python -m vime.supervisor`).
 
 No vLLM engine boots here; real engines are covered by tests/engine/test_engines_real.py. The module's
 daemon supervises three engines:
@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import pytest
 
 from vime.supervisor.ctl import describe, status_lines
-from vime.trainer.client import (
+from vime.supervisor.client import (
     DEFAULT_SOCKET,
     AsyncSupervisorClient,
     BadRequest,
@@ -825,7 +825,7 @@ def test_forbidden_for_other_uids(tmp_path):
         script = f"""
 import io, json, os, shutil, sys, contextlib  # shutil: argparse imports it lazily
 import vime.supervisor.ctl
-from vime.trainer.client import SupervisorClient, Forbidden
+from vime.supervisor.client import SupervisorClient, Forbidden
 gid = int(sys.argv[1])
 os.setgroups([]); os.setgid(gid); os.setuid(65534)
 out = {{}}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.trainer.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient
 from vime.harness.demo import demo_config
 from vime.harness.local_daemon import Daemon, live_pids_in_groups
 

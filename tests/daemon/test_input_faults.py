@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from vime.trainer.client import Forbidden, SupervisorClient
+from vime.supervisor.client import Forbidden, SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, write_config
 
 REPO = Path(__file__).resolve().parents[2]

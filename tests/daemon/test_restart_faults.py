@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from vime.supervisor.process import all_procs, boot_id, proc_stat
-from vime.trainer.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
 
 ROOT = Path(__file__).resolve().parents[2]

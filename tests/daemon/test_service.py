@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vime.supervisor import journal
 from vime.supervisor.sdnotify import Notifier
-from vime.trainer.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, write_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.trainer.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, write_config
 from vime.trainer.trace import (
     DAEMON_PID, TRAINER_PID, DaemonEventRecorder, Tracer, format_summary, long_tail_summary, percentile,

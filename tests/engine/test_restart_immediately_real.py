@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from vime.trainer.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
 
 pytestmark = pytest.mark.engine

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vime.trainer.agent import SyncAgent
-from vime.trainer.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, live_pids_in_groups, write_config
 from vime.weight_sync.checkpoint import save_checkpoint
 from vime.weight_sync.sender import WeightSender
@@ -90,7 +90,7 @@ class EventLog:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
-        from vime.trainer.client import DaemonUnreachable
+        from vime.supervisor.client import DaemonUnreachable
 
         try:
             for ev in self.client.events():
@@ -247,7 +247,7 @@ def test_without_an_agent_the_checkpoint_is_used(world):
 
 def test_bad_checkpoint_is_refused_at_publish(world):
     w = world
-    from vime.trainer.client import BadRequest
+    from vime.supervisor.client import BadRequest
 
     with pytest.raises(BadRequest, match="does not exist"):
         w.client.publish_weights(9, checkpoint=str(w.root / "no-such-checkpoint"))

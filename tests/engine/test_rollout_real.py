@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from vime.trainer.client import AsyncSupervisorClient, DaemonUnreachable, SupervisorClient
+from vime.supervisor.client import AsyncSupervisorClient, DaemonUnreachable, SupervisorClient
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
 from vime.trainer.rollout import ABORT, DIED, OK, REFUSED, NoEngineAvailable, RolloutClient, RolloutRequestError
 

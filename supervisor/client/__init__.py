@@ -2,14 +2,14 @@
 
 Two clients with the same verbs:
 
-    from vime.trainer.client import SupervisorClient           # plain code, no event loop
+    from vime.supervisor.client import SupervisorClient           # plain code, no event loop
     sup = SupervisorClient()                              # $VIME_SUPERVISOR_SOCKET or the default
     with sup.round(412):                                  # starts round 412, ends it (also on error)
         urls = [e["url"] for e in sup.routable_engines()["engines"]]
         ...
     sup.publish_weights(413, "/ckpt/step-413")
 
-    from vime.trainer.client import AsyncSupervisorClient      # asyncio trainers (aiohttp)
+    from vime.supervisor.client import AsyncSupervisorClient      # asyncio trainers (aiohttp)
     sup = AsyncSupervisorClient()
     async with sup.round(412):
         ...
