@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
 
-from vime.trainer.agent import SyncAgent  # noqa: E402
+from vime.trainer.resync_agent import ResyncAgent  # noqa: E402
 from vime.supervisor.client import SupervisorClient  # noqa: E402
 from vime.harness.local_daemon import (  # noqa: E402
     ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, bare_engine, free_port, write_config)
@@ -91,8 +91,8 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             WeightSender(url).push(list(model.named_parameters()), 1)
             client.publish_weights(1)
-            agent = SyncAgent(SupervisorClient(str(tmp / "run" / "supervisor.sock")),
-                              lambda: (1, [(n, p.detach()) for n, p in model.named_parameters()])).start()
+            agent = ResyncAgent(SupervisorClient(str(tmp / "run" / "supervisor.sock")),
+                                lambda: (1, [(n, p.detach()) for n, p in model.named_parameters()])).start()
             for i in range(args.repeats):
                 mark = d.mark()
                 t0 = time.monotonic()

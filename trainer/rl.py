@@ -49,7 +49,7 @@ class StepStats:
 class Policy:
     """The tiny Llama being trained, its optimizer, and the version it is at.
 
-    `lock` is held around every change of the weights and by the SyncAgent around every push,
+    `lock` is held around every change of the weights and by the ResyncAgent around every push,
     so a push never reads tensors that are being updated. `version` is the number of steps
     taken; the loop publishes it to the daemon once the engines hold it."""
 
