@@ -1,0 +1,484 @@
+"""The control socket's wire contract, shared by the daemon, the clients and supervisorctl.
+
+    from vime.supervisor import protocol as p
+    p.STATUS_PATH                      # "/v1/status"
+    p.engine_path("engine-0", p.Action.RESTART)
+    ev["event"] == p.Event.MEMBERSHIP
+
+Routes, the socket's default path, error codes, event kinds, engine actions, stream roles and
+the JSON payloads (TypedDicts). It imports nothing of ours but `.states` (State and its groups
+are re-exported here), so any side may import it.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import StrEnum
+from typing import Literal, NotRequired, TypedDict, Union
+from urllib.parse import quote, urlencode
+
+from .states import PROBED, PROCESS_STATES, ROUTABLE, RUNNING_STATES, TRANSITIONS, State
+
+# Cause (exit, hang, busy, poisoned, reported, operator, start_failed, ...) is re-exported from
+# .states here once it lands there.
+
+__all__ = [
+    # socket
+    "API", "DEFAULT_SOCKET", "ENV_SOCKET", "default_socket_path",
+    # routes
+    "STATUS_PATH", "ROUTABLE_PATH", "WEIGHTS_PATH", "EVENTS_PATH", "METRICS_PATH", "INCIDENTS_PATH",
+    "ROUND_PATTERN", "ENGINE_ACTION_PATTERN", "ENGINE_SYNC_PATTERN", "ENGINE_LOG_PATTERN", "ROUTES",
+    "round_path", "engine_path", "engine_sync_path", "engine_log_path", "events_path",
+    "FAILURES", "LOG_PATH_HEADER", "LOG_BYTES_PARAM", "ROLE_PARAM", "NDJSON",
+    # names
+    "Action", "ENGINE_ACTIONS", "RoundPhase", "SyncPhase", "Role", "ErrorCode", "Event",
+    "State", "ROUTABLE", "PROBED", "RUNNING_STATES", "PROCESS_STATES", "TRANSITIONS",
+    # payloads
+    "ErrorBody", "ErrorAnswer", "ProbeInfo", "EngineStatus", "DaemonInfo", "FleetStatus",
+    "RoutableEngine", "Routable", "RoundResult", "WeightsResult", "ActionResult", "FailureResult",
+    "SyncBeginResult", "SyncEndResult", "Incident", "IncidentList",
+    "HelloEvent", "KeepaliveEvent", "OverflowEvent", "ReconnectedEvent", "TransitionEvent",
+    "DetectionEvent", "MembershipEvent", "FloorEvent", "RoundEvent", "WeightsPublishedEvent",
+    "FailureReportedEvent", "RetiredEvent", "SyncRequestEvent", "SyncVerifiedEvent", "SyncFailedEvent",
+    "SupervisionFailedEvent", "NotAdoptedEvent", "OrphanStoppedEvent", "DaemonEvent",
+]
+
+# -- the socket -----------------------------------------------------------------------------
+
+API = "/v1"
+DEFAULT_SOCKET = "/run/vime-supervisor/supervisor.sock"
+ENV_SOCKET = "VIME_SUPERVISOR_SOCKET"
+
+
+def default_socket_path() -> str:
+    """$VIME_SUPERVISOR_SOCKET, else /run/vime-supervisor/supervisor.sock."""
+    return os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+
+
+# -- names ----------------------------------------------------------------------------------
+
+
+class Action(StrEnum):
+    """Operator verbs on one engine: POST {API}/engines/{name}/{action}."""
+
+    RESTART = "restart"
+    STOP = "stop"
+    START = "start"
+    RETIRE = "retire"
+
+
+ENGINE_ACTIONS: tuple[Action, ...] = tuple(Action)
+# The trainer's failure report shares the action route: POST {API}/engines/{name}/failures.
+FAILURES = "failures"
+
+
+class RoundPhase(StrEnum):
+    START = "start"
+    END = "end"
+
+
+class SyncPhase(StrEnum):
+    """The sync agent's push into a STALE engine: begin, push, end."""
+
+    BEGIN = "begin"
+    END = "end"
+
+
+class Role(StrEnum):
+    """Who reads the event stream: an agent answers `sync_request` events."""
+
+    OBSERVER = "observer"
+    AGENT = "agent"
+
+
+class ErrorCode(StrEnum):
+    """Every `code` of the daemon's `{"error": {"code", "message"}}` answers."""
+
+    BAD_REQUEST = "bad_request"  # 400: a field or parameter is wrong
+    BAD_BODY = "bad_body"  # 400: the body could not be read (Content-Encoding)
+    BAD_JSON = "bad_json"  # 400: the body is not JSON
+    CLIENT_GONE = "client_gone"  # 400: never sent, the client went away mid-request
+    FORBIDDEN = "forbidden"  # 403: the peer's uid is not allowed
+    UNKNOWN_ENGINE = "unknown_engine"  # 404: no engine of that name
+    UNKNOWN_ACTION = "unknown_action"  # 404: no such engine action or sync phase
+    NOT_FOUND = "not_found"  # 404: no such route
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
+    CONFLICT = "conflict"  # 409: contradicts the daemon's state (stale round/version, refused action)
+    NO_LOG = "no_log"  # 409: the engine has no log (attached, or between incarnations)
+    REQUEST_ENTITY_TOO_LARGE = "request_entity_too_large"  # 413
+    TOO_MANY_STREAMS = "too_many_streams"  # 429: event-stream readers at their cap
+    INTERNAL = "internal"  # 500: a bug in the daemon
+
+
+class Event(StrEnum):
+    """Every `event` on the stream (GET {API}/events, one JSON object per line)."""
+
+    HELLO = "hello"  # first line of every stream: the routable set, round, epoch
+    KEEPALIVE = "keepalive"  # after 10 s of silence
+    OVERFLOW = "overflow"  # the reader fell behind; the stream ends (reconnect)
+    RECONNECTED = "reconnected"  # made by the clients, never sent: the stream was re-opened
+    TRANSITION = "transition"
+    DETECTION = "detection"
+    MEMBERSHIP = "membership"
+    FLOOR_BREACH = "floor_breach"
+    FLOOR_RESTORED = "floor_restored"
+    ROUND_START = "round_start"
+    ROUND_END = "round_end"
+    WEIGHTS_PUBLISHED = "weights_published"
+    FAILURE_REPORTED = "failure_reported"
+    RETIRED = "retired"
+    SYNC_REQUEST = "sync_request"
+    SYNC_VERIFIED = "sync_verified"
+    SYNC_FAILED = "sync_failed"
+    SUPERVISION_FAILED = "supervision_failed"
+    NOT_ADOPTED = "not_adopted"
+    ORPHAN_STOPPED = "orphan_stopped"
+
+
+# -- routes ---------------------------------------------------------------------------------
+
+STATUS_PATH = f"{API}/status"
+ROUTABLE_PATH = f"{API}/routable"
+WEIGHTS_PATH = f"{API}/weights"
+EVENTS_PATH = f"{API}/events"
+METRICS_PATH = f"{API}/metrics"
+INCIDENTS_PATH = f"{API}/incidents"
+# Route patterns with {placeholders}, as the daemon registers them (aiohttp's syntax).
+ROUND_PATTERN = API + "/rounds/{n}/{phase}"
+ENGINE_SYNC_PATTERN = API + "/engines/{name}/sync/{phase}"
+ENGINE_ACTION_PATTERN = API + "/engines/{name}/{action}"  # an Action, or FAILURES
+ENGINE_LOG_PATTERN = API + "/engines/{name}/log"
+
+# (method, pattern) of every route the daemon serves.
+ROUTES: tuple[tuple[str, str], ...] = (
+    ("GET", STATUS_PATH),
+    ("GET", ROUTABLE_PATH),
+    ("POST", API + "/rounds/{n}/" + RoundPhase.START),
+    ("POST", API + "/rounds/{n}/" + RoundPhase.END),
+    ("POST", WEIGHTS_PATH),
+    ("POST", ENGINE_SYNC_PATTERN),
+    ("POST", ENGINE_ACTION_PATTERN),
+    ("GET", ENGINE_LOG_PATTERN),
+    ("GET", EVENTS_PATH),
+    ("GET", METRICS_PATH),
+    ("GET", INCIDENTS_PATH),
+)
+
+LOG_PATH_HEADER = "X-Log-Path"  # on the log route's answer: the log file on the daemon's host
+LOG_BYTES_PARAM = "bytes"  # the log route's query parameter: how much of the end
+ROLE_PARAM = "role"  # the events route's query parameter (a Role)
+NDJSON = "application/x-ndjson"
+
+
+def round_path(n: int, phase: RoundPhase | str) -> str:
+    return f"{API}/rounds/{int(n)}/{RoundPhase(phase)}"
+
+
+def engine_path(name: str, action: Action | str) -> str:
+    """The route of an engine action or of FAILURES (the name is percent-encoded)."""
+    if action != FAILURES:
+        action = Action(action)
+    return f"{API}/engines/{quote(name, safe='')}/{action}"
+
+
+def engine_sync_path(name: str, phase: SyncPhase | str) -> str:
+    return f"{API}/engines/{quote(name, safe='')}/sync/{SyncPhase(phase)}"
+
+
+def engine_log_path(name: str, nbytes: int | None = None) -> str:
+    path = f"{API}/engines/{quote(name, safe='')}/log"
+    return path if nbytes is None else f"{path}?{urlencode({LOG_BYTES_PARAM: int(nbytes)})}"
+
+
+def events_path(role: Role | str = Role.OBSERVER) -> str:
+    try:
+        role = Role(role)
+    except ValueError:
+        raise ValueError(f"role must be 'observer' or 'agent', got {role!r}") from None
+    return EVENTS_PATH if role is Role.OBSERVER else f"{EVENTS_PATH}?{ROLE_PARAM}={role}"
+
+
+# -- payloads -------------------------------------------------------------------------------
+
+
+class ErrorBody(TypedDict):
+    code: str  # an ErrorCode
+    message: str  # what to do
+
+
+class ErrorAnswer(TypedDict):
+    error: ErrorBody
+
+
+class ProbeInfo(TypedDict):
+    ok: bool
+    detail: str
+    latency: float | None
+
+
+class EngineStatus(TypedDict):
+    name: str
+    state: str  # a State
+    reason: str
+    routable: bool
+    pid: int | None
+    url: str
+    spawned: bool
+    incarnation: int
+    uptime: float | None
+    restarts: int
+    failed_starts: int
+    weight_version: int | None
+    consecutive_failures: int
+    last_probe: ProbeInfo | None
+    last_probe_latency: float | None
+    probes: int
+    probe_failures: int
+    late_probes: int
+    retired: bool
+    state_age: float
+
+
+class DaemonInfo(TypedDict):
+    pid: int
+    uptime: float
+
+
+class FleetStatus(TypedDict):
+    """GET STATUS_PATH."""
+
+    engines: list[EngineStatus]
+    round: int | None
+    round_open: bool
+    weight_version: int | None
+    checkpoint: str | None
+    epoch: int
+    routable: int
+    min_healthy: int
+    below_min_healthy: bool
+    fault_tolerance: bool
+    daemon: DaemonInfo
+
+
+class RoutableEngine(TypedDict):
+    name: str
+    url: str
+    model: str
+    weight_version: int | None
+    incarnation: int
+
+
+class Routable(TypedDict):
+    """GET ROUTABLE_PATH: the engines that may take traffic now; `epoch` changes with the set."""
+
+    epoch: int
+    weight_version: int | None
+    engines: list[RoutableEngine]
+
+
+class RoundResult(TypedDict):
+    round: int
+    open: bool
+    changed: bool
+    message: str
+
+
+class WeightsResult(TypedDict):
+    weight_version: int | None
+    changed: bool
+    message: str
+    epoch: int
+
+
+class ActionResult(TypedDict):
+    engine: str
+    action: str  # an Action
+    state: str  # a State
+    message: str
+
+
+class FailureResult(TypedDict):
+    engine: str
+    counted: bool
+    state: str
+    message: NotRequired[str]
+    incarnation: NotRequired[int]
+    consecutive_failures: NotRequired[int]
+    failure_threshold: NotRequired[int]
+
+
+class SyncBeginResult(TypedDict):
+    engine: str
+    url: str
+    version: int
+
+
+class SyncEndResult(TypedDict):
+    engine: str
+    state: str
+    reason: str
+
+
+class Incident(TypedDict):
+    folder: str
+    engine: str | None
+    incarnation: int | None
+    reason: str | None
+    time: float | None
+    captured: list[str]
+
+
+class IncidentList(TypedDict):
+    """GET INCIDENTS_PATH."""
+
+    incidents: list[Incident]
+
+
+# -- events: one JSON object per line of GET EVENTS_PATH ---------------------------------------
+
+
+class HelloEvent(TypedDict):
+    event: Literal["hello"]
+    ts: float
+    epoch: int
+    weight_version: int | None
+    engines: list[RoutableEngine]
+    round: int | None
+    round_open: bool
+
+
+class KeepaliveEvent(TypedDict):
+    event: Literal["keepalive"]
+    ts: float
+
+
+class OverflowEvent(TypedDict):
+    event: Literal["overflow"]
+    message: str
+
+
+class ReconnectedEvent(TypedDict):
+    event: Literal["reconnected"]
+    ts: float
+    socket: str
+    message: str
+
+
+class TransitionEvent(TypedDict):
+    event: Literal["transition"]
+    ts: float
+    engine: str
+    from_state: str  # a State
+    to_state: str  # a State
+    reason: str
+    incarnation: int
+
+
+class DetectionEvent(TypedDict):
+    event: Literal["detection"]
+    ts: float
+    engine: str
+    kind: str  # exit, hang, poisoned, reported
+    reason: str
+
+
+class MembershipEvent(TypedDict):
+    event: Literal["membership"]
+    ts: float
+    epoch: int
+    routable: list[str]
+
+
+class FloorEvent(TypedDict):
+    event: Literal["floor_breach", "floor_restored"]
+    ts: float
+    routable: int
+    min_healthy: int
+
+
+class RoundEvent(TypedDict):
+    event: Literal["round_start", "round_end"]
+    ts: float
+    round: int
+    epoch: int
+
+
+class WeightsPublishedEvent(TypedDict):
+    event: Literal["weights_published"]
+    ts: float
+    version: int
+    checkpoint: str | None
+    stale: list[str]
+    epoch: int
+
+
+class FailureReportedEvent(TypedDict):
+    event: Literal["failure_reported"]
+    ts: float
+    engine: str
+    detail: str
+    counted: bool
+    poisoned: bool
+    incarnation: NotRequired[int]
+
+
+class RetiredEvent(TypedDict):
+    event: Literal["retired"]
+    ts: float
+    engine: str
+
+
+class SyncRequestEvent(TypedDict):
+    event: Literal["sync_request"]
+    ts: float
+    engine: str
+    url: str
+    model: str
+    version: int
+
+
+class SyncVerifiedEvent(TypedDict):
+    event: Literal["sync_verified"]
+    ts: float
+    engine: str
+    version: int
+    how: str
+
+
+class SyncFailedEvent(TypedDict):
+    event: Literal["sync_failed"]
+    ts: float
+    engine: str
+    reason: str
+
+
+class SupervisionFailedEvent(TypedDict):
+    event: Literal["supervision_failed"]
+    ts: float
+    engine: str
+    error: str
+
+
+class NotAdoptedEvent(TypedDict):
+    event: Literal["not_adopted"]
+    ts: float
+    engine: str
+    pid: int
+    why: str
+
+
+class OrphanStoppedEvent(TypedDict):
+    event: Literal["orphan_stopped"]
+    ts: float
+    pid: int
+    port: int
+    engine: str
+    how: str
+
+
+DaemonEvent = Union[
+    HelloEvent, KeepaliveEvent, OverflowEvent, ReconnectedEvent, TransitionEvent, DetectionEvent,
+    MembershipEvent, FloorEvent, RoundEvent, WeightsPublishedEvent, FailureReportedEvent, RetiredEvent,
+    SyncRequestEvent, SyncVerifiedEvent, SyncFailedEvent, SupervisionFailedEvent, NotAdoptedEvent,
+    OrphanStoppedEvent,
+]
