@@ -21,6 +21,30 @@ import structlog
 from aiohttp import web
 
 from .fleet import BadRequest, Conflict, Fleet, check_version
+from .protocol import (
+    API,
+    ENGINE_ACTION_PATTERN,
+    ENGINE_LOG_PATTERN,
+    ENGINE_SYNC_PATTERN,
+    EVENTS_PATH,
+    FAILURES,
+    INCIDENTS_PATH,
+    LOG_BYTES_PARAM,
+    LOG_PATH_HEADER,
+    METRICS_PATH,
+    NDJSON,
+    ROLE_PARAM,
+    ROUTABLE_PATH,
+    ROUTES,
+    STATUS_PATH,
+    WEIGHTS_PATH,
+    Action,
+    ErrorCode,
+    Event,
+    Role,
+    RoundPhase,
+    SyncPhase,
+)
 from .process import read_tail
 from .status import fleet_status, routable_view
 
@@ -35,7 +59,6 @@ MAX_AGENT_STREAMS = 8
 STREAM_QUEUE = 2000
 STREAM_WRITE_TIMEOUT = 10.0
 _CLOSE = object()  # ends an event stream
-API = "/v1"
 
 
 class _StalledReader(Exception):
@@ -155,14 +178,14 @@ class ControlServer:
         uid = peer_uid(request)
         if uid is None:  # no credentials (the connection is already gone): fail closed
             log.warning("control.refused", uid=None, path=request.path)
-            return _error(403, "forbidden", "the peer's credentials could not be read; connect over the Unix socket")
+            return _error(403, ErrorCode.FORBIDDEN, "the peer's credentials could not be read; connect over the Unix socket")
         if uid not in self.allowed:
             log.warning("control.refused", uid=uid, path=request.path)
-            return _error(403, "forbidden", f"uid {uid} may not use this socket; add it to supervisor.allowed_uids")
+            return _error(403, ErrorCode.FORBIDDEN, f"uid {uid} may not use this socket; add it to supervisor.allowed_uids")
         if request.content_length is not None and request.content_length > MAX_BODY:
             # Refused before reading: a client that declares 100 MB and sends a little would
             # otherwise hold the connection until it sends the rest.
-            resp = _error(413, "request_entity_too_large",
+            resp = _error(413, ErrorCode.REQUEST_ENTITY_TOO_LARGE,
                           f"request body over {MAX_BODY} bytes (Content-Length {request.content_length})")
             resp.force_close()  # the unread body must not be parsed as the next request
             return resp
@@ -171,9 +194,9 @@ class ControlServer:
         except ApiError as e:
             return _error(e.status, e.code, e.message)
         except Conflict as e:
-            return _error(409, "conflict", str(e))
+            return _error(409, ErrorCode.CONFLICT, str(e))
         except BadRequest as e:
-            return _error(400, "bad_request", str(e))
+            return _error(400, ErrorCode.BAD_REQUEST, str(e))
         except web.HTTPException as e:  # aiohttp's own: 404 route, 405 method, 413 body
             if e.status < 400:
                 raise
@@ -182,17 +205,19 @@ class ControlServer:
                 405: f"method {request.method} not allowed on {request.path}",
                 413: f"request body over {MAX_BODY} bytes",
             }
-            return _error(e.status, e.reason.lower().replace(" ", "_"), messages.get(e.status, e.reason))
+            codes = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 413: ErrorCode.REQUEST_ENTITY_TOO_LARGE}
+            code = codes.get(e.status) or e.reason.lower().replace(" ", "_")
+            return _error(e.status, code, messages.get(e.status, e.reason))
         except asyncio.CancelledError:
             raise
         except ConnectionResetError:
             # The client went away mid-request: nothing to answer. Raising would make aiohttp
             # print a non-JSON traceback to our log; this response is dropped unsent.
             log.debug("control.client_gone", path=request.path)
-            return _error(400, "client_gone", "connection lost before the request was read")
+            return _error(400, ErrorCode.CLIENT_GONE, "connection lost before the request was read")
         except Exception as e:  # a bug of ours: answer 500, keep serving
             log.exception("control.handler_failed", path=request.path)
-            return _error(500, "internal", f"{type(e).__name__}: {e}")
+            return _error(500, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -200,29 +225,29 @@ class ControlServer:
         try:
             raw = await request.read()
         except web.RequestPayloadError as e:  # a body that cannot be decoded (Content-Encoding)
-            raise ApiError(400, "bad_body", f"request body could not be read: {e}".replace("\n", " ")) from None
+            raise ApiError(400, ErrorCode.BAD_BODY, f"request body could not be read: {e}".replace("\n", " ")) from None
         if not raw:
             data: Any = {}
         else:
             try:
                 data = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as e:
-                raise ApiError(400, "bad_json", f"body is not valid JSON: {e}") from None
+                raise ApiError(400, ErrorCode.BAD_JSON, f"body is not valid JSON: {e}") from None
             except RecursionError:
-                raise ApiError(400, "bad_json", "body is not valid JSON: nested too deeply") from None
+                raise ApiError(400, ErrorCode.BAD_JSON, "body is not valid JSON: nested too deeply") from None
         if not isinstance(data, dict):
-            raise ApiError(400, "bad_request", "body must be a JSON object")
+            raise ApiError(400, ErrorCode.BAD_REQUEST, "body must be a JSON object")
         for key in data:
             if key not in schema:
-                raise ApiError(400, "bad_request", f"unknown field {key!r}; known: {', '.join(sorted(schema)) or 'none'}")
+                raise ApiError(400, ErrorCode.BAD_REQUEST, f"unknown field {key!r}; known: {', '.join(sorted(schema)) or 'none'}")
         for key in required:
             if key not in data:
-                raise ApiError(400, "bad_request", f"missing field {key!r}")
+                raise ApiError(400, ErrorCode.BAD_REQUEST, f"missing field {key!r}")
         for key, value in data.items():
             types = schema[key]
             if isinstance(value, bool) and bool not in types or not isinstance(value, types):
                 names = " or ".join(t.__name__ for t in types)
-                raise ApiError(400, "bad_request", f"field {key!r} must be {names}, got {type(value).__name__}")
+                raise ApiError(400, ErrorCode.BAD_REQUEST, f"field {key!r} must be {names}, got {type(value).__name__}")
         return data
 
     def _engine(self, request: web.Request):
@@ -230,31 +255,35 @@ class ControlServer:
         runner = self.fleet.runners.get(name)
         if runner is None:
             known = ", ".join(self.fleet.runners)
-            raise ApiError(404, "unknown_engine", f"no engine named {name!r}; known: {known}")
+            raise ApiError(404, ErrorCode.UNKNOWN_ENGINE, f"no engine named {name!r}; known: {known}")
         return runner
 
     @staticmethod
     def _number(request: web.Request, key: str) -> int:
         text = request.match_info[key]
         if not (text.isascii() and text.isdigit()) or len(text) > 18:  # "²".isdigit(), int() refuses it
-            raise ApiError(400, "bad_request", f"{key} must be a non-negative integer, got {text!r}")
+            raise ApiError(400, ErrorCode.BAD_REQUEST, f"{key} must be a non-negative integer, got {text!r}")
         return int(text)
 
     # -- routes ----------------------------------------------------------------------------
 
     def _routes(self) -> None:
-        r = self.app.router
-        r.add_get(f"{API}/status", self.status)
-        r.add_get(f"{API}/routable", self.routable)
-        r.add_post(f"{API}/rounds/{{n}}/start", self.round_start)
-        r.add_post(f"{API}/rounds/{{n}}/end", self.round_end)
-        r.add_post(f"{API}/weights", self.publish_weights)
-        r.add_post(f"{API}/engines/{{name}}/sync/{{phase}}", self.engine_sync)
-        r.add_post(f"{API}/engines/{{name}}/{{action}}", self.engine_action)
-        r.add_get(f"{API}/engines/{{name}}/log", self.engine_log)
-        r.add_get(f"{API}/events", self.events)
-        r.add_get(f"{API}/metrics", self.metrics)
-        r.add_get(f"{API}/incidents", self.incidents)
+        handlers = {
+            ("GET", STATUS_PATH): self.status,
+            ("GET", ROUTABLE_PATH): self.routable,
+            ("POST", API + "/rounds/{n}/" + RoundPhase.START): self.round_start,
+            ("POST", API + "/rounds/{n}/" + RoundPhase.END): self.round_end,
+            ("POST", WEIGHTS_PATH): self.publish_weights,
+            ("POST", ENGINE_SYNC_PATTERN): self.engine_sync,
+            ("POST", ENGINE_ACTION_PATTERN): self.engine_action,
+            ("GET", ENGINE_LOG_PATTERN): self.engine_log,
+            ("GET", EVENTS_PATH): self.events,
+            ("GET", METRICS_PATH): self.metrics,
+            ("GET", INCIDENTS_PATH): self.incidents,
+        }
+        assert set(handlers) == set(ROUTES), "protocol.ROUTES and the handlers differ"
+        for method, path in ROUTES:  # in the protocol's order: the sync route before {action}
+            self.app.router.add_route(method, path, handlers[method, path])
 
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(fleet_status(self.fleet))
@@ -283,7 +312,7 @@ class ControlServer:
     async def engine_action(self, request: web.Request) -> web.Response:
         runner = self._engine(request)
         action = request.match_info["action"]
-        if action == "failures":
+        if action == FAILURES:
             body = await self._body(request, {"detail": (str,), "poisoned": (bool,), "incarnation": (int,)})
             if "incarnation" in body:
                 check_version("incarnation", body["incarnation"])
@@ -291,8 +320,9 @@ class ControlServer:
                                                poisoned=body.get("poisoned", False),
                                                incarnation=body.get("incarnation"))
             return web.json_response({"engine": runner.name, **result})
-        if action not in ("restart", "stop", "start", "retire"):
-            raise ApiError(404, "unknown_action", f"no action {action!r}; use restart, stop, start, retire or failures")
+        if action not in set(Action):
+            raise ApiError(404, ErrorCode.UNKNOWN_ACTION,
+                           f"no action {action!r}; use {', '.join(Action)} or {FAILURES}")
         await self._body(request, {})
         message = await self.fleet.engine_action(runner, action)
         return web.json_response({"engine": runner.name, "action": action, "state": runner.fsm.state.value,
@@ -302,49 +332,49 @@ class ControlServer:
         """The trainer agent's push into one STALE engine: begin, push, end (ok or not)."""
         runner = self._engine(request)
         phase = request.match_info["phase"]
-        if phase == "begin":
+        if phase == SyncPhase.BEGIN:
             body = await self._body(request, {"version": (int,)}, {"version"})
             check_version("version", body["version"])
             return web.json_response(self.fleet.sync.begin(runner, body["version"]))
-        if phase == "end":
+        if phase == SyncPhase.END:
             body = await self._body(request, {"version": (int,), "ok": (bool,), "error": (str, type(None))},
                                     {"version", "ok"})
             check_version("version", body["version"])
             return web.json_response(await self.fleet.sync.end(runner, body["version"], body["ok"], body.get("error")))
-        raise ApiError(404, "unknown_action", f"no sync phase {phase!r}; use begin or end")
+        raise ApiError(404, ErrorCode.UNKNOWN_ACTION, f"no sync phase {phase!r}; use {' or '.join(SyncPhase)}")
 
     async def engine_log(self, request: web.Request) -> web.Response:
         runner = self._engine(request)
         try:
-            nbytes = min(int(request.query.get("bytes", "16384")), 1 << 20)
+            nbytes = min(int(request.query.get(LOG_BYTES_PARAM, "16384")), 1 << 20)
         except ValueError:
-            raise ApiError(400, "bad_request", "bytes must be an integer") from None
+            raise ApiError(400, ErrorCode.BAD_REQUEST, f"{LOG_BYTES_PARAM} must be an integer") from None
         if runner.log_path is None:
-            raise ApiError(409, "no_log", f"{runner.name} has no log yet (attached engines have none)")
+            raise ApiError(409, ErrorCode.NO_LOG, f"{runner.name} has no log yet (attached engines have none)")
         return web.Response(text=read_tail(runner.log_path, max(0, nbytes)),
-                            headers={"X-Log-Path": str(runner.log_path)})
+                            headers={LOG_PATH_HEADER: str(runner.log_path)})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """One JSON object per line, until the client goes away or the daemon stops. A
         keepalive line every 10 s lets a reader tell a quiet daemon from a dead connection;
         a client that went away is noticed within a second (an agent must not be asked to
         sync after it is gone)."""
-        role = request.query.get("role", "observer")
-        if role not in ("observer", "agent"):
-            raise ApiError(400, "bad_request", f"role must be observer or agent, got {role!r}")
-        cap = MAX_STREAMS + (MAX_AGENT_STREAMS if role == "agent" else 0)
+        role = request.query.get(ROLE_PARAM, Role.OBSERVER)
+        if role not in set(Role):
+            raise ApiError(400, ErrorCode.BAD_REQUEST, f"role must be {' or '.join(Role)}, got {role!r}")
+        cap = MAX_STREAMS + (MAX_AGENT_STREAMS if role == Role.AGENT else 0)
         if len(self._streams) >= cap:
-            raise ApiError(429, "too_many_streams",
+            raise ApiError(429, ErrorCode.TOO_MANY_STREAMS,
                            f"{len(self._streams)} event streams are open (at most {MAX_STREAMS} observers, "
                            f"{MAX_AGENT_STREAMS} more for agents); close unused ones and retry")
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        resp = web.StreamResponse(headers={"Content-Type": NDJSON})
         await resp.prepare(request)
         sub = self.fleet.subscribe(STREAM_QUEUE)
         self._streams.add(sub)
-        if role == "agent":  # it answers sync_request events: the daemon may ask it now
+        if role == Role.AGENT:  # it answers sync_request events: the daemon may ask it now
             self.fleet.sync.agent_connected()
         try:
-            hello = {"event": "hello", "ts": time.time(), **routable_view(self.fleet),
+            hello = {"event": Event.HELLO, "ts": time.time(), **routable_view(self.fleet),
                      "round": self.fleet.round, "round_open": self.fleet.round_open}
             await self._write(request, resp, json.dumps(hello).encode() + b"\n")
             quiet = 0.0
@@ -357,20 +387,21 @@ class ControlServer:
                     quiet += 1.0
                     if quiet < 10.0:
                         continue
-                    ev = {"event": "keepalive", "ts": time.time()}
+                    ev = {"event": Event.KEEPALIVE, "ts": time.time()}
                 quiet = 0.0
                 if ev is _CLOSE:
                     break
                 await self._write(request, resp, json.dumps(ev).encode() + b"\n")
                 if sub.lost:
-                    await self._write(request, resp, b'{"event": "overflow", "message": "reader too slow; reconnect"}\n')
+                    overflow = {"event": Event.OVERFLOW, "message": "reader too slow; reconnect"}
+                    await self._write(request, resp, json.dumps(overflow).encode() + b"\n")
                     break
         except (ConnectionResetError, _StalledReader):
             pass
         finally:
             self._streams.discard(sub)
             self.fleet.unsubscribe(sub)
-            if role == "agent":
+            if role == Role.AGENT:
                 self.fleet.sync.agent_disconnected()
         return resp
 

@@ -6,9 +6,10 @@ import time
 from typing import Any
 
 from .fleet import Fleet
+from .protocol import EngineStatus, FleetStatus, Routable, RoutableEngine
 
 
-def engine_status(fleet: Fleet, runner: Any) -> dict[str, Any]:
+def engine_status(fleet: Fleet, runner: Any) -> EngineStatus:
     fsm = runner.fsm
     probe = fsm.last_probe
     uptime = fsm.uptime()
@@ -39,7 +40,7 @@ def engine_status(fleet: Fleet, runner: Any) -> dict[str, Any]:
     }
 
 
-def fleet_status(fleet: Fleet) -> dict[str, Any]:
+def fleet_status(fleet: Fleet) -> FleetStatus:
     engines = [engine_status(fleet, r) for r in fleet.runners.values()]
     return {
         "engines": engines,
@@ -56,13 +57,10 @@ def fleet_status(fleet: Fleet) -> dict[str, Any]:
     }
 
 
-def routable_view(fleet: Fleet) -> dict[str, Any]:
-    return {
-        "epoch": fleet.epoch,
-        "weight_version": fleet.current_version,
-        "engines": [
-            {"name": r.name, "url": r.spec.base_url, "model": r.spec.model_name,
-             "weight_version": r.fsm.weight_version, "incarnation": r.fsm.incarnation}
-            for r in fleet.routable()
-        ],
-    }
+def routable_view(fleet: Fleet) -> Routable:
+    engines: list[RoutableEngine] = [
+        {"name": r.name, "url": r.spec.base_url, "model": r.spec.model_name,
+         "weight_version": r.fsm.weight_version, "incarnation": r.fsm.incarnation}
+        for r in fleet.routable()
+    ]
+    return {"epoch": fleet.epoch, "weight_version": fleet.current_version, "engines": engines}
