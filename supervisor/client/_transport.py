@@ -1,0 +1,139 @@
+"""What the blocking and asyncio transports share: connect-failure mapping, the retry policy,
+the server's uid check, and the event stream's line handling. No I/O of its own."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import struct
+import time
+from typing import Any, Callable
+
+from tenacity import stop_after_delay, wait_exponential, wait_random
+
+from vime.supervisor.protocol import Event, ReconnectedEvent
+
+from .errors import (
+    ClientCode,
+    ConnectionLost,
+    DaemonUnreachable,
+    Forbidden,
+    SupervisorError,
+    forbidden_socket_message,
+    unreachable_message,
+)
+
+try:  # tenacity >= 8.3: do not start a wait that would end past the deadline
+    from tenacity import stop_before_delay as stop_within
+except ImportError:  # pragma: no cover - older tenacity overshoots by at most one wait
+    stop_within = stop_after_delay
+
+# A daemon running as a dedicated user (neither root nor ours) is trusted only when named here.
+ENV_SERVER_UID = "VIME_SUPERVISOR_UID"
+
+
+class NotConnected(Exception):
+    """The connection could not be made: nothing was sent, so a retry is always safe."""
+
+
+class Dropped(Exception):
+    """The connection broke after the request was (perhaps) sent."""
+
+
+def connect_failure(path: str, err: OSError) -> Exception:
+    if isinstance(err, FileNotFoundError) or err.errno == errno.ENOENT:
+        return NotConnected("no such socket (the daemon is not running, or uses another runtime_dir)")
+    if isinstance(err, PermissionError) or err.errno in (errno.EACCES, errno.EPERM):
+        return Forbidden(forbidden_socket_message(path, err), code=ClientCode.SOCKET_PERMISSION)
+    if isinstance(err, ConnectionRefusedError) or err.errno == errno.ECONNREFUSED:
+        return NotConnected("connection refused (a stale socket: the daemon is not listening)")
+    if err.errno == errno.ENOTSOCK:
+        return NotConnected("the path exists but is not a socket")
+    if isinstance(err, TimeoutError):
+        return NotConnected("connect timed out")
+    return NotConnected(f"{type(err).__name__}: {err}")
+
+
+def retry_predicate(idempotent: bool) -> Callable[[BaseException], bool]:
+    return lambda e: isinstance(e, NotConnected) or (idempotent and isinstance(e, Dropped))
+
+
+def wait() -> Any:
+    # 0.05 s doubling to 1 s, plus up to 0.1 s of jitter so clients do not reconnect in lockstep.
+    return wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.1)
+
+
+def give_up(path: str, err: BaseException, idempotent: bool, elapsed: float) -> SupervisorError:
+    if isinstance(err, Dropped) and not idempotent:
+        return ConnectionLost(
+            f"the connection to the vime-supervisor daemon at {path} dropped after the request was "
+            f"sent ({err}); it may or may not have taken effect: check `status()` before repeating it",
+            code=ClientCode.CONNECTION_LOST)
+    return DaemonUnreachable(unreachable_message(path, f"{err} (tried for {elapsed:.1f}s)"),
+                             code=ClientCode.UNREACHABLE)
+
+
+def why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".rstrip(": ")
+
+
+def _trusted_server_uids() -> set[int]:
+    uids = {0, os.geteuid()}
+    extra = os.environ.get(ENV_SERVER_UID, "").strip()
+    if extra.isdigit():
+        uids.add(int(extra))
+    return uids
+
+
+def check_server(sock: Any, path: str) -> None:
+    """SO_PEERCRED on our side: whoever could replace the socket file could otherwise answer
+    for the daemon. The daemon must be root, our own uid, or $VIME_SUPERVISOR_UID."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return  # not a Unix socket with credentials (never the daemon's): nothing to check
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid not in _trusted_server_uids():
+        raise Forbidden(f"the process behind {path} runs as uid {uid}, not root nor uid {os.geteuid()}: "
+                        f"not trusted as the vime-supervisor daemon. Check who owns its runtime_dir; if the "
+                        f"daemon runs as a dedicated user, set ${ENV_SERVER_UID}={uid}",
+                        code=ClientCode.UNTRUSTED_SERVER)
+
+
+class Stream:
+    """One events() generator's connection, so close() can end it from another thread."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.handle: Any = None  # the socket (blocking) or the aiohttp response (asyncio)
+
+
+def reconnected(path: str, reason: str) -> ReconnectedEvent:
+    return {"event": Event.RECONNECTED, "ts": time.time(), "socket": path,  # type: ignore[typeddict-item]
+            "message": f"event stream reconnected after: {reason}; events in between may have been missed "
+                       "(the hello that follows has the current state)"}
+
+
+def wanted(ev: Any, keepalives: bool) -> bool:
+    return isinstance(ev, dict) and (keepalives or ev.get("event") != Event.KEEPALIVE)
+
+
+def event_lines(buf: bytearray, chunk: bytes) -> list[dict[str, Any]]:
+    """Append chunk to buf; return the complete NDJSON lines, parsed (bad lines skipped)."""
+    buf += chunk
+    out: list[dict[str, Any]] = []
+    while True:
+        i = buf.find(b"\n")
+        if i < 0:
+            return out
+        line = bytes(buf[:i]).strip()
+        del buf[:i + 1]
+        if line:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict):
+                out.append(ev)

@@ -1,0 +1,308 @@
+"""The control socket's verbs as a sans-IO table: each verb is written once, here, as a pure
+function that builds a `Call` (method, path, body, idempotent, decode); both transports take
+their verbs from `Verbs`, so SupervisorClient and AsyncSupervisorClient always have the same.
+
+    call = Verbs.start_round.build(7)     # Call(method="POST", path="/v1/rounds/7/start", ...)
+    VERBS["start_round"](7)               # the same, by name
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Generic,
+    Literal,
+    Mapping,
+    ParamSpec,
+    Protocol,
+    TypeVar,
+    overload,
+)
+
+from vime.supervisor.protocol import (
+    FAILURES,
+    INCIDENTS_PATH,
+    METRICS_PATH,
+    ROUTABLE_PATH,
+    STATUS_PATH,
+    WEIGHTS_PATH,
+    Action,
+    ActionResult,
+    FailureResult,
+    FleetStatus,
+    Incident,
+    Role,
+    RoundPhase,
+    RoundResult,
+    Routable,
+    SyncBeginResult,
+    SyncEndResult,
+    SyncPhase,
+    WeightsResult,
+    engine_log_path,
+    engine_path,
+    engine_sync_path,
+    events_path,
+    round_path,
+)
+
+from .errors import ClientCode, SupervisorError
+
+__all__ = ["Call", "Verb", "Verbs", "VERBS", "LogTail", "event_stream"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
+Headers = Mapping[str, str]  # lower-cased names
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request and how to read its answer. `idempotent`: the daemon makes a repeat
+    harmless, so a transport may resend it after a connection dropped mid-request."""
+
+    method: str
+    path: str
+    body: dict[str, Any] | None
+    idempotent: bool
+    decode: Callable[[bytes, Headers], T]
+
+
+class LogTail(str):
+    """An engine's log tail (a str); `.path` is the log file on the daemon's host (one file
+    per incarnation, so a new path means the engine was restarted)."""
+
+    path: str | None
+
+    def __new__(cls, text: str, path: str | None = None) -> "LogTail":
+        obj = super().__new__(cls, text)
+        obj.path = path
+        return obj
+
+
+# -- decoders --------------------------------------------------------------------------------
+
+
+def _json(payload: bytes, headers: Headers) -> Any:
+    try:
+        return json.loads(payload)
+    except ValueError:
+        raise SupervisorError(f"the daemon answered 200 with a body that is not JSON: {payload[:200]!r}",
+                              status=200, code=ClientCode.BAD_ANSWER) from None
+
+
+def _text(payload: bytes, headers: Headers) -> str:
+    return payload.decode("utf-8", "replace")
+
+
+def _log_tail(payload: bytes, headers: Headers) -> LogTail:
+    return LogTail(_text(payload, headers), headers.get("x-log-path"))
+
+
+def _incidents(payload: bytes, headers: Headers) -> list[Incident]:
+    return _json(payload, headers)["incidents"]
+
+
+def _post(path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True) -> Call[Any]:
+    return Call("POST", path, body, idempotent, _json)
+
+
+def _get(path: str, decode: Callable[[bytes, Headers], Any] = _json) -> Call[Any]:
+    return Call("GET", path, None, True, decode)
+
+
+# -- binding a verb to a transport ---------------------------------------------------------
+
+
+class _BlockingHost(Protocol):
+    _asynchronous: Literal[False]
+
+    def _perform(self, call: Call[Any]) -> Any: ...
+
+
+class _AsyncHost(Protocol):
+    _asynchronous: Literal[True]
+
+    def _perform(self, call: Call[Any]) -> Awaitable[Any]: ...
+
+
+class Verb(Generic[P, T]):
+    """A verb of the table: `build(...)` makes its Call; on a client instance it is a method
+    that performs that Call (blocking, or a coroutine on the asyncio client)."""
+
+    def __init__(self, build: Callable[P, Call[T]]):
+        self.build = build
+        self.name = build.__name__
+        self.__doc__ = build.__doc__
+        sig = inspect.signature(build)
+        answer = sig.return_annotation  # "Call[X]": a method on a client returns X
+        if isinstance(answer, str) and answer.startswith("Call[") and answer.endswith("]"):
+            sig = sig.replace(return_annotation=answer[5:-1])
+        self.signature = sig
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> "Verb[P, T]": ...
+
+    @overload
+    def __get__(self, obj: _AsyncHost, owner: type | None = None) -> Callable[P, Awaitable[T]]: ...
+
+    @overload
+    def __get__(self, obj: _BlockingHost, owner: type | None = None) -> Callable[P, T]: ...
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        build = self.build
+        if obj._asynchronous:
+            @functools.wraps(build)
+            async def averb(*args: Any, **kwargs: Any) -> Any:
+                return await obj._perform(build(*args, **kwargs))
+            averb.__signature__ = self.signature  # type: ignore[attr-defined]
+            return averb
+
+        @functools.wraps(build)
+        def verb(*args: Any, **kwargs: Any) -> Any:
+            return obj._perform(build(*args, **kwargs))
+        verb.__signature__ = self.signature  # type: ignore[attr-defined]
+        return verb
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def _weights_body(version: int, checkpoint: str | os.PathLike[str] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"version": version}
+    if checkpoint is not None:
+        # A relative checkpoint means the trainer's working directory, not the daemon's.
+        body["checkpoint"] = os.path.abspath(os.fspath(checkpoint))
+    return body
+
+
+def _action(name: str, action: Action) -> Call[ActionResult]:
+    # stop/start/retire repeat harmlessly ("already STOPPED"); restart would restart twice.
+    return _post(engine_path(name, action), idempotent=action is not Action.RESTART)
+
+
+class Verbs:
+    """Every verb of the control socket. Both clients inherit these; each one's docstring is
+    the verb's documentation."""
+
+    @Verb
+    def status() -> Call[FleetStatus]:  # type: ignore[misc]
+        """The whole fleet: engines (name, state, reason, pid, weight_version, restarts,
+        routable, ...), round, round_open, weight_version, epoch, ..."""
+        return _get(STATUS_PATH)
+
+    @Verb
+    def routable_engines() -> Call[Routable]:  # type: ignore[misc]
+        """{"epoch", "weight_version", "engines": [{"name", "url", "model", "weight_version"}]}:
+        the engines that may take traffic now. `epoch` changes whenever that set changes."""
+        return _get(ROUTABLE_PATH)
+
+    @Verb
+    def start_round(n: int) -> Call[RoundResult]:  # type: ignore[misc]
+        """Open round n. Idempotent: starting the open round again is a no-op (changed: false),
+        so a retry after a reconnect is safe. ConflictError if another round is open or n is not
+        greater than the last round."""
+        return _post(round_path(n, RoundPhase.START))
+
+    @Verb
+    def end_round(n: int) -> Call[RoundResult]:  # type: ignore[misc]
+        """End round n. Idempotent: ending it again is a no-op (changed: false), so a retry after
+        a reconnect is safe. ConflictError if n is not the open round."""
+        return _post(round_path(n, RoundPhase.END))
+
+    @Verb
+    def publish_weights(version: int, checkpoint: str | os.PathLike[str] | None = None  # type: ignore[misc]
+                        ) -> Call[WeightsResult]:
+        """Make `version` current (engines not reporting it go STALE, out of routing, until
+        synced). Idempotent: publishing the current version again (same checkpoint) is a no-op,
+        so a retry after a reconnect is safe. ConflictError for a version lower than the
+        current one; BadRequest for a checkpoint that is not a directory with *.safetensors and
+        config.json. A relative checkpoint is made absolute against our working directory."""
+        return _post(WEIGHTS_PATH, _weights_body(version, checkpoint))
+
+    @Verb
+    def restart(name: str) -> Call[ActionResult]:  # type: ignore[misc]
+        """Stop and start a spawned engine now. Not repeated after a dropped connection."""
+        return _action(name, Action.RESTART)
+
+    @Verb
+    def stop(name: str) -> Call[ActionResult]:  # type: ignore[misc]
+        """Stop a spawned engine and keep it STOPPED. Idempotent."""
+        return _action(name, Action.STOP)
+
+    @Verb
+    def start(name: str) -> Call[ActionResult]:  # type: ignore[misc]
+        """Start a STOPPED/EXITED/BACKOFF/FATAL spawned engine with a fresh start budget. Idempotent."""
+        return _action(name, Action.START)
+
+    @Verb
+    def retire(name: str) -> Call[ActionResult]:  # type: ignore[misc]
+        """Take an engine out of routing for good (spawned ones are stopped). Idempotent."""
+        return _action(name, Action.RETIRE)
+
+    @Verb
+    def report_failure(name: str, detail: str, *, poisoned: bool = False,  # type: ignore[misc]
+                       incarnation: int | None = None) -> Call[FailureResult]:
+        """A request to this engine failed: counts like a failed probe. poisoned=True: a weight
+        push into it failed midway (weight_sync.PoisonedEngine), so it is stopped and restarted
+        at once. incarnation: the one the request went to (status's "incarnation"); a report
+        about an earlier one is ignored (counted False). Not repeated after a dropped connection
+        (it would count twice)."""
+        body: dict[str, Any] = {"detail": detail, "poisoned": True} if poisoned else {"detail": detail}
+        if incarnation is not None:
+            body["incarnation"] = int(incarnation)
+        return _post(engine_path(name, FAILURES), body, idempotent=False)
+
+    @Verb
+    def sync_begin(name: str, version: int) -> Call[SyncBeginResult]:  # type: ignore[misc]
+        """The sync agent takes a STALE engine to push `version` into it ({"engine", "url",
+        "version"}); the engine is SYNCING, never probed, until sync_end. ConflictError if the
+        version is not current, the engine is not STALE, or a round is open. Not repeated after
+        a dropped connection (the repeat would answer 409: check status())."""
+        return _post(engine_sync_path(name, SyncPhase.BEGIN), {"version": int(version)}, idempotent=False)
+
+    @Verb
+    def sync_end(name: str, version: int, ok: bool, error: str | None = None  # type: ignore[misc]
+                 ) -> Call[SyncEndResult]:
+        """The push finished: ok=True has the daemon verify the engine (/weight_info and a deep
+        probe) before it is RUNNING; ok=False (with `error`) has it restarted as poisoned.
+        Returns {"engine", "state", "reason"}. Not repeated after a dropped connection."""
+        body = {"version": int(version), "ok": bool(ok), "error": error}
+        return _post(engine_sync_path(name, SyncPhase.END), body, idempotent=False)
+
+    @Verb
+    def engine_log(name: str, nbytes: int = 16384) -> Call[LogTail]:  # type: ignore[misc]
+        """The last `nbytes` of the engine's current log (ConflictError for attached engines,
+        which have none)."""
+        return _get(engine_log_path(name, nbytes), _log_tail)
+
+    @Verb
+    def metrics() -> Call[str]:  # type: ignore[misc]
+        """Prometheus text exposition of the fleet."""
+        return _get(METRICS_PATH, _text)
+
+    @Verb
+    def incidents() -> Call[list[Incident]]:  # type: ignore[misc]
+        """Post-mortem folders saved before unhealthy engines were stopped, oldest first."""
+        return _get(INCIDENTS_PATH, _incidents)
+
+
+VERBS: dict[str, Callable[..., Call[Any]]] = {
+    name: v.build for name, v in vars(Verbs).items() if isinstance(v, Verb)}
+
+
+def event_stream(role: Role | str = Role.OBSERVER) -> Call[None]:
+    """The request that opens the event stream (GET, NDJSON answer read line by line by the
+    transport's events(); re-opening it is harmless)."""
+    return Call("GET", events_path(role), None, True, lambda payload, headers: None)
