@@ -15,24 +15,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, cast
 
-from vime.supervisor.client import (
-    DEFAULT_SOCKET,
-    ENV_SOCKET,
+from .client import (
     ConflictError,
     DaemonUnreachable,
     Forbidden,
     SupervisorClient,
     SupervisorError,
     UnknownEngine,
-    default_socket_path,
 )
-
-from .states import RUNNING_STATES, State
+from .protocol import DEFAULT_SOCKET, ENGINE_ACTIONS, ENV_SOCKET, RUNNING_STATES, Action, State, default_socket_path
 
 PROG = "supervisorctl"
 
@@ -45,7 +42,12 @@ EXIT_UNKNOWN = 4
 
 # States whose description is "pid N, uptime H:MM:SS, weights vV" when the engine has a pid.
 _PROCESS_DESC = frozenset({State.RUNNING, State.SUSPECT, State.STALE, State.SYNCING})
-_RUNNING = frozenset(s.value for s in RUNNING_STATES)
+_ACTION_HELP = {
+    Action.RESTART: "stop and start spawned engines now",
+    Action.STOP: "stop spawned engines and keep them stopped",
+    Action.START: "start stopped or FATAL engines, with a fresh start budget",
+    Action.RETIRE: "take engines out of routing for good",
+}
 
 
 def _err(msg: str) -> None:
@@ -85,6 +87,33 @@ def status_lines(engines: list[dict[str, Any]]) -> list[str]:
     return [fmt % (e["name"], e["state"], describe(e)) for e in engines]
 
 
+class _NoDaemon(Exception):
+    """DaemonUnreachable or Forbidden, kept out of the commands' `except SupervisorError`
+    (both are SupervisorErrors) so that main() answers them in one place."""
+
+    def __init__(self, error: SupervisorError):
+        super().__init__(error.message)
+        self.error = error
+
+
+class _Reaching:
+    """The client, its calls raising _NoDaemon when the daemon cannot be reached or refuses us."""
+
+    def __init__(self, client: SupervisorClient):
+        self._client = client
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        verb = getattr(self._client, name)
+
+        @functools.wraps(verb)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return verb(*args, **kwargs)
+            except (DaemonUnreachable, Forbidden) as e:
+                raise _NoDaemon(e) from e
+        return call
+
+
 def _unreachable(e: SupervisorError) -> int:
     _err(f"{PROG}: {e.message}")
     if isinstance(e, DaemonUnreachable):
@@ -99,8 +128,6 @@ def _known_hint(known: list[str]) -> None:
 def cmd_status(client: SupervisorClient, args: argparse.Namespace) -> int:
     try:
         st = client.status()
-    except (DaemonUnreachable, Forbidden) as e:
-        return _unreachable(e)
     except SupervisorError as e:  # a 5xx: the status is unknown
         _err(f"{PROG}: the daemon could not give its status: {e.message}")
         return EXIT_UNKNOWN
@@ -119,7 +146,7 @@ def cmd_status(client: SupervisorClient, args: argparse.Namespace) -> int:
     if unknown:
         _known_hint(list(by_name))
         return EXIT_UNKNOWN
-    return EXIT_OK if all(e["state"] in _RUNNING for e in listed) else EXIT_NOT_RUNNING
+    return EXIT_OK if all(e["state"] in RUNNING_STATES for e in listed) else EXIT_NOT_RUNNING
 
 
 def cmd_action(client: SupervisorClient, args: argparse.Namespace) -> int:
@@ -128,8 +155,6 @@ def cmd_action(client: SupervisorClient, args: argparse.Namespace) -> int:
     for name in args.names:
         try:
             result = verb(name)
-        except (DaemonUnreachable, Forbidden) as e:
-            return _unreachable(e)
         except UnknownEngine as e:
             _err(f"{name}: ERROR (no such engine)")
             _err(f"{PROG}: {e.message}")
@@ -156,8 +181,6 @@ def _new_text(prev: str, cur: str) -> str:
 def cmd_tail(client: SupervisorClient, args: argparse.Namespace) -> int:
     try:
         text = client.engine_log(args.name, args.bytes)
-    except (DaemonUnreachable, Forbidden) as e:
-        return _unreachable(e)
     except UnknownEngine as e:
         _err(f"{args.name}: ERROR (no such engine)")
         _err(f"{PROG}: {e.message}")
@@ -179,8 +202,6 @@ def cmd_tail(client: SupervisorClient, args: argparse.Namespace) -> int:
                 cur = client.engine_log(args.name, window)
             except ConflictError:
                 continue  # no log right now (between incarnations): keep waiting
-            except (DaemonUnreachable, Forbidden) as e:
-                return _unreachable(e)
             except SupervisorError as e:
                 _err(f"{args.name}: ERROR ({e.message})")
                 return EXIT_ERROR
@@ -199,10 +220,7 @@ def cmd_tail(client: SupervisorClient, args: argparse.Namespace) -> int:
 
 
 def cmd_incidents(client: SupervisorClient, args: argparse.Namespace) -> int:
-    try:
-        incidents = client.incidents()
-    except (DaemonUnreachable, Forbidden) as e:
-        return _unreachable(e)
+    incidents = client.incidents()
     if args.json:
         print(json.dumps(incidents, indent=1))
         return EXIT_OK
@@ -230,11 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="engine states (supervisord's format)")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these engines")
     p.add_argument("--json", action="store_true", help="the daemon's status as one JSON object")
-    for verb, what in (("restart", "stop and start spawned engines now"),
-                       ("stop", "stop spawned engines and keep them stopped"),
-                       ("start", "start stopped or FATAL engines, with a fresh start budget"),
-                       ("retire", "take engines out of routing for good")):
-        p = sub.add_parser(verb, help=what)
+    for verb in ENGINE_ACTIONS:
+        p = sub.add_parser(verb, help=_ACTION_HELP[verb])
         p.add_argument("names", nargs="+", metavar="NAME")
     p = sub.add_parser("tail", help="an engine's current log")
     p.add_argument("name", metavar="NAME")
@@ -248,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    client = SupervisorClient(args.socket or default_socket_path(), connect_timeout=args.connect_timeout,
-                              timeout=args.timeout)
+    # Every command's "daemon unreachable or refuses us" is answered once, below.
+    client = cast(SupervisorClient, _Reaching(SupervisorClient(
+        args.socket or default_socket_path(), connect_timeout=args.connect_timeout, timeout=args.timeout)))
     try:
         if args.command == "status":
             return cmd_status(client, args)
@@ -263,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_action(client, args)
     except KeyboardInterrupt:
         return 130
+    except _NoDaemon as e:
+        return _unreachable(e.error)
     except SupervisorError as e:  # anything left: a bad answer, a 5xx
         _err(f"{PROG}: {e.message}")
         return EXIT_ERROR
