@@ -65,6 +65,8 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
+from vime.supervisor.protocol import Event
+
 __all__ = [
     "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine",
     "RolloutError", "NoEngineAvailable", "RolloutRequestError", "RolloutFailed",
@@ -480,11 +482,11 @@ class RolloutClient:
                 async with contextlib.aclosing(self.supervisor.events()) as stream:
                     async for ev in stream:
                         kind = ev.get("event")
-                        if kind == "membership" and ev.get("epoch") != self.epoch:
+                        if kind == Event.MEMBERSHIP and ev.get("epoch") != self.epoch:
                             names = set(ev.get("routable") or ())
                             self.engines = [e for e in self.engines if e.name in names]
                             await self.refresh()
-                        elif kind in ("hello", "reconnected"):
+                        elif kind in (Event.HELLO, Event.RECONNECTED):
                             await self.refresh()
             except asyncio.CancelledError:
                 raise

@@ -61,6 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from vime.supervisor.protocol import Event
+
 __all__ = ["Tracer", "DaemonEventRecorder", "long_tail_summary", "format_summary", "save_summary",
            "percentile", "TRAINER_PID", "DAEMON_PID"]
 
@@ -401,7 +403,7 @@ class Tracer:
         ev = dict(event)
         ts = self._wall(ev.get("ts"))
         ev["ts"] = time.time() if ts is None else ts
-        if ev["event"] == "keepalive":
+        if ev["event"] == Event.KEEPALIVE:
             return
         with self._lock:
             self._daemon.append(ev)
@@ -472,7 +474,7 @@ class Tracer:
         return _nest(root)
 
     def _state_spans(self, evs: list[dict[str, Any]], end_of_trace: float) -> list[_Span]:
-        trans = [e for e in evs if e["event"] == "transition" and e.get("to_state")]
+        trans = [e for e in evs if e["event"] == Event.TRANSITION and e.get("to_state")]
         out = []
         for k, e in enumerate(trans):
             until = trans[k + 1]["ts"] if k + 1 < len(trans) else end_of_trace
@@ -590,13 +592,13 @@ def _key(v: Any) -> Any:
 
 def _daemon_event_name(e: Mapping[str, Any]) -> str:
     kind = str(e["event"])
-    if kind == "transition":
+    if kind == Event.TRANSITION:
         return f"{e.get('from_state')} -> {e.get('to_state')}"
-    if kind == "detection":
+    if kind == Event.DETECTION:
         return f"detection: {e.get('kind')}"
-    if kind in ("round_start", "round_end"):
+    if kind in (Event.ROUND_START, Event.ROUND_END):
         return f"{kind} {e.get('round')}"
-    if kind == "membership":
+    if kind == Event.MEMBERSHIP:
         return f"membership epoch {e.get('epoch')}"
     return kind
 
@@ -649,7 +651,7 @@ class DaemonEventRecorder:
             for ev in self.client.events(keepalives=True):
                 if self._stopping:
                     return
-                if ev.get("event") == "keepalive":
+                if ev.get("event") == Event.KEEPALIVE:
                     continue
                 if "ts" not in ev:
                     ev = {**ev, "ts": time.time()}
