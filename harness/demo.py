@@ -5,10 +5,10 @@
 1. builds the tiny Llama (trainer/tiny_model.py) and writes a config for two engines that
    accept weight pushes (gloo on CPU);
 2. starts `python -m vime.supervisor` as a plain child process and waits until both are RUNNING;
-3. runs the RL loop (trainer/rl_loop.py): rollouts through the daemon's routing, reward,
-   a policy-gradient step, the new weights pushed into the engines, versions published, with
-   a kill -9 (step --kill-at), a SIGSTOPped EngineCore (--hang-at) and a push that fails
-   midway (--fail-push-at);
+3. runs the example RL loop (trainer/rl_loop.py) under harness/chaos.py: rollouts through
+   the daemon's routing, reward, a policy-gradient step, the new weights pushed into the
+   engines, versions published, with a kill -9 (step --kill-at), a SIGSTOPped EngineCore
+   (--hang-at) and a push that fails midway (--fail-push-at);
 4. shows `supervisorctl status`, stops the daemon (SIGTERM: every engine stopped) and checks
    that no engine process is left.
 
@@ -21,7 +21,7 @@ engines' process groups it spawned (by pid, never by name); exit status 128 + th
 daemon runs in its own session, so a Ctrl-C at the terminal reaches only the demo, which stops
 things in that order. demo.json records the pids (the demo's, the daemon's, the engines').
 Everything (config, daemon log, engine logs, incidents, trace.json, summary.json, dumps)
-stays in --out. Any rl_loop flag after `--` goes to the loop.
+stays in --out. Any flag of `python -m vime.harness.chaos` after `--` goes to the loop.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ ONE_RESTART = ("kill", "hang", "push", "kill-gap", "poison-reload")
 
 
 def judge(report) -> list[str]:
-    """What went wrong in a run of the RL loop, one line each ([] when nothing did): an early
+    """What went wrong in a run of the chaos loop, one line each ([] when nothing did): an early
     stop, lost rounds, stale answers, faults not injected or not recovered, engines not on
     the trainer's version, and restarts that the injected faults do not explain."""
     problems = []
@@ -210,6 +210,7 @@ def judge(report) -> list[str]:
             elif f.resynced_at is None:
                 problems.append(f"fault {f.kind} on {f.engine} (step {f.fired_step}) was not recovered from: "
                                 f"{f.detected_as or 'not detected'}")
+
     for name, e in sorted(report.engines.items()):
         if e["state"] != "RUNNING" or e.get("weight_version") != report.final_version:
             problems.append(f"{name} ends {e['state']} on v{e.get('weight_version')} (trainer at v{report.final_version})")
@@ -226,7 +227,8 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         model: Path | None = None, python: str | None = None, boot: float = BOOT) -> int:
     """The demo; its exit status: 0 when everything went as it should, 1 when something went
     wrong (printed), 128 + the signal when SIGINT/SIGTERM stopped it."""
-    from vime.trainer.rl_loop import RLLoop, build_parser, format_report, quiet_rollout_log
+    from vime.harness.chaos import ChaosLoop, build_parser, format_report
+    from vime.trainer.rl_loop import quiet_rollout_log
 
     quiet_rollout_log()
     out.mkdir(parents=True, exist_ok=True)
@@ -265,7 +267,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
                                               "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.jsonl"),
                                               "--stop-on-fatal", *loop_argv])
             _say("running the RL loop: " + " ".join(loop_argv or ["(defaults)"]))
-            report = RLLoop(args).run()
+            report = ChaosLoop(args).run()
             sig.raising()  # the loop's own handlers are gone again
             save(engine_pids=daemon.spawned_pids())
             print(format_report(report))

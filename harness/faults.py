@@ -1,6 +1,6 @@
-"""Faults on demand for the RL loop, and what the daemon's event stream says happened next.
+"""Faults on demand for the chaos loop, and what the daemon's event stream says happened next.
 
-Three faults at steps the user picks (trainer/rl_loop.py flags):
+Three faults at steps the user picks (harness/chaos.py flags, which the demo passes):
 
   kill   kill -9 of an engine's API server while the round's requests are in flight;
   hang   SIGSTOP of an engine's VLLM::EngineCore during the round (its /health still says 200);

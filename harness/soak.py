@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vime.harness import faults as F
-from vime.supervisor.client import SupervisorClient
-from vime.supervisor.process import port_is_free
+from vime.harness import faults
+from vime.harness.chaos import ChaosHooks, ChaosLoop, build_parser, format_report
 from vime.harness.demo import BOOT, demo_config
 from vime.harness.local_daemon import Daemon, live_pids_in_groups
-from vime.trainer.rl_loop import Hooks, RLLoop, build_parser, format_report, quiet_rollout_log
+from vime.supervisor.client import SupervisorClient
+from vime.supervisor.process import port_is_free
+from vime.trainer.rl_loop import quiet_rollout_log
 from vime.trainer.tiny_model import build_tiny_model
 
 # Daemon restarts in a round gap, the soak's own kinds (run as harness/faults.py's "daemon"
@@ -57,19 +58,19 @@ LONG = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "dis
         "daemon-term", "daemon-corrupt"]
 
 
-def schedule(kinds: list[str], seed: int, first: int = 2, spacing: int = 2) -> list[F.Fault]:
+def schedule(kinds: list[str], seed: int, first: int = 2, spacing: int = 2) -> list[faults.Fault]:
     """The kinds in a seeded order, one every `spacing` steps (+ seeded jitter) from `first`."""
     rng = random.Random(seed)
     order = list(kinds)
     rng.shuffle(order)
     plan, step = [], first
     for kind in order:
-        plan.append(F.Fault(kind, step))
+        plan.append(faults.Fault(kind, step))
         step += spacing + rng.randint(0, 1)
     return plan
 
 
-class Keeper(Hooks):
+class Keeper(ChaosHooks):
     """Owns the daemon process like systemd would (restarts it after a kill -9 or a crash) and
     the engines' model paths (symlinks it can point at a broken model)."""
 
@@ -198,33 +199,34 @@ class Keeper(Hooks):
             self.log.close()
 
 
-class SoakLoop(RLLoop):
-    """The RL loop plus the soak's gap restarts of the daemon: injected before a step's round
-    (so no round loses its engines), then the fleet is waited for until whole again."""
+class SoakLoop(ChaosLoop):
+    """The chaos loop plus the soak's gap restarts of the daemon: injected before a step's
+    round (so no round loses its engines), then the fleet is waited for until whole again."""
 
-    def __init__(self, args: argparse.Namespace, *, plan: list[F.Fault], hooks: Keeper, gap: dict[int, str]):
+    def __init__(self, args: argparse.Namespace, *, plan: list[faults.Fault], hooks: Keeper, gap: dict[int, str]):
         super().__init__(args, plan=plan, hooks=hooks)
         self.keeper = hooks
         self.gap = gap  # id(fault) -> its GAP_RESTARTS kind
 
-    async def _step(self, step, fleet, pusher, tracer, train: bool) -> None:
-        fault = next((f for f in self.plan if f.fired_step is None and f.step <= step), None)
-        if fault is not None and id(fault) in self.gap and await self._ready_for(fault, fleet):
-            await asyncio.to_thread(self._restart_in_gap, fault, step, fleet)
-        await super()._step(step, fleet, pusher, tracer, train)
+    async def before_round(self, step: int) -> None:
+        fault = self.due(step)
+        if fault is not None and id(fault) in self.gap and await self._ready_for(fault):
+            await asyncio.to_thread(self._restart_in_gap, fault, step)
+        await super().before_round(step)
 
-    def _restart_in_gap(self, fault: F.Fault, step: int, fleet) -> None:
+    def _restart_in_gap(self, fault: faults.Fault, step: int) -> None:
         kind = self.gap[id(fault)]
         fault.fired_step, fault.injected_at = step, time.time()
         rec = self.keeper.restart_daemon(kind)
         self.log(f"FAULT {GAP_RESTARTS[kind]} of the daemon before step {step}")
-        status = fleet.client.status()
+        client, view = self.client, self.view
+        status = client.status()
         if self.published is not None and status["weight_version"] != self.published:
             # A daemon that lost its journal lost the version too: the trainer says it again,
             # or engines on the base weights would be routed as current.
             self.log(f"the daemon has v{status['weight_version']}, not v{self.published}: publishing it again")
-            fleet.client.publish_weights(self.published)
-        whole = fleet.wait(lambda: fleet.whole(self.published), self.args.fault_wait)
+            client.publish_weights(self.published)
+        whole = view.wait(lambda: view.whole(self.published), self.args.fault_wait)
         rec["whole again"] = whole
         fault.confirmed = whole and not rec["old processes left"] and rec["exit"] in (0, None)
         fault.note = (f"{GAP_RESTARTS[kind]}: exit {rec['exit']}, old pids {sorted(p for p in rec['before'].values() if p)}, "
@@ -447,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--steps", type=int, default=None, help="rounds (default: 12 short, 40 long)")
     ap.add_argument("--long", action="store_true", help="every fault kind, twice (else the short CI set)")
-    ap.add_argument("--kinds", nargs="*", choices=[*F.KINDS, *GAP_RESTARTS],
+    ap.add_argument("--kinds", nargs="*", choices=[*faults.KINDS, *GAP_RESTARTS],
                     help="the faults to schedule (overrides --long)")
     args = ap.parse_args(argv)
     kinds = args.kinds or (LONG * 2 if args.long else SHORT)

@@ -4,7 +4,8 @@ and no process left behind.
 
 Cheap on purpose: no vLLM engine boots here. The daemon is the real one (`python -m vime.supervisor`)
 and the demo and the loop run as their own processes (`python -m vime.harness.demo`,
-`python -m vime.trainer.rl_loop`); the engines' interpreter (`supervisor.python` in the config, the
+`python -m vime.trainer.rl_loop`, and `python -m vime.harness.chaos` where a fault makes it wait for
+a whole fleet); the engines' interpreter (`supervisor.python` in the config, the
 demo's --python) is a shell script that stands in for vLLM: one that fails at once the way a
 broken install does, or one that starts a child and never answers (an engine still booting,
 in its own process group like a real one, with a member besides its leader). Which processes
@@ -194,18 +195,23 @@ def booting_daemon(tiny_model, tmp_path):
         assert rc == 0 and left == [] and live_pids_in_groups(groups) == []
 
 
-def rl_loop(tiny_model, sock: str, out: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "vime.trainer.rl_loop", "--model", str(tiny_model), "--socket", sock,
+def rl_loop(tiny_model, sock: str, out: Path, *flags: str, module: str = "vime.trainer.rl_loop") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, "--model", str(tiny_model), "--socket", sock,
                              "--out", str(out), "--num-rollout", "3", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def chaos_loop(tiny_model, sock: str, out: Path, *flags: str) -> subprocess.Popen:
+    """The example loop with a fault due (harness/chaos.py): it waits for a whole fleet first."""
+    return rl_loop(tiny_model, sock, out, *flags, module="vime.harness.chaos")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_the_loop_in_a_long_wait(booting_daemon, tiny_model, tmp_path, sig):
-    """The loop waits (up to --fault-wait 300 s) for a whole fleet before its fault: a signal
+    """The chaos loop waits (up to --fault-wait 300 s) for a whole fleet before its fault: a signal
     ends that wait at once, and the loop exits with the summary, having left no round open."""
     daemon, sock = booting_daemon
-    proc = rl_loop(tiny_model, sock, tmp_path / "out", "--kill-at", "1", "--fault-wait", "300")
+    proc = chaos_loop(tiny_model, sock, tmp_path / "out", "--kill-at", "1", "--fault-wait", "300")
     try:
         until(lambda: (tmp_path / "out").exists(), 60, "the loop started")
         until(lambda: SupervisorClient(sock).status()["engines"] and _waiting(proc), 90, "the loop waiting")
@@ -273,7 +279,7 @@ def test_loop_stops_when_an_engine_goes_fatal(tiny_model, tmp_path):
     try:
         daemon.transition("engine-0", "STARTING", 30)
         t0 = time.monotonic()
-        proc = rl_loop(tiny_model, sock, tmp_path / "out", "--kill-at", "1", "--fault-wait", "300", "--stop-on-fatal")
+        proc = chaos_loop(tiny_model, sock, tmp_path / "out", "--kill-at", "1", "--fault-wait", "300", "--stop-on-fatal")
         out, _ = proc.communicate(timeout=120)
         took = time.monotonic() - t0
     finally:

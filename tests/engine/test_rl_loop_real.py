@@ -1,5 +1,7 @@
-"""The main job, shortened: the RL loop on two real vLLM engines under the daemon, with a
-kill -9, a hung EngineCore and a push failing midway; then the dump/replay flags on its output.
+"""The main job, shortened: the example RL loop on two real vLLM engines under the daemon, with
+a kill -9, a hung EngineCore and a push failing midway injected at its hook points
+(harness/chaos.py); then the plain loop's dump/replay flags (`python -m vime.trainer.rl_loop`)
+on its output.
 
 One daemon, two engines for the module; the faults wait (in the round gap) for a whole fleet,
 so each is measured on two running engines. ~4 minutes on 2 cores, most of it vLLM boots.
@@ -14,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from vime.supervisor.client import SupervisorClient
+from vime.harness.chaos import ChaosLoop, build_parser, format_report
 from vime.harness.demo import demo_config, judge
-from vime.trainer.dumps import dump_path, load_rollout
 from vime.harness.local_daemon import Daemon, live_pids_in_groups
-from vime.trainer.rl_loop import RLLoop, build_parser, format_report
+from vime.supervisor.client import SupervisorClient
+from vime.trainer.dumps import dump_path, load_rollout
 
 pytestmark = pytest.mark.engine
 
@@ -56,7 +58,7 @@ def live_run(world, tiny_model):
     root, daemon, sock = world
     args = loop_args(root, sock, tiny_model, "--kill-at", "2", "--hang-at", "3", "--fail-push-at", "4",
                      "--save-debug-rollout-data", str(root / "dumps" / "{rollout_id}.jsonl"))
-    report = RLLoop(args).run()
+    report = ChaosLoop(args).run()
     print(format_report(report))
     return report
 

@@ -1,0 +1,353 @@
+"""The chaos loop: the example RL loop (trainer/rl_loop.py) with faults injected at its hook
+points, on the real engine processes (harness/faults.py). The demo and the soak run it.
+
+    python -m vime.harness.chaos --model DIR --socket PATH --kill-at 3 --hang-at 12 --fail-push-at 21
+
+Each fault waits, in the round gap, until every engine is RUNNING on the trainer's version, so
+it is measured on a whole fleet; `faults.timeline` then reads from the daemon's events when it
+was detected, back up and resynced. The hook points it uses:
+
+  before_round    pick the fault due at this step and wait (bounded) for a whole fleet;
+  during_round    kill -9 / SIGSTOP / a crash at start / kill -9 of the daemon, once the round
+                  has requests in flight;
+  rollout_round   the trainer disconnects mid-round, comes back, ends the round, runs it again;
+  after_round     kill -9 in the round gap;
+  push_into       the push into one engine fails after half its buckets (poisoned);
+  train_and_push  no agent, and the checkpoint the daemon reloads from is truncated;
+  after_run       each fault's timeline from the recorded events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vime.harness import faults
+from vime.supervisor.client import SupervisorClient, SupervisorError
+from vime.trainer import rl_loop
+from vime.trainer.rl_loop import WHOLE_STATES, Report, RLLoop, Rollouts
+
+
+class ChaosHooks:
+    """What a harness lends the chaos loop for faults it cannot do alone (harness/soak.py's
+    Keeper): kill -9 of the daemon (restarted like systemd would), and a model directory that
+    can be broken and mended so an engine crashes at start."""
+
+    def kill_daemon(self) -> None:
+        raise NotImplementedError("a daemon fault needs a harness that restarts the daemon")
+
+    def break_model(self, engine: str) -> None:
+        raise NotImplementedError("a crash-start fault needs a harness that owns the engine's model path")
+
+    def fix_model(self, engine: str) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class ChaosReport(Report):
+    faults: list[faults.Fault] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**super().as_dict(), "faults": [f.as_dict() for f in self.faults]}
+
+
+class ChaosLoop(RLLoop):
+    def __init__(self, args: argparse.Namespace, *, plan: list[faults.Fault] | None = None,
+                 hooks: ChaosHooks | None = None):
+        super().__init__(args)
+        self.plan = plan if plan is not None else [
+            faults.Fault(kind, step) for kind, step in
+            (("kill", args.kill_at), ("hang", args.hang_at), ("push", args.fail_push_at)) if step]
+        self.report = ChaosReport(faults=self.plan)
+        self.hooks = hooks or ChaosHooks()
+        self.fault: faults.Fault | None = None  # the fault of the step in progress
+        self.step_no = 0
+
+    def due(self, step: int) -> faults.Fault | None:
+        """The first fault not yet injected whose step has come."""
+        return next((f for f in self.plan if f.fired_step is None and f.step <= step), None)
+
+    def fault_now(self, *kinds: str) -> faults.Fault | None:
+        """This step's fault, if it is of one of these kinds and not injected yet."""
+        f = self.fault
+        return f if f is not None and f.kind in kinds and f.fired_step is None else None
+
+    # -- hook points -----------------------------------------------------------------------
+
+    async def before_round(self, step: int) -> None:
+        self.step_no = step
+        fault = self.due(step)
+        self.fault = fault if fault is not None and await self._ready_for(fault) else None
+
+    async def during_round(self, step: int, rnd: int, gather: asyncio.Future) -> None:
+        fault = self.fault_now(*faults.IN_ROUND)
+        if fault is None:
+            return
+        try:
+            await self._inject_later(fault, step, gather)
+        except Exception as e:  # noqa: BLE001 - a fault that could not be injected is a note
+            fault.note = f"injection failed: {type(e).__name__}: {e}"
+            self.log(f"{fault.kind} fault: {fault.note}")
+
+    async def rollout_round(self, step: int) -> tuple[int, Rollouts]:
+        fault = self.fault_now("disconnect")
+        if fault is None:
+            return await super().rollout_round(step)
+        rnd = self.next_round
+        self.next_round += 1
+        try:
+            return await self._disconnect_mid_round(fault, step, rnd)
+        except Exception as e:  # noqa: BLE001 - the round is lost; it is counted (and may stop the run)
+            return rnd, Rollouts([], [], 0, True, f"{type(e).__name__}: {e}")
+
+    async def after_round(self, step: int, rnd: int | None) -> None:
+        fault = self.fault_now("kill-gap")
+        if fault is not None:
+            await asyncio.to_thread(self._inject, fault, step, "in the gap")
+
+    def push_into(self, engine: dict[str, Any], tensors, version: int) -> str:
+        fault = self.fault_now("push")
+        if fault is None or engine["name"] != fault.engine:
+            return super().push_into(engine, tensors, version)
+        from vime.weight_sync.sender import WeightSender
+
+        fault.fired_step, fault.injected_at = self.step_no, time.time()
+        st = next((e for e in self.view.engines() if e["name"] == engine["name"]), {})
+        fault.pid, fault.incarnation = st.get("pid"), st.get("incarnation")
+        url = engine["url"]
+        self.pusher.drop(url)
+        # Its own sender, in small buckets, so "halfway" is inside the transfer.
+        sender = WeightSender(url, backend=self.pusher.backend, bucket_bytes=256 << 10, solo_bytes=None,
+                              progress=faults.FailHalfway())
+        try:
+            outcome = self.pusher.push_with(sender, url, tensors, version)
+        finally:
+            sender.close()
+        fault.confirmed = outcome.startswith("poisoned")
+        return outcome
+
+    def train_and_push(self, step: int, samples):
+        fault = self.fault_now("poison-reload")
+        if fault is None:
+            return super().train_and_push(step, samples)
+        self.stop_agent()  # before taking the lock: the agent may be waiting for it
+        with self.policy.lock:
+            stats = self.policy.train_step(samples)
+            pushed = self._poisoned_reload(step, fault)
+        self.view.settle_syncs(self.args.sync_wait)
+        return stats, pushed
+
+    def after_run(self) -> None:
+        for f in self.plan:
+            faults.timeline(f, self.recorder.events)
+
+    # -- waiting for a whole fleet ---------------------------------------------------------
+
+    async def _ready_for(self, fault: faults.Fault) -> bool:
+        """A fault is injected on a whole fleet: wait for it in the gap (bounded)."""
+        view = self.view
+        if not await asyncio.to_thread(view.whole, self.published):
+            self.log(f"{fault.kind} fault due: waiting (gap) for every engine to be RUNNING on v{self.published}")
+            ok = await asyncio.to_thread(view.wait, lambda: view.whole(self.published), self.args.fault_wait)
+            if not ok:
+                fault.note = f"postponed: fleet not whole within {self.args.fault_wait:g}s"
+                return False
+        if fault.kind in faults.NO_ENGINE:
+            fault.engine = fault.kind
+            return True
+        engines = sorted(e["name"] for e in await asyncio.to_thread(view.engines) if e["state"] in WHOLE_STATES)
+        last = [f.engine for f in self.plan if f.engine is not None and f.kind not in faults.NO_ENGINE]
+        fresh = [n for n in engines if not last or n != last[-1]]
+        fault.engine = (fresh or engines)[0]
+        return True
+
+    async def _in_flight(self, gather: asyncio.Future, engine: str | None = None) -> None:
+        """Wait (at most fault_delay) until this round has requests in flight (on `engine`)."""
+        deadline = time.monotonic() + self.args.fault_delay
+        while not gather.done() and time.monotonic() < deadline:
+            out = self.rollout.outstanding()
+            if (out.get(engine) if engine else out):
+                return
+            await asyncio.sleep(0.005)
+
+    # -- injections ------------------------------------------------------------------------
+
+    async def _inject_later(self, fault: faults.Fault, step: int, gather: asyncio.Future) -> None:
+        await self._in_flight(gather, None if fault.kind in faults.NO_ENGINE else fault.engine)
+        if gather.done():  # the round finished first: try again at the next step
+            fault.engine = None
+            fault.note = f"round of step {step} ended before the injection; postponed"
+            return
+        fault.confirmed = True  # injected with the round's requests in flight
+        await asyncio.to_thread(self._inject, fault, step, "during the round")
+
+    def _inject(self, fault: faults.Fault, step: int, when: str) -> None:
+        engines = self.view.engines()
+        fault.fired_step, fault.injected_at = step, time.time()
+        if fault.kind == "daemon":
+            fault.note = "pids before: " + ", ".join(f"{e['name']}={e.get('pid')}" for e in engines)
+            self.hooks.kill_daemon()
+            self.log(f"FAULT kill -9 of the daemon {when} of step {step}")
+            return
+        eng = next(e for e in engines if e["name"] == fault.engine)
+        fault.pid, fault.incarnation = eng.get("pid"), eng.get("incarnation")
+        if fault.kind == "hang":
+            core = faults.hang_core(fault.pid)
+            fault.note = f"EngineCore pid {core}"
+            self.log(f"FAULT SIGSTOP {fault.engine}'s EngineCore (pid {core}) {when} of step {step}")
+            return
+        if fault.kind == "crash-start":
+            self.hooks.break_model(fault.engine)
+            threading.Thread(target=self._mend_after_crash, args=(fault,), daemon=True).start()
+        faults.kill_server(fault.pid)
+        self.log(f"FAULT kill -9 {fault.engine} (pid {fault.pid}) {when} of step {step}"
+                 + (" with its model broken: the restart will crash" if fault.kind == "crash-start" else ""))
+
+    def _mend_after_crash(self, fault: faults.Fault) -> None:
+        """Once the restart has crashed (BACKOFF), mend the model so the next attempt boots."""
+        ev = self.recorder.wait_for(lambda e: e.get("event") == "transition" and e.get("engine") == fault.engine
+                                    and e.get("to_state") in ("BACKOFF", "FATAL")
+                                    and e.get("ts", 0) >= fault.injected_at, self.args.fault_wait,
+                                    raise_on_timeout=False)
+        self.hooks.fix_model(fault.engine)
+        fault.confirmed = ev is not None  # the restart really crashed
+        fault.note = f"start crashed ({(ev or {}).get('reason', 'not seen')[:120]}); model mended"
+        if ev is not None and ev["to_state"] == "FATAL":
+            SupervisorClient(self.args.socket).start(fault.engine)  # what an operator would do
+
+    async def _disconnect_mid_round(self, fault: faults.Fault, step: int, rnd: int) -> tuple[int, Rollouts]:
+        """The trainer goes away mid-round (its rollout client and resync agent drop their
+        connections, its requests are abandoned); a trainer that connects again finds the round
+        open, ends it, and runs the step again in a new round."""
+        client = self.client
+        await asyncio.to_thread(client.start_round, rnd)
+        await self.rollout.refresh(force=True)
+        gather = asyncio.ensure_future(self.rollout.gather(self.prompts(), **self.sampling()))
+        await self._in_flight(gather)
+        fault.fired_step, fault.injected_at = step, time.time()
+        fault.confirmed = not gather.done()  # requests were in flight when it went
+        gather.cancel()
+        await asyncio.gather(gather, return_exceptions=True)
+        await self.disconnect()
+        self.log(f"FAULT the trainer disconnected in round {rnd} of step {step}")
+        await asyncio.sleep(1.0)
+        await self.connect()
+        status = await asyncio.to_thread(client.status)
+        if status["round_open"] and status["round"] == rnd:
+            await asyncio.to_thread(client.end_round, rnd)
+            fault.detected_as = f"reconnected: round {rnd} was still open; ended it, step {step} runs again"
+        else:
+            fault.confirmed = False
+            fault.detected_as = (f"reconnected: round {rnd} was not open ({status.get('round')}, "
+                                 f"open {status.get('round_open')})")
+        fault.detected_at = fault.ready_at = time.time()
+        self.tracer.add_round(rnd, fault.injected_at, time.time(), step=step, abandoned=True)
+        rnd2, out = await super().rollout_round(step)
+        fault.resynced_at = time.time()
+        fault.resync_reason = f"step {step} completed in round {rnd2}"
+        return rnd2, out
+
+    def _poisoned_reload(self, step: int, fault: faults.Fault) -> dict[str, str]:
+        """No agent, a checkpoint that breaks while being reloaded: the daemon's reload
+        fallback poisons the engine, which is restarted; mended, the next sync succeeds."""
+        from vime.weight_sync.checkpoint import save_checkpoint
+
+        version = self.base + self.policy.version
+        ckpt = self.out / "checkpoints" / f"v{version}"
+        save_checkpoint(self.policy.model, self.args.model, ckpt)
+        # The trainer's agent is away (stopped by the caller): the checkpoint is all the daemon has.
+        pushed = self.push_and_publish(checkpoint=ckpt)
+        weights = ckpt / "model.safetensors"
+        good = weights.read_bytes()
+        _replace_bytes(weights, good[: len(good) // 2])  # truncated after it was validated
+        eng = next(e for e in self.view.engines() if e["name"] == fault.engine)
+        fault.pid, fault.incarnation, fault.fired_step = eng.get("pid"), eng.get("incarnation"), step
+        fault.injected_at = time.time()
+        faults.kill_server(fault.pid)
+        self.log(f"FAULT kill -9 {fault.engine} in the gap of step {step}, no agent, checkpoint {ckpt} truncated")
+        ev = self.recorder.wait_for(lambda e: e.get("event") == "sync_failed" and e.get("engine") == fault.engine
+                                    and e.get("ts", 0) >= fault.injected_at, self.args.fault_wait,
+                                    raise_on_timeout=False)
+        fault.confirmed = ev is not None  # the daemon's reload really failed
+        fault.note = f"reload failed: {(ev or {}).get('reason', 'not seen')[:150]}"
+        _replace_bytes(weights, good)
+        self.start_agent()
+        self.log(f"checkpoint mended and the agent back after: {fault.note}")
+        return pushed
+
+
+def _replace_bytes(path: Path, data: bytes) -> None:
+    """Rewrite a file atomically: a concurrent reader sees the old bytes or the new, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def fmt_seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}s" if v < 10 else f"{v:.1f}s"
+
+
+def format_faults(plan: list[faults.Fault]) -> list[str]:
+    if not plan:
+        return []
+    lines = ["", "faults", f"  {'fault':<30}{'engine':<11}{'step':>5}{'detected':>10}{'back up':>10}"
+             f"{'resynced':>10}  how it was seen"]
+    for f in plan:
+        if f.injected_at is None:
+            lines.append(f"  {faults.WHAT[f.kind]:<30}{'-':<11}{f.step:>5}  not injected: {f.note or 'run too short'}")
+            continue
+        lines.append(f"  {faults.WHAT[f.kind]:<30}{f.engine:<11}{f.fired_step:>5}"
+                     f"{fmt_seconds(f.after(f.detected_at)):>10}{fmt_seconds(f.after(f.ready_at)):>10}"
+                     f"{fmt_seconds(f.after(f.resynced_at)):>10}  {(f.detected_as or 'not detected')[:90]}")
+    return lines
+
+
+def format_report(rep: Report) -> str:
+    """The loop's report with the faults table between the steps and the end."""
+    return "\n".join(rl_loop.format_steps(rep) + format_faults(getattr(rep, "faults", []))
+                     + rl_loop.format_end(rep))
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = rl_loop.build_parser(prog="python -m vime.harness.chaos", description=__doc__)
+    g = ap.add_argument_group("faults on demand (each waits in the gap until every engine is RUNNING)")
+    g.add_argument("--kill-at", type=int, default=0, metavar="STEP", help="kill -9 an engine's server during that round")
+    g.add_argument("--hang-at", type=int, default=0, metavar="STEP", help="SIGSTOP an engine's EngineCore during that round")
+    g.add_argument("--fail-push-at", type=int, default=0, metavar="STEP", help="fail the push into one engine midway")
+    g.add_argument("--fault-delay", type=float, default=2.0,
+                   help="longest wait into a round for requests in flight before kill/hang (else postponed)")
+    g.add_argument("--fault-wait", type=float, default=300.0, help="longest wait for a whole fleet before a fault")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    rl_loop.check_args(ap, args)
+    if args.load_debug_rollout_data and (args.kill_at or args.hang_at or args.fail_push_at):
+        ap.error("faults need live rollouts: drop --load-debug-rollout-data")
+    rl_loop.quiet_rollout_log()
+    try:
+        rep = ChaosLoop(args).run()
+    except (OSError, ValueError, SupervisorError) as e:  # a missing or bad dump, no daemon
+        print(f"chaos: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(format_report(rep))
+    return rl_loop.exit_status(args, rep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
