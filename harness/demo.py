@@ -193,8 +193,8 @@ ONE_RESTART = ("kill", "hang", "push", "kill-gap", "poison-reload")
 
 def judge(report) -> list[str]:
     """What went wrong in a run of the chaos loop, one line each ([] when nothing did): an early
-    stop, lost rounds, stale answers, faults not injected or not recovered, engines not on
-    the trainer's version, and restarts that the injected faults do not explain."""
+    stop, lost rounds, stale answers, faults not injected, not recovered or seen with another
+    cause, engines not on the trainer's version, and restarts that the faults do not explain."""
     problems = []
     if report.stopped:
         problems.append(f"the loop {report.stopped}")
@@ -210,7 +210,8 @@ def judge(report) -> list[str]:
             elif f.resynced_at is None:
                 problems.append(f"fault {f.kind} on {f.engine} (step {f.fired_step}) was not recovered from: "
                                 f"{f.detected_as or 'not detected'}")
-
+            elif wrong := f.wrong_cause():
+                problems.append(f"fault {f.kind} on {f.engine} (step {f.fired_step}): {wrong}")
     for name, e in sorted(report.engines.items()):
         if e["state"] != "RUNNING" or e.get("weight_version") != report.final_version:
             problems.append(f"{name} ends {e['state']} on v{e.get('weight_version')} (trainer at v{report.final_version})")

@@ -17,7 +17,8 @@ and, for the chaos soak (harness/soak.py, which lends the loop the hooks they ne
 
 They act on real processes (pids from the daemon's status) and need the engines on this host.
 `timeline()` reads the daemon's events after the injection: when the fault was detected, when
-the engine was back (ready), and when it was RUNNING again on verified current weights.
+the engine was back (ready), and when it was RUNNING again on verified current weights. It reads
+each transition's structured `cause`, never its reason (which is for people).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore"
         "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon"}
 IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected while a round has requests in flight
 NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
+# The transition cause each engine fault must be detected with (a kill -9 seen as a hang is wrong).
+DETECTED_AS = {"kill": "exit", "kill-gap": "exit", "crash-start": "exit", "poison-reload": "exit",
+               "hang": "hang", "push": "poisoned"}
 
 
 @dataclass
@@ -51,11 +55,19 @@ class Fault:
     confirmed: bool | None = None    # the fault did what it is for (requests in flight, the start
                                      # crashed, the reload failed, the push was poisoned)
     detected_at: float | None = None
-    detected_as: str | None = None   # the transition's reason
+    detected_as: str | None = None   # the transition's state and reason, for people
+    detected_cause: str | None = None  # the transition's cause (DETECTED_AS says which is right)
     ready_at: float | None = None    # the restarted engine answered (STALE or RUNNING)
     resynced_at: float | None = None  # RUNNING on the current weights, verified
     resync_reason: str | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
+
+    def wrong_cause(self) -> str | None:
+        """What is wrong with how the daemon saw this fault, if its cause is not the one expected."""
+        want = DETECTED_AS.get(self.kind)
+        if want is None or self.detected_at is None or self.detected_cause in (want, None):
+            return None
+        return f"{self.kind} detected as {self.detected_cause!r}, not {want!r}"
 
     def after(self, t: float | None) -> float | None:
         return None if t is None or self.injected_at is None else t - self.injected_at
@@ -65,6 +77,7 @@ class Fault:
                 "engine": self.engine, "pid": self.pid, "incarnation": self.incarnation, "note": self.note,
                 "confirmed": self.confirmed,
                 "detected_after_s": self.after(self.detected_at), "detected_as": self.detected_as,
+                "detected_cause": self.detected_cause,
                 "ready_after_s": self.after(self.ready_at), "resynced_after_s": self.after(self.resynced_at),
                 "resync_reason": self.resync_reason}
 
@@ -118,17 +131,22 @@ def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
         if ev.get("event") != "transition":
             continue
         fault.events.append(ev)
-        to, frm, reason = ev.get("to_state"), ev.get("from_state"), ev.get("reason", "")
+        to, frm = ev.get("to_state"), ev.get("from_state")
         if fault.detected_at is None:
             if to in ("EXITED", "UNHEALTHY"):
-                fault.detected_at, fault.detected_as = ev["ts"], f"{to}: {reason}"
+                fault.detected_at, fault.detected_as = ev["ts"], f"{to}: {ev.get('reason', '')}"
+                fault.detected_cause = ev.get("cause")  # None from a daemon that sends none yet
             continue
-        if fault.ready_at is None:
-            if frm == "STARTING" and to in ("STALE", "RUNNING"):
-                fault.ready_at = ev["ts"]
-            if not (to == "RUNNING" and "verified" in reason):
-                continue
-        if fault.resynced_at is None and to == "RUNNING" and "verified" in reason:
-            fault.resynced_at, fault.resync_reason = ev["ts"], reason
+        if fault.ready_at is None and frm == "STARTING" and to in ("STALE", "RUNNING"):
+            fault.ready_at = ev["ts"]
+        if to == "RUNNING" and _verified(ev):
+            fault.resynced_at, fault.resync_reason = ev["ts"], ev.get("reason", "")
             break
     return fault
+
+
+def _verified(ev: dict[str, Any]) -> bool:
+    """A transition onto weights the daemon verified (after a push or a reload)."""
+    if "cause" in ev:
+        return ev["cause"] == "verified"
+    return "verified" in ev.get("reason", "")  # fallback: a daemon whose events have no cause yet

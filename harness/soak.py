@@ -401,9 +401,10 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
         c["engines end RUNNING on the trainer's version"] = (
             all(st == "RUNNING" and v == report.final_version for st, v in ends.values()),
             f"trainer v{report.final_version}; {ends}")
-        missing = [f"{f.kind}: {f.note or 'not recovered'}" for f in report.faults
+        missing = [f"{f.kind}: {f.wrong_cause() or f.note or 'not recovered'}" for f in report.faults
                    if f.injected_at is None or f.resynced_at is None or f.confirmed is False
-                   or (f.kind in ("crash-start", "poison-reload", "push") and not f.confirmed)]
+                   or (f.kind in ("crash-start", "poison-reload", "push") and not f.confirmed)
+                   or f.wrong_cause()]
         c["every fault injected, detected, recovered"] = (not missing, "; ".join(missing) or f"{len(plan)} faults")
     if keeper.adoption:
         c["the restarted daemon re-adopted its engines"] = (all(a["same"] for a in keeper.adoption),

@@ -1,0 +1,71 @@
+"""harness/faults.py's timeline: a fault's detection, return and resync read from the daemon's
+transition events by their structured cause, and the example loop kept apart from the harness."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from vime.harness.faults import Fault, timeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ev(ts, frm, to, reason, cause=None, engine="engine-0"):
+    ev = {"event": "transition", "engine": engine, "ts": ts, "from_state": frm, "to_state": to, "reason": reason}
+    if cause is not None:
+        ev["cause"] = cause
+    return ev
+
+
+def _killed(events) -> Fault:
+    f = Fault("kill", 3, engine="engine-0", fired_step=3, injected_at=100.0)
+    return timeline(f, [{"event": "hello", "ts": 90.0}, _ev(99.0, "RUNNING", "EXITED", "earlier", "exit"),
+                        *events])
+
+
+def test_a_kill_is_detected_back_up_and_resynced_by_cause():
+    f = _killed([
+        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)", "exit"),
+        _ev(101.0, "EXITED", "STARTING", "restart 1", "exit"),
+        _ev(140.0, "STARTING", "STALE", "base weights; current v3", "exit"),
+        _ev(140.5, "STALE", "SYNCING", "trainer agent pushing v3", "exit"),
+        # the reason says "verified", the cause does not: the cause decides
+        _ev(140.6, "SYNCING", "RUNNING", "weights v3, verified", "probe"),
+        _ev(141.0, "SUSPECT", "RUNNING", "weights v3, pushed", "verified"),
+        _ev(142.0, "RUNNING", "UNHEALTHY", "later", "hang"),
+    ])
+    assert (f.detected_at, f.ready_at, f.resynced_at) == (100.1, 140.0, 141.0)
+    assert f.detected_cause == "exit" and f.wrong_cause() is None
+    assert f.detected_as == "EXITED: exited unexpectedly (killed by SIGKILL)"
+    assert f.resync_reason == "weights v3, pushed"
+    assert f.as_dict()["detected_cause"] == "exit"
+
+
+def test_a_fault_seen_with_another_cause_says_so():
+    f = _killed([_ev(100.1, "RUNNING", "UNHEALTHY", "hung: 2 consecutive probe failures", "hang")])
+    assert f.wrong_cause() == "kill detected as 'hang', not 'exit'"
+
+
+def test_events_without_a_cause_fall_back_to_the_reason():
+    f = _killed([
+        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)"),
+        _ev(140.0, "STARTING", "STALE", "base weights; current v3"),
+        _ev(141.0, "SYNCING", "RUNNING", "weights v3, verified"),
+    ])
+    assert (f.detected_at, f.ready_at, f.resynced_at) == (100.1, 140.0, 141.0)
+    assert f.detected_cause is None and f.wrong_cause() is None
+
+
+def test_the_example_loop_imports_no_harness_and_injects_no_fault():
+    tree = ast.parse((ROOT / "trainer" / "rl_loop.py").read_text())
+    mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(m and m.startswith("vime.harness") for m in mods)
+    words = {getattr(n, "id", None) or getattr(n, "attr", None) or getattr(n, "name", None) or getattr(n, "arg", None)
+             for n in ast.walk(tree)}
+    words |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+              and n.value.startswith("--")}
+    injector = {"fault", "faults", "Fault", "plan", "hooks", "kill_at", "hang_at", "fail_push_at", "fault_wait",
+                "fault_delay", "kill_server", "hang_core", "kill_daemon", "FailHalfway", "--kill-at", "--hang-at",
+                "--fail-push-at", "--fault-wait", "--fault-delay"}
+    assert words & injector == set()
