@@ -125,6 +125,7 @@ def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
                 break
         return fault
     fault.events = []
+    verified = False  # the engine's weights were verified since it came back (cause "verified")
     for ev in events:
         if ev.get("engine") != fault.engine or ev.get("ts", 0) < fault.injected_at - 0.01:
             continue
@@ -139,14 +140,13 @@ def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
             continue
         if fault.ready_at is None and frm == "STARTING" and to in ("STALE", "RUNNING"):
             fault.ready_at = ev["ts"]
-        if to == "RUNNING" and _verified(ev):
+        if "cause" in ev:
+            # Verified, then RUNNING: at once, or (held while a round was open) released in the gap.
+            verified = ev["cause"] == "verified" or (verified and to in ("STALE", "RUNNING"))
+            resynced = to == "RUNNING" and verified
+        else:  # fallback: a daemon whose events have no cause yet
+            resynced = to == "RUNNING" and "verified" in ev.get("reason", "")
+        if resynced:
             fault.resynced_at, fault.resync_reason = ev["ts"], ev.get("reason", "")
             break
     return fault
-
-
-def _verified(ev: dict[str, Any]) -> bool:
-    """A transition onto weights the daemon verified (after a push or a reload)."""
-    if "cause" in ev:
-        return ev["cause"] == "verified"
-    return "verified" in ev.get("reason", "")  # fallback: a daemon whose events have no cause yet

@@ -42,6 +42,27 @@ def test_a_kill_is_detected_back_up_and_resynced_by_cause():
     assert f.as_dict()["detected_cause"] == "exit"
 
 
+def test_a_verified_engine_held_by_an_open_round_is_resynced_when_released():
+    f = _killed([
+        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)", "exit"),
+        _ev(140.0, "STARTING", "STALE", "base weights; current v3", "ready"),
+        _ev(140.5, "STALE", "SYNCING", "trainer agent pushing v3", "sync"),
+        _ev(141.0, "SYNCING", "STALE", "weights v3, verified; round 7 open", "verified"),
+        _ev(143.0, "STALE", "RUNNING", "round 7 ended", "released"),
+    ])
+    assert (f.ready_at, f.resynced_at, f.resync_reason) == (140.0, 143.0, "round 7 ended")
+
+
+def test_running_again_without_a_verified_sync_is_not_resynced():
+    f = _killed([
+        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)", "exit"),
+        _ev(141.0, "SYNCING", "STALE", "weights v3, verified; round 7 open", "verified"),
+        _ev(142.0, "STALE", "UNHEALTHY", "hung", "hang"),
+        _ev(150.0, "UNHEALTHY", "RUNNING", "recovered: answering probes again (weights verified before)", "recovered"),
+    ])
+    assert f.resynced_at is None
+
+
 def test_a_fault_seen_with_another_cause_says_so():
     f = _killed([_ev(100.1, "RUNNING", "UNHEALTHY", "hung: 2 consecutive probe failures", "hang")])
     assert f.wrong_cause() == "kill detected as 'hang', not 'exit'"
