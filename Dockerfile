@@ -10,9 +10,13 @@ COPY supervisor ./supervisor
 COPY trainer ./trainer
 COPY weight_sync ./weight_sync
 COPY harness ./harness
-# Ours imports as vime.*, beside supervisord (which vLLM pulls in); --force-reinstall makes
-# bin/supervisorctl ours, and it hands supervisord's invocations to supervisord's.
+# Ours imports as vime.*, beside supervisord (which vLLM pulls in). Both wheels write
+# bin/supervisorctl and pip leaves it to the last installed: the --no-deps --force-reinstall
+# makes it ours, a dispatcher that hands supervisord's invocations to supervisord's (README,
+# "supervisorctl beside supervisord"); vime-supervisorctl is always ours.
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps --force-reinstall . \
+    && grep -q "vime.supervisor.supervisorctl" "$(command -v supervisorctl)" \
+    && supervisorctl --help | grep -q "vime-supervisor daemon" \
     && pip check
 
 VOLUME ["/run/vime-supervisor"]

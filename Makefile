@@ -20,11 +20,14 @@ $(STAMP): pyproject.toml Makefile
 	# transformers; text-only serving needs none of them.
 	if [ "$(ENGINE)" = cpu ]; then $(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true; fi
 	# supervisord (the PyPI package "supervisor", which vLLM pulls in) stays installed: our code
-	# imports as vime.*. Its wheel also ships a bin/supervisorctl; reinstalling ours last makes
-	# that command ours, which hands supervisord's invocations over to supervisord's (README).
+	# imports as vime.*. Its wheel ships a bin/supervisorctl too, and pip leaves that file to the
+	# package it installs last: reinstalling ours last makes it our dispatcher, which hands
+	# supervisord's invocations over to supervisord's (README, "supervisorctl beside supervisord").
 	$(BIN)/pip install --quiet --no-deps --force-reinstall -e .
+	grep -q "vime.supervisor.supervisorctl" $(BIN)/supervisorctl
 	$(BIN)/supervisorctl --help | grep -q "vime-supervisor daemon"
-	cd / && $(abspath $(BIN))/python -c "import vllm, torch, vime.supervisor.daemon; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	$(BIN)/vime-supervisorctl --help | grep -q "vime-supervisor daemon"
+	cd / && $(abspath $(BIN))/python -c "import vllm, torch, supervisor.supervisorctl, vime.supervisor.daemon; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -38,9 +38,10 @@ from urllib.parse import urlparse
 ENV_CHOICE = "VIME_SUPERVISORCTL"
 VIME, SUPERVISORD = "vime", "supervisord"
 
-# Where supervisord's supervisorctl looks for its config when -c is not given (supervisor/options.py,
-# Options.__init__); used when its own list cannot be read. `here` is the parent of the script's folder.
+
 def _fallback_searchpaths(argv0: str) -> list[str]:
+    """Where supervisord's supervisorctl looks for its config without -c (supervisor/options.py,
+    Options.__init__), for when its own list cannot be read; `here` is the script's folder's parent."""
     here = os.path.dirname(os.path.dirname(argv0))
     return [os.path.join(here, "etc", "supervisord.conf"), os.path.join(here, "supervisord.conf"),
             "supervisord.conf", "etc/supervisord.conf", "/etc/supervisord.conf",
@@ -52,7 +53,7 @@ def _fallback_searchpaths(argv0: str) -> list[str]:
 _SD_SHORT_FLAGS, _SD_SHORT_VALUE = set("h?i"), set("csupr")
 _SD_LONG = {"help": False, "configuration": True, "interactive": False, "serverurl": True,
             "username": True, "password": True, "history_file": True}
-_OUR_SHORT_FLAGS, _OUR_SHORT_VALUE = {"h"}, {"s"}
+_OUR_SHORT_VALUE = {"s"}
 _OUR_LONG = {"help": False, "socket": True, "connect-timeout": True, "timeout": True}
 # Our actions, if vime.supervisor.ctl cannot list them.
 _OUR_ACTIONS = frozenset({"status", "restart", "stop", "start", "retire", "tail", "incidents"})
@@ -95,11 +96,21 @@ def _long(token: str, rest: list[str], scan: _Scan) -> None:
         value = rest.pop(0)
     if sd == ["help"] or ours == ["help"]:
         scan.help = True
-    elif sd and ours:  # "--s": --serverurl or --socket, told apart by the value
-        if _is_url(value):
+    elif sd and ours:  # a prefix of both: told apart by the value
+        if ours == ["socket"]:  # "--s": --serverurl URL or --socket PATH
+            theirs = _is_url(value)
+        else:  # "--c", "--co", "--con": --configuration FILE or --connect-timeout SECONDS
+            try:
+                float(value)
+                theirs = False
+            except ValueError:
+                theirs = True
+        if theirs:
             scan.supervisord = scan.supervisord or token
         else:
-            scan.socket, scan.ours = value, scan.ours or token
+            scan.ours = scan.ours or token
+            if ours == ["socket"]:
+                scan.socket = value
     elif sd:
         scan.supervisord = scan.supervisord or token
     elif ours:
@@ -280,6 +291,14 @@ def _supervisord_main(argv: list[str]) -> int:
     return 0 if rc is None else rc
 
 
+def _print_note() -> None:
+    try:
+        print(f"\n{HANDOVER_NOTE}", flush=True)
+    except BrokenPipeError:  # the reader has gone (`supervisorctl --help | grep -q ...`): say no more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 def _ours(argv: list[str]) -> int:
     from vime.supervisor import ctl
 
@@ -287,7 +306,7 @@ def _ours(argv: list[str]) -> int:
         try:
             return ctl.main(argv)
         finally:  # argparse's help exits; the note follows it
-            print(f"\n{HANDOVER_NOTE}", flush=True)
+            _print_note()
     return ctl.main(argv)
 
 

@@ -91,7 +91,7 @@ def who(argv, *, sock, conf, installed=True, env=None):
     ["--username=me", "status"], ["-p", "pw", "status"], ["-r", "/tmp/hist"], ["--history_file", "/tmp/h"], ["-?"],
     ["-s", "unix:///tmp/supervisor.sock", "status"], ["-shttp://localhost:9001", "status"],
     ["--serverurl", "http://localhost:9001", "status"], ["--s=unix:///x.sock", "status"],
-    ["-c", "{conf}", "-h"],
+    ["-c", "{conf}", "-h"], ["--con", "{conf}", "status"],
 ])
 def test_supervisord_options_hand_over_even_beside_our_socket(spots, argv):
     argv = [a.format(conf=spots.conf) for a in argv]
@@ -101,7 +101,7 @@ def test_supervisord_options_hand_over_even_beside_our_socket(spots, argv):
 @pytest.mark.parametrize("argv", [
     ["-s", "{nosock}", "status"], ["--socket", "{nosock}", "status"], ["--socket={nosock}", "status"],
     ["--sock", "{nosock}", "status"], ["-s{nosock}", "status"], ["--s", "{nosock}", "status"],
-    ["--timeout", "3", "status"], ["--connect-timeout=1", "status"], ["-h"], ["--help"],
+    ["--timeout", "3", "status"], ["--connect-timeout=1", "status"], ["--con", "0.5", "status"], ["-h"], ["--help"],
 ])
 def test_our_options_and_help_stay_ours_even_beside_a_supervisord_config(spots, argv):
     argv = [a.format(nosock=spots.nosock) for a in argv]
