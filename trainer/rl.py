@@ -1,16 +1,9 @@
-"""The learning half of the example RL loop: a policy in torch, a verifiable reward, a
-GRPO-style policy-gradient step. Nothing here talks to an engine or the daemon
-(trainer/rl_loop.py does), so a replayed rollout dump trains exactly as the live run did.
+"""The learning half of the example loop: the tiny Llama as a policy, a verifiable reward and
+a GRPO-style update (README: "The main job"). Nothing here talks to an engine or the daemon, so
+a replayed rollout dump trains exactly as the live run did.
 
-The task is deliberately tiny: the reward is 1 when the sampled text contains a target word
-(" fox" by default, one token of the tiny model's vocabulary), else 0. A random policy finds it
-in about 3% of 12-token samples; a few dozen steps make it near certain.
-
-The update is REINFORCE with a per-prompt group baseline (GRPO without the std division):
-loss = -mean_i( A_i * mean_t log pi(y_it) ), A_i = r_i - mean of r over i's group. It is
-on-policy, so the engines' logprobs are not needed for the gradient; they are compared with
-the trainer's own (`logprob_gap`): an engine serving other weights than the trainer's would
-show up there at once.
+    policy = Policy(model_dir)
+    stats = policy.train_step(samples)    # scored Samples: reward, group, the engine's logprobs
 """
 
 from __future__ import annotations
@@ -31,7 +24,8 @@ PROMPTS = ["the quick brown", "hello world,", "one two three", "red green blue",
 
 
 def reward(text: str, target: str = TARGET) -> float:
-    """The verifiable reward: 1.0 if the sampled text contains the target, else 0.0."""
+    """The verifiable reward: 1.0 if the sampled text contains the target, else 0.0 (a random
+    policy finds " fox" in about 3% of 12-token samples; a few dozen steps make it near certain)."""
     return 1.0 if target in text else 0.0
 
 
@@ -78,7 +72,12 @@ class Policy:
 
     def train_step(self, samples: Iterable[Sample]) -> StepStats:
         """One policy-gradient step on scored samples (each with a reward, a group and one
-        logprob per output token). Advances `version` by one."""
+        logprob per output token). Advances `version` by one.
+
+        REINFORCE with a per-prompt group baseline (GRPO without the std division):
+        loss = -mean_i(A_i * mean_t log pi(y_it)), A_i = r_i - mean of r over i's group. It is
+        on-policy: the engines' logprobs are not in the gradient, they are compared with the
+        trainer's own (`logprob_gap_*`), where an engine on other weights shows at once."""
         rows = list(samples)
         batch = build_training_batch(rows, pad_id=self.pad_id)
         ids, attn = batch["input_ids"], batch["attention_mask"]
