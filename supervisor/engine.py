@@ -32,7 +32,7 @@ from .process import (
     port_is_free,
     read_tail,
 )
-from .states import PROCESS_STATES, State
+from .states import PROCESS_STATES, Cause, State
 from .warmup import WarmupFailed, warm_up
 
 if TYPE_CHECKING:
@@ -43,7 +43,9 @@ log = structlog.get_logger("vime.engine")
 
 
 class StartFailed(Exception):
-    def __init__(self, error: str, permanent: bool = True):
+    """A start that failed before the engine ran; `permanent`: retrying cannot help."""
+
+    def __init__(self, error: str, permanent: bool = False):
         super().__init__(error)
         self.error = error
         self.permanent = permanent
@@ -151,7 +153,8 @@ class EngineRunner:
     async def _run_spawned(self) -> None:
         fsm = self.fsm
         if self._adopted is not None:
-            fsm.begin_start(f"re-adopting pid {self._adopted.pid} after a daemon restart", restart=False)
+            fsm.begin_start(f"re-adopting pid {self._adopted.pid} after a daemon restart", restart=False,
+                            cause=Cause.RESTORED)
         elif self.start_stopped:
             fsm.annotate("stopped by request (before a daemon restart)")
         else:  # this daemon's first start of it (a daemon restart is no engine restart)
@@ -163,7 +166,7 @@ class EngineRunner:
                 reason, self._start_pending = self._start_pending, None
                 self.start_stopped = False
                 fsm.reset_budget()
-                fsm.begin_start(reason)
+                fsm.begin_start(reason, cause=Cause.OPERATOR)
             if fsm.state is S.STARTING:
                 # The deep probe's kept-alive connection belongs to one process: dropped before
                 # and after each incarnation (also when cancelled at shutdown), so a new process
@@ -176,7 +179,7 @@ class EngineRunner:
             elif fsm.state is S.BACKOFF:
                 await self._sleep_or_wake(max(0.0, (fsm.backoff_until or 0) - self.clock()))
                 if fsm.state is S.BACKOFF and self.clock() >= (fsm.backoff_until or 0):
-                    fsm.begin_start(f"retry after start failure {fsm.failed_starts}")
+                    fsm.begin_start(f"retry after start failure {fsm.failed_starts}", cause=Cause.RETRY)
             elif fsm.state is S.EXITED and not self.retired:
                 allowed, why_not = self.fleet.may_restart(self)
                 if allowed:
@@ -203,7 +206,7 @@ class EngineRunner:
                 self.proc = await EngineProcess.spawn(
                     engine_command(self.spec, self.cfg), engine_env(self.spec, self.cfg), self.log_path)
             except StartFailed as e:
-                fsm.start_failed(e.error)
+                fsm.start_failed(e.error, permanent=e.permanent)
                 return
             except OSError as e:
                 fsm.start_failed(f"spawn failed: {e}")
@@ -232,19 +235,22 @@ class EngineRunner:
                 return
         if self._stop_reason is not None:  # an operator stopped it while it was starting
             await proc.stop(self.cfg.stop_timeout)
-            fsm.stopped(self._stop_reason)
+            fsm.stopped(self._stop_reason, Cause.OPERATOR)
             self._stop_reason = self.proc = None
             exited.cancel()
             return
         if exited.done():
-            _permanent, summary = classify_failure(read_tail(self.log_path))
+            permanent, summary = classify_failure(read_tail(self.log_path))
             how = describe_returncode(proc.returncode, proc.adopted)
             await self._stop_process(proc)  # leftover children of the group
-            fsm.start_failed(f"{how} while starting: {summary}")
+            # Only an exit of its own says something about the config: one killed by a
+            # signal (an OOM killer, an operator's kill) may well start next time.
+            permanent = permanent and not proc.adopted and (proc.returncode or 0) > 0
+            fsm.start_failed(f"{how} while starting: {summary}", permanent=permanent)
         elif not_ready is not None:
             why = (f"warm-up failed: {not_ready}" if isinstance(not_ready, WarmupFailed)
                    else f"readiness check failed: {not_ready!r}")
-            fsm.stopping(why)
+            fsm.stopping(why, Cause.START_FAILED)
             how = await self._stop_process(proc)
             fsm.start_failed(f"{why}; stopped ({how})")
         else:
@@ -253,9 +259,9 @@ class EngineRunner:
             doing = await self._activity(proc)
             why = f"not ready within first_wait ({self.cfg.probe.first_wait:g}s); processes: {doing}"
             await self._post_mortem(why)
-            fsm.stopping(why)
+            fsm.stopping(why, Cause.SLOW_START)
             how = await self._stop_process(proc)
-            fsm.start_failed(f"{why}; stopped ({how})")
+            fsm.start_failed(f"{why}; stopped ({how})", cause=Cause.SLOW_START)
         exited.cancel()
         self.proc = None
 
@@ -310,7 +316,10 @@ class EngineRunner:
                 # Condemned (hung, poisoned, failures reported): keep the evidence first.
                 await self._post_mortem(fsm.reason)
             if fsm.state is not S.STOPPING:
-                fsm.stopping(self._stop_reason or fsm.reason)
+                if self._stop_reason is not None:
+                    fsm.stopping(self._stop_reason, Cause.OPERATOR)
+                else:  # condemned: the stop keeps the condemnation's cause
+                    fsm.stopping(fsm.reason)
             how = await self._stop_process(proc)
             if self._stop_reason is not None:
                 fsm.stopped(self._stop_reason)
@@ -412,7 +421,7 @@ class EngineRunner:
                 return f"starting once the last incarnation is cleaned up ({fsm.state.value})"
             self.start_stopped = False
             fsm.reset_budget()
-            fsm.begin_start(reason)
+            fsm.begin_start(reason, cause=Cause.OPERATOR)
             self.wake()
             return f"starting (incarnation {fsm.incarnation})"
         return f"already {fsm.state.value}"
@@ -441,7 +450,7 @@ class EngineRunner:
         incarnation = fsm.incarnation
         if fsm.state is S.STARTING:
             # The starting task owns the process: kill it, and the start ends in STOPPED.
-            fsm.stopping(reason)
+            fsm.stopping(reason, Cause.OPERATOR)
             await self.proc.stop(self.cfg.stop_timeout)
         else:
             self._stop_now.set()
@@ -482,10 +491,10 @@ class EngineRunner:
         fsm = self.fsm
         if self.proc is not None:
             if fsm.state in PROCESS_STATES and fsm.state is not S.STOPPING:
-                fsm.stopping("supervisor shutting down")
+                fsm.stopping("supervisor shutting down", Cause.SHUTDOWN)
             how = await self.proc.stop(self.cfg.stop_timeout)
             if fsm.state is S.STOPPING:
-                fsm.stopped(f"supervisor shut down; stopped ({how})")
+                fsm.stopped(f"supervisor shut down; stopped ({how})", Cause.SHUTDOWN)
             self.proc = None
 
     # -- attached engines ------------------------------------------------------------------
@@ -501,7 +510,7 @@ class EngineRunner:
             fsm.became_ready(await self.prober.weight_version(), self.fleet.current_version,
                              hold=self.fleet.hold_reason())
         except asyncio.TimeoutError:
-            fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)")
+            fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)", Cause.SLOW_START)
         await asyncio.sleep(self.phase)
         ok_streak = 0
         due = self.clock()

@@ -18,7 +18,7 @@ import structlog
 from .config import Config
 from .errors import BadRequest, Conflict
 from .fsm import ProbeOutcome, Transition
-from .states import State
+from .states import Cause, State
 
 S = State
 log = structlog.get_logger("vime.fleet")
@@ -89,8 +89,7 @@ class Fleet:
                 self._subscribers.discard(sub)
 
     def on_transition(self, t: Transition) -> None:
-        kind = (detection_kind(t.reason) if t.to_state is S.UNHEALTHY
-                else "exit" if t.to_state is S.EXITED and t.from_state is not S.STOPPING else None)
+        kind = detection_kind(t)
         if kind:
             self.detections[(t.engine, kind)] = self.detections.get((t.engine, kind), 0) + 1
             self._detected_at.setdefault(t.engine, t.at)
@@ -106,9 +105,9 @@ class Fleet:
                 self.sync_time.observe(t.at - self._sync_began.pop(t.engine))
         level = log.warning if t.to_state in (S.UNHEALTHY, S.FATAL, S.EXITED) else log.info
         level("engine.transition", engine=t.engine, from_state=t.from_state.value,
-              to_state=t.to_state.value, reason=t.reason, incarnation=t.incarnation)
+              to_state=t.to_state.value, reason=t.reason, cause=t.cause.value, incarnation=t.incarnation)
         self.emit("transition", engine=t.engine, from_state=t.from_state.value,
-                  to_state=t.to_state.value, reason=t.reason, incarnation=t.incarnation)
+                  to_state=t.to_state.value, reason=t.reason, cause=t.cause.value, incarnation=t.incarnation)
         self._membership_changed()
         if t.to_state is S.STALE and t.engine in self.runners:
             # After the transition has settled: consider() may annotate or start a reload.
@@ -265,7 +264,7 @@ class Fleet:
         self.emit("failure_reported", engine=runner.name, detail=detail, counted=True, poisoned=poisoned)
         if poisoned:
             log.warning("engine.poisoned_reported", engine=runner.name, detail=detail)
-            fsm.condemn(f"poisoned: {detail} (reported by the trainer)")
+            fsm.mark_unusable(f"poisoned: {detail} (reported by the trainer)", Cause.POISONED)
             runner.condemn()
         elif fsm.report_failure(detail):
             runner.condemn()
@@ -293,13 +292,18 @@ class Fleet:
         return msg
 
 
-def detection_kind(reason: str) -> str:
-    """How an engine was found unusable, for vime_detections_total{kind}: "poisoned" (a weight
-    sync failed midway), "reported" (the trainer's failure reports crossed the threshold), else
-    "hang" (probes)."""
-    if reason.startswith("poisoned"):
+def detection_kind(t: Transition) -> str | None:
+    """How an engine was found unusable, for vime_detections_total{kind}, from the transition's
+    cause: "exit" (it died), "poisoned" (a weight sync failed midway, or the trainer said so),
+    "reported" (the trainer's failure reports crossed the threshold), "hang" (probes: failed,
+    or excused as busy or paused for too long). None: not a detection."""
+    if t.to_state is S.EXITED:
+        return "exit" if t.from_state is not S.STOPPING else None
+    if t.to_state is not S.UNHEALTHY:
+        return None
+    if t.cause in (Cause.POISONED, Cause.SYNC_FAILED):
         return "poisoned"
-    if "(last: reported:" in reason:
+    if t.cause is Cause.REPORTED:
         return "reported"
     return "hang"
 

@@ -3,7 +3,8 @@
 The runner (supervisor/engine.py) feeds it what it saw (spawned, ready, a probe result, the
 process exited) and carries out what it decides (stop now, back off for d seconds, give up).
 Every state change is one Transition handed to `on_transition`, which the runner turns into
-one structured log event and one event on the control socket's stream.
+one structured log event and one event on the control socket's stream. Each carries a
+structured `cause` (states.Cause) for machines beside its `reason` for people.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .states import PROBED, ROUTABLE, TRANSITIONS, State
+from .states import PROBED, ROUTABLE, TRANSITIONS, Cause, State
 
 S = State
 Clock = Callable[[], float]
@@ -59,6 +60,7 @@ class Transition:
     reason: str
     at: float
     incarnation: int
+    cause: Cause
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class EngineFSM:
     held: bool = False  # STALE only because a round is open
     excused_since: float | None = None  # first of the unbroken run of probes without progress
     excuse: str | None = None  # what the last of them was excused as
+    cause: Cause | None = None  # of the last transition
     _restart_times: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -129,22 +132,23 @@ class EngineFSM:
 
     # -- the one way state changes ---------------------------------------------------------
 
-    def _go(self, to: State, reason: str) -> Transition:
+    def _go(self, to: State, reason: str, cause: Cause) -> Transition:
         if to not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"{self.name}: {self.state} -> {to} ({reason})")
-        t = Transition(self.name, self.state, to, reason, self.clock(), self.incarnation)
-        self.state, self.reason, self.since = to, reason, t.at
+        t = Transition(self.name, self.state, to, reason, self.clock(), self.incarnation, Cause(cause))
+        self.state, self.reason, self.since, self.cause = to, reason, t.at, t.cause
         if self.on_transition is not None:
             self.on_transition(t)
         return t
 
     # -- inputs ----------------------------------------------------------------------------
 
-    def begin_start(self, reason: str, *, restart: bool | None = None) -> bool:
+    def begin_start(self, reason: str, *, restart: bool | None = None, cause: Cause | None = None) -> bool:
         """A new incarnation. Returns False (and goes FATAL) if the flapping window is full.
 
         `restart` defaults to "not the first incarnation"; re-adopting a running engine after
-        a daemon restart passes False: the engine itself did not restart.
+        a daemon restart passes False: the engine itself did not restart. `cause` defaults to
+        RESTART for a restart, else START.
         """
         now = self.clock()
         is_restart = self.incarnation > 0 if restart is None else restart
@@ -157,6 +161,7 @@ class EngineFSM:
                     S.FATAL,
                     f"flapping: {len(self._restart_times)} restarts within "
                     f"{self.restart.flapping_window:g}s; last: {self.reason}",
+                    Cause.FLAPPING,
                 )
                 return False
             self._restart_times.append(now)
@@ -170,7 +175,7 @@ class EngineFSM:
         self.weight_version = None
         self.held = False
         self.excused_since = self.excuse = None
-        self._go(S.STARTING, reason)
+        self._go(S.STARTING, reason, cause or (Cause.RESTART if is_restart else Cause.START))
         return True
 
     def became_ready(self, weight_version: int | str | None, current_version: int | None,
@@ -184,17 +189,17 @@ class EngineFSM:
         current = current_version is None or weight_version == current_version
         if current and hold is None:
             what = "base weights" if current_version is None else f"weights {vlabel(current_version)}, verified"
-            return self._go(S.RUNNING, f"ready in {took:.1f}s; {what}")
+            return self._go(S.RUNNING, f"ready in {took:.1f}s; {what}", Cause.READY)
         self.held = hold is not None
         why = hold if current else f"weights {vlabel(weight_version)}, current {vlabel(current_version)}"
-        return self._go(S.STALE, f"ready in {took:.1f}s; {why}")
+        return self._go(S.STALE, f"ready in {took:.1f}s; {why}", Cause.READY)
 
     def release(self, why: str, current_version: int | None) -> Transition | None:
         """A held engine at the current version joins routing (in a round gap)."""
         self.held = False
         if current_version is None or self.weight_version == current_version:
             what = "base weights" if current_version is None else f"weights {vlabel(current_version)}, verified"
-            return self._go(S.RUNNING, f"{why}; {what}")
+            return self._go(S.RUNNING, f"{why}; {what}", Cause.RELEASED)
         self.reason = f"{why}; weights {vlabel(self.weight_version)}, current {vlabel(current_version)}"
         return None
 
@@ -203,15 +208,21 @@ class EngineFSM:
         self.failed_starts = 0
         self._restart_times.clear()
 
-    def start_failed(self, error: str) -> float | None:
+    def start_failed(self, error: str, *, permanent: bool = False,
+                     cause: Cause = Cause.START_FAILED) -> float | None:
         """A bring-up failed (STARTING, or STOPPING after a failed start).
 
         Counts against the start budget. Returns the backoff delay, or None when FATAL.
+        `permanent`: starting again cannot help (a bad model path, an argument vLLM refuses):
+        FATAL at once, whatever is left of the budget.
         """
         self.failed_starts += 1
         self.last_error = error
+        if permanent:
+            self._go(S.FATAL, f"start failed, not retried (permanent): {error}", cause)
+            return None
         if self.failed_starts >= self.restart.start_retries:
-            self._go(S.FATAL, f"start retries exhausted ({self.failed_starts}); last error: {error}")
+            self._go(S.FATAL, f"start retries exhausted ({self.failed_starts}); last error: {error}", cause)
             return None
         delay = backoff_delay(self.failed_starts, self.restart, self.rng)
         self.backoff_until = self.clock() + delay
@@ -219,11 +230,15 @@ class EngineFSM:
             S.BACKOFF,
             f"start failed ({self.failed_starts}/{self.restart.start_retries}): {error}; "
             f"retry in {delay:.1f}s",
+            cause,
         )
         return delay
 
-    def probe_result(self, outcome: ProbeOutcome) -> bool:
-        """Feed one heartbeat. Returns True when the engine must be stopped now."""
+    def probe_result(self, outcome: ProbeOutcome, *, reported: bool = False) -> bool:
+        """Feed one heartbeat. Returns True when the engine must be stopped now.
+
+        `reported`: the failure is the trainer's report, not our probe (cause REPORTED).
+        """
         if self.state not in PROBED and self.state is not S.UNHEALTHY:
             return False  # a late answer for an engine that has moved on
         self.last_probe = outcome
@@ -233,17 +248,19 @@ class EngineFSM:
             self.consecutive_failures = 0
             self.consecutive_successes += 1
             if self.state is S.SUSPECT and self.consecutive_successes >= self.probe.success_threshold:
-                self._go(S.RUNNING, f"recovered: {self.consecutive_successes} probe successes")
+                self._go(S.RUNNING, f"recovered: {self.consecutive_successes} probe successes", Cause.RECOVERED)
             return False
         self.consecutive_successes = 0
         self.consecutive_failures += 1
         n, k = self.consecutive_failures, self.probe.failure_threshold
         if n >= k:
             if self.state is not S.UNHEALTHY:
-                self._go(S.UNHEALTHY, f"hung: {n} consecutive probe failures (last: {outcome.detail})")
+                self._go(S.UNHEALTHY, f"hung: {n} consecutive probe failures (last: {outcome.detail})",
+                         Cause.REPORTED if reported else Cause.HANG)
             return True
         if self.state is S.RUNNING:
-            self._go(S.SUSPECT, f"{n}/{k} probe failures (last: {outcome.detail})")
+            self._go(S.SUSPECT, f"{n}/{k} probe failures (last: {outcome.detail})",
+                     Cause.REPORTED if reported else Cause.PROBE)
         else:
             self.reason = f"{self.state.value.lower()}; {n}/{k} probe failures (last: {outcome.detail})"
         return False
@@ -269,12 +286,13 @@ class EngineFSM:
             return False
         what = ("without progress" if outcome.excuse == "busy"
                 else f"(longer than sync_timeout, {limit:g}s)")
-        self._go(S.UNHEALTHY, f"hung: {outcome.excuse} for {lasted:.0f}s {what} (last: {outcome.detail})")
+        self._go(S.UNHEALTHY, f"hung: {outcome.excuse} for {lasted:.0f}s {what} (last: {outcome.detail})",
+                 Cause.PAUSED if outcome.excuse == "paused" else Cause.BUSY)
         return True
 
     def report_failure(self, detail: str) -> bool:
         """A request failure seen by the trainer counts like a failed probe."""
-        return self.probe_result(ProbeOutcome(False, f"reported: {detail}"))
+        return self.probe_result(ProbeOutcome(False, f"reported: {detail}"), reported=True)
 
     def recovered(self, weight_version: int | str | None, current_version: int | None,
                   hold: str | None = None) -> Transition:
@@ -284,44 +302,49 @@ class EngineFSM:
         self.weight_version = weight_version
         current = current_version is None or weight_version == current_version
         if current and hold is None:
-            return self._go(S.RUNNING, "recovered: answering probes again")
+            return self._go(S.RUNNING, "recovered: answering probes again", Cause.RECOVERED)
         self.held = hold is not None
         why = hold if current else f"weights {vlabel(weight_version)}, current {vlabel(current_version)}"
-        return self._go(S.STALE, f"recovered; {why}")
+        return self._go(S.STALE, f"recovered; {why}", Cause.RECOVERED)
 
-    def stopping(self, reason: str) -> Transition:
-        return self._go(S.STOPPING, reason)
+    def stopping(self, reason: str, cause: Cause | None = None) -> Transition:
+        """`cause` defaults to the last transition's: a condemned engine's stop keeps why
+        it was condemned (hang, poisoned, reported)."""
+        return self._go(S.STOPPING, reason, cause or self.cause or Cause.OPERATOR)
 
-    def exited(self, how: str) -> Transition:
+    def exited(self, how: str, cause: Cause = Cause.EXIT) -> Transition:
         """The process is gone (it died, or our stop finished).
 
         After a stop we made, the reason that caused the stop is kept: it is what an operator
-        needs to see ("hung: 3 consecutive probe failures ..."), not "exited with -15".
+        needs to see ("hung: 3 consecutive probe failures ..."), not "exited with -15"; and
+        so is its cause.
         """
         if self.state is S.STOPPING:
-            return self._go(S.EXITED, f"{self.reason}; stopped ({how})")
-        return self._go(S.EXITED, f"exited unexpectedly ({how})")
+            return self._go(S.EXITED, f"{self.reason}; stopped ({how})", self.cause or cause)
+        return self._go(S.EXITED, f"exited unexpectedly ({how})", cause)
 
-    def stopped(self, reason: str) -> Transition:
+    def stopped(self, reason: str, cause: Cause = Cause.OPERATOR) -> Transition:
         """An operator's stop finished (or the engine was never started)."""
-        return self._go(S.STOPPED, reason)
+        return self._go(S.STOPPED, reason, cause)
 
     def sync_started(self, reason: str) -> Transition:
-        return self._go(S.SYNCING, reason)
+        return self._go(S.SYNCING, reason, Cause.SYNC)
 
     def sync_finished(self, weight_version: int | str, hold: str | None = None) -> Transition:
         self.weight_version = weight_version
         if hold is not None:  # verified, but a round is open: it joins routing in the gap
             self.held = True
-            return self._go(S.STALE, f"weights {vlabel(weight_version)}, verified; {hold}")
-        return self._go(S.RUNNING, f"weights {vlabel(weight_version)}, verified")
+            return self._go(S.STALE, f"weights {vlabel(weight_version)}, verified; {hold}", Cause.VERIFIED)
+        return self._go(S.RUNNING, f"weights {vlabel(weight_version)}, verified", Cause.VERIFIED)
 
-    def condemn(self, reason: str) -> Transition:
-        """Unusable now (a failed sync): UNHEALTHY, never routed; the runner stops it."""
-        return self._go(S.UNHEALTHY, reason)
+    def mark_unusable(self, reason: str, cause: Cause) -> Transition:
+        """Records the decision only: UNHEALTHY now (poisoned: a failed sync, or the
+        trainer's report), never routed. Stopping it is the runner's (EngineRunner.condemn)."""
+        return self._go(S.UNHEALTHY, reason, cause)
 
     def version_behind(self, current_version: int) -> Transition:
-        return self._go(S.STALE, f"weights {vlabel(self.weight_version)}, current {vlabel(current_version)}")
+        return self._go(S.STALE, f"weights {vlabel(self.weight_version)}, current {vlabel(current_version)}",
+                        Cause.OUTDATED)
 
     def annotate(self, reason: str) -> None:
         """Refine the reason without a state change (e.g. 'restart after round 412')."""

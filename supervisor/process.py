@@ -112,32 +112,38 @@ def describe_returncode(rc: int | None, adopted: bool = False) -> str:
     return f"exit status {rc}"
 
 
-# Lines in a failed engine's log that mean "starting again will not help".
+# Lines in a failed engine's log that mean "starting again will not help": the config names
+# a model that is not there, or arguments vLLM refuses.
 _PERMANENT = [
-    (re.compile(r"out of memory|OutOfMemoryError|Cannot allocate memory|MemoryError", re.I), "out of memory"),
     (re.compile(r"(No such file or directory|does not appear to have a file named|"
                 r"Repo id must|is not a local folder|Unrecognized model|"
                 r"Can't load the configuration|not a valid model|"
                 r"Invalid repository ID|HFValidationError)", re.I), "bad model path"),
     (re.compile(r"error: (unrecognized arguments|argument )|Value error,", re.I), "config error"),
 ]
-# Transient: another incarnation still holds the port.
-_TRANSIENT = re.compile(r"Address already in use|EADDRINUSE", re.I)
+# Transient: another incarnation still holds the port, or memory (a previous incarnation's
+# GPU memory is freed a moment after its process is gone).
+_TRANSIENT = [
+    (re.compile(r"Address already in use|EADDRINUSE", re.I), "port still in use"),
+    (re.compile(r"out of memory|OutOfMemoryError|Cannot allocate memory|MemoryError", re.I), "out of memory"),
+]
 
 
 def classify_failure(log_tail: str) -> tuple[bool, str]:
     """(permanent, summary) for a start that failed, read from the tail of its log.
 
-    The last matching line wins: Python prints the root cause nearest the end.
+    The last matching line wins: Python prints the root cause nearest the end. Permanent only
+    when a line says so; anything else is retried within the start budget.
     """
     lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
     for line in reversed(lines):
-        if _TRANSIENT.search(line):
-            return False, f"port still in use: {line[:200]}"
+        for pattern, what in _TRANSIENT:
+            if pattern.search(line):
+                return False, f"{what}: {line[:200]}"
         for pattern, what in _PERMANENT:
             if pattern.search(line):
                 return True, f"{what}: {line[:200]}"
-    return True, lines[-1][:200] if lines else "no output"
+    return False, lines[-1][:200] if lines else "no output"
 
 
 def read_tail(path: Path, max_bytes: int = 16384) -> str:

@@ -45,3 +45,32 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.FATAL}),
     S.FATAL: frozenset({S.STARTING, S.STOPPED}),
 }
+
+
+class Cause(StrEnum):
+    """Why a transition happened, for machines (metrics labels, the soak's verdicts); the
+    transition's `reason` says the same for people. On the event stream as "cause"."""
+
+    START = "start"  # the daemon's first start of an engine, or its attach
+    RESTORED = "restored"  # re-adopted from the journal after a daemon restart
+    RESTART = "restart"  # an automatic restart after the engine died or was stopped
+    RETRY = "retry"  # the next attempt after a failed start's backoff
+    OPERATOR = "operator"  # a start, stop, restart or retire asked for on the control socket
+    READY = "ready"  # the first healthy answer (and warm-up) inside first_wait
+    RELEASED = "released"  # a held engine joins routing in a round gap
+    START_FAILED = "start_failed"  # the process died, the port stayed busy, or the warm-up failed
+    SLOW_START = "slow_start"  # not ready within first_wait
+    PROBE = "probe"  # probe failures below the failure threshold (SUSPECT)
+    RECOVERED = "recovered"  # answering probes again after SUSPECT or UNHEALTHY
+    HANG = "hang"  # failure_threshold consecutive probe failures
+    BUSY = "busy"  # busy (CPU, no progress) for longer than max_busy
+    PAUSED = "paused"  # paused (generation held) for longer than sync_timeout
+    REPORTED = "reported"  # the trainer's failure reports crossed the threshold
+    POISONED = "poisoned"  # the trainer reported a weight push that failed midway
+    SYNC = "sync"  # a weight sync began (the trainer agent's push, or a checkpoint reload)
+    VERIFIED = "verified"  # a sync finished and the engine's weights were verified
+    SYNC_FAILED = "sync_failed"  # a sync failed, timed out or did not verify: poisoned
+    OUTDATED = "outdated"  # a newer weight version was published
+    EXIT = "exit"  # the process exited (or an attached engine stopped answering)
+    FLAPPING = "flapping"  # too many restarts inside the flapping window
+    SHUTDOWN = "shutdown"  # the daemon is stopping its engines on its way out

@@ -18,7 +18,7 @@ import structlog
 
 from .errors import Conflict
 from .fsm import vlabel
-from .states import State
+from .states import Cause, State
 
 if TYPE_CHECKING:
     from .fleet import Fleet
@@ -218,7 +218,7 @@ class SyncCoordinator:
     def _poisoned(self, runner: Any, why: str) -> None:
         log.warning("sync.poisoned", engine=runner.name, why=why)
         self.fleet.emit("sync_failed", engine=runner.name, reason=why)
-        runner.fsm.condemn(f"poisoned: {why}")
+        runner.fsm.mark_unusable(f"poisoned: {why}", Cause.SYNC_FAILED)
         # A spawned engine is stopped (post-mortem first) and restarted; an attached one stays
         # UNHEALTHY, probed, never routed, until it answers again on the current version.
         runner.condemn()

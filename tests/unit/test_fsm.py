@@ -16,7 +16,7 @@ from vime.supervisor.fsm import (
     Transition,
     backoff_delay,
 )
-from vime.supervisor.states import TRANSITIONS, State
+from vime.supervisor.states import TRANSITIONS, Cause, State
 
 S = State
 OK = ProbeOutcome(True, "ok", 0.01)
@@ -85,8 +85,8 @@ def test_stopped_starting_running_with_fake_clock_at_zero():
     clock.now = 19.5
     assert fsm.uptime() == 12.5
     assert seen == [
-        Transition("e0", S.STOPPED, S.STARTING, "start", 0.0, 1),
-        Transition("e0", S.STARTING, S.RUNNING, "ready in 7.0s; base weights", 7.0, 1),
+        Transition("e0", S.STOPPED, S.STARTING, "start", 0.0, 1, Cause.START),
+        Transition("e0", S.STARTING, S.RUNNING, "ready in 7.0s; base weights", 7.0, 1, Cause.READY),
     ]
 
 
@@ -268,7 +268,7 @@ def test_unhealthy_stopping_exited_keeps_the_hung_reason():
     t = fsm.exited("killed by SIGTERM")
     assert fsm.state is S.EXITED
     assert fsm.reason == f"{hung}; stopped (killed by SIGTERM)"
-    assert t == Transition("e0", S.STOPPING, S.EXITED, fsm.reason, 45.0, 1)
+    assert t == Transition("e0", S.STOPPING, S.EXITED, fsm.reason, 45.0, 1, Cause.HANG)
     assert edges(seen) == [(S.RUNNING, S.SUSPECT), (S.SUSPECT, S.UNHEALTHY),
                            (S.UNHEALTHY, S.STOPPING), (S.STOPPING, S.EXITED)]
 
@@ -392,11 +392,11 @@ def test_every_edge_outside_the_table_is_refused():
             fsm, clock, seen = make()
             fsm.state = src
             if dst in TRANSITIONS[src]:
-                fsm._go(dst, "x")
+                fsm._go(dst, "x", Cause.OPERATOR)
                 assert fsm.state is dst and len(seen) == 1
             else:
                 with pytest.raises(IllegalTransition):
-                    fsm._go(dst, "x")
+                    fsm._go(dst, "x", Cause.OPERATOR)
                 assert fsm.state is src and seen == []
 
 
@@ -544,7 +544,7 @@ def test_too_many_restarts_inside_the_window_is_fatal():
     assert fsm.reason == "flapping: 3 restarts within 600s; last: exited unexpectedly (exit status 1)"
     assert fsm.reason.startswith("flapping: ")
     assert fsm.incarnation == 4 and fsm.restarts == 3  # no fifth incarnation
-    assert seen[-1] == Transition("e0", S.EXITED, S.FATAL, fsm.reason, 40.0, 4)
+    assert seen[-1] == Transition("e0", S.EXITED, S.FATAL, fsm.reason, 40.0, 4, Cause.FLAPPING)
     assert fsm.last_error == "exited unexpectedly (exit status 1)"
 
 
@@ -626,10 +626,11 @@ def test_on_transition_gets_one_record_per_change_with_clock_time():
     clock.now = 12.0
     fsm.exited("killed by SIGKILL")
     assert seen == [
-        Transition("e0", S.STOPPED, S.STARTING, "start", 3.0, 1),
-        Transition("e0", S.STARTING, S.RUNNING, "ready in 1.2s; base weights", 4.25, 1),
-        Transition("e0", S.RUNNING, S.SUSPECT, "1/3 probe failures (last: timeout after 5.0s)", 11.5, 1),
-        Transition("e0", S.SUSPECT, S.EXITED, "exited unexpectedly (killed by SIGKILL)", 12.0, 1),
+        Transition("e0", S.STOPPED, S.STARTING, "start", 3.0, 1, Cause.START),
+        Transition("e0", S.STARTING, S.RUNNING, "ready in 1.2s; base weights", 4.25, 1, Cause.READY),
+        Transition("e0", S.RUNNING, S.SUSPECT, "1/3 probe failures (last: timeout after 5.0s)", 11.5, 1,
+                   Cause.PROBE),
+        Transition("e0", S.SUSPECT, S.EXITED, "exited unexpectedly (killed by SIGKILL)", 12.0, 1, Cause.EXIT),
     ]
     assert fsm.since == 12.0
 
@@ -699,9 +700,21 @@ def test_routable_only_when_running_or_suspect(state):
 def test_detection_kinds_name_how_an_engine_was_found_unusable():
     from vime.supervisor.fleet import detection_kind
 
-    assert detection_kind("hung: 2 consecutive probe failures (last: timeout after 2s, no progress)") == "hang"
-    assert detection_kind("hung: 2 consecutive probe failures (last: reported: connection reset)") == "reported"
-    assert detection_kind("poisoned: push of v3 failed midway: boom (reported by the trainer)") == "poisoned"
+    def t(from_state, to_state, cause, reason="whatever the words"):
+        return Transition("e0", from_state, to_state, reason, 0.0, 1, cause)
+
+    assert detection_kind(t(S.SUSPECT, S.UNHEALTHY, Cause.HANG)) == "hang"
+    assert detection_kind(t(S.RUNNING, S.UNHEALTHY, Cause.BUSY)) == "hang"
+    assert detection_kind(t(S.RUNNING, S.UNHEALTHY, Cause.PAUSED)) == "hang"
+    assert detection_kind(t(S.SUSPECT, S.UNHEALTHY, Cause.REPORTED)) == "reported"
+    assert detection_kind(t(S.RUNNING, S.UNHEALTHY, Cause.POISONED)) == "poisoned"
+    assert detection_kind(t(S.SYNCING, S.UNHEALTHY, Cause.SYNC_FAILED)) == "poisoned"
+    assert detection_kind(t(S.RUNNING, S.EXITED, Cause.EXIT)) == "exit"
+    # Not detections: our own stop ending, a state change that finds nothing wrong.
+    assert detection_kind(t(S.STOPPING, S.EXITED, Cause.HANG)) is None
+    assert detection_kind(t(S.RUNNING, S.SUSPECT, Cause.PROBE)) is None
+    # The reason's words play no part.
+    assert detection_kind(t(S.SUSPECT, S.UNHEALTHY, Cause.HANG, "poisoned: (last: reported: x)")) == "hang"
 
 
 # -- late probes excused as busy or paused, within their bounds --------------------------------
@@ -792,3 +805,149 @@ def test_recovered_attached_engine_is_held_during_a_round():
     assert fsm.state is S.STALE and fsm.held and "until round 3 ends" in fsm.reason
     fsm.release("round 3 ended", None)
     assert fsm.state is S.RUNNING
+
+
+# -- causes: what machines read instead of the reason ----------------------------------------
+
+
+def causes(seen: list[Transition]) -> list[tuple[State, Cause]]:
+    return [(t.to_state, t.cause) for t in seen]
+
+
+def test_every_transition_carries_a_lower_case_cause():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.became_ready(None, None)
+    fsm.probe_result(TIMEOUT)
+    fsm.probe_result(OK)
+    assert causes(seen) == [(S.STARTING, Cause.START), (S.RUNNING, Cause.READY),
+                            (S.SUSPECT, Cause.PROBE), (S.RUNNING, Cause.RECOVERED)]
+    assert all(t.cause.value == t.cause.value.lower() for t in seen)
+    assert fsm.cause is Cause.RECOVERED
+
+
+def test_a_hang_keeps_its_cause_through_the_stop_and_the_restart_says_restart():
+    fsm, clock, seen = running(probe=ProbePolicy(failure_threshold=2))
+    fsm.probe_result(TIMEOUT)
+    assert fsm.probe_result(TIMEOUT)
+    fsm.stopping(fsm.reason)
+    fsm.exited("killed by SIGTERM")
+    clock.now = 100.0
+    fsm.begin_start("restart #1")
+    assert causes(seen) == [(S.SUSPECT, Cause.PROBE), (S.UNHEALTHY, Cause.HANG), (S.STOPPING, Cause.HANG),
+                            (S.EXITED, Cause.HANG), (S.STARTING, Cause.RESTART)]
+
+
+def test_reported_failures_are_reported_not_hang():
+    fsm, clock, seen = running(probe=ProbePolicy(failure_threshold=2))
+    fsm.report_failure("connection reset")
+    assert fsm.report_failure("connection reset")
+    assert causes(seen) == [(S.SUSPECT, Cause.REPORTED), (S.UNHEALTHY, Cause.REPORTED)]
+
+
+def test_a_busy_run_past_its_bound_is_busy_and_a_paused_one_paused():
+    for late, cause in ((BUSY_LATE, Cause.BUSY), (PAUSED_LATE, Cause.PAUSED)):
+        fsm, clock, seen = running(probe=ProbePolicy(max_busy=30, max_paused=30))
+        clock.now = 11.0
+        fsm.probe_result(late)
+        clock.now = 50.0
+        assert fsm.probe_result(late)
+        assert causes(seen) == [(S.UNHEALTHY, cause)]
+
+
+def test_an_unexpected_exit_is_exit_and_an_operator_stop_operator():
+    fsm, clock, seen = running()
+    fsm.exited("killed by SIGKILL")
+    fsm.stopped("stopped by request")
+    assert causes(seen) == [(S.EXITED, Cause.EXIT), (S.STOPPED, Cause.OPERATOR)]
+
+
+def test_sync_causes_and_a_poisoned_engine():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.became_ready(None, 3)
+    fsm.sync_started("trainer agent pushing v3")
+    fsm.sync_finished(3)
+    fsm.version_behind(4)
+    fsm.sync_started("trainer agent pushing v4")
+    fsm.mark_unusable("poisoned: push of v4 failed", Cause.SYNC_FAILED)
+    assert causes(seen)[1:] == [(S.STALE, Cause.READY), (S.SYNCING, Cause.SYNC), (S.RUNNING, Cause.VERIFIED),
+                                (S.STALE, Cause.OUTDATED), (S.SYNCING, Cause.SYNC),
+                                (S.UNHEALTHY, Cause.SYNC_FAILED)]
+
+
+def test_flapping_is_its_own_cause():
+    fsm, clock, seen = make(restart=RestartPolicy(flapping_max_restarts=1))
+    fsm.begin_start("start")
+    fsm.became_ready(None, None)
+    fsm.exited("exit status 1")
+    assert fsm.begin_start("restart #1")
+    fsm.became_ready(None, None)
+    fsm.exited("exit status 1")
+    assert not fsm.begin_start("restart #2")
+    assert causes(seen)[-1] == (S.FATAL, Cause.FLAPPING)
+
+
+# -- permanent start failures: FATAL at once -------------------------------------------------
+
+
+def test_a_permanent_start_failure_is_fatal_at_once_with_budget_left():
+    fsm, clock, seen = make(restart=RestartPolicy(start_retries=5))
+    fsm.begin_start("start")
+    assert fsm.start_failed("exit status 1 while starting: bad model path: No such file", permanent=True) is None
+    assert fsm.state is S.FATAL
+    assert fsm.failed_starts == 1
+    assert fsm.reason == ("start failed, not retried (permanent): "
+                          "exit status 1 while starting: bad model path: No such file")
+    assert fsm.last_error.startswith("exit status 1 while starting")
+    assert causes(seen)[-1] == (S.FATAL, Cause.START_FAILED)
+    assert fsm.backoff_until is None
+
+
+def test_a_transient_start_failure_backs_off_as_before():
+    fsm, clock, seen = make(restart=RestartPolicy(start_retries=2))
+    fsm.begin_start("start")
+    assert fsm.start_failed("port 8001 still in use by another process", permanent=False) is not None
+    assert fsm.state is S.BACKOFF
+    assert causes(seen)[-1] == (S.BACKOFF, Cause.START_FAILED)
+    clock.now = fsm.backoff_until
+    fsm.begin_start("retry after start failure 1", cause=Cause.RETRY)
+    assert causes(seen)[-1] == (S.STARTING, Cause.RETRY)
+    assert fsm.start_failed("port 8001 still in use by another process") is None
+    assert fsm.reason.startswith("start retries exhausted (2)")
+
+
+def test_an_operator_start_after_a_permanent_failure_gets_a_fresh_budget():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.start_failed("bad model path", permanent=True)
+    fsm.reset_budget()
+    assert fsm.begin_start("started by request", cause=Cause.OPERATOR)
+    assert fsm.failed_starts == 0
+    assert causes(seen)[-1] == (S.STARTING, Cause.OPERATOR)
+
+
+def test_a_slow_start_backs_off_with_its_cause():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.stopping("not ready within first_wait (300s)", Cause.SLOW_START)
+    fsm.start_failed("not ready within first_wait (300s); stopped (killed by SIGTERM)", cause=Cause.SLOW_START)
+    assert causes(seen)[-2:] == [(S.STOPPING, Cause.SLOW_START), (S.BACKOFF, Cause.SLOW_START)]
+
+
+@pytest.mark.parametrize("tail, permanent, what", [
+    ("Traceback ...\nOSError: /models/polcy does not appear to have a file named config.json", True,
+     "bad model path"),
+    ("huggingface_hub.errors.HFValidationError: Repo id must be in the form 'repo_name'", True, "bad model path"),
+    ("api_server.py: error: unrecognized arguments: --no-such-flag", True, "config error"),
+    ("OSError: [Errno 98] Address already in use", False, "port still in use"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", False, "out of memory"),
+    ("RuntimeError: something nobody classified", False, "RuntimeError"),
+    ("", False, "no output"),
+])
+def test_classify_failure_calls_only_what_it_recognises_permanent(tail, permanent, what):
+    from vime.supervisor.process import classify_failure
+
+    got, summary = classify_failure(tail)
+    assert got is permanent
+    assert summary.startswith(what)
