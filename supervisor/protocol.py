@@ -6,8 +6,8 @@
     ev["event"] == p.Event.MEMBERSHIP
 
 Routes, the socket's default path, error codes, event kinds, engine actions, stream roles and
-the JSON payloads (TypedDicts). It imports nothing of ours but `.states` (State and its groups
-are re-exported here), so any side may import it.
+the JSON payloads (TypedDicts). It imports nothing of ours but `.states` (State, its groups and
+Cause are re-exported here), so any side may import it.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from enum import StrEnum
 from typing import Literal, NotRequired, TypedDict, Union
 from urllib.parse import quote, urlencode
 
-from .states import PROBED, PROCESS_STATES, ROUTABLE, RUNNING_STATES, TRANSITIONS, State
-
-# Cause (exit, hang, busy, poisoned, reported, operator, start_failed, ...) is re-exported from
-# .states here once it lands there.
+from .states import PROBED, PROCESS_STATES, ROUTABLE, RUNNING_STATES, TRANSITIONS, Cause, State
 
 __all__ = [
     # socket
@@ -32,7 +29,7 @@ __all__ = [
     "FAILURES", "LOG_PATH_HEADER", "LOG_BYTES_PARAM", "ROLE_PARAM", "NDJSON",
     # names
     "Action", "ENGINE_ACTIONS", "RoundPhase", "SyncPhase", "Role", "ErrorCode", "Event",
-    "State", "ROUTABLE", "PROBED", "RUNNING_STATES", "PROCESS_STATES", "TRANSITIONS",
+    "State", "Cause", "ROUTABLE", "PROBED", "RUNNING_STATES", "PROCESS_STATES", "TRANSITIONS",
     # payloads
     "ErrorBody", "ErrorAnswer", "ProbeInfo", "EngineStatus", "DaemonInfo", "FleetStatus",
     "RoutableEngine", "Routable", "RoundResult", "WeightsResult", "ActionResult", "FailureResult",
@@ -370,7 +367,8 @@ class TransitionEvent(TypedDict):
     engine: str
     from_state: str  # a State
     to_state: str  # a State
-    reason: str
+    reason: str  # for people
+    cause: NotRequired[str]  # for machines: a Cause (exit, hang, poisoned, operator, ...)
     incarnation: int
 
 
