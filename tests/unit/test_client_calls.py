@@ -303,3 +303,44 @@ def test_the_asyncio_client_sends_the_tables_calls(recorder):
     answers = dict(zip(SAMPLE_ARGS, results))
     assert answers["incidents"] == [] and answers["engine_log"].path == "/var/log/e0.log"
     assert answers["status"] == {"incidents": [], "ok": True}
+
+
+# -- the daemon's names are the protocol's ---------------------------------------------------
+
+
+def _calls_named(path: Path, names: set[str]) -> list[ast.Call]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in names:
+                out.append(node)
+    return out
+
+
+def test_every_event_the_daemon_emits_is_a_protocol_event():
+    events = set(protocol.Event)
+    seen = 0
+    for path in sorted((ROOT / "supervisor").glob("*.py")):
+        for call in _calls_named(path, {"emit"}):
+            if call.args and isinstance(call.args[0], ast.Constant):
+                seen += 1
+                assert call.args[0].value in events, f"{path.name}:{call.lineno} emits {call.args[0].value!r}"
+            elif call.args and isinstance(call.args[0], ast.Attribute) and isinstance(call.args[0].value, ast.Name) \
+                    and call.args[0].value.id == "Event":
+                seen += 1
+                assert call.args[0].attr in protocol.Event.__members__, f"{path.name}:{call.lineno}"
+    assert seen >= 10  # the scan found the daemon's emit() calls
+
+
+def test_every_error_code_the_daemon_answers_is_a_protocol_code():
+    path = ROOT / "supervisor" / "control.py"
+    calls = _calls_named(path, {"_error", "ApiError"})
+    assert len(calls) >= 10
+    for call in calls:
+        code = call.args[1] if len(call.args) > 1 else None
+        if isinstance(code, ast.Constant):
+            assert code.value in set(protocol.ErrorCode), f"control.py:{call.lineno} answers {code.value!r}"
+        elif isinstance(code, ast.Attribute) and isinstance(code.value, ast.Name) and code.value.id == "ErrorCode":
+            assert code.attr in protocol.ErrorCode.__members__, f"control.py:{call.lineno}"
