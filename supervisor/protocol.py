@@ -378,6 +378,7 @@ class DetectionEvent(TypedDict):
     engine: str
     kind: str  # exit, hang, poisoned, reported
     reason: str
+    cause: NotRequired[str]  # a Cause
 
 
 class MembershipEvent(TypedDict):
