@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("names", nargs="*", metavar="NAME", help="only these engines")
     p.add_argument("--json", action="store_true", help="the daemon's status as one JSON object")
     for verb in ENGINE_ACTIONS:
-        p = sub.add_parser(verb, help=_ACTION_HELP[verb])
+        p = sub.add_parser(str(verb), help=_ACTION_HELP[verb])
         p.add_argument("names", nargs="+", metavar="NAME")
     p = sub.add_parser("tail", help="an engine's current log")
     p.add_argument("name", metavar="NAME")
