@@ -10,8 +10,9 @@
     async with AsyncSupervisorClient().round(412):
         ...
 
-Both clients take their verbs from one table (calls.Verbs). Retries, idempotency and the
-typed errors are described in the README.
+Both clients take their verbs from one table (calls.Verbs). Each call has its own connection;
+one that cannot connect is retried for `connect_timeout`, then raises DaemonUnreachable; one
+dropped after it was sent is resent only when the verb is idempotent, else ConnectionLost.
 """
 
 from __future__ import annotations
