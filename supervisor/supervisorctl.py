@@ -188,7 +188,8 @@ def _supervisord_spec() -> importlib.machinery.ModuleSpec | None:
     from the repository)."""
     path = [p for p in sys.path if not _is_ours(Path(p or os.getcwd()) / "supervisor")]
     try:
-        spec = importlib.machinery.PathFinder.find_spec("supervisor", path)
+        # sys.path first; then every finder (an editable install of supervisord has its own)
+        spec = importlib.machinery.PathFinder.find_spec("supervisor", path) or importlib.util.find_spec("supervisor")
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
