@@ -44,6 +44,14 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def fewest_fds(pid: int, readings: int = 5) -> int:
+    seen = []
+    for _ in range(readings):
+        seen.append(open_fds(pid))
+        time.sleep(0.05)
+    return min(seen)
+
+
 def connect(sock: str, timeout: float = 10.0) -> socket.socket:
     deadline = time.monotonic() + timeout
     while True:
@@ -162,7 +170,9 @@ def test_slow_clients_do_not_block_others(abuse):
     """200 clients each holding a half-sent request: everyone else is still served at once,
     and when they leave the daemon's descriptors return to what they were."""
     d, snap, _ = abuse
-    fds_before = open_fds(d.proc.pid)
+    # The daemon's heartbeat opens and closes probe connections of its own (its engines are
+    # attached to ports nobody listens on), so one reading can be a descriptor or two high.
+    fds_before = fewest_fds(d.proc.pid)
     slow = []
     for i in range(200):
         s = connect(d.sock)
@@ -172,7 +182,7 @@ def test_slow_clients_do_not_block_others(abuse):
     deadline = time.monotonic() + 10  # the daemon accepts them all (the kernel's backlog is 128)
     while open_fds(d.proc.pid) < fds_before + 200 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert open_fds(d.proc.pid) >= fds_before + 200
+    assert open_fds(d.proc.pid) >= fds_before + 200, "the daemon did not accept all 200"
     t0 = time.monotonic()
     for _ in range(20):
         assert stable(status(d.sock)) == snap
