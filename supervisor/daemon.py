@@ -1,4 +1,10 @@
-"""The daemon: `vime-supervisor --config FILE [flags]` (or `python -m vime.supervisor`)."""
+"""The daemon: `vime-supervisor --config FILE [flags]` (or `python -m vime.supervisor`).
+
+`Supervisor` is the composition root: it builds the fleet's policy, the event bus, the
+statistics, the fleet, the engines' runners and the sync coordinator, wires the listeners of
+the bus (statistics, then fleet, then sync: a detection is on the stream before its
+transition), and owns every long-lived task in one `TaskSet`, closed in one place.
+"""
 
 from __future__ import annotations
 
@@ -21,13 +27,19 @@ from . import journal as journal_mod
 from .config import Config, ConfigError
 from .control import ControlServer
 from .engine import EngineRunner
+from .events import EventBus
 from .fleet import Fleet
 from .fsm import vlabel
 from .journal import JournalError, JournalWriter
+from .metrics import FleetStats
+from .policy import FleetPolicy
 from .process import (
     boot_id, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of, proc_stat, stop_group_of)
+from .protocol import Event
 from .sdnotify import Notifier
 from .states import State
+from .sync import SyncCoordinator
+from .tasks import TaskSet
 
 log = structlog.get_logger("vime.supervisor")
 
@@ -37,12 +49,22 @@ DEFAULT_CONFIG = "/etc/vime-supervisor/config.toml"
 class Supervisor:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.fleet = Fleet(cfg)
+        self.bus = EventBus()
+        self.policy = FleetPolicy(min_healthy=cfg.min_healthy, use_fault_tolerance=cfg.use_fault_tolerance,
+                                  restart_immediately=cfg.restart_immediately)
+        self.stats = FleetStats(self.bus)
+        self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)
+        self.sync = SyncCoordinator(self.fleet, cfg.sync_timeout)
+        self.fleet.sync = self.sync
+        # In this order: a detection is counted and on the stream before its transition, and
+        # the sync coordinator considers an engine once the fleet has settled its routing.
+        for listener in (self.stats, self.fleet, self.sync):
+            self.bus.add_listener(listener)
         self.notifier = Notifier()
         self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json")
         self.fleet.persist = self.journal.flush
         self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self.tasks = TaskSet("daemon")  # every long-lived task of the daemon
 
     def request_stop(self, why: str) -> None:
         if not self._stop.is_set():
@@ -63,7 +85,8 @@ class Supervisor:
             n = len(cfg.engines)
             for i, spec in enumerate(cfg.engines):
                 # Spread probes over the interval instead of firing them all at once.
-                runner = EngineRunner(spec, cfg, self.fleet, session, phase=cfg.probe.interval * i / n)
+                runner = EngineRunner(spec, cfg, self.policy, self.bus, session, phase=cfg.probe.interval * i / n,
+                                      persist=self.journal.flush)
                 self.fleet.runners[spec.name] = runner
             await self._restore()
             control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
@@ -73,24 +96,25 @@ class Supervisor:
                      fault_tolerance=cfg.use_fault_tolerance, interval=cfg.probe.interval,
                      timeout=cfg.probe.timeout, failure_threshold=cfg.probe.failure_threshold,
                      first_wait=cfg.probe.first_wait)
-            self.journal.start()
-            self._tasks = [asyncio.create_task(self._follow_fleet(), name="follow-fleet"),
-                           asyncio.create_task(self._ready_when_checked(), name="sd-ready")]
+            self.journal.start(self.tasks)
+            self.tasks.spawn(self._follow_fleet(), name="follow-fleet")
+            self.tasks.spawn(self._ready_when_checked(), name="sd-ready")
             if self.notifier.watchdog_interval:
-                self._tasks.append(asyncio.create_task(self._watchdog(), name="sd-watchdog"))
+                self.tasks.spawn(self._watchdog(), name="sd-watchdog")
             for runner in self.fleet.runners.values():
                 if not runner.retired:
-                    runner.start()
+                    runner.start(self.tasks)
             try:
                 await self._stop.wait()
                 self.notifier.stopping()
                 await self.shutdown()
             finally:
-                for t in self._tasks:
-                    t.cancel()
+                # In this order: engines are stopped (above), the socket closes, syncs end,
+                # the journal's last write, then whatever task is left.
                 await control.stop()
-                await self.fleet.sync.close()
+                await self.sync.close()
                 await self.journal.close()
+                await self.tasks.aclose()
                 self.notifier.close()
 
     async def _restore(self) -> None:
@@ -120,8 +144,8 @@ class Supervisor:
         fleet = self.fleet
         adopted, gone, killed = [], [], []
         if data is not None:
-            fleet.round, fleet.round_open = data.get("round"), bool(data.get("round_open"))
-            fleet.current_version, fleet.checkpoint = data.get("weight_version"), data.get("checkpoint")
+            fleet.restore(round_number=data.get("round"), round_open=bool(data.get("round_open")),
+                          version=data.get("weight_version"), checkpoint=data.get("checkpoint"))
             here, then = boot_id(), data.get("boot_id")
             # Pids and start times name processes of one boot only; without both ids (an
             # older journal) we cannot tell, so nothing is adopted or killed by pid.
@@ -132,14 +156,10 @@ class Supervisor:
             for name, entry in data["engines"].items():
                 runner = fleet.runners.get(name)
                 if runner is not None:
-                    runner.retired = bool(entry.get("retired"))
-                    # Incarnations go on counting across daemon restarts: a failure report or
-                    # a log file names one process, never two.
-                    runner.fsm.incarnation = int(entry.get("incarnation", 0))
-                    runner.fsm.restarts = int(entry.get("restarts", 0))
-                    # Only an operator's stop survives a restart; the daemon's own shutdown does not.
-                    runner.start_stopped = (entry.get("state") == State.STOPPED.value
-                                            and bool(entry.get("operator_stopped")))
+                    runner.restore(incarnation=int(entry.get("incarnation", 0)),
+                                   restarts=int(entry.get("restarts", 0)), retired=bool(entry.get("retired")),
+                                   operator_stopped=(entry.get("state") == State.STOPPED.value
+                                                     and bool(entry.get("operator_stopped"))))
                 if not entry.get("pid") or not same_boot:
                     continue
                 pid, start_time = int(entry["pid"]), int(entry["start_time"])
@@ -161,7 +181,7 @@ class Supervisor:
                     if group_members_of(pid, start_time):
                         log.warning("journal.not_adopted", engine=name, pid=pid, why=why,
                                     action="killed its process group")
-                        fleet.emit("not_adopted", engine=name, pid=pid, why=why)
+                        fleet.emit(Event.NOT_ADOPTED, engine=name, pid=pid, why=why)
                 kill_group_of(pid, start_time)  # its leftovers, if any
                 killed.append((pid, start_time))
         await self._await_gone(killed)
@@ -186,7 +206,7 @@ class Supervisor:
         for (pid, _st, port), how in zip(found, hows):
             log.warning("journal.orphan_stopped", pid=pid, port=port, engine=ports[port], how=how,
                         why="an engine process of ours on a configured port that the journal does not name")
-            self.fleet.emit("orphan_stopped", pid=pid, port=port, engine=ports[port], how=how)
+            self.fleet.emit(Event.ORPHAN_STOPPED, pid=pid, port=port, engine=ports[port], how=how)
 
     async def _follow_fleet(self) -> None:
         """Every fleet change: the journal and systemd's STATUS= follow."""
@@ -202,12 +222,24 @@ class Supervisor:
 
     async def _ready_when_checked(self) -> None:
         """READY=1 once the socket listens and every engine's first start has concluded."""
-        def first_start_pending(r) -> bool:
-            return not r.retired and (r.fsm.state is State.STARTING
+        def first_start_pending(r: EngineRunner) -> bool:
+            return not r.retired and (r.state is State.STARTING
                                       or not r.first_start_begun and not r.start_stopped)
 
-        while any(first_start_pending(r) for r in self.fleet.runners.values()):
-            await asyncio.sleep(0.2)
+        # Each engine's first start begins with a transition, and each ends with one: checked
+        # again at each event on the bus.
+        sub = self.bus.subscribe()
+        try:
+            while any(first_start_pending(r) for r in self.fleet.runners.values()):
+                if sub.lost:  # fell behind (a burst of events): read on from now
+                    self.bus.unsubscribe(sub)
+                    sub = self.bus.subscribe()
+                try:
+                    await asyncio.wait_for(sub.queue.get(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.bus.unsubscribe(sub)
         self.notifier.ready(status_line(self.fleet))
         log.info("supervisor.ready", status=status_line(self.fleet))
 
@@ -231,7 +263,7 @@ class Supervisor:
 def status_line(fleet: Fleet) -> str:
     """systemd's STATUS=: `7/8 engines RUNNING, round 412, weights v118`."""
     runners = list(fleet.runners.values())
-    running = sum(r.fsm.state is State.RUNNING for r in runners)
+    running = sum(r.state is State.RUNNING for r in runners)
     rnd = "no round yet" if fleet.round is None else f"round {fleet.round}{'' if fleet.round_open else ' ended'}"
     return f"{running}/{len(runners)} engines RUNNING, {rnd}, weights {vlabel(fleet.current_version)}"
 

@@ -1,8 +1,13 @@
 """One engine's lifecycle: the I/O around its pure state machine.
 
 A spawned engine's task loops: start (wait for its port, spawn, wait until ready inside
-first_wait), heartbeat until it dies or must be stopped, then wait for the fleet's permission
-to restart (round gaps) or for its backoff to pass. An attached engine is only probed.
+first_wait), heartbeat until it dies or must be stopped, then wait for the fleet policy's
+permission to restart (round gaps) or for its backoff to pass. An attached engine is only
+probed.
+
+The runner alone drives its state machine: the fleet and the sync coordinator call its verbs
+(one per intent: `report_failure`, `condemn_and_stop`, `mark_outdated`, `begin_sync`,
+`finish_sync`, `release`, `note`, `stop`, `request_start`), never `runner.fsm`.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import asyncio
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import aiohttp
 import structlog
@@ -20,23 +25,25 @@ from tenacity import AsyncRetrying, RetryError, retry_if_result, stop_after_dela
 from . import postmortem
 from .activity import sample_group
 from .config import Config, EngineSpec
-from .fsm import EngineFSM, ProbeOutcome
+from .events import EventBus
+from .fsm import EngineFSM, ProbeOutcome, Transition
+from .policy import FleetPolicy
 from .probes import Prober
 from .process import (
     EngineProcess,
-    kill_group_of,
     classify_failure,
     describe_returncode,
     engine_command,
     engine_env,
+    engine_fingerprint,
+    kill_group_of,
     port_is_free,
     read_tail,
 )
+from .protocol import Event
 from .states import PROCESS_STATES, Cause, State
+from .tasks import TaskSet, cancel_and_wait
 from .warmup import WarmupFailed, warm_up
-
-if TYPE_CHECKING:
-    from .fleet import Fleet
 
 S = State
 log = structlog.get_logger("vime.engine")
@@ -52,15 +59,22 @@ class StartFailed(Exception):
 
 
 class EngineRunner:
-    def __init__(self, spec: EngineSpec, cfg: Config, fleet: "Fleet", session: aiohttp.ClientSession,
-                 *, phase: float = 0.0, clock=time.monotonic):
+    def __init__(self, spec: EngineSpec, cfg: Config, policy: FleetPolicy, bus: EventBus,
+                 session: aiohttp.ClientSession, *, phase: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic, persist: Callable[[], None] = lambda: None):
         self.spec = spec
         self.cfg = cfg
-        self.fleet = fleet
+        self.policy = policy  # may it restart now, is it held out of routing, the current version
+        self.bus = bus
+        # Called once a new process is spawned: its pid is on disk before anything else happens.
+        self.persist = persist
         self.clock = clock
         self.phase = phase  # offset inside the interval, to spread probes across the fleet
-        self.fsm = EngineFSM(spec.name, cfg.probe, cfg.restart, clock, on_transition=fleet.on_transition)
-        self.proc: EngineProcess | None = None
+        self.fsm = EngineFSM(spec.name, cfg.probe, cfg.restart, clock, on_transition=self._transition)
+        # Set (and replaced) at every transition and whenever the process is let go: what
+        # stop() waits on instead of polling.
+        self._changed = asyncio.Event()
+        self._proc: EngineProcess | None = None
         self.prober = Prober(session, spec.base_url, spec.model_name, cfg.probe.timeout,
                              group=lambda: self.proc.pid if self.proc is not None else None,
                              api_key=api_key(cfg.engine_args + spec.args, {**cfg.engine_env, **spec.env}))
@@ -71,13 +85,16 @@ class EngineRunner:
         self.retired = False  # never restarted again, never routed
         self._wake = asyncio.Event()
         self._stop_now: asyncio.Event = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._stop_reason: str | None = None  # set by an operator's stop: ends in STOPPED
         self._adopted: EngineProcess | None = None  # from the journal, taken by the first start
         self._adopted_routable = False  # it was serving when the previous daemon died
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
         self._start_pending: str | None = None  # a start asked for while a dead group is cleaned up
         self.first_start_begun = False  # this daemon has begun its first start (READY waits)
+        self.stopped_by_shutdown = False  # set by shutdown(): the journal tells it from an operator's stop
+
+    # -- what others read ------------------------------------------------------------------
 
     @property
     def name(self) -> str:
@@ -87,17 +104,82 @@ class EngineRunner:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc and self.proc.returncode is None else None
 
-    def start(self) -> None:
+    @property
+    def proc(self) -> EngineProcess | None:
+        return self._proc
+
+    @proc.setter
+    def proc(self, proc: EngineProcess | None) -> None:
+        self._proc = proc
+        self._poke()
+
+    @property
+    def state(self) -> State:
+        return self.fsm.state
+
+    @property
+    def reason(self) -> str:
+        return self.fsm.reason
+
+    @property
+    def incarnation(self) -> int:
+        return self.fsm.incarnation
+
+    @property
+    def weight_version(self) -> int | str | None:
+        return self.fsm.weight_version
+
+    @property
+    def serving(self) -> bool:
+        """In a state that takes traffic (RUNNING, SUSPECT), whatever its weights."""
+        return self.fsm.routable
+
+    @property
+    def probed(self) -> bool:
+        return self.fsm.probed
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self.fsm.consecutive_failures
+
+    # -- the task --------------------------------------------------------------------------
+
+    def start(self, tasks: TaskSet | None = None) -> None:
+        """Begin supervising, in a task of `tasks` (the daemon's) if given; shutdown() ends it."""
         body = self._run_spawned() if self.spec.spawned else self._run_attached()
-        self._task = asyncio.create_task(body, name=f"engine:{self.name}")
+        name = f"engine:{self.name}"
+        self._task = tasks.spawn(body, name=name) if tasks is not None else asyncio.create_task(body, name=name)
         self._task.add_done_callback(self._task_ended)
 
-    def _task_ended(self, task: asyncio.Task) -> None:
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        self._poke()
         if not task.cancelled() and task.exception() is not None:
             # Supervision of this engine has stopped: say so as loudly as we can.
             log.error("engine.supervision_failed", engine=self.name, state=self.fsm.state.value,
                       error=repr(task.exception()))
-            self.fleet.emit("supervision_failed", engine=self.name, error=repr(task.exception()))
+            self.bus.emit(Event.SUPERVISION_FAILED, engine=self.name, error=repr(task.exception()))
+
+    def _transition(self, t: Transition) -> None:
+        self._poke()
+        self.bus.transition(t)
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _until(self, done: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Wait until `done()` (checked at every transition and process change); False if
+        `timeout` passed first."""
+        deadline = None if timeout is None else self.clock() + timeout
+        while not done():
+            left = None if deadline is None else deadline - self.clock()
+            if left is not None and left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True
 
     def wake(self) -> None:
         """Re-evaluate now (a round ended, an operator asked for something)."""
@@ -119,8 +201,6 @@ class EngineRunner:
         (retired, another config, hung, mid-sync, being stopped) is killed instead of left to
         hold its port and memory, and the log says why. Call before start(), and only with a
         journal of this boot."""
-        from .process import engine_fingerprint
-
         try:
             pid, start_time = int(entry["pid"]), int(entry["start_time"])
             proc = EngineProcess.adopt(pid, start_time, Path(entry["log_path"]))
@@ -142,7 +222,7 @@ class EngineRunner:
             kill_group_of(pid, start_time)
             log.warning("journal.not_adopted", engine=self.name, pid=pid, state=state, why=why,
                         port=entry.get("port"), action="killed its process group; a fresh one is started")
-            self.fleet.emit("not_adopted", engine=self.name, pid=pid, why=why)
+            self.bus.emit(Event.NOT_ADOPTED, engine=self.name, pid=pid, why=why)
             return False
         self._adopted = proc
         self._adopted_routable = state in (S.RUNNING.value, S.SUSPECT.value)
@@ -181,7 +261,7 @@ class EngineRunner:
                 if fsm.state is S.BACKOFF and self.clock() >= (fsm.backoff_until or 0):
                     fsm.begin_start(f"retry after start failure {fsm.failed_starts}", cause=Cause.RETRY)
             elif fsm.state is S.EXITED and not self.retired:
-                allowed, why_not = self.fleet.may_restart(self)
+                allowed, why_not = self.policy.may_restart()
                 if allowed:
                     fsm.begin_start(f"restart #{fsm.restarts + 1}: {fsm.reason}")
                 else:
@@ -211,7 +291,7 @@ class EngineRunner:
             except OSError as e:
                 fsm.start_failed(f"spawn failed: {e}")
                 return
-            self.fleet.persist()  # the pid is on disk before anything else can happen
+            self.persist()  # the pid is on disk before anything else can happen
             log.info("engine.spawned", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation,
                      log=str(self.log_path))
         proc = self.proc
@@ -229,8 +309,8 @@ class EngineRunner:
             if fsm.state is S.STARTING and self._stop_reason is None and not exited.done():
                 # A re-adopted engine was serving in this round before the daemon died: it
                 # goes on serving if its version checks out. A new one waits for the gap.
-                hold = None if proc.adopted and self._adopted_routable else self.fleet.hold_reason()
-                fsm.became_ready(version, self.fleet.current_version, hold=hold)
+                hold = None if proc.adopted and self._adopted_routable else self.policy.hold_reason()
+                fsm.became_ready(version, self.policy.current_version, hold=hold)
                 await self._supervise(proc, exited)
                 return
         if self._stop_reason is not None:  # an operator stopped it while it was starting
@@ -361,7 +441,7 @@ class EngineRunner:
         self.probes += 1
         self.probe_failures += not outcome.ok
         self.probe_history.append((started, outcome))
-        self.fleet.on_probe(self, outcome)
+        self.bus.probed(self.name, outcome)
         return outcome
 
     async def _wait_port_free(self) -> None:
@@ -406,11 +486,54 @@ class EngineRunner:
                 # busy) proves no engine loop.
                 attempt.retry_state.set_result(outcome.ok and outcome.excuse is None)
 
-    # -- the control socket's verbs --------------------------------------------------------
+    # -- verbs: the fleet's, the sync coordinator's and the control socket's --------------
 
-    def condemn(self) -> None:
-        """Stop the current incarnation now (reported failures crossed the threshold)."""
+    def _stop_incarnation(self) -> None:
+        """The supervising task stops the current incarnation now (post-mortem first). An
+        attached engine has no incarnation of ours: it stays UNHEALTHY, probed, never routed."""
         self._stop_now.set()
+
+    def condemn_and_stop(self, reason: str, cause: Cause) -> None:
+        """Unusable now (poisoned: a failed sync, or the trainer says so): UNHEALTHY at once,
+        never routed, and stopped (a spawned engine is then restarted)."""
+        self.fsm.mark_unusable(reason, cause)
+        self._stop_incarnation()
+
+    def report_failure(self, detail: str, *, poisoned: bool = False) -> None:
+        """A failure the trainer saw while the engine served. It counts like a failed probe
+        (stopped at the threshold); a poisoned engine is condemned at once."""
+        if poisoned:
+            self.condemn_and_stop(f"poisoned: {detail} (reported by the trainer)", Cause.POISONED)
+        elif self.fsm.report_failure(detail):
+            self._stop_incarnation()
+
+    def mark_outdated(self, current_version: int) -> None:
+        """A newer version was published: STALE (out of routing) until synced."""
+        self.fsm.version_behind(current_version)
+
+    def begin_sync(self, reason: str) -> None:
+        self.fsm.sync_started(reason)
+
+    def finish_sync(self, version: int, hold: str | None = None) -> None:
+        self.fsm.sync_finished(version, hold=hold)
+
+    def release(self, why: str, current_version: int | None) -> None:
+        """A held STALE engine joins routing (in a round gap) if it holds `current_version`."""
+        self.fsm.release(why, current_version)
+
+    def note(self, reason: str) -> None:
+        """Say why it waits, without a state change."""
+        self.fsm.annotate(reason)
+
+    def restore(self, *, incarnation: int, restarts: int, retired: bool, operator_stopped: bool) -> None:
+        """What a previous daemon's journal says of this engine (before start())."""
+        self.retired = retired
+        # Incarnations go on counting across daemon restarts: a failure report or a log file
+        # names one process, never two.
+        self.fsm.incarnation = incarnation
+        self.fsm.restarts = restarts
+        # Only an operator's stop survives a restart; the daemon's own shutdown does not.
+        self.start_stopped = operator_stopped
 
     def request_start(self, reason: str) -> str:
         fsm = self.fsm
@@ -437,9 +560,20 @@ class EngineRunner:
         # SIGKILL), after which the task may begin an automatic restart: one loop, so whichever
         # comes last is the state this stop acts on.
         deadline = self.clock() + self.cfg.stop_timeout + 5
-        while (fsm.state is S.STARTING and self.proc is None
-               or self.proc is not None and fsm.state in (S.EXITED, S.BACKOFF, S.FATAL) and self.clock() < deadline):
-            await asyncio.sleep(0.05)
+
+        def no_process_yet() -> bool:
+            return fsm.state is S.STARTING and self.proc is None
+
+        def cleaning_up() -> bool:
+            return self.proc is not None and fsm.state in (S.EXITED, S.BACKOFF, S.FATAL)
+
+        while True:
+            if no_process_yet():
+                await self._until(lambda: not no_process_yet())
+            elif cleaning_up() and self.clock() < deadline:
+                await self._until(lambda: not cleaning_up(), deadline - self.clock())
+            else:
+                break
         if fsm.state is S.STOPPED:  # the clean-up carried out a stop that raced the death
             return "stopped"
         if self.proc is None or fsm.state in (S.EXITED, S.BACKOFF, S.FATAL):
@@ -457,9 +591,8 @@ class EngineRunner:
         # The incarnation's task carries the stop out; it ends in STOPPED (or EXITED if the
         # process died on its own meanwhile, which we then mark stopped too). A start asked for
         # meanwhile begins a new incarnation: this stop was carried out, and is answered.
-        while (fsm.state in PROCESS_STATES and fsm.incarnation == incarnation
-               and not (self._task and self._task.done())):
-            await asyncio.sleep(0.05)
+        await self._until(lambda: not (fsm.state in PROCESS_STATES and fsm.incarnation == incarnation
+                                       and not (self._task and self._task.done())))
         if fsm.incarnation != incarnation:
             return f"stopped; started again since by a later request (incarnation {fsm.incarnation})"
         if fsm.state is not S.STOPPED and fsm.state not in PROCESS_STATES:
@@ -481,12 +614,7 @@ class EngineRunner:
         # The journal must tell this stop from an operator's: only the latter survives a
         # restart (journal.snapshot reads this).
         self.stopped_by_shutdown = self.fsm.state is not S.STOPPED
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         self.prober.close()  # an attached engine's probe connection (spawned: closed already)
         fsm = self.fsm
         if self.proc is not None:
@@ -507,8 +635,8 @@ class EngineRunner:
         self.first_start_begun = True
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait)
-            fsm.became_ready(await self.prober.weight_version(), self.fleet.current_version,
-                             hold=self.fleet.hold_reason())
+            fsm.became_ready(await self.prober.weight_version(), self.policy.current_version,
+                             hold=self.policy.hold_reason())
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)", Cause.SLOW_START)
         await asyncio.sleep(self.phase)
@@ -521,8 +649,8 @@ class EngineRunner:
                 ok_streak = ok_streak + 1 if outcome.ok and outcome.excuse is None else 0
                 if ok_streak >= probe.success_threshold:
                     # Membership grows only in a round gap: held STALE until the round ends.
-                    fsm.recovered(await self.prober.weight_version(), self.fleet.current_version,
-                                  hold=self.fleet.hold_reason())
+                    fsm.recovered(await self.prober.weight_version(), self.policy.current_version,
+                                  hold=self.policy.hold_reason())
                     ok_streak = 0
             elif fsm.probed and self.cfg.use_fault_tolerance:
                 fsm.probe_result(await self._probe_once(started))

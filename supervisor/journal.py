@@ -21,8 +21,10 @@ from typing import Any
 
 import structlog
 
+from .fleet import Fleet
 from .process import boot_id, engine_fingerprint
 from .states import State
+from .tasks import TaskSet, cancel_and_wait
 
 log = structlog.get_logger("vime.journal")
 FORMAT = 1
@@ -32,7 +34,7 @@ class JournalError(Exception):
     pass
 
 
-def snapshot(fleet: Any) -> dict[str, Any]:
+def snapshot(fleet: Fleet) -> dict[str, Any]:
     engines = {}
     for r in fleet.runners.values():
         proc = r.proc
@@ -45,7 +47,7 @@ def snapshot(fleet: Any) -> dict[str, Any]:
             "retired": r.retired,
             # STOPPED by an operator, not by the daemon's own shutdown: only that survives a
             # restart (EngineRunner.shutdown sets stopped_by_shutdown).
-            "operator_stopped": r.fsm.state is State.STOPPED and not getattr(r, "stopped_by_shutdown", False),
+            "operator_stopped": r.fsm.state is State.STOPPED and not r.stopped_by_shutdown,
         }
         if proc is not None and proc.returncode is None and proc.start_time is not None:
             entry.update(pid=proc.pid, start_time=proc.start_time, port=r.spec.port, log_path=str(proc.log_path),
@@ -170,19 +172,21 @@ def load(path: Path) -> dict[str, Any] | None:
 class JournalWriter:
     """Writes the journal when the fleet changed, at most every `min_interval` seconds."""
 
-    def __init__(self, fleet: Any, path: Path, min_interval: float = 0.1):
+    def __init__(self, fleet: Fleet, path: Path, min_interval: float = 0.1):
         self.fleet = fleet
         self.path = path
         self.min_interval = min_interval
         self._dirty = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.writes = 0
 
     def mark(self) -> None:
         self._dirty.set()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="journal")
+    def start(self, tasks: TaskSet | None = None) -> None:
+        """Write on every mark(), in a task of `tasks` (the daemon's) if given; close() ends it."""
+        self._task = (tasks.spawn(self._run(), name="journal") if tasks is not None
+                      else asyncio.create_task(self._run(), name="journal"))
 
     async def _run(self) -> None:
         while True:
@@ -199,10 +203,5 @@ class JournalWriter:
             log.error("journal.write_failed", path=str(self.path), error=str(e))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         self.flush()

@@ -24,6 +24,7 @@ import structlog
 
 from .activity import sample_group
 from .process import read_tail
+from .view import EngineView
 
 log = structlog.get_logger("vime.postmortem")
 
@@ -32,7 +33,7 @@ def incident_dir(log_dir: str) -> Path:
     return Path(log_dir) / "incidents"
 
 
-async def capture(runner: Any, reason: str, *, budget: float = 10.0) -> Path | None:
+async def capture(runner: EngineView, reason: str, *, budget: float = 10.0) -> Path | None:
     """Save the incident folder; returns it (None if even creating it failed)."""
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     folder = incident_dir(runner.cfg.log_dir) / f"{stamp}-{runner.name}-{runner.fsm.incarnation}"
@@ -73,7 +74,7 @@ async def capture(runner: Any, reason: str, *, budget: float = 10.0) -> Path | N
     return folder
 
 
-async def _slow_parts(runner: Any, folder: Path, pids: list[int], summary: dict) -> None:
+async def _slow_parts(runner: EngineView, folder: Path, pids: list[int], summary: dict) -> None:
     try:
         async with runner.prober.session.get(f"{runner.spec.base_url}/metrics",
                                              timeout=aiohttp.ClientTimeout(total=2.0)) as r:

@@ -12,16 +12,18 @@ behind a 200 /health): the engine is poisoned and restarted, never routed.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
+from .engine import EngineRunner
 from .errors import Conflict
-from .fsm import vlabel
+from .events import Listener
+from .fleet import Fleet, validate_checkpoint_off_loop
+from .fsm import Transition, vlabel
+from .protocol import Event
 from .states import Cause, State
-
-if TYPE_CHECKING:
-    from .fleet import Fleet
+from .tasks import TaskSet
 
 S = State
 log = structlog.get_logger("vime.sync")
@@ -38,16 +40,36 @@ def _why(e: BaseException, timeout: float) -> str:
     return str(e) or type(e).__name__
 
 
-class SyncCoordinator:
-    def __init__(self, fleet: "Fleet", sync_timeout: float = 300.0):
+class SyncCoordinator(Listener):
+    """Built by the daemon's start-up and added to the bus: it hears of STALE engines, round
+    starts and ends and new versions, and drives engines through their runners' verbs."""
+
+    def __init__(self, fleet: Fleet, sync_timeout: float = 300.0):
         self.fleet = fleet
         self.sync_timeout = sync_timeout
         self.agents = 0
         self._asked: dict[str, int] = {}  # engine -> version requested from the agents
         self._silent: dict[str, int] = {}  # engine -> version the agents never answered for
         self.agent_timeout = min(AGENT_ANSWER_TIMEOUT, sync_timeout)
-        self._watchdogs: dict[str, asyncio.Task] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._watchdogs: dict[str, asyncio.Task[None]] = {}  # engine -> its push's deadline (in _tasks)
+        self._tasks = TaskSet("sync")
+
+    # -- what the bus tells it -------------------------------------------------------------
+
+    def on_transition(self, t: Transition) -> None:
+        runner = self.fleet.runners.get(t.engine)
+        if t.to_state is S.STALE and runner is not None:
+            # After the transition has settled: consider() may annotate or start a reload.
+            asyncio.get_running_loop().call_soon(self.consider, runner)
+
+    def on_round_started(self, n: int) -> None:
+        self.round_started()
+
+    def on_round_ended(self, n: int) -> None:
+        self.kick()
+
+    def on_weights_published(self, version: int) -> None:
+        self.kick()
 
     # -- when to sync ----------------------------------------------------------------------
 
@@ -68,108 +90,98 @@ class SyncCoordinator:
         for runner in list(self.fleet.runners.values()):
             self.consider(runner)
 
-    def consider(self, runner: Any) -> None:
+    def consider(self, runner: EngineRunner) -> None:
         """A STALE engine in a gap: release it if it already holds the current version,
         otherwise ask the agents for a push, or reload it from the checkpoint."""
-        fleet, fsm = self.fleet, runner.fsm
+        fleet = self.fleet
         version = fleet.current_version
-        if fsm.state is not S.STALE:
+        if runner.state is not S.STALE:
             return
+        have = runner.weight_version
         if fleet.round_open:
-            if fsm.weight_version != version:
-                fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; "
-                             f"sync after round {fleet.round}")
+            if have != version:
+                runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; sync after round {fleet.round}")
             return
-        if version is None or fsm.weight_version == version:
-            fsm.release("no round yet" if fleet.round is None else f"round {fleet.round} ended", version)
+        if version is None or have == version:
+            runner.release("no round yet" if fleet.round is None else f"round {fleet.round} ended", version)
             return
         if self.agents and self._silent.get(runner.name) != version:
             if self._asked.get(runner.name) == version:
                 return
             self._asked[runner.name] = version
-            fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; "
-                         "sync requested from the trainer agent")
+            runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; sync requested from the trainer agent")
             log.info("sync.requested", engine=runner.name, version=version)
-            fleet.emit("sync_request", engine=runner.name, url=runner.spec.base_url,
+            fleet.emit(Event.SYNC_REQUEST, engine=runner.name, url=runner.spec.base_url,
                        model=runner.spec.model_name, version=version)
-            self._spawn(self._agent_deadline(runner, fsm.incarnation, version))
+            self._tasks.spawn(self._agent_deadline(runner, runner.incarnation, version))
         elif fleet.checkpoint is not None:
             # SYNCING now, synchronously: a second consider() must not start a second reload.
-            fsm.sync_started(f"reloading {vlabel(version)} from checkpoint {fleet.checkpoint}")
-            self._spawn(self._reload(runner, fsm.incarnation, version, fleet.checkpoint))
+            runner.begin_sync(f"reloading {vlabel(version)} from checkpoint {fleet.checkpoint}")
+            self._tasks.spawn(self._reload(runner, runner.incarnation, version, fleet.checkpoint))
         elif self.agents:
-            fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; the trainer agent "
-                         f"did not answer within {self.agent_timeout:g}s and no checkpoint was published "
-                         "to reload from")
+            runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; the trainer agent "
+                        f"did not answer within {self.agent_timeout:g}s and no checkpoint was published "
+                        "to reload from")
         else:
-            fsm.annotate(f"weights {vlabel(fsm.weight_version)}, current {vlabel(version)}; waiting for a "
-                         "trainer agent (no checkpoint published to reload from)")
+            runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; waiting for a "
+                        "trainer agent (no checkpoint published to reload from)")
 
-    async def _agent_deadline(self, runner: Any, incarnation: int, version: int) -> None:
+    async def _agent_deadline(self, runner: EngineRunner, incarnation: int, version: int) -> None:
         """A connected agent that never calls sync/begin must not hold the engine STALE for
         ever: past agent_timeout it is passed over (the checkpoint, if any, is used)."""
         await asyncio.sleep(self.agent_timeout)
-        fsm = runner.fsm
-        if (fsm.state is S.STALE and fsm.incarnation == incarnation and self.fleet.current_version == version
+        if (runner.state is S.STALE and runner.incarnation == incarnation and self.fleet.current_version == version
                 and self._asked.get(runner.name) == version):
             self._asked.pop(runner.name, None)
             self._silent[runner.name] = version
             log.warning("sync.agent_silent", engine=runner.name, version=version, timeout=self.agent_timeout)
             self.consider(runner)
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def close(self) -> None:
-        for task in [*self._tasks, *self._watchdogs.values()]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._watchdogs.values(), return_exceptions=True)
+        await self._tasks.aclose()
+        self._watchdogs.clear()
 
     # -- the trainer agent's push ----------------------------------------------------------
 
-    def begin(self, runner: Any, version: int) -> dict[str, Any]:
-        fleet, fsm = self.fleet, runner.fsm
+    def begin(self, runner: EngineRunner, version: int) -> dict[str, Any]:
+        fleet = self.fleet
         if version != fleet.current_version:
             raise Conflict(f"version {version} is not current ({vlabel(fleet.current_version)}); push the current version")
-        if fsm.state is not S.STALE:
-            raise Conflict(f"{runner.name} is {fsm.state.value}, not STALE: nothing to sync")
+        if runner.state is not S.STALE:
+            raise Conflict(f"{runner.name} is {runner.state.value}, not STALE: nothing to sync")
         if fleet.round_open:
             raise Conflict(f"round {fleet.round} is open; syncs run in the gap after it")
-        fsm.sync_started(f"trainer agent pushing {vlabel(version)}")  # SYNCING is never probed
+        runner.begin_sync(f"trainer agent pushing {vlabel(version)}")  # SYNCING is never probed
         self._asked.pop(runner.name, None)
         old = self._watchdogs.pop(runner.name, None)
         if old is not None:
             old.cancel()
-        self._watchdogs[runner.name] = asyncio.ensure_future(self._watchdog(runner, fsm.incarnation, version))
+        self._watchdogs[runner.name] = self._tasks.spawn(self._watchdog(runner, runner.incarnation, version),
+                                                         name=f"sync-watchdog:{runner.name}")
         return {"engine": runner.name, "url": runner.spec.base_url, "version": version}
 
-    async def end(self, runner: Any, version: int, ok: bool, error: str | None) -> dict[str, Any]:
-        fsm = runner.fsm
+    async def end(self, runner: EngineRunner, version: int, ok: bool, error: str | None) -> dict[str, Any]:
         dog = self._watchdogs.pop(runner.name, None)
         if dog is not None:
             dog.cancel()
-        if fsm.state is not S.SYNCING:
-            raise Conflict(f"{runner.name} is {fsm.state.value}, not SYNCING: call sync/begin first")
+        if runner.state is not S.SYNCING:
+            raise Conflict(f"{runner.name} is {runner.state.value}, not SYNCING: call sync/begin first")
         if not ok:
             self._poisoned(runner, f"push of {vlabel(version)} failed: {error or 'no detail'}")
         else:
-            await self._verify(runner, fsm.incarnation, version, "pushed by the trainer agent")
-        return {"engine": runner.name, "state": fsm.state.value, "reason": fsm.reason}
+            await self._verify(runner, runner.incarnation, version, "pushed by the trainer agent")
+        return {"engine": runner.name, "state": runner.state.value, "reason": runner.reason}
 
-    async def _watchdog(self, runner: Any, incarnation: int, version: int) -> None:
+    async def _watchdog(self, runner: EngineRunner, incarnation: int, version: int) -> None:
         await asyncio.sleep(self.sync_timeout)
         self._watchdogs.pop(runner.name, None)
-        if runner.fsm.state is S.SYNCING and runner.fsm.incarnation == incarnation:
+        if runner.state is S.SYNCING and runner.incarnation == incarnation:
             self._poisoned(runner, f"push of {vlabel(version)} not finished within {self.sync_timeout:g}s")
 
     # -- the disk fallback -----------------------------------------------------------------
 
-    async def _reload(self, runner: Any, incarnation: int, version: int, checkpoint: str) -> None:
+    async def _reload(self, runner: EngineRunner, incarnation: int, version: int, checkpoint: str) -> None:
         from vime.weight_sync.checkpoint import reload_from_checkpoint_async
-
-        from .fleet import validate_checkpoint_off_loop
 
         try:
             # Checked again (the files may have changed since publishing), off the loop, before
@@ -181,7 +193,7 @@ class SyncCoordinator:
                                              reload_timeout=self.sync_timeout),
                 self.sync_timeout)
         except Exception as e:  # any failure mid-reload leaves meta tensors behind
-            if runner.fsm.state is S.SYNCING and runner.fsm.incarnation == incarnation:
+            if runner.state is S.SYNCING and runner.incarnation == incarnation:
                 self._poisoned(runner, f"reload of {vlabel(version)} from {checkpoint} failed: "
                                        f"{_why(e, self.sync_timeout)}")
             return
@@ -189,11 +201,9 @@ class SyncCoordinator:
 
     # -- verification and poison -----------------------------------------------------------
 
-    async def _verify(self, runner: Any, incarnation: int, version: int, how: str) -> None:
-        fsm = runner.fsm
-
+    async def _verify(self, runner: EngineRunner, incarnation: int, version: int, how: str) -> None:
         def still_ours() -> bool:  # the engine may have died or been stopped meanwhile
-            return fsm.state is S.SYNCING and fsm.incarnation == incarnation
+            return runner.state is S.SYNCING and runner.incarnation == incarnation
 
         reported = await runner.prober.weight_version()
         if not still_ours():
@@ -207,18 +217,18 @@ class SyncCoordinator:
         if not probe.ok:
             self._poisoned(runner, f"{how}, but the deep probe failed: {probe.detail}")
             return
-        fsm.sync_finished(version, hold=self.fleet.hold_reason())
+        runner.finish_sync(version, hold=self.fleet.hold_reason())
         log.info("sync.verified", engine=runner.name, version=version, how=how)
-        self.fleet.emit("sync_verified", engine=runner.name, version=version, how=how)
-        if version != self.fleet.current_version:  # a newer version was published meanwhile
-            if fsm.state is S.RUNNING:
-                fsm.version_behind(self.fleet.current_version)
+        self.fleet.emit(Event.SYNC_VERIFIED, engine=runner.name, version=version, how=how)
+        current = self.fleet.current_version
+        if current is not None and version != current:  # a newer version was published meanwhile
+            if runner.state is S.RUNNING:
+                runner.mark_outdated(current)
             self.consider(runner)
 
-    def _poisoned(self, runner: Any, why: str) -> None:
+    def _poisoned(self, runner: EngineRunner, why: str) -> None:
         log.warning("sync.poisoned", engine=runner.name, why=why)
-        self.fleet.emit("sync_failed", engine=runner.name, reason=why)
-        runner.fsm.mark_unusable(f"poisoned: {why}", Cause.SYNC_FAILED)
+        self.fleet.emit(Event.SYNC_FAILED, engine=runner.name, reason=why)
         # A spawned engine is stopped (post-mortem first) and restarted; an attached one stays
         # UNHEALTHY, probed, never routed, until it answers again on the current version.
-        runner.condemn()
+        runner.condemn_and_stop(f"poisoned: {why}", Cause.SYNC_FAILED)

@@ -698,7 +698,7 @@ def test_routable_only_when_running_or_suspect(state):
 
 
 def test_detection_kinds_name_how_an_engine_was_found_unusable():
-    from vime.supervisor.fleet import detection_kind
+    from vime.supervisor.metrics import detection_kind
 
     def t(from_state, to_state, cause, reason="whatever the words"):
         return Transition("e0", from_state, to_state, reason, 0.0, 1, cause)

@@ -1,0 +1,138 @@
+"""The fleet's decisions, pure: no I/O, no engines, an injected clock.
+
+Rounds (one open at a time, numbers only grow), the published weight version (only grows; one
+checkpoint per version), whether a dead engine may restart now (only in a round gap, unless
+restart_immediately), why a ready engine is held out of routing (a round is open), who is
+routable, the membership epoch (it moves whenever the routable set changes) and the
+min_healthy floor (armed once the fleet first reached it). `Fleet` (fleet.py) carries the
+decisions out: it logs, emits events and calls the engines' runners.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .errors import Conflict
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What one recomputation of the routable set changed."""
+
+    routable: frozenset[str]
+    joined: frozenset[str]  # routable now, not before
+    changed: bool  # the set changed: the epoch moved
+    breached: bool = False  # fell below min_healthy just now
+    restored: bool = False  # back at min_healthy just now
+
+
+class FleetPolicy:
+    def __init__(self, *, min_healthy: int = 1, use_fault_tolerance: bool = True,
+                 restart_immediately: bool = False, clock: Clock = time.monotonic):
+        self.min_healthy = min_healthy
+        self.use_fault_tolerance = use_fault_tolerance
+        self.restart_immediately = restart_immediately
+        self.clock = clock
+        self.round: int | None = None  # last round started
+        self.round_open = False
+        self.round_since: float | None = None  # when the last round started or ended
+        self.current_version: int | None = None
+        self.checkpoint: str | None = None
+        self.epoch = 0
+        self.routable: frozenset[str] = frozenset()
+        self.below_floor = False
+        self.below_floor_since: float | None = None
+        self.floor_breaches = 0
+        self._floor_armed = False  # the floor counts once the fleet first reached it
+
+    def restore(self, *, round_number: int | None, round_open: bool, version: int | None,
+                checkpoint: str | None) -> None:
+        """What a previous daemon's journal says (journal.validate has checked it)."""
+        self.round, self.round_open = round_number, bool(round_open)
+        self.current_version, self.checkpoint = version, checkpoint
+
+    # -- rounds ----------------------------------------------------------------------------
+
+    def start_round(self, n: int) -> tuple[bool, str]:
+        """(changed, message); Conflict for a round out of order."""
+        if self.round_open:
+            if n == self.round:
+                return False, f"round {n} is already open"
+            raise Conflict(f"round {self.round} is still open: end it (POST /v1/rounds/{self.round}/end) "
+                           f"before starting round {n}")
+        if self.round is not None and n <= self.round:
+            raise Conflict(f"round {n} is stale: round {self.round} already ran; start a round greater than {self.round}")
+        self.round, self.round_open, self.round_since = n, True, self.clock()
+        return True, f"round {n} open"
+
+    def end_round(self, n: int) -> tuple[bool, str]:
+        if not self.round_open:
+            if n == self.round:
+                return False, f"round {n} already ended"
+            expected = "no round has started" if self.round is None else f"the last round was {self.round}"
+            raise Conflict(f"round {n} is not open ({expected}); start it first")
+        if n != self.round:
+            raise Conflict(f"round {self.round} is open, not round {n}: end round {self.round}")
+        self.round_open, self.round_since = False, self.clock()
+        return True, f"round {n} ended; restarts and syncs may run until the next round starts"
+
+    def hold_reason(self) -> str | None:
+        """An engine that becomes ready during a round waits for the gap to join routing."""
+        if self.round_open:
+            return f"held out of routing until round {self.round} ends"
+        return None
+
+    def may_restart(self) -> tuple[bool, str | None]:
+        """A dead engine restarts in a round gap; during round N it waits for its end."""
+        if not self.use_fault_tolerance:
+            return False, "fault tolerance off: not restarted"
+        if self.round_open and not self.restart_immediately:
+            return False, f"restart after round {self.round}"
+        return True, None
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def check_publish(self, version: int, checkpoint: str | None) -> str | None:
+        """None if `version` (with `checkpoint`) may become current; the message if it already
+        is (nothing to do); Conflict if it is stale or names another checkpoint."""
+        cur = self.current_version
+        if cur is not None and version < cur:
+            raise Conflict(f"weight version {version} is stale: the current version is {cur}; versions must increase")
+        if version == cur:
+            if checkpoint is None or checkpoint == self.checkpoint:
+                return f"version {version} is already current"
+            raise Conflict(f"version {version} was already published with checkpoint {self.checkpoint}; "
+                           "publish a new version for a new checkpoint")
+        return None
+
+    def publish(self, version: int, checkpoint: str | None) -> None:
+        self.current_version, self.checkpoint = version, checkpoint
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def is_routable(self, *, serving: bool, retired: bool, weight_version: int | str | None) -> bool:
+        """`serving`: the engine's state takes traffic (RUNNING or SUSPECT)."""
+        return (serving and not retired
+                and (self.current_version is None or weight_version == self.current_version))
+
+    def set_routable(self, names: Iterable[str]) -> Membership:
+        """The routable set now; the epoch moves if it changed, the floor is checked."""
+        now = frozenset(names)
+        joined = now - self.routable
+        changed = now != self.routable
+        if changed:
+            self.routable = now
+            self.epoch += 1
+        breached = restored = False
+        if len(now) >= self.min_healthy:
+            self._floor_armed = True
+            if self.below_floor:
+                self.below_floor, self.below_floor_since, restored = False, None, True
+        elif self._floor_armed and not self.below_floor:
+            self.below_floor, self.below_floor_since, breached = True, self.clock(), True
+            self.floor_breaches += 1
+        return Membership(now, joined, changed, breached, restored)

@@ -1,0 +1,54 @@
+"""Owning the daemon's asyncio tasks: one set per owner, closed in one call.
+
+`TaskSet` is what the daemon's start-up and its components spawn their long-lived and
+background tasks into: each task is kept until it ends (no task is lost to the garbage
+collector), an exception that ends one is logged, and `aclose()` cancels and awaits whatever is
+left. `cancel_and_wait` is the one way to end a single task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Coroutine
+
+import structlog
+
+log = structlog.get_logger("vime.tasks")
+
+
+async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
+    """Cancel the tasks and wait until they have ended; what they raise is theirs to log.
+
+    A cancellation of the caller itself still propagates."""
+    live = [t for t in tasks if t is not None]
+    for t in live:
+        t.cancel()
+    if live:
+        await asyncio.wait(live)
+    for t in live:  # retrieve what they raised, so asyncio does not complain about it later
+        if not t.cancelled():
+            t.exception()
+
+
+class TaskSet:
+    def __init__(self, owner: str):
+        self.owner = owner
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task.failed", owner=self.owner, task=task.get_name(), error=repr(task.exception()))
+
+    async def aclose(self, *more: asyncio.Future[Any]) -> None:
+        """Cancel and await every task still running (and `more`)."""
+        await cancel_and_wait(*self._tasks, *more)
