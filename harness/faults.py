@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from vime.harness.local_daemon import child_pids
+from vime.supervisor.protocol import Cause, Event, State
 
 KINDS = ("kill", "hang", "push", "kill-gap", "crash-start", "poison-reload", "disconnect", "daemon")
 WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore",
@@ -38,8 +39,8 @@ WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore"
 IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected while a round has requests in flight
 NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
 # The transition cause each engine fault must be detected with (a kill -9 seen as a hang is wrong).
-DETECTED_AS = {"kill": "exit", "kill-gap": "exit", "crash-start": "exit", "poison-reload": "exit",
-               "hang": "hang", "push": "poisoned"}
+DETECTED_AS = {"kill": Cause.EXIT, "kill-gap": Cause.EXIT, "crash-start": Cause.EXIT, "poison-reload": Cause.EXIT,
+               "hang": Cause.HANG, "push": Cause.POISONED}
 
 
 @dataclass
@@ -65,9 +66,9 @@ class Fault:
     def wrong_cause(self) -> str | None:
         """What is wrong with how the daemon saw this fault, if its cause is not the one expected."""
         want = DETECTED_AS.get(self.kind)
-        if want is None or self.detected_at is None or self.detected_cause in (want, None):
+        if want is None or self.detected_at is None or self.detected_cause == want:
             return None
-        return f"{self.kind} detected as {self.detected_cause!r}, not {want!r}"
+        return f"{self.kind} detected as {self.detected_cause!r}, not {want.value!r}"
 
     def after(self, t: float | None) -> float | None:
         return None if t is None or self.injected_at is None else t - self.injected_at
@@ -118,35 +119,31 @@ def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
         return fault
     if fault.kind == "daemon":  # back when the restarted daemon says hello on the stream
         for ev in events:
-            if ev.get("event") == "hello" and ev.get("ts", 0) >= fault.injected_at:
+            if ev.get("event") == Event.HELLO and ev.get("ts", 0) >= fault.injected_at:
                 fault.detected_at = fault.ready_at = fault.resynced_at = ev["ts"]
                 fault.detected_as = fault.detected_as or "the restarted daemon answered (hello on the event stream)"
                 fault.resync_reason = fault.resync_reason or "engines re-adopted"
                 break
         return fault
     fault.events = []
-    verified = False  # the engine's weights were verified since it came back (cause "verified")
+    verified = False  # the engine's weights were verified since it came back
     for ev in events:
         if ev.get("engine") != fault.engine or ev.get("ts", 0) < fault.injected_at - 0.01:
             continue
-        if ev.get("event") != "transition":
+        if ev.get("event") != Event.TRANSITION:
             continue
         fault.events.append(ev)
-        to, frm = ev.get("to_state"), ev.get("from_state")
+        to, frm, cause = ev.get("to_state"), ev.get("from_state"), ev.get("cause")
         if fault.detected_at is None:
-            if to in ("EXITED", "UNHEALTHY"):
+            if to in (State.EXITED, State.UNHEALTHY):
                 fault.detected_at, fault.detected_as = ev["ts"], f"{to}: {ev.get('reason', '')}"
-                fault.detected_cause = ev.get("cause")  # None from a daemon that sends none yet
+                fault.detected_cause = cause
             continue
-        if fault.ready_at is None and frm == "STARTING" and to in ("STALE", "RUNNING"):
+        if fault.ready_at is None and frm == State.STARTING and to in (State.STALE, State.RUNNING):
             fault.ready_at = ev["ts"]
-        if "cause" in ev:
-            # Verified, then RUNNING: at once, or (held while a round was open) released in the gap.
-            verified = ev["cause"] == "verified" or (verified and to in ("STALE", "RUNNING"))
-            resynced = to == "RUNNING" and verified
-        else:  # fallback: a daemon whose events have no cause yet
-            resynced = to == "RUNNING" and "verified" in ev.get("reason", "")
-        if resynced:
+        # Verified, then RUNNING: at once, or (held while a round was open) released in the gap.
+        verified = cause == Cause.VERIFIED or (verified and to in (State.STALE, State.RUNNING))
+        if to == State.RUNNING and verified:
             fault.resynced_at, fault.resync_reason = ev["ts"], ev.get("reason", "")
             break
     return fault

@@ -79,7 +79,9 @@ def test_faults_are_detected_and_every_engine_ends_on_the_trainers_version(world
     assert "(reported by the trainer)" in kinds["push"].detected_as
     # Each fault came back through the agent's verified push, not a boot on base weights.
     assert all(f.resync_reason.startswith("weights v") for f in rep.faults)
-    assert [f.wrong_cause() for f in rep.faults] == [None] * 3  # each seen with its own cause
+    # The daemon's structured causes, which the demo's and the soak's verdicts read.
+    assert {k: f.detected_cause for k, f in kinds.items()} == {"kill": "exit", "hang": "hang", "push": "poisoned"}
+    assert [f.wrong_cause() for f in rep.faults] == [None] * 3
     assert rep.final_version == STEPS
     assert {n: e["weight_version"] for n, e in rep.engines.items()} == {"engine-0": STEPS, "engine-1": STEPS}
     assert {e["state"] for e in rep.engines.values()} == {"RUNNING"}

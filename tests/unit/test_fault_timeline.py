@@ -68,14 +68,13 @@ def test_a_fault_seen_with_another_cause_says_so():
     assert f.wrong_cause() == "kill detected as 'hang', not 'exit'"
 
 
-def test_events_without_a_cause_fall_back_to_the_reason():
+def test_the_reason_text_alone_decides_nothing():
     f = _killed([
-        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)"),
-        _ev(140.0, "STARTING", "STALE", "base weights; current v3"),
-        _ev(141.0, "SYNCING", "RUNNING", "weights v3, verified"),
+        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)", "exit"),
+        _ev(140.0, "STARTING", "STALE", "base weights; current v3", "ready"),
+        _ev(141.0, "SYNCING", "RUNNING", "weights v3, verified"),  # no cause
     ])
-    assert (f.detected_at, f.ready_at, f.resynced_at) == (100.1, 140.0, 141.0)
-    assert f.detected_cause is None and f.wrong_cause() is None
+    assert (f.detected_at, f.ready_at, f.resynced_at) == (100.1, 140.0, None)
 
 
 def test_the_example_loop_imports_no_harness_and_injects_no_fault():
