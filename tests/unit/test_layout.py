@@ -1,0 +1,138 @@
+"""The layout's import rule, read from the source (every import statement, function-local ones
+included): which layer may import which, no cycle among the daemon's modules, and a wheel that
+ships every package folder.
+
+    states    <- nothing of ours
+    protocol  <- states
+    client    <- protocol, states
+    daemon    <- protocol, states, weight_sync   (never client, trainer or harness)
+    trainer   <- client, protocol, states, weight_sync
+    weight_sync <- nothing of ours (vLLM loads it in every engine process)
+    harness, bench, tests <- anything
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = {"supervisor": "vime.supervisor", "trainer": "vime.trainer",
+           "weight_sync": "vime.weight_sync", "harness": "vime.harness"}
+CLIENT_SIDE = ("vime.supervisor.client", "vime.supervisor.ctl", "vime.supervisor.supervisorctl")
+CONTRACT = ("vime.supervisor.protocol", "vime.supervisor.states")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    parts[0] = FOLDERS[parts[0]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            found[module_name(path)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """The modules of ours that `name` imports (a `from pkg import mod` counts as pkg.mod)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            # the longest module of ours that t names
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
+
+
+def layer(name: str) -> str:
+    if name in CONTRACT:
+        return name.rpartition(".")[2]
+    if name.startswith(CLIENT_SIDE):
+        return "client"
+    return name.split(".")[1].replace("supervisor", "daemon")
+
+
+ALLOWED = {
+    "states": set(),
+    "protocol": {"states"},
+    "client": {"client", "protocol", "states"},
+    "daemon": {"daemon", "protocol", "states", "weight_sync"},
+    "trainer": {"trainer", "client", "protocol", "states", "weight_sync"},
+    "weight_sync": {"weight_sync"},
+    "harness": {"harness", "daemon", "client", "protocol", "states", "trainer", "weight_sync"},
+}
+
+
+def test_the_walk_sees_the_modules_it_judges():
+    # A walk that found nothing would pass every rule below.
+    assert {"vime.supervisor.daemon", "vime.supervisor.fsm", "vime.supervisor.client",
+            "vime.trainer.rollout", "vime.weight_sync.sender", "vime.harness.demo"} <= MODULES.keys()
+    assert "vime.supervisor.fsm" in GRAPH["vime.supervisor.engine"]
+    assert any("vime.supervisor.client" in GRAPH[n] for n in GRAPH if n.startswith("vime.trainer."))
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_each_module_imports_only_what_its_layer_may(name):
+    mine = layer(name)
+    bad = sorted(t for t in GRAPH[name] if layer(t) not in ALLOWED[mine])
+    assert not bad, f"{name} ({mine}) imports {bad}: see the import rule in README.md"
+
+
+def test_no_import_cycle_among_the_daemons_modules():
+    daemon = {n for n in MODULES if n.startswith("vime.supervisor")}
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(n: str, path: list[str]) -> None:
+        seen[n] = 1
+        for t in sorted(GRAPH[n] & daemon):
+            if seen.get(t) == 1:
+                cycle = path[path.index(t):] + [t]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if t not in seen:
+                visit(t, path + [t])
+        seen[n] = 2
+
+    for n in sorted(daemon):
+        if n not in seen:
+            visit(n, [n])
+
+
+def test_the_wheel_ships_every_package_folder():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    packages = {module_name(p) for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
+    assert packages == listed, f"pyproject.toml [tool.setuptools] packages differs: {packages ^ listed}"
+    for pkg in listed:
+        folder = cfg["package-dir"].get(pkg) or cfg["package-dir"][pkg.rpartition(".")[0]] + "/" + pkg.rpartition(".")[2]
+        assert (ROOT / folder / "__init__.py").is_file(), pkg
