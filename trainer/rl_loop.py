@@ -143,7 +143,8 @@ class Pusher:
         self.senders: dict[str, Any] = {}
 
     def push(self, url: str, tensors, version: int) -> str:
-        """"ok", "poisoned: ..." (the engine holds half a version) or "failed: ..."."""
+        """One version into one engine: "ok", "poisoned: ..." (it holds half a version) or
+        "failed: ..." (it died or went away)."""
         from vime.weight_sync.sender import WeightSender
 
         sender = self.senders.get(url) or self.senders.setdefault(url, WeightSender(url, backend=self.backend))
@@ -179,8 +180,8 @@ class Pusher:
 
 
 class RLLoop:
-    """The loop. `run()` runs every step; the methods under "hook points" are where a harness
-    acts (each is a no-op or the plain behaviour here)."""
+    """The loop. `run()` runs every step. A harness acts by overriding the methods under "hook
+    points" (no-ops or the plain behaviour here), `rollout_round` and `train_and_push`."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -192,7 +193,7 @@ class RLLoop:
         self.base = 0                      # published version = base + policy.version
         self.next_round = 1
         self.stop = threading.Event()       # set by SIGINT/SIGTERM (or by a caller): every wait ends
-        # Set while a live run is on (see _run_live):
+        # Set while a live run is on (_run_steps):
         self.client: SupervisorClient | None = None
         self.view: DaemonView | None = None
         self.rollout: RolloutClient | None = None
