@@ -2,9 +2,10 @@
 
 The runner (supervisor/engine.py) feeds it what it saw (spawned, ready, a probe result, the
 process exited) and carries out what it decides (stop now, back off for d seconds, give up).
-Every state change is one Transition handed to `on_transition`, which the runner turns into
-one structured log event and one event on the control socket's stream. Each carries a
-structured `cause` (states.Cause) for machines beside its `reason` for people.
+Every state change is one Transition handed to `on_transition`: the runner passes it to the
+event bus (events.py), where the fleet makes it one structured log event and one event on the
+control socket's stream. Each carries a structured `cause` (states.Cause) for machines beside
+its `reason` for people. Only the runner calls the inputs below.
 """
 
 from __future__ import annotations
