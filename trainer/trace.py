@@ -614,7 +614,7 @@ class DaemonEventRecorder:
         rec.events   # every event received, in order
 
     It reads through its own SupervisorClient on the client's socket (so stop() ends only its
-    own stream, not, say, a SyncAgent's on `client`); it reconnects when the daemon restarts (a
+    own stream, not, say, a ResyncAgent's on `client`); it reconnects when the daemon restarts (a
     "reconnected" event, then a new "hello", both recorded). If the daemon stays unreachable
     the thread ends and `error` holds the exception.
     """

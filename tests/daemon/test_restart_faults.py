@@ -370,7 +370,7 @@ def test_sync_agent_restores_a_version_the_daemon_lost(tmp_path, fake_python, cl
     """A daemon restarted over a torn journal knows no weight version, and would route engines
     on the base weights as current; the trainer's sync agent publishes its version again at
     its reconnect."""
-    from vime.trainer.agent import SyncAgent
+    from vime.trainer.resync_agent import ResyncAgent
 
     port = free_port()
     engine = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[2] / "harness" / "standin_engine.py"),
@@ -380,7 +380,7 @@ def test_sync_agent_restores_a_version_the_daemon_lost(tmp_path, fake_python, cl
         d = start(cfg, cleanup)
         d.transition("att", "RUNNING", 30)
         client = SupervisorClient(sock(tmp_path))
-        agent = SyncAgent(SupervisorClient(sock(tmp_path)), lambda: (3, [])).start()
+        agent = ResyncAgent(SupervisorClient(sock(tmp_path)), lambda: (3, [])).start()
         try:
             client.publish_weights(3)
             time.sleep(0.5)  # the agent sees it on its stream

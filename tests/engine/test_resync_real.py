@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import torch
 
-from vime.trainer.agent import SyncAgent
+from vime.trainer.resync_agent import ResyncAgent
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, live_pids_in_groups, write_config
 from vime.weight_sync.checkpoint import save_checkpoint
@@ -170,7 +170,7 @@ def test_pushed_version_is_current_and_routable(world):
 def test_killed_engine_is_resynced_by_the_agent_before_it_serves(world):
     w = world
     d = w.daemon
-    agent = SyncAgent(SupervisorClient(w.socket), w.trainer.weights, lock=w.trainer.lock).start()
+    agent = ResyncAgent(SupervisorClient(w.socket), w.trainer.weights, lock=w.trainer.lock).start()
     try:
         w.client.start_round(1)
         mark = d.mark()
@@ -197,7 +197,7 @@ def test_push_failing_midway_is_restarted_and_resynced_never_served(world):
     w = world
     d = w.daemon
     w.trainer.fail_next_push = True
-    agent = SyncAgent(SupervisorClient(w.socket), w.trainer.weights, lock=w.trainer.lock).start()
+    agent = ResyncAgent(SupervisorClient(w.socket), w.trainer.weights, lock=w.trainer.lock).start()
     try:
         w.client.start_round(2)
         mark = d.mark()

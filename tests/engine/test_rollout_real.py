@@ -119,14 +119,14 @@ def batch_prompts(tag: str) -> list[str]:
 
 async def test_requests_are_spread_and_answered_with_ids_logprobs_and_timings(fleet):
     f = fleet
-    async with rollout(f) as rc:
-        assert sorted(e.name for e in rc.engines) == ["A", "B"] and rc.epoch is not None
-        r1 = await rc.complete("the quick brown", max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
-        r2 = await rc.complete("the quick brown", max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
-        c = await rc.chat([{"role": "user", "content": "hello world"}], max_tokens=5, ignore_eos=True,
+    async with rollout(f) as client:
+        assert sorted(e.name for e in client.engines) == ["A", "B"] and client.epoch is not None
+        r1 = await client.complete("the quick brown", max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+        r2 = await client.complete("the quick brown", max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+        c = await client.chat([{"role": "user", "content": "hello world"}], max_tokens=5, ignore_eos=True,
                           logprobs=True)
         with pytest.raises(RolloutRequestError, match="max_tokens=1000 cannot be greater than max_model_len") as bad:
-            await rc.complete("hi", max_tokens=1000)
+            await client.complete("hi", max_tokens=1000)
     assert {r1.engine, r2.engine} == {"A", "B"}  # idle engines: round robin
     for r in (r1, r2):
         assert r.finish_reason == "length" and r.n_tokens == 8 and len(r.token_ids) == 8 and len(r.logprobs) == 8
@@ -137,18 +137,18 @@ async def test_requests_are_spread_and_answered_with_ids_logprobs_and_timings(fl
     assert r1.logprobs == pytest.approx(r2.logprobs, abs=1e-4)
     assert c.finish_reason == "length" and len(c.token_ids) == 5 and len(c.logprobs) == 5 and c.text
     assert bad.value.status == 400 and len(bad.value.attempts) == 1  # not retried
-    assert rc.stats.reported == 0 and rc.stats.attempt_failures == 0 and list(rc.reports) == []
+    assert client.stats.reported == 0 and client.stats.attempt_failures == 0 and list(client.reports) == []
 
 
 async def test_pause_abort_mid_batch_requests_are_resent_and_complete(fleet):
     f = fleet
     prompts = batch_prompts("pause")
-    async with rollout(f) as rc:
-        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
-        await until(lambda: rc.outstanding().get("A", 0) >= 8)
+    async with rollout(f) as client:
+        batch = asyncio.create_task(client.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
+        await until(lambda: client.outstanding().get("A", 0) >= 8)
         await asyncio.sleep(0.3)  # tokens are flowing on A
         assert not batch.done()
-        in_flight_on_a = rc.outstanding().get("A", 0)
+        in_flight_on_a = client.outstanding().get("A", 0)
         t_pause = time.time()
         assert await asyncio.to_thread(post, f"{f.url['A']}/pause?mode=abort") == 200
         await asyncio.sleep(1.0)
@@ -156,19 +156,19 @@ async def test_pause_abort_mid_batch_requests_are_resent_and_complete(fleet):
         results = await asyncio.wait_for(batch, 120)
     assert_exactly_once(f, results, prompts)
     assert all(r.finish_reason != "abort" for r in results)
-    assert rc.stats.requests == rc.stats.succeeded == BATCH and rc.stats.failed == 0
-    assert rc.stats.sent == BATCH + rc.stats.retried
+    assert client.stats.requests == client.stats.succeeded == BATCH and client.stats.failed == 0
+    assert client.stats.sent == BATCH + client.stats.retried
     # An abort is a pause, not a failure: nothing was reported, A stays routable.
-    assert rc.stats.attempt_failures == 0 and list(rc.reports) == []
+    assert client.stats.attempt_failures == 0 and list(client.reports) == []
     assert not f.log.of("failure_reported")
     assert "A" in [e["name"] for e in SupervisorClient(f.socket).routable_engines()["engines"]]
     resent = [r for r in results if (("A", ABORT) in r.attempts)]
     if not resent:  # seen once on a loaded CI machine: the run then shows nothing about aborts
         pytest.skip("the pause caught no request in flight on A this time: re-sends not exercised")
-    assert rc.stats.aborted == sum(o == ABORT for r in results for _, o in r.attempts) >= 1
+    assert client.stats.aborted == sum(o == ABORT for r in results for _, o in r.attempts) >= 1
     print(f"\npause: {in_flight_on_a} in flight on A at the pause; {len(resent)} re-sent after an abort; "
           f"batch of {BATCH} x {MAX_TOKENS} tokens done {max(r.finished for r in results) - t_pause:.2f}s "
-          f"after the pause; attempts {rc.stats.sent}")
+          f"after the pause; attempts {client.stats.sent}")
 
 
 async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(fleet):
@@ -177,21 +177,21 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
     sup = SupervisorClient(f.socket)
     sup.start_round(1)  # A, once killed, waits for the round's end instead of restarting
     prompts = batch_prompts("kill")
-    async with rollout(f) as rc:
-        epoch_before = rc.epoch
-        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
-        await until(lambda: rc.outstanding().get("A", 0) >= 8)
+    async with rollout(f) as client:
+        epoch_before = client.epoch
+        batch = asyncio.create_task(client.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
+        await until(lambda: client.outstanding().get("A", 0) >= 8)
         await asyncio.sleep(0.3)  # tokens are flowing on A
         assert not batch.done()
-        in_flight_on_a = rc.outstanding().get("A", 0)
+        in_flight_on_a = client.outstanding().get("A", 0)
         mark = d.mark()
         t_kill = time.time()
         os.kill(d.last_pid("A"), signal.SIGKILL)
         results = await asyncio.wait_for(batch, 120)
         t_done = time.time()
         await asyncio.to_thread(d.transition, "A", "EXITED", 10, after=mark)
-        await until(lambda: rc.epoch != epoch_before, 10)  # the client followed the membership epoch
-        assert [e.name for e in rc.engines] == ["B"]
+        await until(lambda: client.epoch != epoch_before, 10)  # the client followed the membership epoch
+        assert [e.name for e in client.engines] == ["B"]
         await asyncio.sleep(0.5)  # let the background failure reports land
     assert_exactly_once(f, results, prompts)
     # Every answer after the kill came from the survivor; A's answers were finished before it.
@@ -200,24 +200,24 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
     failed_on_a = [r for r in results if any(e == "A" and o in (DIED, REFUSED) for e, o in r.attempts)]
     assert len(failed_on_a) >= in_flight_on_a >= 8  # the in-flight ones were cut and re-sent
     assert any(("A", DIED) in r.attempts for r in failed_on_a)  # cut mid-stream, not only refused
-    assert rc.stats.requests == rc.stats.succeeded == BATCH and rc.stats.failed == 0
-    assert rc.stats.sent == BATCH + rc.stats.retried and rc.stats.attempt_failures >= in_flight_on_a
+    assert client.stats.requests == client.stats.succeeded == BATCH and client.stats.failed == 0
+    assert client.stats.sent == BATCH + client.stats.retried and client.stats.attempt_failures >= in_flight_on_a
     # The failures reached the daemon: it answered every report, and every report is on its
     # event stream. One that arrives after the daemon saw the death (EXITED) is not counted.
-    assert rc.reports and rc.stats.report_errors == 0
-    for engine, detail, answer in rc.reports:
+    assert client.reports and client.stats.report_errors == 0
+    for engine, detail, answer in client.reports:
         assert engine == "A" and isinstance(answer, dict) and answer["engine"] == "A", answer
         assert "rollout request" in detail
     deadline = time.monotonic() + 5  # the stream's reader thread may lag the daemon's answer
-    while len(f.log.of("failure_reported", engine="A")) < len(rc.reports) and time.monotonic() < deadline:
+    while len(f.log.of("failure_reported", engine="A")) < len(client.reports) and time.monotonic() < deadline:
         time.sleep(0.05)
     seen = f.log.of("failure_reported", engine="A")
-    assert len(seen) == len(rc.reports)
-    assert sorted(e["counted"] for e in seen) == sorted(a["counted"] for _, _, a in rc.reports)
+    assert len(seen) == len(client.reports)
+    assert sorted(e["counted"] for e in seen) == sorted(a["counted"] for _, _, a in client.reports)
     assert f.log.of("detection", engine="A", kind="exit")
     print(f"\nkill -9: {in_flight_on_a} in flight on A; {len(failed_on_a)} re-sent to B; reports "
-          f"{[(a['counted'], a['state']) for _, _, a in rc.reports]}; batch done {t_done - t_kill:.2f}s after the "
-          f"kill; attempts {rc.stats.sent}")
+          f"{[(a['counted'], a['state']) for _, _, a in client.reports]}; batch done {t_done - t_kill:.2f}s after the "
+          f"kill; attempts {client.stats.sent}")
 
 
 async def test_no_engine_left_when_every_engine_is_stopped(fleet):
@@ -225,18 +225,18 @@ async def test_no_engine_left_when_every_engine_is_stopped(fleet):
     d = f.daemon
     sup = AsyncSupervisorClient(f.socket)
     prompts = batch_prompts("stop")
-    async with rollout(f) as rc:
-        assert [e.name for e in rc.engines] == ["B"]  # A is still down (round 1 is open)
-        batch = asyncio.create_task(rc.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, 
+    async with rollout(f) as client:
+        assert [e.name for e in client.engines] == ["B"]  # A is still down (round 1 is open)
+        batch = asyncio.create_task(client.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, 
                                               return_exceptions=True))
-        await until(lambda: rc.outstanding().get("B", 0) >= 8)
+        await until(lambda: client.outstanding().get("B", 0) >= 8)
         mark = d.mark()
         await sup.stop("B")
         await asyncio.to_thread(d.transition, "B", "STOPPED", 30, after=mark)
         results = await asyncio.wait_for(batch, 120)
-        await until(lambda: rc.engines == [], 10)  # the membership event emptied the list
+        await until(lambda: client.engines == [], 10)  # the membership event emptied the list
         with pytest.raises(NoEngineAvailable) as none:
-            await rc.complete("anyone there", max_tokens=4)
+            await client.complete("anyone there", max_tokens=4)
     # Each request came back once: an answer, or NoEngineAvailable; none lost.
     assert len(results) == BATCH
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -244,7 +244,7 @@ async def test_no_engine_left_when_every_engine_is_stopped(fleet):
     answers = [r for r in results if not isinstance(r, BaseException)]
     assert len({r.request_id for r in answers} | {e.request_id for e in errors}) == BATCH
     assert all(r.finish_reason == "length" and r.engine == "B" for r in answers)
-    assert rc.stats.succeeded == len(answers) and rc.stats.failed == len(errors) + 1
+    assert client.stats.succeeded == len(answers) and client.stats.failed == len(errors) + 1
     msg = str(none.value)
     assert "tried 0 engine(s)" in msg and "the daemon lists 0 routable engine(s)" in msg
     assert none.value.attempts == []

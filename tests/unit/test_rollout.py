@@ -199,20 +199,20 @@ def test_classify_status():
 
 async def test_pick_least_outstanding_then_round_robin():
     sup = FakeSupervisor([{"name": n, "url": f"http://{n}"} for n in ("A", "B", "C")])
-    rc = client(sup)
-    rc._apply(await sup.routable_engines())
+    rollout = client(sup)
+    rollout._apply(await sup.routable_engines())
     # All idle: round robin over the tie.
-    assert [rc.pick().name for _ in range(6)] == ["A", "B", "C", "A", "B", "C"]
-    rc._outstanding.update({"A": 3, "B": 1, "C": 2})
-    assert {rc.pick().name for _ in range(4)} == {"B"}
-    rc._outstanding.update({"A": 1, "B": 1, "C": 2})
-    assert sorted(rc.pick().name for _ in range(4)) == ["A", "A", "B", "B"]
+    assert [rollout.pick().name for _ in range(6)] == ["A", "B", "C", "A", "B", "C"]
+    rollout._outstanding.update({"A": 3, "B": 1, "C": 2})
+    assert {rollout.pick().name for _ in range(4)} == {"B"}
+    rollout._outstanding.update({"A": 1, "B": 1, "C": 2})
+    assert sorted(rollout.pick().name for _ in range(4)) == ["A", "A", "B", "B"]
     # Excluded engines (failed this request) are never chosen, even when least loaded.
-    assert {rc.pick(exclude={"A", "B"}).name for _ in range(3)} == {"C"}
-    assert rc.pick(exclude={"A", "B", "C"}) is None
+    assert {rollout.pick(exclude={"A", "B"}).name for _ in range(3)} == {"C"}
+    assert rollout.pick(exclude={"A", "B", "C"}) is None
     # An engine that aborted this request is a last resort, not excluded.
-    assert {rc.pick(avoid={"A", "B"}).name for _ in range(3)} == {"C"}
-    assert rc.pick(exclude={"B", "C"}, avoid={"A"}).name == "A"
+    assert {rollout.pick(avoid={"A", "B"}).name for _ in range(3)} == {"C"}
+    assert rollout.pick(exclude={"B", "C"}, avoid={"A"}).name == "A"
 
 
 # -- against the protocol stand-in ---------------------------------------------------------
@@ -221,9 +221,9 @@ async def test_pick_least_outstanding_then_round_robin():
 async def test_success_returns_text_ids_logprobs_timings(engines):
     a, b = engines
     sup = FakeSupervisor([a.view()])
-    async with client(sup) as rc:
-        r = await rc.complete("hello", max_tokens=5, logprobs=1)
-        c = await rc.chat([{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True)
+    async with client(sup) as rollout:
+        r = await rollout.complete("hello", max_tokens=5, logprobs=1)
+        c = await rollout.chat([{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True)
     assert r.text == "w0 w1 w2 w3 w4 " and r.finish_reason == "length"
     assert r.token_ids == [100, 101, 102, 103, 104] and r.n_tokens == 5 and r.prompt_token_ids == [104, 101, 108, 108, 111]
     assert r.logprobs == [-0.5, -1.5, -2.5, -3.5, -4.5]
@@ -234,7 +234,7 @@ async def test_success_returns_text_ids_logprobs_timings(engines):
     assert sent["prompt"] == "hello" and sent["logprobs"] == 1
     assert c.text == "w0 w1 w2 " and c.token_ids == [100, 101, 102] and c.logprobs == [-0.5, -1.5, -2.5]
     assert a.requests[1]["messages"] == [{"role": "user", "content": "hi"}]
-    st = rc.stats
+    st = rollout.stats
     assert (st.requests, st.sent, st.succeeded, st.failed, st.retried) == (2, 2, 2, 0, 0)
 
 
@@ -244,23 +244,23 @@ async def test_engine_failure_is_resent_elsewhere_and_reported(engines, what, ou
     a, b = engines
     a.script = [what]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup, request_timeout=0.5) as rc:
-        rc.pick = _first_then_default(rc, "A")  # the first attempt goes to A
-        r = await rc.complete("p", max_tokens=4)
+    async with client(sup, request_timeout=0.5) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")  # the first attempt goes to A
+        r = await rollout.complete("p", max_tokens=4)
     assert r.attempts == [Attempt("A", outcome), Attempt("B", OK)]
     assert r.engine == "B" and r.text == "w0 w1 w2 w3 " and r.finish_reason == "length"
     assert [name for name, _ in sup.reports] == ["A"] and outcome in sup.reports[0][1]
     assert sup.report_incarnations == [2]  # the incarnation the routable list named
-    assert rc.stats.retried == 1 and rc.stats.attempt_failures == 1 and rc.stats.reported == 1
+    assert rollout.stats.retried == 1 and rollout.stats.attempt_failures == 1 and rollout.stats.reported == 1
     assert sup.routable_calls >= 2  # membership was read again after the failure
 
 
 async def test_refused_connection_is_resent_and_reported(engines):
     a, _ = engines
     sup = FakeSupervisor([{"name": "dead", "url": dead_url(), "model": "tiny"}, a.view()])
-    async with client(sup) as rc:
-        rc.pick = _first_then_default(rc, "dead")
-        r = await rc.complete("p", max_tokens=2)
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "dead")
+        r = await rollout.complete("p", max_tokens=2)
     assert r.attempts == [Attempt("dead", REFUSED), Attempt("A", OK)]
     assert [n for n, _ in sup.reports] == ["dead"]
 
@@ -269,12 +269,12 @@ async def test_abort_is_resent_not_reported_and_partial_text_discarded(engines):
     a, b = engines
     a.script = ["abort"]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
-        rc.pick = _first_then_default(rc, "A")
-        r = await rc.complete("p", max_tokens=4)
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=4)
     assert r.attempts == [Attempt("A", ABORT), Attempt("B", OK)]
     assert r.finish_reason == "length" and r.text == "w0 w1 w2 w3 " and r.n_tokens == 4
-    assert sup.reports == [] and rc.stats.aborted == 1 and rc.stats.attempt_failures == 0
+    assert sup.reports == [] and rollout.stats.aborted == 1 and rollout.stats.attempt_failures == 0
 
 
 async def test_clean_end_without_finish_reason_is_an_abort(engines):
@@ -282,9 +282,9 @@ async def test_clean_end_without_finish_reason_is_an_abort(engines):
     a, b = engines
     a.script = ["queued_abort"]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
-        rc.pick = _first_then_default(rc, "A")
-        r = await rc.complete("p", max_tokens=4)
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=4)
     assert r.attempts == [Attempt("A", ABORT), Attempt("B", OK)] and sup.reports == []
 
 
@@ -292,8 +292,8 @@ async def test_abort_on_the_only_engine_is_resent_to_it(engines):
     a, _ = engines
     a.script = ["abort", "abort"]
     sup = FakeSupervisor([a.view()])
-    async with client(sup) as rc:
-        r = await rc.complete("p", max_tokens=3)
+    async with client(sup) as rollout:
+        r = await rollout.complete("p", max_tokens=3)
     assert r.attempts == [Attempt("A", ABORT), Attempt("A", ABORT), Attempt("A", OK)]
     assert r.finish_reason == "length" and sup.reports == []
 
@@ -302,20 +302,20 @@ async def test_attempts_are_bounded(engines):
     a, _ = engines
     a.script = ["abort"] * 10
     sup = FakeSupervisor([a.view()])
-    async with client(sup, max_attempts=3) as rc:
+    async with client(sup, max_attempts=3) as rollout:
         with pytest.raises(RolloutFailed, match="failed 3 attempt") as ei:
-            await rc.complete("p", max_tokens=3)
+            await rollout.complete("p", max_tokens=3)
     assert ei.value.attempts == [Attempt("A", ABORT)] * 3
-    assert len(a.requests) == 3 and rc.stats.failed == 1 and rc.stats.succeeded == 0
+    assert len(a.requests) == 3 and rollout.stats.failed == 1 and rollout.stats.succeeded == 0
 
 
 async def test_bad_request_is_not_retried_nor_reported(engines):
     a, b = engines
     a.script, b.script = ["400"], ["400"]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
+    async with client(sup) as rollout:
         with pytest.raises(RolloutRequestError, match="HTTP 400: scripted 400") as ei:
-            await rc.complete("p", max_tokens=3)
+            await rollout.complete("p", max_tokens=3)
     assert ei.value.status == 400 and len(ei.value.attempts) == 1
     assert len(a.requests) + len(b.requests) == 1 and sup.reports == []
 
@@ -324,9 +324,9 @@ async def test_busy_429_is_retried_not_reported(engines):
     a, b = engines
     a.script = ["429"]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
-        rc.pick = _first_then_default(rc, "A")
-        r = await rc.complete("p", max_tokens=2)
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=2)
     assert r.attempts == [Attempt("A", BUSY), Attempt("B", OK)] and sup.reports == []
 
 
@@ -334,68 +334,68 @@ async def test_no_engine_left(engines):
     a, b = engines
     a.script, b.script = ["500"], ["500"]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
+    async with client(sup) as rollout:
         with pytest.raises(NoEngineAvailable) as ei:
-            await rc.complete("p", max_tokens=2)
+            await rollout.complete("p", max_tokens=2)
         msg = str(ei.value)
         assert "tried 2 engine(s) in 2 attempt(s)" in msg and "the daemon lists 2 routable engine(s) at epoch 1" in msg
         sup.view = {**sup.view, "epoch": 2, "engines": []}
-        await rc.refresh()
+        await rollout.refresh()
         with pytest.raises(NoEngineAvailable, match=r"tried 0 engine\(s\).*lists 0 routable engine\(s\) at epoch 2"):
-            await rc.complete("p", max_tokens=2)
-    assert rc.stats.failed == 2 and rc.stats.succeeded == 0
+            await rollout.complete("p", max_tokens=2)
+    assert rollout.stats.failed == 2 and rollout.stats.succeeded == 0
 
 
 async def test_report_failure_errors_never_raise(engines):
     a, b = engines
     a.script = ["500"]
     sup = FakeSupervisor([a.view(), b.view()], report_raises=True)
-    async with client(sup) as rc:
-        rc.pick = _first_then_default(rc, "A")
-        r = await rc.complete("p", max_tokens=2)
-    assert r.engine == "B" and rc.stats.report_errors == 1 and rc.stats.reported == 0
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=2)
+    assert r.engine == "B" and rollout.stats.report_errors == 1 and rollout.stats.reported == 0
 
 
 async def test_reports_for_one_engine_are_coalesced(engines):
     a, b = engines
     a.script = ["500"] * 5
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup, cooldown=30.0) as rc:
+    async with client(sup, cooldown=30.0) as rollout:
         for _ in range(5):
-            rc.pick = _first_then_default(rc, "A")
-            assert (await rc.complete("p", max_tokens=2)).engine == "B"
-    assert [n for n, _ in sup.reports] == ["A"] and rc.stats.reports_coalesced == 4
+            rollout.pick = _first_then_default(rollout, "A")
+            assert (await rollout.complete("p", max_tokens=2)).engine == "B"
+    assert [n for n, _ in sup.reports] == ["A"] and rollout.stats.reports_coalesced == 4
 
 
 async def test_requests_spread_by_outstanding_count(engines):
     a, b = engines
     a.gate, b.gate = asyncio.Event(), asyncio.Event()
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
+    async with client(sup) as rollout:
         tasks = []
         for i in range(5):
-            tasks.append(asyncio.create_task(rc.complete(f"p{i}", max_tokens=2)))
-            await _until(lambda: sum(rc.outstanding().values()) == i + 1)
-        assert sorted(rc.outstanding().values()) == [2, 3]
+            tasks.append(asyncio.create_task(rollout.complete(f"p{i}", max_tokens=2)))
+            await _until(lambda: sum(rollout.outstanding().values()) == i + 1)
+        assert sorted(rollout.outstanding().values()) == [2, 3]
         b.gate.set()  # B drains; A keeps 3 (or 2) in flight
-        await _until(lambda: b.active == 0 and sum(rc.outstanding().values()) == a.active)
-        busy_a = rc.outstanding()["A"]
-        more = [asyncio.create_task(rc.complete("q", max_tokens=2)) for _ in range(busy_a)]
+        await _until(lambda: b.active == 0 and sum(rollout.outstanding().values()) == a.active)
+        busy_a = rollout.outstanding()["A"]
+        more = [asyncio.create_task(rollout.complete("q", max_tokens=2)) for _ in range(busy_a)]
         await asyncio.gather(*more)
         assert all(r.engine == "B" for r in (t.result() for t in more))  # B had fewer outstanding
         a.gate.set()
         results = await asyncio.gather(*tasks)
     assert len({r.request_id for r in results + [t.result() for t in more]}) == 5 + busy_a
-    assert rc.outstanding() == {}
+    assert rollout.outstanding() == {}
 
 
 async def test_gather_keeps_order_and_bounds_concurrency(engines):
     a, b = engines
     a.script, b.script = ["abort"], ["die", "500"]  # no one request can exhaust both engines
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup, cooldown=0.0) as rc:
+    async with client(sup, cooldown=0.0) as rollout:
         prompts = [f"p{i}" for i in range(20)]
-        results = await rc.gather(prompts, concurrency=3, max_tokens=3)
+        results = await rollout.gather(prompts, concurrency=3, max_tokens=3)
     assert [r.prompt_token_ids for r in results] == [[ord(c) for c in p] for p in prompts]  # in order
     assert all(r.text == "w0 w1 w2 " for r in results)
     assert all(r.finish_reason == "length" for r in results)
@@ -403,7 +403,7 @@ async def test_gather_keeps_order_and_bounds_concurrency(engines):
     assert a.max_active + b.max_active <= 3 + 3 and max(a.max_active, b.max_active) <= 3
     sent_prompts = sorted(req["prompt"] for req in a.requests + b.requests)
     assert len(sent_prompts) == 20 + 3  # 3 attempts were re-sent, each once
-    assert rc.stats.requests == rc.stats.succeeded == 20 and rc.stats.retried == 3
+    assert rollout.stats.requests == rollout.stats.succeeded == 20 and rollout.stats.retried == 3
 
 
 async def test_gather_raises_first_error_and_cancels_the_rest(engines):
@@ -411,53 +411,53 @@ async def test_gather_raises_first_error_and_cancels_the_rest(engines):
     a.gate = asyncio.Event()
     b.script = ["400"]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
-        rc.pick = lambda exclude=(), avoid=(): next(e for e in rc.engines if e.name == "B") \
-            if not b.requests else next(e for e in rc.engines if e.name == "A")
+    async with client(sup) as rollout:
+        rollout.pick = lambda exclude=(), avoid=(): next(e for e in rollout.engines if e.name == "B") \
+            if not b.requests else next(e for e in rollout.engines if e.name == "A")
         with pytest.raises(RolloutRequestError):
-            await rc.gather(["x", "y", "z"], max_tokens=2)
-        assert rc.outstanding() == {}
-    assert rc.stats.succeeded == 0 and rc.stats.failed == 3
+            await rollout.gather(["x", "y", "z"], max_tokens=2)
+        assert rollout.outstanding() == {}
+    assert rollout.stats.succeeded == 0 and rollout.stats.failed == 3
 
 
 async def test_membership_event_drops_an_engine_at_once(engines):
     a, b = engines
     sup = FakeSupervisor([a.view(), b.view()], with_events=True)
-    async with client(sup, follow_events=True, refresh_interval=3600) as rc:
+    async with client(sup, follow_events=True, refresh_interval=3600) as rollout:
         await _until(lambda: sup.routable_calls >= 2)  # the hello triggered a read
         sup.drop("A")
         await sup.event_queue.put({"event": "membership", "epoch": 2, "routable": ["B"]})
-        await _until(lambda: rc.epoch == 2)
-        results = [await rc.complete("p", max_tokens=2) for _ in range(4)]
+        await _until(lambda: rollout.epoch == 2)
+        results = [await rollout.complete("p", max_tokens=2) for _ in range(4)]
     assert {r.engine for r in results} == {"B"} and {r.epoch for r in results} == {2}
-    assert [e.name for e in rc.engines] == ["B"]
+    assert [e.name for e in rollout.engines] == ["B"]
 
 
 async def test_invalid_sampling_is_refused_before_sending(engines):
     a, _ = engines
     sup = FakeSupervisor([a.view()])
-    async with client(sup) as rc:
+    async with client(sup) as rollout:
         with pytest.raises(ValueError, match="n=2"):
-            await rc.complete("p", n=2)
+            await rollout.complete("p", n=2)
         with pytest.raises(ValueError, match="stream=False"):
-            await rc.complete("p", stream=False)
+            await rollout.complete("p", stream=False)
         with pytest.raises(ValueError, match="echo=True"):
-            await rc.complete("p", echo=True)
+            await rollout.complete("p", echo=True)
     assert a.requests == []
 
 
 # -- helpers -------------------------------------------------------------------------------
 
 
-def _first_then_default(rc: RolloutClient, name: str):
+def _first_then_default(rollout: RolloutClient, name: str):
     """Route the next first attempt to `name`; everything after uses the real policy."""
-    real = type(rc).pick.__get__(rc)
+    real = type(rollout).pick.__get__(rollout)
     state = {"used": False}
 
     def pick(exclude=(), avoid=()):
         if not state["used"]:
             state["used"] = True
-            return next(e for e in rc.engines if e.name == name)
+            return next(e for e in rollout.engines if e.name == name)
         return real(exclude, avoid)
     return pick
 
@@ -484,14 +484,14 @@ async def test_fault16_long_stream_line(engines):
     long_ids = list(range(100_000, 100_000 + 90_000))  # 90k ids: ~700 KiB in one JSON line
     a.prompt_ids = b.prompt_ids = long_ids
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
-        r = await rc.complete("long", max_tokens=3)
+    async with client(sup) as rollout:
+        r = await rollout.complete("long", max_tokens=3)
         line = len(json.dumps({"id": "x", "choices": [{"prompt_token_ids": long_ids}]}))
         assert line > 512 * 1024  # the stand-in's first line really is past aiohttp's limit
         assert r.prompt_token_ids == long_ids and r.token_ids == [100, 101, 102] and r.finish_reason == "length"
         assert r.attempts == [Attempt("A", OK)] or r.attempts == [Attempt("B", OK)]
         # A whole batch of them: every request answered, none re-sent, nothing reported.
-        results = await rc.gather([f"p{i}" for i in range(8)], concurrency=4, max_tokens=2)
+        results = await rollout.gather([f"p{i}" for i in range(8)], concurrency=4, max_tokens=2)
     assert [r.prompt_token_ids == long_ids for r in results] == [True] * 8
     assert all(len(r.attempts) == 1 for r in results) and sup.reports == []
 
@@ -503,19 +503,19 @@ async def test_fault16_line_over_the_bound_is_one_requests_error(engines):
     a, b = engines
     a.prompt_ids = b.prompt_ids = list(range(100_000, 160_000))  # ~470 KiB line
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup, max_line_bytes=256 << 10) as rc:
+    async with client(sup, max_line_bytes=256 << 10) as rollout:
         with pytest.raises(RolloutResponseTooLarge, match="over 262144 bytes") as ei:
-            await rc.complete("long", max_tokens=3)
+            await rollout.complete("long", max_tokens=3)
         assert isinstance(ei.value, RolloutError) and len(ei.value.attempts) == 1
         assert ei.value.attempts[0].outcome == TOO_LARGE
         assert len(a.requests) + len(b.requests) == 1 and sup.reports == []
         b.prompt_ids, a.prompt_ids = a.prompt_ids, None  # only B's answers are too long now
         picks = iter(["B", "A", "A"])  # "x" goes to B, "y" and "z" to A (one at a time)
-        rc.pick = lambda exclude=(), avoid=(), name=None: {e.name: e for e in rc.engines}[next(picks)]
-        out = await rc.gather(["x", "y", "z"], concurrency=1, max_tokens=2, return_exceptions=True)
+        rollout.pick = lambda exclude=(), avoid=(), name=None: {e.name: e for e in rollout.engines}[next(picks)]
+        out = await rollout.gather(["x", "y", "z"], concurrency=1, max_tokens=2, return_exceptions=True)
     assert isinstance(out[0], RolloutResponseTooLarge)
     assert [r.finish_reason for r in out[1:]] == ["length", "length"] and {r.engine for r in out[1:]} == {"A"}
-    assert rc.stats.failed == 2 and rc.stats.succeeded == 2
+    assert rollout.stats.failed == 2 and rollout.stats.succeeded == 2
 
 
 @pytest.mark.parametrize("what", ["notjson", "notobject", "badshape", "badhttp"])
@@ -525,9 +525,9 @@ async def test_malformed_stream_is_resent_and_reported(engines, what):
     a, b = engines
     a.script = [what]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rc:
-        rc.pick = _first_then_default(rc, "A")
-        results = await rc.gather(["p", "q", "r"], concurrency=1, max_tokens=3)
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        results = await rollout.gather(["p", "q", "r"], concurrency=1, max_tokens=3)
     assert results[0].attempts == [Attempt("A", MALFORMED), Attempt("B", OK)]
     assert all(r.finish_reason == "length" and r.text == "w0 w1 w2 " for r in results)
     assert [n for n, _ in sup.reports] == ["A"] and MALFORMED in sup.reports[0][1]
