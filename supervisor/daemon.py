@@ -226,20 +226,17 @@ class Supervisor:
             return not r.retired and (r.state is State.STARTING
                                       or not r.first_start_begun and not r.start_stopped)
 
-        # Each engine's first start begins with a transition, and each ends with one: checked
-        # again at each event on the bus.
-        sub = self.bus.subscribe()
-        try:
-            while any(first_start_pending(r) for r in self.fleet.runners.values()):
-                if sub.lost:  # fell behind (a burst of events): read on from now
-                    self.bus.unsubscribe(sub)
-                    sub = self.bus.subscribe()
-                try:
-                    await asyncio.wait_for(sub.queue.get(), 1.0)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            self.bus.unsubscribe(sub)
+        runners = list(self.fleet.runners.values())
+        while True:
+            changes = [r.next_change() for r in runners]  # taken before the check: no change is missed
+            if not any(first_start_pending(r) for r in runners):
+                break
+            waits = [asyncio.ensure_future(c.wait()) for c in changes]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
         self.notifier.ready(status_line(self.fleet))
         log.info("supervisor.ready", status=status_line(self.fleet))
 

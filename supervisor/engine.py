@@ -82,7 +82,7 @@ class EngineRunner:
         # This incarnation's heartbeats only (a post-mortem is about the process being stopped).
         self.probe_history: deque[tuple[float, ProbeOutcome]] = deque(maxlen=64)
         self.probes = self.probe_failures = self.late_probes = 0  # heartbeats, for status and bench/
-        self.retired = False  # never restarted again, never routed
+        self._retired = False  # never restarted again, never routed
         self._wake = asyncio.Event()
         self._stop_now: asyncio.Event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -111,6 +111,16 @@ class EngineRunner:
     @proc.setter
     def proc(self, proc: EngineProcess | None) -> None:
         self._proc = proc
+        self._poke()
+
+    @property
+    def retired(self) -> bool:
+        """Never restarted again, never routed (and so across daemon restarts)."""
+        return self._retired
+
+    @retired.setter
+    def retired(self, retired: bool) -> None:
+        self._retired = retired
         self._poke()
 
     @property
@@ -166,6 +176,11 @@ class EngineRunner:
     def _poke(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def next_change(self) -> asyncio.Event:
+        """Set at this runner's next transition, process change, end of its task, or when its
+        first start has begun. Take it before checking what you wait for."""
+        return self._changed
 
     async def _until(self, done: Callable[[], bool], timeout: float | None = None) -> bool:
         """Wait until `done()` (checked at every transition and process change); False if
@@ -240,6 +255,7 @@ class EngineRunner:
         else:  # this daemon's first start of it (a daemon restart is no engine restart)
             fsm.begin_start("start", restart=False)
         self.first_start_begun = True
+        self._poke()
         while True:
             if self._start_pending is not None and self.proc is None and fsm.state in (
                     S.STOPPED, S.EXITED, S.BACKOFF, S.FATAL):
@@ -633,6 +649,7 @@ class EngineRunner:
         fsm, probe = self.fsm, self.cfg.probe
         fsm.begin_start(f"attach to {self.spec.base_url}", restart=False)
         self.first_start_begun = True
+        self._poke()
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait)
             fsm.became_ready(await self.prober.weight_version(), self.policy.current_version,
