@@ -14,6 +14,7 @@ COPY harness ./harness
 # bin/supervisorctl and pip leaves it to the last installed: the --no-deps --force-reinstall
 # makes it ours, a dispatcher that hands supervisord's invocations to supervisord's (README,
 # "supervisorctl beside supervisord"); vime-supervisorctl is always ours.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps --force-reinstall . \
     && grep -q "vime.supervisor.supervisorctl" "$(command -v supervisorctl)" \
     && supervisorctl --help | grep -q "vime-supervisor daemon" \

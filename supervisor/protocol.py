@@ -368,7 +368,7 @@ class TransitionEvent(TypedDict):
     from_state: str  # a State
     to_state: str  # a State
     reason: str  # for people
-    cause: NotRequired[str]  # for machines: a Cause (exit, hang, poisoned, operator, ...)
+    cause: str  # for machines: a Cause (exit, hang, poisoned, operator, ...); reason is for people
     incarnation: int
 
 
@@ -378,7 +378,7 @@ class DetectionEvent(TypedDict):
     engine: str
     kind: str  # exit, hang, poisoned, reported
     reason: str
-    cause: NotRequired[str]  # a Cause
+    cause: str  # a Cause
 
 
 class MembershipEvent(TypedDict):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from .engine import EngineRunner
 from .fleet import Fleet
 from .protocol import EngineStatus, FleetStatus, Routable, RoutableEngine
 
 
-def engine_status(fleet: Fleet, runner: Any) -> EngineStatus:
+def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
     fsm = runner.fsm
     probe = fsm.last_probe
     uptime = fsm.uptime()

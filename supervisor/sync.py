@@ -1,7 +1,7 @@
 """Bringing a STALE engine to the current weights, verified, in a round gap.
 
 The tensors live in the trainer, so the daemon asks: a `sync_request` event goes to the
-trainer agents on the event stream (trainer/agent.py), and one of them pushes into that engine
+trainer agents on the event stream (trainer/resync_agent.py), and one of them pushes into that engine
 alone over its own small process group, between `sync/begin` and `sync/end` calls. With no
 agent connected, a checkpoint published with the version is the fallback: the daemon reloads
 the engine from it. Either way the daemon then checks `/weight_info` and a deep probe before

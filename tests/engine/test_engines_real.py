@@ -72,13 +72,15 @@ def test_engine_starts_and_serves(fleet):
     assert complete(fleet.url)["choices"][0]["text"]
 
 
-def test_bad_model_goes_fatal_after_budget_others_unaffected(fleet):
+def test_bad_model_goes_fatal_at_once_others_unaffected(fleet):
     ev = fleet.transition("broken", "FATAL", BOOT)
-    assert "start retries exhausted (2)" in ev["reason"]
+    # vLLM refuses the model's config: retrying cannot help, so no retry budget is spent.
+    assert "not retried (permanent)" in ev["reason"]
     assert "no-such-architecture" in ev["reason"]  # the root cause, read from the engine's log
-    # Exactly two attempts, each one BACKOFF or FATAL, never RUNNING.
+    assert ev["cause"] == "start_failed"
+    # Exactly one attempt, never RUNNING.
     starts = [e for e in fleet.events if e.get("engine") == "broken" and e.get("to_state") == "STARTING"]
-    assert len(starts) == 2
+    assert len(starts) == 1
     assert not any(e.get("engine") == "broken" and e.get("to_state") == "RUNNING" for e in fleet.events)
     assert fleet.state("good") == "RUNNING"
     assert complete(fleet.url)["choices"]
