@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from tenacity import stop_after_delay, wait_exponential, wait_random
 
-from vime.supervisor.protocol import Event, ReconnectedEvent
+from vime.supervisor.protocol import Event, ReconnectedEvent, default_socket_path
 
 from .errors import (
     ClientCode,
@@ -137,3 +137,19 @@ def event_lines(buf: bytearray, chunk: bytes) -> list[dict[str, Any]]:
                 continue
             if isinstance(ev, dict):
                 out.append(ev)
+
+
+class ClientSettings:
+    """What both clients are given: the socket and three timeouts (see SupervisorClient)."""
+
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, connect_timeout: float = 10.0,
+                 timeout: float = 60.0, read_timeout: float = 30.0):
+        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
+        self.connect_timeout = connect_timeout
+        self.timeout = timeout
+        self.read_timeout = read_timeout
+        self._streams: set[Stream] = set()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.socket_path!r})"
+

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from typing import Any, AsyncIterator, Literal, TypeVar
 
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception
 
-from vime.supervisor.protocol import DaemonEvent, Role, RoundResult, default_socket_path
+from vime.supervisor.protocol import DaemonEvent, Role, RoundResult
 
 from ._transport import (
+    ClientSettings,
     Dropped,
     NotConnected,
     Stream,
@@ -54,7 +54,7 @@ class _CheckedUnixConnector(aiohttp.UnixConnector):
         return proto
 
 
-class AsyncSupervisorClient(Verbs):
+class AsyncSupervisorClient(ClientSettings, Verbs):
     """asyncio client (aiohttp). Its verbs are calls.Verbs, awaited; `async with
     client.round(n):`; `async for ev in client.events():`.
 
@@ -63,17 +63,6 @@ class AsyncSupervisorClient(Verbs):
     """
 
     _asynchronous: Literal[True] = True
-
-    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, connect_timeout: float = 10.0,
-                 timeout: float = 60.0, read_timeout: float = 30.0):
-        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
-        self.connect_timeout = connect_timeout
-        self.timeout = timeout
-        self.read_timeout = read_timeout
-        self._streams: set[Stream] = set()
-
-    def __repr__(self) -> str:
-        return f"AsyncSupervisorClient({self.socket_path!r})"
 
     async def __aenter__(self) -> "AsyncSupervisorClient":
         return self

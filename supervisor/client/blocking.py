@@ -10,16 +10,16 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import socket
 import time
 from typing import Any, Iterator, Literal, TypeVar
 
 from tenacity import Retrying, retry_if_exception
 
-from vime.supervisor.protocol import DaemonEvent, Role, RoundResult, default_socket_path
+from vime.supervisor.protocol import DaemonEvent, Role, RoundResult
 
 from ._transport import (
+    ClientSettings,
     Dropped,
     NotConnected,
     Stream,
@@ -61,7 +61,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-class SupervisorClient(Verbs):
+class SupervisorClient(ClientSettings, Verbs):
     """Blocking client (http.client on an AF_UNIX socket). Its verbs are calls.Verbs.
 
     socket_path: default $VIME_SUPERVISOR_SOCKET, then /run/vime-supervisor/supervisor.sock.
@@ -72,17 +72,6 @@ class SupervisorClient(Verbs):
     """
 
     _asynchronous: Literal[False] = False
-
-    def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, connect_timeout: float = 10.0,
-                 timeout: float = 60.0, read_timeout: float = 30.0):
-        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
-        self.connect_timeout = connect_timeout
-        self.timeout = timeout
-        self.read_timeout = read_timeout
-        self._streams: set[Stream] = set()
-
-    def __repr__(self) -> str:
-        return f"SupervisorClient({self.socket_path!r})"
 
     def __enter__(self) -> "SupervisorClient":
         return self
