@@ -112,34 +112,44 @@ def describe_returncode(rc: int | None, adopted: bool = False) -> str:
     return f"exit status {rc}"
 
 
-# Lines in a failed engine's log that mean "starting again will not help": the config names
-# a model that is not there, or arguments vLLM refuses.
+# Lines in a failed engine's log that mean "starting again will not help": the config names a
+# model that is not there, or arguments vLLM refuses. Each pattern is one library's own words;
+# a line that merely says "No such file or directory" (a missing /sys file, an ipc socket) says
+# nothing about the config, so that one counts only when it names the configured model.
 _PERMANENT = [
-    (re.compile(r"(No such file or directory|does not appear to have a file named|"
-                r"Repo id must|is not a local folder|Unrecognized model|"
-                r"Can't load the configuration|not a valid model|"
-                r"Invalid repository ID|HFValidationError)", re.I), "bad model path"),
-    (re.compile(r"error: (unrecognized arguments|argument )|Value error,", re.I), "config error"),
+    (re.compile(r"does not appear to have a file named|Repo id must|is not a local folder|"
+                r"Unrecognized model|Can't load the configuration|Invalid repository ID|"
+                r"HFValidationError"), "bad model path"),
+    # argparse ("api_server.py: error: argument --x: ...") and vLLM's pydantic config checks.
+    (re.compile(r"^[\w./-]+: error: (unrecognized arguments|argument |the following arguments are required)"
+                r"|\bValue error, "), "config error"),
 ]
-# Transient: another incarnation still holds the port, or memory (a previous incarnation's
-# GPU memory is freed a moment after its process is gone).
+_NO_SUCH_FILE = re.compile(r"No such file or directory")
+# Transient: another incarnation still holds the port; memory (a previous incarnation's GPU
+# memory is freed a moment after its process is gone); an engine core killed by a signal.
 _TRANSIENT = [
     (re.compile(r"Address already in use|EADDRINUSE", re.I), "port still in use"),
     (re.compile(r"out of memory|OutOfMemoryError|Cannot allocate memory|MemoryError", re.I), "out of memory"),
+    (re.compile(r"Failed core proc\(s\): \{[^}]*: -\d+"), "engine core killed by a signal"),
 ]
 
 
-def classify_failure(log_tail: str) -> tuple[bool, str]:
+def classify_failure(log_tail: str, model: str | None = None) -> tuple[bool, str]:
     """(permanent, summary) for a start that failed, read from the tail of its log.
 
-    The last matching line wins: Python prints the root cause nearest the end. Permanent only
-    when a line says so; anything else is retried within the start budget.
+    Retrying is the safe mistake, so a transient sign anywhere in the tail wins: a crash can
+    print unrelated lines after its root cause (multiprocessing's resource_tracker warnings
+    follow an out-of-memory). Otherwise the last line that says the config is wrong makes it
+    permanent; anything else is retried within the start budget.
     """
     lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
     for line in reversed(lines):
         for pattern, what in _TRANSIENT:
             if pattern.search(line):
                 return False, f"{what}: {line[:200]}"
+    for line in reversed(lines):
+        if model and model in line and _NO_SUCH_FILE.search(line):
+            return True, f"bad model path: {line[:200]}"
         for pattern, what in _PERMANENT:
             if pattern.search(line):
                 return True, f"{what}: {line[:200]}"

@@ -944,10 +944,29 @@ def test_a_slow_start_backs_off_with_its_cause():
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", False, "out of memory"),
     ("RuntimeError: something nobody classified", False, "RuntimeError"),
     ("", False, "no output"),
+    # vLLM's pydantic config check (a model type it does not know).
+    ("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+     "  Value error, The checkpoint you are trying to load has model type `no-such-architecture`", True,
+     "config error"),
+    # A missing file is the model's only when the line names the configured model.
+    ("FileNotFoundError: [Errno 2] No such file or directory: '/models/polcy/config.json'", True,
+     "bad model path"),
+    ("zmq.error.ZMQError: No such file or directory (addr='ipc:///tmp/abc')", False, "zmq.error"),
+    # Noise after the root cause: multiprocessing's resource_tracker follows an out-of-memory.
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+     "RuntimeError: Engine core initialization failed. See root cause above.\n"
+     "resource_tracker.py:267: UserWarning: resource_tracker: '/psm_1234': [Errno 2] No such file or "
+     "directory: '/psm_1234'", False, "out of memory"),
+    # An unrelated early warning, and an engine core killed by a signal (the OOM killer).
+    ("WARNING Could not read /sys/class/infiniband: [Errno 2] No such file or directory\n"
+     "RuntimeError: Engine core initialization failed. See root cause above. "
+     "Failed core proc(s): {'EngineCore_DP0': -9}", False, "engine core killed by a signal"),
+    # "TypeError: argument ..." is not argparse's "prog: error: argument ...".
+    ("TypeError: argument of type 'NoneType' is not iterable", False, "TypeError"),
 ])
 def test_classify_failure_calls_only_what_it_recognises_permanent(tail, permanent, what):
     from vime.supervisor.process import classify_failure
 
-    got, summary = classify_failure(tail)
+    got, summary = classify_failure(tail, "/models/polcy")
     assert got is permanent
     assert summary.startswith(what)
