@@ -159,7 +159,8 @@ class Supervisor:
                     runner.restore(incarnation=int(entry.get("incarnation", 0)),
                                    restarts=int(entry.get("restarts", 0)), retired=bool(entry.get("retired")),
                                    operator_stopped=(entry.get("state") == State.STOPPED.value
-                                                     and bool(entry.get("operator_stopped"))))
+                                                     and bool(entry.get("operator_stopped"))),
+                                   routable=entry.get("state") in (State.RUNNING.value, State.SUSPECT.value))
                 if not entry.get("pid") or not same_boot:
                     continue
                 pid, start_time = int(entry["pid"]), int(entry["start_time"])

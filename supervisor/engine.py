@@ -89,6 +89,7 @@ class EngineRunner:
         self._stop_reason: str | None = None  # set by an operator's stop: ends in STOPPED
         self._adopted: EngineProcess | None = None  # from the journal, taken by the first start
         self._adopted_routable = False  # it was serving when the previous daemon died
+        self._restored = False  # a previous daemon's journal named it
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
         self._start_pending: str | None = None  # a start asked for while a dead group is cleaned up
         self.first_start_begun = False  # this daemon has begun its first start (READY waits)
@@ -336,7 +337,7 @@ class EngineRunner:
             exited.cancel()
             return
         if exited.done():
-            permanent, summary = classify_failure(read_tail(self.log_path))
+            permanent, summary = classify_failure(read_tail(self.log_path), self.spec.model)
             how = describe_returncode(proc.returncode, proc.adopted)
             await self._stop_process(proc)  # leftover children of the group
             # Only an exit of its own says something about the config: one killed by a
@@ -541,9 +542,15 @@ class EngineRunner:
         """Say why it waits, without a state change."""
         self.fsm.annotate(reason)
 
-    def restore(self, *, incarnation: int, restarts: int, retired: bool, operator_stopped: bool) -> None:
+    def restore(self, *, incarnation: int, restarts: int, retired: bool, operator_stopped: bool,
+                routable: bool = False) -> None:
         """What a previous daemon's journal says of this engine (before start())."""
         self.retired = retired
+        self._restored = True
+        if not self.spec.spawned:
+            # An attached engine outlives the daemon as an adopted process does: it goes on
+            # serving the round it was serving (its version is checked when it answers).
+            self._adopted_routable = routable
         # Incarnations go on counting across daemon restarts: a failure report or a log file
         # names one process, never two.
         self.fsm.incarnation = incarnation
@@ -647,13 +654,20 @@ class EngineRunner:
         """Probe an engine we did not start. We cannot stop or restart it; we keep it out of
         routing while it fails, and take it back once it answers success_threshold probes."""
         fsm, probe = self.fsm, self.cfg.probe
-        fsm.begin_start(f"attach to {self.spec.base_url}", restart=False)
+        if self._restored:
+            # The same engine as before the daemon restart: the same incarnation, so failure
+            # reports that name it still count.
+            fsm.incarnation = max(0, fsm.incarnation - 1)
+            fsm.begin_start(f"re-attaching to {self.spec.base_url} after a daemon restart", restart=False,
+                            cause=Cause.RESTORED)
+        else:
+            fsm.begin_start(f"attach to {self.spec.base_url}", restart=False)
         self.first_start_begun = True
         self._poke()
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait)
-            fsm.became_ready(await self.prober.weight_version(), self.policy.current_version,
-                             hold=self.policy.hold_reason())
+            hold = None if self._adopted_routable else self.policy.hold_reason()
+            fsm.became_ready(await self.prober.weight_version(), self.policy.current_version, hold=hold)
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)", Cause.SLOW_START)
         await asyncio.sleep(self.phase)

@@ -208,6 +208,37 @@ def test_engine_switched_to_attached_stops_its_old_process(tmp_path, fake_python
         standin.wait()
 
 
+def test_attached_engine_keeps_serving_its_round_across_a_daemon_crash(tmp_path, fake_python, cleanup):
+    """An attached engine outlives the daemon as an adopted process does: the restarted daemon
+    re-attaches it (cause restored), keeps it routable in the open round, and keeps its
+    incarnation, so the trainer's failure reports that name it still count."""
+    port = free_port()
+    standin = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"), "--base-port", str(port)],
+                               stdout=subprocess.PIPE)
+    try:
+        assert standin.stdout.readline().startswith(b"ready")
+        cfg = config(tmp_path, fake_python, [{"name": "r0", "url": f"http://127.0.0.1:{port}",
+                                              "served_model_name": "tiny"}])
+        d = start(cfg, cleanup)
+        before = d.transition("r0", "RUNNING", 30)
+        client = SupervisorClient(sock(tmp_path))
+        client.start_round(1)
+        kill9(d)
+
+        d2 = start(cfg, cleanup)
+        attached = d2.transition("r0", "STARTING", 30)
+        assert attached["cause"] == "restored" and "after a daemon restart" in attached["reason"]
+        running = d2.transition("r0", "RUNNING", 30)
+        assert running["incarnation"] == before["incarnation"]
+        assert [e["name"] for e in client.routable_engines()["engines"]] == ["r0"]
+        answer = client.report_failure("r0", "a request failed", incarnation=before["incarnation"])
+        assert answer["counted"] is True
+        assert d2.terminate(30) == 0
+    finally:
+        standin.kill()
+        standin.wait()
+
+
 # -- fault 5 --------------------------------------------------------------------------------
 
 def test_fault5_corrupt_journal_stops_old_engines(tmp_path, fake_python, cleanup):
