@@ -349,9 +349,11 @@ class ControlServer:
             nbytes = min(int(request.query.get(LOG_BYTES_PARAM, "16384")), 1 << 20)
         except ValueError:
             raise ApiError(400, ErrorCode.BAD_REQUEST, f"{LOG_BYTES_PARAM} must be an integer") from None
+        if nbytes < 0:
+            raise ApiError(400, ErrorCode.BAD_REQUEST, f"{LOG_BYTES_PARAM} must be >= 0, got {nbytes}")
         if runner.log_path is None:
             raise ApiError(409, ErrorCode.NO_LOG, f"{runner.name} has no log yet (attached engines have none)")
-        return web.Response(text=read_tail(runner.log_path, max(0, nbytes)),
+        return web.Response(text=read_tail(runner.log_path, nbytes),
                             headers={LOG_PATH_HEADER: str(runner.log_path)})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
@@ -359,9 +361,10 @@ class ControlServer:
         keepalive line every 10 s lets a reader tell a quiet daemon from a dead connection;
         a client that went away is noticed within a second (an agent must not be asked to
         sync after it is gone)."""
-        role = request.query.get(ROLE_PARAM, Role.OBSERVER)
-        if role not in set(Role):
-            raise ApiError(400, ErrorCode.BAD_REQUEST, f"role must be {' or '.join(Role)}, got {role!r}")
+        roles = request.query.getall(ROLE_PARAM, [Role.OBSERVER])
+        role = roles[0]
+        if len(roles) > 1 or role not in set(Role):
+            raise ApiError(400, ErrorCode.BAD_REQUEST, f"role must be one of {' or '.join(Role)}, got {' and '.join(map(repr, roles))}")
         cap = MAX_STREAMS + (MAX_AGENT_STREAMS if role == Role.AGENT else 0)
         if len(self._streams) >= cap:
             raise ApiError(429, ErrorCode.TOO_MANY_STREAMS,
