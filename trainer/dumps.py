@@ -93,7 +93,7 @@ def _ints(name: str, xs: Any) -> list[int]:
     return out
 
 
-def _get(obj: Any, *names: str, default: Any = None) -> Any:
+def first_field(obj: Any, *names: str, default: Any = None) -> Any:
     """The first of `names` present on a mapping or an object (duck typing, so RolloutResult
     or a plain dict both work)."""
     for n in names:
@@ -168,25 +168,25 @@ class Sample:
         list) and the times sent/attempt_sent/first_token/finished, either in a `timings`
         mapping/object or as top-level fields. prompt_token_ids and weight_version default to
         the result's own; its request_id goes into metadata."""
-        timings_src = _get(result, "timings", default=result)
-        timings = {k: _get(timings_src, k) for k in TIMING_KEYS}
+        timings_src = first_field(result, "timings", default=result)
+        timings = {k: first_field(timings_src, k) for k in TIMING_KEYS}
         timings = {k: v for k, v in timings.items() if v is not None}
-        attempts = _get(result, "attempts", default=1)
+        attempts = first_field(result, "attempts", default=1)
         if not isinstance(attempts, int):  # a list of attempt records
             attempts = len(attempts)
-        ptids = prompt_token_ids if prompt_token_ids is not None else _get(result, "prompt_token_ids")
+        ptids = prompt_token_ids if prompt_token_ids is not None else first_field(result, "prompt_token_ids")
         if ptids is None:
             raise ValueError("prompt_token_ids: the result has none; pass prompt_token_ids=")
         if weight_version is None:
-            weight_version = _get(result, "weight_version")
-        request_id = _get(result, "request_id")
+            weight_version = first_field(result, "weight_version")
+        request_id = first_field(result, "request_id")
         if request_id is not None:
             metadata.setdefault("request_id", request_id)
-        return cls(prompt=prompt, response=_get(result, "text", "response", default=""),
+        return cls(prompt=prompt, response=first_field(result, "text", "response", default=""),
                    prompt_token_ids=list(ptids),
-                   output_token_ids=list(_get(result, "token_ids", "output_token_ids", default=[])),
-                   logprobs=_get(result, "logprobs"), reward=reward, engine=_get(result, "engine"),
-                   finish_reason=_get(result, "finish_reason"), attempts=attempts, timings=timings,
+                   output_token_ids=list(first_field(result, "token_ids", "output_token_ids", default=[])),
+                   logprobs=first_field(result, "logprobs"), reward=reward, engine=first_field(result, "engine"),
+                   finish_reason=first_field(result, "finish_reason"), attempts=attempts, timings=timings,
                    weight_version=weight_version, group=group, metadata=metadata)
 
 

@@ -63,24 +63,14 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from vime.supervisor.protocol import Event
 
+from .dumps import first_field
+
 __all__ = ["Tracer", "DaemonEventRecorder", "long_tail_summary", "format_summary", "save_summary",
            "percentile", "TRAINER_PID", "DAEMON_PID"]
 
 TRAINER_PID = 1
 DAEMON_PID = 2
 _MONOTONIC_BELOW = 1e9  # seconds: no wall clock reads this low after 2001
-
-
-def _get(obj: Any, *names: str, default: Any = None) -> Any:
-    """The first of `names` present (not None) on a mapping or an object."""
-    for n in names:
-        if isinstance(obj, Mapping):
-            v = obj.get(n)
-        else:
-            v = getattr(obj, n, None)
-        if v is not None:
-            return v
-    return default
 
 
 def _num(v: Any) -> float | None:
@@ -155,16 +145,16 @@ def _request(result: Any, index: int, wall: Callable[[Any], float | None], *, ro
     at the top level; tokens as n_tokens/num_tokens/completion_tokens or len(token_ids);
     attempts an int or a list of attempt records (engine, outcome or error, and optionally
     their own sent/finished)."""
-    timings = _get(result, "timings", default=result)
-    sent = wall(_get(timings, "sent"))
-    attempt_sent = wall(_get(timings, "attempt_sent"))
-    first = wall(_get(timings, "first_token"))
-    finished = wall(_get(timings, "finished"))
-    tokens = _get(result, "n_tokens", "num_tokens", "completion_tokens", "tokens")
+    timings = first_field(result, "timings", default=result)
+    sent = wall(first_field(timings, "sent"))
+    attempt_sent = wall(first_field(timings, "attempt_sent"))
+    first = wall(first_field(timings, "first_token"))
+    finished = wall(first_field(timings, "finished"))
+    tokens = first_field(result, "n_tokens", "num_tokens", "completion_tokens", "tokens")
     if not isinstance(tokens, int) or isinstance(tokens, bool):
-        ids = _get(result, "token_ids", "output_token_ids")
+        ids = first_field(result, "token_ids", "output_token_ids")
         tokens = len(ids) if ids is not None else None
-    raw_attempts = _get(result, "attempts", default=1)
+    raw_attempts = first_field(result, "attempts", default=1)
     spans: list[_Attempt] = []
     if isinstance(raw_attempts, int) and not isinstance(raw_attempts, bool):
         n_attempts = raw_attempts
@@ -172,14 +162,14 @@ def _request(result: Any, index: int, wall: Callable[[Any], float | None], *, ro
         raw_list = list(raw_attempts)
         n_attempts = len(raw_list)
         for a in raw_list:
-            at = _get(a, "timings", default=a)
-            err = _get(a, "error", "detail", "status", "outcome")
-            spans.append(_Attempt(_get(a, "engine"), wall(_get(at, "sent")), wall(_get(at, "finished")),
+            at = first_field(a, "timings", default=a)
+            err = first_field(a, "error", "detail", "status", "outcome")
+            spans.append(_Attempt(first_field(a, "engine"), wall(first_field(at, "sent")), wall(first_field(at, "finished")),
                                   None if err is None else str(err)))
-    err = _get(result, "error")
-    return _Request(index=index, engine=str(_get(result, "engine", default="unknown")), sent=sent,
+    err = first_field(result, "error")
+    return _Request(index=index, engine=str(first_field(result, "engine", default="unknown")), sent=sent,
                     attempt_sent=attempt_sent, first_token=first, finished=finished, tokens=tokens, attempts=n_attempts,
-                    attempt_spans=spans, finish_reason=_get(result, "finish_reason"),
+                    attempt_spans=spans, finish_reason=first_field(result, "finish_reason"),
                     error=None if err is None else str(err), round=round, name=name,
                     args=dict(args or {}))
 
