@@ -10,6 +10,7 @@ real; only the server is a stand-in.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,10 +18,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from vime.supervisor.process import all_procs, boot_id, proc_stat
+from vime.supervisor.process import boot_id, proc_stat
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
 
@@ -110,6 +112,20 @@ def cleanup():
             pass
 
 
+@contextlib.contextmanager
+def standin_at(port: int) -> Iterator[None]:
+    """An engine stand-in (not vLLM) serving on port, as someone else's server an engine is
+    attached to; stopped on the way out."""
+    standin = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"), "--base-port", str(port)],
+                               stdout=subprocess.PIPE)
+    try:
+        assert standin.stdout.readline().startswith(b"ready")
+        yield
+    finally:
+        standin.kill()
+        standin.wait()
+
+
 def start(cfg: Path, cleanup) -> Daemon:
     d = Daemon(cfg)
     cleanup[0].append(d)
@@ -193,19 +209,13 @@ def test_engine_switched_to_attached_stops_its_old_process(tmp_path, fake_python
     cleanup[1].add(old)
 
     other = free_port()  # now attached to a server someone else runs
-    standin = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"), "--base-port", str(other)],
-                               stdout=subprocess.PIPE)
-    try:
-        assert standin.stdout.readline().startswith(b"ready")
+    with standin_at(other):
         cfg = config(tmp_path, fake_python, [{"name": "e0", "url": f"http://127.0.0.1:{other}",
                                               "served_model_name": "tiny"}])
         d2 = start(cfg, cleanup)
         d2.transition("e0", "RUNNING", 30)
         wait_until(lambda: live_pids_in_groups({old}) == [], 10, "the formerly spawned engine stopped")
         assert d2.terminate(30) == 0
-    finally:
-        standin.kill()
-        standin.wait()
 
 
 def test_attached_engine_keeps_serving_its_round_across_a_daemon_crash(tmp_path, fake_python, cleanup):
@@ -213,10 +223,7 @@ def test_attached_engine_keeps_serving_its_round_across_a_daemon_crash(tmp_path,
     re-attaches it (cause restored), keeps it routable in the open round, and keeps its
     incarnation, so the trainer's failure reports that name it still count."""
     port = free_port()
-    standin = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"), "--base-port", str(port)],
-                               stdout=subprocess.PIPE)
-    try:
-        assert standin.stdout.readline().startswith(b"ready")
+    with standin_at(port):
         cfg = config(tmp_path, fake_python, [{"name": "r0", "url": f"http://127.0.0.1:{port}",
                                               "served_model_name": "tiny"}])
         d = start(cfg, cleanup)
@@ -234,9 +241,6 @@ def test_attached_engine_keeps_serving_its_round_across_a_daemon_crash(tmp_path,
         answer = client.report_failure("r0", "a request failed", incarnation=before["incarnation"])
         assert answer["counted"] is True
         assert d2.terminate(30) == 0
-    finally:
-        standin.kill()
-        standin.wait()
 
 
 # -- fault 5 --------------------------------------------------------------------------------
