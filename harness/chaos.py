@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.harness import faults
-from vime.supervisor.client import SupervisorClient, SupervisorError
+from vime.supervisor.client import SupervisorClient
 from vime.trainer import rl_loop
 from vime.trainer.rl_loop import WHOLE_STATES, Report, RLLoop, Rollouts
 
@@ -339,14 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     rl_loop.check_args(ap, args)
     if args.load_debug_rollout_data and (args.kill_at or args.hang_at or args.fail_push_at):
         ap.error("faults need live rollouts: drop --load-debug-rollout-data")
-    rl_loop.quiet_rollout_log()
-    try:
-        rep = ChaosLoop(args).run()
-    except (OSError, ValueError, SupervisorError) as e:  # a missing or bad dump, no daemon
-        print(f"chaos: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    print(format_report(rep))
-    return rl_loop.exit_status(args, rep)
+    return rl_loop.run_and_report(ChaosLoop, args, "chaos", format_report)
 
 
 if __name__ == "__main__":

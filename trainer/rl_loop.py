@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
 from vime.supervisor.protocol import RUNNING_STATES, State
@@ -621,18 +621,25 @@ def exit_status(args: argparse.Namespace, rep: Report) -> int:
     return 0 if ok else 1
 
 
+def run_and_report(loop: type[RLLoop], args: argparse.Namespace, name: str,
+                   fmt: Callable[[Report], str] = format_report) -> int:
+    """Build and run the loop, print its report with fmt, and return the exit status (2: it
+    could not run)."""
+    quiet_rollout_log()
+    try:
+        rep = loop(args).run()
+    except (OSError, ValueError, SupervisorError) as e:  # a missing or bad dump, no daemon
+        print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(fmt(rep))
+    return exit_status(args, rep)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
-    quiet_rollout_log()
-    try:
-        rep = RLLoop(args).run()
-    except (OSError, ValueError, SupervisorError) as e:  # a missing or bad dump, no daemon
-        print(f"rl_loop: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    print(format_report(rep))
-    return exit_status(args, rep)
+    return run_and_report(RLLoop, args, "rl_loop")
 
 
 if __name__ == "__main__":
