@@ -20,8 +20,9 @@ WHAT WENT WRONG and exits 1. Ctrl-C or SIGTERM stop the loop (its round ended), 
 engines' process groups it spawned (by pid, never by name); exit status 128 + the signal. The
 daemon runs in its own session, so a Ctrl-C at the terminal reaches only the demo, which stops
 things in that order. demo.json records the pids (the demo's, the daemon's, the engines').
-Everything (config, daemon log, engine logs, incidents, trace.json, summary.json, dumps)
-stays in --out. Any flag of `python -m vime.harness.chaos` after `--` goes to the loop.
+Everything (config, daemon log, engine logs, incidents, trace.json, summary.json, dumps, and
+timeline.png: the picture of the run, failed or not) stays in --out. Any flag of
+`python -m vime.harness.chaos` after `--` goes to the loop.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, write_config
+from vime.harness.timeline import write_for_run
 from vime.trainer.tiny_model import build_tiny_model
 
 BOOT = 300.0
@@ -313,6 +315,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
     else:
         print("\nall good: every fault detected and recovered from, no round lost; demo exit status 0")
     save(ok=not problems, problems=problems, daemon_exit=rc, processes_left=len(left), exit_status=status)
+    write_for_run(out, say=_say)  # the picture of the run, failed or not
     return status
 
 

@@ -44,6 +44,7 @@ from vime.harness import faults
 from vime.harness.chaos import ChaosHooks, ChaosLoop, build_parser, format_report
 from vime.harness.demo import BOOT, demo_config
 from vime.harness.local_daemon import Daemon, live_pids_in_groups
+from vime.harness.timeline import write_for_run
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.process import port_is_free
 from vime.trainer.rl_loop import quiet_rollout_log
@@ -333,6 +334,7 @@ class SoakResult:
 def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: int = 2,
              model: Path | None = None) -> SoakResult:
     quiet_rollout_log()
+    started = time.time()  # daemon.log is appended to: the picture shows this run's part
     root.mkdir(parents=True, exist_ok=True)
     model = model or build_tiny_model(root / "model")
     broken = root / "broken-model"
@@ -380,6 +382,8 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
         rc = keeper.terminate()
         left = live_pids_in_groups(pids)
         ports_left = [p for p in ports.values() if not port_is_free("127.0.0.1", p)]
+        if report is None:  # the run broke off: its picture now, before the error goes up
+            write_for_run(root, since=started)
     expected = 2 * 4
     c = result.checks
     if report is not None:
@@ -440,6 +444,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     (root / "soak.json").write_text(json.dumps({"checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in c.items()},
                                                 "figures": f, "faults": [x.as_dict() for x in plan]},
                                                indent=1, default=str))
+    write_for_run(root, since=started)
     return result
 
 

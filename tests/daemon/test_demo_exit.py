@@ -29,6 +29,7 @@ import pytest
 from vime.supervisor.client import SupervisorClient
 from vime.harness.demo import demo_config
 from vime.harness.local_daemon import Daemon, live_pids_in_groups
+from vime.harness.timeline import png_size
 
 BROKEN = """#!/bin/sh
 echo "Traceback (most recent call last):" >&2
@@ -134,6 +135,10 @@ def test_demo_whose_engines_cannot_start_exits_nonzero_quickly_with_a_summary(tm
     assert record["ok"] is False and record["exit_status"] == 1 and record["daemon_exit"] == 0
     assert len(spawned(run)) >= 3  # the FATAL one tried its 3 starts
     assert_nothing_left(run)
+    # The picture of the failed run (harness/timeline.py): its starts, backoffs and the FATAL one.
+    assert f"timeline.png (the picture of the run): {run / 'timeline.png'}" in out
+    w, h = png_size(run / "timeline.png")
+    assert w >= 600 and h >= 150 and (run / "timeline.png").stat().st_size > 10_000
 
 
 def test_demo_with_a_model_that_does_not_exist_exits_nonzero_with_the_daemons_error(tmp_path):
