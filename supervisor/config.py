@@ -27,8 +27,18 @@ from .warmup import MAX_REQUESTS, WarmupPolicy
 
 class ConfigError(Exception):
     def __init__(self, problems: list[str]):
+        # One line each, whatever the file held (a quoted key or a name may carry a newline).
+        problems = [_one_line(p) for p in problems]
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+class ConfigReadError(ConfigError):
+    """The file could not be read as TOML at all: one problem, nothing else was checked."""
+
+
+def _one_line(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,8 @@ class Config:
     socket_group: str = ""  # group owning the socket (mode 0660), so its members can connect
     sync_timeout: float = 300.0  # a push or reload not verified by then poisons the engine
     warmup: WarmupPolicy = WarmupPolicy()  # sent to each new incarnation before it is RUNNING
+    # What is accepted but probably not meant: printed by --check-config, logged at start.
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def socket_path(self) -> str:
@@ -162,6 +174,10 @@ def _check_table(where: str, table: Any, schema: dict[str, type], problems: list
         if not good:
             problems.append(f"{where}.{key}: must be {_typename(want)}, got {value!r}")
             continue
+        if want in (int, float) and isinstance(value, int) and not -2**63 <= value < 2**63:
+            # TOML's integers are 64-bit; Python's are not, and float() of a longer one raises.
+            problems.append(f"{where}.{key}: {value} is out of range (TOML integers are 64-bit)")
+            continue
         ok[key] = float(value) if want is float else value
     return ok
 
@@ -186,14 +202,65 @@ def _env(where: str, value: Any, problems: list[str]) -> dict[str, str]:
     return dict(value)
 
 
+def _read_fd(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes of a regular file."""
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 20, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+# A config of a thousand engines is a few hundred KB; anything this large is not a config.
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed TOML, or ConfigReadError with one line that says what is wrong with the file."""
+    shown = os.fspath(path) or "''"
+
+    def fail(what: str) -> ConfigReadError:
+        return ConfigReadError([f"{shown}: {what}"])
+
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        # O_NONBLOCK: opening a FIFO with no writer must not hang --check-config.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise ConfigError([f"{path}: no such config file"]) from None
+        raise fail("no such config file; give --config the path of a TOML file "
+                   "(or set VIME_SUPERVISOR_CONFIG)") from None
+    except PermissionError as e:
+        raise fail(f"cannot be read ({e.strerror}); the daemon's user needs read access to it") from None
+    except OSError as e:
+        raise fail(f"cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise fail("is a directory, not a config file; give the path of the TOML file")
+        if not stat.S_ISREG(st.st_mode):
+            raise fail("is not a regular file (a FIFO, socket or device); give the path of a TOML file")
+        try:
+            raw = _read_fd(fd, MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise fail(f"cannot be read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise fail(f"is over {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise fail(f"not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); "
+                   "TOML files are UTF-8: convert it (iconv -t UTF-8)") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError([f"{path}: not valid TOML: {e}"]) from None
+        raise fail(f"not valid TOML: {e}") from None
+    except RecursionError:  # arrays or tables nested thousands deep
+        raise fail("not valid TOML: nested too deeply") from None
 
 
 def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_dir: str | None = None) -> Config:
@@ -210,6 +277,10 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     for section, key, value in _apply_overrides(overrides or {}):
         {"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm}[section][key] = value
 
+    # NaN passes every `<= 0` test and inf never fires: refused first, and each rule below
+    # judges only finite values, so a non-finite one is reported once.
+    _check_finite({"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm}, problems)
+    warnings: list[str] = []
     # A paused engine is excused for as long as a weight push may take.
     probe = ProbePolicy(**health, max_paused=sup.get("sync_timeout", Config.sync_timeout))
     warmup = WarmupPolicy(**warm)
@@ -217,39 +288,25 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     for key, low, high in (("requests", 0, MAX_REQUESTS), ("max_tokens", 1, 4096), ("logprobs", 0, 20)):
         if not low <= getattr(warmup, key) <= high:
             problems.append(f"warmup.{key}: must be in {low}..{high}, got {getattr(warmup, key)}")
-    if warmup.temperature < 0:
+    if _finite(warmup.temperature) and warmup.temperature < 0:
         problems.append(f"warmup.temperature: must be >= 0, got {warmup.temperature:g}")
-    if math.isfinite(warmup.top_p) and not 0 < warmup.top_p <= 1:
+    if _finite(warmup.top_p) and not 0 < warmup.top_p <= 1:
         problems.append(f"warmup.top_p: must be in (0, 1], got {warmup.top_p:g}")
-    if probe.max_busy <= 0:  # not finite: said once, by _check_finite
+    if _finite(probe.max_busy) and probe.max_busy <= 0:
         problems.append(f"health_check.max_busy: must be a number of seconds > 0, got {probe.max_busy:g}")
     rpolicy = RestartPolicy(**restart)
-    for key in ("first_wait", "interval", "timeout"):
-        if getattr(probe, key) <= 0:
-            problems.append(f"health_check.{key}: must be > 0, got {getattr(probe, key):g}")
-    for key in ("failure_threshold", "success_threshold"):
-        if getattr(probe, key) < 1:
-            problems.append(f"health_check.{key}: must be >= 1, got {getattr(probe, key)}")
-    if probe.interval >= probe.timeout * probe.failure_threshold:
-        problems.append(
-            f"health_check: interval ({probe.interval:g}s) must be less than timeout x "
-            f"failure_threshold ({probe.timeout:g}s x {probe.failure_threshold}); otherwise a hang "
-            "can outlast a whole interval between probes. Lower interval or raise timeout."
-        )
-    if probe.timeout >= probe.first_wait:
-        problems.append(f"health_check: timeout ({probe.timeout:g}s) must be less than first_wait ({probe.first_wait:g}s)")
+    _check_probe(probe, problems, warnings)
     if rpolicy.start_retries < 1:
         problems.append(f"restart.start_retries: must be >= 1, got {rpolicy.start_retries}")
     if rpolicy.flapping_max_restarts < 1:
         problems.append(f"restart.flapping_max_restarts: must be >= 1, got {rpolicy.flapping_max_restarts}")
     for key in ("backoff_initial", "backoff_max", "flapping_window"):
-        if getattr(rpolicy, key) < 0:
+        if _finite(getattr(rpolicy, key)) and getattr(rpolicy, key) < 0:
             problems.append(f"restart.{key}: must be >= 0, got {getattr(rpolicy, key):g}")
-    if rpolicy.backoff_max < rpolicy.backoff_initial:
+    if _finite(rpolicy.backoff_max, rpolicy.backoff_initial) and rpolicy.backoff_max < rpolicy.backoff_initial:
         problems.append("restart.backoff_max: must be >= backoff_initial")
-    _check_finite({"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm}, problems)
     _check_startup(sup, problems)
-    if sup.get("stop_timeout", 1.0) <= 0:
+    if _finite(sup.get("stop_timeout", 1.0)) and sup.get("stop_timeout", 1.0) <= 0:
         problems.append(f"supervisor.stop_timeout: must be > 0, got {sup['stop_timeout']:g}")
     if sup.get("log_level", "info") not in _LOG_LEVELS:
         problems.append(f"supervisor.log_level: must be one of {', '.join(sorted(_LOG_LEVELS))}, got {sup['log_level']!r}")
@@ -278,8 +335,42 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         engine_env=engine_env,
         engine_args=engine_args,
         warmup=warmup,
+        warnings=tuple(_one_line(w) for w in warnings),
         **sup,
     )
+
+
+def _finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def _check_probe(probe: ProbePolicy, problems: list[str], warnings: list[str]) -> None:
+    """The heartbeat's timings. slime's own settings pass: first_wait = 0 (no grace period)
+    and one failed probe that stops the engine (failure_threshold 1, interval 10, timeout 5);
+    what they cost is a warning, not an error."""
+    for key in ("interval", "timeout"):
+        value = getattr(probe, key)
+        if _finite(value) and value <= 0:
+            problems.append(f"health_check.{key}: must be > 0, got {value:g}")
+    if _finite(probe.first_wait) and probe.first_wait < 0:
+        problems.append(f"health_check.first_wait: must be >= 0 (0: no startup deadline), got {probe.first_wait:g}")
+    for key in ("failure_threshold", "success_threshold"):
+        if getattr(probe, key) < 1:
+            problems.append(f"health_check.{key}: must be >= 1, got {getattr(probe, key)}")
+    if not _finite(probe.interval, probe.timeout, probe.first_wait) or probe.timeout <= 0 or probe.interval <= 0:
+        return
+    if probe.first_wait == 0:
+        warnings.append("health_check.first_wait = 0: no startup deadline, as slime's 0 (no grace period): "
+                        "an incarnation stays STARTING until it answers or exits, so one that hangs while "
+                        "booting is never stopped. Give the longest boot you expect (seconds) to bound it")
+    elif probe.timeout >= probe.first_wait:
+        problems.append(f"health_check: timeout ({probe.timeout:g}s) must be less than first_wait ({probe.first_wait:g}s)")
+    if probe.failure_threshold >= 1 and probe.interval >= probe.timeout * probe.failure_threshold:
+        bound = probe.interval + probe.failure_threshold * (probe.timeout + 0.5)
+        warnings.append(
+            f"health_check: interval ({probe.interval:g}s) is not less than timeout x failure_threshold "
+            f"({probe.timeout:g}s x {probe.failure_threshold}): the wait between heartbeats, not the probes, "
+            f"bounds detection; a hang is seen within {bound:g}s of when it begins. Lower interval to see it sooner")
 
 
 def _check_finite(sections: dict[str, dict[str, Any]], problems: list[str]) -> None:
@@ -288,7 +379,7 @@ def _check_finite(sections: dict[str, dict[str, Any]], problems: list[str]) -> N
     for name, table in sections.items():
         for key, value in table.items():
             if isinstance(value, float) and not math.isfinite(value):
-                problems.append(f"{name}.{key}: must be a finite number of seconds or a count, got {value}")
+                problems.append(f"{name}.{key}: must be a finite number, got {value}")
     sync_timeout = sections["supervisor"].get("sync_timeout", 1.0)
     if math.isfinite(sync_timeout) and sync_timeout <= 0:
         problems.append(f"supervisor.sync_timeout: must be > 0 seconds, got {sync_timeout:g}; a push "
@@ -366,6 +457,20 @@ def _check_dir(path: str, *, owner_only: bool) -> None:
                              f"they could replace the socket. chmod go-w {path}, or choose another runtime_dir")
 
 
+def _name_problem(name: str) -> str | None:
+    """Why `name` cannot be an engine's name, or None. Names become file names (logs, caches),
+    Prometheus label values and supervisorctl arguments: supervisord refuses ' ', ':' and '/'
+    in a program's name, and we keep to a narrower set ("../x" once escaped log_dir)."""
+    if _NAME.fullmatch(name):
+        return None
+    if len(name) > 64:
+        return f"it is {len(name)} characters long"
+    if name[0] in ".-":
+        return f"it starts with {name[0]!r}"
+    bad = next(c for c in name if not (c.isascii() and (c.isalnum() or c in "._-")))
+    return f"{bad!r} is not allowed"
+
+
 def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[EngineSpec]:
     if not isinstance(raw, list) or not raw:
         problems.append("engines: at least one [[engines]] table is needed")
@@ -380,11 +485,11 @@ def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[Engine
         if not name:
             problems.append(f"{where}: needs a name")
             continue
-        where = f"engines[{i}] ({name})"
-        if not _NAME.fullmatch(name):
-            # A name becomes file names (logs, caches) and label values: "../x" escaped log_dir.
+        bad_name = _name_problem(name)
+        where = f"engines[{i}] ({name!r})" if bad_name else f"engines[{i}] ({name})"
+        if bad_name:
             problems.append(f"{where}.name: use letters, digits, '.', '_' and '-' (64 at most, not "
-                            f"starting with '.' or '-'), got {name!r}")
+                            f"starting with '.' or '-'); {bad_name}, got {name!r}")
         if name in names:
             problems.append(f"{where}: duplicate name (also engines[{names[name]}])")
         names[name] = i

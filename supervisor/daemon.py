@@ -24,7 +24,7 @@ import uvloop
 from . import config as config_mod
 from . import logs
 from . import journal as journal_mod
-from .config import Config, ConfigError
+from .config import Config, ConfigError, ConfigReadError
 from .control import ControlServer
 from .engine import EngineRunner
 from .events import EventBus
@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = config_mod.load(args.config, args)
+    except ConfigReadError as e:  # no file to judge: its one line says why
+        print(f"vime-supervisor: config error: {e.problems[0]}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         for problem in e.problems:
             print(f"vime-supervisor: config error: {problem}", file=sys.stderr)
@@ -329,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.check_config:
+        for warning in cfg.warnings:
+            print(f"vime-supervisor: config warning: {warning}", file=sys.stderr)
         print(f"{args.config}: ok, {len(cfg.engines)} engine(s)")
         return 0
     try:
@@ -337,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vime-supervisor: {e}", file=sys.stderr)
         return 1
     logs.configure(cfg.log_level)
+    for warning in cfg.warnings:
+        log.warning("config.warning", config=args.config, warning=warning)
     try:
         uvloop.run(Supervisor(cfg).run())
     finally:

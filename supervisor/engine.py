@@ -315,7 +315,7 @@ class EngineRunner:
         exited = asyncio.ensure_future(proc.wait())
         ready = asyncio.ensure_future(self._wait_ready_and_warm() if not proc.adopted else self._wait_ready())
         try:
-            done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait,
+            done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait or None,  # 0: none
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             ready.cancel()
@@ -665,7 +665,7 @@ class EngineRunner:
         self.first_start_begun = True
         self._poke()
         try:
-            await asyncio.wait_for(self._wait_ready(), probe.first_wait)
+            await asyncio.wait_for(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
             hold = None if self._adopted_routable else self.policy.hold_reason()
             fsm.became_ready(await self.prober.weight_version(), self.policy.current_version, hold=hold)
         except asyncio.TimeoutError:
