@@ -13,6 +13,7 @@ import json
 import pytest
 
 from vime.harness.soak import SHORT, run_soak
+from vime.harness.timeline import load_run, png_size
 
 pytestmark = [pytest.mark.engine, pytest.mark.soak]
 
@@ -33,3 +34,8 @@ def test_soak_short_form(tiny_model, tmp_path):
     # The clean and the corrupt-journal restart each happened, and left no old engine behind.
     restarts = [x for x in saved["faults"] if x["kind"] == "daemon" and "then start" in x["note"]]
     assert len(restarts) == 2 and all(x["confirmed"] for x in restarts), restarts
+    # The picture of the run (harness/timeline.py), drawn from what it recorded: a valid PNG with
+    # every fault placed on it.
+    w, h = png_size(tmp_path / "soak" / "timeline.png")
+    assert w >= 600 and h >= 150 and (tmp_path / "soak" / "timeline.png").stat().st_size > 10_000
+    assert len(load_run(tmp_path / "soak").faults) == len(SHORT)
