@@ -11,10 +11,12 @@ import asyncio
 import grp
 import json
 import os
+import re
 import socket
 import stat
 import struct
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import structlog
@@ -23,8 +25,10 @@ from aiohttp import web
 from .fleet import BadRequest, Conflict, Fleet, check_version
 from .protocol import (
     API,
+    DAEMON_LOG_PATH,
     ENGINE_ACTION_PATTERN,
     ENGINE_LOG_PATTERN,
+    ENGINE_SIGNAL_PATTERN,
     ENGINE_SYNC_PATTERN,
     EVENTS_PATH,
     FAILURES,
@@ -36,6 +40,7 @@ from .protocol import (
     ROLE_PARAM,
     ROUTABLE_PATH,
     ROUTES,
+    SIGNAL_FIELD,
     STATUS_PATH,
     WEIGHTS_PATH,
     Action,
@@ -44,6 +49,7 @@ from .protocol import (
     Role,
     RoundPhase,
     SyncPhase,
+    parse_signal,
 )
 from .process import read_tail
 from .status import fleet_status, routable_view
@@ -75,13 +81,59 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
 
 
-def peer_uid(request: web.Request) -> int | None:
+def peer_credentials(request: web.Request) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of the peer process, from SO_PEERCRED (as of its connect)."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
     if sock is None or sock.family != socket.AF_UNIX:
         return None
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
+
+
+def peer_uid(request: web.Request) -> int | None:
+    creds = peer_credentials(request)
+    return None if creds is None else creds[1]
+
+
+def _own_unit() -> str | None:
+    """The systemd unit this process runs in ("vime-supervisor.service"), from its cgroup."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                m = re.search(r"/([^/]+\.service)$", line.strip())
+                if m:
+                    return m.group(1)
+    except OSError:
+        pass
+    return None
+
+
+def daemon_log_file() -> tuple[str | None, str]:
+    """(the file our stderr, where the JSON log goes, is, or None; why not, when None)."""
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return None, "the daemon has no stderr"
+    if stat.S_ISREG(st.st_mode):
+        try:
+            return os.readlink("/proc/self/fd/2"), ""
+        except OSError:
+            return "/proc/self/fd/2", ""
+    # systemd sets JOURNAL_STREAM=<dev>:<inode> when it connects stderr to the journal.
+    if os.environ.get("JOURNAL_STREAM") == f"{st.st_dev}:{st.st_ino}":
+        unit = _own_unit() or "vime-supervisor"
+        return None, f"the daemon logs to the systemd journal, not to a file; read it with: journalctl -u {unit}"
+    if stat.S_ISFIFO(st.st_mode):
+        kind = "a pipe"
+    elif os.isatty(2):
+        kind = "a terminal"
+    elif stat.S_ISSOCK(st.st_mode):
+        kind = "a socket"
+    else:
+        kind = "not a regular file"
+    return None, (f"the daemon writes its log to stderr, which is {kind}, not a file; read it where that goes "
+                  f"(under systemd: journalctl -u vime-supervisor), or start the daemon with 2>>FILE")
 
 
 class ControlServer:
@@ -275,8 +327,10 @@ class ControlServer:
             ("POST", API + "/rounds/{n}/" + RoundPhase.END): self.round_end,
             ("POST", WEIGHTS_PATH): self.publish_weights,
             ("POST", ENGINE_SYNC_PATTERN): self.engine_sync,
+            ("POST", ENGINE_SIGNAL_PATTERN): self.engine_signal,
             ("POST", ENGINE_ACTION_PATTERN): self.engine_action,
             ("GET", ENGINE_LOG_PATTERN): self.engine_log,
+            ("GET", DAEMON_LOG_PATH): self.daemon_log,
             ("GET", EVENTS_PATH): self.events,
             ("GET", METRICS_PATH): self.metrics,
             ("GET", INCIDENTS_PATH): self.incidents,
@@ -326,7 +380,34 @@ class ControlServer:
         await self._body(request, {})
         message = await self.fleet.engine_action(runner, action)
         return web.json_response({"engine": runner.name, "action": action, "state": runner.fsm.state.value,
-                                  "message": message})
+                                  "message": message, "incarnation": runner.fsm.incarnation})
+
+    async def engine_signal(self, request: web.Request) -> web.Response:
+        """A signal to a spawned engine's server process (its pid, as supervisord's signal
+        does; not the group). What follows is the supervision's: a TERM ends it, and it is
+        restarted as after any exit. Who sent it is logged."""
+        runner = self._engine(request)
+        body = await self._body(request, {SIGNAL_FIELD: (str, int)}, {SIGNAL_FIELD})
+        try:
+            sig = parse_signal(body[SIGNAL_FIELD])
+        except ValueError as e:
+            raise ApiError(400, ErrorCode.BAD_SIGNAL, str(e)) from None
+        if not runner.spec.spawned:
+            raise Conflict(f"{runner.name} is attached ({runner.spec.base_url}): the daemon did not start it and "
+                           f"cannot signal it; signal it on the host that runs it")
+        pid, state = runner.pid, runner.fsm.state.value
+        if pid is None:
+            raise ApiError(409, ErrorCode.NOT_RUNNING, f"{runner.name} is not running ({state}): no process to signal")
+        creds = peer_credentials(request)
+        caller_pid, caller_uid = (creds[0], creds[1]) if creds else (None, None)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:  # it exited a moment ago: its exit is being handled
+            raise ApiError(409, ErrorCode.NOT_RUNNING, f"{runner.name} is not running (pid {pid} exited just now)") from None
+        log.info("control.signal", engine=runner.name, signal=sig.name, pid=pid, state=state,
+                 incarnation=runner.fsm.incarnation, caller_uid=caller_uid, caller_pid=caller_pid)
+        return web.json_response({"engine": runner.name, "signal": sig.name, "pid": pid, "state": state,
+                                  "message": "signalled"})
 
     async def engine_sync(self, request: web.Request) -> web.Response:
         """The trainer agent's push into one STALE engine: begin, push, end (ok or not)."""
@@ -343,18 +424,33 @@ class ControlServer:
             return web.json_response(await self.fleet.sync.end(runner, body["version"], body["ok"], body.get("error")))
         raise ApiError(404, ErrorCode.UNKNOWN_ACTION, f"no sync phase {phase!r}; use {' or '.join(SyncPhase)}")
 
-    async def engine_log(self, request: web.Request) -> web.Response:
-        runner = self._engine(request)
+    @staticmethod
+    def _log_bytes(request: web.Request) -> int:
         try:
             nbytes = min(int(request.query.get(LOG_BYTES_PARAM, "16384")), 1 << 20)
         except ValueError:
             raise ApiError(400, ErrorCode.BAD_REQUEST, f"{LOG_BYTES_PARAM} must be an integer") from None
         if nbytes < 0:
             raise ApiError(400, ErrorCode.BAD_REQUEST, f"{LOG_BYTES_PARAM} must be >= 0, got {nbytes}")
+        return nbytes
+
+    async def engine_log(self, request: web.Request) -> web.Response:
+        runner = self._engine(request)
+        nbytes = self._log_bytes(request)
         if runner.log_path is None:
             raise ApiError(409, ErrorCode.NO_LOG, f"{runner.name} has no log yet (attached engines have none)")
         return web.Response(text=read_tail(runner.log_path, nbytes),
                             headers={LOG_PATH_HEADER: str(runner.log_path)})
+
+    async def daemon_log(self, request: web.Request) -> web.Response:
+        """The end of the daemon's own log, when its stderr is a file (409 no_log says where
+        it goes otherwise: the journal's command, or what stderr is)."""
+        nbytes = self._log_bytes(request)
+        path, why = daemon_log_file()
+        if path is None:
+            raise ApiError(409, ErrorCode.NO_LOG, why)
+        # /proc/self/fd/2 opens the very file stderr writes to, even if it was renamed or removed.
+        return web.Response(text=read_tail(Path("/proc/self/fd/2"), nbytes), headers={LOG_PATH_HEADER: path})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """One JSON object per line, until the client goes away or the daemon stops. A

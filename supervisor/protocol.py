@@ -13,6 +13,7 @@ Cause are re-exported here), so any side may import it.
 from __future__ import annotations
 
 import os
+import signal as _signal
 from enum import StrEnum
 from typing import Literal, NotRequired, TypedDict, Union
 from urllib.parse import quote, urlencode
@@ -24,16 +25,17 @@ __all__ = [
     "API", "DEFAULT_SOCKET", "ENV_SOCKET", "default_socket_path",
     # routes
     "STATUS_PATH", "ROUTABLE_PATH", "WEIGHTS_PATH", "EVENTS_PATH", "METRICS_PATH", "INCIDENTS_PATH",
-    "ROUND_PATTERN", "ENGINE_ACTION_PATTERN", "ENGINE_SYNC_PATTERN", "ENGINE_LOG_PATTERN", "ROUTES",
-    "round_path", "engine_path", "engine_sync_path", "engine_log_path", "events_path",
-    "FAILURES", "LOG_PATH_HEADER", "LOG_BYTES_PARAM", "ROLE_PARAM", "NDJSON",
+    "DAEMON_LOG_PATH", "ROUND_PATTERN", "ENGINE_ACTION_PATTERN", "ENGINE_SYNC_PATTERN", "ENGINE_LOG_PATTERN",
+    "ENGINE_SIGNAL_PATTERN", "ROUTES", "round_path", "engine_path", "engine_sync_path", "engine_log_path",
+    "engine_signal_path", "daemon_log_path", "events_path", "parse_signal",
+    "FAILURES", "LOG_PATH_HEADER", "LOG_BYTES_PARAM", "ROLE_PARAM", "SIGNAL_FIELD", "NDJSON",
     # names
     "Action", "ENGINE_ACTIONS", "RoundPhase", "SyncPhase", "Role", "ErrorCode", "Event",
     "State", "Cause", "ROUTABLE", "PROBED", "RUNNING_STATES", "PROCESS_STATES", "TRANSITIONS",
     # payloads
     "ErrorBody", "ErrorAnswer", "ProbeInfo", "EngineStatus", "DaemonInfo", "FleetStatus",
     "RoutableEngine", "Routable", "RoundResult", "WeightsResult", "ActionResult", "FailureResult",
-    "SyncBeginResult", "SyncEndResult", "Incident", "IncidentList",
+    "SignalResult", "SyncBeginResult", "SyncEndResult", "Incident", "IncidentList",
     "HelloEvent", "KeepaliveEvent", "OverflowEvent", "ReconnectedEvent", "TransitionEvent",
     "DetectionEvent", "MembershipEvent", "FloorEvent", "RoundEvent", "WeightsPublishedEvent",
     "FailureReportedEvent", "RetiredEvent", "SyncRequestEvent", "SyncVerifiedEvent", "SyncFailedEvent",
@@ -94,6 +96,7 @@ class ErrorCode(StrEnum):
     BAD_REQUEST = "bad_request"  # 400: a field or parameter is wrong
     BAD_BODY = "bad_body"  # 400: the body could not be read (Content-Encoding)
     BAD_JSON = "bad_json"  # 400: the body is not JSON
+    BAD_SIGNAL = "bad_signal"  # 400: no such signal (name or number)
     CLIENT_GONE = "client_gone"  # 400: never sent, the client went away mid-request
     FORBIDDEN = "forbidden"  # 403: the peer's uid is not allowed
     UNKNOWN_ENGINE = "unknown_engine"  # 404: no engine of that name
@@ -101,7 +104,8 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"  # 404: no such route
     METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
     CONFLICT = "conflict"  # 409: contradicts the daemon's state (stale round/version, refused action)
-    NO_LOG = "no_log"  # 409: the engine has no log (attached, or between incarnations)
+    NO_LOG = "no_log"  # 409: the engine has no log (attached), or the daemon's stderr is no file
+    NOT_RUNNING = "not_running"  # 409: a signal for a spawned engine with no process now
     REQUEST_ENTITY_TOO_LARGE = "request_entity_too_large"  # 413
     TOO_MANY_STREAMS = "too_many_streams"  # 429: event-stream readers at their cap
     INTERNAL = "internal"  # 500: a bug in the daemon
@@ -140,11 +144,13 @@ WEIGHTS_PATH = f"{API}/weights"
 EVENTS_PATH = f"{API}/events"
 METRICS_PATH = f"{API}/metrics"
 INCIDENTS_PATH = f"{API}/incidents"
+DAEMON_LOG_PATH = f"{API}/log"  # the daemon's own log, when its stderr is a file
 # Route patterns with {placeholders}, as the daemon registers them (aiohttp's syntax).
 ROUND_PATTERN = API + "/rounds/{n}/{phase}"
 ENGINE_SYNC_PATTERN = API + "/engines/{name}/sync/{phase}"
 ENGINE_ACTION_PATTERN = API + "/engines/{name}/{action}"  # an Action, or FAILURES
 ENGINE_LOG_PATTERN = API + "/engines/{name}/log"
+ENGINE_SIGNAL_PATTERN = API + "/engines/{name}/signal"  # registered before {action}, which it would match
 
 # (method, pattern) of every route the daemon serves.
 ROUTES: tuple[tuple[str, str], ...] = (
@@ -154,15 +160,18 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", API + "/rounds/{n}/" + RoundPhase.END),
     ("POST", WEIGHTS_PATH),
     ("POST", ENGINE_SYNC_PATTERN),
+    ("POST", ENGINE_SIGNAL_PATTERN),
     ("POST", ENGINE_ACTION_PATTERN),
     ("GET", ENGINE_LOG_PATTERN),
+    ("GET", DAEMON_LOG_PATH),
     ("GET", EVENTS_PATH),
     ("GET", METRICS_PATH),
     ("GET", INCIDENTS_PATH),
 )
 
 LOG_PATH_HEADER = "X-Log-Path"  # on the log route's answer: the log file on the daemon's host
-LOG_BYTES_PARAM = "bytes"  # the log route's query parameter: how much of the end
+LOG_BYTES_PARAM = "bytes"  # the log routes' query parameter: how much of the end
+SIGNAL_FIELD = "signal"  # the signal route's body field: a name ("HUP", "SIGHUP") or a number
 ROLE_PARAM = "role"  # the events route's query parameter (a Role)
 NDJSON = "application/x-ndjson"
 
@@ -185,6 +194,28 @@ def engine_sync_path(name: str, phase: SyncPhase | str) -> str:
 def engine_log_path(name: str, nbytes: int | None = None) -> str:
     path = f"{API}/engines/{quote(name, safe='')}/log"
     return path if nbytes is None else f"{path}?{urlencode({LOG_BYTES_PARAM: int(nbytes)})}"
+
+
+def engine_signal_path(name: str) -> str:
+    return f"{API}/engines/{quote(name, safe='')}/signal"
+
+
+def daemon_log_path(nbytes: int | None = None) -> str:
+    return DAEMON_LOG_PATH if nbytes is None else f"{DAEMON_LOG_PATH}?{urlencode({LOG_BYTES_PARAM: int(nbytes)})}"
+
+
+def parse_signal(value: str | int) -> _signal.Signals:
+    """A signal as the signal route takes it, by name ("HUP", "SIGHUP", "hup") or number (1,
+    "1"), like supervisord's signal_number. ValueError for anything else, 0 included."""
+    text = str(value).strip()
+    try:
+        if text.isascii() and text.isdigit():
+            return _signal.Signals(int(text))
+        name = text.upper()
+        return _signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    except (KeyError, ValueError):
+        raise ValueError(f"no such signal {text[:40]!r}; use a name (HUP, INT, QUIT, TERM, KILL, USR1, USR2, "
+                         f"CONT, STOP, ...) or its number") from None
 
 
 def events_path(role: Role | str = Role.OBSERVER) -> str:
@@ -234,11 +265,13 @@ class EngineStatus(TypedDict):
     late_probes: int
     retired: bool
     state_age: float
+    first_wait: float  # seconds a start may take before it counts as failed
 
 
 class DaemonInfo(TypedDict):
     pid: int
     uptime: float
+    version: str  # vime-supervisor's package version
 
 
 class FleetStatus(TypedDict):
@@ -291,6 +324,17 @@ class ActionResult(TypedDict):
     engine: str
     action: str  # an Action
     state: str  # a State
+    message: str
+    incarnation: int  # after the action (a start that waits for a clean-up begins the next one)
+
+
+class SignalResult(TypedDict):
+    """POST ENGINE_SIGNAL_PATTERN: the signal went to the engine's server process."""
+
+    engine: str
+    signal: str  # its name, e.g. "SIGHUP"
+    pid: int
+    state: str  # a State, when it was sent
     message: str
 
 

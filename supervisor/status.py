@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import time
+from importlib import metadata
 
 from .engine import EngineRunner
 from .fleet import Fleet
 from .protocol import EngineStatus, FleetStatus, Routable, RoutableEngine
+
+
+def _version() -> str:
+    try:
+        return metadata.version("vime-supervisor")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+VERSION = _version()
 
 
 def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
@@ -37,6 +48,7 @@ def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
         "late_probes": runner.late_probes,
         "retired": runner.retired,
         "state_age": round(fleet.clock() - fsm.since, 1),
+        "first_wait": runner.cfg.probe.first_wait,
     }
 
 
@@ -53,7 +65,7 @@ def fleet_status(fleet: Fleet) -> FleetStatus:
         "min_healthy": fleet.cfg.min_healthy,
         "below_min_healthy": fleet.below_floor,
         "fault_tolerance": fleet.cfg.use_fault_tolerance,
-        "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1)},
+        "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1), "version": VERSION},
     }
 
 

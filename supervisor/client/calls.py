@@ -31,6 +31,7 @@ from vime.supervisor.protocol import (
     INCIDENTS_PATH,
     METRICS_PATH,
     ROUTABLE_PATH,
+    SIGNAL_FIELD,
     STATUS_PATH,
     WEIGHTS_PATH,
     Action,
@@ -42,12 +43,15 @@ from vime.supervisor.protocol import (
     RoundPhase,
     RoundResult,
     Routable,
+    SignalResult,
     SyncBeginResult,
     SyncEndResult,
     SyncPhase,
     WeightsResult,
+    daemon_log_path,
     engine_log_path,
     engine_path,
+    engine_signal_path,
     engine_sync_path,
     events_path,
     round_path,
@@ -252,6 +256,15 @@ class Verbs:
         return _action(name, Action.RETIRE)
 
     @Verb
+    def signal(name: str, sig: str | int) -> Call[SignalResult]:  # type: ignore[misc]
+        """Send a signal to a spawned engine's server process: a name ("HUP", "SIGHUP") or a
+        number. What follows is the daemon's supervision (a TERM ends the engine and it is
+        restarted). BadRequest (code bad_signal) for an unknown signal; ConflictError for an
+        attached engine, or one with no process now (code not_running). Not repeated after a
+        dropped connection (the engine would get it twice)."""
+        return _post(engine_signal_path(name), {SIGNAL_FIELD: sig}, idempotent=False)
+
+    @Verb
     def report_failure(name: str, detail: str, *, poisoned: bool = False,  # type: ignore[misc]
                        incarnation: int | None = None) -> Call[FailureResult]:
         """A request to this engine failed: counts like a failed probe. poisoned=True: a weight
@@ -286,6 +299,13 @@ class Verbs:
         """The last `nbytes` of the engine's current log (ConflictError for attached engines,
         which have none)."""
         return _get(engine_log_path(name, nbytes), _log_tail)
+
+    @Verb
+    def daemon_log(nbytes: int = 1600) -> Call[LogTail]:  # type: ignore[misc]
+        """The last `nbytes` of the daemon's own log, when its stderr is a file (`.path` names
+        it). ConflictError (code no_log) otherwise: its message says where the log goes (the
+        systemd journal's command)."""
+        return _get(daemon_log_path(nbytes), _log_tail)
 
     @Verb
     def metrics() -> Call[str]:  # type: ignore[misc]

@@ -47,15 +47,17 @@ SAMPLE_ARGS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "stop": (("engine-0",), {}),
     "start": (("engine-0",), {}),
     "retire": (("engine-0",), {}),
+    "signal": (("engine-0", "HUP"), {}),
     "report_failure": (("engine-0", "timed out"), {"poisoned": True, "incarnation": 3}),
     "sync_begin": (("engine-0", 8), {}),
     "sync_end": (("engine-0", 8, False, "push failed"), {}),
     "engine_log": (("engine-0", 512), {}),
+    "daemon_log": ((512,), {}),
     "metrics": ((), {}),
     "incidents": ((), {}),
 }
 # Verbs a dropped connection must not repeat (a repeat restarts twice or counts twice).
-NOT_IDEMPOTENT = {"restart", "report_failure", "sync_begin", "sync_end"}
+NOT_IDEMPOTENT = {"restart", "signal", "report_failure", "sync_begin", "sync_end"}
 # What each transport has beyond the table: a block, a stream, and ending the streams.
 BLOCKING_EXTRA = {"round", "events", "close"}
 ASYNC_EXTRA = {"round", "events", "aclose"}
@@ -128,6 +130,7 @@ def test_bodies():
     assert VERBS["report_failure"]("e", "x").body == {"detail": "x"}
     assert build("sync_begin").body == {"version": 8}
     assert build("sync_end").body == {"version": 8, "ok": False, "error": "push failed"}
+    assert build("signal").body == {"signal": "HUP"} and VERBS["signal"]("e", 15).body == {"signal": 15}
 
 
 def test_event_stream_roles():
