@@ -10,7 +10,7 @@ The first rule that applies decides:
    -p/--password, -i/--interactive, -r/--history_file, -?, or -s/--serverurl with a URL
    (unix:///..., http://...): supervisord's. Ours has -s/--socket PATH, a plain path.
 4. An option of ours (-s PATH, --socket, --connect-timeout, --timeout) or -h/--help: ours.
-5. An action ours does not have (reread, update, avail, pid, shutdown, help, ...) while a
+5. An action ours does not have (reread, update, add, remove, reload, shutdown, clear, fg, help, ...) while a
    supervisord config file exists where supervisord's supervisorctl looks for one: supervisord's.
 6. Our control socket is there (-s PATH, else $VIME_SUPERVISOR_SOCKET, else
    /run/vime-supervisor/supervisor.sock exists; a restarting or crashed daemon's socket counts, so
@@ -56,7 +56,8 @@ _SD_LONG = {"help": False, "configuration": True, "interactive": False, "serveru
 _OUR_SHORT_VALUE = {"s"}
 _OUR_LONG = {"help": False, "socket": True, "connect-timeout": True, "timeout": True}
 # Our actions, if vime.supervisor.ctl cannot list them.
-_OUR_ACTIONS = frozenset({"status", "restart", "stop", "start", "retire", "tail", "incidents"})
+_OUR_ACTIONS = frozenset({"status", "restart", "stop", "start", "retire", "signal", "pid", "tail", "maintail",
+                          "avail", "version", "incidents"})
 
 HANDOVER_NOTE = ("supervisord's invocations (-c FILE, -s URL, -u, -p, -i, its own actions, or no vime socket "
                  f"beside a supervisord.conf) go to supervisord's supervisorctl; {ENV_CHOICE}=vime|supervisord "

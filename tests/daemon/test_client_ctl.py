@@ -538,7 +538,8 @@ async def test_engine_errors_async(aclient):
 def test_spawned_engine_stop_start_log_sync(fleet, client):
     before = engines_by_name(client.status())["spawned"]
     r = client.stop("spawned")
-    assert r == {"engine": "spawned", "action": "stop", "state": "STOPPED", "message": "stopped"}
+    assert r == {"engine": "spawned", "action": "stop", "state": "STOPPED", "message": "stopped",
+                 "incarnation": before["incarnation"]}
     assert client.stop("spawned")["message"] == "already STOPPED"  # a repeat is harmless
     e = engines_by_name(client.status())["spawned"]
     assert e["state"] == "STOPPED" and e["pid"] is None and e["reason"] == "stopped by request"
@@ -938,7 +939,7 @@ def test_ctl_status_not_running_exit_3(fleet):
 def test_ctl_status_unknown_name_exit_4(fleet):
     p = ctl("status", "live", "bogus", sock=fleet.sock)
     assert p.returncode == 4
-    assert "bogus: ERROR (no such engine)" in p.stderr.splitlines()
+    assert "bogus: ERROR (no such process)" in p.stderr.splitlines()  # supervisord's words
     assert "known engines: live, dead, spawned" in p.stderr
     assert parse_line(p.stdout.splitlines()[0])[0] == "live"
 
@@ -977,18 +978,18 @@ def test_ctl_actions(fleet, client):
     p = ctl("stop", "live", sock=fleet.sock)
     assert p.returncode == 1
     assert p.stderr.startswith("live: ERROR (live is attached (http://127.0.0.1:")
-    p = ctl("restart", "bogus", sock=fleet.sock)
-    assert p.returncode == 4 and "bogus: ERROR (no such engine)" in p.stderr
+    p = ctl("restart", "bogus", sock=fleet.sock)  # supervisord: an action's unknown name exits 1
+    assert p.returncode == 1 and "bogus: ERROR (no such process)" in p.stderr
     p = ctl("stop", "spawned", sock=fleet.sock)
     assert (p.returncode, p.stdout) == (0, "spawned: stopped\n"), p.stderr
     p = ctl("status", "spawned", sock=fleet.sock)
     assert p.returncode == 3 and p.stdout == "%-33s%-10s%s\n" % ("spawned", "STOPPED", "stopped by request")
-    p = ctl("stop", "spawned", "bogus", sock=fleet.sock)  # each name answered; unknown wins the exit code
-    assert p.returncode == 4 and p.stdout == "spawned: already STOPPED\n"
-    p = ctl("start", "spawned", sock=fleet.sock)
+    p = ctl("stop", "spawned", "bogus", sock=fleet.sock)  # each name answered; the unknown one fails it
+    assert p.returncode == 1 and p.stdout == "spawned: already STOPPED\n"
+    p = ctl("start", "--no-wait", "spawned", sock=fleet.sock)
     assert p.returncode == 0 and re.fullmatch(r"spawned: starting \(incarnation \d+\)\n", p.stdout)
     wait_state(client, "spawned", {"RUNNING"})
-    p = ctl("start", "spawned", sock=fleet.sock)
+    p = ctl("start", "--no-wait", "spawned", sock=fleet.sock)
     assert (p.returncode, p.stdout) == (0, "spawned: already RUNNING\n")
 
 
@@ -1001,7 +1002,7 @@ def test_ctl_tail(fleet, client):
     p = ctl("tail", "live", sock=fleet.sock)
     assert p.returncode == 1 and "live: ERROR (live has no log yet (attached engines have none))" in p.stderr
     p = ctl("tail", "bogus", sock=fleet.sock)
-    assert p.returncode == 4 and "bogus: ERROR (no such engine)" in p.stderr
+    assert p.returncode == 1 and "bogus: ERROR (no such process)" in p.stderr
 
 
 def test_ctl_tail_follow(fleet, client):

@@ -116,9 +116,17 @@ def test_our_socket_decides_an_ambiguous_invocation(spots):
 
 
 def test_supervisords_own_actions_go_to_it_when_it_has_a_config(spots):
-    for action in ("reread", "update", "avail", "pid", "shutdown", "help", "maintail", "version"):
+    for action in ("reread", "update", "add", "remove", "reload", "shutdown", "clear", "fg", "help"):
         assert who([action], sock=spots.sock, conf=spots.conf) == SD, action
         assert who([action], sock=spots.sock, conf=spots.missing) == VIME, action
+
+
+def test_actions_both_have_follow_our_socket(spots):
+    """avail, pid, signal, maintail and version are ours too: our socket decides, as for status."""
+    assert dispatch.our_actions() >= {"avail", "pid", "signal", "maintail", "version"} | dispatch._OUR_ACTIONS
+    for action in ("avail", "pid", "signal", "maintail", "version"):
+        assert who([action], sock=spots.sock, conf=spots.conf) == VIME, action
+        assert who([action], sock=spots.nosock, conf=spots.conf) == SD, action
 
 
 def test_the_override_wins_and_a_bad_value_is_refused(spots):
@@ -299,8 +307,13 @@ def test_supervisord_invocations_are_handed_over(supervisord, vime):
     r = _same_as_supervisords(["-s", f"unix://{supervisord.sock}", "status"], env=vime.env)
     assert r.returncode == 0 and SD_RUNNING_X.search(r.stdout)
     # an action only supervisord has, with its config where it looks (the current folder)
-    r = _same_as_supervisords(["pid", "x"], cwd=supervisord.root, env=vime.env)
+    r = _same_as_supervisords(["reread"], cwd=supervisord.root, env=vime.env)
+    assert r.returncode == 0 and "No config updates to processes" in r.stdout, r
+    # an action both have goes to supervisord's with -c; without, our socket makes it ours
+    r = _same_as_supervisords(["-c", supervisord.conf, "pid", "x"], env=vime.env)
     assert r.stdout.strip() == str(supervisord.child)
+    r = run(script("supervisorctl"), "pid", "alpha", cwd=supervisord.root, env=vime.env)
+    assert (r.returncode, r.stdout) == (1, "0\n") and "attached" in r.stderr, r
     # vime-supervisorctl never hands over
     r = run(script("vime-supervisorctl"), "-c", supervisord.conf, "status", env=vime.env)
     assert r.returncode == 2 and "x " not in r.stdout
