@@ -7,10 +7,13 @@ fixes a bad file in one pass. See systemd/vime-supervisor.example.toml for every
 from __future__ import annotations
 
 import argparse
+import errno
 import grp
+import ipaddress
 import math
 import os
 import re
+import socket
 import stat
 import tomllib
 from dataclasses import dataclass, field
@@ -59,7 +62,10 @@ class EngineSpec:
 
     @property
     def base_url(self) -> str:
-        return self.url.rstrip("/") if self.url else f"http://{self.host}:{self.port}"
+        if self.url:
+            return self.url.rstrip("/")
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        return f"http://{host}:{self.port}"
 
     @property
     def model_name(self) -> str:
@@ -87,12 +93,20 @@ class Config:
     socket_group: str = ""  # group owning the socket (mode 0660), so its members can connect
     sync_timeout: float = 300.0  # a push or reload not verified by then poisons the engine
     warmup: WarmupPolicy = WarmupPolicy()  # sent to each new incarnation before it is RUNNING
+    # The engines' API key (engine_defaults.api_key_file): spawned engines get it as VLLM_API_KEY
+    # in their environment, never on argv; the daemon sends it to every engine. Never printed.
+    api_key: str | None = field(default=None, repr=False)
     # What is accepted but probably not meant: printed by --check-config, logged at start.
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def socket_path(self) -> str:
         return os.path.join(self.runtime_dir, "supervisor.sock")
+
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        """Headers for every request of the daemon's to an engine."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 # Table -> {key: type}. Everything else in the file is an error.
@@ -134,7 +148,7 @@ _RESTART = {
     "flapping_window": float,
     "flapping_max_restarts": int,
 }
-_DEFAULTS = {"env": dict, "args": list}
+_DEFAULTS = {"env": dict, "args": list, "host": str, "api_key_file": str, "allow_wildcard_bind": bool}
 _ENGINE = {
     "name": str,
     "model": str,
@@ -193,6 +207,9 @@ def _forbidden_flags(where: str, args: tuple[str, ...], problems: list[str]) -> 
     for flag in ("--port", "--host", "--model"):
         if any(a == flag or a.startswith(flag + "=") for a in args):
             problems.append(f"{where}: do not pass {flag}; set the engine's own key instead")
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
+        problems.append(f"{where}: do not pass --api-key: any local user can read a command line "
+                        "(/proc/PID/cmdline); put the key in a file and set engine_defaults.api_key_file")
 
 
 def _env(where: str, value: Any, problems: list[str]) -> dict[str, str]:
@@ -318,7 +335,20 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     engine_env = _env("engine_defaults.env", defaults.get("env", {}), problems)
     engine_args = _strs("engine_defaults.args", defaults.get("args", []), problems)
     _forbidden_flags("engine_defaults.args", engine_args, problems)
-    engines = _engines(raw.get("engines", []), problems, base_dir)
+    wildcard_ok = defaults.get("allow_wildcard_bind", False)
+    hosts = _Hosts(wildcard_ok)
+    default_host = defaults.get("host", EngineSpec.host)
+    hosts.check("engine_defaults.host", default_host, problems)
+    api_key = None
+    if "api_key_file" in defaults:
+        api_key = _read_api_key(defaults["api_key_file"], base_dir, problems, warnings)
+    engines = _engines(raw.get("engines", []), problems, base_dir, default_host, hosts)
+    if "api_key_file" in defaults:
+        for where, env in [("engine_defaults.env", engine_env)] + [
+                (f"engines[{i}] ({e.name}).env", e.env) for i, e in enumerate(engines)]:
+            if "VLLM_API_KEY" in env:
+                problems.append(f"{where}: VLLM_API_KEY and engine_defaults.api_key_file both give the "
+                                "engines' key; keep one (the file: it stays out of the config)")
     min_healthy = sup.get("min_healthy", 1)
     if min_healthy < 0:
         problems.append(f"supervisor.min_healthy: must be >= 0, got {min_healthy}")
@@ -335,6 +365,7 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         engine_env=engine_env,
         engine_args=engine_args,
         warmup=warmup,
+        api_key=api_key,
         warnings=tuple(_one_line(w) for w in warnings),
         **sup,
     )
@@ -471,13 +502,15 @@ def _name_problem(name: str) -> str | None:
     return f"{bad!r} is not allowed"
 
 
-def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[EngineSpec]:
+def _engines(raw: Any, problems: list[str], base_dir: str | None, default_host: str = EngineSpec.host,
+             hosts: "_Hosts | None" = None) -> list[EngineSpec]:
     if not isinstance(raw, list) or not raw:
         problems.append("engines: at least one [[engines]] table is needed")
         return []
+    hosts = hosts or _Hosts(False)
     out: list[EngineSpec] = []
     names: dict[str, int] = {}
-    ports: dict[tuple[str, int], str] = {}
+    ports: dict[int, list[tuple[str, str]]] = {}  # port -> [(host, engine name)]
     for i, table in enumerate(raw):
         where = f"engines[{i}]"
         e = _check_table(where, table, _ENGINE, problems)
@@ -498,6 +531,9 @@ def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[Engine
                 problems.append(f"{where}: give either url (attach) or model and port (spawn), not both")
             _check_url(where, e["url"], problems)
         else:
+            host = e.setdefault("host", default_host)
+            if host != default_host:
+                hosts.check(f"{where}.host", host, problems)
             if "model" not in e:
                 problems.append(f"{where}: needs model (a directory) and port to spawn, or url to attach")
             else:
@@ -515,15 +551,117 @@ def _engines(raw: Any, problems: list[str], base_dir: str | None) -> list[Engine
             elif not 1 <= port <= 65535:
                 problems.append(f"{where}.port: must be 1..65535, got {port}")
             else:
-                key = (e.get("host", "127.0.0.1"), port)
-                if key in ports:
-                    problems.append(f"{where}.port: duplicate port {port} (also used by {ports[key]})")
-                ports[key] = name
+                # A wildcard bind takes the port on every address of the machine.
+                clash = next((other for h, other in ports.get(port, ())
+                              if h == host or hosts.wildcard(h) or hosts.wildcard(host)), None)
+                if clash is not None:
+                    problems.append(f"{where}.port: duplicate port {port} (also used by {clash})")
+                ports.setdefault(port, []).append((host, name))
         args = _strs(f"{where}.args", e.get("args", []), problems)
         _forbidden_flags(f"{where}.args", args, problems)
         env = _env(f"{where}.env", e.get("env", {}), problems)
         out.append(EngineSpec(**{**e, "args": args, "env": env}))
     return out
+
+
+class _Hosts:
+    """Where spawned engines may listen: an address of this machine, never every address
+    (0.0.0.0, ::) unless allow_wildcard_bind says the operator means it. vLLM's dev-mode routes
+    (/pause, the weight-transfer routes, /collective_rpc) take no API key."""
+
+    def __init__(self, allow_wildcard: bool):
+        self.allow_wildcard = allow_wildcard
+        self._checked: dict[str, str | None] = {}  # host -> its problem (the bind is tried once)
+
+    @staticmethod
+    def wildcard(host: str) -> bool:
+        if host == "*":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            pass
+        try:  # "0", "0.0", "0x0": the resolver reads these as 0.0.0.0 too
+            return socket.inet_aton(host) == b"\0\0\0\0"
+        except OSError:
+            return False
+
+    def check(self, where: str, host: str, problems: list[str]) -> None:
+        if host not in self._checked:
+            self._checked[host] = self._problem(host)
+        if self._checked[host]:
+            problems.append(f"{where}: {self._checked[host]}")
+
+    def _problem(self, host: str) -> str | None:
+        if not host or not host.isprintable() or any(c.isspace() for c in host):
+            return f"must be an address or host name of this machine, got {host!r}"
+        if self.wildcard(host):
+            if self.allow_wildcard:
+                return None
+            return (f"{host!r} listens on every address of this machine, and vLLM's dev-mode routes "
+                    "(/pause, weight transfer, /collective_rpc) take no API key: give this node's cluster "
+                    "address, or set engine_defaults.allow_wildcard_bind = true if you mean it (then "
+                    "firewall the engine ports)")
+        if host.startswith("["):
+            return f"give an IPv6 address without brackets, got {host!r}"
+        # What vLLM will do: bind (host, port). Here with port 0, so nothing is taken.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+        except socket.gaierror as e:
+            return f"cannot resolve {host!r} ({e.strerror})"
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                return (f"{host} is not an address of this machine, so an engine cannot listen on it; "
+                        "give one of its own (ip -brief address)")
+            return f"cannot listen on {host} ({e.strerror})"
+        return None
+
+
+# vLLM's Authorization: Bearer value; a header carries visible ASCII only.
+_KEY = re.compile(r"[\x21-\x7e]{1,4096}")
+
+
+def _read_api_key(path: str, base_dir: str | None, problems: list[str], warnings: list[str]) -> str | None:
+    """The engines' API key from engine_defaults.api_key_file. Its contents are never echoed."""
+    where = "engine_defaults.api_key_file"
+    if base_dir and not os.path.isabs(path):
+        path = os.path.join(base_dir, path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        problems.append(f"{where}: no such file: {path}; write the engines' API key into it (one line, "
+                        "mode 0600)")
+        return None
+    except OSError as e:
+        problems.append(f"{where}: {path} cannot be read ({e.strerror}); the daemon's user must be able "
+                        "to read it")
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{where}: {path} is not a regular file; write the key into a file")
+            return None
+        try:
+            raw = _read_fd(fd, 8192)
+        except OSError as e:
+            problems.append(f"{where}: {path} cannot be read ({e.strerror})")
+            return None
+    finally:
+        os.close(fd)
+    key = raw.strip()
+    if not key:
+        problems.append(f"{where}: {path} is empty; write the engines' API key into it")
+        return None
+    if not _KEY.fullmatch(key.decode("latin-1")):
+        problems.append(f"{where}: {path} must hold one line: the key, in printable ASCII without spaces, "
+                        "at most 4096 characters (it goes into an HTTP header)")
+        return None
+    if st.st_mode & 0o044:
+        warnings.append(f"{where}: {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                        f"chmod 600 {path}")
+    return key.decode("ascii")
 
 
 # --- command-line flags ------------------------------------------------------------------

@@ -81,7 +81,8 @@ class Supervisor:
         # One session for every probe. No total cap (the fleet can be large); per engine a few
         # connections: a heartbeat, the /metrics read beside it, a version check.
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=4)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        # The engines' API key on every request (vLLM 0.32 asks for it on /v1 only; harmless elsewhere).
+        async with aiohttp.ClientSession(connector=connector, headers=cfg.engine_headers) as session:
             n = len(cfg.engines)
             for i, spec in enumerate(cfg.engines):
                 # Spread probes over the interval instead of firing them all at once.

@@ -77,7 +77,8 @@ class EngineRunner:
         self._proc: EngineProcess | None = None
         self.prober = Prober(session, spec.base_url, spec.model_name, cfg.probe.timeout,
                              group=lambda: self.proc.pid if self.proc is not None else None,
-                             api_key=api_key(cfg.engine_args + spec.args, {**cfg.engine_env, **spec.env}))
+                             api_key=cfg.api_key or api_key(cfg.engine_args + spec.args,
+                                                                {**cfg.engine_env, **spec.env}))
         self.log_path: Path | None = None
         # This incarnation's heartbeats only (a post-mortem is about the process being stopped).
         self.probe_history: deque[tuple[float, ProbeOutcome]] = deque(maxlen=64)

@@ -100,7 +100,8 @@ class Prober:
         self.model = model
         self.timeout = timeout
         self.group = group  # the process group of a spawned engine's current incarnation
-        # vLLM's --api-key guards /v1 only: the deep probe (and the warm-up) must send it.
+        # vLLM's key guards /v1 only (0.32: /v1, /v2, /inference, /cohere): the deep probe and
+        # the warm-up need it; sent on the other reads too, where it is harmless.
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1, "temperature": 0}).encode()
         self._lean_target = _lean_target(base_url)
@@ -130,7 +131,8 @@ class Prober:
         t0 = time.monotonic()
         try:
             async with self.session.get(
-                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout or self.timeout)
+                f"{self.base_url}/health", headers=self.auth,
+                timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
             ) as r:
                 latency = time.monotonic() - t0
                 if r.status == 200:
@@ -189,7 +191,7 @@ class Prober:
         # and a hung EngineCore does not slow /metrics (the API server answers it).
         try:
             async with self.session.get(
-                f"{self.base_url}/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
+                f"{self.base_url}/metrics", headers=self.auth, timeout=aiohttp.ClientTimeout(total=2.0)
             ) as r:
                 raw = await read_bounded(r, MAX_METRICS) if r.status == 200 else None
             return None if raw is None else parse_progress(raw.decode("utf-8", "replace"))
@@ -220,7 +222,7 @@ class Prober:
     async def is_paused(self, timeout: float) -> bool:
         """vLLM's /is_paused (dev mode); False when it does not answer in time or at all."""
         try:
-            async with self.session.get(f"{self.base_url}/is_paused",
+            async with self.session.get(f"{self.base_url}/is_paused", headers=self.auth,
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 body = await r.json() if r.status == 200 else None
         except Exception:  # unknown is not paused: the probe is judged on the rest
@@ -242,7 +244,7 @@ class Prober:
         published versions are integers, so digits become an int."""
         try:
             async with self.session.get(
-                f"{self.base_url}/weight_info", timeout=aiohttp.ClientTimeout(total=self.timeout)
+                f"{self.base_url}/weight_info", headers=self.auth, timeout=aiohttp.ClientTimeout(total=self.timeout)
             ) as r:
                 if r.status != 200:
                     return None

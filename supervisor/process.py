@@ -47,8 +47,11 @@ def engine_fingerprint(spec: EngineSpec, cfg: Config) -> str:
     interpreter) and the environment the config sets. Recorded in the journal, so a daemon
     adopts only an engine it would have started itself. The daemon's own environment is left
     out: it changes between restarts (systemd's INVOCATION_ID, NOTIFY_SOCKET) without
-    changing the engine."""
+    changing the engine. The API key is in (hashed with the rest): an engine started with
+    another key would refuse our probes."""
     env = {"VLLM_SERVER_DEV_MODE": "1", **cfg.engine_env, **spec.env}
+    if cfg.api_key:
+        env["VLLM_API_KEY"] = cfg.api_key
     blob = json.dumps({"cmd": engine_command(spec, cfg), "env": env}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -75,14 +78,22 @@ def engine_cache_dir(spec: EngineSpec, cfg: Config) -> Path:
     return Path(cfg.state_dir) / "engine-cache" / spec.name / model
 
 
+# The daemon's own systemd handles: they name the daemon's notify socket and watchdog, not an
+# engine's (under NotifyAccess=all an engine's sd_notify would speak for the daemon). And
+# the daemon's VLLM_API_KEY, if set: the engines' key is the config's, the one the probes send.
+NOT_INHERITED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "VLLM_API_KEY")
+
+
 def engine_env(spec: EngineSpec, cfg: Config) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
     # /pause, /resume, /weight_info and the weight-transfer routes exist only in dev mode.
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")
     cache = engine_cache_dir(spec, cfg)
     env.update({var: str(cache / sub) for var, sub in CACHE_VARS.items()})  # the config may still say
     env.update(cfg.engine_env)
     env.update(spec.env)
+    if cfg.api_key:  # in the environment, never on argv: any local user reads /proc/PID/cmdline
+        env["VLLM_API_KEY"] = cfg.api_key
     return env
 
 

@@ -58,6 +58,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -353,13 +354,15 @@ class RolloutClient:
     follow_events: follow the daemon's event stream for membership changes.
     max_line_bytes: longest streamed line accepted (default 64 MiB); a longer one ends the
         request with RolloutResponseTooLarge.
+    api_key: the engines' API key (vLLM's --api-key / VLLM_API_KEY), sent as
+        `Authorization: Bearer KEY`; default $VIME_ENGINE_API_KEY, none when that is unset.
     """
 
     def __init__(self, supervisor: Any, *, max_attempts: int = 4, request_timeout: float = 300.0,
                  connect_timeout: float = 5.0, refresh_interval: float = 5.0, max_concurrency: int = 64,
                  backoff_initial: float = 0.05, backoff_max: float = 2.0, cooldown: float = 1.0,
                  model: str | None = None, follow_events: bool = True, return_token_ids: bool = True,
-                 max_line_bytes: int = MAX_LINE_BYTES):
+                 max_line_bytes: int = MAX_LINE_BYTES, api_key: str | None = None):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if max_line_bytes < 1:
@@ -377,6 +380,8 @@ class RolloutClient:
         self.model = model
         self.follow_events = follow_events
         self.return_token_ids = return_token_ids
+        key = api_key if api_key is not None else os.environ.get("VIME_ENGINE_API_KEY")
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
 
         self.stats = RolloutStats()
         self.engines: list[Engine] = []
@@ -655,7 +660,8 @@ class RolloutClient:
         try:
             try:
                 async with self._session.post(f"{engine.url}{path}", json=body,
-                                              headers={"X-Request-Id": f"{rid}-{len(attempts)}"}) as resp:
+                                              headers={"X-Request-Id": f"{rid}-{len(attempts)}",
+                                                       **self._auth}) as resp:
                     if resp.status != 200:
                         outcome = classify_status(resp.status)
                         message = _error_message(await resp.read())

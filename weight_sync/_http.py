@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import socket
 import threading
 import urllib.error
@@ -24,14 +25,22 @@ class HttpFailure(Exception):
         super().__init__(f"{method} {path} -> {what}")
 
 
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """`Authorization: Bearer KEY` for an engine started with an API key: `api_key`, else
+    $VIME_ENGINE_API_KEY (what the rollout client reads too); none when neither is set.
+    vLLM 0.32 asks for it on /v1 only, not on the weight routes, where it is harmless."""
+    key = api_key if api_key is not None else os.environ.get("VIME_ENGINE_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def http_json(base_url: str, method: str, path: str, *, body: Any = None,
-              params: dict | None = None, timeout: float) -> Any:
+              params: dict | None = None, timeout: float, api_key: str | None = None) -> Any:
     url = base_url.rstrip("/") + path
     if params:
         url += "?" + urllib.parse.urlencode(params)
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
+    req = urllib.request.Request(url, data=data, method=method, headers={**headers, **auth_headers(api_key)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()

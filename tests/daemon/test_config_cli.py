@@ -138,6 +138,20 @@ def test_engine_names(tmp_path, base, name, why):
         f"'.' or '-'); {why}, got {name!r}")
 
 
+# -- who can reach an engine ----------------------------------------------------------------
+
+
+def test_a_wildcard_bind_and_a_missing_key_file(tmp_path, base):
+    f = tmp_path / "config.toml"
+    spawned = f'[[engines]]\nname = "e0"\nmodel = "{tmp_path}"\nport = 8001\n'
+    (tmp_path / "config.json").write_text("{}")  # tmp_path stands in for a model directory
+    f.write_text(base + '[engine_defaults]\nhost = "0.0.0.0"\n' + spawned)
+    assert one_problem(tmp_path, f).startswith("engine_defaults.host: '0.0.0.0' listens on every address")
+    f.write_text(base + '[engine_defaults]\napi_key_file = "engine.key"\n' + spawned)
+    assert one_problem(tmp_path, f).startswith(
+        f"engine_defaults.api_key_file: no such file: {tmp_path / 'engine.key'};")
+
+
 # -- warnings -------------------------------------------------------------------------------
 
 
