@@ -7,6 +7,7 @@ ships every package folder.
     client    <- protocol, states
     daemon    <- protocol, states, weight_sync   (never client, trainer or harness)
     trainer   <- client, protocol, states, weight_sync
+    cluster   <- client, protocol, states        (Ray; the daemon never imports it or Ray)
     weight_sync <- nothing of ours (vLLM loads it in every engine process)
     harness, bench, tests <- anything
 """
@@ -21,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"supervisor": "vime.supervisor", "trainer": "vime.trainer",
-           "weight_sync": "vime.weight_sync", "harness": "vime.harness"}
+           "weight_sync": "vime.weight_sync", "harness": "vime.harness", "cluster": "vime.cluster"}
 CLIENT_SIDE = ("vime.supervisor.client", "vime.supervisor.ctl", "vime.supervisor.supervisorctl")
 CONTRACT = ("vime.supervisor.protocol", "vime.supervisor.states")
 
@@ -90,7 +91,8 @@ ALLOWED = {
     "daemon": {"daemon", "protocol", "states", "weight_sync"},
     "trainer": {"trainer", "client", "protocol", "states", "weight_sync"},
     "weight_sync": {"weight_sync"},
-    "harness": {"harness", "daemon", "client", "protocol", "states", "trainer", "weight_sync"},
+    "cluster": {"cluster", "client", "protocol", "states"},
+    "harness": {"harness", "daemon", "client", "protocol", "states", "trainer", "weight_sync", "cluster"},
 }
 
 
@@ -107,6 +109,17 @@ def test_each_module_imports_only_what_its_layer_may(name):
     mine = layer(name)
     bad = sorted(t for t in GRAPH[name] if layer(t) not in ALLOWED[mine])
     assert not bad, f"{name} ({mine}) imports {bad}: see the import rule in README.md"
+
+
+def test_ray_is_imported_by_the_cluster_package_only():
+    # Ray is an optional extra: the daemon, the client and the trainer's code run without it.
+    for name, path in MODULES.items():
+        if name.startswith("vime.cluster"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(m == "ray" or m.startswith("ray.") for m in mods), f"{name} imports Ray"
 
 
 def test_no_import_cycle_among_the_daemons_modules():

@@ -1,0 +1,589 @@
+"""The trainer's client of a fleet on many nodes: one daemon per node, one node agent (a Ray
+actor) per daemon, and this client over all of them, with the local client's shape.
+
+    import ray
+    from vime.cluster import AsyncClusterClient
+    ray.init(address="auto")
+    async with AsyncClusterClient(socket_path="/run/vime-supervisor/supervisor.sock") as sup:
+        async with sup.round(412):                     # every node, concurrently
+            view = await sup.routable_engines()        # engines named node/engine, one epoch
+        await sup.publish_weights(413, "/ckpt/step-413")
+
+What it decides is in view.py (pure); this module places the agents, fans calls out to them,
+follows each node's events, and says what happened as events of its own (view.ClusterEvent).
+Errors are the local client's classes (a node that cannot be reached: NodeUnavailable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+from typing import Any, AsyncIterator, Callable, Mapping
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
+
+from vime.supervisor.client import errors as client_errors
+from vime.supervisor.client.errors import ConflictError, DaemonUnreachable, SupervisorError
+from vime.supervisor.protocol import Event, Role
+
+from .agent import NodeAgent
+from .view import Change, ClusterEvent, ClusterView, NodeState, floor_events, membership_event, qualify_answer, split
+
+__all__ = ["AsyncClusterClient", "NodeUnavailable", "ClusterBelowFloor", "NODE_RESOURCE"]
+
+# The custom resource that marks the Ray nodes running a daemon, when `nodes` is not given:
+#   ray start --address HEAD:6379 --resources '{"vime_supervisor": 1}'
+NODE_RESOURCE = "vime_supervisor"
+# Node events the client handles itself; a subscriber gets the cluster's own instead.
+_NODE_ONLY = {Event.HELLO.value, Event.KEEPALIVE.value, Event.MEMBERSHIP.value, Event.RECONNECTED.value,
+              Event.FLOOR_BREACH.value, Event.FLOOR_RESTORED.value, "agent_error"}
+
+
+class NodeUnavailable(DaemonUnreachable):
+    """The node's agent is dead or keeps being unavailable, or its daemon cannot be reached."""
+
+
+class ClusterBelowFloor(ConflictError):
+    """Fewer engines are routable across the nodes than min_healthy: the round does not start."""
+
+
+def _rebuild(node: str, err: Mapping[str, Any]) -> SupervisorError:
+    cls = getattr(client_errors, str(err.get("class")), None)
+    if not (isinstance(cls, type) and issubclass(cls, SupervisorError)):
+        cls = SupervisorError
+    code = err.get("code")
+    if cls is DaemonUnreachable:  # the agent could not reach its daemon: the node is away
+        cls, code = NodeUnavailable, "daemon_unreachable"
+    return cls(f"node {node}: {err.get('message')}", status=err.get("status"), code=code)
+
+
+def _ray_errors() -> tuple[type[BaseException], type[BaseException]]:
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    return ActorUnavailableError, RayActorError
+
+
+class _Node:
+    def __init__(self, name: str, node_id: str, agent: Any):
+        self.name, self.node_id, self.agent = name, node_id, agent
+        self.placed_at = time.monotonic()
+        self.dead = False
+        self.watcher: asyncio.Task | None = None
+
+
+class AsyncClusterClient:
+    """nodes: the Ray addresses of the nodes that run a daemon; default every alive Ray node
+        with the `vime_supervisor` resource.
+    socket_path: the daemons' socket: one path for every node, a mapping address -> path, or
+        None (each node's default, $VIME_SUPERVISOR_SOCKET there or /run/vime-supervisor/...).
+    min_healthy: the cluster floor, routable engines across nodes; a round does not start
+        below it (ClusterBelowFloor) once it was first reached.
+    call_timeout: how long one call to a node may take before that node counts as unreachable
+        for this call (the others answer on).
+    unavailable_grace: how long an agent that is unavailable (restarting, or its node going)
+        is retried, with jittered backoff, before its node is lost; its engines are out of
+        routing meanwhile.
+    retry_for: how long one call retries an agent that is unavailable (only then, and only
+        for calls that are safe to repeat; one that is not raises ConnectionLost).
+    discover_interval: how often the Ray cluster is read for nodes that came (back).
+    connect_timeout: the agents' connect timeout to their daemon (a dead daemon shows in this).
+    """
+
+    def __init__(self, nodes: list[str] | None = None, *, socket_path: str | Mapping[str, str] | None = None,
+                 min_healthy: int = 1, call_timeout: float = 30.0, unavailable_grace: float = 10.0,
+                 retry_for: float = 2.0, discover_interval: float = 2.0, connect_timeout: float = 2.0,
+                 agent_max_restarts: int = 3, clock: Callable[[], float] = time.monotonic):
+        self.wanted = None if nodes is None else list(nodes)
+        self.socket_path = socket_path
+        self.call_timeout = call_timeout
+        self.unavailable_grace = unavailable_grace
+        self.retry_for = retry_for
+        self.discover_interval = discover_interval
+        self.connect_timeout = connect_timeout
+        self.agent_max_restarts = agent_max_restarts
+        self.view = ClusterView(min_healthy=min_healthy, clock=clock)
+        self._nodes: dict[str, _Node] = {}
+        self._subs: set[asyncio.Queue] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._placing: dict[str, float] = {}  # node -> earliest next placement (backoff)
+        self._place_wait: dict[str, float] = {}
+        self._started = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "AsyncClusterClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def connect(self, timeout: float = 60.0) -> "AsyncClusterClient":
+        """Place an agent on every node found, wait until each answered (or `timeout`), and
+        start following them. Ray must be initialised (ray.init)."""
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("the cluster client runs in a Ray driver: call ray.init(address=...) first")
+        if self._started:
+            return self
+        self._started = True
+        await self._discover()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(n not in self.view.nodes for n in self._nodes):
+            await asyncio.sleep(0.05)
+        self._spawn(self._discover_loop())
+        return self
+
+    async def aclose(self) -> None:
+        """Stop following, end the event streams, and kill the agents (they hold nothing)."""
+        import ray
+
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for q in list(self._subs):
+            q.put_nowait(None)
+        for node in self._nodes.values():
+            with contextlib.suppress(Exception):
+                ray.kill(node.agent, no_restart=True)
+        self._nodes.clear()
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- what the trainer calls ------------------------------------------------------------
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """Each node's state (UP, JOINING, UNAVAILABLE, LOST), why, and for how long."""
+        return self.view.node_table()
+
+    async def routable_engines(self) -> dict[str, Any]:
+        """The union of the admitted nodes' routable engines, named node/engine, at the current
+        weight version only; `epoch` moves whenever that set changes."""
+        answers = await self._fanout("routable_engines")
+        for node, ans in answers.items():
+            if isinstance(ans, NodeUnavailable) and ans.code == "daemon_unreachable":
+                self._lost(node, str(ans))
+            elif not isinstance(ans, BaseException):
+                self._change(self.view.node_answered(node, ans), node, "node_membership")
+        return self.view.answer()
+
+    async def status(self) -> dict[str, Any]:
+        answers = await self._fanout("status")
+        engines: list[dict[str, Any]] = []
+        daemons: dict[str, Any] = {}
+        for node, ans in answers.items():
+            if isinstance(ans, BaseException):
+                daemons[node] = {"error": str(ans)}
+                continue
+            engines += qualify_answer(node, ans)["engines"]
+            daemons[node] = {k: ans.get(k) for k in ("daemon", "round", "round_open", "weight_version", "epoch",
+                                                      "routable", "below_min_healthy")}
+        table = self.view.node_table()
+        for node, row in table.items():
+            row["daemon"] = daemons.get(node)
+        return {"epoch": self.view.epoch, "weight_version": self.view.weight_version, "round": self.view.round,
+                "round_open": self.view.round_open, "routable": len(self.view.names()),
+                "min_healthy": self.view.min_healthy, "below_min_healthy": self.view.below_floor,
+                "nodes": table, "engines": engines}
+
+    async def start_round(self, n: int) -> dict[str, Any]:
+        """Start round n on every node, concurrently. A node that cannot be reached does not
+        block it (its answer is an error in `nodes`). ClusterBelowFloor below the floor."""
+        if self.view.below_floor and not (self.view.round_open and self.view.round == n):
+            raise ClusterBelowFloor(
+                f"only {len(self.view.names())} engines are routable across the nodes, min_healthy is "
+                f"{self.view.min_healthy}: round {n} does not start. Wait for nodes to return (nodes()) "
+                f"or lower min_healthy", status=409, code="below_min_healthy")
+        answers = await self._fanout("start_round", n)
+        self._raise_if_all_refused(answers)
+        self.view.round_started(n)
+        return self._round_answer(n, True, answers)
+
+    async def end_round(self, n: int) -> dict[str, Any]:
+        """End round n on every node. The gap admits the nodes that came back meanwhile."""
+        answers = await self._fanout("end_round", n)
+        self._raise_if_all_refused(answers)
+        for node in self.view.round_ended(n):
+            self._emit({"event": ClusterEvent.NODE_ADMITTED.value, "node": node, "round": n})
+        self._change(self.view.recompute(), None, "round_gap")
+        return self._round_answer(n, False, answers)
+
+    @contextlib.asynccontextmanager
+    async def round(self, n: int) -> AsyncIterator[dict[str, Any]]:
+        result = await self.start_round(n)
+        try:
+            yield result
+        finally:
+            await self.end_round(n)
+
+    async def publish_weights(self, version: int, checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """Make `version` current on every node; a node away now gets it when it returns."""
+        ckpt = None if checkpoint is None else os.path.abspath(os.fspath(checkpoint))
+        answers = await self._fanout("publish_weights", version, ckpt)
+        self._raise_if_all_refused(answers)
+        self._change(self.view.published(int(version), ckpt), None, "weights_published")
+        return {"version": int(version), "checkpoint": ckpt, "nodes": self._per_node(answers)}
+
+    async def restart(self, name: str) -> dict[str, Any]:
+        return await self._engine_call("restart", name, idempotent=False)
+
+    async def stop(self, name: str) -> dict[str, Any]:
+        return await self._engine_call("stop", name)
+
+    async def start(self, name: str) -> dict[str, Any]:
+        return await self._engine_call("start", name)
+
+    async def retire(self, name: str) -> dict[str, Any]:
+        return await self._engine_call("retire", name)
+
+    async def report_failure(self, name: str, detail: str, *, poisoned: bool = False,
+                             incarnation: int | None = None) -> dict[str, Any]:
+        kw: dict[str, Any] = {"poisoned": poisoned}
+        if incarnation is not None:
+            kw["incarnation"] = incarnation
+        return await self._engine_call("report_failure", name, detail, idempotent=False, **kw)
+
+    async def sync_begin(self, name: str, version: int) -> dict[str, Any]:
+        return await self._engine_call("sync_begin", name, version, idempotent=False)
+
+    async def sync_end(self, name: str, version: int, ok: bool, error: str | None = None) -> dict[str, Any]:
+        return await self._engine_call("sync_end", name, version, ok, error, idempotent=False)
+
+    async def engine_log(self, name: str, nbytes: int = 16384) -> str:
+        return await self._engine_call("engine_log", name, nbytes)
+
+    async def incidents(self) -> list[dict[str, Any]]:
+        answers = await self._fanout("incidents")
+        return [dict(qualify_answer(node, i), node=node) for node, ans in sorted(answers.items())
+                if not isinstance(ans, BaseException) for i in ans]
+
+    async def metrics(self) -> dict[str, str]:
+        """Each node's Prometheus text, by node."""
+        return {node: ans for node, ans in (await self._fanout("metrics")).items() if isinstance(ans, str)}
+
+    async def events(self, *, role: Role | str = Role.OBSERVER, keepalives: bool = False
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """One stream of every node's events (each with `node`, engine names node/engine) and the
+        cluster's own: a hello first, membership with the cluster epoch, node_joined,
+        node_admitted, node_unavailable, node_lost, floor_breach/floor_restored (scope cluster).
+        `role` is opened on every node (Role.AGENT for a sync agent)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._subs.add(q)
+        relays: dict[str, asyncio.Task] = {}
+
+        def relay(node: str) -> None:
+            task = relays.get(node)
+            rec = self._nodes.get(node)
+            if rec is not None and not rec.dead and (task is None or task.done()):
+                relays[node] = self._spawn(self._relay(rec, str(role), q))
+
+        try:
+            yield {"event": Event.HELLO.value, "ts": time.time(), "scope": "cluster", **self.view.answer(),
+                   "routable": self.view.names(), "round": self.view.round, "round_open": self.view.round_open}
+            for node in self.view.live():
+                relay(node)
+            while True:
+                try:
+                    ev = await asyncio.wait_for(q.get(), 10.0)
+                except asyncio.TimeoutError:
+                    if keepalives:
+                        yield {"event": Event.KEEPALIVE.value, "ts": time.time(), "node": None}
+                    continue
+                if ev is None:
+                    return
+                if ev.get("event") == ClusterEvent.NODE_JOINED:
+                    relay(ev["node"])
+                yield ev
+        finally:
+            self._subs.discard(q)
+            for t in relays.values():
+                t.cancel()
+
+    # -- calls -----------------------------------------------------------------------------
+
+    async def _call(self, node: str, verb: str, *args: Any, idempotent: bool = True, **kwargs: Any) -> Any:
+        unavailable, actor_died = _ray_errors()
+        rec = self._nodes.get(node)
+        if node not in self.view.nodes and rec is None:
+            raise client_errors.UnknownEngine(f"no node {node!r} in the cluster (nodes: {sorted(self.view.nodes)})",
+                                              status=404, code="unknown_node")
+        if rec is None or rec.dead or self.view.nodes.get(node) and self.view.nodes[node].state is NodeState.LOST:
+            why = self.view.nodes[node].reason if node in self.view.nodes else "no agent"
+            raise NodeUnavailable(f"node {node} is lost ({why}): its engines are out of routing until it returns",
+                                  code="node_unavailable")
+
+        async def once() -> Any:
+            return await asyncio.wait_for(rec.agent.call.remote(verb, args, kwargs), self.call_timeout)
+
+        # An agent known to be away gets one try: a round must not wait on it.
+        retry = idempotent and self._state_of(node) is not NodeState.UNAVAILABLE
+        try:
+            if retry:
+                ans = None
+                async for attempt in AsyncRetrying(
+                        stop=stop_after_delay(self.retry_for),
+                        wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.2),
+                        retry=retry_if_exception(lambda e: isinstance(e, unavailable)), reraise=True):
+                    with attempt:
+                        ans = await once()
+            else:
+                ans = await once()
+        except unavailable as e:
+            if not idempotent:
+                raise client_errors.ConnectionLost(
+                    f"node {node}'s agent became unavailable during {verb} ({e}); it may or may not have "
+                    f"taken effect: check status() before repeating it", code="connection_lost") from None
+            reason = f"agent unavailable during {verb}: {str(e).splitlines()[0][:200]}"
+            self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
+            raise NodeUnavailable(f"node {node}: its agent is unavailable ({e})", code="node_unavailable") from None
+        except actor_died as e:
+            self._agent_lost(rec, f"agent died: {type(e).__name__}")
+            raise NodeUnavailable(f"node {node}: its agent died ({type(e).__name__})", code="node_unavailable") from None
+        except asyncio.TimeoutError:
+            raise NodeUnavailable(f"node {node} did not answer {verb} within {self.call_timeout:g}s",
+                                  code="timeout") from None
+        if isinstance(ans, dict) and "error" in ans:
+            raise _rebuild(node, ans["error"])
+        return ans["ok"]
+
+    async def _fanout(self, verb: str, *args: Any) -> dict[str, Any]:
+        """The verb on every live node at once: node -> answer, or the SupervisorError it raised."""
+        nodes = self.view.live() or sorted(self._nodes)
+        results = await asyncio.gather(*(self._call(n, verb, *args) for n in nodes), return_exceptions=True)
+        out: dict[str, Any] = {}
+        for node, res in zip(nodes, results):
+            if isinstance(res, BaseException) and not isinstance(res, SupervisorError):
+                raise res
+            out[node] = res
+        return out
+
+    async def _engine_call(self, verb: str, name: str, *args: Any, idempotent: bool = True, **kw: Any) -> Any:
+        try:
+            node, engine = split(name)
+        except ValueError as e:
+            raise client_errors.BadRequest(str(e), status=400, code="bad_engine_name") from None
+        return qualify_answer(node, await self._call(node, verb, engine, *args, idempotent=idempotent, **kw))
+
+    @staticmethod
+    def _per_node(answers: Mapping[str, Any]) -> dict[str, Any]:
+        return {n: ({"error": str(a), "code": getattr(a, "code", None)} if isinstance(a, BaseException) else a)
+                for n, a in answers.items()}
+
+    def _round_answer(self, n: int, is_open: bool, answers: Mapping[str, Any]) -> dict[str, Any]:
+        changed = any(isinstance(a, dict) and a.get("changed") for a in answers.values())
+        return {"round": n, "open": is_open, "changed": changed, "nodes": self._per_node(answers)}
+
+    @staticmethod
+    def _raise_if_all_refused(answers: Mapping[str, Any]) -> None:
+        # A request every reachable node refused (a stale round, a bad checkpoint) is the
+        # caller's mistake: raise it as the local client would. Unreachable nodes do not count.
+        refusals = [a for a in answers.values() if isinstance(a, SupervisorError) and not isinstance(a, DaemonUnreachable)]
+        if refusals and len(refusals) == len([a for a in answers.values() if not isinstance(a, DaemonUnreachable)]):
+            raise refusals[0]
+
+    # -- following the nodes ---------------------------------------------------------------
+
+    def _emit(self, ev: dict[str, Any]) -> None:
+        ev.setdefault("ts", time.time())
+        for q in list(self._subs):
+            q.put_nowait(ev)
+
+    def _change(self, change: Change, node: str | None, cause: str, reason: str | None = None) -> None:
+        """Say what an update of the view did, as events: the node's new state, the cluster's
+        membership (a new epoch), the floor."""
+        if change.entered is not None and node is not None:
+            entered, left = change.entered, change.left
+            if entered is NodeState.JOINING or (entered is NodeState.UP and left is not NodeState.JOINING):
+                self._emit({"event": ClusterEvent.NODE_JOINED.value, "node": node})
+            if entered is NodeState.UP:
+                self._emit({"event": ClusterEvent.NODE_ADMITTED.value, "node": node, "round": self.view.round})
+            elif entered is NodeState.UNAVAILABLE:
+                self._emit({"event": ClusterEvent.NODE_UNAVAILABLE.value, "node": node, "reason": reason})
+            elif entered is NodeState.LOST:
+                self._emit({"event": ClusterEvent.NODE_LOST.value, "node": node, "reason": reason})
+        if change.epoch_moved:
+            self._emit(membership_event(self.view, node, cause))
+        for ev in floor_events(self.view, change):
+            self._emit(ev)
+
+    def _lost(self, node: str, reason: str) -> None:
+        self._change(self.view.node_lost(node, reason), node, ClusterEvent.NODE_LOST, reason)
+
+    def _agent_lost(self, rec: _Node, reason: str) -> None:
+        rec.dead = True
+        self._lost(rec.name, reason)
+
+    async def _relay(self, rec: _Node, role: str, q: asyncio.Queue) -> None:
+        """One subscriber's stream from one node: the node's events, names made cluster names."""
+        gen = rec.agent.events.options(num_returns="streaming").remote(role)
+        try:
+            async for ref in gen:
+                ev = await ref
+                if ev.get("event") in _NODE_ONLY:
+                    continue
+                q.put_nowait({**qualify_answer(rec.name, ev), "node": rec.name})
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return  # the watcher says what happened to the node; a rejoin opens a new relay
+        finally:
+            _cancel(gen)
+
+    async def _watch(self, rec: _Node) -> None:
+        """Follow one node through its agent: its hello and membership changes update the view;
+        an unreachable daemon or a dead agent loses the node at once; an unavailable agent takes
+        its engines out at once and is retried, jittered, for unavailable_grace."""
+        unavailable, actor_died = _ray_errors()
+        away_since: float | None = None
+        while not rec.dead:
+            gen = rec.agent.events.options(num_returns="streaming").remote(Role.OBSERVER.value)
+            try:
+                async for ref in gen:
+                    ev = await ref
+                    away_since = None
+                    kind = ev.get("event")
+                    if kind == "agent_error":
+                        self._lost(rec.name, f"daemon unreachable: {ev['error'].get('message')}")
+                        break
+                    if kind == Event.HELLO or self._state(rec) in (NodeState.LOST, NodeState.UNAVAILABLE):
+                        await self._joined(rec)
+                    elif kind == Event.MEMBERSHIP:
+                        await self._refresh(rec)
+            except asyncio.CancelledError:
+                _cancel(gen)
+                raise
+            except unavailable as e:
+                now = time.monotonic()
+                away_since = away_since or now
+                if now - away_since >= self.unavailable_grace:
+                    self._agent_lost(rec, f"agent unavailable for {self.unavailable_grace:g}s")
+                    return
+                reason = f"agent unavailable: {str(e).splitlines()[0][:200]}"
+                self._change(self.view.node_unavailable(rec.name, reason), rec.name, "node_unavailable", reason)
+            except actor_died as e:
+                self._agent_lost(rec, f"agent died: {type(e).__name__}")
+                return
+            except Exception as e:  # an answer we did not expect: the node is not trusted now
+                self._lost(rec.name, f"{type(e).__name__}: {e}")
+            _cancel(gen)
+            await asyncio.sleep(min(1.0, self.discover_interval) * (0.5 + random.random()))
+
+    def _state(self, rec: _Node) -> NodeState | None:
+        return self._state_of(rec.name)
+
+    def _state_of(self, node: str) -> NodeState | None:
+        r = self.view.nodes.get(node)
+        return None if r is None else r.state
+
+    async def _refresh(self, rec: _Node) -> None:
+        try:
+            ans = await self._call_direct(rec, "routable_engines")
+        except SupervisorError:
+            return  # the stream says what happens to the node next
+        self._change(self.view.node_answered(rec.name, ans), rec.name, "node_membership")
+
+    async def _joined(self, rec: _Node) -> None:
+        """A node's daemon answers (first time, or back): bring it to the cluster's round and
+        weight version, then let the view admit it (now in a gap, else at the next gap)."""
+        try:
+            if self._state(rec) is not NodeState.UP:
+                await self._reconcile(rec)
+            ans = await self._call_direct(rec, "routable_engines")
+        except SupervisorError as e:
+            self._lost(rec.name, f"could not be brought to the cluster's round and version: {e}")
+            return
+        self._change(self.view.node_answered(rec.name, ans), rec.name, "node_joined")
+
+    async def _call_direct(self, rec: _Node, verb: str, *args: Any) -> Any:
+        """A call to a node that the view does not count as live yet (joining)."""
+        try:
+            ans = await asyncio.wait_for(rec.agent.call.remote(verb, args, {}), self.call_timeout)
+        except asyncio.TimeoutError:
+            raise NodeUnavailable(f"node {rec.name} did not answer {verb} within {self.call_timeout:g}s") from None
+        except Exception as e:
+            raise NodeUnavailable(f"node {rec.name}: {type(e).__name__}: {e}") from None
+        if isinstance(ans, dict) and "error" in ans:
+            raise _rebuild(rec.name, ans["error"])
+        return ans["ok"]
+
+    async def _reconcile(self, rec: _Node) -> None:
+        st = await self._call_direct(rec, "status")
+        view = self.view
+        if st.get("round_open") and not (view.round_open and st.get("round") == view.round):
+            await self._call_direct(rec, "end_round", st["round"])  # a round the cluster has ended
+        if view.round_open and view.round is not None and not (st.get("round_open") and st.get("round") == view.round):
+            with contextlib.suppress(ConflictError):
+                await self._call_direct(rec, "start_round", view.round)
+        if view.weight_version is not None and (st.get("weight_version") is None
+                                                or st["weight_version"] < view.weight_version):
+            await self._call_direct(rec, "publish_weights", view.weight_version, view.checkpoint)
+
+    # -- placing agents --------------------------------------------------------------------
+
+    async def _discover_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.discover_interval)
+            try:
+                await self._discover()
+            except Exception:  # the GCS is away for a moment: the next look tries again
+                continue
+
+    async def _discover(self) -> None:
+        import ray
+
+        alive = await asyncio.to_thread(ray.nodes)
+        for info in alive:
+            if not info.get("Alive"):
+                continue
+            name = info.get("NodeManagerAddress")
+            if self.wanted is not None and name not in self.wanted:
+                continue
+            if self.wanted is None and NODE_RESOURCE not in (info.get("Resources") or {}):
+                continue
+            rec = self._nodes.get(name)
+            if rec is not None and not rec.dead and rec.node_id == info["NodeID"]:
+                continue
+            if time.monotonic() < self._placing.get(name, 0.0):
+                continue  # backoff: its last agent died soon after being placed
+            if rec is not None:
+                if rec.watcher is not None:
+                    rec.watcher.cancel()
+                if not rec.dead:  # a new node at that address: the old agent's node is gone
+                    self._agent_lost(rec, "replaced by a new Ray node at the same address")
+                quick = time.monotonic() - rec.placed_at < 60.0
+                wait = min(60.0, self._place_wait.get(name, self.discover_interval) * 2) if quick else self.discover_interval
+                self._place_wait[name] = wait
+                self._placing[name] = time.monotonic() + wait
+            self._place(name, info["NodeID"])
+
+    def _socket_for(self, node: str) -> str | None:
+        if isinstance(self.socket_path, Mapping):
+            return self.socket_path.get(node)
+        return None if self.socket_path is None else os.fspath(self.socket_path)
+
+    def _place(self, name: str, node_id: str) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        agent = ray.remote(NodeAgent).options(
+            num_cpus=0, max_restarts=self.agent_max_restarts, max_task_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(self._socket_for(name), connect_timeout=self.connect_timeout)
+        rec = self._nodes[name] = _Node(name, node_id, agent)
+        rec.watcher = self._spawn(self._watch(rec))
+
+
+def _cancel(gen: Any) -> None:
+    try:
+        import ray
+
+        ray.cancel(gen)
+    except Exception:
+        pass

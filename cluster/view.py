@@ -1,0 +1,247 @@
+"""The cluster's view of its nodes, as pure decisions (no Ray, no I/O; the clock is injected).
+
+`ClusterView` holds what the cluster client learned from each node's daemon (its routable list,
+its epoch, whether it can be reached) and decides what the trainer sees:
+
+- engines are named `node/engine` (the node is its Ray address, e.g. 10.0.0.7);
+- the routable list is the union of the admitted nodes' lists, never an engine whose
+  weight_version is not the cluster's current one;
+- one cluster epoch, a counter that moves whenever that union changes (a node lost, a node
+  admitted, any node's own membership change);
+- a node whose agent does not answer is UNAVAILABLE and its engines leave the union at once
+  (nobody can vouch for them); it is retried, and LOST after a grace (or at once when its
+  agent or its daemon is known dead);
+- a node that comes back (or is seen for the first time after the start) is JOINING: its
+  engines join routing only in a round gap (`round_ended`, or at once when no round is open);
+- the floor: `min_healthy` routable engines across nodes, armed once first reached.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Callable, Iterable, Mapping
+
+from vime.supervisor.protocol import Event
+
+SEP = "/"
+
+
+class NodeState(StrEnum):
+    UP = "UP"  # reachable, its engines in the union
+    JOINING = "JOINING"  # reachable again (or new): its engines wait for a round gap
+    UNAVAILABLE = "UNAVAILABLE"  # its agent does not answer now: retried for a grace, engines out
+    LOST = "LOST"  # agent or node dead, or its daemon unreachable: engines out
+
+
+class ClusterEvent(StrEnum):
+    """Events the cluster client makes itself (every other event is a node's, with `node`)."""
+
+    NODE_JOINED = "node_joined"  # an agent reached the node's daemon; its engines wait for a gap
+    NODE_ADMITTED = "node_admitted"  # a gap came: the node's engines are in the union
+    NODE_UNAVAILABLE = "node_unavailable"  # its agent is unavailable for a moment: retrying
+    NODE_LOST = "node_lost"  # its engines left the union at once
+
+
+def qualify(node: str, engine: str) -> str:
+    return f"{node}{SEP}{engine}"
+
+
+def split(name: str) -> tuple[str, str]:
+    """'node/engine' -> (node, engine). Node names are addresses, engine names carry no '/'
+    (the daemon refuses them), so the last '/' splits."""
+    node, sep, engine = str(name).rpartition(SEP)
+    if not sep or not node or not engine:
+        raise ValueError(f"{name!r} is not a cluster engine name: use NODE/ENGINE as the cluster's "
+                         f"routable list and status name them (e.g. 10.0.0.7/engine0)")
+    return node, engine
+
+
+def qualify_answer(node: str, obj: Any) -> Any:
+    """A node's answer or event with its engine names made cluster names: the `engine` field,
+    and `name` in each entry of an `engines` list, `routable` name lists."""
+    if isinstance(obj, list):
+        return [qualify_answer(node, x) for x in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = dict(obj)
+    if isinstance(out.get("engine"), str):
+        out["engine"] = qualify(node, out["engine"])
+    if isinstance(out.get("engines"), list):
+        out["engines"] = [{**e, "name": qualify(node, e["name"]), "node": node}
+                          if isinstance(e, dict) and isinstance(e.get("name"), str) else e
+                          for e in out["engines"]]
+    if isinstance(out.get("routable"), list):
+        out["routable"] = [qualify(node, n) if isinstance(n, str) else n for n in out["routable"]]
+    return out
+
+
+@dataclass
+class NodeRecord:
+    name: str
+    state: NodeState
+    since: float
+    reason: str = ""
+    routable: list[dict[str, Any]] = field(default_factory=list)  # the node's own routable entries
+    node_epoch: int | None = None
+    weight_version: int | None = None  # the node daemon's current version
+    lost_count: int = 0
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one update did: the node's new state (None: unchanged), the epoch moved, the
+    floor was breached or restored."""
+
+    entered: NodeState | None = None
+    left: NodeState | None = None
+    epoch_moved: bool = False
+    breached: bool = False
+    restored: bool = False
+
+
+class ClusterView:
+    def __init__(self, *, min_healthy: int = 1, clock: Callable[[], float] = time.monotonic):
+        self.min_healthy = min_healthy
+        self.clock = clock
+        self.nodes: dict[str, NodeRecord] = {}
+        self.epoch = 0
+        self.weight_version: int | None = None
+        self.checkpoint: str | None = None
+        self.round: int | None = None  # the last round started
+        self.round_open = False
+        self.below_floor = False
+        self.floor_breaches = 0
+        self._floor_armed = False
+        self._last_set: frozenset[tuple[str, str, Any]] = frozenset()
+
+    # -- what the trainer sees ------------------------------------------------------------
+
+    def routable(self) -> list[dict[str, Any]]:
+        out = []
+        for rec in sorted(self.nodes.values(), key=lambda r: r.name):
+            if rec.state is not NodeState.UP:
+                continue
+            for e in rec.routable:
+                if self.weight_version is not None and e.get("weight_version") != self.weight_version:
+                    continue  # never a stale engine, whatever a node said
+                out.append({**e, "name": qualify(rec.name, e["name"]), "node": rec.name})
+        return out
+
+    def answer(self) -> dict[str, Any]:
+        """The cluster's routable answer (the shape of a daemon's, plus `nodes`)."""
+        return {"epoch": self.epoch, "weight_version": self.weight_version, "engines": self.routable(),
+                "nodes": {n: r.state.value for n, r in sorted(self.nodes.items())}}
+
+    def names(self) -> list[str]:
+        return [e["name"] for e in self.routable()]
+
+    def node_table(self) -> dict[str, dict[str, Any]]:
+        now = self.clock()
+        return {n: {"state": r.state.value, "reason": r.reason, "for_s": round(now - r.since, 3),
+                    "routable": len(r.routable), "node_epoch": r.node_epoch,
+                    "weight_version": r.weight_version, "lost": r.lost_count}
+                for n, r in sorted(self.nodes.items())}
+
+    def live(self) -> list[str]:
+        """Nodes whose agent is expected to answer (calls fan out to these)."""
+        return sorted(n for n, r in self.nodes.items() if r.state is not NodeState.LOST)
+
+    # -- what the client learned ----------------------------------------------------------
+
+    def node_answered(self, node: str, routable: Mapping[str, Any]) -> Change:
+        """A node's routable answer. A node new, back after a loss or unavailable is JOINING,
+        and admitted now if no round is open."""
+        rec = self.nodes.get(node)
+        before = None if rec is None else rec.state
+        if rec is None or rec.state is not NodeState.UP:
+            rec = self._set(node, NodeState.JOINING, "answers again" if rec else "answers", rec)
+        rec.routable = [dict(e) for e in routable.get("engines") or () if isinstance(e, dict) and "name" in e]
+        rec.node_epoch = routable.get("epoch")
+        rec.weight_version = routable.get("weight_version")
+        if rec.state is NodeState.JOINING and not self.round_open:
+            rec.state, rec.reason = NodeState.UP, "admitted in a round gap"
+        return self._recompute(node, before)
+
+    def node_unavailable(self, node: str, reason: str) -> Change:
+        rec = self.nodes.get(node)
+        before = None if rec is None else rec.state
+        if rec is not None and rec.state in (NodeState.UP, NodeState.JOINING):
+            self._set(node, NodeState.UNAVAILABLE, reason, rec)
+        return self._recompute(node, before)
+
+    def node_lost(self, node: str, reason: str) -> Change:
+        rec = self.nodes.get(node)
+        before = None if rec is None else rec.state
+        if rec is None or rec.state is not NodeState.LOST:
+            rec = self._set(node, NodeState.LOST, reason, rec)
+            rec.lost_count += 1
+            rec.routable = []
+        return self._recompute(node, before)
+
+    def round_started(self, n: int) -> None:
+        self.round, self.round_open = n, True
+
+    def round_ended(self, n: int) -> list[str]:
+        """The gap: JOINING nodes are admitted (returned; call recompute() after)."""
+        self.round_open = False
+        admitted = []
+        for rec in self.nodes.values():
+            if rec.state is NodeState.JOINING:
+                rec.state, rec.since, rec.reason = NodeState.UP, self.clock(), "admitted in a round gap"
+                admitted.append(rec.name)
+        return sorted(admitted)
+
+    def published(self, version: int, checkpoint: str | None) -> Change:
+        self.weight_version, self.checkpoint = version, checkpoint
+        return self._recompute()
+
+    def recompute(self) -> Change:
+        return self._recompute()
+
+    def admitted(self) -> list[str]:
+        return sorted(n for n, r in self.nodes.items() if r.state is NodeState.UP)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _set(self, node: str, state: NodeState, reason: str, rec: NodeRecord | None) -> NodeRecord:
+        if rec is None:
+            rec = self.nodes[node] = NodeRecord(node, state, self.clock(), reason)
+        else:
+            rec.state, rec.since, rec.reason = state, self.clock(), reason
+        return rec
+
+    def _recompute(self, node: str | None = None, before: NodeState | None = None) -> Change:
+        state = self.nodes[node].state if node in self.nodes else None
+        entered = state if node is not None and state is not before else None
+        now = frozenset((e["name"], e.get("url"), e.get("weight_version")) for e in self.routable())
+        moved = now != self._last_set
+        if moved:
+            self.epoch += 1
+            self._last_set = now
+        breached = restored = False
+        if len(now) >= self.min_healthy:
+            self._floor_armed = True
+            if self.below_floor:
+                self.below_floor, restored = False, True
+        elif self._floor_armed and not self.below_floor:
+            self.below_floor, breached = True, True
+            self.floor_breaches += 1
+        return Change(entered, before if entered else None, moved, breached, restored)
+
+
+def membership_event(view: ClusterView, node: str | None, cause: str) -> dict[str, Any]:
+    """The cluster's membership event: the shape of a daemon's (RolloutClient reads `epoch` and
+    `routable`), with the node that moved it and why."""
+    return {"event": Event.MEMBERSHIP.value, "ts": time.time(), "epoch": view.epoch, "routable": view.names(),
+            "node": node, "cause": cause}
+
+
+def floor_events(view: ClusterView, change: Change) -> Iterable[dict[str, Any]]:
+    if change.breached:
+        yield {"event": Event.FLOOR_BREACH.value, "ts": time.time(), "node": None, "scope": "cluster",
+               "routable": len(view.names()), "min_healthy": view.min_healthy}
+    if change.restored:
+        yield {"event": Event.FLOOR_RESTORED.value, "ts": time.time(), "node": None, "scope": "cluster",
+               "routable": len(view.names()), "min_healthy": view.min_healthy}

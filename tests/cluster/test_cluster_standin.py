@@ -1,0 +1,226 @@
+"""The cluster client over a real Ray cluster of simulated nodes (ray.cluster_utils: one raylet
+per node, each at its own loopback address) with a real vime-supervisor daemon per node. The
+engines are PROTOCOL STAND-INS (tests/daemon/standin_group.py) that the daemons spawn, bound
+to their node's address: what these tests check is the cluster client's behaviour; the same
+path with real vLLM engines is tests/cluster/test_cluster_real.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+from ray_fleet import cleanup, node_address, standin_config
+
+from vime.cluster import ClusterBelowFloor, ClusterClient, NodeUnavailable
+from vime.supervisor.client import BadRequest, UnknownEngine
+
+pytestmark = pytest.mark.cluster
+
+A, B = node_address(0), node_address(1)  # 127.0.0.2, 127.0.0.3
+ENGINES = ["e0", "e1"]
+
+
+def until(pred, timeout: float, what: str, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(step)
+
+
+class Recorder:
+    """The merged event stream, read on a thread as a trainer would."""
+
+    def __init__(self, sup: ClusterClient, **kw):
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._t = threading.Thread(target=self._run, args=(sup, kw), daemon=True)
+        self._t.start()
+
+    def _run(self, sup, kw):
+        for ev in sup.events(**kw):
+            with self._lock:
+                self.events.append(ev)
+
+    def since(self, i: int = 0) -> list[dict]:
+        with self._lock:
+            return list(self.events[i:])
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self.events)
+
+    def wait(self, pred, timeout: float, after: int = 0) -> dict:
+        return until(lambda: next((e for e in self.since(after) if pred(e)), None), timeout, "event")
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_head, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    nodes = [standin_config(root / f"n{i}", node_address(i), ENGINES, mode="version=1") for i in range(2)]
+    try:
+        for n in nodes:
+            n.start_daemon()
+            n.ray_node = ray_head.add(n.address)
+        sup = ClusterClient([A, B], socket_path={n.address: n.sock for n in nodes}, min_healthy=2,
+                            unavailable_grace=4.0, discover_interval=0.5)
+        until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four stand-ins routable")
+        rec = Recorder(sup)
+        rec.wait(lambda e: e["event"] == "hello", 10)
+        yield sup, nodes, rec, ray_head
+        sup.shutdown()
+    finally:
+        for n in nodes:
+            if n.ray_node is not None:
+                try:
+                    ray_head.remove(n.ray_node)
+                except Exception:
+                    pass
+        cleanup(nodes)
+
+
+def names(view: dict) -> list[str]:
+    return sorted(e["name"] for e in view["engines"])
+
+
+def test_routable_is_the_union_named_node_slash_engine(fleet):
+    sup, nodes, rec, _ = fleet
+    view = sup.routable_engines()
+    assert names(view) == [f"{A}/e0", f"{A}/e1", f"{B}/e0", f"{B}/e1"]
+    for e in view["engines"]:
+        node = e["name"].split("/")[0]
+        assert e["node"] == node and e["url"].startswith(f"http://{node}:"), e  # the node's own address
+    assert sup.routable_engines()["epoch"] == view["epoch"]  # nothing changed: same epoch
+    assert {n: r["state"] for n, r in sup.nodes().items()} == {A: "UP", B: "UP"}
+    st = sup.status()
+    assert sorted(e["name"] for e in st["engines"]) == names(view)
+    assert st["routable"] == 4 and not st["below_min_healthy"]
+
+
+def test_actions_by_node_slash_engine_move_the_cluster_epoch(fleet):
+    sup, nodes, rec, _ = fleet
+    before = sup.routable_engines()
+    mark = rec.mark()
+    answer = sup.stop(f"{B}/e1")
+    assert answer["engine"] == f"{B}/e1"
+    ev = rec.wait(lambda e: e["event"] == "membership" and f"{B}/e1" not in e["routable"], 10, mark)
+    assert ev["epoch"] > before["epoch"] and ev["node"] == B
+    tr = rec.wait(lambda e: e["event"] == "transition" and e.get("engine") == f"{B}/e1", 10, mark)
+    assert tr["node"] == B  # a node's own event, named for the cluster
+    assert f"{B}/e1" not in names(sup.routable_engines())
+    sup.start(f"{B}/e1")
+    until(lambda: f"{B}/e1" in names(sup.routable_engines()), 20, "e1 back on B")
+    with pytest.raises(UnknownEngine):
+        sup.stop(f"{B}/nosuch")
+    with pytest.raises(UnknownEngine):
+        sup.stop("127.0.0.99/e0")
+    with pytest.raises(BadRequest):
+        sup.stop("e0")  # not a cluster name
+    assert "x" in sup.engine_log(f"{A}/e0") or sup.engine_log(f"{A}/e0") is not None
+
+
+def test_rounds_and_weights_go_to_every_node(fleet):
+    sup, nodes, rec, _ = fleet
+    mark = rec.mark()
+    with sup.round(1) as r:
+        assert set(r["nodes"]) == {A, B} and all(a.get("open") for a in r["nodes"].values())
+        st = sup.status()
+        assert all(row["daemon"]["round_open"] for row in st["nodes"].values())
+    ends = [e for e in rec.since(mark) if e["event"] == "round_end"]
+    until(lambda: {e["node"] for e in rec.since(mark) if e["event"] == "round_end"} == {A, B}, 5, "round_end from both")
+    assert all(e["round"] == 1 for e in ends)
+    sup.publish_weights(1)
+    view = sup.routable_engines()
+    assert view["weight_version"] == 1 and len(view["engines"]) == 4  # the stand-ins report version 1
+    assert {row["daemon"]["weight_version"] for row in sup.status()["nodes"].values()} == {1}
+
+
+def test_a_briefly_unavailable_agent_is_retried(fleet):
+    """The agent's process dies; Ray restarts it on its node: calls made meanwhile are retried
+    (jittered, bounded) and answer; the node is UP again."""
+    sup, nodes, rec, _ = fleet
+    agent = sup._client._nodes[A].agent
+    pid = ray.get(agent.where.remote())["pid"]
+    mark = rec.mark()
+    os.kill(pid, signal.SIGKILL)
+    st = sup.status()  # retried while the agent restarts
+    assert st["nodes"][A]["daemon"] is not None
+    until(lambda: ray.get(agent.where.remote())["pid"] != pid, 20, "a new agent process")
+    until(lambda: sup.nodes()[A]["state"] == "UP", 20, "A up again")
+    assert not [e for e in rec.since(mark) if e["event"] == "node_lost"]
+    until(lambda: len(sup.routable_engines()["engines"]) == 4, 20, "all four back")
+
+
+def test_a_dead_agent_loses_its_node_at_once_and_is_replaced(fleet):
+    sup, nodes, rec, _ = fleet
+    agent = sup._client._nodes[B].agent
+    mark = rec.mark()
+    ray.kill(agent, no_restart=True)
+    ev = rec.wait(lambda e: e["event"] == "node_lost" and e["node"] == B, 10, mark)
+    assert "died" in ev["reason"]
+    t0 = time.monotonic()
+    with pytest.raises(NodeUnavailable):
+        sup.stop(f"{B}/e0")  # not retried forever: it is dead
+    assert time.monotonic() - t0 < 5
+    # The node itself is alive: a new agent is placed, and the node comes back (no round open).
+    rec.wait(lambda e: e["event"] == "node_admitted" and e["node"] == B, 30, mark)
+    until(lambda: len(sup.routable_engines()["engines"]) == 4, 20, "B's engines back")
+
+
+def test_a_node_lost_mid_round_leaves_at_once_and_rejoins_in_a_gap(fleet):
+    sup, nodes, rec, ray_head = fleet
+    a = nodes[0]
+    epoch0 = sup.routable_engines()["epoch"]
+    sup.start_round(2)
+    mark = rec.mark()
+    ray_head.remove(a.ray_node)
+    a.ray_node = None
+    a.kill_daemon_and_engines()  # a node's loss takes its processes with it
+    ev = rec.wait(lambda e: e["event"] == "membership" and not any(n.startswith(A + "/") for n in e["routable"]),
+                  10, mark)
+    assert ev["epoch"] > epoch0 and sorted(ev["routable"]) == [f"{B}/e0", f"{B}/e1"]
+    view = sup.routable_engines()
+    assert names(view) == [f"{B}/e0", f"{B}/e1"]
+    rec.wait(lambda e: e["event"] == "node_lost" and e["node"] == A, 15, mark)
+    # The round ends on the node that is left, and the next starts: the floor (2) holds.
+    ended = sup.end_round(2)
+    assert ended["nodes"][B]["open"] is False
+    sup.start_round(3)
+    for m in [*a.modes.values(), *nodes[1].modes.values()]:
+        m.write_text("version=2")  # the stand-ins report what a sync would have made them
+    sup.publish_weights(2)  # while A is away: it must get this version when it returns
+    # A comes back mid-round: its daemon re-spawns its engines; it joins, but not before the gap.
+    a.start_daemon()
+    a.ray_node = ray_head.add(a.address)
+    rec.wait(lambda e: e["event"] == "node_joined" and e["node"] == A, 60, mark)
+    time.sleep(1.0)
+    assert all(not n.startswith(A + "/") for n in names(sup.routable_engines())), "joined mid-round"
+    assert sup.nodes()[A]["state"] == "JOINING"
+    sup.end_round(3)
+    view = until(lambda: (v := sup.routable_engines()) and len(v["engines"]) == 4 and v, 30, "A admitted")
+    assert {e["weight_version"] for e in view["engines"]} == {2}
+    assert sup.status()["nodes"][A]["daemon"]["weight_version"] == 2  # published to it on its return
+
+
+def test_below_the_cluster_floor_a_round_does_not_start(fleet):
+    sup, nodes, rec, _ = fleet
+    until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four routable")
+    sup.stop(f"{A}/e0")
+    sup.stop(f"{A}/e1")
+    sup.stop(f"{B}/e0")
+    until(lambda: len(sup.routable_engines()["engines"]) == 1, 10, "one left")
+    assert sup.status()["below_min_healthy"]
+    with pytest.raises(ClusterBelowFloor):
+        sup.start_round(10)
+    for n in (f"{A}/e0", f"{A}/e1", f"{B}/e0"):
+        sup.start(n)
+    until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four again")
+    assert sup.start_round(10)["open"]
+    sup.end_round(10)

@@ -1,0 +1,99 @@
+"""The cluster's decisions (vime.cluster.view), pure: names, the union, one epoch, nodes that
+leave at once and join only in a round gap, at the current version, and the floor."""
+
+from __future__ import annotations
+
+import pytest
+
+from vime.cluster.view import ClusterView, NodeState, qualify, qualify_answer, split
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def answer(*names: str, version: int | None = None, epoch: int = 1) -> dict:
+    return {"epoch": epoch, "weight_version": version,
+            "engines": [{"name": n, "url": f"http://h:{i}", "model": "m", "weight_version": version,
+                         "incarnation": 1} for i, n in enumerate(names)]}
+
+
+def test_names_split_on_the_last_slash_and_refuse_bare_names():
+    assert qualify("10.0.0.7", "e0") == "10.0.0.7/e0"
+    assert split("10.0.0.7/e0") == ("10.0.0.7", "e0")
+    for bad in ("e0", "/e0", "10.0.0.7/", ""):
+        with pytest.raises(ValueError, match="NODE/ENGINE"):
+            split(bad)
+
+
+def test_answers_and_events_get_cluster_names():
+    ev = {"event": "membership", "engine": "e0", "routable": ["e0", "e1"],
+          "engines": [{"name": "e1", "url": "u"}]}
+    out = qualify_answer("n1", ev)
+    assert out["engine"] == "n1/e0" and out["routable"] == ["n1/e0", "n1/e1"]
+    assert out["engines"] == [{"name": "n1/e1", "url": "u", "node": "n1"}]
+    assert ev["engine"] == "e0"  # the node's answer itself is not changed
+
+
+def test_union_and_one_epoch_that_moves_with_any_nodes_change():
+    v = ClusterView(min_healthy=1, clock=Clock())
+    c1 = v.node_answered("a", answer("e0", "e1"))
+    c2 = v.node_answered("b", answer("e0"))
+    assert c1.entered is NodeState.UP and c2.epoch_moved
+    assert v.names() == ["a/e0", "a/e1", "b/e0"]
+    e = v.epoch
+    assert not v.node_answered("a", answer("e0", "e1", epoch=1)).epoch_moved  # same set
+    assert v.epoch == e
+    assert v.node_answered("b", answer("e0", "e1", epoch=2)).epoch_moved
+    assert v.epoch == e + 1
+
+
+def test_a_lost_node_leaves_at_once_and_returns_only_in_a_gap():
+    clock = Clock()
+    v = ClusterView(min_healthy=1, clock=clock)
+    v.node_answered("a", answer("e0"))
+    v.node_answered("b", answer("e0"))
+    v.round_started(5)
+    lost = v.node_lost("a", "agent died")
+    assert lost.entered is NodeState.LOST and lost.epoch_moved and v.names() == ["b/e0"]
+    back = v.node_answered("a", answer("e0"))
+    assert back.entered is NodeState.JOINING and not back.epoch_moved
+    assert v.names() == ["b/e0"]  # mid-round: not yet
+    assert v.round_ended(5) == ["a"]
+    assert v.recompute().epoch_moved and v.names() == ["a/e0", "b/e0"]
+    assert v.nodes["a"].lost_count == 1
+
+
+def test_an_unavailable_node_is_out_at_once_and_rejoins_in_a_gap():
+    v = ClusterView(clock=Clock())
+    v.node_answered("a", answer("e0"))
+    v.round_started(1)
+    c = v.node_unavailable("a", "agent restarting")
+    assert c.entered is NodeState.UNAVAILABLE and c.epoch_moved and v.names() == []
+    assert "a" in v.live()  # still called (once), unlike a LOST node
+    assert v.node_answered("a", answer("e0")).entered is NodeState.JOINING
+    v.round_ended(1)
+    v.recompute()
+    assert v.names() == ["a/e0"]
+
+
+def test_never_an_engine_at_another_version_than_the_clusters():
+    v = ClusterView(clock=Clock())
+    v.published(3, None)
+    v.node_answered("a", {"epoch": 1, "weight_version": 3, "engines": [
+        {"name": "e0", "url": "u0", "weight_version": 3}, {"name": "e1", "url": "u1", "weight_version": 2}]})
+    assert v.names() == ["a/e0"]
+
+
+def test_the_floor_is_armed_once_reached_then_breached_and_restored():
+    v = ClusterView(min_healthy=2, clock=Clock())
+    assert not v.node_answered("a", answer("e0")).breached  # never reached yet: not armed
+    v.node_answered("b", answer("e0"))
+    c = v.node_lost("b", "gone")
+    assert c.breached and v.below_floor and v.floor_breaches == 1
+    v.node_answered("b", answer("e0"))  # no round open: admitted now
+    assert not v.below_floor
