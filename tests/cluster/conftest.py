@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
-from ray_fleet import RayNodes  # noqa: E402
+from vime.harness.ray_nodes import RayNodes  # noqa: E402
 
 
 @pytest.fixture(scope="session")

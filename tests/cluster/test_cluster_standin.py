@@ -14,9 +14,9 @@ import time
 
 import pytest
 import ray
-from ray_fleet import cleanup, node_address, standin_config
 
 from vime.cluster import ClusterBelowFloor, ClusterClient, NodeUnavailable
+from vime.harness.ray_nodes import cleanup, node_address, standin_config
 from vime.supervisor.client import BadRequest, UnknownEngine
 
 pytestmark = pytest.mark.cluster

@@ -1,6 +1,7 @@
 """A Ray cluster of simulated nodes on one machine, each with its own loopback address
 (127.0.0.2, 127.0.0.3, ...: nothing may rely on 127.0.0.1) and a vime-supervisor daemon of its
-own (own runtime dir, socket and journal), for the cluster tests and bench/cluster.py.
+own (own runtime dir, socket and journal), for the cluster tests and bench/cluster.py. Ray's
+own test cluster (ray.cluster_utils) runs one raylet per simulated node.
 
 The head (the driver's node, no CPUs, no daemon) is 127.0.0.9: Ray rewrites 127.0.0.1 and
 localhost to the machine's outward address, which these tests must never use.
@@ -20,7 +21,8 @@ from typing import Any
 from vime.harness.local_daemon import Daemon, write_config
 
 HEAD = "127.0.0.9"
-STANDIN = Path(__file__).resolve().parents[1] / "daemon" / "standin_group.py"
+# The spawned PROTOCOL STAND-IN of the daemon tests (a source checkout's tests/ folder).
+STANDIN = Path(__file__).resolve().parents[1] / "tests" / "daemon" / "standin_group.py"
 
 
 def node_address(i: int) -> str:
