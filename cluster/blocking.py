@@ -34,6 +34,7 @@ class ClusterClient:
     SupervisorClient.close() does); shutdown() ends everything and kills the agents."""
 
     def __init__(self, *args: Any, connect_timeout_s: float = 60.0, **kwargs: Any):
+        self._owner = True
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vime-cluster-client", daemon=True)
         self._thread.start()
@@ -46,6 +47,16 @@ class ClusterClient:
             self.shutdown()
             raise
         self.aio = _AsyncFacade(self)
+
+    def sibling(self) -> "ClusterClient":
+        """Another facade on the same agents with event streams of its own: its close() ends
+        only those (a ResyncAgent's stop() closes its client), its shutdown() nothing shared."""
+        other = object.__new__(ClusterClient)
+        other._owner = False
+        other._loop, other._thread, other._client = self._loop, self._thread, self._client
+        other._streams, other._pumps = set(), set()
+        other.aio = _AsyncFacade(other)
+        return other
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -125,6 +136,10 @@ class ClusterClient:
 
     def shutdown(self) -> None:
         self.close()
+        for fut in list(self._pumps):
+            fut.cancel()
+        if not self._owner:
+            return
         if self._loop.is_running():
             for fut in list(self._pumps):
                 fut.cancel()

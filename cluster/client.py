@@ -61,9 +61,12 @@ def _rebuild(node: str, err: Mapping[str, Any]) -> SupervisorError:
 
 
 def _ray_errors() -> tuple[type[BaseException], type[BaseException]]:
-    from ray.exceptions import ActorUnavailableError, RayActorError
+    """(the agent is away for now, the agent is gone): ActorUnavailableError is the only one
+    worth a retry; every other Ray error about the actor (it died, its node is gone so it
+    cannot be scheduled, ...) means a new agent must be placed."""
+    from ray.exceptions import ActorUnavailableError, RayError
 
-    return ActorUnavailableError, RayActorError
+    return ActorUnavailableError, RayError
 
 
 class _Node:
@@ -90,12 +93,14 @@ class AsyncClusterClient:
         for calls that are safe to repeat; one that is not raises ConnectionLost).
     discover_interval: how often the Ray cluster is read for nodes that came (back).
     connect_timeout: the agents' connect timeout to their daemon (a dead daemon shows in this).
+    ray_address: joins this Ray cluster ("auto", HEAD:PORT) when Ray is not initialised yet.
     """
 
     def __init__(self, nodes: list[str] | None = None, *, socket_path: str | Mapping[str, str] | None = None,
                  min_healthy: int = 1, call_timeout: float = 30.0, unavailable_grace: float = 10.0,
                  retry_for: float = 2.0, discover_interval: float = 2.0, connect_timeout: float = 2.0,
-                 agent_max_restarts: int = 3, clock: Callable[[], float] = time.monotonic):
+                 agent_max_restarts: int = 3, ray_address: str | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.wanted = None if nodes is None else list(nodes)
         self.socket_path = socket_path
         self.call_timeout = call_timeout
@@ -104,12 +109,14 @@ class AsyncClusterClient:
         self.discover_interval = discover_interval
         self.connect_timeout = connect_timeout
         self.agent_max_restarts = agent_max_restarts
+        self.ray_address = ray_address
         self.view = ClusterView(min_healthy=min_healthy, clock=clock)
         self._nodes: dict[str, _Node] = {}
         self._subs: set[asyncio.Queue] = set()
         self._tasks: set[asyncio.Task] = set()
         self._placing: dict[str, float] = {}  # node -> earliest next placement (backoff)
         self._place_wait: dict[str, float] = {}
+        self._gone_ids: set[str] = set()  # Ray nodes an agent could not be placed on: gone
         self._started = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -126,7 +133,10 @@ class AsyncClusterClient:
         import ray
 
         if not ray.is_initialized():
-            raise RuntimeError("the cluster client runs in a Ray driver: call ray.init(address=...) first")
+            if self.ray_address is None:
+                raise RuntimeError("the cluster client runs in a Ray driver: call ray.init(address=...) "
+                                   "first, or give ray_address (\"auto\" joins the node's Ray cluster)")
+            ray.init(address=self.ray_address, log_to_driver=False)
         if self._started:
             return self
         self._started = True
@@ -134,8 +144,30 @@ class AsyncClusterClient:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(n not in self.view.nodes for n in self._nodes):
             await asyncio.sleep(0.05)
+        await self._adopt()
         self._spawn(self._discover_loop())
         return self
+
+    async def _adopt(self) -> None:
+        """A new client (a trainer that restarted) takes the cluster's round and weight version
+        from its nodes: the newest of each. Nodes behind on the version get it now."""
+        answers = {n: a for n, a in (await self._fanout("status")).items() if isinstance(a, dict)}
+        if not answers:
+            return
+        view = self.view
+        newest = max(answers.values(), key=lambda a: a.get("weight_version") if isinstance(
+            a.get("weight_version"), int) else -1)
+        if isinstance(newest.get("weight_version"), int):
+            view.published(newest["weight_version"], newest.get("checkpoint"))
+        rounds = [a["round"] for a in answers.values() if isinstance(a.get("round"), int)]
+        view.round = max(rounds) if rounds else None
+        view.round_open = any(a.get("round_open") and a.get("round") == view.round for a in answers.values())
+        for node, a in answers.items():
+            wv = a.get("weight_version")
+            if view.weight_version is not None and not (isinstance(wv, int) and wv >= view.weight_version):
+                with contextlib.suppress(SupervisorError):
+                    await self._call(node, "publish_weights", view.weight_version, view.checkpoint)
+        self._change(view.recompute(), None, "adopted")
 
     async def aclose(self) -> None:
         """Stop following, end the event streams, and kill the agents (they hold nothing)."""
@@ -309,7 +341,7 @@ class AsyncClusterClient:
     # -- calls -----------------------------------------------------------------------------
 
     async def _call(self, node: str, verb: str, *args: Any, idempotent: bool = True, **kwargs: Any) -> Any:
-        unavailable, actor_died = _ray_errors()
+        unavailable, gone = _ray_errors()
         rec = self._nodes.get(node)
         if node not in self.view.nodes and rec is None:
             raise client_errors.UnknownEngine(f"no node {node!r} in the cluster (nodes: {sorted(self.view.nodes)})",
@@ -343,9 +375,9 @@ class AsyncClusterClient:
             reason = f"agent unavailable during {verb}: {str(e).splitlines()[0][:200]}"
             self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
             raise NodeUnavailable(f"node {node}: its agent is unavailable ({e})", code="node_unavailable") from None
-        except actor_died as e:
-            self._agent_lost(rec, f"agent died: {type(e).__name__}")
-            raise NodeUnavailable(f"node {node}: its agent died ({type(e).__name__})", code="node_unavailable") from None
+        except gone as e:
+            self._agent_lost(rec, f"agent gone ({type(e).__name__})", e)
+            raise NodeUnavailable(f"node {node}: its agent is gone ({type(e).__name__})", code="node_unavailable") from None
         except asyncio.TimeoutError:
             raise NodeUnavailable(f"node {node} did not answer {verb} within {self.call_timeout:g}s",
                                   code="timeout") from None
@@ -416,8 +448,10 @@ class AsyncClusterClient:
     def _lost(self, node: str, reason: str) -> None:
         self._change(self.view.node_lost(node, reason), node, ClusterEvent.NODE_LOST, reason)
 
-    def _agent_lost(self, rec: _Node, reason: str) -> None:
+    def _agent_lost(self, rec: _Node, reason: str, error: BaseException | None = None) -> None:
         rec.dead = True
+        if type(error).__name__ == "ActorUnschedulableError":
+            self._gone_ids.add(rec.node_id)  # its node is gone, whatever Ray still lists
         self._lost(rec.name, reason)
 
     async def _relay(self, rec: _Node, role: str, q: asyncio.Queue) -> None:
@@ -440,7 +474,7 @@ class AsyncClusterClient:
         """Follow one node through its agent: its hello and membership changes update the view;
         an unreachable daemon or a dead agent loses the node at once; an unavailable agent takes
         its engines out at once and is retried, jittered, for unavailable_grace."""
-        unavailable, actor_died = _ray_errors()
+        unavailable, gone = _ray_errors()
         away_since: float | None = None
         while not rec.dead:
             gen = rec.agent.events.options(num_returns="streaming").remote(Role.OBSERVER.value)
@@ -467,8 +501,8 @@ class AsyncClusterClient:
                     return
                 reason = f"agent unavailable: {str(e).splitlines()[0][:200]}"
                 self._change(self.view.node_unavailable(rec.name, reason), rec.name, "node_unavailable", reason)
-            except actor_died as e:
-                self._agent_lost(rec, f"agent died: {type(e).__name__}")
+            except gone as e:
+                self._agent_lost(rec, f"agent gone ({type(e).__name__})", e)
                 return
             except Exception as e:  # an answer we did not expect: the node is not trusted now
                 self._lost(rec.name, f"{type(e).__name__}: {e}")
@@ -538,30 +572,36 @@ class AsyncClusterClient:
     async def _discover(self) -> None:
         import ray
 
-        alive = await asyncio.to_thread(ray.nodes)
-        for info in alive:
-            if not info.get("Alive"):
-                continue
+        found: dict[str, list[str]] = {}  # address -> alive node ids (Ray may list a lost node for a while)
+        for info in await asyncio.to_thread(ray.nodes):
             name = info.get("NodeManagerAddress")
-            if self.wanted is not None and name not in self.wanted:
+            if not info.get("Alive") or (self.wanted is not None and name not in self.wanted):
                 continue
             if self.wanted is None and NODE_RESOURCE not in (info.get("Resources") or {}):
                 continue
+            if info["NodeID"] not in self._gone_ids:
+                found.setdefault(name, []).append(info["NodeID"])
+        for name, ids in found.items():
             rec = self._nodes.get(name)
-            if rec is not None and not rec.dead and rec.node_id == info["NodeID"]:
-                continue
+            if rec is not None and not rec.dead and rec.node_id in ids:
+                continue  # its agent is where it should be
             if time.monotonic() < self._placing.get(name, 0.0):
                 continue  # backoff: its last agent died soon after being placed
             if rec is not None:
                 if rec.watcher is not None:
                     rec.watcher.cancel()
-                if not rec.dead:  # a new node at that address: the old agent's node is gone
-                    self._agent_lost(rec, "replaced by a new Ray node at the same address")
+                if not rec.dead:  # a new Ray node at that address: the old one, and its agent, are gone
+                    rec.dead = True
+                    self._gone_ids.add(rec.node_id)
+                    with contextlib.suppress(Exception):
+                        ray.kill(rec.agent, no_restart=True)
+                    if self._state_of(name) is NodeState.UP:
+                        self._lost(name, "replaced by a new Ray node at the same address")
                 quick = time.monotonic() - rec.placed_at < 60.0
                 wait = min(60.0, self._place_wait.get(name, self.discover_interval) * 2) if quick else self.discover_interval
                 self._place_wait[name] = wait
                 self._placing[name] = time.monotonic() + wait
-            self._place(name, info["NodeID"])
+            self._place(name, ids[-1])
 
     def _socket_for(self, node: str) -> str | None:
         if isinstance(self.socket_path, Mapping):

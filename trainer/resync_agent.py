@@ -36,10 +36,15 @@ class ResyncRecord:
 
 class ResyncAgent:
     def __init__(self, client: SupervisorClient, weights: WeightsProvider, *, backend: str = "gloo",
-                 lock: threading.Lock | None = None, on_sync: Callable[[ResyncRecord], None] | None = None):
+                 lock: threading.Lock | None = None, on_sync: Callable[[ResyncRecord], None] | None = None,
+                 master_address: str | None = None):
+        """client: a SupervisorClient, or a vime.cluster.ClusterClient for engines on many
+        nodes (the same verbs; engines named node/engine). master_address: the address of this
+        node the engines join the push's process group at (default: WeightSender's)."""
         self.client = client
         self.weights = weights
         self.backend = backend
+        self.master_address = master_address
         # Held during a push: the trainer takes it around its optimizer step so a push never
         # reads tensors that are being updated.
         self.lock = lock or threading.Lock()
@@ -115,7 +120,7 @@ class ResyncAgent:
             t0 = time.monotonic()
             error = None
             try:
-                with WeightSender(url, backend=self.backend) as sender:
+                with WeightSender(url, backend=self.backend, master_address=self.master_address) as sender:
                     sender.push(tensors, version)
             except Exception as e:  # reported to the daemon, which restarts the engine
                 error = f"{type(e).__name__}: {e}"

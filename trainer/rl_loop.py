@@ -2,6 +2,7 @@
 under the daemon (README: "The main job").
 
     python -m vime.trainer.rl_loop --model DIR [--socket PATH] [--num-rollout 30] [debug flags]
+    python -m vime.trainer.rl_loop --model DIR --cluster auto     # engines on many nodes (Ray)
 
 Each step is one round: round start N -> rollouts (RolloutClient) -> round end N -> reward and
 a GRPO-style update (trainer/rl.py) -> the new weights pushed into every routable engine -> the
@@ -138,8 +139,9 @@ class DaemonView:
 class Pusher:
     """Pushes each new version into the routable engines, one WeightSender (group) per URL."""
 
-    def __init__(self, backend: str = "gloo"):
+    def __init__(self, backend: str = "gloo", master_address: str | None = None):
         self.backend = backend
+        self.master_address = master_address
         self.senders: dict[str, Any] = {}
 
     def push(self, url: str, tensors, version: int) -> str:
@@ -147,7 +149,8 @@ class Pusher:
         "failed: ..." (it died or went away)."""
         from vime.weight_sync.sender import WeightSender
 
-        sender = self.senders.get(url) or self.senders.setdefault(url, WeightSender(url, backend=self.backend))
+        sender = self.senders.get(url) or self.senders.setdefault(
+            url, WeightSender(url, backend=self.backend, master_address=self.master_address))
         return self.push_with(sender, url, tensors, version)
 
     def push_with(self, sender, url: str, tensors, version: int) -> str:
@@ -296,14 +299,33 @@ class RLLoop:
     async def connect(self) -> None:
         """The rollout client and the resync agent: what a trainer process holds open."""
         a = self.args
-        self.rollout = RolloutClient(AsyncSupervisorClient(a.socket), model=a.served_model_name)
+        self.rollout = RolloutClient(self.async_client(), model=a.served_model_name)
         await self.rollout.start()
         if not a.debug_rollout_only:
             await asyncio.to_thread(self.start_agent)
 
+    def open_client(self) -> Any:
+        """The blocking client of the fleet: the local daemon's socket, or with --cluster every
+        node's daemon through the cluster client (vime.cluster; the same verbs)."""
+        a = self.args
+        if not a.cluster:
+            return SupervisorClient(a.socket)
+        from vime.cluster import ClusterClient
+
+        nodes = a.cluster_nodes.split(",") if a.cluster_nodes else None
+        return ClusterClient(nodes, socket_path=a.socket, min_healthy=a.cluster_min_healthy, ray_address=a.cluster)
+
+    def async_client(self) -> Any:
+        """The rollout client's view of the fleet (the same agents as open_client's, with --cluster)."""
+        return self.client.aio if self.args.cluster else AsyncSupervisorClient(self.args.socket)
+
+    def agent_client(self) -> Any:
+        """The sync agent's own client: its stop() ends only its own event streams."""
+        return self.client.sibling() if self.args.cluster else SupervisorClient(self.args.socket)
+
     def start_agent(self) -> None:
-        self.agent = ResyncAgent(SupervisorClient(self.args.socket), self._agent_weights,
-                                 lock=self.policy.lock, on_sync=self._on_sync).start()
+        self.agent = ResyncAgent(self.agent_client(), self._agent_weights, lock=self.policy.lock,
+                                 on_sync=self._on_sync, master_address=self.args.rendezvous_address).start()
 
     def stop_agent(self) -> None:
         if self.agent is not None:
@@ -377,7 +399,7 @@ class RLLoop:
 
     async def _run_steps(self) -> None:
         a = self.args
-        self.client = client = SupervisorClient(a.socket)
+        self.client = client = self.open_client()
         self.view = DaemonView(client, self.stop, stop_on_fatal=a.stop_on_fatal)
         status = client.status()
         if status.get("round_open"):
@@ -388,7 +410,7 @@ class RLLoop:
         self.next_round = (status.get("round") or 0) + 1
         self.tracer = Tracer()
         self.recorder = DaemonEventRecorder(client, self.tracer).start()
-        self.pusher = Pusher()
+        self.pusher = Pusher(master_address=a.rendezvous_address)
         train = not a.debug_rollout_only
         try:
             await self.connect()
@@ -431,6 +453,8 @@ class RLLoop:
             rep.rounds_lost = sum(s.lost for s in rep.steps)
             rep.stale_responses = sum(s.stale for s in rep.steps)
             client.close()
+            if a.cluster:
+                client.shutdown()  # the node agents too
 
     # -- one step --------------------------------------------------------------------------
 
@@ -575,6 +599,17 @@ def build_parser(prog: str = "python -m vime.trainer.rl_loop", description: str 
     ap.add_argument("--served-model-name", default=None, help="model name the engines serve (default: the only one)")
     ap.add_argument("--socket", default=None, help="the daemon's control socket ($VIME_SUPERVISOR_SOCKET)")
     ap.add_argument("--out", default="rl-run", help="folder for summary.json, trace.json, long_tail.json")
+    g = ap.add_argument_group("many nodes (README: \"Many nodes\"; pip install vime-supervisor[cluster])")
+    g.add_argument("--cluster", metavar="RAY_ADDRESS", default=None,
+                   help="the fleet is every node's daemon, through Ray (auto, or HEAD:PORT); --socket is "
+                        "then each daemon's socket on its node")
+    g.add_argument("--cluster-nodes", metavar="ADDR,ADDR", default=None,
+                   help="the nodes' Ray addresses (default: every node with the vime_supervisor resource)")
+    g.add_argument("--cluster-min-healthy", type=int, default=1, metavar="N",
+                   help="rounds start only with N routable engines across the nodes")
+    g.add_argument("--rendezvous-address", metavar="ADDR", default=None,
+                   help="this node's address that engines join weight pushes at ($VIME_RENDEZVOUS_ADDRESS; "
+                        "default: the address routed towards each engine)")
     g = ap.add_argument_group("rollout and training (slime's names)")
     g.add_argument("--num-rollout", type=int, default=30, help="steps (one round each)")
     g.add_argument("--rollout-batch-size", type=int, default=4, help="prompts per round")

@@ -52,6 +52,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import gc
 import ipaddress
+import os
 import socket
 import time
 import urllib.parse
@@ -85,6 +86,9 @@ def _wait_all(futures: list[cf.Future], timeout: float, what: str) -> None:
             raise f.exception()
     if pending:
         raise TimeoutError(f"{what} did not complete within {timeout:.0f}s")
+
+
+ENV_RENDEZVOUS = "VIME_RENDEZVOUS_ADDRESS"
 
 
 def _detached(e: BaseException) -> BaseException:
@@ -179,7 +183,11 @@ class WeightSender:
         self.url = url.rstrip("/")
         self.backend = backend
         host = urllib.parse.urlsplit(self.url).hostname or "127.0.0.1"
-        self.master_address = master_address or _local_address_towards(host)
+        # Where the engine joins our rendezvous: given, else $VIME_RENDEZVOUS_ADDRESS (one
+        # address of the trainer's node that every engine's node can reach), else the address
+        # this machine routes towards the engine from.
+        self.master_address = (master_address or os.environ.get(ENV_RENDEZVOUS, "").strip()
+                               or _local_address_towards(host))
         self.master_port = master_port
         self.bucket_bytes = bucket_bytes
         self.solo_bytes = solo_bytes

@@ -164,7 +164,7 @@ def test_a_dead_agent_loses_its_node_at_once_and_is_replaced(fleet):
     mark = rec.mark()
     ray.kill(agent, no_restart=True)
     ev = rec.wait(lambda e: e["event"] == "node_lost" and e["node"] == B, 10, mark)
-    assert "died" in ev["reason"]
+    assert "agent gone (ActorDiedError)" in ev["reason"]
     t0 = time.monotonic()
     with pytest.raises(NodeUnavailable):
         sup.stop(f"{B}/e0")  # not retried forever: it is dead
@@ -202,7 +202,7 @@ def test_a_node_lost_mid_round_leaves_at_once_and_rejoins_in_a_gap(fleet):
     rec.wait(lambda e: e["event"] == "node_joined" and e["node"] == A, 60, mark)
     time.sleep(1.0)
     assert all(not n.startswith(A + "/") for n in names(sup.routable_engines())), "joined mid-round"
-    assert sup.nodes()[A]["state"] == "JOINING"
+    assert sup.nodes()[A]["state"] != "UP", sup.nodes()[A]  # JOINING (or LOST again while Ray still lists the old node)
     sup.end_round(3)
     view = until(lambda: (v := sup.routable_engines()) and len(v["engines"]) == 4 and v, 30, "A admitted")
     assert {e["weight_version"] for e in view["engines"]} == {2}
