@@ -3,8 +3,8 @@
 own (own runtime dir, socket and journal), for the cluster tests and bench/cluster.py. Ray's
 own test cluster (ray.cluster_utils) runs one raylet per simulated node.
 
-The head (the driver's node, no CPUs, no daemon) is 127.0.0.9: Ray rewrites 127.0.0.1 and
-localhost to the machine's outward address, which these tests must never use.
+The head (the driver's node, no CPUs, no daemon) is 127.0.0.9, which node_address skips: Ray
+rewrites 127.0.0.1 and localhost to the machine's outward address, which these tests must never use.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ STANDIN = Path(__file__).resolve().parents[1] / "tests" / "daemon" / "standin_gr
 
 
 def node_address(i: int) -> str:
-    return f"127.0.0.{i + 2}"
+    """Node i's address: 127.0.0.2, 127.0.0.3, ..., skipping the head's (127.0.0.9), since two
+    Ray nodes at one address are one node to the cluster client."""
+    n = i + 2
+    return f"127.0.0.{n if n < 9 else n + 1}"
 
 
 def free_port_on(host: str) -> int:
