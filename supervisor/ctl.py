@@ -14,8 +14,8 @@ Names, output and exit statuses follow supervisord 4.3's supervisorctl. A NAME m
 glob (`engine-*`); `all` and patterns take only the engines the verb applies to (`stop all`
 skips attached and stopped ones), as supervisord's `all` and `group:*` do.
 
-Exit statuses: `status` 0 when every listed engine is RUNNING (or SUSPECT), 3 when one is not,
-4 for an unknown NAME. Other verbs: 0 ok, 1 refused or no such name, 2 usage, 7 an engine that
+Exit statuses: `status` 3 when a listed engine is STOPPED, EXITED or FATAL (supervisord's
+STOPPED_STATES), else 0; 4 for an unknown NAME. Other verbs: 0 ok, 1 refused or no such name, 2 usage, 7 an engine that
 is not running (a start that failed, `signal`/`pid` of an engine with no process). 4 whenever
 the daemon cannot be reached or refuses us. The socket is --socket, else $VIME_SUPERVISOR_SOCKET,
 else /run/vime-supervisor/supervisor.sock.
@@ -64,6 +64,10 @@ EXIT_OK = 0
 EXIT_ERROR = 1  # GENERIC: a refused action, no such name
 EXIT_USAGE = 2  # INVALID_ARGS (argparse's own usage errors exit 2 too)
 EXIT_NOT_RUNNING = 3  # status: an engine is not running
+# supervisord's STOPPED_STATES (states.py): `status` exits 3 when a listed engine is in one;
+# on the way up or down (STARTING, BACKOFF, STOPPING, and our STALE, SYNCING, UNHEALTHY) it
+# exits 0, as supervisord's does for STARTING, BACKOFF and STOPPING.
+STOPPED_STATES = frozenset({State.STOPPED, State.EXITED, State.FATAL})
 EXIT_UNKNOWN = 4  # status: no such name; every verb: the daemon cannot be reached
 EXIT_DEAD = 7  # NOT_RUNNING: a start that failed, nothing to signal
 
@@ -287,7 +291,7 @@ def cmd_status(client: SupervisorClient, args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if _report_missing(sel, engines):
         return EXIT_UNKNOWN
-    return EXIT_OK if all(e["state"] in RUNNING_STATES for e in listed) else EXIT_NOT_RUNNING
+    return EXIT_NOT_RUNNING if any(e["state"] in STOPPED_STATES for e in listed) else EXIT_OK
 
 
 def cmd_pid(client: SupervisorClient, args: argparse.Namespace) -> int:
@@ -679,7 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=PROG,
         description="Control the vime-supervisor daemon: engine status, start/stop/restart/retire/signal, logs.",
-        epilog="Exit status (supervisord's LSB codes): status: 0 all listed engines running, 3 one is not, "
+        epilog="Exit status (supervisord's LSB codes): status: 3 a listed engine STOPPED, EXITED or FATAL, else 0; "
                "4 no such name; other commands: 0 ok, 1 refused or no such name, 2 usage, 7 an engine not "
                "running (a failed start, nothing to signal); 4 daemon unreachable.",
     )

@@ -288,13 +288,15 @@ def test_transition_outcome_reads_the_incarnation_it_waits_for():
 def test_status_all_globs_and_exit_statuses(fleet):
     all_running(fleet.client)
     p = ctl("status", "all", sock=fleet.sock)
-    assert p.returncode == 3, p  # far is not running
+    # far (attached, never answered) is STARTING: as supervisord's, a start in progress exits 0
+    # (3 is for STOPPED, EXITED, FATAL: test_stop_all_start_all, test_client_ctl)
+    assert p.returncode == 0, p
     assert [ln.split()[0] for ln in p.stdout.splitlines()] == list(ENGINES)
     for args in (["e*"], ["e0:*", "e1"], ["?1", "flaky:flaky"]):
         p = ctl("status", *args, sock=fleet.sock)
         assert p.returncode == 0 and p.stderr == "", (args, p)
     p = ctl("status", "e*", "far:*", sock=fleet.sock)
-    assert p.returncode == 3 and [ln.split()[0] for ln in p.stdout.splitlines()] == ["e0", "e1", "far"]
+    assert p.returncode == 0 and [ln.split()[0] for ln in p.stdout.splitlines()] == ["e0", "e1", "far"]
     p = ctl("status", "e0", "nope*", "nope:*", sock=fleet.sock)
     assert p.returncode == 4, p
     assert p.stdout.split()[0] == "e0"
