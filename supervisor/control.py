@@ -91,9 +91,26 @@ def peer_credentials(request: web.Request) -> tuple[int, int, int] | None:
     return pid, uid, gid
 
 
-def peer_uid(request: web.Request) -> int | None:
-    creds = peer_credentials(request)
-    return None if creds is None else creds[1]
+# Requests that change what the daemon does leave one line each, `control.<action>`, with
+# who asked (SO_PEERCRED's uid and pid), what was asked, and how it was answered.
+_AUDIT = "vime.audit"  # request key: the fields a handler adds to its audit line
+_AUDIT_FROM_PATH = {"name": "engine", "n": "round"}  # route placeholder -> audit field
+
+
+def _note(request: web.Request, **fields: Any) -> None:
+    """What a handler adds to its request's audit line (nothing if the route is not audited)."""
+    if _AUDIT in request:
+        request[_AUDIT].update(fields)
+
+
+def _error_code(resp: web.StreamResponse | None) -> str | None:
+    body = getattr(resp, "body", None)
+    if resp is None or resp.status < 400 or not isinstance(body, bytes):
+        return None
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _own_unit() -> str | None:
@@ -227,13 +244,43 @@ class ControlServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        uid = peer_uid(request)
+        creds = peer_credentials(request)
+        uid = None if creds is None else creds[1]
         if uid is None:  # no credentials (the connection is already gone): fail closed
             log.warning("control.refused", uid=None, path=request.path)
             return _error(403, ErrorCode.FORBIDDEN, "the peer's credentials could not be read; connect over the Unix socket")
         if uid not in self.allowed:
-            log.warning("control.refused", uid=uid, path=request.path)
+            log.warning("control.refused", uid=uid, caller_pid=creds[0], path=request.path)
             return _error(403, ErrorCode.FORBIDDEN, f"uid {uid} may not use this socket; add it to supervisor.allowed_uids")
+        action = self._audited(request)
+        if action is None:
+            return await self._answer(request, handler)
+        request[_AUDIT] = {}
+        resp = None
+        try:
+            resp = await self._answer(request, handler)
+            return resp
+        finally:  # answered, refused or cancelled: one line
+            fields = {field: request.match_info[key] for key, field in _AUDIT_FROM_PATH.items()
+                      if key in request.match_info}
+            fields.update(request[_AUDIT], status=None if resp is None else resp.status)
+            if (code := _error_code(resp)) is not None:
+                fields["error"] = code
+            log.info(f"control.{action}", caller_uid=uid, caller_pid=creds[0], **fields)
+
+    def _audited(self, request: web.Request) -> str | None:
+        """The action a request asks for, if it is one that is audited (its route matched)."""
+        route = request.match_info.route
+        if request.method != "POST" or route.resource is None:
+            return None
+        pattern = route.resource.canonical
+        if pattern == ENGINE_ACTION_PATTERN:
+            action = request.match_info.get("action")
+            return action if action in set(Action) or action == FAILURES else None
+        return self._audit_names.get(pattern)
+
+    async def _answer(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > MAX_BODY:
             # Refused before reading: a client that declares 100 MB and sends a little would
             # otherwise hold the connection until it sends the rest.
@@ -336,6 +383,13 @@ class ControlServer:
             ("GET", INCIDENTS_PATH): self.incidents,
         }
         assert set(handlers) == set(ROUTES), "protocol.ROUTES and the handlers differ"
+        # Audited POST routes besides the engine actions (audited by their action's name).
+        self._audit_names = {
+            API + "/rounds/{n}/" + RoundPhase.START: "round_start",
+            API + "/rounds/{n}/" + RoundPhase.END: "round_end",
+            WEIGHTS_PATH: "weights",
+            ENGINE_SIGNAL_PATTERN: "signal",
+        }
         for method, path in ROUTES:  # in the protocol's order: the sync route before {action}
             self.app.router.add_route(method, path, handlers[method, path])
 
@@ -349,17 +403,21 @@ class ControlServer:
         await self._body(request, {})
         n = self._number(request, "n")
         changed, message = self.fleet.start_round(n)
+        _note(request, round=n, changed=changed)
         return web.json_response({"round": n, "open": True, "changed": changed, "message": message})
 
     async def round_end(self, request: web.Request) -> web.Response:
         await self._body(request, {})
         n = self._number(request, "n")
         changed, message = self.fleet.end_round(n)
+        _note(request, round=n, changed=changed)
         return web.json_response({"round": n, "open": False, "changed": changed, "message": message})
 
     async def publish_weights(self, request: web.Request) -> web.Response:
         body = await self._body(request, {"version": (int,), "checkpoint": (str, type(None))}, {"version"})
+        _note(request, version=body["version"], checkpoint=body.get("checkpoint"))
         changed, message = await self.fleet.publish_weights(body["version"], body.get("checkpoint"))
+        _note(request, changed=changed)
         return web.json_response({"weight_version": self.fleet.current_version, "changed": changed,
                                   "message": message, "epoch": self.fleet.epoch})
 
@@ -370,15 +428,18 @@ class ControlServer:
             body = await self._body(request, {"detail": (str,), "poisoned": (bool,), "incarnation": (int,)})
             if "incarnation" in body:
                 check_version("incarnation", body["incarnation"])
+            _note(request, poisoned=body.get("poisoned", False), incarnation=body.get("incarnation"))
             result = self.fleet.report_failure(runner, body.get("detail") or "request failed",
                                                poisoned=body.get("poisoned", False),
                                                incarnation=body.get("incarnation"))
+            _note(request, counted=result["counted"], state=result["state"])
             return web.json_response({"engine": runner.name, **result})
         if action not in set(Action):
             raise ApiError(404, ErrorCode.UNKNOWN_ACTION,
                            f"no action {action!r}; use {', '.join(Action)} or {FAILURES}")
         await self._body(request, {})
         message = await self.fleet.engine_action(runner, action)
+        _note(request, message=message, state=runner.fsm.state.value, incarnation=runner.fsm.incarnation)
         return web.json_response({"engine": runner.name, "action": action, "state": runner.fsm.state.value,
                                   "message": message, "incarnation": runner.fsm.incarnation})
 
@@ -396,16 +457,13 @@ class ControlServer:
             raise Conflict(f"{runner.name} is attached ({runner.spec.base_url}): the daemon did not start it and "
                            f"cannot signal it; signal it on the host that runs it")
         pid, state = runner.pid, runner.fsm.state.value
+        _note(request, signal=sig.name, pid=pid, state=state, incarnation=runner.fsm.incarnation)
         if pid is None:
             raise ApiError(409, ErrorCode.NOT_RUNNING, f"{runner.name} is not running ({state}): no process to signal")
-        creds = peer_credentials(request)
-        caller_pid, caller_uid = (creds[0], creds[1]) if creds else (None, None)
         try:
             os.kill(pid, sig)
         except ProcessLookupError:  # it exited a moment ago: its exit is being handled
             raise ApiError(409, ErrorCode.NOT_RUNNING, f"{runner.name} is not running (pid {pid} exited just now)") from None
-        log.info("control.signal", engine=runner.name, signal=sig.name, pid=pid, state=state,
-                 incarnation=runner.fsm.incarnation, caller_uid=caller_uid, caller_pid=caller_pid)
         return web.json_response({"engine": runner.name, "signal": sig.name, "pid": pid, "state": state,
                                   "message": "signalled"})
 

@@ -23,7 +23,8 @@ from .engine import EngineRunner
 from .errors import BadRequest, Conflict
 from .events import EventBus, Listener, Subscription
 from .fsm import ProbeOutcome, Transition
-from .metrics import FleetStats
+from .logs import exit_fields
+from .metrics import FleetStats, detection_kind
 from .policy import FleetPolicy
 from .protocol import Event
 from .states import State
@@ -110,9 +111,12 @@ class Fleet(Listener):
         self.bus.emit(name, **fields)
 
     def on_transition(self, t: Transition) -> None:
-        level = log.warning if t.to_state in (State.UNHEALTHY, State.FATAL, State.EXITED) else log.info
+        # The level is the journal's priority: FATAL waits for an operator, a detection is a
+        # warning, the rest is the supervision's routine.
+        level = log.error if t.to_state is State.FATAL else log.warning if detection_kind(t) else log.info
         level("engine.transition", engine=t.engine, from_state=t.from_state.value,
-              to_state=t.to_state.value, reason=t.reason, cause=t.cause.value, incarnation=t.incarnation)
+              to_state=t.to_state.value, reason=t.reason, cause=t.cause.value, incarnation=t.incarnation,
+              **self._log_fields(t.engine))
         self.emit(Event.TRANSITION, engine=t.engine, from_state=t.from_state.value,
                   to_state=t.to_state.value, reason=t.reason, cause=t.cause.value, incarnation=t.incarnation)
         self._membership_changed()
@@ -122,6 +126,18 @@ class Fleet(Listener):
             log.info("engine.probe_failed", engine=engine, detail=outcome.detail)
         elif outcome.excuse is not None:  # late, and judged busy or paused: not a failure
             log.info("engine.probe_excused", engine=engine, excuse=outcome.excuse, detail=outcome.detail)
+
+    def _log_fields(self, engine: str | None = None) -> dict[str, Any]:
+        """What an operator filters log lines on: the open round; the engine's process (pid)
+        and, once it is gone, how it ended (exit_code or signal; unknown for an adopted one)."""
+        out: dict[str, Any] = {"round": self.round} if self.round_open else {}
+        runner = self.runners.get(engine) if engine is not None else None
+        proc = runner.proc if runner is not None else None
+        if proc is not None:
+            out["pid"] = proc.pid
+            if not proc.adopted and proc.returncode is not None:
+                out.update(exit_fields(proc.returncode))
+        return out
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -144,7 +160,7 @@ class Fleet(Listener):
             self.emit(Event.FLOOR_RESTORED, routable=len(m.routable), min_healthy=floor)
         elif m.breached:
             log.error("fleet.below_min_healthy", routable=len(m.routable), min_healthy=floor,
-                      engines={r.name: r.state.value for r in self.runners.values()})
+                      engines={r.name: r.state.value for r in self.runners.values()}, **self._log_fields())
             self.emit(Event.FLOOR_BREACH, routable=len(m.routable), min_healthy=floor)
 
     # -- rounds ----------------------------------------------------------------------------
