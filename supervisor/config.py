@@ -92,6 +92,10 @@ class Config:
     allowed_uids: tuple[int, ...] = ()  # control socket peers besides our own uid
     socket_group: str = ""  # group owning the socket (mode 0660), so its members can connect
     sync_timeout: float = 300.0  # a push or reload not verified by then poisons the engine
+    # Prometheus' GET /metrics over TCP: "127.0.0.1:9464"; "" for none. Loopback only, unless
+    # metrics_allow_remote: the metrics name every engine and its URL.
+    metrics_address: str = ""
+    metrics_allow_remote: bool = False
     warmup: WarmupPolicy = WarmupPolicy()  # sent to each new incarnation before it is RUNNING
     # The engines' API key (engine_defaults.api_key_file): spawned engines get it as VLLM_API_KEY
     # in their environment, never on argv; the daemon sends it to every engine. Never printed.
@@ -124,6 +128,8 @@ _SUPERVISOR = {
     "allowed_uids": list,
     "socket_group": str,
     "sync_timeout": float,
+    "metrics_address": str,
+    "metrics_allow_remote": bool,
 }
 _HEALTH = {
     "first_wait": float,
@@ -323,6 +329,7 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     if _finite(rpolicy.backoff_max, rpolicy.backoff_initial) and rpolicy.backoff_max < rpolicy.backoff_initial:
         problems.append("restart.backoff_max: must be >= backoff_initial")
     _check_startup(sup, problems)
+    _check_metrics_address(sup, problems, warnings)
     if _finite(sup.get("stop_timeout", 1.0)) and sup.get("stop_timeout", 1.0) <= 0:
         problems.append(f"supervisor.stop_timeout: must be > 0, got {sup['stop_timeout']:g}")
     if sup.get("log_level", "info") not in _LOG_LEVELS:
@@ -415,6 +422,62 @@ def _check_finite(sections: dict[str, dict[str, Any]], problems: list[str]) -> N
     if math.isfinite(sync_timeout) and sync_timeout <= 0:
         problems.append(f"supervisor.sync_timeout: must be > 0 seconds, got {sync_timeout:g}; a push "
                         "or reload gets this long before the engine counts as poisoned")
+
+
+def parse_metrics_address(text: str) -> tuple[str, int]:
+    """("127.0.0.1", 9464) from "127.0.0.1:9464" ("[::1]:9464", "localhost:9464"); ValueError
+    says what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port:
+        raise ValueError(f"must be HOST:PORT, e.g. 127.0.0.1:9464, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"put an IPv6 address in brackets ([::1]:9464), got {text!r}")
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"the port must be a number in 1..65535, got {text!r}")
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"give an IP address (127.0.0.1:{port}), not a host name, got {text!r}") from None
+    return host, int(port)
+
+
+def _check_metrics_address(sup: dict[str, Any], problems: list[str], warnings: list[str]) -> None:
+    """The metrics listener's address: loopback unless the operator opts in, since the metrics
+    name every engine and its URL (and a scrape costs the daemon CPU)."""
+    text = sup.get("metrics_address", "")
+    if not text:
+        if sup.get("metrics_allow_remote"):
+            warnings.append("supervisor.metrics_allow_remote = true has no effect without metrics_address")
+        return
+    where = "supervisor.metrics_address"
+    try:
+        host, port = parse_metrics_address(text)
+    except ValueError as e:
+        problems.append(f"{where}: {e}")
+        return
+    ip = ipaddress.ip_address(host)
+    if not ip.is_loopback:
+        if not sup.get("metrics_allow_remote"):
+            problems.append(f"{where}: {host} is not a loopback address, and the metrics name every engine and "
+                            f"its URL: use 127.0.0.1:{port} (a Prometheus on this host, or an SSH tunnel, reads it "
+                            "there), or set supervisor.metrics_allow_remote = true if you mean it (then firewall "
+                            "the port)")
+            return
+        if ip.is_unspecified:
+            warnings.append(f"{where}: {text} listens on every address of this machine; firewall port {port}")
+    if not ip.is_unspecified:
+        # What the listener will do: bind (host, port). Here with port 0, so nothing is taken.
+        try:
+            with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+        except OSError as e:
+            why = ("it is not an address of this machine (ip -brief address)" if e.errno == errno.EADDRNOTAVAIL
+                   else e.strerror)
+            problems.append(f"{where}: cannot listen on {host}: {why}")
 
 
 def _check_url(where: str, url: str, problems: list[str]) -> None:
@@ -688,6 +751,7 @@ _FLAG_KEYS = {
     "log_dir": ("supervisor", "log_dir"),
     "state_dir": ("supervisor", "state_dir"),
     "log_level": ("supervisor", "log_level"),
+    "metrics_address": ("supervisor", "metrics_address"),
 }
 
 
@@ -735,6 +799,9 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--log-dir", help="engine logs, one file per incarnation")
     g.add_argument("--state-dir", help="the journal that lets a restarted daemon lose nothing")
     g.add_argument("--log-level", help="debug, info, warning, error")
+    g.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help="serve Prometheus' GET /metrics over TCP here, e.g. 127.0.0.1:9464 (loopback only "
+                        "unless supervisor.metrics_allow_remote; default: none)")
 
 
 def load(path: str, args: argparse.Namespace | None = None) -> Config:

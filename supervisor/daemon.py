@@ -31,7 +31,7 @@ from .events import EventBus
 from .fleet import Fleet
 from .fsm import vlabel
 from .journal import JournalError, JournalWriter
-from .metrics import FleetStats
+from .metrics import FleetStats, MetricsListener
 from .policy import FleetPolicy
 from .process import (
     boot_id, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of, proc_stat, stop_group_of)
@@ -93,6 +93,8 @@ class Supervisor:
             control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None)
             await control.start()
+            metrics = MetricsListener(self.fleet, cfg.metrics_address)  # "": none
+            await metrics.start()
             log.info("supervisor.started", pid=os.getpid(), socket=cfg.socket_path, engines=[s.name for s in cfg.engines],
                      fault_tolerance=cfg.use_fault_tolerance, interval=cfg.probe.interval,
                      timeout=cfg.probe.timeout, failure_threshold=cfg.probe.failure_threshold,
@@ -113,6 +115,7 @@ class Supervisor:
                 # In this order: engines are stopped (above), the socket closes, syncs end,
                 # the journal's last write, then whatever task is left.
                 await control.stop()
+                await metrics.stop()
                 await self.sync.close()
                 await self.journal.close()
                 await self.tasks.aclose()

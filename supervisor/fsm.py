@@ -73,6 +73,9 @@ class ProbeOutcome:
     # advancing, vLLM's counters still) or "paused" (generation held by /pause). Bounded by
     # ProbePolicy.max_busy / max_paused.
     excuse: str | None = None
+    # What the heartbeat saw, one of probes.PROBE_KINDS (vime_probes_total{outcome}); None:
+    # read as "ok" or "error" by its `ok`.
+    kind: str | None = None
 
 
 def vlabel(version: int | str | None) -> str:

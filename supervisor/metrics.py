@@ -1,25 +1,39 @@
 """The daemon's statistics and their Prometheus rendering.
 
-`FleetStats` is fed by the event bus (a listener): detections by engine and kind, weight-sync
-outcomes and three histograms (probe latency, detection to routable, sync duration). Labels
-are read from each transition's structured cause, never from its reason text. `render` turns
-the statistics and the fleet's state into Prometheus' text format at scrape time.
+`FleetStats` is fed by the event bus (a listener): detections by engine and kind, restarts
+by cause, heartbeats by outcome, weight-sync outcomes and three histograms (probe latency,
+detection to routable, sync duration). Labels are read from each transition's structured
+cause and each probe's kind, never from reason text. `render` turns the statistics and the
+fleet's state into Prometheus' text format at scrape time. Every label set an engine can
+have is there from the start at 0, so the first detection is an increase() like any other.
+
+`MetricsListener` serves GET /metrics over loopback TCP for Prometheus (config
+`metrics_address`): the same families as the control socket's /v1/metrics, plus the
+daemon's own process_* and python_* (prometheus_client's collectors).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from typing import Iterator, Protocol
 
-from prometheus_client import CollectorRegistry, generate_latest
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from .config import parse_metrics_address
 from .engine import EngineRunner
 from .events import EventBus, Listener
 from .fsm import ProbeOutcome, Transition
 from .policy import FleetPolicy
+from .probes import PROBE_KINDS
 from .protocol import Event
 from .states import Cause, State
+
+log = structlog.get_logger("vime.metrics")
 
 
 class Histogram:
@@ -45,6 +59,17 @@ class Histogram:
 PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RECOVERY_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 SYNC_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+# vime_detections_total{kind}: see detection_kind.
+DETECTION_KINDS = ("exit", "hang", "poisoned", "reported")
+# vime_engine_restarts_total{cause}: why the incarnation before a restart ended (the cause of
+# the transition that took it down), or "operator" when an operator asked for the start.
+RESTART_CAUSES = tuple(c.value for c in (
+    Cause.EXIT, Cause.HANG, Cause.BUSY, Cause.PAUSED, Cause.REPORTED, Cause.POISONED, Cause.SYNC_FAILED,
+    Cause.START_FAILED, Cause.SLOW_START, Cause.OPERATOR))
+# Starts that are restarts (the first start, and a re-adoption after a daemon restart, are not).
+_RESTART_STARTS = frozenset({Cause.RESTART, Cause.RETRY, Cause.OPERATOR})
 
 
 def detection_kind(t: Transition) -> str | None:
@@ -73,10 +98,18 @@ class FleetStats(Listener):
         self.recovery_time = Histogram(RECOVERY_BUCKETS)
         self.sync_time = Histogram(SYNC_BUCKETS)
         self.syncs: dict[str, int] = {}  # "verified" | "failed" -> count
+        self.restarts: dict[tuple[str, str], int] = {}  # (engine, cause: see RESTART_CAUSES) -> count
+        self.probes: dict[tuple[str, str], int] = {}  # (engine, probes.PROBE_KINDS) -> count
         self._detected_at: dict[str, float] = {}  # engine -> when its last failure was seen
         self._sync_began: dict[str, float] = {}
+        self._last_cause: dict[str, Cause] = {}  # engine -> cause of its last transition
 
     def on_transition(self, t: Transition) -> None:
+        if t.to_state is State.STARTING and t.cause in _RESTART_STARTS and t.incarnation > 1:
+            down = self._last_cause.get(t.engine, t.cause)
+            cause = (Cause.OPERATOR if t.cause is Cause.OPERATOR else down).value
+            self.restarts[(t.engine, cause)] = self.restarts.get((t.engine, cause), 0) + 1
+        self._last_cause[t.engine] = t.cause
         kind = detection_kind(t)
         if kind:
             self.detections[(t.engine, kind)] = self.detections.get((t.engine, kind), 0) + 1
@@ -93,6 +126,8 @@ class FleetStats(Listener):
                 self.sync_time.observe(t.at - self._sync_began.pop(t.engine))
 
     def on_probe(self, engine: str, outcome: ProbeOutcome) -> None:
+        kind = outcome.kind or ("ok" if outcome.ok else "error")
+        self.probes[(engine, kind)] = self.probes.get((engine, kind), 0) + 1
         if outcome.ok and outcome.latency is not None:
             self.probe_latency.observe(outcome.latency)
 
@@ -122,29 +157,39 @@ class FleetCollector:
         fleet, policy, stats = self.fleet, self.fleet.policy, self.fleet.stats
         runners = list(fleet.runners.values())
         state = GaugeMetricFamily("vime_engine_state", "1 for the state each engine is in", labels=["engine", "state"])
-        restarts = CounterMetricFamily("vime_engine_restarts", "Restarts of each engine", labels=["engine"])
+        restarts = CounterMetricFamily("vime_engine_restarts", "Restarts of each engine, by why the last incarnation "
+                                       "ended (a Cause; operator: asked for)", labels=["engine", "cause"])
+        probes = CounterMetricFamily("vime_probes", "Heartbeats of each engine, by outcome",
+                                     labels=["engine", "outcome"])
+        detections = CounterMetricFamily("vime_detections", "Failures detected, by engine and kind "
+                                         "(exit, hang, poisoned, reported)", labels=["engine", "kind"])
         version = GaugeMetricFamily("vime_engine_weight_version", "Weight version each engine reports (-1: base)",
                                     labels=["engine"])
         latency = GaugeMetricFamily("vime_engine_probe_latency_seconds", "Latency of the last answered probe",
                                     labels=["engine"])
         routable = GaugeMetricFamily("vime_engine_routable", "1 if the engine may take traffic", labels=["engine"])
+        unusual: dict[str, set[str]] = {}  # restart causes outside RESTART_CAUSES, shown when they happen
+        for engine, cause in stats.restarts:
+            if cause not in RESTART_CAUSES:
+                unusual.setdefault(engine, set()).add(cause)
         for r in runners:
             for s in State:
                 state.add_metric([r.name, s.value], 1.0 if r.fsm.state is s else 0.0)
-            restarts.add_metric([r.name], r.fsm.restarts)
+            for cause in (*RESTART_CAUSES, *sorted(unusual.get(r.name, ()))):
+                restarts.add_metric([r.name, cause], stats.restarts.get((r.name, cause), 0))
+            for kind in PROBE_KINDS:
+                probes.add_metric([r.name, kind], stats.probes.get((r.name, kind), 0))
+            for kind in DETECTION_KINDS:
+                detections.add_metric([r.name, kind], stats.detections.get((r.name, kind), 0))
             v = r.fsm.weight_version
             version.add_metric([r.name], float(v) if isinstance(v, int) else -1.0)
             if r.fsm.last_probe is not None and r.fsm.last_probe.latency is not None:
                 latency.add_metric([r.name], r.fsm.last_probe.latency)
             routable.add_metric([r.name], 1.0 if fleet.is_routable(r) else 0.0)
-        detections = CounterMetricFamily("vime_detections", "Failures detected, by engine and kind (exit, hang)",
-                                         labels=["engine", "kind"])
-        for (engine, kind), n in sorted(stats.detections.items()):
-            detections.add_metric([engine, kind], n)
         syncs = CounterMetricFamily("vime_syncs", "Weight syncs of restarted engines, by outcome", labels=["outcome"])
         for outcome in ("verified", "failed"):
             syncs.add_metric([outcome], stats.syncs.get(outcome, 0))
-        yield from (state, restarts, version, latency, routable, detections, syncs)
+        yield from (state, restarts, probes, version, latency, routable, detections, syncs)
         yield stats.probe_latency.family("vime_probe_latency_seconds", "Latency of answered heartbeats")
         yield stats.recovery_time.family("vime_detection_to_routable_seconds",
                                          "From a detected failure to the engine routable again")
@@ -166,3 +211,56 @@ def render(fleet: FleetReadings) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(fleet))
     return generate_latest(registry)
+
+
+# The daemon's own process (CPU, memory, descriptors, start time), interpreter and GC: what
+# prometheus_client's default registry would hold, kept apart from the fleet's families.
+_PROCESS = CollectorRegistry(auto_describe=False)
+for _collector in (ProcessCollector, PlatformCollector, GCCollector):
+    _collector(registry=_PROCESS)
+METRICS_ROUTE = "/metrics"
+
+
+class MetricsListener:
+    """GET /metrics over TCP at `address` (config metrics_address, "127.0.0.1:9464"; "" for
+    none), for Prometheus. A listener that cannot bind is logged and left out: supervision
+    never waits on the metrics. Scrapes never block the event loop: the fleet's families are
+    read on it (its state belongs to the loop) from memory, the process' (/proc reads) on a
+    worker thread."""
+
+    def __init__(self, fleet: FleetReadings, address: str):
+        self.fleet = fleet
+        self.address = address
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> bool:
+        if not self.address:
+            return False
+        host, port = parse_metrics_address(self.address)
+        app = web.Application()
+        app.router.add_get(METRICS_ROUTE, self._metrics)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:
+            await runner.cleanup()
+            log.error("metrics.unavailable", address=self.address, error=e.strerror or str(e),
+                      action="supervision goes on without the TCP metrics listener; free the port or change "
+                             "supervisor.metrics_address, then restart the daemon (/v1/metrics on the socket still "
+                             "answers)")
+            return False
+        self._runner = runner
+        shown = f"[{host}]" if ":" in host else host
+        log.info("metrics.listening", url=f"http://{shown}:{port}{METRICS_ROUTE}")
+        return True
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        fleet = render(self.fleet)
+        process = await asyncio.to_thread(generate_latest, _PROCESS)
+        return web.Response(body=process + fleet, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

@@ -40,6 +40,12 @@ MAX_METRICS = 4 << 20
 # engine moves its counters within a few steps) and the group's CPU time (50 clock ticks of
 # one core: enough resolution to tell 10% of a core from a stopped group's <1%).
 PROGRESS_WINDOW = 0.5
+# What a heartbeat saw (ProbeOutcome.kind; vime_probes_total{outcome}): answered in time;
+# late, but vLLM's counters rose meanwhile; late, the group burning CPU with no token counted
+# (excused up to max_busy); generation held by /pause (excused up to sync_timeout); a process
+# of the group stopped (state T); late with no sign of work; the connection refused; any other
+# failure (an HTTP error status, an answer that cannot be read).
+PROBE_KINDS = ("ok", "late_progress", "late_busy", "paused", "stopped", "timeout", "refused", "error")
 # Our published versions are integers below 2**63 (what the journal, metrics and JSON
 # consumers all take); anything else an engine says is an opaque label, never "current".
 _VERSION = re.compile(r"[0-9]{1,19}")
@@ -136,18 +142,19 @@ class Prober:
             ) as r:
                 latency = time.monotonic() - t0
                 if r.status == 200:
-                    return ProbeOutcome(True, "health 200", latency)
+                    return ProbeOutcome(True, "health 200", latency, kind="ok")
                 if r.status == 503:
-                    return ProbeOutcome(False, "health 503: engine core dead", latency)
-                return ProbeOutcome(False, f"health {r.status}", latency)
+                    return ProbeOutcome(False, "health 503: engine core dead", latency, kind="error")
+                return ProbeOutcome(False, f"health {r.status}", latency, kind="error")
         except asyncio.TimeoutError:
-            return ProbeOutcome(False, f"health timeout after {timeout or self.timeout:g}s")
+            return ProbeOutcome(False, f"health timeout after {timeout or self.timeout:g}s", kind="timeout")
         except aiohttp.ClientConnectorError as e:
-            return ProbeOutcome(False, f"health: connection refused ({e.os_error.strerror if e.os_error else e})")
+            return ProbeOutcome(False, f"health: connection refused ({e.os_error.strerror if e.os_error else e})",
+                                kind="refused")
         except aiohttp.ClientError as e:
-            return ProbeOutcome(False, f"health: {type(e).__name__}: {e}")
+            return ProbeOutcome(False, f"health: {type(e).__name__}: {e}", kind="error")
         except Exception as e:  # whatever the engine answered, a probe reports, never raises
-            return ProbeOutcome(False, f"health: {type(e).__name__}: {e}")
+            return ProbeOutcome(False, f"health: {type(e).__name__}: {e}", kind="error")
 
     async def generate(self) -> ProbeOutcome:
         """One greedy token within the probe timeout; a late answer is judged by progress.
@@ -165,26 +172,27 @@ class Prober:
                 if status == 503 and "paused" in text.lower():
                     # vLLM >= 0.33 answers 503 engine_paused while a trainer pushes weights
                     # (0.32 queues the request instead): a paused engine is not a hung one.
-                    return ProbeOutcome(True, "paused: generation held by /pause", latency, excuse="paused")
-                return ProbeOutcome(False, f"generate {status}: {text}", latency)
+                    return ProbeOutcome(True, "paused: generation held by /pause", latency, excuse="paused",
+                                        kind="paused")
+                return ProbeOutcome(False, f"generate {status}: {text}", latency, kind="error")
             data = json.loads(raw)
             if not data.get("choices"):
-                return ProbeOutcome(False, "generate: no choices in answer", latency)
-            return ProbeOutcome(True, "ok", latency)
+                return ProbeOutcome(False, "generate: no choices in answer", latency, kind="error")
+            return ProbeOutcome(True, "ok", latency, kind="ok")
         except asyncio.TimeoutError:  # before OSError: TimeoutError is one since Python 3.11
             return await self._late()
         except aiohttp.ClientConnectorError:
-            return ProbeOutcome(False, "generate: connection refused")
+            return ProbeOutcome(False, "generate: connection refused", kind="refused")
         except aiohttp.ClientError as e:
-            return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
+            return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}", kind="error")
         except ConnectionRefusedError:  # the lean client could not connect
-            return ProbeOutcome(False, "generate: connection refused")
+            return ProbeOutcome(False, "generate: connection refused", kind="refused")
         except OSError as e:  # unreachable, no such host, ...
-            return ProbeOutcome(False, f"generate: cannot connect: {e}")
+            return ProbeOutcome(False, f"generate: cannot connect: {e}", kind="error")
         except HttpProtocolError as e:  # it connected, but the answer was cut short or unreadable
-            return ProbeOutcome(False, f"generate: HttpProtocolError: {e}")
+            return ProbeOutcome(False, f"generate: HttpProtocolError: {e}", kind="error")
         except Exception as e:  # a malformed answer (not JSON, wrong shape) is a failed probe
-            return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}")
+            return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}", kind="error")
 
     async def progress(self) -> Progress | None:
         # Its own 2 s bound, not the probe timeout: a busy API server answers /metrics late too,
@@ -236,7 +244,7 @@ class Prober:
         if deep.ok:
             return deep
         live = await self.health()
-        return deep if live.ok else ProbeOutcome(False, f"{live.detail}; {deep.detail}", deep.latency)
+        return deep if live.ok else ProbeOutcome(False, f"{live.detail}; {deep.detail}", deep.latency, kind=deep.kind)
 
     async def weight_version(self) -> int | str | None:
         """The engine's weight version from vLLM's /weight_info (dev mode), as ours: None for
@@ -271,18 +279,19 @@ def judge_late(timeout: float, before: Progress | None, now: Progress | None,
     """Pure: what a probe that got no answer within `timeout` means, from readings taken now."""
     late = f"probe late (>{timeout:g}s)"
     if cpu_after is not None and cpu_after.stopped:
-        return ProbeOutcome(False, f"{late}; stopped: {describe(cpu_after.stopped)}")
+        return ProbeOutcome(False, f"{late}; stopped: {describe(cpu_after.stopped)}", kind="stopped")
     # Counters that rose prove the engine loop stepped, whether or not requests are still
     # running at this instant (a round may just have ended).
     if before and now and now.tokens > before.tokens:
-        return ProbeOutcome(True, f"busy: {late}, {now.tokens - before.tokens:g} tokens processed meanwhile")
+        return ProbeOutcome(True, f"busy: {late}, {now.tokens - before.tokens:g} tokens processed meanwhile",
+                            kind="late_progress")
     if paused:
-        return ProbeOutcome(True, f"paused: {late}, generation held by /pause", excuse="paused")
+        return ProbeOutcome(True, f"paused: {late}, generation held by /pause", excuse="paused", kind="paused")
     if cpu_before is not None and cpu_after is not None:
         working, cores = busy(cpu_before, cpu_after)
         if working:
             return ProbeOutcome(True, f"busy: {late}, no tokens, processes at {cores:.0%} of a core",
-                                excuse="busy")
+                                excuse="busy", kind="late_busy")
         return ProbeOutcome(False, f"timeout after {timeout:g}s, no progress (processes at {cores:.0%} "
-                                   f"of a core: {cpu_after.describe()})")
-    return ProbeOutcome(False, f"timeout after {timeout:g}s, no progress")
+                                   f"of a core: {cpu_after.describe()})", kind="timeout")
+    return ProbeOutcome(False, f"timeout after {timeout:g}s, no progress", kind="timeout")
