@@ -236,9 +236,9 @@ def process_name(pid: int, comm: str) -> str:
     return f"python {Path(script).name}" if script else comm
 
 
-def memory(nodes: list[SimNode]) -> dict[str, Any]:
-    """PSS by kind of every process this run started: Ray's (everything below the driver that is
-    not a daemon or a stand-in server), the daemons, the stand-in servers; and the driver."""
+def kinds(nodes: list[SimNode]) -> tuple[dict[int, str], set[int], set[int]]:
+    """The processes this run started, by kind: Ray's (pid -> comm: everything below the driver
+    that is not a daemon or a stand-in server), the daemons', the stand-in servers'."""
     below = descendants(os.getpid())
     daemons: set[int] = set()
     standins: set[int] = set()
@@ -247,6 +247,30 @@ def memory(nodes: list[SimNode]) -> dict[str, Any]:
             if proc is not None and proc.poll() is None:
                 into |= {proc.pid, *descendants(proc.pid)}  # their own children: none for attached engines
     ray = {pid: comm for pid, comm in below.items() if pid not in daemons and pid not in standins}
+    return ray, daemons, standins
+
+
+def idle_cpu(nodes: list[SimNode], seconds: float) -> dict[str, float]:
+    """What the rig burns with nobody calling it, in % of one core over `seconds`: Ray's
+    processes, the daemons (probing their engines), the stand-in servers (answering)."""
+    ray, daemons, standins = kinds(nodes)
+    groups = {"ray": set(ray), "daemons": daemons, "standins": standins, "driver": {os.getpid()}}
+
+    def ticks() -> dict[str, int]:
+        return {k: sum(st.cpu_ticks for p in pids if (st := proc_stat(p)) is not None) for k, pids in groups.items()}
+
+    t0, a = time.monotonic(), ticks()
+    time.sleep(seconds)
+    b, dt = ticks(), time.monotonic() - t0
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {f"idle_cpu_{k}_pct": round(100 * (b[k] - a[k]) / tick / dt, 1) for k in groups}
+    out["idle_cpu_pct"] = round(sum(out.values()), 1)
+    return out
+
+
+def memory(nodes: list[SimNode]) -> dict[str, Any]:
+    """PSS by kind of every process this run started (kinds()), and the driver's."""
+    ray, daemons, standins = kinds(nodes)
     by_comm: dict[str, float] = {}
     for pid, comm in ray.items():
         name = process_name(pid, comm)
@@ -316,6 +340,7 @@ class Rig:
     sup: Any = None
     pool: ThreadPoolExecutor | None = None
     started: dict[int, Any] = field(default_factory=dict)  # pid -> ProcStat of Ray's processes
+    idle_window: float = 5.0  # seconds over which the rig's idle CPU is measured
 
     def start(self, setup: dict[str, Any]) -> None:
         t0 = time.monotonic()
@@ -353,11 +378,13 @@ class Rig:
         setup["start_total_s"] = round(time.monotonic() - t0, 2)
         time.sleep(2 * self.interval)  # the daemons' heartbeats in their steady state
         setup.update(memory(self.nodes))
+        setup.update(idle_cpu(self.nodes, self.idle_window))
         setup["ray_per_node_mib"] = round((setup["ray_mib"] - setup["ray_head_mib"]) / self.n, 1)
         setup["mem_available_mib"] = round(mem_available_mib())
         say(f"  agents placed, {want} engines routable in {setup['agents_s']:.1f} s; Ray {setup['ray_mib']:.0f} MiB "
             f"PSS ({setup['ray_processes']} processes), daemons {setup['daemons_mib']:.0f} MiB, "
-            f"stand-ins {setup['standins_mib']:.0f} MiB")
+            f"stand-ins {setup['standins_mib']:.0f} MiB; idle, the rig uses {setup['idle_cpu_pct']:.0f}% of a core "
+            f"(Ray {setup['idle_cpu_ray_pct']:.0f}%, daemons {setup['idle_cpu_daemons_pct']:.0f}%)")
         self.pool = ThreadPoolExecutor(max_workers=self.n, thread_name_prefix="bench-direct")
         self.note_processes()  # the raylets' helpers and the agents, started after their raylets
 
@@ -449,6 +476,7 @@ def measure_latency(rig: Rig, reps: int, warmup: int, counter: list[int]) -> dic
         "direct_seq": {"round": seq_round, "routable": lambda: [c.routable_engines() for c in clients]},
         "direct_conc": {"round": conc_round, "routable": lambda: list(pool.map(lambda c: c.routable_engines(), clients))},
     }
+    load_before = os.getloadavg()[0]
     samples: dict[str, dict[str, list[float]]] = {w: {"round": [], "routable": []} for w in ways}
     order = list(ways)
     for i in range(warmup + reps):
@@ -459,7 +487,7 @@ def measure_latency(rig: Rig, reps: int, warmup: int, counter: list[int]) -> dic
                 dt = time.perf_counter() - t0
                 if i >= warmup:
                     samples[way][call].append(dt)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"load": [round(load_before, 2), round(os.getloadavg()[0], 2)]}  # 1-min averages
     for call in ("round", "routable"):
         row = {way: stats_ms(samples[way][call]) for way in ways}
         c = row["cluster"]["p50_ms"]
@@ -591,7 +619,7 @@ def run_nodes(n: int, args: argparse.Namespace, tmp: Path, counter: list[int], e
                            f"{est_per_node:.0f} MiB per node), {avail:.0f} MiB available")
         say(f"  {result['error']}")
         return result
-    rig = Rig(n, args.engines_per_node, args.interval, tmp)
+    rig = Rig(n, args.engines_per_node, args.interval, tmp, idle_window=2.0 if args.quick else 5.0)
     try:
         rig.start(result["setup"])
         say(f"  latency: {args.reps} reps (+{args.warmup} warm-up) of each call, three ways")
@@ -619,9 +647,10 @@ def table(data: dict[str, Any]) -> str:
     lines = [f"cluster client vs direct sockets: {a['engines_per_node']} stand-in engines per node, "
              f"{a['reps']} reps; p50 / p95 in ms",
              "  round = start_round + end_round on every node; direct seq: the driver calls each node's socket "
-             "in turn; conc: all nodes at once (thread pool); ratio = cluster / direct",
+             "in turn; conc: all nodes at once (thread pool); ratio = cluster / direct; load: the machine's "
+             "1-minute load average when the reps began and ended",
              f"{'nodes':>5} {'engines':>7} {'call':>9} {'cluster p50':>11} {'p95':>7} {'seq p50':>8} {'p95':>7} "
-             f"{'conc p50':>8} {'p95':>7} {'p50/seq':>7} {'p50/conc':>8}"]
+             f"{'conc p50':>8} {'p95':>7} {'p50/seq':>7} {'p50/conc':>8} {'load':>9}"]
     for run in data["runs"]:
         lat = run.get("latency")
         if not lat:
@@ -633,7 +662,7 @@ def table(data: dict[str, Any]) -> str:
                 f"{run['nodes']:>5} {run['engines']:>7} {call:>9} {r['cluster']['p50_ms']:11.2f} "
                 f"{r['cluster']['p95_ms']:7.2f} {r['direct_seq']['p50_ms']:8.2f} {r['direct_seq']['p95_ms']:7.2f} "
                 f"{r['direct_conc']['p50_ms']:8.2f} {r['direct_conc']['p95_ms']:7.2f} {fmt(r['ratio_p50_seq']):>7} "
-                f"{fmt(r['ratio_p50_conc']):>8}")
+                f"{fmt(r['ratio_p50_conc']):>8} {'%.1f-%.1f' % tuple(lat['load']):>9}")
     lines += ["", "node removal (raylet SIGKILL + daemon and stand-ins SIGKILL) -> its engines out of the cluster's "
                   "routable list, s",
               "  baseline: Ray's own verdict, its GCS marking the raylet dead, in the same trials; ratio = median / "
@@ -649,8 +678,10 @@ def table(data: dict[str, Any]) -> str:
             lines.append(f"{run['nodes']:>5} {label:>24} {seen:>6} {fmt(m['median_s']):>7} {fmt(m['max_s']):>6} "
                          f"{fmt(m['ray_dead_median_s'], '.1f'):>8} {fmt(m['ratio_to_ray']):>6}")
     lines += ["", "setup: Ray head + raylets, agents placed until every engine is routable; memory is PSS, MiB",
+              "  idle cpu: % of one core the whole rig uses with nobody calling it (Ray's processes, the daemons "
+              "probing, the stand-ins)",
               f"{'nodes':>5} {'ray start s':>11} {'agents s':>8} {'ray MiB':>8} {'per node':>8} {'procs':>5} "
-              f"{'daemons':>7} {'stand-ins':>9}"]
+              f"{'daemons':>7} {'stand-ins':>9} {'idle cpu %':>10}"]
     for run in data["runs"]:
         s = run["setup"]
         if "ray_mib" not in s:
@@ -658,7 +689,7 @@ def table(data: dict[str, Any]) -> str:
             continue
         lines.append(f"{run['nodes']:>5} {s['ray_head_s'] + s['ray_nodes_s']:11.1f} {s['agents_s']:8.1f} "
                      f"{s['ray_mib']:8.0f} {s['ray_per_node_mib']:8.0f} {s['ray_processes']:>5} "
-                     f"{s['daemons_mib']:7.0f} {s['standins_mib']:9.0f}")
+                     f"{s['daemons_mib']:7.0f} {s['standins_mib']:9.0f} {s['idle_cpu_pct']:10.0f}")
     m = data["machine"]
     lines.append(f"(PROTOCOL STAND-IN engines; every node on this machine: {m['cpus']} cores, "
                  f"{m['mem_total_gib']} GiB, load {m['load_before']} before, {m['load_after']} after; "

@@ -61,15 +61,18 @@ def test_quick_bench_prints_its_table_and_writes_sane_json(tmp_path):
                   "standins_mib", "ray_per_node_mib"):
             assert positive(s[k]), (k, s)
         assert s["ray_processes"] >= 2 + run["nodes"]  # GCS, the head's raylet, a raylet per node at least
+        for k in ("idle_cpu_pct", "idle_cpu_ray_pct", "idle_cpu_daemons_pct", "idle_cpu_standins_pct"):
+            assert math.isfinite(s[k]) and s[k] >= 0, (k, s)
+        assert len(run["latency"]["load"]) == 2
 
     text = proc.stdout
     table = text[text.index("cluster client vs direct sockets"):]
     for head in ("cluster p50", "seq p50", "conc p50", "p50/seq", "p50/conc", "event stream", "polling every",
-                 "Ray dead", "ray start s", "per node", "PROTOCOL STAND-IN"):
+                 "Ray dead", "ray start s", "per node", "idle cpu %", "load", "PROTOCOL STAND-IN"):
         assert head in table, head
     rows = [line.split() for line in table.splitlines()]
     for n in ("1", "2"):
         for call in ("round", "routable"):
             row = next(r for r in rows if r[:3] == [n, str(8 * int(n)), call])
-            assert all(positive(float(x)) for x in row[3:]), row
+            assert all(positive(float(x)) for x in row[3:-1]), row  # the last column is the load
     assert f"(figures: {out})" in text
