@@ -118,6 +118,7 @@ class AsyncClusterClient:
         self._place_wait: dict[str, float] = {}
         self._gone_ids: set[str] = set()  # Ray nodes an agent could not be placed on: gone
         self._started = False
+        self._publishing = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -198,13 +199,24 @@ class AsyncClusterClient:
     async def routable_engines(self) -> dict[str, Any]:
         """The union of the admitted nodes' routable engines, named node/engine, at the current
         weight version only; `epoch` moves whenever that set changes."""
+        await self._read_nodes()
+        return self.view.answer()
+
+    async def _read_nodes(self, cause: str = "node_membership", version: tuple[int, str | None] | None = None) -> None:
+        """Every live node's routable list, applied at once: the union (epoch, floor) is judged
+        after all of them, never on half the answers."""
         answers = await self._fanout("routable_engines")
+        changes: list[tuple[str, Change]] = []
+        if version is not None:
+            self.view.published(*version, settle=False)
         for node, ans in answers.items():
             if isinstance(ans, NodeUnavailable) and ans.code == "daemon_unreachable":
                 self._lost(node, str(ans))
             elif not isinstance(ans, BaseException):
-                self._change(self.view.node_answered(node, ans), node, "node_membership")
-        return self.view.answer()
+                changes.append((node, self.view.node_answered(node, ans, settle=False)))
+        for node, change in changes:
+            self._change(change, node, cause)
+        self._change(self.view.recompute(), None, cause)
 
     async def status(self) -> dict[str, Any]:
         answers = await self._fanout("status")
@@ -228,6 +240,8 @@ class AsyncClusterClient:
     async def start_round(self, n: int) -> dict[str, Any]:
         """Start round n on every node, concurrently. A node that cannot be reached does not
         block it (its answer is an error in `nodes`). ClusterBelowFloor below the floor."""
+        if self.view.below_floor and not (self.view.round_open and self.view.round == n):
+            await self._read_nodes()  # judged on the nodes' lists as they are now
         if self.view.below_floor and not (self.view.round_open and self.view.round == n):
             raise ClusterBelowFloor(
                 f"only {len(self.view.names())} engines are routable across the nodes, min_healthy is "
@@ -258,9 +272,15 @@ class AsyncClusterClient:
     async def publish_weights(self, version: int, checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """Make `version` current on every node; a node away now gets it when it returns."""
         ckpt = None if checkpoint is None else os.path.abspath(os.fspath(checkpoint))
-        answers = await self._fanout("publish_weights", version, ckpt)
-        self._raise_if_all_refused(answers)
-        self._change(self.view.published(int(version), ckpt), None, "weights_published")
+        self._publishing += 1  # nodes' membership events wait for the end of the publish
+        try:
+            answers = await self._fanout("publish_weights", version, ckpt)
+            self._raise_if_all_refused(answers)
+            # The nodes' lists as they are now, with the new version: engines not at it leave
+            # at once, those already at it stay (no empty union in between, no false breach).
+            await self._read_nodes("weights_published", (int(version), ckpt))
+        finally:
+            self._publishing -= 1
         return {"version": int(version), "checkpoint": ckpt, "nodes": self._per_node(answers)}
 
     async def restart(self, name: str) -> dict[str, Any]:
@@ -521,7 +541,9 @@ class AsyncClusterClient:
             ans = await self._call_direct(rec, "routable_engines")
         except SupervisorError:
             return  # the stream says what happens to the node next
-        self._change(self.view.node_answered(rec.name, ans), rec.name, "node_membership")
+        # During a publish a node may list the new version before the cluster has it: its
+        # list is kept, and judged with the others when the publish ends.
+        self._change(self.view.node_answered(rec.name, ans, settle=not self._publishing), rec.name, "node_membership")
 
     async def _joined(self, rec: _Node) -> None:
         """A node's daemon answers (first time, or back): bring it to the cluster's round and
@@ -555,8 +577,10 @@ class AsyncClusterClient:
         if view.round_open and view.round is not None and not (st.get("round_open") and st.get("round") == view.round):
             with contextlib.suppress(ConflictError):
                 await self._call_direct(rec, "start_round", view.round)
-        if view.weight_version is not None and (st.get("weight_version") is None
-                                                or st["weight_version"] < view.weight_version):
+        # Only a version this client published (or adopted with its checkpoint) is published
+        # again: one learned from another node's answer is the publisher's to hand out.
+        if view.weight_version is not None and not view.version_learned and (
+                st.get("weight_version") is None or st["weight_version"] < view.weight_version):
             await self._call_direct(rec, "publish_weights", view.weight_version, view.checkpoint)
 
     # -- placing agents --------------------------------------------------------------------

@@ -109,6 +109,7 @@ class ClusterView:
         self.epoch = 0
         self.weight_version: int | None = None
         self.checkpoint: str | None = None
+        self.version_learned = False  # the version came from a node's answer, not a publish
         self.round: int | None = None  # the last round started
         self.round_open = False
         self.below_floor = False
@@ -150,9 +151,10 @@ class ClusterView:
 
     # -- what the client learned ----------------------------------------------------------
 
-    def node_answered(self, node: str, routable: Mapping[str, Any]) -> Change:
+    def node_answered(self, node: str, routable: Mapping[str, Any], *, settle: bool = True) -> Change:
         """A node's routable answer. A node new, back after a loss or unavailable is JOINING,
-        and admitted now if no round is open."""
+        and admitted now if no round is open. settle=False: the union is judged (epoch, floor)
+        only by a recompute() after a batch of answers, never half-way through it."""
         rec = self.nodes.get(node)
         before = None if rec is None else rec.state
         if rec is None or rec.state is not NodeState.UP:
@@ -160,9 +162,13 @@ class ClusterView:
         rec.routable = [dict(e) for e in routable.get("engines") or () if isinstance(e, dict) and "name" in e]
         rec.node_epoch = routable.get("epoch")
         rec.weight_version = routable.get("weight_version")
+        if isinstance(rec.weight_version, int) and (self.weight_version is None or rec.weight_version > self.weight_version):
+            # Versions come only from the trainer's publishes: a node that has a newer one than
+            # this client knows was published to by another client (this one only watches).
+            self.weight_version, self.checkpoint, self.version_learned = rec.weight_version, None, True
         if rec.state is NodeState.JOINING and not self.round_open:
             rec.state, rec.reason = NodeState.UP, "admitted in a round gap"
-        return self._recompute(node, before)
+        return self._recompute(node, before, settle=settle)
 
     def node_unavailable(self, node: str, reason: str) -> Change:
         rec = self.nodes.get(node)
@@ -193,9 +199,9 @@ class ClusterView:
                 admitted.append(rec.name)
         return sorted(admitted)
 
-    def published(self, version: int, checkpoint: str | None) -> Change:
-        self.weight_version, self.checkpoint = version, checkpoint
-        return self._recompute()
+    def published(self, version: int, checkpoint: str | None, *, settle: bool = True) -> Change:
+        self.weight_version, self.checkpoint, self.version_learned = version, checkpoint, False
+        return self._recompute(settle=settle)
 
     def recompute(self) -> Change:
         return self._recompute()
@@ -212,9 +218,11 @@ class ClusterView:
             rec.state, rec.since, rec.reason = state, self.clock(), reason
         return rec
 
-    def _recompute(self, node: str | None = None, before: NodeState | None = None) -> Change:
+    def _recompute(self, node: str | None = None, before: NodeState | None = None, *, settle: bool = True) -> Change:
         state = self.nodes[node].state if node in self.nodes else None
         entered = state if node is not None and state is not before else None
+        if not settle:
+            return Change(entered, before if entered else None)
         now = frozenset((e["name"], e.get("url"), e.get("weight_version")) for e in self.routable())
         moved = now != self._last_set
         if moved:

@@ -97,3 +97,15 @@ def test_the_floor_is_armed_once_reached_then_breached_and_restored():
     assert c.breached and v.below_floor and v.floor_breaches == 1
     v.node_answered("b", answer("e0"))  # no round open: admitted now
     assert not v.below_floor
+
+
+def test_a_watching_client_learns_the_version_a_node_has_from_the_publisher():
+    v = ClusterView(clock=Clock())
+    v.published(3, "/ckpt/3")
+    v.node_answered("a", answer("e0", version=4))
+    assert v.weight_version == 4 and v.version_learned and v.checkpoint is None
+    assert v.names() == ["a/e0"]
+    v.node_answered("b", answer("e0", version=3))  # behind: not routable, the version stays 4
+    assert v.weight_version == 4 and v.names() == ["a/e0"]
+    v.published(5, "/ckpt/5")
+    assert not v.version_learned

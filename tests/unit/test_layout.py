@@ -6,7 +6,7 @@ ships every package folder.
     protocol  <- states
     client    <- protocol, states
     daemon    <- protocol, states, weight_sync   (never client, trainer or harness)
-    trainer   <- client, protocol, states, weight_sync
+    trainer   <- client, protocol, states, weight_sync, cluster (rl_loop --cluster)
     cluster   <- client, protocol, states        (Ray; the daemon never imports it or Ray)
     weight_sync <- nothing of ours (vLLM loads it in every engine process)
     harness, bench, tests <- anything
@@ -89,7 +89,7 @@ ALLOWED = {
     "protocol": {"states"},
     "client": {"client", "protocol", "states"},
     "daemon": {"daemon", "protocol", "states", "weight_sync"},
-    "trainer": {"trainer", "client", "protocol", "states", "weight_sync"},
+    "trainer": {"trainer", "client", "protocol", "states", "weight_sync", "cluster"},
     "weight_sync": {"weight_sync"},
     "cluster": {"cluster", "client", "protocol", "states"},
     "harness": {"harness", "daemon", "client", "protocol", "states", "trainer", "weight_sync", "cluster"},
