@@ -51,6 +51,9 @@ class NodeAgent:
             return {"ok": await getattr(self.client, verb)(*args, **(kwargs or {}))}
         except SupervisorError as e:
             return error_answer(e)
+        except (TypeError, ValueError) as e:  # arguments the local client refused to send
+            return {"error": {"class": "BadRequest", "message": f"{verb}: {e}", "status": 400,
+                              "code": "bad_argument"}}
 
     async def events(self, role: str = Role.OBSERVER.value) -> AsyncIterator[dict[str, Any]]:
         """The daemon's events, keepalives included (they prove the stream alive). Ends with an

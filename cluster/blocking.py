@@ -59,6 +59,9 @@ class ClusterClient:
         return other
 
     def _run(self, coro: Any) -> Any:
+        if self._client._shut or not self._loop.is_running():
+            coro.close()
+            raise RuntimeError("this ClusterClient is shut down (shutdown() was called): make a new one")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __getattr__(self, name: str) -> Any:
@@ -99,7 +102,7 @@ class ClusterClient:
 
     def events(self, *, role: Role | str = Role.OBSERVER, keepalives: bool = False) -> Iterator[dict[str, Any]]:
         """The merged event stream (AsyncClusterClient.events), read from a plain thread."""
-        out: queue.Queue = queue.Queue()
+        out: queue.Queue = queue.Queue()  # bounded by the client's own queue (MAX_QUEUED) upstream
         done = threading.Event()
         self._streams.add(done)
 
@@ -162,7 +165,10 @@ class _AsyncFacade:
 
         @functools.wraps(verb)
         async def call(*args: Any, **kwargs: Any) -> Any:
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(verb(*args, **kwargs), self._owner._loop))
+            owner = self._owner
+            if owner._client._shut or not owner._loop.is_running():
+                raise RuntimeError("this ClusterClient is shut down (shutdown() was called): make a new one")
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(verb(*args, **kwargs), owner._loop))
         return call
 
     async def events(self, *, role: Role | str = Role.OBSERVER, keepalives: bool = False

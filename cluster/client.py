@@ -37,6 +37,9 @@ __all__ = ["AsyncClusterClient", "NodeUnavailable", "ClusterBelowFloor", "NODE_R
 # The custom resource that marks the Ray nodes running a daemon, when `nodes` is not given:
 #   ray start --address HEAD:6379 --resources '{"vime_supervisor": 1}'
 NODE_RESOURCE = "vime_supervisor"
+# A subscriber that falls this far behind gets an overflow event and its stream ends (as the
+# daemon's own stream does): reconnecting gives a fresh hello.
+MAX_QUEUED = 10_000
 # Node events the client handles itself; a subscriber gets the cluster's own instead.
 _NODE_ONLY = {Event.HELLO.value, Event.KEEPALIVE.value, Event.MEMBERSHIP.value, Event.RECONNECTED.value,
               Event.FLOOR_BREACH.value, Event.FLOOR_RESTORED.value, "agent_error"}
@@ -48,6 +51,14 @@ class NodeUnavailable(DaemonUnreachable):
 
 class ClusterBelowFloor(ConflictError):
     """Fewer engines are routable across the nodes than min_healthy: the round does not start."""
+
+
+def _whole(what: str, value: Any) -> int:
+    """A round, version or count as the daemon takes it, checked before any node is asked."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise client_errors.BadRequest(f"{what} must be a whole number >= 0, got {value!r}", status=400,
+                                       code="bad_argument")
+    return value
 
 
 def _rebuild(node: str, err: Mapping[str, Any]) -> SupervisorError:
@@ -84,8 +95,9 @@ class AsyncClusterClient:
         None (each node's default, $VIME_SUPERVISOR_SOCKET there or /run/vime-supervisor/...).
     min_healthy: the cluster floor, routable engines across nodes; a round does not start
         below it (ClusterBelowFloor) once it was first reached.
-    call_timeout: how long one call to a node may take before that node counts as unreachable
-        for this call (the others answer on).
+    call_timeout: how long one call to a node may take; past it the node is UNAVAILABLE (its
+        engines out) until it answers again, and the others answer on.
+    away_timeout: the one short try a call gives a node that is UNAVAILABLE.
     unavailable_grace: how long an agent that is unavailable (restarting, or its node going)
         is retried, with jittered backoff, before its node is lost; its engines are out of
         routing meanwhile.
@@ -97,13 +109,15 @@ class AsyncClusterClient:
     """
 
     def __init__(self, nodes: list[str] | None = None, *, socket_path: str | Mapping[str, str] | None = None,
-                 min_healthy: int = 1, call_timeout: float = 30.0, unavailable_grace: float = 10.0,
+                 min_healthy: int = 1, call_timeout: float = 15.0, away_timeout: float = 2.0,
+                 unavailable_grace: float = 10.0,
                  retry_for: float = 2.0, discover_interval: float = 2.0, connect_timeout: float = 2.0,
                  agent_max_restarts: int = 3, ray_address: str | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.wanted = None if nodes is None else list(nodes)
         self.socket_path = socket_path
         self.call_timeout = call_timeout
+        self.away_timeout = away_timeout
         self.unavailable_grace = unavailable_grace
         self.retry_for = retry_for
         self.discover_interval = discover_interval
@@ -118,7 +132,10 @@ class AsyncClusterClient:
         self._place_wait: dict[str, float] = {}
         self._gone_ids: set[str] = set()  # Ray nodes an agent could not be placed on: gone
         self._started = False
+        self._connecting = False
+        self._shut = False
         self._publishing = 0
+        self._overflowed: set[asyncio.Queue] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -141,11 +158,17 @@ class AsyncClusterClient:
         if self._started:
             return self
         self._started = True
-        await self._discover()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(n not in self.view.nodes for n in self._nodes):
-            await asyncio.sleep(0.05)
-        await self._adopt()
+        # Until every node has answered, nodes are only read, never brought to this client's
+        # state (it has none yet): a trainer that connects mid-round must not end the round.
+        self._connecting = True
+        try:
+            await self._discover()
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and any(n not in self.view.nodes for n in self._nodes):
+                await asyncio.sleep(0.05)
+            await self._adopt()
+        finally:
+            self._connecting = False
         self._spawn(self._discover_loop())
         return self
 
@@ -163,11 +186,9 @@ class AsyncClusterClient:
         rounds = [a["round"] for a in answers.values() if isinstance(a.get("round"), int)]
         view.round = max(rounds) if rounds else None
         view.round_open = any(a.get("round_open") and a.get("round") == view.round for a in answers.values())
-        for node, a in answers.items():
-            wv = a.get("weight_version")
-            if view.weight_version is not None and not (isinstance(wv, int) and wv >= view.weight_version):
-                with contextlib.suppress(SupervisorError):
-                    await self._call(node, "publish_weights", view.weight_version, view.checkpoint)
+        for node in answers:
+            with contextlib.suppress(SupervisorError):
+                await self._reconcile(self._nodes[node])  # a node behind the others catches up
         self._change(view.recompute(), None, "adopted")
 
     async def aclose(self) -> None:
@@ -177,8 +198,10 @@ class AsyncClusterClient:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._shut = True
         for q in list(self._subs):
-            q.put_nowait(None)
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(None)
         for node in self._nodes.values():
             with contextlib.suppress(Exception):
                 ray.kill(node.agent, no_restart=True)
@@ -240,6 +263,7 @@ class AsyncClusterClient:
     async def start_round(self, n: int) -> dict[str, Any]:
         """Start round n on every node, concurrently. A node that cannot be reached does not
         block it (its answer is an error in `nodes`). ClusterBelowFloor below the floor."""
+        n = _whole("round", n)
         if self.view.below_floor and not (self.view.round_open and self.view.round == n):
             await self._read_nodes()  # judged on the nodes' lists as they are now
         if self.view.below_floor and not (self.view.round_open and self.view.round == n):
@@ -254,6 +278,7 @@ class AsyncClusterClient:
 
     async def end_round(self, n: int) -> dict[str, Any]:
         """End round n on every node. The gap admits the nodes that came back meanwhile."""
+        n = _whole("round", n)
         answers = await self._fanout("end_round", n)
         self._raise_if_all_refused(answers)
         for node in self.view.round_ended(n):
@@ -271,6 +296,7 @@ class AsyncClusterClient:
 
     async def publish_weights(self, version: int, checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """Make `version` current on every node; a node away now gets it when it returns."""
+        version = _whole("version", version)
         ckpt = None if checkpoint is None else os.path.abspath(os.fspath(checkpoint))
         self._publishing += 1  # nodes' membership events wait for the end of the publish
         try:
@@ -303,12 +329,15 @@ class AsyncClusterClient:
         return await self._engine_call("report_failure", name, detail, idempotent=False, **kw)
 
     async def sync_begin(self, name: str, version: int) -> dict[str, Any]:
+        version = _whole("version", version)
         return await self._engine_call("sync_begin", name, version, idempotent=False)
 
     async def sync_end(self, name: str, version: int, ok: bool, error: str | None = None) -> dict[str, Any]:
+        version = _whole("version", version)
         return await self._engine_call("sync_end", name, version, ok, error, idempotent=False)
 
     async def engine_log(self, name: str, nbytes: int = 16384) -> str:
+        nbytes = _whole("nbytes", nbytes)
         return await self._engine_call("engine_log", name, nbytes)
 
     async def incidents(self) -> list[dict[str, Any]]:
@@ -326,7 +355,7 @@ class AsyncClusterClient:
         cluster's own: a hello first, membership with the cluster epoch, node_joined,
         node_admitted, node_unavailable, node_lost, floor_breach/floor_restored (scope cluster).
         `role` is opened on every node (Role.AGENT for a sync agent)."""
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue = asyncio.Queue(MAX_QUEUED)
         self._subs.add(q)
         relays: dict[str, asyncio.Task] = {}
 
@@ -337,7 +366,7 @@ class AsyncClusterClient:
                 relays[node] = self._spawn(self._relay(rec, str(role), q))
 
         try:
-            yield {"event": Event.HELLO.value, "ts": time.time(), "scope": "cluster", **self.view.answer(),
+            yield {"event": Event.HELLO.value, "ts": time.time(), "node": None, "scope": "cluster", **self.view.answer(),
                    "routable": self.view.names(), "round": self.view.round, "round_open": self.view.round_open}
             for node in self.view.live():
                 relay(node)
@@ -350,11 +379,16 @@ class AsyncClusterClient:
                     continue
                 if ev is None:
                     return
+                if q in self._overflowed:
+                    yield {"event": Event.OVERFLOW.value, "ts": time.time(), "node": None,
+                           "message": f"more than {MAX_QUEUED} events unread: this stream ends; open another"}
+                    return
                 if ev.get("event") == ClusterEvent.NODE_JOINED:
                     relay(ev["node"])
                 yield ev
         finally:
             self._subs.discard(q)
+            self._overflowed.discard(q)
             for t in relays.values():
                 t.cancel()
 
@@ -362,6 +396,8 @@ class AsyncClusterClient:
 
     async def _call(self, node: str, verb: str, *args: Any, idempotent: bool = True, **kwargs: Any) -> Any:
         unavailable, gone = _ray_errors()
+        from ray.exceptions import RayTaskError as task_failed
+
         rec = self._nodes.get(node)
         if node not in self.view.nodes and rec is None:
             raise client_errors.UnknownEngine(f"no node {node!r} in the cluster (nodes: {sorted(self.view.nodes)})",
@@ -371,11 +407,14 @@ class AsyncClusterClient:
             raise NodeUnavailable(f"node {node} is lost ({why}): its engines are out of routing until it returns",
                                   code="node_unavailable")
 
-        async def once() -> Any:
-            return await asyncio.wait_for(rec.agent.call.remote(verb, args, kwargs), self.call_timeout)
+        away = self._state_of(node) is NodeState.UNAVAILABLE
+        # A node known to be away gets one short try: a round must not wait on it.
+        limit = min(self.call_timeout, self.away_timeout) if away else self.call_timeout
 
-        # An agent known to be away gets one try: a round must not wait on it.
-        retry = idempotent and self._state_of(node) is not NodeState.UNAVAILABLE
+        async def once() -> Any:
+            return await asyncio.wait_for(rec.agent.call.remote(verb, args, kwargs), limit)
+
+        retry = idempotent and not away
         try:
             if retry:
                 ans = None
@@ -395,12 +434,18 @@ class AsyncClusterClient:
             reason = f"agent unavailable during {verb}: {str(e).splitlines()[0][:200]}"
             self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
             raise NodeUnavailable(f"node {node}: its agent is unavailable ({e})", code="node_unavailable") from None
+        except task_failed as e:  # the agent's method raised: a bug of ours, not a lost node
+            raise SupervisorError(f"node {node}: the agent failed on {verb}: {str(e).splitlines()[-1][:300]}",
+                                  code="agent_error") from None
         except gone as e:
             self._agent_lost(rec, f"agent gone ({type(e).__name__})", e)
             raise NodeUnavailable(f"node {node}: its agent is gone ({type(e).__name__})", code="node_unavailable") from None
         except asyncio.TimeoutError:
-            raise NodeUnavailable(f"node {node} did not answer {verb} within {self.call_timeout:g}s",
-                                  code="timeout") from None
+            # A daemon that does not answer (hung, stopped) cannot vouch for its engines: out
+            # at once, and the next calls give it one short try until it answers again.
+            reason = f"did not answer {verb} within {limit:g}s"
+            self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
+            raise NodeUnavailable(f"node {node} {reason}", code="timeout") from None
         if isinstance(ans, dict) and "error" in ans:
             raise _rebuild(node, ans["error"])
         return ans["ok"]
@@ -434,18 +479,31 @@ class AsyncClusterClient:
 
     @staticmethod
     def _raise_if_all_refused(answers: Mapping[str, Any]) -> None:
-        # A request every reachable node refused (a stale round, a bad checkpoint) is the
-        # caller's mistake: raise it as the local client would. Unreachable nodes do not count.
-        refusals = [a for a in answers.values() if isinstance(a, SupervisorError) and not isinstance(a, DaemonUnreachable)]
-        if refusals and len(refusals) == len([a for a in answers.values() if not isinstance(a, DaemonUnreachable)]):
+        """Unless some node took the request: a refusal (a stale round, a bad checkpoint) is
+        the caller's mistake and raised as the local client would; no node reached at all is
+        NodeUnavailable. Either way the cluster's own state is not changed."""
+        if any(not isinstance(a, BaseException) for a in answers.values()):
+            return
+        refusals = [a for a in answers.values() if not isinstance(a, DaemonUnreachable)]
+        if refusals:
             raise refusals[0]
+        why = "; ".join(f"{n}: {a}" for n, a in sorted(answers.items())) or "no node in the cluster"
+        raise NodeUnavailable(f"no node could be reached ({why})", code="node_unavailable")
 
     # -- following the nodes ---------------------------------------------------------------
 
     def _emit(self, ev: dict[str, Any]) -> None:
         ev.setdefault("ts", time.time())
         for q in list(self._subs):
+            self._put(q, ev)
+
+    def _put(self, q: asyncio.Queue, ev: dict[str, Any]) -> None:
+        if q in self._overflowed:
+            return
+        try:
             q.put_nowait(ev)
+        except asyncio.QueueFull:
+            self._overflowed.add(q)
 
     def _change(self, change: Change, node: str | None, cause: str, reason: str | None = None) -> None:
         """Say what an update of the view did, as events: the node's new state, the cluster's
@@ -482,7 +540,7 @@ class AsyncClusterClient:
                 ev = await ref
                 if ev.get("event") in _NODE_ONLY:
                     continue
-                q.put_nowait({**qualify_answer(rec.name, ev), "node": rec.name})
+                self._put(q, {**qualify_answer(rec.name, ev), "node": rec.name})
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -549,7 +607,9 @@ class AsyncClusterClient:
         """A node's daemon answers (first time, or back): bring it to the cluster's round and
         weight version, then let the view admit it (now in a gap, else at the next gap)."""
         try:
-            if self._state(rec) is not NodeState.UP:
+            if not self._connecting:
+                # Also for a node that stayed UP: its daemon restarted (this is its hello) and
+                # may have come back without its journal.
                 await self._reconcile(rec)
             ans = await self._call_direct(rec, "routable_engines")
         except SupervisorError as e:
@@ -617,10 +677,10 @@ class AsyncClusterClient:
                 if not rec.dead:  # a new Ray node at that address: the old one, and its agent, are gone
                     rec.dead = True
                     self._gone_ids.add(rec.node_id)
-                    with contextlib.suppress(Exception):
-                        ray.kill(rec.agent, no_restart=True)
                     if self._state_of(name) is NodeState.UP:
                         self._lost(name, "replaced by a new Ray node at the same address")
+                with contextlib.suppress(Exception):  # whatever is left of the old agent
+                    ray.kill(rec.agent, no_restart=True)
                 quick = time.monotonic() - rec.placed_at < 60.0
                 wait = min(60.0, self._place_wait.get(name, self.discover_interval) * 2) if quick else self.discover_interval
                 self._place_wait[name] = wait
@@ -639,7 +699,7 @@ class AsyncClusterClient:
         agent = ray.remote(NodeAgent).options(
             num_cpus=0, max_restarts=self.agent_max_restarts, max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(self._socket_for(name), connect_timeout=self.connect_timeout)
+        ).remote(self._socket_for(name), connect_timeout=self.connect_timeout, timeout=self.call_timeout)
         rec = self._nodes[name] = _Node(name, node_id, agent)
         rec.watcher = self._spawn(self._watch(rec))
 

@@ -73,7 +73,8 @@ def fleet(ray_head, tmp_path_factory):
                             unavailable_grace=4.0, discover_interval=0.5)
         until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four stand-ins routable")
         rec = Recorder(sup)
-        rec.wait(lambda e: e["event"] == "hello", 10)
+        hello = rec.wait(lambda e: e["event"] == "hello", 10)
+        assert "node" in hello and hello["scope"] == "cluster"
         yield sup, nodes, rec, ray_head
         sup.shutdown()
     finally:
@@ -123,6 +124,13 @@ def test_actions_by_node_slash_engine_move_the_cluster_epoch(fleet):
         sup.stop("127.0.0.99/e0")
     with pytest.raises(BadRequest):
         sup.stop("e0")  # not a cluster name
+    epoch = sup.routable_engines()["epoch"]
+    for bad in (lambda: sup.engine_log(f"{A}/e0", "abc"), lambda: sup.sync_begin(f"{A}/e0", "x"),
+                lambda: sup.start_round("x"), lambda: sup.start_round(None), lambda: sup.publish_weights(-1)):
+        with pytest.raises(BadRequest):
+            bad()
+    assert {n: r["state"] for n, r in sup.nodes().items()} == {A: "UP", B: "UP"}  # nothing lost
+    assert sup.routable_engines()["epoch"] == epoch and not sup.status()["round_open"]
     assert "x" in sup.engine_log(f"{A}/e0") or sup.engine_log(f"{A}/e0") is not None
 
 
@@ -133,6 +141,16 @@ def test_rounds_and_weights_go_to_every_node(fleet):
         assert set(r["nodes"]) == {A, B} and all(a.get("open") for a in r["nodes"].values())
         st = sup.status()
         assert all(row["daemon"]["round_open"] for row in st["nodes"].values())
+        # A second client (a trainer restarted mid-round, an operator's script) takes the
+        # open round on; connecting changes nothing on any node.
+        other = ClusterClient([A, B], socket_path={n.address: n.sock for n in nodes})
+        try:
+            assert other.status()["round"] == 1 and other.status()["round_open"]
+        finally:
+            other.shutdown()
+        assert all(row["daemon"]["round_open"] for row in sup.status()["nodes"].values())
+        with pytest.raises(RuntimeError, match="shut down"):
+            other.routable_engines()
     ends = [e for e in rec.since(mark) if e["event"] == "round_end"]
     until(lambda: {e["node"] for e in rec.since(mark) if e["event"] == "round_end"} == {A, B}, 5, "round_end from both")
     assert all(e["round"] == 1 for e in ends)
