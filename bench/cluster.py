@@ -24,11 +24,11 @@ For each node count N it reports:
   them; nobody polls) and by polling routable_engines() every --poll-every s (the first answer
   without them). Median / max over --removals trials each. The baseline, in the same trials, is
   Ray's own verdict: the time until its GCS marks the raylet dead (ray.nodes()). The node comes
-  back at the same address between trials (stand-ins, daemon, raylet), after that verdict: while
-  Ray still lists the dead raylet alive beside the new one, the client can move the node's agent
-  back onto the dead raylet. The time until its engines are routable again is kept in the JSON
-  ("rejoin_s"; it includes the client's backoff for an agent re-placed within 60 s of its last
-  placement), with each trial's events about the node ("timeline").
+  back at the same address between trials (stand-ins, daemon, raylet), after that verdict (while
+  Ray still lists the dead raylet alive, the client keeps the node's agent there until its
+  unavailable_grace runs out). The time until its engines are routable again is kept in the
+  JSON ("rejoin_s"; it includes the client's backoff for an agent re-placed within 60 s of its
+  last placement), with each trial's events about the node ("timeline").
 * setup: the time to start the Ray head and N raylets, and to place the agents until all N x 8
   engines are routable; the memory (PSS) of Ray's processes (GCS, raylets, agents and Ray's
   per-node helpers), the daemons and the stand-in servers. A node count that does not fit (an
@@ -555,8 +555,8 @@ def removal_trial(rig: Rig, rec: Recorder, sim: SimNode, mode: str, poll_every: 
     if th is not None:
         th.join(WAIT)
     # The baseline: Ray's own verdict on the node (its GCS marks the raylet dead). The node is
-    # re-added only after it: while Ray still lists the dead raylet alive beside a new one at
-    # the same address, the client can move the node's agent back onto the dead one.
+    # re-added only after it, so that each trial starts from a cluster that settled: while Ray
+    # still lists the dead raylet, the client keeps the node's agent there (unavailable_grace).
     import ray
 
     if baseline or rejoin:
@@ -749,6 +749,8 @@ def main() -> int:
         ap.error(f"--nodes {args.nodes!r}: give node counts separated by commas, e.g. 1,4,16")
     if not counts or min(counts) < 1 or max(counts) > 250 or args.engines_per_node < 1 or args.reps < 1:
         ap.error("--nodes: counts from 1 to 250 (one loopback address each); --engines-per-node, --reps: at least 1")
+    if args.warmup < 0 or args.removals < 0 or not args.interval > 0 or not args.poll_every > 0:
+        ap.error("--warmup and --removals: 0 or more; --interval and --poll-every: seconds above 0")
     # SIGTERM ends the run the way Ctrl-C does: everything started is stopped.
     signal.signal(signal.SIGTERM, interrupted)
 
