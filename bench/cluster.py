@@ -34,8 +34,8 @@ For each node count N it reports:
   per-node helpers), the daemons and the stand-in servers. A node count that does not fit (an
   estimate over MemAvailable, or a start that fails) is reported as such, never estimated.
 
-The cluster client runs with its defaults (call_timeout 30 s, unavailable_grace 10 s,
-retry_for 2 s, discover_interval 2 s). Daemons probe at --interval (2 s: 128 engines on 2 cores).
+The cluster client runs with its defaults (its timeouts, grace and retry are printed under the
+table and kept in the JSON). Daemons probe at --interval (2 s: 128 engines on 2 cores).
 
     python bench/cluster.py --nodes 1,4,16 --engines-per-node 8 --reps 200 --removals 3 --out cluster.json
     python bench/cluster.py --quick --out /tmp/cluster-quick.json     # 1 and 2 nodes, about a minute
@@ -691,6 +691,7 @@ def table(data: dict[str, Any]) -> str:
                      f"{s['ray_mib']:8.0f} {s['ray_per_node_mib']:8.0f} {s['ray_processes']:>5} "
                      f"{s['daemons_mib']:7.0f} {s['standins_mib']:9.0f} {s['idle_cpu_pct']:10.0f}")
     m = data["machine"]
+    lines.append("(cluster client defaults: " + ", ".join(f"{k} {v:g} s" for k, v in m["client"].items()) + ")")
     lines.append(f"(PROTOCOL STAND-IN engines; every node on this machine: {m['cpus']} cores, "
                  f"{m['mem_total_gib']} GiB, load {m['load_before']} before, {m['load_after']} after; "
                  f"Ray {m['ray']}; {data['elapsed_s']:.0f} s)")
@@ -704,6 +705,18 @@ def interrupted(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
+def client_defaults() -> dict[str, Any]:
+    """The cluster client's timing settings this run uses: its defaults."""
+    import inspect
+
+    from vime.cluster import AsyncClusterClient
+
+    params = inspect.signature(AsyncClusterClient.__init__).parameters
+    return {k: p.default for k, p in params.items()
+            if isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
+            and any(w in k for w in ("timeout", "grace", "retry", "interval"))}
+
+
 def machine() -> dict[str, Any]:
     import ray
 
@@ -714,7 +727,7 @@ def machine() -> dict[str, Any]:
                                 text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
         commit = ""
-    return {"cpus": os.cpu_count(), "mem_total_gib": round(total / 1024 / 1024, 1),
+    return {"cpus": os.cpu_count(), "mem_total_gib": round(total / 1024 / 1024, 1), "client": client_defaults(),
             "mem_available_mib": round(mem_available_mib()), "platform": platform.platform(),
             "python": platform.python_version(), "ray": ray.__version__, "commit": commit,
             "load_before": round(os.getloadavg()[0], 2)}

@@ -76,3 +76,4 @@ def test_quick_bench_prints_its_table_and_writes_sane_json(tmp_path):
             row = next(r for r in rows if r[:3] == [n, str(8 * int(n)), call])
             assert all(positive(float(x)) for x in row[3:-1]), row  # the last column is the load
     assert f"(figures: {out})" in text
+    assert positive(data["machine"]["client"]["unavailable_grace"]) and "cluster client defaults:" in table
