@@ -133,6 +133,7 @@ class AsyncClusterClient:
         self._gone_ids: set[str] = set()  # Ray nodes an agent could not be placed on: gone
         self._started = False
         self._connecting = False
+        self._driver = False  # set by the first round or publish: this client drives the cluster
         self._shut = False
         self._publishing = 0
         self._overflowed: set[asyncio.Queue] = set()
@@ -173,8 +174,8 @@ class AsyncClusterClient:
         return self
 
     async def _adopt(self) -> None:
-        """A new client (a trainer that restarted) takes the cluster's round and weight version
-        from its nodes: the newest of each. Nodes behind on the version get it now."""
+        """A new client (a trainer that restarted, a watcher) takes the cluster's round and
+        weight version from its nodes, the newest of each, and changes nothing on them."""
         answers = {n: a for n, a in (await self._fanout("status")).items() if isinstance(a, dict)}
         if not answers:
             return
@@ -186,9 +187,6 @@ class AsyncClusterClient:
         rounds = [a["round"] for a in answers.values() if isinstance(a.get("round"), int)]
         view.round = max(rounds) if rounds else None
         view.round_open = any(a.get("round_open") and a.get("round") == view.round for a in answers.values())
-        for node in answers:
-            with contextlib.suppress(SupervisorError):
-                await self._reconcile(self._nodes[node])  # a node behind the others catches up
         self._change(view.recompute(), None, "adopted")
 
     async def aclose(self) -> None:
@@ -264,6 +262,7 @@ class AsyncClusterClient:
         """Start round n on every node, concurrently. A node that cannot be reached does not
         block it (its answer is an error in `nodes`). ClusterBelowFloor below the floor."""
         n = _whole("round", n)
+        self._driver = True
         if self.view.below_floor and not (self.view.round_open and self.view.round == n):
             await self._read_nodes()  # judged on the nodes' lists as they are now
         if self.view.below_floor and not (self.view.round_open and self.view.round == n):
@@ -279,6 +278,7 @@ class AsyncClusterClient:
     async def end_round(self, n: int) -> dict[str, Any]:
         """End round n on every node. The gap admits the nodes that came back meanwhile."""
         n = _whole("round", n)
+        self._driver = True
         answers = await self._fanout("end_round", n)
         self._raise_if_all_refused(answers)
         for node in self.view.round_ended(n):
@@ -297,6 +297,7 @@ class AsyncClusterClient:
     async def publish_weights(self, version: int, checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """Make `version` current on every node; a node away now gets it when it returns."""
         version = _whole("version", version)
+        self._driver = True
         ckpt = None if checkpoint is None else os.path.abspath(os.fspath(checkpoint))
         self._publishing += 1  # nodes' membership events wait for the end of the publish
         try:
@@ -630,18 +631,25 @@ class AsyncClusterClient:
         return ans["ok"]
 
     async def _reconcile(self, rec: _Node) -> None:
+        """Bring a node that (re)joins to the cluster's round and version. Only a client that
+        drives the cluster (it has started or ended a round, or published) writes: a client
+        that only watches must never end the trainer's round on a node, nor publish to it."""
+        if not self._driver:
+            return
         st = await self._call_direct(rec, "status")
         view = self.view
-        if st.get("round_open") and not (view.round_open and st.get("round") == view.round):
-            await self._call_direct(rec, "end_round", st["round"])  # a round the cluster has ended
-        if view.round_open and view.round is not None and not (st.get("round_open") and st.get("round") == view.round):
-            with contextlib.suppress(ConflictError):
+        with contextlib.suppress(ConflictError):  # the node moved on meanwhile: it says so itself
+            if st.get("round_open") and not (view.round_open and st.get("round") == view.round):
+                await self._call_direct(rec, "end_round", st["round"])  # a round the cluster has ended
+            if view.round_open and view.round is not None and not (
+                    st.get("round_open") and st.get("round") == view.round):
                 await self._call_direct(rec, "start_round", view.round)
         # Only a version this client published (or adopted with its checkpoint) is published
-        # again: one learned from another node's answer is the publisher's to hand out.
+        # again: one learned from a node's answer is the publisher's to hand out.
         if view.weight_version is not None and not view.version_learned and (
                 st.get("weight_version") is None or st["weight_version"] < view.weight_version):
-            await self._call_direct(rec, "publish_weights", view.weight_version, view.checkpoint)
+            with contextlib.suppress(ConflictError):
+                await self._call_direct(rec, "publish_weights", view.weight_version, view.checkpoint)
 
     # -- placing agents --------------------------------------------------------------------
 
@@ -669,8 +677,8 @@ class AsyncClusterClient:
             rec = self._nodes.get(name)
             if rec is not None and not rec.dead and rec.node_id in ids:
                 continue  # its agent is where it should be
-            if time.monotonic() < self._placing.get(name, 0.0):
-                continue  # backoff: its last agent died soon after being placed
+            if time.monotonic() < self._placing.get(name, 0.0) and rec is not None and rec.node_id == ids[-1]:
+                continue  # backoff: its last agent on this Ray node died soon after being placed
             if rec is not None:
                 if rec.watcher is not None:
                     rec.watcher.cancel()
