@@ -107,7 +107,7 @@ def run(world, tiny_model):
     args = build_parser().parse_args([
         "--model", str(tiny_model), "--out", str(root / "out"), "--cluster", "auto",
         "--rendezvous-address", HEAD, "--num-rollout", str(STEPS), "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "4", "--rollout-max-response-len", "64", "--final-wait", str(BOOT),
+        "--n-samples-per-prompt", "4", "--rollout-max-response-len", "64", "--final-wait", str(BOOT + 180),
         "--sync-wait", "60"])
     loop = NodeLossLoop(args, nodes, ray_head)
     events: list[dict] = []
