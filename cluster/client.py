@@ -422,7 +422,10 @@ class AsyncClusterClient:
                 async for attempt in AsyncRetrying(
                         stop=stop_after_delay(self.retry_for),
                         wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.2),
-                        retry=retry_if_exception(lambda e: isinstance(e, unavailable)), reraise=True):
+                        # judged at each failure: once the watcher has marked the node away,
+                        # this call stops waiting for it
+                        retry=retry_if_exception(lambda e: isinstance(e, unavailable) and (
+                            self._state_of(node) is not NodeState.UNAVAILABLE)), reraise=True):
                     with attempt:
                         ans = await once()
             else:
@@ -433,19 +436,24 @@ class AsyncClusterClient:
                     f"node {node}'s agent became unavailable during {verb} ({e}); it may or may not have "
                     f"taken effect: check status() before repeating it", code="connection_lost") from None
             reason = f"agent unavailable during {verb}: {str(e).splitlines()[0][:200]}"
-            self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
+            if self._nodes.get(node) is rec:  # not a replaced agent's late failure
+                self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
             raise NodeUnavailable(f"node {node}: its agent is unavailable ({e})", code="node_unavailable") from None
         except task_failed as e:  # the agent's method raised: a bug of ours, not a lost node
             raise SupervisorError(f"node {node}: the agent failed on {verb}: {str(e).splitlines()[-1][:300]}",
                                   code="agent_error") from None
         except gone as e:
-            self._agent_lost(rec, f"agent gone ({type(e).__name__})", e)
+            if self._nodes.get(node) is rec:
+                self._agent_lost(rec, f"agent gone ({type(e).__name__})", e)
+            else:
+                rec.dead = True
             raise NodeUnavailable(f"node {node}: its agent is gone ({type(e).__name__})", code="node_unavailable") from None
         except asyncio.TimeoutError:
             # A daemon that does not answer (hung, stopped) cannot vouch for its engines: out
-            # at once, and the next calls give it one short try until it answers again.
+            # at once; fan-outs skip it and its watcher says when it answers again.
             reason = f"did not answer {verb} within {limit:g}s"
-            self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
+            if self._nodes.get(node) is rec:
+                self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
             raise NodeUnavailable(f"node {node} {reason}", code="timeout") from None
         if isinstance(ans, dict) and "error" in ans:
             raise _rebuild(node, ans["error"])
@@ -454,7 +462,16 @@ class AsyncClusterClient:
     async def _fanout(self, verb: str, *args: Any) -> dict[str, Any]:
         """The verb on every live node at once: node -> answer, or the SupervisorError it raised."""
         nodes = self.view.live() or sorted(self._nodes)
-        results = await asyncio.gather(*(self._call(n, verb, *args) for n in nodes), return_exceptions=True)
+
+        async def one(n: str) -> Any:
+            rec = self.view.nodes.get(n)
+            if rec is not None and rec.state is NodeState.UNAVAILABLE:
+                # Not waited on: its watcher retries it in the background and brings it back.
+                raise NodeUnavailable(f"node {n} is unavailable ({rec.reason}); retried in the background",
+                                      code="node_unavailable")
+            return await self._call(n, verb, *args)
+
+        results = await asyncio.gather(*(one(n) for n in nodes), return_exceptions=True)
         out: dict[str, Any] = {}
         for node, res in zip(nodes, results):
             if isinstance(res, BaseException) and not isinstance(res, SupervisorError):
