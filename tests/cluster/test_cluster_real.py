@@ -78,6 +78,19 @@ class NodeLossLoop(RLLoop):
             a = self.nodes[A]
             a.start_daemon()
             a.ray_node = self.ray_head.add(a.address)  # Ray starts a node from the main thread only
+            # The client must have seen A back (an agent placed, its daemon answering) before
+            # the loop goes on: else the last steps and the final wait may end before it has,
+            # and nothing would wait for A's engine.
+            back = await asyncio.to_thread(self.wait_for_a, 120.0)
+            assert back, f"node A not back within 120 s: {self.client.nodes().get(A)}"
+
+    def wait_for_a(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.client.nodes().get(A, {}).get("state") in ("JOINING", "UP"):
+                return True
+            time.sleep(0.1)
+        return False
 
 
 @pytest.fixture(scope="module")
