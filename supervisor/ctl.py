@@ -603,13 +603,18 @@ def cmd_tail(client: SupervisorClient, args: argparse.Namespace) -> int:
     except SupervisorError as e:
         _err(f"{args.name}: ERROR ({e.message})")
         return EXIT_ERROR
+    return _show(text, lambda n: client.engine_log(args.name, n), args, args.name)
+
+
+def _show(text: str, fetch: Callable[[int], str], args: argparse.Namespace, label: str) -> int:
+    """Print a log's tail; with -f go on following it as supervisord's tail -f does."""
     if args.follow:
         _err("==> Press Ctrl-C to exit <==")
     sys.stdout.write(text)
     sys.stdout.flush()
     if not args.follow:
         return EXIT_OK
-    return _follow(lambda n: client.engine_log(args.name, n), text, args.bytes, args.interval, args.name)
+    return _follow(fetch, text, args.bytes, args.interval, label)
 
 
 def cmd_maintail(client: SupervisorClient, args: argparse.Namespace) -> int:
@@ -625,13 +630,7 @@ def cmd_maintail(client: SupervisorClient, args: argparse.Namespace) -> int:
     except SupervisorError as e:
         _err(f"vime-supervisor: ERROR ({e.message})")
         return EXIT_ERROR
-    if args.follow:
-        _err("==> Press Ctrl-C to exit <==")
-    sys.stdout.write(text)
-    sys.stdout.flush()
-    if not args.follow:
-        return EXIT_OK
-    return _follow(client.daemon_log, text, args.bytes, args.interval, "vime-supervisor")
+    return _show(text, client.daemon_log, args, "vime-supervisor")
 
 
 def cmd_incidents(client: SupervisorClient, args: argparse.Namespace) -> int:
