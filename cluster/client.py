@@ -71,6 +71,13 @@ def _rebuild(node: str, err: Mapping[str, Any]) -> SupervisorError:
     return cls(f"node {node}: {err.get('message')}", status=err.get("status"), code=code)
 
 
+def _unwrap(node: str, ans: Mapping[str, Any]) -> Any:
+    """An agent's answer: its value, or the node's error raised as the local client's class."""
+    if "error" in ans:
+        raise _rebuild(node, ans["error"])
+    return ans["ok"]
+
+
 def _ray_errors() -> tuple[type[BaseException], type[BaseException]]:
     """(the agent is away for now, the agent is gone): ActorUnavailableError is the only one
     worth a retry; every other Ray error about the actor (it died, its node is gone so it
@@ -455,9 +462,7 @@ class AsyncClusterClient:
             if self._nodes.get(node) is rec:
                 self._change(self.view.node_unavailable(node, reason), node, "node_unavailable", reason)
             raise NodeUnavailable(f"node {node} {reason}", code="timeout") from None
-        if isinstance(ans, dict) and "error" in ans:
-            raise _rebuild(node, ans["error"])
-        return ans["ok"]
+        return _unwrap(node, ans)
 
     async def _fanout(self, verb: str, *args: Any) -> dict[str, Any]:
         """The verb on every live node at once: node -> answer, or the SupervisorError it raised."""
@@ -582,7 +587,7 @@ class AsyncClusterClient:
                     if kind == "agent_error":
                         self._lost(rec.name, f"daemon unreachable: {ev['error'].get('message')}")
                         break
-                    if kind == Event.HELLO or self._state(rec) in (NodeState.LOST, NodeState.UNAVAILABLE):
+                    if kind == Event.HELLO or self._state_of(rec.name) in (NodeState.LOST, NodeState.UNAVAILABLE):
                         await self._joined(rec)
                     elif kind == Event.MEMBERSHIP:
                         await self._refresh(rec)
@@ -604,9 +609,6 @@ class AsyncClusterClient:
                 self._lost(rec.name, f"{type(e).__name__}: {e}")
             _cancel(gen)
             await asyncio.sleep(min(1.0, self.discover_interval) * (0.5 + random.random()))
-
-    def _state(self, rec: _Node) -> NodeState | None:
-        return self._state_of(rec.name)
 
     def _state_of(self, node: str) -> NodeState | None:
         r = self.view.nodes.get(node)
@@ -643,9 +645,7 @@ class AsyncClusterClient:
             raise NodeUnavailable(f"node {rec.name} did not answer {verb} within {self.call_timeout:g}s") from None
         except Exception as e:
             raise NodeUnavailable(f"node {rec.name}: {type(e).__name__}: {e}") from None
-        if isinstance(ans, dict) and "error" in ans:
-            raise _rebuild(rec.name, ans["error"])
-        return ans["ok"]
+        return _unwrap(rec.name, ans)
 
     async def _reconcile(self, rec: _Node) -> None:
         """Bring a node that (re)joins to the cluster's round and version. Only a client that

@@ -206,9 +206,6 @@ class ClusterView:
     def recompute(self) -> Change:
         return self._recompute()
 
-    def admitted(self) -> list[str]:
-        return sorted(n for n, r in self.nodes.items() if r.state is NodeState.UP)
-
     # -- internals ------------------------------------------------------------------------
 
     def _set(self, node: str, state: NodeState, reason: str, rec: NodeRecord | None) -> NodeRecord:
