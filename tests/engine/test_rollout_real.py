@@ -9,6 +9,7 @@ supervisor so that no engine is left. Every request of a batch must come back ex
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import threading
@@ -103,6 +104,24 @@ async def until(pred, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def requests_held(url: str) -> float:
+    """How many requests the engine itself holds (vLLM's running + waiting gauges): proof
+    that they reached it, whatever the client's event loop has or has not read yet."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+
+
+async def until_engine_holds(f, name: str, n: int, timeout: float = 60.0) -> None:
+    """Until engine `name` holds at least n requests. No fixed sleep: on a loaded machine the
+    test's own loop may be starved for longer than an engine needs to finish its share."""
+    deadline = time.monotonic() + timeout
+    while await asyncio.to_thread(requests_held, f.url[name]) < n:
+        assert time.monotonic() < deadline, f"{name} never held {n} requests"
+        await asyncio.sleep(0.02)
+
+
 def assert_exactly_once(f, results, prompts) -> None:
     assert len(results) == len(prompts)
     assert len({r.request_id for r in results}) == len(prompts)
@@ -145,8 +164,7 @@ async def test_pause_abort_mid_batch_requests_are_resent_and_complete(fleet):
     prompts = batch_prompts("pause")
     async with rollout(f) as client:
         batch = asyncio.create_task(client.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
-        await until(lambda: client.outstanding().get("A", 0) >= 8)
-        await asyncio.sleep(0.3)  # tokens are flowing on A
+        await until_engine_holds(f, "A", 8)
         assert not batch.done()
         in_flight_on_a = client.outstanding().get("A", 0)
         t_pause = time.time()
@@ -180,10 +198,9 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
     async with rollout(f) as client:
         epoch_before = client.epoch
         batch = asyncio.create_task(client.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
-        await until(lambda: client.outstanding().get("A", 0) >= 8)
-        await asyncio.sleep(0.3)  # tokens are flowing on A
+        await until_engine_holds(f, "A", 8)  # A's server has them: a kill cuts them, not refuses them
         assert not batch.done()
-        in_flight_on_a = client.outstanding().get("A", 0)
+        in_flight_on_a = client.outstanding().get("A", 0)  # no await from here to the kill
         mark = d.mark()
         t_kill = time.time()
         os.kill(d.last_pid("A"), signal.SIGKILL)
@@ -194,11 +211,15 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
         assert [e.name for e in client.engines] == ["B"]
         await asyncio.sleep(0.5)  # let the background failure reports land
     assert_exactly_once(f, results, prompts)
-    # Every answer after the kill came from the survivor; A's answers were finished before it.
-    assert all(r.engine == "B" for r in results if r.finished >= t_kill)
-    assert all(r.finished < t_kill for r in results if r.engine == "A")
+    # A's answers were all sent to it before the kill (a complete one may be read after it:
+    # the client's loop can lag what the kernel already holds); every other one came from B.
+    assert all(r.attempt_sent < t_kill for r in results if r.engine == "A")
+    late_on_a = [r for r in results if r.engine == "A" and r.finished >= t_kill]
     failed_on_a = [r for r in results if any(e == "A" and o in (DIED, REFUSED) for e, o in r.attempts)]
-    assert len(failed_on_a) >= in_flight_on_a >= 8  # the in-flight ones were cut and re-sent
+    outcomes = collections.Counter(a for r in results for a in r.attempts)
+    # Each request in flight on A at the kill was either already answered in full or cut and re-sent.
+    assert len(failed_on_a) + len(late_on_a) >= in_flight_on_a >= 8, (in_flight_on_a, dict(outcomes))
+    assert all(r.engine == "B" for r in failed_on_a)
     assert any(("A", DIED) in r.attempts for r in failed_on_a)  # cut mid-stream, not only refused
     assert client.stats.requests == client.stats.succeeded == BATCH and client.stats.failed == 0
     assert client.stats.sent == BATCH + client.stats.retried and client.stats.attempt_failures >= in_flight_on_a
@@ -215,7 +236,8 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
     assert len(seen) == len(client.reports)
     assert sorted(e["counted"] for e in seen) == sorted(a["counted"] for _, _, a in client.reports)
     assert f.log.of("detection", engine="A", kind="exit")
-    print(f"\nkill -9: {in_flight_on_a} in flight on A; {len(failed_on_a)} re-sent to B; reports "
+    print(f"\nkill -9: {in_flight_on_a} in flight on A; {len(failed_on_a)} re-sent to B, {len(late_on_a)} "
+          f"read after it; reports "
           f"{[(a['counted'], a['state']) for _, _, a in client.reports]}; batch done {t_done - t_kill:.2f}s after the "
           f"kill; attempts {client.stats.sent}")
 
