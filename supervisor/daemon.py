@@ -24,6 +24,7 @@ import uvloop
 from . import config as config_mod
 from . import logs
 from . import journal as journal_mod
+from . import reexec
 from .config import Config, ConfigError, ConfigReadError
 from .control import ControlServer
 from .engine import EngineRunner
@@ -44,11 +45,15 @@ from .tasks import TaskSet
 log = structlog.get_logger("vime.supervisor")
 
 DEFAULT_CONFIG = "/etc/vime-supervisor/config.toml"
+# After a reload, how long the socket waits for the adopted engines' first check (a healthy
+# one answers in milliseconds); clients retry their connect for 10 s by default.
+RELOAD_SETTLE = 5.0
 
 
 class Supervisor:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, *, generation: int = 0):
         self.cfg = cfg
+        self.generation = generation  # reloads (re-executions in place) this process has been through
         self.bus = EventBus()
         self.policy = FleetPolicy(min_healthy=cfg.min_healthy, use_fault_tolerance=cfg.use_fault_tolerance,
                                   restart_immediately=cfg.restart_immediately)
@@ -64,18 +69,68 @@ class Supervisor:
         self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json")
         self.fleet.persist = self.journal.flush
         self._stop = asyncio.Event()
+        self._reload = False  # set once a reload's checks passed: the stop detaches instead
+        self._stop_wanted = False  # a stop asked for (SIGTERM): wins over a reload
+        self._reloading: asyncio.Task[None] | None = None
         self.tasks = TaskSet("daemon")  # every long-lived task of the daemon
 
     def request_stop(self, why: str) -> None:
+        self._stop_wanted = True
         if not self._stop.is_set():
             self._stop.set()  # first: a log write can fail (a closed stderr) but must not block the stop
             log.info("supervisor.stop_requested", why=why)
 
-    async def run(self) -> None:
+    def request_reload(self) -> None:
+        """SIGHUP: re-execute in place once the checks pass (see reexec.py); one at a time."""
+        if self._stop.is_set():
+            log.warning("supervisor.reload_ignored", why="the daemon is already stopping")
+        elif self._reloading is not None and not self._reloading.done():
+            log.info("supervisor.reload_ignored", why="a reload is already under way")
+        else:
+            self._reloading = self.tasks.spawn(self._prepare_reload(), name="reload")
+
+    async def _prepare_reload(self) -> None:
+        argv = reexec.daemon_argv()
+        log.info("supervisor.reload_requested", argv=argv, generation=self.generation)
+        self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}",
+                             "STATUS=reloading: checking the installed daemon")
+        why = await reexec.preflight(argv)
+        if why is None:
+            why = await self._wait_for_syncs()
+        if why is not None:
+            log.error("supervisor.reload_refused", why=why,
+                      action="the running daemon goes on unchanged; fix the cause and reload again")
+            self.fleet.emit(Event.RELOAD_REFUSED, why=why)
+            self.notifier.ready(status_line(self.fleet))  # back from RELOADING, as we were
+            return
+        if not self._stop.is_set():
+            self._reload = True
+            self._stop.set()
+
+    async def _wait_for_syncs(self) -> str | None:
+        """A reload lets weight syncs in flight end (their watchdog bounds them by sync_timeout):
+        an engine caught SYNCING would not be adopted but restarted. None once none is left."""
+        def syncing() -> list[str]:
+            return [r.name for r in self.fleet.runners.values() if r.state is State.SYNCING]
+
+        deadline = time.monotonic() + self.cfg.sync_timeout + 5.0
+        if syncing():
+            log.info("supervisor.reload_waits", syncing=syncing(), why="weight syncs in flight end first")
+        while syncing():
+            if time.monotonic() > deadline:
+                return f"engines still SYNCING after sync_timeout ({self.cfg.sync_timeout:g}s): {syncing()}"
+            await asyncio.sleep(0.1)
+        return None
+
+    async def run(self) -> bool:
+        """Supervise until stopped. True: the engines were detached for a reload, and the caller
+        execs the daemon again; False: they were stopped."""
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        reexec.release_signals()  # what a reload held across its exec is delivered now
         os.makedirs(cfg.log_dir, exist_ok=True)
         os.makedirs(cfg.runtime_dir, exist_ok=True)
         # One session for every probe. No total cap (the fleet can be large); per engine a few
@@ -90,27 +145,36 @@ class Supervisor:
                                       persist=self.journal.flush)
                 self.fleet.runners[spec.name] = runner
             await self._restore()
-            control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
-                                    socket_group=cfg.socket_group or None)
-            await control.start()
-            metrics = MetricsListener(self.fleet, cfg.metrics_address)  # "": none
-            await metrics.start()
-            log.info("supervisor.started", pid=os.getpid(), socket=cfg.socket_path, engines=[s.name for s in cfg.engines],
-                     fault_tolerance=cfg.use_fault_tolerance, interval=cfg.probe.interval,
-                     timeout=cfg.probe.timeout, failure_threshold=cfg.probe.failure_threshold,
-                     first_wait=cfg.probe.first_wait)
             self.journal.start(self.tasks)
             self.tasks.spawn(self._follow_fleet(), name="follow-fleet")
-            self.tasks.spawn(self._ready_when_checked(), name="sd-ready")
             if self.notifier.watchdog_interval:
                 self.tasks.spawn(self._watchdog(), name="sd-watchdog")
             for runner in self.fleet.runners.values():
                 if not runner.retired:
                     runner.start(self.tasks)
+            if self.generation:
+                # After a reload the socket opens once the adopted engines are checked again,
+                # so a client that reconnects sees the fleet as the previous image left it.
+                await self._readopted(RELOAD_SETTLE)
+            control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
+                                    socket_group=cfg.socket_group or None)
+            metrics = MetricsListener(self.fleet, cfg.metrics_address)  # "": none
             try:
+                await control.start()
+                await metrics.start()
+                log.info("supervisor.started", pid=os.getpid(), socket=cfg.socket_path,
+                         engines=[s.name for s in cfg.engines], generation=self.generation,
+                         fault_tolerance=cfg.use_fault_tolerance, interval=cfg.probe.interval,
+                         timeout=cfg.probe.timeout, failure_threshold=cfg.probe.failure_threshold,
+                         first_wait=cfg.probe.first_wait)
+                self.tasks.spawn(self._ready_when_checked(), name="sd-ready")
                 await self._stop.wait()
-                self.notifier.stopping()
-                await self.shutdown()
+                if self._reload and not self._stop_wanted:
+                    await self.detach()
+                else:  # a stop that came while a reload was being prepared wins
+                    self._reload = False
+                    self.notifier.stopping()
+                    await self.shutdown()
             finally:
                 # In this order: engines are stopped (above), the socket closes, syncs end,
                 # the journal's last write, then whatever task is left.
@@ -120,6 +184,41 @@ class Supervisor:
                 await self.journal.close()
                 await self.tasks.aclose()
                 self.notifier.close()
+        if self._reload and self._stop_wanted:
+            # SIGTERM while detaching: the engines are still ours to stop, not to hand over.
+            self._reload = False
+            self.notifier.stopping()
+            await self.shutdown()
+        return self._reload
+
+    async def detach(self) -> None:
+        """A reload: end supervision of every engine, leaving its process running; the
+        journal's last write (in run()) names each one for the next image to adopt."""
+        runners = list(self.fleet.runners.values())
+        log.info("supervisor.detaching", engines=len(runners), round=self.fleet.round,
+                 round_open=self.fleet.round_open, weight_version=self.fleet.current_version)
+        await asyncio.gather(*(r.detach() for r in runners))
+
+    async def _readopted(self, bound: float) -> None:
+        """Until every engine being re-adopted has been checked again, at most `bound` s."""
+        runners = [r for r in self.fleet.runners.values() if not r.retired]
+        deadline = time.monotonic() + bound
+        while True:
+            changes = [r.next_change() for r in runners]  # taken before the check: no change is missed
+            pending = [r.name for r in runners if r.readopting]
+            left = deadline - time.monotonic()
+            if not pending:
+                return
+            if left <= 0:
+                log.warning("supervisor.readoption_slow", bound=bound, engines=pending,
+                            action="the socket opens now; they go on being checked")
+                return
+            waits = [asyncio.ensure_future(c.wait()) for c in changes]
+            try:
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
     async def _restore(self) -> None:
         """Pick up where a previous daemon left off: round, version, engines still running.
@@ -177,7 +276,7 @@ class Supervisor:
                                 action="left alone: not an engine server of ours on that port")
                     continue
                 if runner is not None and runner.spec.spawned:
-                    if runner.adopt(entry):
+                    if runner.adopt(entry, "a reload" if self.generation else "a daemon restart"):
                         adopted.append(name)
                         continue
                     gone.append(name)
@@ -286,12 +385,14 @@ class LockError(Exception):
     pass
 
 
-def acquire_locks(cfg: Config) -> list[int]:
+def acquire_locks(cfg: Config, inherited: dict[str, int] | None = None) -> list[int]:
     """One daemon per runtime and state directory: an flock on `supervisor.lock` in each,
     held (fds open, not inherited by engines) until the process ends, so a kill -9 frees it.
-    A second daemon gets LockError before it touches the socket, the journal or an engine."""
+    A second daemon gets LockError before it touches the socket, the journal or an engine.
+    `inherited`: lock fds a reload handed over (path -> fd), still holding their flocks."""
     fds: list[int] = []
     seen: set[str] = set()
+    inherited = dict(inherited or {})
     for d in (cfg.state_dir, cfg.runtime_dir):
         try:
             os.makedirs(d, exist_ok=True)
@@ -300,7 +401,9 @@ def acquire_locks(cfg: Config) -> list[int]:
                 continue
             seen.add(real)
             path = os.path.join(real, "supervisor.lock")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            fd = inherited.pop(path, None)
+            if fd is None:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
             raise LockError(f"cannot create the lock file in {d}: {e}") from None
         try:
@@ -319,10 +422,16 @@ def acquire_locks(cfg: Config) -> list[int]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         fds.append(fd)
+    for fd in inherited.values():  # a directory the reloaded config no longer uses
+        os.close(fd)
     return fds
 
 
 def main(argv: list[str] | None = None) -> int:
+    handover = reexec.inherited()  # first: engines must not inherit the variable
+    # A SIGHUP before the event loop handles it would kill the daemon (its default action).
+    early_hup: list[int] = []
+    signal.signal(signal.SIGHUP, lambda signum, frame: early_hup.append(signum))
     args = parse_args(argv)
     try:
         cfg = config_mod.load(args.config, args)
@@ -341,19 +450,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: ok, {len(cfg.engines)} engine(s)")
         return 0
     try:
-        locks = acquire_locks(cfg)
+        locks = acquire_locks(cfg, handover.locks if handover else None)
     except LockError as e:
         print(f"vime-supervisor: {e}", file=sys.stderr)
         return 1
     logs.configure(cfg.log_level)
     for warning in cfg.warnings:
         log.warning("config.warning", config=args.config, warning=warning)
+    generation = handover.generation if handover else 0
+    kept: list[Supervisor] = []
     try:
-        uvloop.run(Supervisor(cfg).run())
+        while True:
+            sup = Supervisor(cfg, generation=generation)
+            if early_hup:
+                log.warning("supervisor.reload_ignored", why="SIGHUP before the daemon was up")
+                early_hup.clear()
+            if not uvloop.run(sup.run()):
+                return 0
+            argv_now = reexec.daemon_argv()
+            log.info("supervisor.reexec", argv=argv_now, generation=generation + 1)
+            try:
+                reexec.execute(argv_now, generation + 1, locks)  # returns only if it failed
+            except OSError as e:
+                # The engines run on, detached and journaled: this process adopts them again,
+                # with the code it already has (nothing of the old image is dropped: kept).
+                log.error("supervisor.reload_failed", error=str(e), argv=argv_now,
+                          action="re-adopting the engines with the daemon already running")
+                kept.append(sup)
+                generation += 1
     finally:
         for fd in locks:
             os.close(fd)
-    return 0
 
 
 if __name__ == "__main__":

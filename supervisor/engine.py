@@ -90,6 +90,8 @@ class EngineRunner:
         self._stop_reason: str | None = None  # set by an operator's stop: ends in STOPPED
         self._adopted: EngineProcess | None = None  # from the journal, taken by the first start
         self._adopted_routable = False  # it was serving when the previous daemon died
+        self._adopted_unwarmed = False  # it was still STARTING: its warm-up may not have run
+        self._adopted_after = ""  # "a daemon restart" or "a reload", for the transition's reason
         self._restored = False  # a previous daemon's journal named it
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
         self._start_pending: str | None = None  # a start asked for while a dead group is cleaned up
@@ -145,6 +147,16 @@ class EngineRunner:
     def serving(self) -> bool:
         """In a state that takes traffic (RUNNING, SUSPECT), whatever its weights."""
         return self.fsm.routable
+
+    @property
+    def readopting(self) -> bool:
+        """An engine a previous daemon image left running (adopted, or attached), taken over
+        but not yet checked again."""
+        if self._adopted is not None:
+            return True
+        if self.fsm.state is not S.STARTING:
+            return False
+        return self._restored if not self.spec.spawned else self.proc is not None and self.proc.adopted
 
     @property
     def probed(self) -> bool:
@@ -211,7 +223,7 @@ class EngineRunner:
 
     # -- spawned engines -------------------------------------------------------------------
 
-    def adopt(self, entry: dict) -> bool:
+    def adopt(self, entry: dict, after: str = "a daemon restart") -> bool:
         """Take over this engine's process from a previous daemon's journal, if it is still
         the same process, started by this very config (same fingerprint: model, port, args,
         env), and was in a state worth keeping. A process that is ours but not worth keeping
@@ -243,6 +255,8 @@ class EngineRunner:
             return False
         self._adopted = proc
         self._adopted_routable = state in (S.RUNNING.value, S.SUSPECT.value)
+        self._adopted_unwarmed = state == S.STARTING.value
+        self._adopted_after = after
         self.fsm.incarnation = max(0, int(entry.get("incarnation", 1)) - 1)
         self.fsm.restarts = int(entry.get("restarts", 0))
         return True
@@ -250,7 +264,7 @@ class EngineRunner:
     async def _run_spawned(self) -> None:
         fsm = self.fsm
         if self._adopted is not None:
-            fsm.begin_start(f"re-adopting pid {self._adopted.pid} after a daemon restart", restart=False,
+            fsm.begin_start(f"re-adopting pid {self._adopted.pid} after {self._adopted_after}", restart=False,
                             cause=Cause.RESTORED)
         elif self.start_stopped:
             fsm.annotate("stopped by request (before a daemon restart)")
@@ -314,7 +328,9 @@ class EngineRunner:
                      log=str(self.log_path))
         proc = self.proc
         exited = asyncio.ensure_future(proc.wait())
-        ready = asyncio.ensure_future(self._wait_ready_and_warm() if not proc.adopted else self._wait_ready())
+        warm = not proc.adopted or self._adopted_unwarmed
+        self._adopted_unwarmed = False
+        ready = asyncio.ensure_future(self._wait_ready_and_warm() if warm else self._wait_ready())
         try:
             done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait or None,  # 0: none
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -339,7 +355,7 @@ class EngineRunner:
             return
         if exited.done():
             permanent, summary = classify_failure(read_tail(self.log_path), self.spec.model)
-            how = describe_returncode(proc.returncode, proc.adopted)
+            how = describe_returncode(proc.returncode, proc.status_unknown)
             await self._stop_process(proc)  # leftover children of the group
             # Only an exit of its own says something about the config: one killed by a
             # signal (an OOM killer, an operator's kill) may well start next time.
@@ -402,7 +418,7 @@ class EngineRunner:
         if beat in done and beat.exception() is not None:  # a bug of ours, not the engine's
             log.error("engine.heartbeat_failed", engine=self.name, error=repr(beat.exception()))
         if exited in done:
-            fsm.exited(describe_returncode(proc.returncode, proc.adopted))
+            fsm.exited(describe_returncode(proc.returncode, proc.status_unknown))
             # The server is gone: its EngineCore/Worker have nothing left to drain, so a short
             # grace before SIGKILL keeps the restart quick.
             await self._stop_process(proc, min(1.0, self.cfg.stop_timeout))
@@ -633,6 +649,12 @@ class EngineRunner:
         """The gap: a dead engine may restart now (held STALE ones are the sync's to release)."""
         self.wake()
 
+    async def detach(self) -> None:
+        """A reload: end the task, and leave the process running for the next daemon image
+        to adopt from the journal (its pid stays in the snapshot: self.proc is kept)."""
+        await cancel_and_wait(self._task)
+        self.prober.close()
+
     async def shutdown(self) -> None:
         """Daemon exit: end the task, stop the process group if one is left."""
         # The journal must tell this stop from an operator's: only the latter survives a
@@ -640,6 +662,8 @@ class EngineRunner:
         self.stopped_by_shutdown = self.fsm.state is not S.STOPPED
         await cancel_and_wait(self._task)
         self.prober.close()  # an attached engine's probe connection (spawned: closed already)
+        if self._adopted is not None:  # a stop that came before the task took it over
+            self.proc, self._adopted = self._adopted, None
         fsm = self.fsm
         if self.proc is not None:
             if fsm.state in PROCESS_STATES and fsm.state is not S.STOPPING:

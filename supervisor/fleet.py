@@ -129,13 +129,13 @@ class Fleet(Listener):
 
     def _log_fields(self, engine: str | None = None) -> dict[str, Any]:
         """What an operator filters log lines on: the open round; the engine's process (pid)
-        and, once it is gone, how it ended (exit_code or signal; unknown for an adopted one)."""
+        and, once it is gone, how it ended (exit_code or signal; unknown for a previous daemon's)."""
         out: dict[str, Any] = {"round": self.round} if self.round_open else {}
         runner = self.runners.get(engine) if engine is not None else None
         proc = runner.proc if runner is not None else None
         if proc is not None:
             out["pid"] = proc.pid
-            if not proc.adopted and proc.returncode is not None:
+            if not proc.status_unknown and proc.returncode is not None:
                 out.update(exit_fields(proc.returncode))
         return out
 

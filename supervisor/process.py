@@ -110,7 +110,18 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def _reap(pid: int) -> int | None:
+    """The exit of `pid` (as Popen.returncode) if it is our child and has exited, reaping it;
+    None if it runs or is not our child."""
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return os.waitstatus_to_exitcode(status) if got == pid else None
+
+
 def describe_returncode(rc: int | None, adopted: bool = False) -> str:
+    """`adopted`: the engine is a previous daemon's, not our child, so its status is unknown."""
     if adopted:
         return "exited (adopted from a previous daemon: status unknown)"
     if rc is None:
@@ -330,6 +341,7 @@ class EngineProcess:
         self.start_time = process_start_time(pid)
         self._exited: asyncio.Future | None = None  # adopted: resolved when its pidfd is readable
         self._fd: int | None = None
+        self._status: int | None = None  # adopted and our child (after a reload): its exit, as returncode
 
     @property
     def adopted(self) -> bool:
@@ -337,10 +349,17 @@ class EngineProcess:
 
     @property
     def returncode(self) -> int | None:
-        """None while running. An adopted engine is not our child: its status is unknown (-1)."""
+        """None while running. An adopted engine that is not our child (a previous daemon's,
+        re-parented) exits with a status we cannot read: -1, and status_unknown says so."""
         if self.proc is not None:
             return self.proc.returncode
-        return -1 if self._exited is not None and self._exited.done() else None
+        if self._exited is None or not self._exited.done():
+            return None
+        return -1 if self._status is None else self._status
+
+    @property
+    def status_unknown(self) -> bool:
+        return self.proc is None and self._status is None
 
     @classmethod
     async def spawn(cls, cmd: list[str], env: dict[str, str], log_path: Path) -> "EngineProcess":
@@ -355,7 +374,13 @@ class EngineProcess:
     @classmethod
     def adopt(cls, pid: int, start_time: int, log_path: Path) -> "EngineProcess | None":
         """Take over an engine a previous daemon spawned, if pid is still that very process
-        (same start time) and still leads its own group. Its exit is seen through a pidfd."""
+        (same start time) and still leads its own group. Its exit is seen through a pidfd.
+
+        After a reload (an exec in place) the engine is still our child: it is reaped here,
+        and its exit status is known. A previous daemon's re-parented engine is not ours to
+        reap (ChildProcessError) and its status stays unknown."""
+        if _reap(pid) is not None:  # died during the exec: our zombie, now reaped
+            return None
         # The pidfd first, then the checks: the pidfd pins the process, so the checks cannot
         # pass for one process and the pidfd name another that reused the number in between.
         try:
@@ -378,8 +403,9 @@ class EngineProcess:
             loop.remove_reader(fd)
             os.close(fd)
             self._fd = None
+            self._status = _reap(pid)
             if not self._exited.done():
-                self._exited.set_result(-1)
+                self._exited.set_result(self.returncode)
 
         loop.add_reader(fd, readable)
         return self

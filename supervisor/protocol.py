@@ -134,6 +134,7 @@ class Event(StrEnum):
     SUPERVISION_FAILED = "supervision_failed"
     NOT_ADOPTED = "not_adopted"
     ORPHAN_STOPPED = "orphan_stopped"
+    RELOAD_REFUSED = "reload_refused"  # a SIGHUP's checks failed: the running daemon goes on
 
 
 # -- routes ---------------------------------------------------------------------------------

@@ -1,0 +1,142 @@
+"""SIGHUP reloads the daemon in place (an exec of the installed daemon): no engine restarted,
+the round and the weight version kept; a reload whose checks fail changes nothing.
+
+The daemon spawns its engines as it always does, with `python` pointed at a script that
+serves the protocol stand-in (harness/standin_engine.py; not vLLM) and keeps one child in its
+process group, as test_restart_faults.py does. The real-engine reload is in
+tests/engine/test_journal_real.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vime.supervisor.client import SupervisorClient
+from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
+
+from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
+
+
+@pytest.fixture
+def world(tmp_path):
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    model = model_dir(tmp_path / "model")
+    cfg = write_config(
+        tmp_path / "sup.toml",
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
+                    "state_dir": str(tmp_path / "state"), "python": str(fake), "stop_timeout": 2.0},
+        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
+        engines=[spawned("e0", model, free_port()), spawned("e1", model, free_port())],
+    )
+    d = Daemon(cfg)
+    w = type("World", (), {})()
+    w.cfg, w.daemon, w.sock = cfg, d, str(tmp_path / "run" / "supervisor.sock")
+    try:
+        d.transition("e0", "RUNNING", 30)
+        d.transition("e1", "RUNNING", 30)
+        yield w
+    finally:
+        groups = set(d.spawned_pids()) | {e["pid"] for e in d.events if e.get("event") == "engine.adopted"}
+        d.kill()
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def started(d: Daemon, generation: int, after: int = 0, timeout: float = 30) -> dict:
+    return d.wait_for(lambda e: e.get("event") == "supervisor.started" and e.get("generation") == generation,
+                      timeout, after=after)
+
+
+def engine_pids(sock: str) -> dict[str, int]:
+    return {e["name"]: e["pid"] for e in SupervisorClient(sock).status()["engines"]}
+
+
+def test_sighup_mid_round_re_execs_and_keeps_engines_round_and_version(world):
+    d, sock = world.daemon, world.sock
+    c = SupervisorClient(sock)
+    c.publish_weights(3)
+    c.start_round(7)
+    before = c.status()
+    pids = engine_pids(sock)
+    routable = c.routable_engines()["engines"]
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    again = started(d, 1, after=mark)
+    assert again["pid"] == d.proc.pid and d.proc.poll() is None  # the same process, a new image
+    events = d.events[mark:]
+    assert [e["event"] for e in events if e["event"] in ("supervisor.detaching", "supervisor.reexec")] == [
+        "supervisor.detaching", "supervisor.reexec"]
+    assert {e["engine"] for e in events if e.get("event") == "engine.adopted"} == {"e0", "e1"}
+    assert not [e for e in events if e.get("event") in ("engine.spawned", "supervisor.stopping")]
+    # The socket answers once the engines were checked again: the fleet as it was left.
+    after = c.status()
+    assert (after["round"], after["round_open"], after["weight_version"]) == (7, True, 3)
+    assert engine_pids(sock) == pids
+    assert [e["state"] for e in after["engines"]] == [e["state"] for e in before["engines"]]
+    assert c.routable_engines()["engines"] == routable
+    for pid in pids.values():  # engines do not inherit the handover
+        assert b"VIME_SUPERVISOR_HANDOVER" not in Path(f"/proc/{pid}/environ").read_bytes()
+    # The round goes on and ends; the next one starts.
+    c.end_round(7)
+    c.start_round(8)
+    assert c.status()["round"] == 8
+    # After the reload the engines are this image's children: an exit is reaped with its status.
+    mark = d.mark()
+    os.kill(pids["e0"], signal.SIGKILL)
+    exited = d.transition("e0", "EXITED", 10, after=mark)
+    assert "killed by SIGKILL" in exited["reason"], exited
+    # A second daemon cannot take the directories the reload handed over.
+    second = subprocess.run([sys.executable, "-m", "vime.supervisor", "--config", str(world.cfg)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1 and f"pid {d.proc.pid}" in second.stderr, second.stderr
+    # A plain stop after a reload stops every engine.
+    assert d.terminate(30) == 0
+    assert live_pids_in_groups(set(pids.values())) == []
+
+
+def test_a_reload_that_fails_its_checks_changes_nothing(world):
+    d, sock, cfg = world.daemon, world.sock, world.cfg
+    c = SupervisorClient(sock)
+    c.start_round(1)
+    pids = engine_pids(sock)
+    good = cfg.read_text()
+    cfg.write_text(good + "\n[health_check]\ntimeout = nan\n")  # the installed daemon would refuse it
+    events = c.events()
+    assert next(events)["event"] == "hello"
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    refused = d.wait_for(lambda e: e.get("event") == "supervisor.reload_refused", 60, after=mark)
+    assert "--check-config` exited 2" in refused["why"] and "health_check" in refused["why"], refused
+    ev = next(e for e in events if e["event"] != "keepalive")
+    assert ev["event"] == "reload_refused" and ev["why"] == refused["why"]
+    events.close()
+    assert engine_pids(sock) == pids and c.status()["round_open"] is True
+    assert not [e for e in d.events[mark:] if e.get("event") in ("supervisor.detaching", "supervisor.reexec")]
+    # Fixed, the next SIGHUP reloads.
+    cfg.write_text(good)
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    started(d, 1, after=mark)
+    assert engine_pids(sock) == pids and c.status()["round"] == 1
+
+
+def test_sigterm_during_a_reload_stops_the_engines(world):
+    d, sock = world.daemon, world.sock
+    pids = engine_pids(sock)
+    d.proc.send_signal(signal.SIGHUP)
+    time.sleep(0.05)  # the reload's checks run; the stop comes while they do, or just after
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(60) == 0
+    assert live_pids_in_groups(set(pids.values())) == []
