@@ -59,6 +59,7 @@ class Supervisor:
                                   restart_immediately=cfg.restart_immediately)
         self.stats = FleetStats(self.bus)
         self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)
+        self.fleet.reloads = generation
         self.sync = SyncCoordinator(self.fleet, cfg.sync_timeout)
         self.fleet.sync = self.sync
         # In this order: a detection is counted and on the stream before its transition, and

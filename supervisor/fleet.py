@@ -62,6 +62,7 @@ class Fleet(Listener):
         self.sync: ResyncVerbs
         self.started_at = time.time()
         self.pid = os.getpid()
+        self.reloads = 0  # set by the daemon: reloads this process has been through
         # Called after a change the trainer was told about (round, version, a new pid): the
         # daemon's journal is written before the answer, so a kill -9 right after loses nothing.
         self.persist: Callable[[], None] = lambda: None

@@ -271,8 +271,9 @@ class EngineStatus(TypedDict):
 
 class DaemonInfo(TypedDict):
     pid: int
-    uptime: float
+    uptime: float  # since this image started (a reload starts it again)
     version: str  # vime-supervisor's package version
+    reloads: int  # reloads (SIGHUP: an exec in place) this process has been through
 
 
 class FleetStatus(TypedDict):

@@ -65,7 +65,8 @@ def fleet_status(fleet: Fleet) -> FleetStatus:
         "min_healthy": fleet.cfg.min_healthy,
         "below_min_healthy": fleet.below_floor,
         "fault_tolerance": fleet.cfg.use_fault_tolerance,
-        "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1), "version": VERSION},
+        "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1), "version": VERSION,
+                   "reloads": fleet.reloads},
     }
 
 

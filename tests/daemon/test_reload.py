@@ -83,6 +83,8 @@ def test_sighup_mid_round_re_execs_and_keeps_engines_round_and_version(world):
     # The socket answers once the engines were checked again: the fleet as it was left.
     after = c.status()
     assert (after["round"], after["round_open"], after["weight_version"]) == (7, True, 3)
+    assert (before["daemon"]["reloads"], after["daemon"]["reloads"]) == (0, 1)
+    assert after["daemon"]["pid"] == before["daemon"]["pid"] == d.proc.pid
     assert engine_pids(sock) == pids
     assert [e["state"] for e in after["engines"]] == [e["state"] for e in before["engines"]]
     assert c.routable_engines()["engines"] == routable
