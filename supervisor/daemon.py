@@ -48,6 +48,7 @@ DEFAULT_CONFIG = "/etc/vime-supervisor/config.toml"
 # After a reload, how long the socket waits for the adopted engines' first check (a healthy
 # one answers in milliseconds); clients retry their connect for 10 s by default.
 RELOAD_SETTLE = 5.0
+EXTEND_WINDOW = 30.0  # seconds each EXTEND_TIMEOUT_USEC buys while first starts run
 
 
 class Supervisor:
@@ -172,7 +173,9 @@ class Supervisor:
                 await self._stop.wait()
                 if self._reload and not self._stop_wanted:
                     await self.detach()
-                else:  # a stop that came while a reload was being prepared wins
+                if not self._reload or self._stop_wanted:
+                    # A stop wins over a reload, even one that came while detaching: the
+                    # engines are still ours to stop, not to hand over.
                     self._reload = False
                     self.notifier.stopping()
                     await self.shutdown()
@@ -185,10 +188,8 @@ class Supervisor:
                 await self.journal.close()
                 await self.tasks.aclose()
                 self.notifier.close()
-        if self._reload and self._stop_wanted:
-            # SIGTERM while detaching: the engines are still ours to stop, not to hand over.
+        if self._reload and self._stop_wanted:  # a stop in the last moments before the exec
             self._reload = False
-            self.notifier.stopping()
             await self.shutdown()
         return self._reload
 
@@ -336,9 +337,13 @@ class Supervisor:
             changes = [r.next_change() for r in runners]  # taken before the check: no change is missed
             if not any(first_start_pending(r) for r in runners):
                 break
+            # First starts may outlast TimeoutStartSec (a cold compile, a large model): each
+            # message buys EXTEND_WINDOW more, and one is due before that runs out. A daemon
+            # that stops sending (wedged) still fails the start.
+            self.notifier.notify(f"EXTEND_TIMEOUT_USEC={int(EXTEND_WINDOW * 1e6)}")
             waits = [asyncio.ensure_future(c.wait()) for c in changes]
             try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits, timeout=EXTEND_WINDOW / 3, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for w in waits:
                     w.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,10 @@ from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (
 
 @pytest.fixture
 def world(tmp_path):
+    yield from make_world(tmp_path)
+
+
+def make_world(tmp_path, env: dict[str, str] | None = None):
     fake = tmp_path / "fake-python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
@@ -37,7 +42,7 @@ def world(tmp_path):
         health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
         engines=[spawned("e0", model, free_port()), spawned("e1", model, free_port())],
     )
-    d = Daemon(cfg)
+    d = Daemon(cfg, env=env)
     w = type("World", (), {})()
     w.cfg, w.daemon, w.sock = cfg, d, str(tmp_path / "run" / "supervisor.sock")
     try:
@@ -142,3 +147,27 @@ def test_sigterm_during_a_reload_stops_the_engines(world):
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(60) == 0
     assert live_pids_in_groups(set(pids.values())) == []
+
+
+def test_systemd_hears_the_start_extended_and_the_reload(tmp_path):
+    addr = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(addr)
+        sock.settimeout(30)
+        heard: list[str] = []
+
+        def until(line_start: str) -> list[str]:
+            got = []
+            while not any(m.startswith(line_start) for msg in got for m in msg.splitlines()):
+                got.append(sock.recv(4096).decode())
+            heard.extend(got)
+            return got
+
+        for w in make_world(tmp_path, env={"NOTIFY_SOCKET": addr}):
+            # While first starts run, each message extends TimeoutStartSec by 30 s.
+            assert "EXTEND_TIMEOUT_USEC=30000000" in until("READY=1")
+            w.daemon.proc.send_signal(signal.SIGHUP)
+            reloading = next(m for m in until("RELOADING=1") if m.startswith("RELOADING=1"))
+            assert "MONOTONIC_USEC=" in reloading
+            assert until("READY=1")[-1].startswith("READY=1\nSTATUS=2/2 engines RUNNING")
+            assert SupervisorClient(w.sock).status()["daemon"]["reloads"] == 1
