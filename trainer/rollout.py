@@ -26,8 +26,8 @@ broken HTTP), or whose stream ended without a finish reason, is re-sent to anoth
 daemon (`report_failure`, best effort: in the background, never raising; reports for one engine
 are coalesced to one per `cooldown`, so a burst of requests failing together on one engine
 counts once toward its failure threshold). An attempt that answered 200 with finish_reason
-"abort" was cut by a pause (`POST /pause?mode=abort`, a weight sync): its partial output is
-discarded and the request re-sent, preferably to another engine, else to the same one (vLLM
+"abort" was cut by a pause (`POST /pause?mode=abort`, a weight sync): the request is re-sent
+(continued from its partial output, see below), preferably to another engine, else to the same one (vLLM
 queues requests while paused); an abort is not reported. vLLM drops the abort chunk of a
 request aborted before its first token and ends that stream cleanly ([DONE] without a finish
 reason): that is an abort too, while a stream cut without [DONE] is a death. A 4xx (a bad request) is not retried:
@@ -37,8 +37,27 @@ request): `RolloutResponseTooLarge`. When no routable engine is left that has no
 request: `NoEngineAvailable`. After `max_attempts`: `RolloutFailed`. All are `RolloutError`;
 whatever an engine answers, nothing else is raised for it.
 
+Continuation (`continue_partial=True`, the default): when an attempt fails after tokens were
+streamed (died, 5xx, timed out, malformed, or aborted by a pause), the next attempt does not
+generate them again. It is a /v1/completions request whose `prompt` is the prompt's token ids
+(vLLM sends them on the first chunk; a chat request's rendered prompt, so a chat continues as a
+completion on token ids) plus the output token ids received so far, with `max_tokens` (and
+`min_tokens`) reduced by what was received and the same sampling parameters (see
+`continuation_sampling` for what each one becomes). The answer is ONE sample: token ids, text
+and logprobs concatenated, and `RolloutResult.splits` records each piece (engine, weight
+version, token offset, token count, how its attempt ended). It goes only to an engine listed
+at the weight version the received tokens were made on, and only while the daemon's published
+version is the one they were made under; else (no such engine routable, the version changed,
+a parameter that cannot be continued faithfully: stop strings, output penalties, structured
+output; no token ids) the request starts over from its prompt, and `RolloutResult.started_over`
+says why and how many tokens were thrown away. `RolloutStats` counts tokens received before a
+fault, reused, and regenerated (thrown away, so generated again). `continue_partial=False`
+starts every failed request over (the tokens count as regenerated). `progress()` is a
+read-only view of what each request in flight has received.
+
 Exactly once: a logical request returns one `RolloutResult` or raises; partial and aborted
-outputs are never returned. Attempts use their own connections (no pooled keep-alive socket
+outputs are never returned (a continued sample is one result: its pieces are never returned
+alone). Attempts use their own connections (no pooled keep-alive socket
 is reused), so a dropped connection always means the engine dropped that attempt.
 
 Streaming: every attempt is sent with `"stream": true` (server-sent events), so the result has
@@ -61,7 +80,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
@@ -69,7 +88,8 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from vime.supervisor.protocol import Event
 
 __all__ = [
-    "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine",
+    "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine", "Split", "StartOver", "Progress",
+    "continuation_blocker", "continuation_sampling", "continuation_seed",
     "RolloutError", "NoEngineAvailable", "RolloutRequestError", "RolloutFailed",
     "RolloutResponseTooLarge", "classify_status", "MAX_LINE_BYTES",
 ]
@@ -103,6 +123,40 @@ class Attempt(NamedTuple):
     outcome: str
 
 
+class Split(NamedTuple):
+    """One piece of a sample: output tokens [offset, offset + tokens) came from `engine`, listed
+    at `weight_version` when the attempt was routed; `outcome` is how that attempt ended (OK
+    for the last piece; DIED, ABORT, ... for a piece that was continued). `seed` is the seed
+    the piece was sampled with (a continued seeded request gets a derived one: see
+    continuation_seed)."""
+
+    engine: str
+    weight_version: Any
+    offset: int
+    tokens: int
+    outcome: str
+    seed: int | None = None
+
+
+class StartOver(NamedTuple):
+    """Output tokens received, then thrown away: the request started over from its prompt
+    (`tokens` of them, the last piece from `engine` at `weight_version`), and why."""
+
+    engine: str
+    weight_version: Any
+    tokens: int
+    reason: str
+
+
+class Progress(NamedTuple):
+    """What one request in flight holds: the engine of its current attempt, the output tokens
+    received so far (the continued prefix included) and how many of them the prefix is."""
+
+    engine: str
+    tokens: int
+    prefix: int
+
+
 @dataclass
 class RolloutResult:
     """The one answer to a logical request (never a partial or aborted one)."""
@@ -123,6 +177,10 @@ class RolloutResult:
     finished: float                  # wall clock: its last chunk arrived
     epoch: int | None                # membership epoch the successful attempt was routed under
     weight_version: Any = None       # the engine's weight version as the daemon listed it
+    # The sample's pieces, in order (one when it was not continued; empty when made by hand),
+    # and the partial outputs thrown away before it (each with why).
+    splits: list[Split] = field(default_factory=list)
+    started_over: list[StartOver] = field(default_factory=list)
 
     @property
     def latency(self) -> float:
@@ -137,6 +195,26 @@ class RolloutResult:
     @property
     def retries(self) -> int:
         return len(self.attempts) - 1
+
+    @property
+    def continued(self) -> bool:
+        """The sample was made of more than one attempt's tokens."""
+        return len(self.splits) > 1
+
+    @property
+    def tokens_reused(self) -> int:
+        """Output tokens received before a fault and kept (every piece but the last)."""
+        return sum(s.tokens for s in self.splits[:-1])
+
+    @property
+    def tokens_regenerated(self) -> int:
+        """Output tokens received before a fault and thrown away (generated again)."""
+        return sum(x.tokens for x in self.started_over)
+
+    @property
+    def tokens_before_fault(self) -> int:
+        """Output tokens that attempts which then failed had streamed: reused + regenerated."""
+        return self.tokens_reused + self.tokens_regenerated
 
 
 @dataclass
@@ -156,6 +234,16 @@ class RolloutStats:
     report_errors: int = 0   # failure reports that did not reach the daemon
     refreshes: int = 0
     refresh_errors: int = 0
+    # Continuation (see the module docstring). tokens_before_fault: output tokens streamed by
+    # attempts that then failed; tokens_reused: of those, kept in a returned sample;
+    # tokens_regenerated: thrown away when a request started over (so generated again). For
+    # requests that all returned, tokens_before_fault == tokens_reused + tokens_regenerated;
+    # the tokens of a request that raised count in the first only.
+    tokens_before_fault: int = 0
+    tokens_reused: int = 0
+    tokens_regenerated: int = 0
+    continued: int = 0       # attempts sent as continuations
+    started_over: int = 0    # partial outputs thrown away (each a StartOver on the result)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -283,6 +371,112 @@ def _error_message(body: bytes) -> str:
     return str(data)[:500]
 
 
+# -- continuation: the pure parts ------------------------------------------------------------
+
+# Parameters of a chat request that a completion on token ids does not take: the chat's
+# rendering is already in the prompt's token ids.
+_CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message", "chat_template",
+              "chat_template_kwargs", "documents", "tools", "tool_choice", "parallel_tool_calls",
+              "reasoning_effort", "include_reasoning", "mm_processor_kwargs", "top_logprobs",
+              "max_completion_tokens", "response_format")
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def continuation_blocker(sampling: Mapping[str, Any], chat: bool = False) -> str | None:
+    """Why a request with these sampling parameters cannot be continued faithfully from a
+    partial output (it then starts over), or None when it can."""
+    stop = sampling.get("stop")
+    if stop:
+        # vLLM holds back streamed text that may begin a stop string, so the text received
+        # lags the token ids; and a stop string across the split would not be seen.
+        return "stop strings cannot be continued (streamed text is held back; one across the split is missed)"
+    if sampling.get("presence_penalty") or sampling.get("frequency_penalty"):
+        # vLLM counts these over output tokens only: the received tokens would become prompt.
+        return "presence/frequency penalties count output tokens only; the received ones would become prompt"
+    if sampling.get("bad_words"):
+        return "bad_words are matched against output tokens only; the received ones would become prompt"
+    fmt = sampling.get("response_format")
+    fmt_type = fmt.get("type") if isinstance(fmt, Mapping) else fmt
+    if fmt_type not in (None, "text") or any(sampling.get(k) is not None for k in _STRUCTURED) \
+            or (chat and sampling.get("tools") and sampling.get("tool_choice") != "none"):
+        return "structured output cannot be continued (its grammar would start again at the split)"
+    return None
+
+
+def continuation_seed(seed: int, offset: int) -> int:
+    """The seed of a seeded request continued after `offset` output tokens. A seeded sample
+    cannot be continued bit-exactly: the engine's generator would start again at the split.
+    Reusing `seed` would draw, for the continued tokens, the very noise that drew the first
+    ones; a seed derived from (seed, offset) does not, and the same split of the same request
+    still gives the same sample. The Split records the seed used."""
+    return (int(seed) + int(offset) * 0x9E3779B97F4A7C15) % ((1 << 63) - 1)
+
+
+def continuation_sampling(sampling: Mapping[str, Any], received: int, chat: bool = False) -> dict[str, Any]:
+    """The sampling parameters of the /v1/completions request that continues a request after
+    `received` output tokens (its prompt: the prompt's token ids + those tokens). Unchanged:
+    temperature, top_p, top_k, min_p, repetition_penalty (vLLM applies it over prompt and
+    output tokens, so the received ones count either way), logit_bias, stop_token_ids (checked
+    token by token), ignore_eos, skip_special_tokens. n: only 1 is accepted by the client.
+    Changed:
+    - max_tokens (a chat's max_completion_tokens, which vLLM prefers) less `received`; absent
+      stays absent (vLLM then allows the rest of the context: the same total);
+    - min_tokens less `received` (not below 0): the bound is on the whole output;
+    - seed: continuation_seed(seed, received) (see there);
+    - a chat's logprobs=True / top_logprobs=K become the completion's logprobs=max(1, K): the
+      sampled token's logprob is what the client keeps, as for the first piece;
+    - dropped: a chat's own parameters (_CHAT_ONLY: the rendering is in the token ids),
+      truncate_prompt_tokens (the prompt's ids are already the truncated prompt; the received
+      tokens must not be cut), prompt_logprobs (it would score the received tokens again),
+      add_special_tokens (a token-id prompt is not tokenized), echo."""
+    out = {k: v for k, v in sampling.items()
+           if k not in ("truncate_prompt_tokens", "prompt_logprobs", "add_special_tokens", "echo")}
+    if chat:
+        for k in _CHAT_ONLY:
+            out.pop(k, None)
+        if sampling.get("logprobs"):
+            out["logprobs"] = max(1, int(sampling.get("top_logprobs") or 0))
+        else:
+            out.pop("logprobs", None)
+    limit = sampling.get("max_completion_tokens") if chat else None
+    if limit is None:
+        limit = sampling.get("max_tokens")
+    if limit is not None:
+        out["max_tokens"] = int(limit) - received
+    if sampling.get("min_tokens"):
+        out["min_tokens"] = max(0, int(sampling["min_tokens"]) - received)
+    if sampling.get("seed") is not None:
+        out["seed"] = continuation_seed(sampling["seed"], received)
+    return out
+
+
+class _Partial:
+    """A logical request's output so far: the pieces kept from failed attempts (the prefix a
+    continuation carries) and the partial outputs thrown away."""
+
+    def __init__(self) -> None:
+        self.prompt_token_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] | None = None
+        self.text: list[str] = []
+        self.splits: list[Split] = []
+        self.started_over: list[StartOver] = []
+        self.version: Any = None      # the listed weight version the prefix was made on
+        self.published: Any = None    # the daemon's published version when its first piece was routed
+        # Of the logical request, set once:
+        self.blocker: str | None = None   # why its sampling cannot be continued (continuation_blocker)
+        self.limit: int | None = None     # its max_tokens
+        self.want_logprobs = False
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def _answer_tokens(answer: "_Answer") -> int:
+    """Output tokens an attempt streamed (text chunks when the engine sent no token ids)."""
+    return len(answer.token_ids) if answer.token_ids is not None else sum(1 for t in answer.text if t)
+
+
 class _Answer:
     """One streamed completion being assembled."""
 
@@ -356,13 +550,16 @@ class RolloutClient:
         request with RolloutResponseTooLarge.
     api_key: the engines' API key (vLLM's --api-key / VLLM_API_KEY), sent as
         `Authorization: Bearer KEY`; default $VIME_ENGINE_API_KEY, none when that is unset.
+    continue_partial: continue a request cut after tokens were streamed from those tokens
+        (default), instead of starting it over (see the module docstring).
     """
 
     def __init__(self, supervisor: Any, *, max_attempts: int = 4, request_timeout: float = 300.0,
                  connect_timeout: float = 5.0, refresh_interval: float = 5.0, max_concurrency: int = 64,
                  backoff_initial: float = 0.05, backoff_max: float = 2.0, cooldown: float = 1.0,
                  model: str | None = None, follow_events: bool = True, return_token_ids: bool = True,
-                 max_line_bytes: int = MAX_LINE_BYTES, api_key: str | None = None):
+                 max_line_bytes: int = MAX_LINE_BYTES, api_key: str | None = None,
+                 continue_partial: bool = True):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if max_line_bytes < 1:
@@ -380,6 +577,7 @@ class RolloutClient:
         self.model = model
         self.follow_events = follow_events
         self.return_token_ids = return_token_ids
+        self.continue_partial = continue_partial
         key = api_key if api_key is not None else os.environ.get("VIME_ENGINE_API_KEY")
         self._auth = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -398,6 +596,7 @@ class RolloutClient:
         self._session: Any = None
         self._tasks: set[asyncio.Task] = set()
         self._report_tasks: set[asyncio.Task] = set()
+        self._progress: dict[str, tuple[str, _Answer, int]] = {}  # request id -> (engine, answer, prefix)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -503,6 +702,13 @@ class RolloutClient:
         """Requests in flight from this client, per engine."""
         return {k: v for k, v in self._outstanding.items() if v}
 
+    def progress(self) -> dict[str, Progress]:
+        """Requests with an attempt in flight: request id -> Progress (engine, output tokens
+        received so far, the continued prefix's share of them). Read-only, a snapshot: what
+        this client has read from the streams, not what the engines have generated."""
+        return {rid: Progress(name, prefix + _answer_tokens(answer), prefix)
+                for rid, (name, answer, prefix) in list(self._progress.items())}
+
     def pick(self, exclude: Iterable[str] = (), avoid: Iterable[str] = ()) -> Engine | None:
         """The engine for the next attempt: never one in `exclude` (it failed this request);
         one in `avoid` (it aborted this request) or cooling down only when nothing else is
@@ -599,6 +805,11 @@ class RolloutClient:
         failed: set[str] = set()
         aborted: set[str] = set()
         sent = time.time()
+        state = _Partial()
+        state.blocker = continuation_blocker(sampling, chat)
+        limit = sampling.get("max_completion_tokens") if chat else None
+        state.limit = sampling.get("max_tokens") if limit is None else limit
+        state.want_logprobs = sampling.get("logprobs") not in (None, False)
         try:
             retrying = AsyncRetrying(
                 stop=stop_after_attempt(self.max_attempts),
@@ -608,9 +819,17 @@ class RolloutClient:
             )
             async for attempt in retrying:
                 with attempt:
-                    engine = await self._choose(rid, failed, aborted, attempts)
-                    result = await self._attempt(engine, path, payload, sampling, chat, rid, attempts,
-                                                 failed, aborted, sent)
+                    engine = await self._choose(rid, failed, aborted, attempts, state)
+                    if state.token_ids:  # a continuation: a completion on the token ids so far
+                        self.stats.continued += 1
+                        log.info("rollout: %s: continuing on %s after %d token(s)", rid, engine.name, len(state))
+                        result = await self._attempt(
+                            engine, "/v1/completions", {"prompt": state.prompt_token_ids + state.token_ids},
+                            continuation_sampling(sampling, len(state), chat), False, rid, attempts, failed,
+                            aborted, sent, state)
+                    else:
+                        result = await self._attempt(engine, path, payload, sampling, chat, rid, attempts,
+                                                     failed, aborted, sent, state)
         except _Retry as last:
             self.stats.failed += 1
             tried = ", ".join(f"{a.engine}: {a.outcome}" for a in attempts)
@@ -623,7 +842,14 @@ class RolloutClient:
         self.stats.succeeded += 1
         return result
 
-    async def _choose(self, rid: str, failed: set[str], aborted: set[str], attempts: list[Attempt]) -> Engine:
+    async def _choose(self, rid: str, failed: set[str], aborted: set[str], attempts: list[Attempt],
+                      state: _Partial) -> Engine:
+        why = None
+        if state.token_ids:
+            engine, why = await self._continuation_engine(failed, aborted, state)
+            if engine is not None:
+                self.stats.retried += 1
+                return engine
         engine = self.pick(failed, aborted)
         if engine is None:
             await self.refresh()  # the daemon may list engines we do not know of yet
@@ -636,13 +862,79 @@ class RolloutClient:
                 f"in {len(attempts)} attempt(s) [{tried}]; the daemon lists {len(self.engines)} routable "
                 f"engine(s) at epoch {self.epoch} [{listed}]. Check `supervisorctl status`",
                 request_id=rid, attempts=attempts)
+        if why:  # an engine to start over on (with none at all, nothing is regenerated)
+            self._start_over(rid, state, why)
         if attempts:
             self.stats.retried += 1
         return engine
 
+    async def _continuation_engine(self, failed: set[str], aborted: set[str], state: _Partial
+                                   ) -> tuple[Engine | None, str]:
+        """An engine to continue `state` on (listed at the weight version its tokens were made
+        on, while the daemon's published version is unchanged), or None and why not. The
+        membership was read again after the failure (_attempt refreshes)."""
+        if self.weight_version != state.published:
+            return None, (f"the weight version changed since the tokens were made (published "
+                          f"{state.published!r} -> {self.weight_version!r})")
+        for read in (False, True):
+            if read:
+                await self.refresh()  # the daemon may list engines we do not know of yet
+            other = {e.name for e in self.engines if e.weight_version != state.version}
+            engine = self.pick(failed | other, aborted)
+            if engine is not None:
+                return engine, ""
+        listed = ", ".join(f"{e.name} {e.weight_version!r}" for e in self.engines) or "none"
+        return None, (f"no routable engine left at weight version {state.version!r} that the tokens were made "
+                      f"on (listed: {listed}; failed this request: {', '.join(sorted(failed)) or 'none'})")
+
+    def _start_over(self, rid: str, state: _Partial, why: str, *, engine: str | None = None,
+                    version: Any = None, extra: int = 0) -> None:
+        """Throw the partial output away: the next attempt starts from the prompt."""
+        tokens = len(state) + extra
+        if state.splits:
+            engine, version = state.splits[-1].engine, state.splits[-1].weight_version
+        state.started_over.append(StartOver(engine or "?", version, tokens, why))
+        self.stats.tokens_regenerated += tokens
+        self.stats.started_over += 1
+        log.info("rollout: %s: starting over, %d token(s) thrown away: %s", rid, tokens, why)
+        state.prompt_token_ids, state.token_ids, state.logprobs, state.text = None, [], None, []
+        state.splits, state.version, state.published = [], None, None
+
+    def _keep(self, rid: str, state: _Partial, engine: Engine, published: Any, answer: _Answer,
+              outcome: str, seed: Any) -> None:
+        """After a failed attempt: keep what it streamed as the next piece of the sample, or
+        throw the whole partial output away (and say why)."""
+        n = _answer_tokens(answer)
+        if n == 0:
+            return
+        self.stats.tokens_before_fault += n
+        total = len(state) + n
+        why = None
+        if not self.continue_partial:
+            why = "continue_partial is off"
+        elif state.blocker:
+            why = state.blocker
+        elif answer.token_ids is None or (state.prompt_token_ids is None and answer.prompt_token_ids is None):
+            why = "the engine sent no token ids (return_token_ids) to continue from"
+        elif state.want_logprobs and (answer.logprobs is None or len(answer.logprobs) != n):
+            why = f"{len(answer.logprobs or ())} logprob(s) for {n} token(s) received"
+        elif state.limit is not None and total >= int(state.limit):
+            why = f"all {total} token(s) of max_tokens received, but no finish reason"
+        if why:
+            self._start_over(rid, state, why, engine=engine.name, version=engine.weight_version, extra=n)
+            return
+        if not state.splits:
+            state.prompt_token_ids = list(answer.prompt_token_ids)
+            state.version, state.published = engine.weight_version, published
+        state.splits.append(Split(engine.name, engine.weight_version, len(state), n, outcome, seed))
+        state.token_ids.extend(answer.token_ids)
+        state.text.extend(answer.text)
+        if state.want_logprobs:
+            state.logprobs = (state.logprobs or []) + list(answer.logprobs)
+
     async def _attempt(self, engine: Engine, path: str, payload: dict[str, Any], sampling: dict[str, Any],
                        chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
-                       sent: float) -> RolloutResult:
+                       sent: float, state: _Partial) -> RolloutResult:
         import aiohttp
         from aiohttp.http_exceptions import HttpProcessingError
 
@@ -652,11 +944,13 @@ class RolloutClient:
         body.update(sampling)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True, **(sampling.get("stream_options") or {})}
-        epoch = self.epoch
+        epoch, published = self.epoch, self.weight_version
         self.stats.sent += 1
         self._outstanding[engine.name] += 1
         attempt_sent = time.time()
         answer = _Answer()
+        prefix = len(state)
+        self._progress[rid] = (engine.name, answer, prefix)
         try:
             try:
                 async with self._session.post(f"{engine.url}{path}", json=body,
@@ -731,7 +1025,9 @@ class RolloutClient:
                 raise _Retry(ABORT, f"{engine.name} aborted the request (paused)")
         except _Retry as r:
             self._outstanding[engine.name] -= 1
+            self._progress.pop(rid, None)
             attempts.append(Attempt(engine.name, r.outcome))
+            self._keep(rid, state, engine, published, answer, r.outcome, sampling.get("seed"))
             self._on_failure(engine, r, rid)
             if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded
                 aborted.add(engine.name)
@@ -741,17 +1037,26 @@ class RolloutClient:
             raise
         except BaseException:
             self._outstanding[engine.name] -= 1
+            self._progress.pop(rid, None)
             raise
         self._outstanding[engine.name] -= 1
+        self._progress.pop(rid, None)
         attempts.append(Attempt(engine.name, OK))
         finished = time.time()
+        n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
+        token_ids, logprobs, prompt_ids = answer.token_ids, answer.logprobs, answer.prompt_token_ids
+        if prefix:  # one sample: the kept pieces, then this answer (whose prompt carried them)
+            token_ids = state.token_ids + (answer.token_ids or [])
+            logprobs = None if state.logprobs is None or answer.logprobs is None else state.logprobs + answer.logprobs
+            prompt_ids = state.prompt_token_ids
+            self.stats.tokens_reused += prefix
         return RolloutResult(
-            request_id=rid, text="".join(answer.text), finish_reason=answer.finish_reason, engine=engine.name,
-            url=engine.url, token_ids=answer.token_ids, logprobs=answer.logprobs,
-            prompt_token_ids=answer.prompt_token_ids,
-            n_tokens=answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ()),
-            attempts=list(attempts), sent=sent, attempt_sent=attempt_sent, first_token=answer.first_token,
-            finished=finished, epoch=epoch, weight_version=engine.weight_version)
+            request_id=rid, text="".join(state.text + answer.text), finish_reason=answer.finish_reason,
+            engine=engine.name, url=engine.url, token_ids=token_ids, logprobs=logprobs, prompt_token_ids=prompt_ids,
+            n_tokens=prefix + n, attempts=list(attempts), sent=sent, attempt_sent=attempt_sent,
+            first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=engine.weight_version,
+            splits=state.splits + [Split(engine.name, engine.weight_version, prefix, n, OK, sampling.get("seed"))],
+            started_over=list(state.started_over))
 
     def _on_failure(self, engine: Engine, r: _Retry, rid: str) -> None:
         self._cool_until[engine.name] = time.monotonic() + self.cooldown

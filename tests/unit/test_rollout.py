@@ -18,19 +18,26 @@ import socket
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from typing import Any
 
 from vime.trainer.rollout import (
     ABORT, BAD_REQUEST, BUSY, DIED, MALFORMED, OK, REFUSED, SERVER_ERROR, TIMEOUT, TOO_LARGE,
-    Attempt, NoEngineAvailable, RolloutClient, RolloutError, RolloutFailed, RolloutRequestError,
+    Attempt, NoEngineAvailable, Split, StartOver, continuation_blocker, continuation_sampling, continuation_seed, RolloutClient, RolloutError, RolloutFailed, RolloutRequestError,
     RolloutResponseTooLarge, classify_status,
 )
 
 
 class FakeEngine:
     """Protocol stand-in for a vLLM OpenAI server. `script` is consumed one behaviour per
-    request ("ok", "abort", "500", "400", "429", "die", "hang", "nofinish", and malformed
+    request ("ok", "abort", "500", "400", "429", "die", "hang", "nofinish", "stall" (2 tokens, then
+    silence until the test ends), and malformed
     streams: "notjson", "notobject", "badshape", "badhttp"); then "ok". `prompt_ids`, when set,
-    is sent as the first chunk's prompt_token_ids (vLLM sends the whole prompt's ids there)."""
+    is sent as the first chunk's prompt_token_ids (vLLM sends the whole prompt's ids there).
+
+    Its "model" is greedy and position-based: output token i is 100 + i ("w{i} ", logprob
+    -0.5 - i). A prompt of token ids that ends with 100, 101, ..., 100 + k - 1 (a continuation
+    after k tokens) goes on with token 100 + k, as a real greedy model would go on from its
+    own output: so a continued sample equals the uninterrupted one."""
 
     def __init__(self, name: str):
         self.name = name
@@ -40,6 +47,7 @@ class FakeEngine:
         self.max_active = 0
         self.gate: asyncio.Event | None = None  # when set to an unset Event, answers wait on it
         self.prompt_ids: list[int] | None = None
+        self.on_cut: Any = None  # called as the request is cut (abort, die, stall): the world changing then
         self.runner: web.AppRunner | None = None
         self.stopping = asyncio.Event()
         self.url = ""
@@ -86,33 +94,46 @@ class FakeEngine:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             n = int(body.get("max_tokens", 4))
-            for i in range(n):
-                last = i == n - 1
+            prompt = body.get("prompt")
+            k = 0  # output tokens already in a token-id prompt (a continuation)
+            if isinstance(prompt, list):
+                k = max(m for m in range(len(prompt) + 1) if prompt[len(prompt) - m:] == list(range(100, 100 + m)))
+            for j in range(n):
+                i = k + j
+                last = j == n - 1
                 finish = None
-                if what == "abort" and i == 1:
+                if what == "abort" and j == 1:
                     finish = "abort"
                 elif last and what not in ("nofinish", "queued_abort"):
                     finish = "length"
                 tok = {"index": 0, "finish_reason": finish, "token_ids": [100 + i]}
+                chunk: dict = {"id": "x", "choices": [tok]}
                 if chat:
+                    if j == 0:  # vLLM: the rendered prompt's ids, on the first chunk
+                        chunk["prompt_token_ids"] = [ord(c) for c in body["messages"][-1]["content"]]
                     tok["delta"] = {"content": f"w{i} "}
                     if body.get("logprobs"):
                         tok["logprobs"] = {"content": [{"token": f"w{i}", "logprob": -0.5 - i}]}
                 else:
                     tok["text"] = f"w{i} "
-                    if i == 0:
-                        tok["prompt_token_ids"] = self.prompt_ids or [ord(c) for c in body["prompt"]]
+                    if j == 0:
+                        tok["prompt_token_ids"] = self.prompt_ids or (
+                            list(prompt) if isinstance(prompt, list) else [ord(c) for c in prompt])
                     if body.get("logprobs"):
                         tok["logprobs"] = {"tokens": [f"w{i}"], "token_logprobs": [-0.5 - i]}
                 if what == "queued_abort":  # vLLM: aborted before its first token, no chunk, then [DONE]
                     break
-                if i == 1 and what in ("notjson", "notobject", "badshape"):
+                if j == 1 and what in ("abort", "die", "stall") and self.on_cut is not None:
+                    self.on_cut()
+                if j == 1 and what in ("notjson", "notobject", "badshape"):
                     bad = {"notjson": b"{not json", "notobject": b"[1, 2]",
                            "badshape": json.dumps({"choices": [{"text": 5, "token_ids": 7}]}).encode()}[what]
                     await resp.write(b"data: " + bad + b"\n\n")
                     await asyncio.sleep(0.05)
-                await resp.write(b"data: " + json.dumps({"id": "x", "choices": [tok]}).encode() + b"\n\n")
-                if what == "die" and i == 1:
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if what == "stall" and j == 1:
+                    await self.stopping.wait()
+                if what == "die" and j == 1:
                     request.transport.close()  # the server died mid-answer
                     return resp
                 if finish == "abort":
@@ -265,16 +286,30 @@ async def test_refused_connection_is_resent_and_reported(engines):
     assert [n for n, _ in sup.reports] == ["dead"]
 
 
-async def test_abort_is_resent_not_reported_and_partial_text_discarded(engines):
+@pytest.mark.parametrize("continue_partial", [True, False])
+async def test_abort_is_resent_not_reported(engines, continue_partial):
+    """An abort (a pause) after 2 tokens: re-sent, not reported; continued from the 2 tokens,
+    or, with continue_partial=False, started over (the partial output thrown away)."""
     a, b = engines
     a.script = ["abort"]
     sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rollout:
+    async with client(sup, continue_partial=continue_partial) as rollout:
         rollout.pick = _first_then_default(rollout, "A")
         r = await rollout.complete("p", max_tokens=4)
     assert r.attempts == [Attempt("A", ABORT), Attempt("B", OK)]
     assert r.finish_reason == "length" and r.text == "w0 w1 w2 w3 " and r.n_tokens == 4
+    assert r.token_ids == [100, 101, 102, 103] and r.prompt_token_ids == [112]
     assert sup.reports == [] and rollout.stats.aborted == 1 and rollout.stats.attempt_failures == 0
+    st = rollout.stats
+    if continue_partial:
+        assert b.requests[0]["prompt"] == [112, 100, 101] and b.requests[0]["max_tokens"] == 2
+        assert r.splits == [Split("A", 3, 0, 2, ABORT), Split("B", 3, 2, 2, OK)] and r.started_over == []
+        assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated, st.continued) == (2, 2, 0, 1)
+    else:
+        assert b.requests[0]["prompt"] == "p" and b.requests[0]["max_tokens"] == 4
+        assert r.splits == [Split("B", 3, 0, 4, OK)]
+        assert r.started_over == [StartOver("A", 3, 2, "continue_partial is off")]
+        assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated, st.continued) == (2, 0, 2, 0)
 
 
 async def test_clean_end_without_finish_reason_is_an_abort(engines):
@@ -293,9 +328,14 @@ async def test_abort_on_the_only_engine_is_resent_to_it(engines):
     a.script = ["abort", "abort"]
     sup = FakeSupervisor([a.view()])
     async with client(sup) as rollout:
-        r = await rollout.complete("p", max_tokens=3)
+        r = await rollout.complete("p", max_tokens=6)
     assert r.attempts == [Attempt("A", ABORT), Attempt("A", ABORT), Attempt("A", OK)]
     assert r.finish_reason == "length" and sup.reports == []
+    # Each abort streamed 2 tokens; each re-send continued from them, on the same engine.
+    assert r.token_ids == [100, 101, 102, 103, 104, 105] and r.n_tokens == 6
+    assert [(s.engine, s.offset, s.tokens, s.outcome) for s in r.splits] == [
+        ("A", 0, 2, ABORT), ("A", 2, 2, ABORT), ("A", 4, 2, OK)]
+    assert [q["prompt"] for q in a.requests[1:]] == [[112, 100, 101], [112, 100, 101, 102, 103]]
 
 
 async def test_attempts_are_bounded(engines):
@@ -304,7 +344,7 @@ async def test_attempts_are_bounded(engines):
     sup = FakeSupervisor([a.view()])
     async with client(sup, max_attempts=3) as rollout:
         with pytest.raises(RolloutFailed, match="failed 3 attempt") as ei:
-            await rollout.complete("p", max_tokens=3)
+            await rollout.complete("p", max_tokens=30)
     assert ei.value.attempts == [Attempt("A", ABORT)] * 3
     assert len(a.requests) == 3 and rollout.stats.failed == 1 and rollout.stats.succeeded == 0
 
@@ -401,8 +441,12 @@ async def test_gather_keeps_order_and_bounds_concurrency(engines):
     assert all(r.finish_reason == "length" for r in results)
     assert len({r.request_id for r in results}) == 20
     assert a.max_active + b.max_active <= 3 + 3 and max(a.max_active, b.max_active) <= 3
-    sent_prompts = sorted(req["prompt"] for req in a.requests + b.requests)
-    assert len(sent_prompts) == 20 + 3  # 3 attempts were re-sent, each once
+    sent = a.requests + b.requests
+    assert len(sent) == 20 + 3  # 3 attempts were re-sent, each once
+    # The abort and the death came after tokens (continued: a prompt of token ids), the 500 before.
+    assert sorted(str(q["prompt"]) for q in sent if isinstance(q["prompt"], list)) == sorted(
+        str(r.prompt_token_ids + r.token_ids[:2]) for r in results if r.continued)
+    assert sum(r.continued for r in results) == 2
     assert rollout.stats.requests == rollout.stats.succeeded == 20 and rollout.stats.retried == 3
 
 
@@ -531,3 +575,189 @@ async def test_malformed_stream_is_resent_and_reported(engines, what):
     assert results[0].attempts == [Attempt("A", MALFORMED), Attempt("B", OK)]
     assert all(r.finish_reason == "length" and r.text == "w0 w1 w2 " for r in results)
     assert [n for n, _ in sup.reports] == ["A"] and MALFORMED in sup.reports[0][1]
+
+
+# -- issue 17: no token generated twice (continuation) --------------------------------------
+
+
+def test_continuation_sampling_reduces_limits_and_keeps_the_rest():
+    s = {"max_tokens": 100, "min_tokens": 10, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "logprobs": 1,
+         "seed": 5, "ignore_eos": True, "stop_token_ids": [2], "repetition_penalty": 1.1,
+         "truncate_prompt_tokens": 50, "prompt_logprobs": 1, "add_special_tokens": True}
+    out = continuation_sampling(s, 30)
+    assert out == {"max_tokens": 70, "min_tokens": 0, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "logprobs": 1,
+                   "seed": continuation_seed(5, 30), "ignore_eos": True, "stop_token_ids": [2],
+                   "repetition_penalty": 1.1}
+    assert continuation_sampling({"min_tokens": 40, "max_tokens": 50}, 30) == {"min_tokens": 10, "max_tokens": 20}
+    assert continuation_sampling({"temperature": 1.0}, 30) == {"temperature": 1.0}  # no limit: the rest of the context
+    assert s["max_tokens"] == 100  # the request's own parameters are not touched
+    # A chat continues as a completion: its own parameters go, logprobs=True becomes logprobs=K.
+    chat = {"max_completion_tokens": 64, "max_tokens": 999, "logprobs": True, "top_logprobs": 3,
+            "chat_template_kwargs": {"x": 1}, "add_generation_prompt": True, "temperature": 1.0}
+    assert continuation_sampling(chat, 4, chat=True) == {"max_tokens": 60, "logprobs": 3, "temperature": 1.0}
+    assert continuation_sampling({"logprobs": True, "max_tokens": 8}, 4, chat=True) == {"logprobs": 1, "max_tokens": 4}
+    assert continuation_sampling({"logprobs": False, "max_tokens": 8}, 4, chat=True) == {"max_tokens": 4}
+
+
+def test_continuation_seed_is_derived_not_reused():
+    assert continuation_seed(7, 30) == continuation_seed(7, 30)  # the same split, the same sample
+    seeds = {continuation_seed(7, k) for k in range(1, 200)} | {continuation_seed(8, 30)}
+    assert len(seeds) == 200 and 7 not in seeds
+    assert all(0 <= x < (1 << 63) - 1 for x in seeds)
+
+
+def test_continuation_blocker():
+    assert continuation_blocker({"max_tokens": 4, "temperature": 1.0, "seed": 3, "stop_token_ids": [2]}) is None
+    assert continuation_blocker({"stop": []}) is None and continuation_blocker({"stop": None}) is None
+    assert "stop strings" in continuation_blocker({"stop": ["\n\n"]})
+    assert "stop strings" in continuation_blocker({"stop": "</answer>"})
+    assert "penalties" in continuation_blocker({"presence_penalty": 0.5})
+    assert "penalties" in continuation_blocker({"frequency_penalty": -0.1})
+    assert continuation_blocker({"presence_penalty": 0.0, "frequency_penalty": 0}) is None
+    assert "bad_words" in continuation_blocker({"bad_words": ["x"]})
+    assert "structured" in continuation_blocker({"response_format": {"type": "json_object"}})
+    assert continuation_blocker({"response_format": {"type": "text"}}) is None
+    assert "structured" in continuation_blocker({"structured_outputs": {"regex": "a+"}})
+    assert "structured" in continuation_blocker({"tools": [{"type": "function"}]}, chat=True)
+    assert continuation_blocker({"tools": [{"type": "function"}], "tool_choice": "none"}, chat=True) is None
+
+
+@pytest.mark.parametrize("what,outcome", [("die", DIED), ("notjson", MALFORMED), ("stall", TIMEOUT)])
+async def test_cut_after_tokens_continues_into_one_sample(engines, what, outcome):
+    """Cut after 2 streamed tokens (a death, a malformed line, a stream gone silent): the next
+    attempt is a completion on the prompt's ids + those 2, for the 6 tokens left; the result
+    is one sample equal to the uninterrupted one (the stand-in is a greedy "model")."""
+    a, b = engines
+    a.script = [what]
+    cut = 1 if what == "notjson" else 2  # the bad line comes before the second token
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup, request_timeout=2.0) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        task = asyncio.create_task(rollout.complete("hi", max_tokens=8, logprobs=1, temperature=0))
+        if what == "stall":  # the read-only progress view, while A holds the request silent
+            await _until(lambda: [tuple(p) for p in rollout.progress().values()] == [("A", 2, 0)])
+        r = await task
+        whole = await rollout.complete("hi", max_tokens=8, logprobs=1, temperature=0)
+    assert r.attempts == [Attempt("A", outcome), Attempt("B", OK)] and r.engine == "B"
+    assert (r.token_ids, r.logprobs, r.text) == (whole.token_ids, whole.logprobs, whole.text)
+    assert r.token_ids == list(range(100, 108)) and r.n_tokens == 8 and r.finish_reason == "length"
+    assert r.prompt_token_ids == [104, 105]  # the prompt's, not the continuation's
+    cont = b.requests[0]
+    assert cont["prompt"] == [104, 105] + list(range(100, 100 + cut)) and cont["max_tokens"] == 8 - cut
+    assert cont["temperature"] == 0 and cont["stream"] is True and cont["return_token_ids"] is True
+    assert cont["logprobs"] == 1
+    assert r.splits == [Split("A", 3, 0, cut, outcome), Split("B", 3, cut, 8 - cut, OK)] and r.started_over == []
+    assert (r.continued, r.tokens_reused, r.tokens_regenerated, r.tokens_before_fault) == (True, cut, 0, cut)
+    st = rollout.stats
+    assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated, st.continued, st.started_over) == (
+        cut, cut, 0, 1, 0)
+    assert st.requests == st.succeeded == 2 and [n for n, _ in sup.reports] == ["A"]  # still reported
+    assert rollout.progress() == {}
+
+
+async def test_chat_continues_as_a_completion_on_token_ids(engines):
+    a, b = engines
+    a.script = ["die"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.chat([{"role": "user", "content": "yo"}], max_tokens=5, logprobs=True)
+    assert b.requests[0]["prompt"] == [121, 111, 100, 101] and "messages" not in b.requests[0]
+    assert b.requests[0]["max_tokens"] == 3 and b.requests[0]["logprobs"] == 1
+    assert r.text == "w0 w1 w2 w3 w4 " and r.token_ids == list(range(100, 105))
+    assert r.logprobs == [-0.5, -1.5, -2.5, -3.5, -4.5] and r.prompt_token_ids == [121, 111]
+    assert [s.offset for s in r.splits] == [0, 2] and rollout.stats.tokens_reused == 2
+
+
+async def test_version_changed_during_the_cut_starts_over_and_says_so(engines):
+    """Protocol stand-in for a sync: A aborts the request (paused) while a new version is
+    pushed and published; the 2 tokens it streamed were made on v3, so they are thrown away
+    and the request starts over from its prompt on v4."""
+    a, b = engines
+    a.script = ["abort"]
+    sup = FakeSupervisor([a.view(), b.view()])
+
+    def push_v4():
+        sup.view = {**sup.view, "epoch": 2, "weight_version": 4,
+                    "engines": [{**e, "weight_version": 4} for e in sup.view["engines"]]}
+    a.on_cut = push_v4
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=4, logprobs=1)
+    assert r.attempts == [Attempt("A", ABORT), Attempt("B", OK)] and r.weight_version == 4
+    assert b.requests[0]["prompt"] == "p" and b.requests[0]["max_tokens"] == 4  # from the prompt
+    assert r.token_ids == [100, 101, 102, 103] and r.splits == [Split("B", 4, 0, 4, OK)]
+    (why,) = r.started_over
+    assert (why.engine, why.weight_version, why.tokens) == ("A", 3, 2)
+    assert why.reason == "the weight version changed since the tokens were made (published 3 -> 4)"
+    st = rollout.stats
+    assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated, st.started_over) == (2, 0, 2, 1)
+
+
+async def test_no_engine_at_the_tokens_version_starts_over(engines):
+    """A dies after 2 tokens made on v3; the only other engine is listed at v5 (published is
+    unchanged): no engine to continue on, so it starts over there, and says why."""
+    a, b = engines
+    a.script = ["die"]
+    sup = FakeSupervisor([a.view(), {**b.view(), "weight_version": 5}])
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=4)
+    assert r.engine == "B" and b.requests[0]["prompt"] == "p" and not r.continued
+    assert r.started_over[0].tokens == 2 and r.started_over[0].reason.startswith(
+        "no routable engine left at weight version 3 that the tokens were made on (listed: A 3, B 5;")
+    assert rollout.stats.tokens_regenerated == 2 and rollout.stats.tokens_reused == 0
+
+
+@pytest.mark.parametrize("sampling,why", [
+    ({"stop": ["zz"]}, "stop strings"),
+    ({"frequency_penalty": 0.5}, "penalties"),
+])
+async def test_parameters_that_cannot_be_continued_start_over(engines, sampling, why):
+    a, b = engines
+    a.script = ["die"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=4, **sampling)
+    assert b.requests[0]["prompt"] == "p" and r.token_ids == [100, 101, 102, 103]
+    assert len(r.started_over) == 1 and why in r.started_over[0].reason and r.started_over[0].tokens == 2
+
+
+async def test_every_token_received_without_a_finish_starts_over(engines):
+    """All max_tokens tokens came but no finish reason: nothing is left to continue with (and
+    the finish reason is unknown), so it starts over."""
+    a, b = engines
+    a.script = ["nofinish"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=3)
+    assert r.attempts == [Attempt("A", DIED), Attempt("B", OK)] and b.requests[0]["prompt"] == "p"
+    assert r.started_over[0].reason == "all 3 token(s) of max_tokens received, but no finish reason"
+
+
+async def test_seeded_request_continues_with_a_derived_seed(engines):
+    a, b = engines
+    a.script = ["die"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        r = await rollout.complete("p", max_tokens=4, temperature=1.0, seed=11)
+    assert a.requests[0]["seed"] == 11 and b.requests[0]["seed"] == continuation_seed(11, 2) != 11
+    assert [s.seed for s in r.splits] == [11, continuation_seed(11, 2)]
+
+
+async def test_continued_twice_then_failed_counts_tokens_before_fault_only(engines):
+    """Cut on A, continued on B and cut again, then no engine left: the request raises; its
+    4 tokens were received before faults but neither reused nor regenerated."""
+    a, b = engines
+    a.script, b.script = ["die"], ["die"]
+    sup = FakeSupervisor([a.view(), b.view()])
+    async with client(sup) as rollout:
+        rollout.pick = _first_then_default(rollout, "A")
+        with pytest.raises(NoEngineAvailable):
+            await rollout.complete("p", max_tokens=8)
+    assert b.requests[0]["prompt"] == [112, 100, 101]
+    st = rollout.stats
+    assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated, st.failed) == (4, 0, 0, 1)
