@@ -8,15 +8,20 @@ was killed with -9: stand-in servers (not vLLM) started by the daemon's own spaw
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from vime.supervisor import limits
+from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "vime-supervisor.service"
@@ -140,3 +145,162 @@ def test_sysusers_accepts_the_file(tmp_path):
     assert r.returncode == 0, out
     assert "Creating user 'vime-supervisor'" in out and "Creating group 'vime-supervisor'" in out, out
     assert not any(tmp_path.iterdir())  # a dry run: nothing written
+
+
+# -- the reaper (ExecStopPost=) -------------------------------------------------------------
+
+# Stands in for `python -m vllm.entrypoints.openai.api_server ... --port P`: the daemon spawns
+# it as it spawns vLLM (its own session, the engine module on its command line), and it forks
+# a child into its process group as vLLM's EngineCore is. Tests only; not vLLM.
+FAKE_PYTHON = f"""#!{sys.executable}
+import asyncio, subprocess, sys
+from vime.harness import standin_engine
+port = int(sys.argv[sys.argv.index("--port") + 1])
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+async def main():
+    await standin_engine.serve(port, 1)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+SYSTEMD_VARS = ("SERVICE_RESULT", "EXIT_CODE", "EXIT_STATUS")
+
+
+def engines_config(tmp_path: Path, n: int, **sections) -> Path:
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text('{"model_type": "standin"}')
+    return write_config(
+        tmp_path / "sup.toml",
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
+                    "python": str(fake), "stop_timeout": 2.0},
+        health_check={"first_wait": 60.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
+        engines=[{"name": f"e{i}", "model": str(model), "served_model_name": "tiny", "port": free_port()}
+                 for i in range(n)],
+        **sections,
+    )
+
+
+def wait_until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def daemon_of(tmp_path):
+    """Start a daemon on a config, its engines RUNNING; every group it spawned is SIGKILLed
+    on the way out, whatever the test did."""
+    started: list[Daemon] = []
+
+    def start(cfg: Path) -> Daemon:
+        d = Daemon(cfg)
+        started.append(d)
+        for name in ("e0", "e1"):
+            d.transition(name, "RUNNING", 90)  # generous: a loaded CI machine
+        journal = tmp_path / "state" / "journal.json"
+        wait_until(lambda: journal.exists() and all(e.get("pid") for e in json.loads(journal.read_text())["engines"].values()),
+                   5, "the journal names both engines' pids")
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+        for pgid in d.spawned_pids():
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def reaper(cfg: Path, service_result: str | None, *flags: str, **systemd: str) -> list[dict]:
+    """Run the reaper as ExecStopPost= does; its log lines. It must always exit 0."""
+    env = {k: v for k, v in os.environ.items() if k not in SYSTEMD_VARS}
+    if service_result is not None:
+        env["SERVICE_RESULT"] = service_result
+    env.update(systemd)
+    r = subprocess.run([sys.executable, "-m", "vime.supervisor.reap", "--config", str(cfg), *flags],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(ln) for ln in r.stderr.splitlines() if ln.startswith("{")]
+
+
+def groups(d: Daemon) -> dict[int, list[int]]:
+    """pgid -> live pids, for each engine group the daemon spawned."""
+    pgids = set(d.spawned_pids())
+    out: dict[int, list[int]] = {g: [] for g in pgids}
+    for pid, pgid, _ in live_pids_in_groups(pgids):
+        out[pgid].append(pid)
+    return out
+
+
+def test_reaper_leaves_engines_after_a_crash_and_stops_them_after_a_stop_timeout(tmp_path, daemon_of):
+    cfg = engines_config(tmp_path, 2)
+    d = daemon_of(cfg)
+    pids = {name: d.last_pid(name) for name in ("e0", "e1")}
+    # e1 named by no journal (as after a corrupt one): only its command line and port find it.
+    journal = tmp_path / "state" / "journal.json"
+    d.proc.send_signal(signal.SIGKILL)  # what systemd does to a daemon past TimeoutStopSec
+    d.proc.wait(10)
+    data = json.loads(journal.read_text())
+    for key in ("pid", "start_time", "port", "log_path", "fingerprint"):
+        data["engines"]["e1"].pop(key)
+    journal.write_text(json.dumps(data))
+    assert all(len(members) == 2 for members in groups(d).values())  # leader + "EngineCore" each
+
+    # A crash that Restart=on-failure restarts: the next daemon re-adopts them; nothing is touched.
+    for result, code, status in (("signal", "killed", "KILL"), ("exit-code", "exited", "1"),
+                                 ("watchdog", "dumped", "ABRT"), ("core-dump", "dumped", "SEGV"),
+                                 ("oom-kill", "killed", "KILL")):
+        lines = reaper(cfg, result, EXIT_CODE=code, EXIT_STATUS=status)
+        skipped = [ln for ln in lines if ln["event"] == "reap.skipped"]
+        assert len(skipped) == 1 and f"SERVICE_RESULT={result}" in skipped[0]["why"], lines
+        assert not any(ln["event"] == "reap.stopped" for ln in lines)
+    lines = reaper(cfg, None)  # by hand, not by systemd: nothing without --force
+    assert [ln["event"] for ln in lines] == ["reap.skipped"] and "--force" in lines[0]["why"]
+    assert all(len(members) == 2 for members in groups(d).values())
+
+    # The stop overran TimeoutStopSec: every group goes, the leftover child included.
+    lines = reaper(cfg, "timeout", EXIT_CODE="killed", EXIT_STATUS="KILL")
+    stopped = {ln["engine"]: ln for ln in lines if ln["event"] == "reap.stopped"}
+    assert set(stopped) == {"e0", "e1"}, lines
+    assert stopped["e0"]["found_by"] == "journal" and stopped["e1"]["found_by"] == "port scan"
+    assert {stopped[n]["pid"] for n in stopped} == set(pids.values())
+    assert all(ln["how"].startswith("SIGKILL") for ln in stopped.values())  # its graceful stop was spent
+    assert all("SERVICE_RESULT=timeout" in ln["why"] for ln in stopped.values())
+    assert [ln for ln in lines if ln["event"] == "reap.done"][0]["stopped"] == 2
+    assert live_pids_in_groups(set(d.spawned_pids())) == []
+    # Run again (systemd never does, but nothing must break): nothing left, nothing said.
+    assert not any(ln["event"] == "reap.stopped" for ln in reaper(cfg, "timeout"))
+
+
+def test_reaper_after_a_clean_end_stops_with_sigterm_and_reads_past_a_corrupt_journal(tmp_path, daemon_of):
+    cfg = engines_config(tmp_path, 2)
+    d = daemon_of(cfg)
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    (tmp_path / "state" / "journal.json").write_text("{ not json")
+    lines = reaper(cfg, "success", EXIT_CODE="exited", EXIT_STATUS="0")
+    assert any(ln["event"] == "reap.journal_unusable" for ln in lines)
+    stopped = [ln for ln in lines if ln["event"] == "reap.stopped"]
+    assert sorted(ln["engine"] for ln in stopped) == ["e0", "e1"], lines
+    assert all(ln["how"] == "SIGTERM" and ln["found_by"] == "port scan" for ln in stopped)
+    assert live_pids_in_groups(set(d.spawned_pids())) == []
+
+
+def test_reaper_never_touches_a_running_daemons_engines(tmp_path, daemon_of):
+    cfg = engines_config(tmp_path, 2)
+    d = daemon_of(cfg)
+    lines = reaper(cfg, "success", "--force")
+    assert [ln["event"] for ln in lines] == ["reap.skipped"] and str(d.proc.pid) in lines[0]["why"]
+    assert d.proc.poll() is None and all(len(m) == 2 for m in groups(d).values())
+    assert d.terminate(30) == 0
+
+
+def test_reaper_exits_0_and_says_why_with_no_usable_config(tmp_path):
+    missing = tmp_path / "nowhere.toml"
+    lines = reaper(missing, "timeout")
+    assert [ln["event"] for ln in lines] == ["reap.no_config"] and str(missing) in lines[0]["problem"]
