@@ -2,13 +2,16 @@
 
 READY=1 once the control socket listens and the first start of every engine has concluded;
 STATUS= on every fleet change; WATCHDOG=1 from the event loop at half of WATCHDOG_USEC;
-STOPPING=1 at shutdown. Nothing at all when NOTIFY_SOCKET is unset (not under systemd).
+STOPPING=1 at shutdown; EXTEND_TIMEOUT_USEC= while first starts run past TimeoutStartSec;
+RELOADING=1 before a re-exec (READY=1 again after). Nothing at all when NOTIFY_SOCKET is unset
+(not under systemd).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Mapping
 
 
@@ -54,6 +57,18 @@ class Notifier:
 
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")
+
+    def extend_timeout(self, seconds: float) -> None:
+        """The current start (or stop) may take `seconds` more from now: systemd moves its
+        deadline there if that is later, and fails the unit if no READY=1 (or another
+        extension) comes by then. Sent from the event loop, so a wedged daemon stops extending."""
+        self.notify(f"EXTEND_TIMEOUT_USEC={max(1, int(seconds * 1_000_000))}")
+
+    def reloading(self) -> None:
+        """Before a re-exec; READY=1 (ready()) when the new process answers. MONOTONIC_USEC is
+        what systemd 253's Type=notify-reload asks for; older ones ignore it."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.notify("RELOADING=1", f"MONOTONIC_USEC={usec}", "STATUS=reloading (re-exec)")
 
     def stopping(self) -> None:
         self.notify("STOPPING=1", "STATUS=stopping engines")

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from vime.supervisor import limits
+from vime.supervisor.sdnotify import Notifier
 from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,3 +306,23 @@ def test_reaper_exits_0_and_says_why_with_no_usable_config(tmp_path):
     missing = tmp_path / "nowhere.toml"
     lines = reaper(missing, "timeout")
     assert [ln["event"] for ln in lines] == ["reap.no_config"] and str(missing) in lines[0]["problem"]
+
+
+# -- sd_notify: the start and reload messages the unit relies on ------------------------------
+
+def test_notifier_extends_the_start_timeout_and_announces_a_reload(tmp_path):
+    addr = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(addr)
+        sock.settimeout(2)
+        n = Notifier(env={"NOTIFY_SOCKET": addr})
+        n.extend_timeout(90)
+        n.extend_timeout(0.0000001)  # never 0: systemd reads 0 as "no time left"
+        before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        n.reloading()
+        n.ready("1/1 engines RUNNING, round 3, weights v2")
+        msgs = [sock.recv(4096).decode() for _ in range(4)]
+    assert msgs[:2] == ["EXTEND_TIMEOUT_USEC=90000000", "EXTEND_TIMEOUT_USEC=1"]
+    reload_lines = dict(line.split("=", 1) for line in msgs[2].splitlines())
+    assert reload_lines["RELOADING"] == "1" and int(reload_lines["MONOTONIC_USEC"]) >= before
+    assert msgs[3].startswith("READY=1\n")
