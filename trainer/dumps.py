@@ -10,11 +10,11 @@ Every round's samples can be written to a file named by a template with `{rollou
 and a replay of the dump gives the same training batch, tensor for tensor:
 `build_training_batch(load_rollout(p).samples)` equals `build_training_batch(samples)`.
 
-File format (version 1): UTF-8 JSON lines, written atomically (a temporary file in the same
+File format (version 2; version 1 files load too): UTF-8 JSON lines, written atomically (a temporary file in the same
 directory, then rename), so a crash never leaves a half-written dump under the final name.
 
     line 1      the header, one JSON object:
-                {"format": "vime-rollout-dump", "version": 1, "rollout_id": 412,
+                {"format": "vime-rollout-dump", "version": 2, "rollout_id": 412,
                  "weight_version": 118, "created": 1718000000.123 (time.time()),
                  "created_iso": "2024-06-10T06:13:20.123000+00:00", "num_samples": 64,
                  "meta": {...every other keyword given to save_rollout...}}
@@ -24,7 +24,16 @@ directory, then rename), so a crash never leaves a half-written dump under the f
                  "engine": str | null, "finish_reason": str | null, "attempts": int,
                  "timings": {"sent": s, "attempt_sent": s, "first_token": s, "finished": s}
                             (epoch seconds; those the result had),
-                 "weight_version": int | str | null, "group": str | null, "metadata": {...}}
+                 "weight_version": int | str | null, "group": str | null, "metadata": {...},
+                 "splits": [{"engine", "weight_version", "offset", "tokens", "outcome", "seed"}],
+                 "started_over": [{"engine", "weight_version", "tokens", "reason"}]}
+
+                splits: the sample's pieces (RolloutResult.splits): output tokens
+                [offset, offset + tokens) came from that engine at that weight version; more
+                than one when a request cut by a fault was continued from its streamed
+                tokens (the last piece's outcome is "ok"). started_over: partial outputs
+                thrown away before it, and why. Both are [] when not recorded (version 1
+                files have neither: they load with []).
 
 It is greppable on purpose (`grep -c . dumps/rollout_412.jsonl` is num_samples + 1;
 `jq -c 'select(.reward == 0) | .response' ...`). Floats are written by Python's json (shortest
@@ -64,12 +73,13 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "DumpFormatError", "Sample", "RolloutDump",
+    "FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "DumpFormatError", "Sample", "RolloutDump",
     "dump_path", "save_rollout", "load_rollout", "build_training_batch", "batch_differences",
 ]
 
 FORMAT = "vime-rollout-dump"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 2 added the samples' splits and started_over (optional on load)
 _HEADER_KEYS = ("format", "version", "rollout_id", "weight_version", "created", "num_samples")
 TIMING_KEYS = ("sent", "attempt_sent", "first_token", "finished")
 
@@ -91,6 +101,18 @@ def _ints(name: str, xs: Any) -> list[int]:
                 raise TypeError(f"{name} must hold ints, got {x!r}")
         out.append(int(x))
     return out
+
+
+def _record(name: str, x: Any, required: tuple[str, ...]) -> dict[str, Any]:
+    """A split / start-over record as a plain dict (from a NamedTuple of vime.trainer.rollout or
+    a mapping), with its required keys."""
+    d = x._asdict() if hasattr(x, "_asdict") else x
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{name} must hold objects, got {x!r}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"{name} entry {dict(d)!r} lacks {missing}")
+    return {str(k): v for k, v in d.items()}
 
 
 def first_field(obj: Any, *names: str, default: Any = None) -> Any:
@@ -124,6 +146,8 @@ class Sample:
     weight_version: int | str | None = None
     group: str | None = None  # GRPO group key; None: the prompt
     metadata: dict[str, Any] = field(default_factory=dict)
+    splits: list[dict[str, Any]] = field(default_factory=list)        # RolloutResult.splits
+    started_over: list[dict[str, Any]] = field(default_factory=list)  # RolloutResult.started_over
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str) or not isinstance(self.response, str):
@@ -137,6 +161,8 @@ class Sample:
         self.attempts = int(self.attempts)
         self.timings = {str(k): (None if v is None else float(v)) for k, v in dict(self.timings or {}).items()}
         self.metadata = dict(self.metadata or {})
+        self.splits = [_record("splits", x, ("engine", "offset", "tokens")) for x in self.splits or ()]
+        self.started_over = [_record("started_over", x, ("tokens", "reason")) for x in self.started_over or ()]
 
     @property
     def group_key(self) -> str:
@@ -166,8 +192,9 @@ class Sample:
         """A Sample from a rollout client's result: vime.trainer.rollout.RolloutResult, or any object
         or dict with text, token_ids, logprobs, finish_reason, engine, attempts (an int or a
         list) and the times sent/attempt_sent/first_token/finished, either in a `timings`
-        mapping/object or as top-level fields. prompt_token_ids and weight_version default to
-        the result's own; its request_id goes into metadata."""
+        mapping/object or as top-level fields, and, when it has them, splits and started_over
+        (a continued request's pieces). prompt_token_ids and weight_version default to the
+        result's own; its request_id goes into metadata."""
         timings_src = first_field(result, "timings", default=result)
         timings = {k: first_field(timings_src, k) for k in TIMING_KEYS}
         timings = {k: v for k, v in timings.items() if v is not None}
@@ -182,7 +209,9 @@ class Sample:
         request_id = first_field(result, "request_id")
         if request_id is not None:
             metadata.setdefault("request_id", request_id)
-        return cls(prompt=prompt, response=first_field(result, "text", "response", default=""),
+        return cls(splits=list(first_field(result, "splits", default=())),
+                   started_over=list(first_field(result, "started_over", default=())),
+                   prompt=prompt, response=first_field(result, "text", "response", default=""),
                    prompt_token_ids=list(ptids),
                    output_token_ids=list(first_field(result, "token_ids", "output_token_ids", default=[])),
                    logprobs=first_field(result, "logprobs"), reward=reward, engine=first_field(result, "engine"),
@@ -300,10 +329,10 @@ def load_rollout(path: str | os.PathLike[str]) -> RolloutDump:
         got = header.get("format") if isinstance(header, dict) else type(header).__name__
         raise DumpFormatError(f"{p}:1: not a rollout dump: the header's format is {got!r}, "
                               f"expected {FORMAT!r}")
-    if header.get("version") != FORMAT_VERSION:
+    if header.get("version") not in READABLE_VERSIONS:
         raise DumpFormatError(f"{p}:1: dump format version {header.get('version')!r} is not supported "
-                              f"(this code reads version {FORMAT_VERSION}); load it with the code "
-                              f"that wrote it, or convert it")
+                              f"(this code reads versions {', '.join(map(str, READABLE_VERSIONS))}); load it "
+                              f"with the code that wrote it, or convert it")
     missing = [k for k in _HEADER_KEYS if k not in header]
     if missing:
         raise DumpFormatError(f"{p}:1: the header lacks {missing}")

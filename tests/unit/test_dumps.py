@@ -157,10 +157,10 @@ def test_bad_version(tmp_path):
     path, text = _saved(tmp_path)
     header, rest = text.split("\n", 1)
     h = json.loads(header)
-    h["version"] = 2
+    h["version"] = 3
     path.write_text(json.dumps(h) + "\n" + rest, encoding="utf-8")
-    with pytest.raises(DumpFormatError, match=r"r_5\.jsonl:1: dump format version 2 is not supported "
-                                              r"\(this code reads version 1\)"):
+    with pytest.raises(DumpFormatError, match=r"r_5\.jsonl:1: dump format version 3 is not supported "
+                                              r"\(this code reads versions 1, 2\)"):
         load_rollout(path)
     h["version"], h["format"] = 1, "something-else"
     path.write_text(json.dumps(h) + "\n" + rest, encoding="utf-8")
@@ -239,3 +239,50 @@ def test_from_rollout_duck_types_results():
         [4], [1], 3, {"sent": 1.0, "first_token": 2.0, "finished": 3.0})
     with pytest.raises(ValueError, match="pass prompt_token_ids"):
         Sample.from_rollout({"text": "x", "token_ids": [1]}, prompt="p")
+
+
+# -- issue 17: a continued sample's splits, and dumps written before them -------------------
+
+
+def _continued_result():
+    from vime.trainer.rollout import DIED, OK, Attempt, RolloutResult, Split, StartOver
+
+    return RolloutResult(
+        request_id="r1", text=" a b c", finish_reason="length", engine="B", url="http://b", token_ids=[9, 10, 11],
+        logprobs=[-0.1, -0.2, -0.3], prompt_token_ids=[5, 6], n_tokens=3,
+        attempts=[Attempt("A", "abort"), Attempt("A", DIED), Attempt("B", OK)], sent=1.0, attempt_sent=2.0,
+        first_token=2.5, finished=3.0, epoch=1, weight_version=4,
+        splits=[Split("A", 4, 0, 2, DIED, 7), Split("B", 4, 2, 1, OK, 99)],
+        started_over=[StartOver("A", 3, 5, "the weight version changed")])
+
+
+def test_continued_sample_round_trips_its_splits(tmp_path):
+    s = Sample.from_rollout(_continued_result(), prompt="p", reward=1.0)
+    assert s.splits == [{"engine": "A", "weight_version": 4, "offset": 0, "tokens": 2, "outcome": "died", "seed": 7},
+                        {"engine": "B", "weight_version": 4, "offset": 2, "tokens": 1, "outcome": "ok", "seed": 99}]
+    assert s.started_over == [{"engine": "A", "weight_version": 3, "tokens": 5,
+                               "reason": "the weight version changed"}]
+    path = save_rollout(tmp_path / "r_{rollout_id}.jsonl", 1, [s] + make_samples())
+    line = json.loads(path.read_text(encoding="utf-8").split("\n")[1])
+    assert [x["offset"] for x in line["splits"]] == [0, 2]  # greppable: jq '.splits'
+    dump = load_rollout(path)
+    assert dump.version == FORMAT_VERSION == 2 and dump.samples[0] == s
+    assert all(x.splits == [] and x.started_over == [] for x in dump.samples[1:])
+    # The training batch does not depend on how a sample was made.
+    assert batch_differences(build_training_batch(dump.samples),
+                             build_training_batch([Sample.from_dict({**s.to_dict(), "splits": [], "started_over": []})]
+                                                  + make_samples())) == []
+    with pytest.raises(ValueError, match=r"splits entry .* lacks \['offset'\]"):
+        Sample.from_dict({**s.to_dict(), "splits": [{"engine": "A", "tokens": 1}]})
+
+
+def test_version_1_dump_still_loads(tmp_path):
+    """A dump written before splits existed (version 1: samples without the two fields)."""
+    rows = [{k: v for k, v in x.to_dict().items() if k not in ("splits", "started_over")} for x in make_samples()]
+    header = {"format": FORMAT, "version": 1, "rollout_id": 3, "weight_version": 2, "created": 1.0,
+              "created_iso": "1970-01-01T00:00:01+00:00", "num_samples": len(rows), "meta": {}}
+    path = tmp_path / "old.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in [header] + rows) + "\n", encoding="utf-8")
+    dump = load_rollout(path)
+    assert dump.version == 1 and dump.samples == make_samples()
+    assert all(x.splits == [] and x.started_over == [] for x in dump.samples)
