@@ -436,6 +436,11 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     f["stale responses"] = report.stale_responses if report else "n/a"
     f["requests answered"] = sum(s.samples for s in report.steps) if report else 0
     f["requests re-sent"] = sum(s.resent for s in report.steps) if report else 0
+    # Output tokens streamed before a fault cut them: kept in continued samples, or thrown
+    # away (the request started over: regenerated). Goal: 0 regenerated.
+    f["tokens cut / reused / regenerated"] = " / ".join(
+        str(sum(getattr(s, k) for s in report.steps) if report else 0)
+        for k in ("tokens_cut", "tokens_reused", "tokens_regenerated"))
     f["fuzzed requests (all 4xx)"] = f"{fuzzer.sent} ({fuzzer.refused_4xx})" if fuzzer else 0
     f["fuzz: daemon unreachable"] = fuzzer.unreachable if fuzzer else 0
     f["daemon kills / crashes"] = f"{keeper.killed} / {keeper.crashes}"

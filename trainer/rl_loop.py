@@ -55,6 +55,11 @@ class StepRecord:
     lost: bool = False
     error: str | None = None
     duplicates: int = 0              # samples of one logical request counted twice (must be 0)
+    # Output tokens streamed by attempts that then failed (a fault cut them), of those kept in
+    # a continued sample, and of those thrown away (the request started over): RolloutResult's.
+    tokens_cut: int = 0
+    tokens_reused: int = 0
+    tokens_regenerated: int = 0
 
 
 @dataclass
@@ -73,6 +78,9 @@ class Report:
         return {"steps": [asdict(s) for s in self.steps],
                 "final_version": self.final_version, "engines": self.engines, "syncs": self.syncs,
                 "rounds_lost": self.rounds_lost, "stale_responses": self.stale_responses,
+                "tokens_cut": sum(s.tokens_cut for s in self.steps),
+                "tokens_reused": sum(s.tokens_reused for s in self.steps),
+                "tokens_regenerated": sum(s.tokens_regenerated for s in self.steps),
                 "seconds": self.seconds, "stopped": self.stopped, "signal": self.signal,
                 "reward_first": self.steps[0].reward_mean if self.steps else None,
                 "reward_last": self.steps[-1].reward_mean if self.steps else None}
@@ -287,11 +295,17 @@ class RLLoop:
                          digest=self.policy.digest() if stats else None, engines=engines,
                          resent=sum(1 for r in out.results if len(r.attempts) > 1), stale=out.stale, pushed=pushed,
                          seconds=time.monotonic() - t0, lost=out.lost, error=out.error,
-                         duplicates=len(ids) - len(set(ids)))
+                         duplicates=len(ids) - len(set(ids)),
+                         tokens_cut=sum(r.tokens_before_fault for r in out.results),
+                         tokens_reused=sum(r.tokens_reused for r in out.results),
+                         tokens_regenerated=sum(r.tokens_regenerated for r in out.results))
         self.report.steps.append(rec)
         gap = "" if rec.logprob_gap_max is None else f" logprob gap {rec.logprob_gap_max:.1e}"
         self.log(f"step {step}: reward {rec.reward_mean:.2f}{gap} from {engines or '-'}"
-                 + (f", {rec.resent} re-sent" if rec.resent else "") + (f", LOST: {out.error}" if out.lost else ""))
+                 + (f", {rec.resent} re-sent" if rec.resent else "")
+                 + (f" (tokens cut by faults {rec.tokens_cut}: reused {rec.tokens_reused}, regenerated "
+                    f"{rec.tokens_regenerated})" if rec.tokens_cut else "")
+                 + (f", LOST: {out.error}" if out.lost else ""))
         return rec
 
     # -- the trainer's connections ---------------------------------------------------------
@@ -511,9 +525,17 @@ class RLLoop:
                 except Exception as e:  # noqa: BLE001 - a harness's failure does not lose the round
                     self.log(f"during_round of step {step} failed: {type(e).__name__}: {e}")
             await asyncio.to_thread(client.end_round, rnd)
-        self.tracer.add_round(rnd, t_round, time.time(), step=step)
+        self.tracer.add_round(rnd, t_round, time.time(), step=step,
+                              tokens_cut=sum(r.tokens_before_fault for r in results),
+                              tokens_reused=sum(r.tokens_reused for r in results),
+                              tokens_regenerated=sum(r.tokens_regenerated for r in results))
         for r in results:
-            self.tracer.add_request(r, round=rnd)
+            # A request cut by a fault: its pieces and what was thrown away, on its span.
+            cut = {} if not r.tokens_before_fault else {
+                "tokens_reused": r.tokens_reused, "tokens_regenerated": r.tokens_regenerated,
+                "splits": [f"{s.engine}@{s.weight_version} [{s.offset}+{s.tokens}] {s.outcome}" for s in r.splits],
+                "started_over": [f"{x.engine}: {x.tokens} tokens: {x.reason}" for x in r.started_over]}
+            self.tracer.add_request(r, round=rnd, **cut)
         stale = sum(1 for r in results if self.published is not None and r.weight_version != self.published)
         return rnd, Rollouts(self.score(results, prompts) if results else [], results, stale, lost, error)
 
@@ -577,7 +599,10 @@ def format_end(rep: Report) -> list[str]:
             lines.append(f"  {name:<12}{e['state']:<10}v{e['weight_version']}  restarts {e.get('restarts')}")
     if rep.stopped:
         lines += ["", f"STOPPED EARLY: {rep.stopped}"]
+    cut = sum(s.tokens_cut for s in rep.steps)
     lines += ["", f"rounds lost {rep.rounds_lost}   stale responses {rep.stale_responses}   "
+              f"tokens cut by faults {cut} (reused {sum(s.tokens_reused for s in rep.steps)}, "
+              f"regenerated {sum(s.tokens_regenerated for s in rep.steps)})   "
               f"agent syncs {len(rep.syncs)} ({sum(1 for s in rep.syncs if s['ok'])} ok)   "
               f"reward {rep.steps[0].reward_mean if rep.steps else 0:.2f} -> "
               f"{rep.steps[-1].reward_mean if rep.steps else 0:.2f}   {rep.seconds:.0f}s"]
