@@ -36,7 +36,9 @@ from vime.supervisor.client import BadRequest, ConflictError, SupervisorClient
 from vime.supervisor.ctl import select, start_outcome, transition_outcome
 
 REPO = Path(__file__).resolve().parents[2]
-FIRST_WAIT = 5.0
+# far (attached, nothing listening) stays STARTING this long: the status test reads it as a start
+# in progress; every ctl call is a new interpreter, seconds apart on a loaded machine.
+FIRST_WAIT = 60.0
 SPAWNED = ("e0", "e1", "flaky")
 ENGINES = (*SPAWNED, "far")
 
