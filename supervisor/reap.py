@@ -173,7 +173,7 @@ async def reap(state_dir: Path, ports: dict[int, str], stop_timeout: float | Non
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logs.configure(os.environ.get("VIME_REAP_LOG_LEVEL", "info"))
+    logs.configure("info")
     try:
         ok, why = should_reap(os.environ, args.force)
         if not ok:
