@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,12 @@ def snapshot(fleet: Fleet) -> dict[str, Any]:
             # restart (EngineRunner.shutdown sets stopped_by_shutdown).
             "operator_stopped": r.fsm.state is State.STOPPED and not r.stopped_by_shutdown,
         }
+        if r.spec.spawned:  # the config that starts it: a reload keeps a FATAL engine FATAL only under it
+            entry.update(fingerprint=engine_fingerprint(r.spec, r.cfg), reason=r.fsm.reason)
         if proc is not None and proc.returncode is None and proc.start_time is not None:
-            entry.update(pid=proc.pid, start_time=proc.start_time, port=r.spec.port, log_path=str(proc.log_path),
-                         fingerprint=engine_fingerprint(r.spec, r.cfg))
+            entry.update(pid=proc.pid, start_time=proc.start_time, port=r.spec.port, log_path=str(proc.log_path))
+            if r.fsm.spawned_at is not None:  # wall clock: a reload goes on counting first_wait from it
+                entry["spawned_at"] = round(time.time() - (r.clock() - r.fsm.spawned_at), 3)
         engines[r.name] = entry
     return {
         "format": FORMAT,
@@ -126,8 +130,13 @@ def validate(data: Any) -> list[str]:
             _check(_int(e.get("port", 1), 1, 65535), f"{w}.port", "must be 1..65535", e.get("port"), p)
             lp = e.get("log_path", "")
             _check(isinstance(lp, str), f"{w}.log_path", "must be a path", lp, p)
-            fp = e.get("fingerprint")
-            _check(fp is None or isinstance(fp, str), f"{w}.fingerprint", "must be a string", fp, p)
+            sa = e.get("spawned_at")
+            _check(sa is None or isinstance(sa, (int, float)) and not isinstance(sa, bool) and 0 <= sa < 2**40,
+                   f"{w}.spawned_at", "must be a wall-clock time", sa, p)
+        fp = e.get("fingerprint")
+        _check(fp is None or isinstance(fp, str), f"{w}.fingerprint", "must be a string", fp, p)
+        why = e.get("reason")
+        _check(why is None or isinstance(why, str), f"{w}.reason", "must be a string", why, p)
     return p
 
 

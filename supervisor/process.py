@@ -110,7 +110,7 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def _reap(pid: int) -> int | None:
+def reap_child(pid: int) -> int | None:
     """The exit of `pid` (as Popen.returncode) if it is our child and has exited, reaping it;
     None if it runs or is not our child."""
     try:
@@ -267,6 +267,7 @@ async def stop_group_of(pid: int, start_time: int, timeout: float) -> str:
         while group_members_of(pid, start_time) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if not group_members_of(pid, start_time):
+            reap_child(pid)  # our child after a reload: not left a zombie
             return how
         if sig is not None:
             signal_group_of(pid, start_time, sig)
@@ -379,7 +380,7 @@ class EngineProcess:
         After a reload (an exec in place) the engine is still our child: it is reaped here,
         and its exit status is known. A previous daemon's re-parented engine is not ours to
         reap (ChildProcessError) and its status stays unknown."""
-        if _reap(pid) is not None:  # died during the exec: our zombie, now reaped
+        if reap_child(pid) is not None:  # died during the exec: our zombie, now reaped
             return None
         # The pidfd first, then the checks: the pidfd pins the process, so the checks cannot
         # pass for one process and the pidfd name another that reused the number in between.
@@ -403,7 +404,7 @@ class EngineProcess:
             loop.remove_reader(fd)
             os.close(fd)
             self._fd = None
-            self._status = _reap(pid)
+            self._status = reap_child(pid)
             if not self._exited.done():
                 self._exited.set_result(self.returncode)
 

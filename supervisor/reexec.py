@@ -66,8 +66,13 @@ async def preflight(argv: list[str], timeout: float = PREFLIGHT_TIMEOUT) -> str 
 HELD_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 
+def hold_signals() -> None:
+    """Block them: pending, not lost, until release_signals() (in this image, or the next)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+
+
 def release_signals() -> None:
-    """Unblock what execute() held, once the loop's handlers are in place (a no-op after a
+    """Unblock what a reload held, once the loop's handlers are in place (a no-op after a
     fresh start)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
@@ -84,11 +89,10 @@ def execute(argv: list[str], generation: int, locks: list[int]) -> None:
             pass
     env = dict(os.environ)
     env[HANDOVER_ENV] = json.dumps({"pid": os.getpid(), "generation": generation, "locks": paths})
-    signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    hold_signals()  # held already by the caller; they stay held if the exec fails, until a loop handles them
     try:
         os.execve(argv[0], argv, env)
     finally:  # only reached when execve failed: the locks stay ours, not our children's
-        release_signals()
         for fd in locks:
             os.set_inheritable(fd, False)
 

@@ -30,9 +30,17 @@ def world(tmp_path):
     yield from make_world(tmp_path)
 
 
+# The same stand-in, which exits 1 at once while the file $STANDIN_FAIL_FILE exists (a start
+# that keeps failing, for FATAL).
+FAILING_PYTHON = FAKE_PYTHON.replace(
+    "import asyncio, subprocess, sys\n",
+    "import asyncio, os, subprocess, sys\nif os.path.exists(os.environ['STANDIN_FAIL_FILE']): sys.exit(1)\n", 1)
+assert FAILING_PYTHON != FAKE_PYTHON
+
+
 def make_world(tmp_path, env: dict[str, str] | None = None):
     fake = tmp_path / "fake-python"
-    fake.write_text(FAKE_PYTHON)
+    fake.write_text(FAILING_PYTHON)
     fake.chmod(0o755)
     model = model_dir(tmp_path / "model")
     cfg = write_config(
@@ -40,6 +48,8 @@ def make_world(tmp_path, env: dict[str, str] | None = None):
         supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
                     "state_dir": str(tmp_path / "state"), "python": str(fake), "stop_timeout": 2.0},
         health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
+        restart={"backoff_initial": 0.2},
+        engine_defaults={"env": {"STANDIN_FAIL_FILE": str(tmp_path / "fail")}},
         engines=[spawned("e0", model, free_port()), spawned("e1", model, free_port())],
     )
     d = Daemon(cfg, env=env)
@@ -171,3 +181,60 @@ def test_systemd_hears_the_start_extended_and_the_reload(tmp_path):
             assert "MONOTONIC_USEC=" in reloading
             assert until("READY=1")[-1].startswith("READY=1\nSTATUS=2/2 engines RUNNING")
             assert SupervisorClient(w.sock).status()["daemon"]["reloads"] == 1
+
+
+def zombies_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def test_a_reload_keeps_the_state_dir_and_reaps_what_it_stops(world):
+    d, sock, cfg = world.daemon, world.sock, world.cfg
+    c = SupervisorClient(sock)
+    c.start_round(2)
+    good = cfg.read_text()
+    # Moving the journal's directory would lose the round and restart every engine: refused.
+    cfg.write_text(good.replace(str(Path(world.sock).parents[1] / "state"), str(Path(world.sock).parents[1] / "moved")))
+    assert cfg.read_text() != good
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    refused = d.wait_for(lambda e: e.get("event") == "supervisor.reload_refused", 60, after=mark)
+    assert refused["why"].startswith("state_dir changed from ") and "restart" not in refused["why"].split(";")[0]
+    assert c.status()["round_open"] is True and c.status()["daemon"]["reloads"] == 0
+    # An engine whose args changed is stopped and started again with the new ones; the old
+    # process (the daemon's child across the exec) is reaped, not left a zombie.
+    pids = engine_pids(sock)
+    cfg.write_text(good.replace('name = "e1"', 'name = "e1"\nargs = ["--seed", "7"]', 1))
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    started(d, 1, after=mark)
+    not_adopted = d.wait_for(lambda e: e.get("event") == "journal.not_adopted", 5, after=mark)
+    assert not_adopted["engine"] == "e1" and "another config" in not_adopted["why"]
+    d.transition("e1", "STALE", 30, after=mark)  # a new engine: it joins routing after round 2
+    assert engine_pids(sock)["e0"] == pids["e0"] and engine_pids(sock)["e1"] != pids["e1"]
+    assert zombies_of(d.proc.pid) == []
+
+
+def test_a_fatal_engine_stays_fatal_across_a_reload(tmp_path):
+    for w in make_world(tmp_path):
+        d, sock = w.daemon, w.sock
+        c = SupervisorClient(sock)
+        # e1 fails for good: every start exits 1 at once.
+        mark = d.mark()
+        (tmp_path / "fail").write_text("")
+        os.kill(engine_pids(sock)["e1"], signal.SIGKILL)
+        fatal = d.transition("e1", "FATAL", 60, after=mark)
+        mark = d.mark()
+        d.proc.send_signal(signal.SIGHUP)
+        started(d, 1, after=mark)
+        e1 = next(e for e in c.status()["engines"] if e["name"] == "e1")
+        assert e1["state"] == "FATAL" and e1["reason"] == fatal["reason"] + " (FATAL before a reload)"
+        assert not [e for e in d.events[mark:] if e.get("event") == "engine.spawned"]
