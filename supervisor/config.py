@@ -82,6 +82,13 @@ class Config:
     stop_timeout: float = 10.0  # SIGTERM -> SIGKILL (supervisord's stopwaitsecs)
     min_healthy: int = 1
     restart_immediately: bool = False  # boot a dead engine during the round, route it after
+    # Warm spares: this many engines beyond the routing target (engines - spares) are kept
+    # booted and verified in STANDBY, and one takes a failed engine's place in the next gap.
+    spares: int = 0
+    # When a spare gets the current weights: "promotion" (synced when it takes a place: no
+    # cost while nothing fails) or "publish" (synced in every gap after a publish, like a
+    # serving engine: one more receiver per push, a promotion without a sync).
+    spares_sync: str = "promotion"
     runtime_dir: str = "/run/vime-supervisor"
     log_dir: str = "/var/log/vime-supervisor"
     state_dir: str = "/var/lib/vime-supervisor"  # the journal (systemd's StateDirectory=)
@@ -120,6 +127,8 @@ _SUPERVISOR = {
     "stop_timeout": float,
     "min_healthy": int,
     "restart_immediately": bool,
+    "spares": int,
+    "spares_sync": str,
     "runtime_dir": str,
     "log_dir": str,
     "state_dir": str,
@@ -166,6 +175,7 @@ _ENGINE = {
     "url": str,
 }
 _LOG_LEVELS = {"debug", "info", "warning", "error"}
+SPARES_SYNC = ("promotion", "publish")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
@@ -361,6 +371,18 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         problems.append(f"supervisor.min_healthy: must be >= 0, got {min_healthy}")
     elif engines and min_healthy > len(engines):
         problems.append(f"supervisor.min_healthy: {min_healthy} is more than the {len(engines)} configured engines")
+    spares = sup.get("spares", 0)
+    if spares < 0:
+        problems.append(f"supervisor.spares: must be >= 0, got {spares}")
+    elif spares and spares >= len(engines):
+        problems.append(f"supervisor.spares: {spares} spare(s) leave none of the {len(engines)} configured "
+                        "engines to serve; configure more engines than spares")
+    elif spares and engines and min_healthy > len(engines) - spares:
+        problems.append(f"supervisor.min_healthy: {min_healthy} is more than the {len(engines) - spares} engines "
+                        f"that serve ({len(engines)} configured, {spares} spare(s))")
+    if sup.get("spares_sync", "promotion") not in SPARES_SYNC:
+        problems.append(f"supervisor.spares_sync: must be one of {', '.join(SPARES_SYNC)}, "
+                        f"got {sup['spares_sync']!r}")
 
     if problems:
         raise ConfigError(problems)
@@ -747,6 +769,8 @@ _FLAG_KEYS = {
     "flapping_max_restarts": ("restart", "flapping_max_restarts"),
     "min_healthy": ("supervisor", "min_healthy"),
     "restart_immediately": ("supervisor", "restart_immediately"),
+    "spares": ("supervisor", "spares"),
+    "spares_sync": ("supervisor", "spares_sync"),
     "runtime_dir": ("supervisor", "runtime_dir"),
     "log_dir": ("supervisor", "log_dir"),
     "state_dir": ("supervisor", "state_dir"),
@@ -795,6 +819,11 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--min-healthy", type=int, metavar="N", help="routable engines below which the trainer is told")
     g.add_argument("--restart-immediately", action=argparse.BooleanOptionalAction, default=None,
                    help="boot a dead engine during the round (routed only after the gap)")
+    g.add_argument("--spares", type=int, metavar="K",
+                   help="warm spares: K engines beyond the routing target kept in STANDBY, promoted in "
+                        "the gap after a failure (default 0)")
+    g.add_argument("--spares-sync", choices=SPARES_SYNC,
+                   help="when spares get new weights: at promotion (default) or after every publish")
     g.add_argument("--runtime-dir", help="holds the control socket (default /run/vime-supervisor)")
     g.add_argument("--log-dir", help="engine logs, one file per incarnation")
     g.add_argument("--state-dir", help="the journal that lets a restarted daemon lose nothing")

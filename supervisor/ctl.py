@@ -77,9 +77,9 @@ START_WAIT_MARGIN = 60.0  # after first_wait: a failed start's post-mortem and s
 POLL = 0.2  # how often a waiting start reads the status
 
 # States whose description is "pid N, uptime H:MM:SS, weights vV" when the engine has a pid.
-_PROCESS_DESC = frozenset({State.RUNNING, State.SUSPECT, State.STALE, State.SYNCING})
+_PROCESS_DESC = frozenset({State.RUNNING, State.SUSPECT, State.STALE, State.SYNCING, State.STANDBY})
 # A start has succeeded once its incarnation is up (supervisord: RUNNING, past startsecs).
-_UP = frozenset({State.RUNNING, State.SUSPECT, State.STALE, State.SYNCING})
+_UP = frozenset({State.RUNNING, State.SUSPECT, State.STALE, State.SYNCING, State.STANDBY})
 _NOT_STARTED = frozenset({State.STOPPED, State.EXITED, State.BACKOFF, State.FATAL})
 _ACTION_HELP = {
     Action.RESTART: "stop and start spawned engines (waits until each is up or failed)",

@@ -12,10 +12,12 @@ import argparse
 import asyncio
 import fcntl
 import os
+import resource
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 import structlog
@@ -24,6 +26,7 @@ import uvloop
 from . import config as config_mod
 from . import logs
 from . import journal as journal_mod
+from . import limits
 from . import reexec
 from .config import Config, ConfigError, ConfigReadError
 from .control import ControlServer
@@ -35,7 +38,8 @@ from .journal import JournalError, JournalWriter
 from .metrics import FleetStats, MetricsListener
 from .policy import FleetPolicy
 from .process import (
-    boot_id, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of, proc_stat, stop_group_of)
+    boot_id, engine_fingerprint, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of,
+    proc_stat, reap_child, stop_group_of)
 from .protocol import Event
 from .sdnotify import Notifier
 from .states import State
@@ -52,12 +56,14 @@ EXTEND_WINDOW = 30.0  # seconds each EXTEND_TIMEOUT_USEC buys while first starts
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, *, generation: int = 0):
+    def __init__(self, cfg: Config, *, generation: int = 0, reread: Callable[[], Config] | None = None):
         self.cfg = cfg
+        self.reread = reread  # the config file read again, as a reload's next image will read it
         self.generation = generation  # reloads (re-executions in place) this process has been through
         self.bus = EventBus()
         self.policy = FleetPolicy(min_healthy=cfg.min_healthy, use_fault_tolerance=cfg.use_fault_tolerance,
-                                  restart_immediately=cfg.restart_immediately)
+                                  restart_immediately=cfg.restart_immediately,
+                                  target=len(cfg.engines) - cfg.spares if cfg.spares else None)
         self.stats = FleetStats(self.bus)
         self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)
         self.fleet.reloads = generation
@@ -94,11 +100,15 @@ class Supervisor:
     async def _prepare_reload(self) -> None:
         argv = reexec.daemon_argv()
         log.info("supervisor.reload_requested", argv=argv, generation=self.generation)
-        self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}",
-                             "STATUS=reloading: checking the installed daemon")
-        why = await reexec.preflight(argv)
+        self.notifier.reloading()
+        # Syncs first: the check then runs last, just before the exec, so the config the next
+        # image reads is the one checked (an edit in between is a window of a second, not of
+        # sync_timeout).
+        why = await self._wait_for_syncs()
         if why is None:
-            why = await self._wait_for_syncs()
+            why = await reexec.preflight(argv)
+        if why is None:
+            why = await asyncio.to_thread(self._moved_dirs)
         if why is not None:
             log.error("supervisor.reload_refused", why=why,
                       action="the running daemon goes on unchanged; fix the cause and reload again")
@@ -108,6 +118,26 @@ class Supervisor:
         if not self._stop.is_set():
             self._reload = True
             self._stop.set()
+
+    def _moved_dirs(self) -> str | None:
+        """A reload keeps the state and runtime directories: the journal (the round, the version,
+        the engines' pids) and the locks live there. Why not, if the new config moves them."""
+        if self.reread is None:
+            return None
+        try:
+            new = self.reread()
+        except ConfigError as e:
+            # The installed daemon accepted it (a key this code does not know): its own
+            # directories cannot be compared here.
+            log.warning("supervisor.reload_unchecked", why=f"this image cannot read the new config: {e}")
+            return None
+        for key in ("state_dir", "runtime_dir"):
+            old_dir, new_dir = getattr(self.cfg, key), getattr(new, key)
+            if os.path.realpath(old_dir) != os.path.realpath(new_dir):
+                return (f"{key} changed from {old_dir} to {new_dir}; a reload keeps the journal and the locks "
+                        f"where they are. Put {key} back and reload, or stop the daemon, move "
+                        f"{old_dir}'s contents to {new_dir} and start it")
+        return None
 
     async def _wait_for_syncs(self) -> str | None:
         """A reload lets weight syncs in flight end (their watchdog bounds them by sync_timeout):
@@ -188,6 +218,12 @@ class Supervisor:
                 await self.journal.close()
                 await self.tasks.aclose()
                 self.notifier.close()
+        if self._reload:
+            # From here a stop stays pending (blocked) and reaches the next image's handler:
+            # past this loop nobody would run ours (uvloop's would swallow it). One that came
+            # just before is read from the loop's wakeup fd first.
+            reexec.hold_signals()
+            await asyncio.sleep(0.05)
         if self._reload and self._stop_wanted:  # a stop in the last moments before the exec
             self._reload = False
             await self.shutdown()
@@ -261,11 +297,16 @@ class Supervisor:
             for name, entry in data["engines"].items():
                 runner = fleet.runners.get(name)
                 if runner is not None:
+                    # A reload changes nothing an operator must decide: FATAL stays FATAL unless
+                    # its config changed (a restart of the daemon gives it a fresh start).
+                    fatal = (entry.get("state") == State.FATAL.value and self.generation > 0 and runner.spec.spawned
+                             and entry.get("fingerprint") == engine_fingerprint(runner.spec, runner.cfg))
                     runner.restore(incarnation=int(entry.get("incarnation", 0)),
                                    restarts=int(entry.get("restarts", 0)), retired=bool(entry.get("retired")),
                                    operator_stopped=(entry.get("state") == State.STOPPED.value
                                                      and bool(entry.get("operator_stopped"))),
-                                   routable=entry.get("state") in (State.RUNNING.value, State.SUSPECT.value))
+                                   routable=entry.get("state") in (State.RUNNING.value, State.SUSPECT.value),
+                                   fatal=_carried(entry.get("reason") or "FATAL") if fatal else None)
                 if not entry.get("pid") or not same_boot:
                     continue
                 pid, start_time = int(entry["pid"]), int(entry["start_time"])
@@ -297,10 +338,13 @@ class Supervisor:
 
     async def _await_gone(self, groups: list[tuple[int, int]]) -> None:
         """Groups just sent SIGKILL: wait (bounded) until they are gone, so the orphan scan
-        does not see them again and a new spawn finds the port free."""
+        does not see them again and a new spawn finds the port free. A leader that is our
+        child (after a reload) is reaped, not left a zombie."""
         deadline = time.monotonic() + 5.0
         while any(group_members_of(p, t) for p, t in groups) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        for pid, _ in groups:
+            reap_child(pid)
 
     async def _stop_orphans(self, keep: set[int]) -> None:
         """Engines of ours that no journal accounts for (a corrupt or lost journal, another
@@ -340,7 +384,7 @@ class Supervisor:
             # First starts may outlast TimeoutStartSec (a cold compile, a large model): each
             # message buys EXTEND_WINDOW more, and one is due before that runs out. A daemon
             # that stops sending (wedged) still fails the start.
-            self.notifier.notify(f"EXTEND_TIMEOUT_USEC={int(EXTEND_WINDOW * 1e6)}")
+            self.notifier.extend_timeout(EXTEND_WINDOW)
             waits = [asyncio.ensure_future(c.wait()) for c in changes]
             try:
                 await asyncio.wait(waits, timeout=EXTEND_WINDOW / 3, return_when=asyncio.FIRST_COMPLETED)
@@ -365,6 +409,10 @@ class Supervisor:
             if isinstance(res, BaseException):
                 log.error("supervisor.stop_failed", engine=r.name, error=repr(res))
         log.info("supervisor.stopped")
+
+
+def _carried(reason: str, note: str = " (FATAL before a reload)") -> str:
+    return reason if reason.endswith(note) else reason + note
 
 
 def status_line(fleet: Fleet) -> str:
@@ -453,6 +501,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         for warning in cfg.warnings:
             print(f"vime-supervisor: config warning: {warning}", file=sys.stderr)
+        # The open-file limit against the fleet: the hard one caps what start-up can raise
+        # the soft one to (an error), the soft one is what this shell would start with.
+        n, warm = len(cfg.engines), cfg.warmup.requests
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        problem = limits.nofile_problem(n, hard, hard=True, warmup_requests=warm)
+        if problem:
+            print(f"vime-supervisor: config error: {problem}", file=sys.stderr)
+            return 2
+        problem = limits.nofile_problem(n, soft, warmup_requests=warm)
+        if problem:
+            print(f"vime-supervisor: config warning: {problem}", file=sys.stderr)
         print(f"{args.config}: ok, {len(cfg.engines)} engine(s)")
         return 0
     try:
@@ -463,11 +522,17 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(cfg.log_level)
     for warning in cfg.warnings:
         log.warning("config.warning", config=args.config, warning=warning)
+    soft, hard = limits.raise_nofile()  # about one descriptor per engine, more while they warm up
+    need = limits.nofile_needed(len(cfg.engines), cfg.warmup.requests)
+    log.info("limits.nofile", soft=soft, hard=hard, needed=need, engines=len(cfg.engines))
+    problem = limits.nofile_problem(len(cfg.engines), soft, warmup_requests=cfg.warmup.requests)
+    if problem:
+        log.error("limits.nofile_low", problem=problem)
     generation = handover.generation if handover else 0
     kept: list[Supervisor] = []
     try:
         while True:
-            sup = Supervisor(cfg, generation=generation)
+            sup = Supervisor(cfg, generation=generation, reread=lambda: config_mod.load(args.config, args))
             if early_hup:
                 log.warning("supervisor.reload_ignored", why="SIGHUP before the daemon was up")
                 early_hup.clear()

@@ -41,7 +41,7 @@ from .process import (
     read_tail,
 )
 from .protocol import Event
-from .states import PROCESS_STATES, Cause, State
+from .states import ACTIVE, PROCESS_STATES, Cause, State
 from .tasks import TaskSet, cancel_and_wait
 from .warmup import WarmupFailed, warm_up
 
@@ -91,6 +91,10 @@ class EngineRunner:
         self._adopted: EngineProcess | None = None  # from the journal, taken by the first start
         self._adopted_routable = False  # it was serving when the previous daemon died
         self._adopted_unwarmed = False  # it was still STARTING: its warm-up may not have run
+        self._adopted_standby = False  # it was a spare: it stays one
+        self._adopted_up = False  # it had been up (not STARTING): a reload's socket waits for its check
+        self._adopted_age = 0.0  # seconds since its spawn, when it was adopted STARTING (first_wait goes on)
+        self._fatal: str | None = None  # FATAL before a reload, under the same config: stays FATAL
         self._adopted_after = ""  # "a daemon restart" or "a reload", for the transition's reason
         self._restored = False  # a previous daemon's journal named it
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
@@ -152,11 +156,12 @@ class EngineRunner:
     def readopting(self) -> bool:
         """An engine a previous daemon image left running (adopted, or attached), taken over
         but not yet checked again."""
-        if self._adopted is not None:
-            return True
-        if self.fsm.state is not S.STARTING:
+        if not self.spec.spawned:
+            return self._restored and self.fsm.state is S.STARTING
+        if not self._adopted_up:  # it was still starting: nothing to wait for
             return False
-        return self._restored if not self.spec.spawned else self.proc is not None and self.proc.adopted
+        return self._adopted is not None or (self.fsm.state is S.STARTING and self.proc is not None
+                                             and self.proc.adopted)
 
     @property
     def probed(self) -> bool:
@@ -244,7 +249,7 @@ class EngineRunner:
         elif entry.get("fingerprint") != engine_fingerprint(self.spec, self.cfg):
             why = ("started under another config (its model, port, args or env differ from this one's)"
                    if entry.get("fingerprint") else "no config fingerprint in the journal (an older daemon's)")
-        elif state not in (S.RUNNING.value, S.SUSPECT.value, S.STALE.value, S.STARTING.value):
+        elif state not in (S.RUNNING.value, S.SUSPECT.value, S.STALE.value, S.STARTING.value, S.STANDBY.value):
             why = f"it was {state}, not a state worth keeping"
         if why is not None:
             proc.forget()
@@ -256,6 +261,10 @@ class EngineRunner:
         self._adopted = proc
         self._adopted_routable = state in (S.RUNNING.value, S.SUSPECT.value)
         self._adopted_unwarmed = state == S.STARTING.value
+        self._adopted_up = state != S.STARTING.value
+        spawned_at = entry.get("spawned_at")
+        self._adopted_age = max(0.0, time.time() - spawned_at) if self._adopted_unwarmed and spawned_at else 0.0
+        self._adopted_standby = state == S.STANDBY.value and self.policy.target is not None
         self._adopted_after = after
         self.fsm.incarnation = max(0, int(entry.get("incarnation", 1)) - 1)
         self.fsm.restarts = int(entry.get("restarts", 0))
@@ -263,9 +272,12 @@ class EngineRunner:
 
     async def _run_spawned(self) -> None:
         fsm = self.fsm
-        if self._adopted is not None:
+        if self._fatal is not None:
+            fsm.carry(S.FATAL, self._fatal)
+        elif self._adopted is not None:
             fsm.begin_start(f"re-adopting pid {self._adopted.pid} after {self._adopted_after}", restart=False,
                             cause=Cause.RESTORED)
+            fsm.spawned_at = self.clock() - self._adopted_age  # first_wait counts from its spawn
         elif self.start_stopped:
             fsm.annotate("stopped by request (before a daemon restart)")
         else:  # this daemon's first start of it (a daemon restart is no engine restart)
@@ -331,9 +343,11 @@ class EngineRunner:
         warm = not proc.adopted or self._adopted_unwarmed
         self._adopted_unwarmed = False
         ready = asyncio.ensure_future(self._wait_ready_and_warm() if warm else self._wait_ready())
+        budget = self.cfg.probe.first_wait  # 0: none; an adopted start goes on with what it had left
+        if budget and proc.adopted:
+            budget = max(0.1, budget - (self.clock() - (fsm.spawned_at or self.clock())))
         try:
-            done, _ = await asyncio.wait({exited, ready}, timeout=self.cfg.probe.first_wait or None,  # 0: none
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({exited, ready}, timeout=budget or None, return_when=asyncio.FIRST_COMPLETED)
         finally:
             ready.cancel()
         not_ready = ready.exception() if ready in done else None
@@ -344,7 +358,7 @@ class EngineRunner:
                 # A re-adopted engine was serving in this round before the daemon died: it
                 # goes on serving if its version checks out. A new one waits for the gap.
                 hold = None if proc.adopted and self._adopted_routable else self.policy.hold_reason()
-                fsm.became_ready(version, self.policy.current_version, hold=hold)
+                fsm.became_ready(version, self.policy.current_version, hold=hold, spare=self._spare())
                 await self._supervise(proc, exited)
                 return
         if self._stop_reason is not None:  # an operator stopped it while it was starting
@@ -549,21 +563,39 @@ class EngineRunner:
         self.fsm.sync_started(reason)
 
     def finish_sync(self, version: int, hold: str | None = None) -> None:
-        self.fsm.sync_finished(version, hold=hold)
+        self.fsm.sync_finished(version, hold=hold, spare=self._spare())
 
     def release(self, why: str, current_version: int | None) -> None:
-        """A held STALE engine joins routing (in a round gap) if it holds `current_version`."""
-        self.fsm.release(why, current_version)
+        """A held STALE engine joins routing (in a round gap) if it holds `current_version`,
+        or becomes a spare if the fleet does not need it."""
+        self.fsm.release(why, current_version, spare=self._spare())
+
+    def park(self, why: str) -> None:
+        """STANDBY now, weights as they are (synced when promoted)."""
+        self.fsm.park(why)
+
+    def promote(self, why: str, current_version: int | None) -> None:
+        self.fsm.promote(why, current_version)
+
+    def _spare(self) -> str | None:
+        """Why this engine, ready now, would be a spare: None if the fleet needs it (or has
+        no spares configured). A STANDBY engine re-adopted after a reload stays one."""
+        if self._adopted_standby:
+            self._adopted_standby = False
+            return "a spare before the daemon restarted"
+        return self.policy.spare_reason(counted=self.fsm.state in ACTIVE)
 
     def note(self, reason: str) -> None:
         """Say why it waits, without a state change."""
         self.fsm.annotate(reason)
 
     def restore(self, *, incarnation: int, restarts: int, retired: bool, operator_stopped: bool,
-                routable: bool = False) -> None:
-        """What a previous daemon's journal says of this engine (before start())."""
+                routable: bool = False, fatal: str | None = None) -> None:
+        """What a previous daemon's journal says of this engine (before start()). `fatal`: it
+        was FATAL (why) before a reload, under the same config: it stays so, for an operator."""
         self.retired = retired
         self._restored = True
+        self._fatal = fatal
         if not self.spec.spawned:
             # An attached engine outlives the daemon as an adopted process does: it goes on
             # serving the round it was serving (its version is checked when it answers).
@@ -692,7 +724,8 @@ class EngineRunner:
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
             hold = None if self._adopted_routable else self.policy.hold_reason()
-            fsm.became_ready(await self.prober.weight_version(), self.policy.current_version, hold=hold)
+            fsm.became_ready(await self.prober.weight_version(), self.policy.current_version, hold=hold,
+                             spare=self._spare())
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)", Cause.SLOW_START)
         await asyncio.sleep(self.phase)
@@ -706,7 +739,7 @@ class EngineRunner:
                 if ok_streak >= probe.success_threshold:
                     # Membership grows only in a round gap: held STALE until the round ends.
                     fsm.recovered(await self.prober.weight_version(), self.policy.current_version,
-                                  hold=self.policy.hold_reason())
+                                  hold=self.policy.hold_reason(), spare=self._spare())
                     ok_streak = 0
             elif fsm.probed and self.cfg.use_fault_tolerance:
                 fsm.probe_result(await self._probe_once(started))

@@ -27,7 +27,7 @@ from .logs import exit_fields
 from .metrics import FleetStats, detection_kind
 from .policy import FleetPolicy
 from .protocol import Event
-from .states import State
+from .states import ACTIVE, State
 
 __all__ = ["Fleet", "BadRequest", "Conflict", "check_version", "validate_checkpoint",
            "validate_checkpoint_off_loop", "MAX_VERSION"]
@@ -150,6 +150,7 @@ class Fleet(Listener):
         return [r for r in self.runners.values() if self.is_routable(r)]
 
     def _membership_changed(self) -> None:
+        self.policy.active = sum(r.state in ACTIVE and not r.retired for r in self.runners.values())
         m = self.policy.set_routable(r.name for r in self.routable())
         if m.joined:
             self.bus.joined_routing(m.joined, self.clock())
@@ -208,7 +209,11 @@ class Fleet(Listener):
         self.policy.publish(version, checkpoint)
         runners = list(self.runners.values())
         await asyncio.gather(*(r.refresh_version() for r in runners))
-        behind = [r.name for r in runners if r.serving and r.weight_version != version]
+        # Spares too when they are kept current (spares_sync = "publish"); otherwise a spare is
+        # synced only if it is ever promoted.
+        keep = self.cfg.spares_sync == "publish"
+        behind = [r.name for r in runners
+                  if (r.serving or keep and r.state is State.STANDBY) and r.weight_version != version]
         for r in runners:
             if r.name in behind:
                 r.mark_outdated(version)

@@ -83,6 +83,10 @@ def vlabel(version: int | str | None) -> str:
     return "base" if version is None else f"v{version}"
 
 
+def _weights(current_version: int | None) -> str:
+    return "base weights" if current_version is None else f"weights {vlabel(current_version)}, verified"
+
+
 def backoff_delay(failures: int, policy: RestartPolicy, rng: random.Random) -> float:
     """Exponential backoff with jitter in [d/2, d]: failures=1 -> ~initial, doubling, capped."""
     base = min(policy.backoff_max, policy.backoff_initial * 2 ** max(0, failures - 1))
@@ -183,29 +187,47 @@ class EngineFSM:
         return True
 
     def became_ready(self, weight_version: int | str | None, current_version: int | None,
-                     hold: str | None = None) -> Transition:
+                     hold: str | None = None, spare: str | None = None) -> Transition:
         """First healthy answer inside first_wait. Nothing reaches RUNNING on old weights, and
-        nothing joins routing during a round (`hold` says why it waits): both are STALE."""
+        nothing joins routing during a round (`hold` says why it waits): both are STALE.
+        `spare`: the fleet is at its routing target (why): a current engine is kept warm in
+        STANDBY instead, whether a round is open or not."""
         self.ready_at = self.clock()
         self.failed_starts = 0
         self.weight_version = weight_version
         took = self.ready_at - (self.ready_at if self.spawned_at is None else self.spawned_at)
         current = current_version is None or weight_version == current_version
+        if current and spare is not None:
+            return self.park(f"ready in {took:.1f}s; {_weights(current_version)}; {spare}")
         if current and hold is None:
-            what = "base weights" if current_version is None else f"weights {vlabel(current_version)}, verified"
-            return self._go(S.RUNNING, f"ready in {took:.1f}s; {what}", Cause.READY)
+            return self._go(S.RUNNING, f"ready in {took:.1f}s; {_weights(current_version)}", Cause.READY)
         self.held = hold is not None
         why = hold if current else f"weights {vlabel(weight_version)}, current {vlabel(current_version)}"
         return self._go(S.STALE, f"ready in {took:.1f}s; {why}", Cause.READY)
 
-    def release(self, why: str, current_version: int | None) -> Transition | None:
-        """A held engine at the current version joins routing (in a round gap)."""
+    def release(self, why: str, current_version: int | None, spare: str | None = None) -> Transition | None:
+        """A held engine at the current version joins routing (in a round gap), or becomes a
+        spare (`spare`: why the fleet does not need it)."""
         self.held = False
         if current_version is None or self.weight_version == current_version:
-            what = "base weights" if current_version is None else f"weights {vlabel(current_version)}, verified"
-            return self._go(S.RUNNING, f"{why}; {what}", Cause.RELEASED)
+            if spare is not None:
+                return self.park(f"{why}; {_weights(current_version)}; {spare}")
+            return self._go(S.RUNNING, f"{why}; {_weights(current_version)}", Cause.RELEASED)
         self.reason = f"{why}; weights {vlabel(self.weight_version)}, current {vlabel(current_version)}"
         return None
+
+    def park(self, reason: str) -> Transition:
+        """STANDBY: up, probed and never routed until promoted (its weights may be behind)."""
+        self.held = False
+        return self._go(S.STANDBY, reason, Cause.SPARE)
+
+    def promote(self, why: str, current_version: int | None) -> Transition:
+        """A spare takes a failed engine's place (in a round gap): RUNNING at the current
+        version, else STALE, to be synced and verified before it serves."""
+        if current_version is None or self.weight_version == current_version:
+            return self._go(S.RUNNING, f"promoted: {why}; {_weights(current_version)}", Cause.PROMOTED)
+        return self._go(S.STALE, f"promoted: {why}; weights {vlabel(self.weight_version)}, current "
+                                 f"{vlabel(current_version)}: synced first", Cause.PROMOTED)
 
     def reset_budget(self) -> None:
         """An operator's start: a fresh start budget and flapping window (as supervisord)."""
@@ -299,12 +321,15 @@ class EngineFSM:
         return self.probe_result(ProbeOutcome(False, f"reported: {detail}"), reported=True)
 
     def recovered(self, weight_version: int | str | None, current_version: int | None,
-                  hold: str | None = None) -> Transition:
+                  hold: str | None = None, spare: str | None = None) -> Transition:
         """An attached engine answering again after UNHEALTHY/EXITED. Like a new engine, it
-        joins routing only in a round gap (`hold` says why it waits) and at the current version."""
+        joins routing only in a round gap (`hold` says why it waits) and at the current version,
+        or becomes a spare."""
         self.consecutive_failures = 0
         self.weight_version = weight_version
         current = current_version is None or weight_version == current_version
+        if current and spare is not None:
+            return self.park(f"recovered; {_weights(current_version)}; {spare}")
         if current and hold is None:
             return self._go(S.RUNNING, "recovered: answering probes again", Cause.RECOVERED)
         self.held = hold is not None
@@ -334,8 +359,11 @@ class EngineFSM:
     def sync_started(self, reason: str) -> Transition:
         return self._go(S.SYNCING, reason, Cause.SYNC)
 
-    def sync_finished(self, weight_version: int | str, hold: str | None = None) -> Transition:
+    def sync_finished(self, weight_version: int | str, hold: str | None = None,
+                      spare: str | None = None) -> Transition:
         self.weight_version = weight_version
+        if spare is not None:  # verified, not needed: a spare kept current
+            return self.park(f"weights {vlabel(weight_version)}, verified; {spare}")
         if hold is not None:  # verified, but a round is open: it joins routing in the gap
             self.held = True
             return self._go(S.STALE, f"weights {vlabel(weight_version)}, verified; {hold}", Cause.VERIFIED)
@@ -349,6 +377,11 @@ class EngineFSM:
     def version_behind(self, current_version: int) -> Transition:
         return self._go(S.STALE, f"weights {vlabel(self.weight_version)}, current {vlabel(current_version)}",
                         Cause.OUTDATED)
+
+    def carry(self, state: State, reason: str) -> None:
+        """A state the previous daemon image left (a reload), taken as it is: not a transition,
+        nothing happened to the engine."""
+        self.state, self.reason, self.since = state, reason, self.clock()
 
     def annotate(self, reason: str) -> None:
         """Refine the reason without a state change (e.g. 'restart after round 412')."""

@@ -32,8 +32,13 @@ class Membership:
 
 class FleetPolicy:
     def __init__(self, *, min_healthy: int = 1, use_fault_tolerance: bool = True,
-                 restart_immediately: bool = False, clock: Clock = time.monotonic):
+                 restart_immediately: bool = False, clock: Clock = time.monotonic,
+                 target: int | None = None):
         self.min_healthy = min_healthy
+        # The routing target with warm spares (engines - spares): an engine that is ready
+        # once this many are active is kept in STANDBY. None: no spares, every engine serves.
+        self.target = target
+        self.active = 0  # engines serving or on their way to it (states.ACTIVE): the fleet keeps it
         self.use_fault_tolerance = use_fault_tolerance
         self.restart_immediately = restart_immediately
         self.clock = clock
@@ -85,6 +90,21 @@ class FleetPolicy:
         if self.round_open:
             return f"held out of routing until round {self.round} ends"
         return None
+
+    def spare_reason(self, counted: bool) -> str | None:
+        """Why a ready engine becomes a spare (STANDBY) instead of serving: the other active
+        engines (serving, or being synced to serve) already make the routing target.
+        `counted`: the engine asking is itself among the active ones (STALE, SYNCING)."""
+        others = self.active - (1 if counted else 0)
+        if self.target is not None and others >= self.target:
+            return f"a spare: {others}/{self.target} engines active"
+        return None
+
+    def spares_wanted(self) -> int:
+        """How many spares to promote now: only in a round gap (membership changes there)."""
+        if self.target is None or self.round_open:
+            return 0
+        return max(0, self.target - self.active)
 
     def may_restart(self) -> tuple[bool, str | None]:
         """A dead engine restarts in a round gap; during round N it waits for its end."""

@@ -287,6 +287,7 @@ class FleetStatus(TypedDict):
     epoch: int
     routable: int
     min_healthy: int
+    spares: int  # warm spares configured (STANDBY engines beyond the routing target)
     below_min_healthy: bool
     fault_tolerance: bool
     daemon: DaemonInfo

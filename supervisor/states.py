@@ -1,4 +1,5 @@
-"""Engine states: supervisord's process words, plus freshness of weights (STALE, SYNCING)."""
+"""Engine states: supervisord's process words, plus freshness of weights (STALE, SYNCING) and
+warm spares (STANDBY)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ class State(StrEnum):
     STALE = "STALE"  # up and answering, weights behind the current version
     SYNCING = "SYNCING"  # weights being brought to the current version
     RUNNING = "RUNNING"  # healthy, current weights
+    STANDBY = "STANDBY"  # a warm spare: up, probed, verified at its version, never routed
     SUSPECT = "SUSPECT"  # fewer than failure_threshold consecutive probe failures
     UNHEALTHY = "UNHEALTHY"  # threshold reached: being stopped now
     STOPPING = "STOPPING"  # SIGTERM sent to the group, SIGKILL after stop_timeout
@@ -24,24 +26,30 @@ S = State
 # Only these may take traffic (and only at the current weight version).
 ROUTABLE = frozenset({S.RUNNING, S.SUSPECT})
 # States in which the heartbeat probes the engine.
-PROBED = frozenset({S.STALE, S.RUNNING, S.SUSPECT})
+PROBED = frozenset({S.STALE, S.RUNNING, S.SUSPECT, S.STANDBY})
 # supervisorctl exits 0 only if every listed engine is in one of these.
 RUNNING_STATES = frozenset({S.RUNNING, S.SUSPECT})
 # A process of this incarnation may exist.
-PROCESS_STATES = frozenset({S.STARTING, S.STALE, S.SYNCING, S.RUNNING, S.SUSPECT, S.UNHEALTHY, S.STOPPING})
+PROCESS_STATES = frozenset({S.STARTING, S.STALE, S.SYNCING, S.RUNNING, S.SUSPECT, S.STANDBY, S.UNHEALTHY,
+                            S.STOPPING})
+# Serving, or on the way to serving (a sync, a promotion): what counts toward the routing
+# target when deciding whether a ready engine is needed or becomes a spare.
+ACTIVE = frozenset({S.RUNNING, S.SUSPECT, S.STALE, S.SYNCING})
 
 # Every legal edge. Anything else is a bug in the caller, raised as IllegalTransition.
 TRANSITIONS: dict[State, frozenset[State]] = {
     S.STOPPED: frozenset({S.STARTING}),
-    S.STARTING: frozenset({S.STALE, S.RUNNING, S.STOPPING, S.BACKOFF, S.FATAL, S.EXITED}),
-    S.STALE: frozenset({S.SYNCING, S.RUNNING, S.UNHEALTHY, S.STOPPING, S.EXITED}),
-    S.SYNCING: frozenset({S.RUNNING, S.STALE, S.UNHEALTHY, S.STOPPING, S.EXITED}),
+    S.STARTING: frozenset({S.STALE, S.RUNNING, S.STANDBY, S.STOPPING, S.BACKOFF, S.FATAL, S.EXITED}),
+    S.STALE: frozenset({S.SYNCING, S.RUNNING, S.STANDBY, S.UNHEALTHY, S.STOPPING, S.EXITED}),
+    S.SYNCING: frozenset({S.RUNNING, S.STANDBY, S.STALE, S.UNHEALTHY, S.STOPPING, S.EXITED}),
     S.RUNNING: frozenset({S.SUSPECT, S.UNHEALTHY, S.STALE, S.SYNCING, S.STOPPING, S.EXITED}),
     S.SUSPECT: frozenset({S.RUNNING, S.UNHEALTHY, S.STALE, S.SYNCING, S.STOPPING, S.EXITED}),
+    # Promoted in a gap: RUNNING at the current version, else STALE to be synced first.
+    S.STANDBY: frozenset({S.RUNNING, S.STALE, S.UNHEALTHY, S.STOPPING, S.EXITED}),
     # An attached engine cannot be stopped by us; it may recover by itself.
-    S.UNHEALTHY: frozenset({S.STOPPING, S.EXITED, S.RUNNING, S.STALE}),
+    S.UNHEALTHY: frozenset({S.STOPPING, S.EXITED, S.RUNNING, S.STALE, S.STANDBY}),
     S.STOPPING: frozenset({S.EXITED, S.STOPPED, S.BACKOFF, S.FATAL}),
-    S.EXITED: frozenset({S.STARTING, S.STOPPED, S.FATAL, S.RUNNING, S.STALE}),
+    S.EXITED: frozenset({S.STARTING, S.STOPPED, S.FATAL, S.RUNNING, S.STALE, S.STANDBY}),
     S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.FATAL}),
     S.FATAL: frozenset({S.STARTING, S.STOPPED}),
 }
@@ -58,6 +66,8 @@ class Cause(StrEnum):
     OPERATOR = "operator"  # a start, stop, restart or retire asked for on the control socket
     READY = "ready"  # the first healthy answer (and warm-up) inside first_wait
     RELEASED = "released"  # a held engine joins routing in a round gap
+    SPARE = "spare"  # ready, but the fleet is at its routing target: kept warm in STANDBY
+    PROMOTED = "promoted"  # a spare takes a failed engine's place in a round gap
     START_FAILED = "start_failed"  # the process died, the port stayed busy, or the warm-up failed
     SLOW_START = "slow_start"  # not ready within first_wait
     PROBE = "probe"  # probe failures below the failure threshold (SUSPECT)

@@ -63,6 +63,7 @@ def fleet_status(fleet: Fleet) -> FleetStatus:
         "epoch": fleet.epoch,
         "routable": sum(e["routable"] for e in engines),
         "min_healthy": fleet.cfg.min_healthy,
+        "spares": fleet.cfg.spares,
         "below_min_healthy": fleet.below_floor,
         "fault_tolerance": fleet.cfg.use_fault_tolerance,
         "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1), "version": VERSION,

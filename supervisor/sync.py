@@ -22,7 +22,7 @@ from .events import Listener
 from .fleet import Fleet, validate_checkpoint_off_loop
 from .fsm import Transition, vlabel
 from .protocol import Event
-from .states import Cause, State
+from .states import ACTIVE, Cause, State
 from .tasks import TaskSet
 
 S = State
@@ -61,6 +61,9 @@ class SyncCoordinator(Listener):
         if t.to_state is S.STALE and runner is not None:
             # After the transition has settled: consider() may annotate or start a reload.
             asyncio.get_running_loop().call_soon(self.consider, runner)
+        elif t.from_state in ACTIVE and t.to_state not in ACTIVE:
+            # One fewer engine serving: in a gap, a spare may take its place now.
+            asyncio.get_running_loop().call_soon(self.promote_spares)
 
     def on_round_started(self, n: int) -> None:
         self.round_started()
@@ -87,8 +90,26 @@ class SyncCoordinator(Listener):
         self._asked.clear()  # requests refused during the round are asked again in the gap
 
     def kick(self) -> None:
+        self.promote_spares()
         for runner in list(self.fleet.runners.values()):
             self.consider(runner)
+
+    def promote_spares(self) -> None:
+        """In a round gap, spares take the places of engines that failed: those already at the
+        current version first (RUNNING at once), then the others (STALE: synced, verified)."""
+        fleet = self.fleet
+        wanted = fleet.policy.spares_wanted()
+        if not wanted:
+            return
+        version = fleet.current_version
+        spares = sorted((r for r in fleet.runners.values() if r.state is S.STANDBY and not r.retired),
+                        key=lambda r: (r.weight_version != version, r.name))
+        gap = "no round yet" if fleet.round is None else f"round {fleet.round} ended"
+        for runner in spares[:wanted]:
+            why = f"{fleet.policy.active}/{fleet.policy.target} engines active, {gap}"
+            log.info("spare.promoted", engine=runner.name, active=fleet.policy.active, target=fleet.policy.target,
+                     weight_version=runner.weight_version, version=version)
+            runner.promote(why, version)
 
     def consider(self, runner: EngineRunner) -> None:
         """A STALE engine in a gap: release it if it already holds the current version,
@@ -104,6 +125,11 @@ class SyncCoordinator(Listener):
             return
         if version is None or have == version:
             runner.release("no round yet" if fleet.round is None else f"round {fleet.round} ended", version)
+            return
+        spare = fleet.policy.spare_reason(counted=True)
+        if spare is not None and fleet.cfg.spares_sync == "promotion":
+            # Not needed now: kept warm as it is, synced only if it is ever promoted.
+            runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced when promoted; {spare}")
             return
         if self.agents and self._silent.get(runner.name) != version:
             if self._asked.get(runner.name) == version:

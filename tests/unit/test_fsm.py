@@ -603,10 +603,10 @@ def test_probe_results_in_unprobed_states_are_ignored(state, outcome):
 
 
 @pytest.mark.parametrize("state", list(State))
-def test_probed_only_when_stale_running_or_suspect(state):
+def test_probed_only_when_stale_running_suspect_or_standby(state):
     fsm, clock, seen = make()
     fsm.state = state
-    assert fsm.probed is (state in {S.STALE, S.RUNNING, S.SUSPECT})
+    assert fsm.probed is (state in {S.STALE, S.RUNNING, S.SUSPECT, S.STANDBY})
 
 
 # -- the transition callback ----------------------------------------------------------------
@@ -970,3 +970,61 @@ def test_classify_failure_calls_only_what_it_recognises_permanent(tail, permanen
     got, summary = classify_failure(tail, "/models/polcy")
     assert got is permanent
     assert summary.startswith(what)
+
+
+# -- warm spares (STANDBY) ------------------------------------------------------------------
+
+
+def test_a_ready_engine_the_fleet_does_not_need_is_a_spare_even_in_a_round():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    clock.now = 5.0
+    fsm.became_ready(3, 3, hold="held out of routing until round 7 ends", spare="a spare: 2/2 engines active")
+    assert fsm.state is S.STANDBY and fsm.cause is Cause.SPARE and not fsm.routable and fsm.probed
+    assert "a spare: 2/2" in fsm.reason and "weights v3, verified" in fsm.reason
+
+
+def test_a_ready_engine_behind_is_stale_even_when_a_spare():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.became_ready(None, 3, spare="a spare: 2/2 engines active")
+    assert fsm.state is S.STALE  # its version is checked (and it may be parked) by the sync
+
+
+def test_a_spare_never_goes_suspect_and_is_stopped_at_the_threshold():
+    fsm, clock, seen = make(probe=ProbePolicy(failure_threshold=2))
+    fsm.begin_start("start")
+    fsm.became_ready(None, None, spare="a spare")
+    seen.clear()
+    assert fsm.probe_result(TIMEOUT) is False
+    assert fsm.state is S.STANDBY and "1/2 probe failures" in fsm.reason and not fsm.routable
+    assert fsm.probe_result(TIMEOUT) is True
+    assert edges(seen) == [(S.STANDBY, S.UNHEALTHY)] and fsm.cause is Cause.HANG
+
+
+@pytest.mark.parametrize("have,current,to", [(3, 3, S.RUNNING), (None, None, S.RUNNING), (2, 3, S.STALE)])
+def test_a_promoted_spare_serves_at_once_only_at_the_current_version(have, current, to):
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.became_ready(have, have, spare="a spare")
+    fsm.promote("1/2 engines active, round 7 ended", current)
+    assert fsm.state is to and fsm.cause is Cause.PROMOTED and fsm.reason.startswith("promoted: 1/2")
+
+
+def test_release_and_a_verified_sync_park_an_engine_not_needed():
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.became_ready(3, 3, hold="held out of routing until round 7 ends")
+    assert fsm.state is S.STALE and fsm.held
+    fsm.release("round 7 ended", 3, spare="a spare: 2/2 engines active")
+    assert fsm.state is S.STANDBY and not fsm.held
+    fsm.promote("1/2 engines active", 4)
+    fsm.sync_started("pushing v4")
+    fsm.sync_finished(4, spare="a spare: 2/2 engines active")  # kept current, still not needed
+    assert fsm.state is S.STANDBY and fsm.weight_version == 4
+
+
+def test_standby_edges():
+    assert TRANSITIONS[S.STANDBY] == {S.RUNNING, S.STALE, S.UNHEALTHY, S.STOPPING, S.EXITED}
+    assert S.STANDBY in TRANSITIONS[S.STARTING] and S.STANDBY in TRANSITIONS[S.STALE]
+    assert S.STANDBY not in TRANSITIONS[S.RUNNING]  # a serving engine is never demoted to a spare

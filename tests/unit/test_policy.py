@@ -169,3 +169,33 @@ def test_a_floor_of_zero_is_never_breached():
     policy.set_routable(["e0"])
     assert not policy.set_routable([]).breached
     assert policy.floor_breaches == 0
+
+
+# -- warm spares ----------------------------------------------------------------------------
+
+
+def test_without_spares_every_ready_engine_serves():
+    policy, _ = make()
+    policy.active = 10
+    assert policy.spare_reason(counted=False) is None and policy.spares_wanted() == 0
+
+
+def test_a_ready_engine_is_a_spare_once_the_others_make_the_target():
+    policy, _ = make(target=2)
+    policy.active = 1
+    assert policy.spare_reason(counted=False) is None
+    assert policy.spare_reason(counted=True) is None  # it is the one that makes 1 of 2
+    policy.active = 2
+    assert policy.spare_reason(counted=False) == "a spare: 2/2 engines active"
+    assert policy.spare_reason(counted=True) is None  # itself and one other: it is needed
+
+
+def test_spares_are_promoted_only_in_a_gap_and_only_for_missing_places():
+    policy, _ = make(target=3)
+    policy.active = 1
+    assert policy.spares_wanted() == 2
+    policy.start_round(1)
+    assert policy.spares_wanted() == 0  # membership changes in the gap
+    policy.end_round(1)
+    policy.active = 3
+    assert policy.spares_wanted() == 0

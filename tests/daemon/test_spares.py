@@ -1,0 +1,153 @@
+"""Warm spares (STANDBY) through the daemon: engines beyond the routing target are kept up and
+never routed; one takes a failed engine's place in the next round gap; the failed one comes
+back as a spare.
+
+The daemon spawns its engines as it always does, with `python` pointed at a script that serves
+the protocol stand-in (harness/standin_engine.py; not vLLM), as test_restart_faults.py does.
+The real-engine promotion, with a weight sync, is in tests/engine/test_spares_real.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from vime.supervisor.client import DaemonUnreachable, SupervisorClient
+from vime.harness.local_daemon import Daemon, free_port, write_config
+
+from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
+
+NAMES = ("e0", "e1", "e2")
+
+
+class Stream:
+    """Every event of the daemon's stream, read in the background."""
+
+    def __init__(self, sock: str):
+        self.events: list[dict] = []
+        self.client = SupervisorClient(sock)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for ev in self.client.events():
+                self.events.append(ev)
+        except DaemonUnreachable:
+            pass
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    model = model_dir(tmp_path / "model")
+    cfg = write_config(
+        tmp_path / "sup.toml",
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
+                    "state_dir": str(tmp_path / "state"), "python": str(fake), "stop_timeout": 2.0,
+                    "spares": 1, "min_healthy": 1},
+        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
+        engines=[spawned(n, model, free_port()) for n in NAMES],
+    )
+    d = Daemon(cfg)
+    f = type("Fleet", (), {})()
+    f.daemon, f.sock = d, str(tmp_path / "run" / "supervisor.sock")
+    try:
+        d.wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
+        f.stream = Stream(f.sock)
+        f.initial = states(f.sock)  # settled: every first start has concluded
+        yield f
+    finally:
+        groups = set(d.spawned_pids())
+        d.kill()
+        for pgid in groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def states(sock: str) -> dict[str, str]:
+    return {e["name"]: e["state"] for e in SupervisorClient(sock).status()["engines"]}
+
+
+def wait_states(sock: str, pred, timeout: float = 30) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while not pred(st := states(sock)):
+        assert time.monotonic() < deadline, st
+        time.sleep(0.05)
+    return st
+
+
+def never_routed_unless_serving(fleet) -> None:
+    """Replayed in order from the settled fleet the stream began with: every membership lists
+    only engines RUNNING or SUSPECT at that point."""
+    state = dict(fleet.initial)
+    for ev in list(fleet.stream.events):
+        if ev["event"] == "transition":
+            state[ev["engine"]] = ev["to_state"]
+        elif ev["event"] == "membership":
+            assert all(state.get(n) in ("RUNNING", "SUSPECT") for n in ev["routable"]), (ev, state)
+
+
+def test_a_spare_takes_a_killed_engines_place_in_the_gap_and_the_killed_one_becomes_the_spare(fleet):
+    d, sock = fleet.daemon, fleet.sock
+    c = SupervisorClient(sock)
+    st = states(sock)
+    assert sorted(st.values()) == ["RUNNING", "RUNNING", "STANDBY"], st
+    spare = next(n for n, s in st.items() if s == "STANDBY")
+    victim = next(n for n, s in st.items() if s == "RUNNING")
+    assert sorted(e["name"] for e in c.routable_engines()["engines"]) == sorted(set(NAMES) - {spare})
+    status = c.status()
+    assert status["spares"] == 1 and status["routable"] == 2
+    c.start_round(1)
+    mark = d.mark()
+    os.kill(d.last_pid(victim), signal.SIGKILL)
+    d.transition(victim, "EXITED", 10, after=mark)
+    time.sleep(1.0)  # a round is open: neither a promotion nor a restart before its end
+    assert states(sock)[spare] == "STANDBY" and states(sock)[victim] == "EXITED"
+    assert len(c.routable_engines()["engines"]) == 1
+    t_end = time.monotonic()
+    c.end_round(1)
+    promoted = d.transition(spare, "RUNNING", 10, after=mark)
+    assert promoted["cause"] == "promoted" and promoted["reason"].startswith("promoted: 1/2 engines active")
+    print(f"\npromoted {time.monotonic() - t_end:.2f}s after the round ended")
+    assert sorted(e["name"] for e in c.routable_engines()["engines"]) == sorted(set(NAMES) - {victim})
+    # The killed engine restarts in the gap and is the spare now.
+    back = d.transition(victim, "STANDBY", 30, after=mark)
+    assert back["cause"] == "spare" and "a spare: 2/2 engines active" in back["reason"]
+    assert len(c.routable_engines()["engines"]) == 2
+    assert [ev["routable"] for ev in fleet.stream.events if ev["event"] == "membership"] == [
+        sorted(set(NAMES) - {spare, victim}), sorted(set(NAMES) - {victim})]  # out at the kill, in at the gap
+    never_routed_unless_serving(fleet)
+
+
+def test_a_spare_that_dies_is_restarted_as_a_spare_and_never_routed(fleet):
+    d, sock = fleet.daemon, fleet.sock
+    spare = next(n for n, s in states(sock).items() if s == "STANDBY")
+    routable = SupervisorClient(sock).routable_engines()
+    mark = d.mark()
+    os.kill(d.last_pid(spare), signal.SIGKILL)
+    d.transition(spare, "EXITED", 10, after=mark)
+    d.transition(spare, "STARTING", 30, after=mark)
+    back = d.transition(spare, "STANDBY", 30, after=mark)
+    assert back["cause"] == "spare"
+    after = SupervisorClient(sock).routable_engines()
+    assert after["engines"] == routable["engines"] and after["epoch"] == routable["epoch"]  # nothing moved
+    never_routed_unless_serving(fleet)
+
+
+def test_an_operator_can_stop_and_start_a_spare(fleet):
+    d, sock = fleet.daemon, fleet.sock
+    spare = next(n for n, s in states(sock).items() if s == "STANDBY")
+    c = SupervisorClient(sock)
+    c.stop(spare)
+    wait_states(sock, lambda st: st[spare] == "STOPPED")
+    c.start(spare)
+    wait_states(sock, lambda st: st[spare] == "STANDBY")
+    assert len(c.routable_engines()["engines"]) == 2
