@@ -136,6 +136,7 @@ class Split(NamedTuple):
     tokens: int
     outcome: str
     seed: int | None = None
+    dropped: int = 0  # tokens received after `tokens`, thrown away: the split must fall between characters
 
 
 class StartOver(NamedTuple):
@@ -209,7 +210,7 @@ class RolloutResult:
     @property
     def tokens_regenerated(self) -> int:
         """Output tokens received before a fault and thrown away (generated again)."""
-        return sum(x.tokens for x in self.started_over)
+        return sum(x.tokens for x in self.started_over) + sum(s.dropped for s in self.splits)
 
     @property
     def tokens_before_fault(self) -> int:
@@ -461,6 +462,8 @@ class _Partial:
         self.text: list[str] = []
         self.splits: list[Split] = []
         self.started_over: list[StartOver] = []
+        self.bounds: list[tuple[int, int, bool]] = []  # the last piece's chunk ends (_Answer.bounds), in the prefix
+        self.piece_start: tuple[int, int] = (0, 0)     # where the last piece starts: (tokens, text pieces)
         self.version: Any = None      # the listed weight version the prefix was made on
         self.published: Any = None    # the daemon's published version when its first piece was routed
         # Of the logical request, set once:
@@ -489,6 +492,11 @@ class _Answer:
         self.usage_tokens: int | None = None
         self.first_token: float | None = None
         self.done = False
+        # After each chunk with token ids: (tokens, text pieces, whole): whole when that chunk
+        # held one token and text, so the text streamed so far covers every token (vLLM holds
+        # back the bytes of a character split across tokens; a chunk of several tokens may end
+        # holding some back).
+        self.bounds: list[tuple[int, int, bool]] = []
 
     def add(self, chunk: dict[str, Any], chat: bool) -> None:
         usage = chunk.get("usage")
@@ -525,6 +533,8 @@ class _Answer:
                 self.logprobs.extend(values)
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
+            if ids:
+                self.bounds.append((len(self.token_ids), len(self.text), len(ids) == 1 and bool(text)))
 
 
 # -- the client -----------------------------------------------------------------------------
@@ -820,6 +830,8 @@ class RolloutClient:
             async for attempt in retrying:
                 with attempt:
                     engine = await self._choose(rid, failed, aborted, attempts, state)
+                    if state.token_ids:
+                        await self._split_between_characters(rid, engine, state)
                     if state.token_ids:  # a continuation: a completion on the token ids so far
                         self.stats.continued += 1
                         log.info("rollout: %s: continuing on %s after %d token(s)", rid, engine.name, len(state))
@@ -899,6 +911,63 @@ class RolloutClient:
         log.info("rollout: %s: starting over, %d token(s) thrown away: %s", rid, tokens, why)
         state.prompt_token_ids, state.token_ids, state.logprobs, state.text = None, [], None, []
         state.splits, state.version, state.published = [], None, None
+        state.bounds, state.piece_start = [], (0, 0)
+
+    async def _split_between_characters(self, rid: str, engine: Engine, state: _Partial) -> None:
+        """Make the prefix end between two characters. vLLM holds back the text of a token
+        that ends inside a multi-byte character (byte-level BPE splits them), and its
+        detokenizer, primed with a prompt that ends inside one, streams the whole prompt's
+        text again (tokenizers' DecodeStream). So the last piece is cut back to its last chunk
+        end after which the text is whole: a one-token chunk with text, or one the engine's
+        /detokenize says ends on a whole character (at most 4 asked). The tokens after it are
+        thrown away (Split.dropped, counted as regenerated)."""
+        if not state.bounds:
+            return
+        keep = state.piece_start
+        asked = 0
+        for n_tok, n_text, whole in reversed(state.bounds):
+            if not whole and asked < 4:
+                asked += 1
+                text = await self._detokenize(engine, state.prompt_token_ids + state.token_ids[:n_tok])
+                whole = text is not None and not text.endswith("\ufffd")
+            if whole:
+                keep = (n_tok, n_text)
+                break
+            if asked >= 4:
+                break
+        state.bounds = []
+        dropped = len(state) - keep[0]
+        if not dropped:
+            return
+        if keep[0] == 0:
+            self._start_over(rid, state, "the tokens received end inside a character: no whole-character split")
+            return
+        last = state.splits.pop()
+        if keep[0] > last.offset:
+            state.splits.append(last._replace(tokens=keep[0] - last.offset, dropped=dropped))
+        elif state.splits:  # the whole last piece goes: the piece before it keeps the count
+            state.splits[-1] = state.splits[-1]._replace(dropped=state.splits[-1].dropped + dropped)
+        del state.token_ids[keep[0]:]
+        del state.text[keep[1]:]
+        if state.logprobs is not None:
+            del state.logprobs[keep[0]:]
+        self.stats.tokens_regenerated += dropped
+        log.info("rollout: %s: %d token(s) end inside a character; continuing after %d", rid, dropped, keep[0])
+
+    async def _detokenize(self, engine: Engine, ids: list[int]) -> str | None:
+        """The engine's text of `ids` (vLLM's POST /detokenize), or None if it does not answer."""
+        try:
+            async with self._session.post(f"{engine.url}/detokenize", json={"model": self.model or engine.model,
+                                                                             "tokens": ids},
+                                          headers=self._auth) as resp:
+                if resp.status != 200:
+                    return None
+                data = await resp.json()
+        except Exception as e:  # noqa: BLE001 - then the split falls at a chunk known to be whole
+            log.debug("rollout: /detokenize on %s: %s", engine.name, e)
+            return None
+        text = data.get("prompt") if isinstance(data, dict) else None
+        return text if isinstance(text, str) else None
 
     def _keep(self, rid: str, state: _Partial, engine: Engine, published: Any, answer: _Answer,
               outcome: str, seed: Any) -> None:
@@ -926,6 +995,8 @@ class RolloutClient:
         if not state.splits:
             state.prompt_token_ids = list(answer.prompt_token_ids)
             state.version, state.published = engine.weight_version, published
+        state.piece_start = (len(state), len(state.text))
+        state.bounds = [(len(state) + t, len(state.text) + p, whole) for t, p, whole in answer.bounds]
         state.splits.append(Split(engine.name, engine.weight_version, len(state), n, outcome, seed))
         state.token_ids.extend(answer.token_ids)
         state.text.extend(answer.text)
