@@ -10,6 +10,8 @@ pushes it, publishes it, and runs the resync agent.
   v1 by the agent, verified). Between kills the killed engine restarts and becomes the spare.
 - Baseline, in the same run: the bare cold start of the same engine command to its first
   answered completion, with no supervisor.
+- restart_load = "dummy": the no-spare case again, the restart booting on dummy weights for
+  the agent's push instead of reading the model.
 - Boots: the daemon's own "ready in" of each incarnation: the first with the engine's compile
   caches (under the state directory, per engine and model) empty, then the restarts.
 
@@ -85,6 +87,8 @@ def main() -> None:
         agent_weights = lambda: (1, [(n, p.detach()) for n, p in model.named_parameters()])  # noqa: E731
         no_spare, boots = kill_to_routable(tmp / "one", model_dir, agent_weights, args.repeats, spares=0)
         spare, _ = kill_to_routable(tmp / "two", model_dir, agent_weights, args.repeats, spares=1)
+        dummy, _ = kill_to_routable(tmp / "dummy", model_dir, agent_weights, args.repeats, spares=0,
+                                    restart_load="dummy")
     print("kill -9 -> routable count back to target at the current version, same run:")
     print("  no spare: restart + boot + gloo resync + verify; one spare: promotion + gloo push + verify;")
     print("  baseline: a bare cold start of the same engine to its first completion")
@@ -92,6 +96,11 @@ def main() -> None:
           f"{'no spare/spare':>15}")
     for i, (r, sp, c) in enumerate(zip(no_spare, spare, cold)):
         print(f"{i + 1:>4} {r:11.1f} {sp:12.2f} {c:18.1f} {r / c:14.2f} {r / sp:15.1f}")
+    print("kill -9 -> routable at v1 with no spare: the restart reads the model, or boots on dummy weights "
+          "(restart_load = \"dummy\") for the agent's push")
+    print(f"{'run':>4} {'model s':>9} {'dummy s':>9} {'dummy/model':>12}")
+    for i, (r, dm) in enumerate(zip(no_spare, dummy)):
+        print(f"{i + 1:>4} {r:9.1f} {dm:9.1f} {dm / r:12.2f}")
     print("boots under the daemon (its 'ready in', warm-up included): the first with empty compile caches, "
           "then restarts reusing them")
     print(f"{'first (cold caches) s':>22} {'restarts s':>20} {'restart/first':>14}")
@@ -104,8 +113,8 @@ def ready_in(ev: dict) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def kill_to_routable(tmp: Path, model_dir: Path, weights, repeats: int, *,
-                     spares: int) -> tuple[list[float], list[float]]:
+def kill_to_routable(tmp: Path, model_dir: Path, weights, repeats: int, *, spares: int,
+                     restart_load: str = "model") -> tuple[list[float], list[float]]:
     """Seconds from each kill -9 of the serving engine to the routable list holding `target`
     engines at version 1; and each incarnation's boot ("ready in") as the daemon saw it."""
     names = ["e0", "e1"][:1 + spares]
@@ -113,7 +122,7 @@ def kill_to_routable(tmp: Path, model_dir: Path, weights, repeats: int, *,
     cfg = write_config(
         tmp / "sup.toml",
         supervisor={"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "state_dir": str(tmp / "state"),
-                    "stop_timeout": 5.0, "spares": spares},
+                    "stop_timeout": 5.0, "spares": spares, "restart_load": restart_load},
         health_check={"first_wait": 300.0, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2},
         engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
         engines=[{"name": n, "model": str(model_dir), "served_model_name": "tiny", "port": p,

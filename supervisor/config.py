@@ -89,6 +89,10 @@ class Config:
     # cost while nothing fails) or "publish" (synced in every gap after a publish, like a
     # serving engine: one more receiver per push, a promotion without a sync).
     spares_sync: str = "promotion"
+    # How a restarted engine gets its weights: "model" (read from disk, as at its first start)
+    # or "dummy" (vLLM's dummy weights when the trainer's agent is connected to push every
+    # tensor: no checkpoint read; a normal restart when no push can come).
+    restart_load: str = "model"
     runtime_dir: str = "/run/vime-supervisor"
     log_dir: str = "/var/log/vime-supervisor"
     state_dir: str = "/var/lib/vime-supervisor"  # the journal (systemd's StateDirectory=)
@@ -129,6 +133,7 @@ _SUPERVISOR = {
     "restart_immediately": bool,
     "spares": int,
     "spares_sync": str,
+    "restart_load": str,
     "runtime_dir": str,
     "log_dir": str,
     "state_dir": str,
@@ -176,6 +181,7 @@ _ENGINE = {
 }
 _LOG_LEVELS = {"debug", "info", "warning", "error"}
 SPARES_SYNC = ("promotion", "publish")
+RESTART_LOAD = ("model", "dummy")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
@@ -380,6 +386,9 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     elif spares and engines and min_healthy > len(engines) - spares:
         problems.append(f"supervisor.min_healthy: {min_healthy} is more than the {len(engines) - spares} engines "
                         f"that serve ({len(engines)} configured, {spares} spare(s))")
+    if sup.get("restart_load", "model") not in RESTART_LOAD:
+        problems.append(f"supervisor.restart_load: must be one of {', '.join(RESTART_LOAD)}, "
+                        f"got {sup['restart_load']!r}")
     if sup.get("spares_sync", "promotion") not in SPARES_SYNC:
         problems.append(f"supervisor.spares_sync: must be one of {', '.join(SPARES_SYNC)}, "
                         f"got {sup['spares_sync']!r}")
@@ -771,6 +780,7 @@ _FLAG_KEYS = {
     "restart_immediately": ("supervisor", "restart_immediately"),
     "spares": ("supervisor", "spares"),
     "spares_sync": ("supervisor", "spares_sync"),
+    "restart_load": ("supervisor", "restart_load"),
     "runtime_dir": ("supervisor", "runtime_dir"),
     "log_dir": ("supervisor", "log_dir"),
     "state_dir": ("supervisor", "state_dir"),
@@ -824,6 +834,9 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                         "the gap after a failure (default 0)")
     g.add_argument("--spares-sync", choices=SPARES_SYNC,
                    help="when spares get new weights: at promotion (default) or after every publish")
+    g.add_argument("--restart-load", choices=RESTART_LOAD,
+                   help="a restarted engine's weights: read the model (default), or dummy weights when the "
+                        "trainer's agent is connected to push them")
     g.add_argument("--runtime-dir", help="holds the control socket (default /run/vime-supervisor)")
     g.add_argument("--log-dir", help="engine logs, one file per incarnation")
     g.add_argument("--state-dir", help="the journal that lets a restarted daemon lose nothing")

