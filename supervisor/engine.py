@@ -93,6 +93,7 @@ class EngineRunner:
         self._adopted_unwarmed = False  # it was still STARTING: its warm-up may not have run
         self._adopted_standby = False  # it was a spare: it stays one
         self._adopted_up = False  # it had been up (not STARTING): a reload's socket waits for its check
+        self._adopted_state: State | None = None  # the state the journal gave it when adopted
         self._adopted_age = 0.0  # seconds since its spawn, when it was adopted STARTING (first_wait goes on)
         self._fatal: str | None = None  # FATAL before a reload, under the same config: stays FATAL
         # restart_load = "dummy": whether a restart may boot on dummy weights now (the daemon
@@ -158,6 +159,15 @@ class EngineRunner:
     def serving(self) -> bool:
         """In a state that takes traffic (RUNNING, SUSPECT), whatever its weights."""
         return self.fsm.routable
+
+    @property
+    def journal_state(self) -> State:
+        """What the journal records: while a re-adopted engine is being checked again (STARTING
+        for a moment), the state it was adopted in, so a daemon killed in that moment hands the
+        next one the same engine (a spare stays a spare, a serving one keeps serving)."""
+        if self.readopting and self._adopted_state is not None and self.spec.spawned:
+            return self._adopted_state
+        return self.fsm.state
 
     @property
     def readopting(self) -> bool:
@@ -269,6 +279,7 @@ class EngineRunner:
         self._adopted_routable = state in (S.RUNNING.value, S.SUSPECT.value)
         self._adopted_unwarmed = state == S.STARTING.value
         self._adopted_up = state != S.STARTING.value
+        self._adopted_state = S(state)
         spawned_at = entry.get("spawned_at")
         self._adopted_age = max(0.0, time.time() - spawned_at) if self._adopted_unwarmed and spawned_at else 0.0
         self._adopted_standby = state == S.STANDBY.value and self.policy.target is not None

@@ -40,7 +40,7 @@ def snapshot(fleet: Fleet) -> dict[str, Any]:
     for r in fleet.runners.values():
         proc = r.proc
         entry: dict[str, Any] = {
-            "state": r.fsm.state.value,
+            "state": r.journal_state.value,
             "incarnation": r.fsm.incarnation,
             "restarts": r.fsm.restarts,
             # Only a version the daemon verified counts: RUNNING/SUSPECT engines' versions.

@@ -61,8 +61,10 @@ class SyncCoordinator(Listener):
         if t.to_state is S.STALE and runner is not None:
             # After the transition has settled: consider() may annotate or start a reload.
             asyncio.get_running_loop().call_soon(self.consider, runner)
-        elif t.from_state in ACTIVE and t.to_state not in ACTIVE:
-            # One fewer engine serving: in a gap, a spare may take its place now.
+        elif (t.from_state in ACTIVE and t.to_state not in ACTIVE or t.from_state is S.STARTING
+              or t.to_state is S.STANDBY):
+            # One fewer engine serving, a start that ended (a re-adopted engine checked, or
+            # not), or a spare that is back: in a gap, promote if the fleet is short.
             asyncio.get_running_loop().call_soon(self.promote_spares)
 
     def on_round_started(self, n: int) -> None:
@@ -99,8 +101,8 @@ class SyncCoordinator(Listener):
         current version first (RUNNING at once), then the others (STALE: synced, verified)."""
         fleet = self.fleet
         wanted = fleet.policy.spares_wanted()
-        if not wanted:
-            return
+        if not wanted or any(r.readopting for r in fleet.runners.values()):
+            return  # after a daemon restart, the re-adopted engines are checked first: they may serve
         version = fleet.current_version
         spares = sorted((r for r in fleet.runners.values() if r.state is S.STANDBY and not r.retired),
                         key=lambda r: (r.weight_version != version, r.name))

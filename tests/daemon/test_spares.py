@@ -151,3 +151,28 @@ def test_an_operator_can_stop_and_start_a_spare(fleet):
     c.start(spare)
     wait_states(sock, lambda st: st[spare] == "STANDBY")
     assert len(c.routable_engines()["engines"]) == 2
+
+
+def test_a_reload_and_a_daemon_restart_keep_the_spare_a_spare(fleet):
+    d, sock = fleet.daemon, fleet.sock
+    before = states(sock)
+    pids = {e["name"]: e["pid"] for e in SupervisorClient(sock).status()["engines"]}
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for(lambda e: e.get("event") == "supervisor.started" and e.get("generation") == 1, 30, after=mark)
+    assert states(sock) == before, [(e.get("engine"), e.get("to_state"), e.get("reason")) for e in d.events[mark:]
+                                    if e.get("event") == "engine.transition"]
+    spare = next(n for n, s in before.items() if s == "STANDBY")
+    assert "a spare before the daemon restarted" in next(
+        e for e in SupervisorClient(sock).status()["engines"] if e["name"] == spare)["reason"]
+    # kill -9 of the daemon: the next one re-adopts the same processes, the spare as a spare.
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    second = Daemon(d.config)
+    try:
+        second.wait_for(lambda e: e.get("event") == "supervisor.ready", 30)
+        assert states(sock) == before
+        assert {e["name"]: e["pid"] for e in SupervisorClient(sock).status()["engines"]} == pids
+        assert len(SupervisorClient(sock).routable_engines()["engines"]) == 2
+    finally:
+        second.terminate(30)
