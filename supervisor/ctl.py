@@ -48,7 +48,6 @@ from .protocol import (
     DEFAULT_SOCKET,
     ENGINE_ACTIONS,
     ENV_SOCKET,
-    RUNNING_STATES,
     Action,
     ErrorCode,
     Event,

@@ -41,7 +41,7 @@ from .process import (
     read_tail,
 )
 from .protocol import Event
-from .states import ACTIVE, PROCESS_STATES, Cause, State
+from .states import PROCESS_STATES, Cause, State
 from .tasks import TaskSet, cancel_and_wait
 from .warmup import WarmupFailed, warm_up
 
@@ -382,7 +382,11 @@ class EngineRunner:
                 # A re-adopted engine was serving in this round before the daemon died: it
                 # goes on serving if its version checks out. A new one waits for the gap.
                 hold = None if proc.adopted and self._adopted_routable else self.policy.hold_reason()
-                fsm.became_ready(version, self.policy.current_version, hold=hold, spare=self._spare())
+                # A re-adopted spare stays a spare whatever its version (promotion mode keeps
+                # spares behind: it is synced if it is ever promoted).
+                keep = proc.adopted and self._adopted_standby and self.cfg.spares_sync == "promotion"
+                fsm.became_ready(version, self.policy.current_version, hold=hold, spare=self._spare(),
+                                 behind_ok=keep)
                 await self._supervise(proc, exited)
                 return
         if self._stop_reason is not None:  # an operator stopped it while it was starting
@@ -610,11 +614,14 @@ class EngineRunner:
 
     def _spare(self) -> str | None:
         """Why this engine, ready now, would be a spare: None if the fleet needs it (or has
-        no spares configured). A STANDBY engine re-adopted after a reload stays one."""
-        if self._adopted_standby:
-            self._adopted_standby = False
-            return "a spare before the daemon restarted"
-        return self.policy.spare_reason(counted=self.fsm.state in ACTIVE)
+        no spares configured). After a reload or a daemon restart a re-adopted engine keeps
+        its role: a spare stays one, a serving one serves."""
+        if self.proc is not None and self.proc.adopted and self.fsm.state is S.STARTING:
+            if self._adopted_standby:
+                return "a spare before the daemon restarted"
+            if self._adopted_routable:
+                return None
+        return self.policy.spare_reason()
 
     def note(self, reason: str) -> None:
         """Say why it waits, without a state change."""

@@ -150,7 +150,9 @@ class Fleet(Listener):
         return [r for r in self.runners.values() if self.is_routable(r)]
 
     def _membership_changed(self) -> None:
-        self.policy.active = sum(r.state in ACTIVE and not r.retired for r in self.runners.values())
+        live = [r for r in self.runners.values() if not r.retired]
+        self.policy.active = sum(r.state in ACTIVE for r in live)
+        self.policy.serving = sum(r.serving for r in live)
         m = self.policy.set_routable(r.name for r in self.routable())
         if m.joined:
             self.bus.joined_routing(m.joined, self.clock())
@@ -239,7 +241,9 @@ class Fleet(Listener):
             return {"counted": False, "state": runner.state.value, "incarnation": runner.incarnation,
                     "message": f"report about incarnation {incarnation} ignored: {runner.name} is now at "
                                f"incarnation {runner.incarnation}"}
-        if not runner.probed:  # e.g. the daemon saw the death first: on the stream, not counted
+        if not runner.probed or runner.state is State.STANDBY:
+            # The daemon saw the death first, or a spare (never routed: nothing of the
+            # trainer's reached it): on the stream, not counted.
             self.emit(Event.FAILURE_REPORTED, engine=runner.name, detail=detail, counted=False, poisoned=poisoned)
             return {"counted": False, "state": runner.state.value,
                     "message": f"{runner.name} is {runner.state.value}; failures count only while it serves"}

@@ -187,18 +187,20 @@ class EngineFSM:
         return True
 
     def became_ready(self, weight_version: int | str | None, current_version: int | None,
-                     hold: str | None = None, spare: str | None = None) -> Transition:
+                     hold: str | None = None, spare: str | None = None, behind_ok: bool = False) -> Transition:
         """First healthy answer inside first_wait. Nothing reaches RUNNING on old weights, and
         nothing joins routing during a round (`hold` says why it waits): both are STALE.
         `spare`: the fleet is at its routing target (why): a current engine is kept warm in
-        STANDBY instead, whether a round is open or not."""
+        STANDBY instead, whether a round is open or not; with `behind_ok` one behind too (a
+        re-adopted spare, synced only if promoted)."""
         self.ready_at = self.clock()
         self.failed_starts = 0
         self.weight_version = weight_version
         took = self.ready_at - (self.ready_at if self.spawned_at is None else self.spawned_at)
         current = current_version is None or weight_version == current_version
-        if current and spare is not None:
-            return self.park(f"ready in {took:.1f}s; {_weights(current_version)}; {spare}")
+        if spare is not None and (current or behind_ok):
+            what = _weights(current_version) if current else f"weights {vlabel(weight_version)}"
+            return self.park(f"ready in {took:.1f}s; {what}; {spare}")
         if current and hold is None:
             return self._go(S.RUNNING, f"ready in {took:.1f}s; {_weights(current_version)}", Cause.READY)
         self.held = hold is not None

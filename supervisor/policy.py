@@ -39,6 +39,7 @@ class FleetPolicy:
         # once this many are active is kept in STANDBY. None: no spares, every engine serves.
         self.target = target
         self.active = 0  # engines serving or on their way to it (states.ACTIVE): the fleet keeps it
+        self.serving = 0  # engines RUNNING or SUSPECT: the fleet keeps it
         self.use_fault_tolerance = use_fault_tolerance
         self.restart_immediately = restart_immediately
         self.clock = clock
@@ -91,11 +92,20 @@ class FleetPolicy:
             return f"held out of routing until round {self.round} ends"
         return None
 
-    def spare_reason(self, counted: bool) -> str | None:
-        """Why a ready engine becomes a spare (STANDBY) instead of serving: the other active
-        engines (serving, or being synced to serve) already make the routing target.
-        `counted`: the engine asking is itself among the active ones (STALE, SYNCING)."""
-        others = self.active - (1 if counted else 0)
+    def spare_reason(self) -> str | None:
+        """Why an engine ready to serve (current weights, verified) becomes a spare (STANDBY)
+        instead: the serving engines already make the routing target. Whichever is ready
+        first serves, so the fleet fills its places as early as it can (after a publish with
+        spares kept current, the slowest sync ends as the spare)."""
+        if self.target is not None and self.serving >= self.target:
+            return f"a spare: {self.serving}/{self.target} engines serving"
+        return None
+
+    def park_reason(self) -> str | None:
+        """Why a ready engine behind the current version is parked as a spare instead of being
+        synced: the other active engines (serving, or being synced to serve) already make
+        the target. The engine asking is itself active (STALE)."""
+        others = self.active - 1
         if self.target is not None and others >= self.target:
             return f"a spare: {others}/{self.target} engines active"
         return None

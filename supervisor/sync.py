@@ -128,7 +128,7 @@ class SyncCoordinator(Listener):
         if version is None or have == version:
             runner.release("no round yet" if fleet.round is None else f"round {fleet.round} ended", version)
             return
-        spare = fleet.policy.spare_reason(counted=True)
+        spare = fleet.policy.park_reason()
         if spare is not None and fleet.cfg.spares_sync == "promotion":
             # Not needed now: kept warm as it is, synced only if it is ever promoted.
             runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced when promoted; {spare}")

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -120,7 +122,7 @@ def test_a_spare_takes_a_killed_engines_place_in_the_gap_and_the_killed_one_beco
     assert sorted(e["name"] for e in c.routable_engines()["engines"]) == sorted(set(NAMES) - {victim})
     # The killed engine restarts in the gap and is the spare now.
     back = d.transition(victim, "STANDBY", 30, after=mark)
-    assert back["cause"] == "spare" and "a spare: 2/2 engines active" in back["reason"]
+    assert back["cause"] == "spare" and "a spare: 2/2 engines serving" in back["reason"]
     assert len(c.routable_engines()["engines"]) == 2
     assert [ev["routable"] for ev in fleet.stream.events if ev["event"] == "membership"] == [
         sorted(set(NAMES) - {spare, victim}), sorted(set(NAMES) - {victim})]  # out at the kill, in at the gap
@@ -176,3 +178,94 @@ def test_a_reload_and_a_daemon_restart_keep_the_spare_a_spare(fleet):
         assert len(SupervisorClient(sock).routable_engines()["engines"]) == 2
     finally:
         second.terminate(30)
+
+
+# -- roles across reloads and restarts, weights behind, reports -------------------------------
+# The engines here are tests/daemon/standin_group.py (a protocol stand-in whose /weight_info
+# answers what its mode file says, `version=X`), so a spare can be behind the current version.
+
+STANDIN_GROUP = Path(__file__).with_name("standin_group.py")
+
+
+@pytest.fixture
+def versioned(tmp_path):
+    python = tmp_path / "standin-python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN_GROUP}" "$@"\n')
+    python.chmod(0o755)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    modes = {n: tmp_path / f"mode-{n}" for n in NAMES}
+    for m in modes.values():
+        m.write_text("ok")
+    cfg = write_config(
+        tmp_path / "sup.toml",
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
+                    "state_dir": str(tmp_path / "state"), "python": str(python), "stop_timeout": 2.0, "spares": 1},
+        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
+        engines=[{"name": n, "model": str(model), "port": free_port(), "env": {"STANDIN_MODE_FILE": str(modes[n])}}
+                 for n in NAMES],
+    )
+    daemons = [Daemon(cfg)]
+    f = type("Versioned", (), {})()
+    f.cfg, f.daemons, f.modes, f.sock = cfg, daemons, modes, str(tmp_path / "run" / "supervisor.sock")
+    try:
+        daemons[0].wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
+        yield f
+    finally:
+        pids = set()
+        for d in daemons:
+            pids |= set(d.spawned_pids())
+            d.kill()
+        for pgid in pids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_roles_hold_across_a_reload_and_a_restart_mid_round_with_the_spare_behind(versioned):
+    f = versioned
+    d = f.daemons[0]
+    c = SupervisorClient(f.sock)
+    before = states(f.sock)
+    spare = next(n for n, s in before.items() if s == "STANDBY")
+    serving = sorted(n for n, s in before.items() if s == "RUNNING")
+    for n in serving:  # the serving engines get v1; the spare stays on base weights (promotion mode)
+        f.modes[n].write_text("version=1")
+    c.publish_weights(1)
+    c.start_round(1)
+    routable = [e["name"] for e in c.routable_engines()["engines"]]
+    assert routable == serving and states(f.sock) == before
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for(lambda e: e.get("event") == "supervisor.started" and e.get("generation") == 1, 30, after=mark)
+    assert states(f.sock) == before and [e["name"] for e in c.routable_engines()["engines"]] == routable
+    c.end_round(1)
+    # kill -9 of the daemon, and one serving engine dies while no daemon runs. The next daemon
+    # re-adopts the other two in their roles; the dead one's place goes to the spare at once,
+    # not after the dead one's reboot (held here: its stand-in does not answer /health).
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    f.modes[serving[0]].write_text("silent")
+    os.kill(d.last_pid(serving[0]), signal.SIGKILL)
+    f.modes[spare].write_text("version=1")  # say the spare was kept current: it can serve at once
+    second = Daemon(f.cfg)
+    f.daemons.append(second)
+    promoted = second.transition(spare, "RUNNING", 30)
+    assert promoted["cause"] == "promoted", promoted
+    assert states(f.sock)[serving[1]] == "RUNNING" and states(f.sock)[serving[0]] == "STARTING"
+    assert sorted(e["name"] for e in c.routable_engines()["engines"]) == sorted([spare, serving[1]])
+    f.modes[serving[0]].write_text("version=1")
+    back = second.transition(serving[0], "STANDBY", 30)  # the dead one, rebooted, is the spare now
+    assert back["cause"] == "spare"
+
+
+def test_failures_reported_about_a_spare_are_not_counted(fleet):
+    c = SupervisorClient(fleet.sock)
+    spare = next(n for n, s in states(fleet.sock).items() if s == "STANDBY")
+    for _ in range(3):
+        answer = c.report_failure(spare, "a request failed")
+        assert answer["counted"] is False and answer["state"] == "STANDBY", answer
+    answer = c.report_failure(spare, "push failed midway", poisoned=True)
+    assert answer["counted"] is False and states(fleet.sock)[spare] == "STANDBY"

@@ -176,18 +176,24 @@ def test_a_floor_of_zero_is_never_breached():
 
 def test_without_spares_every_ready_engine_serves():
     policy, _ = make()
-    policy.active = 10
-    assert policy.spare_reason(counted=False) is None and policy.spares_wanted() == 0
+    policy.active = policy.serving = 10
+    assert policy.spare_reason() is None and policy.park_reason() is None and policy.spares_wanted() == 0
 
 
-def test_a_ready_engine_is_a_spare_once_the_others_make_the_target():
+def test_a_ready_engine_is_a_spare_once_the_serving_ones_make_the_target():
     policy, _ = make(target=2)
-    policy.active = 1
-    assert policy.spare_reason(counted=False) is None
-    assert policy.spare_reason(counted=True) is None  # it is the one that makes 1 of 2
-    policy.active = 2
-    assert policy.spare_reason(counted=False) == "a spare: 2/2 engines active"
-    assert policy.spare_reason(counted=True) is None  # itself and one other: it is needed
+    policy.serving, policy.active = 1, 3  # one serving, two being synced
+    assert policy.spare_reason() is None  # the first whose sync ends serves: places fill early
+    policy.serving = 2
+    assert policy.spare_reason() == "a spare: 2/2 engines serving"
+
+
+def test_a_ready_engine_behind_is_parked_when_the_other_active_ones_make_the_target():
+    policy, _ = make(target=2)
+    policy.active = 2  # itself and one other
+    assert policy.park_reason() is None  # it is needed: synced
+    policy.active = 3
+    assert policy.park_reason() == "a spare: 2/2 engines active"
 
 
 def test_spares_are_promoted_only_in_a_gap_and_only_for_missing_places():
