@@ -25,13 +25,14 @@ directory, then rename), so a crash never leaves a half-written dump under the f
                  "timings": {"sent": s, "attempt_sent": s, "first_token": s, "finished": s}
                             (epoch seconds; those the result had),
                  "weight_version": int | str | null, "group": str | null, "metadata": {...},
-                 "splits": [{"engine", "weight_version", "offset", "tokens", "outcome", "seed"}],
+                 "splits": [{"engine", "weight_version", "offset", "tokens", "outcome", "seed", "dropped"}],
                  "started_over": [{"engine", "weight_version", "tokens", "reason"}]}
 
                 splits: the sample's pieces (RolloutResult.splits): output tokens
                 [offset, offset + tokens) came from that engine at that weight version; more
                 than one when a request cut by a fault was continued from its streamed
-                tokens (the last piece's outcome is "ok"). started_over: partial outputs
+                tokens (the last piece's outcome is "ok"; "dropped": tokens received after
+                the piece's end, thrown away to split between characters). started_over: partial outputs
                 thrown away before it, and why. Both are [] when not recorded (version 1
                 files have neither: they load with []).
 
