@@ -212,3 +212,50 @@ def bare_engine(model: Path, log_path: Path, *extra: str) -> tuple[subprocess.Po
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
+
+
+def standin_python(folder: Path, script: Path) -> Path:
+    """An executable to give the daemon as its `python`: it runs `script` (a protocol
+    stand-in such as tests/daemon/standin_group.py) with the engine's command line."""
+    python = folder / "standin-python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def kill_all(daemons: list["Daemon"], pgids: set[int] = frozenset()) -> None:
+    """Tests' teardown: SIGKILL each daemon and every engine group it spawned (and `pgids`):
+    nothing is left behind, whatever state the test ended in."""
+    groups = set(pgids)
+    for d in daemons:
+        groups |= set(d.spawned_pids())
+        d.kill()
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+class EventStream:
+    """Every event of a daemon's socket stream, read by a background thread, in order."""
+
+    def __init__(self, socket_path: str):
+        from vime.supervisor.client import SupervisorClient
+
+        self.events: list[dict] = []
+        self.client = SupervisorClient(socket_path)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        from vime.supervisor.client import DaemonUnreachable
+
+        try:
+            for ev in self.client.events():
+                self.events.append(ev)
+        except DaemonUnreachable:
+            pass  # the daemon was stopped at teardown
+
+    def of(self, event: str, /, **match: Any) -> list[dict]:
+        return [e for e in list(self.events) if e.get("event") == event
+                and all(e.get(k) == v for k, v in match.items())]

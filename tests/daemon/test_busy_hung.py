@@ -23,7 +23,7 @@ import pytest
 from vime.supervisor.activity import sample_group
 from vime.supervisor.probes import PROGRESS_WINDOW
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, free_port, write_config
+from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
 
 from test_client_ctl import engines_by_name, listening, wait_state
 
@@ -40,9 +40,7 @@ FIRST_MODE = {"slowstart": "silent", "deaf": "deaf", "rejects": "reject", "versi
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("busy-hung")
-    python = root / "standin-python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN}" "$@"\n')
-    python.chmod(0o755)
+    python = standin_python(root, STANDIN)
     model = root / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")

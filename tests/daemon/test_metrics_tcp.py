@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vime.harness.local_daemon import Daemon, free_port, write_config
+from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
 from vime.supervisor import config
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.config import ConfigError
@@ -37,13 +37,6 @@ PROBE = {"first_wait": 15.0, "interval": 0.5, "timeout": 0.4, "failure_threshold
 JOB = "vime-supervisor"
 
 
-def standin_python(root: Path) -> Path:
-    python = root / "standin-python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN}" "$@"\n')
-    python.chmod(0o755)
-    return python
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("metrics-tcp")
@@ -55,7 +48,7 @@ def fleet(tmp_path_factory):
     cfg = write_config(
         root / "supervisor.toml",
         supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 2.0,
-                    "python": str(standin_python(root))},
+                    "python": str(standin_python(root, STANDIN))},
         health_check=PROBE,
         warmup={"requests": 0},
         engines=[{"name": "e0", "model": str(model), "port": free_port(),

@@ -8,7 +8,7 @@ import resource
 import subprocess
 import sys
 
-from vime.harness.local_daemon import Daemon, free_port, write_config
+from vime.harness.local_daemon import Daemon, write_config
 from vime.supervisor import limits
 
 

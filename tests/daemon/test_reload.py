@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import Daemon, free_port, kill_all, live_pids_in_groups, write_config
 
 from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
 
@@ -60,13 +60,7 @@ def make_world(tmp_path, env: dict[str, str] | None = None):
         d.transition("e1", "RUNNING", 30)
         yield w
     finally:
-        groups = set(d.spawned_pids()) | {e["pid"] for e in d.events if e.get("event") == "engine.adopted"}
-        d.kill()
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_all([d], {e["pid"] for e in d.events if e.get("event") == "engine.adopted"})
 
 
 def started(d: Daemon, generation: int, after: int = 0, timeout: float = 30) -> dict:

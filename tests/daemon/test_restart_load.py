@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from vime.harness.local_daemon import Daemon, free_port, write_config
+from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_python, write_config
 from vime.supervisor.client import DaemonUnreachable, SupervisorClient
 
 STANDIN = Path(__file__).with_name("standin_group.py")
@@ -27,9 +26,7 @@ STANDIN = Path(__file__).with_name("standin_group.py")
 
 @pytest.fixture
 def world(tmp_path):
-    python = tmp_path / "standin-python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN}" "$@"\n')
-    python.chmod(0o755)
+    python = standin_python(tmp_path, STANDIN)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -51,13 +48,7 @@ def world(tmp_path):
         SupervisorClient(w.sock).publish_weights(1)
         yield w
     finally:
-        pids = set(d.spawned_pids())
-        d.kill()
-        for pgid in pids:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_all([d])
 
 
 def cmdline(pid: int) -> list[str]:

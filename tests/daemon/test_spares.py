@@ -11,35 +11,17 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from vime.supervisor.client import DaemonUnreachable, SupervisorClient
-from vime.harness.local_daemon import Daemon, free_port, write_config
+from vime.supervisor.client import SupervisorClient
+from vime.harness.local_daemon import Daemon, EventStream, free_port, kill_all, standin_python, write_config
 
 from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
 
 NAMES = ("e0", "e1", "e2")
-
-
-class Stream:
-    """Every event of the daemon's stream, read in the background."""
-
-    def __init__(self, sock: str):
-        self.events: list[dict] = []
-        self.client = SupervisorClient(sock)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for ev in self.client.events():
-                self.events.append(ev)
-        except DaemonUnreachable:
-            pass
 
 
 @pytest.fixture
@@ -61,17 +43,11 @@ def fleet(tmp_path):
     f.daemon, f.sock = d, str(tmp_path / "run" / "supervisor.sock")
     try:
         d.wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
-        f.stream = Stream(f.sock)
+        f.stream = EventStream(f.sock)
         f.initial = states(f.sock)  # settled: every first start has concluded
         yield f
     finally:
-        groups = set(d.spawned_pids())
-        d.kill()
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_all([d])
 
 
 def states(sock: str) -> dict[str, str]:
@@ -145,7 +121,7 @@ def test_a_spare_that_dies_is_restarted_as_a_spare_and_never_routed(fleet):
 
 
 def test_an_operator_can_stop_and_start_a_spare(fleet):
-    d, sock = fleet.daemon, fleet.sock
+    sock = fleet.sock
     spare = next(n for n, s in states(sock).items() if s == "STANDBY")
     c = SupervisorClient(sock)
     c.stop(spare)
@@ -189,9 +165,7 @@ STANDIN_GROUP = Path(__file__).with_name("standin_group.py")
 
 @pytest.fixture
 def versioned(tmp_path):
-    python = tmp_path / "standin-python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN_GROUP}" "$@"\n')
-    python.chmod(0o755)
+    python = standin_python(tmp_path, STANDIN_GROUP)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -213,15 +187,7 @@ def versioned(tmp_path):
         daemons[0].wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
         yield f
     finally:
-        pids = set()
-        for d in daemons:
-            pids |= set(d.spawned_pids())
-            d.kill()
-        for pgid in pids:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_all(daemons)
 
 
 def test_roles_hold_across_a_reload_and_a_restart_mid_round_with_the_spare_behind(versioned):

@@ -21,7 +21,8 @@ import torch
 
 from vime.trainer.resync_agent import ResyncAgent
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import (
+    ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, EventStream, free_port, live_pids_in_groups, write_config)
 from vime.weight_sync.checkpoint import save_checkpoint
 from vime.weight_sync.sender import WeightSender
 
@@ -83,24 +84,6 @@ def assert_same_outputs(a, b):
         assert la == pytest.approx(lb, abs=1e-4)
 
 
-class EventLog:
-    """Every event of the daemon's stream, in order, from a background reader."""
-
-    def __init__(self, socket):
-        self.events: list[dict] = []
-        self.client = SupervisorClient(socket)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        from vime.supervisor.client import DaemonUnreachable
-
-        try:
-            for ev in self.client.events():
-                self.events.append(ev)
-        except DaemonUnreachable:
-            pass  # the daemon was stopped at teardown
-
-
 @pytest.fixture(scope="module")
 def world(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("resync")
@@ -125,7 +108,7 @@ def world(tiny_model, tmp_path_factory):
     w.client = SupervisorClient(sock)
     w.trainer = Trainer(tiny_model)
     w.tiny_model = tiny_model
-    w.log = EventLog(sock)
+    w.log = EventStream(sock)
     yield w
     pids = set(daemon.spawned_pids())
     daemon.terminate(60)

@@ -16,11 +16,12 @@ import time
 
 import pytest
 
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import (
+    ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, EventStream, free_port, live_pids_in_groups, write_config)
 from vime.supervisor.client import SupervisorClient
 from vime.weight_sync.checkpoint import save_checkpoint
 
-from test_resync_real import EventLog, Trainer, assert_same_outputs, greedy  # noqa: E402  (the same trainer)
+from test_resync_real import Trainer, assert_same_outputs, greedy  # noqa: E402  (the same trainer)
 
 pytestmark = pytest.mark.engine
 BOOT = 240
@@ -57,7 +58,7 @@ def test_a_spare_is_promoted_in_the_gap_at_the_current_weights(tiny_model, tmp_p
     client = SupervisorClient(sock)
     try:
         d.wait_for(lambda e: e.get("event") == "supervisor.ready", BOOT * 2)
-        log = EventLog(sock)
+        log = EventStream(sock)
         st = {e["name"]: e["state"] for e in client.status()["engines"]}
         assert sorted(st.values()) == ["RUNNING", "STANDBY"], st
         serving = next(n for n, s in st.items() if s == "RUNNING")
