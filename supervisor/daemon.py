@@ -109,6 +109,8 @@ class Supervisor:
             why = await reexec.preflight(argv)
         if why is None:
             why = await asyncio.to_thread(self._moved_dirs)
+        if why is None:  # a sync that began while the check ran ends first too
+            why = await self._wait_for_syncs()
         if why is not None:
             log.error("supervisor.reload_refused", why=why,
                       action="the running daemon goes on unchanged; fix the cause and reload again")

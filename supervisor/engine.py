@@ -618,7 +618,7 @@ class EngineRunner:
         its role: a spare stays one, a serving one serves."""
         if self.proc is not None and self.proc.adopted and self.fsm.state is S.STARTING:
             if self._adopted_standby:
-                return "a spare before the daemon restarted"
+                return f"a spare before {self._adopted_after}"
             if self._adopted_routable:
                 return None
         return self.policy.spare_reason()

@@ -141,7 +141,7 @@ def test_a_reload_and_a_daemon_restart_keep_the_spare_a_spare(fleet):
     assert states(sock) == before, [(e.get("engine"), e.get("to_state"), e.get("reason")) for e in d.events[mark:]
                                     if e.get("event") == "engine.transition"]
     spare = next(n for n, s in before.items() if s == "STANDBY")
-    assert "a spare before the daemon restarted" in next(
+    assert "a spare before a reload" in next(
         e for e in SupervisorClient(sock).status()["engines"] if e["name"] == spare)["reason"]
     # kill -9 of the daemon: the next one re-adopts the same processes, the spare as a spare.
     d.proc.send_signal(signal.SIGKILL)
