@@ -117,6 +117,7 @@ def kill_to_routable(tmp: Path, model_dir: Path, weights, repeats: int, *, spare
                      restart_load: str = "model") -> tuple[list[float], list[float]]:
     """Seconds from each kill -9 of the serving engine to the routable list holding `target`
     engines at version 1; and each incarnation's boot ("ready in") as the daemon saw it."""
+    tmp.mkdir(parents=True, exist_ok=True)
     names = ["e0", "e1"][:1 + spares]
     ports = {n: free_port() for n in names}
     cfg = write_config(
