@@ -27,7 +27,10 @@ BOOT = 300
 STEPS = 5
 
 
-def real_node(root, address: str, model) -> Node:
+def real_node(root, address: str, model, core: int) -> Node:
+    """A node whose one engine is pinned to `core`: with vLLM's "auto" binding both nodes'
+    engines took core 0, and node A's restart, booting beside B's engine busy with rollouts,
+    was starved past first_wait (seen in CI: 3.5 min between its EngineCore and its Worker)."""
     import tempfile
 
     root.mkdir(parents=True, exist_ok=True)
@@ -39,7 +42,7 @@ def real_node(root, address: str, model) -> Node:
         health_check={"first_wait": BOOT, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2},
         engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV, "host": address},
         engines=[{"name": "engine-0", "model": str(model), "served_model_name": "tiny",
-                  "port": free_port_on(address)}],
+                  "port": free_port_on(address), "env": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}],
     )
     return Node(address, root, cfg, run_dir)
 
@@ -96,7 +99,7 @@ class NodeLossLoop(RLLoop):
 @pytest.fixture(scope="module")
 def world(tiny_model, ray_head, tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster-real")
-    nodes = {addr: real_node(root / f"node-{addr}", addr, tiny_model) for addr in (A, B)}
+    nodes = {addr: real_node(root / f"node-{addr}", addr, tiny_model, core) for core, addr in enumerate((A, B))}
     try:
         for n in nodes.values():
             n.start_daemon()
