@@ -26,7 +26,9 @@ class Notifier:
         elif addr.startswith("/"):
             self._addr = addr
         if self._addr:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Non-blocking: a notify socket nobody drains (its queue full) must cost a dropped
+            # message, never the event loop (a blocking sendto wedged a daemon's shutdown).
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         # The watchdog is ours only if WATCHDOG_PID is unset or names this process.
         usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
         mine = not pid or pid == str(os.getpid())
@@ -43,7 +45,7 @@ class Notifier:
         try:
             self._sock.sendto("\n".join(assignments).encode(), self._addr)
             return True
-        except OSError:  # systemd went away or the socket is full: never fatal for us
+        except OSError:  # systemd went away or its queue is full (EAGAIN): never fatal, never waited on
             return False
 
     def ready(self, status: str) -> None:

@@ -114,7 +114,8 @@ def test_a_kill_is_counted_as_a_detection_and_a_restart_by_cause(fleet):
     pid = wait_state(fleet.client, "e0", {"RUNNING"})["pid"]
     fleet.client.signal("e0", "KILL")
     deadline = time.monotonic() + 30
-    while wait_state(fleet.client, "e0", {"RUNNING"}, timeout=30)["pid"] == pid:
+    # A new pid, not None: a dead process still shows RUNNING (pid None) until the daemon sees it.
+    while wait_state(fleet.client, "e0", {"RUNNING"}, timeout=30)["pid"] in (pid, None):
         assert time.monotonic() < deadline, "e0 was not restarted"
         time.sleep(0.1)
     _, text = scrape(fleet.address)

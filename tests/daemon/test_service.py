@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,25 @@ def test_notifier_writes_to_a_real_datagram_socket(tmp_path, abstract):
     assert msgs == ["READY=1\nSTATUS=1/1 engines RUNNING, no round yet, weights base",
                     "STATUS=0/1 engines RUNNING, round 3, weights v2", "WATCHDOG=1",
                     "STOPPING=1\nSTATUS=stopping engines"]
+
+
+def test_a_notify_socket_nobody_drains_drops_messages_and_never_blocks(tmp_path):
+    """A full queue (systemd slow, or a test's socket nobody reads) must not block the daemon's
+    event loop: the send fails at once and the message is dropped."""
+    addr = str(tmp_path / "notify.sock")
+    with dgram(addr):  # bound, never read
+        n = Notifier(env={"NOTIFY_SOCKET": addr})
+        done = threading.Event()
+        sent: list[bool] = []
+
+        def flood() -> None:
+            sent.extend(n.notify(f"STATUS=message {i}") for i in range(5000))
+            done.set()
+
+        threading.Thread(target=flood, daemon=True).start()
+        assert done.wait(10), "a send blocked on the full queue"
+        n.close()
+    assert sent[0] is True and sent[-1] is False  # accepted until the queue was full, then dropped
 
 
 def test_watchdog_belongs_to_the_pid_it_names():
