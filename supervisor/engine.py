@@ -38,6 +38,7 @@ from .process import (
     engine_fingerprint,
     kill_group_of,
     port_is_free,
+    process_start_time,
     read_tail,
 )
 from .protocol import Event
@@ -498,7 +499,12 @@ class EngineRunner:
         while True:
             started = self._note_start(due)
             if self.fsm.probed:
-                if self.fsm.probe_result(await self._probe_once(started)):
+                outcome = await self._probe_once(started)
+                if not outcome.ok and self.server_gone():
+                    # Refused because the server died: its exit is seen (and named) by the wait
+                    # on the process in a moment; this is not a hang.
+                    await asyncio.Future()
+                if self.fsm.probe_result(outcome):
                     return
             gap = probe.timeout if self.fsm.consecutive_failures else probe.interval
             due = started + gap
@@ -580,6 +586,12 @@ class EngineRunner:
         never routed, and stopped (a spawned engine is then restarted)."""
         self.fsm.mark_unusable(reason, cause)
         self._stop_incarnation()
+
+    def server_gone(self) -> bool:
+        """The engine's server process has exited (a zombie or gone), whether or not the
+        event loop has handled its SIGCHLD yet: a failure seen now is its death, not a hang."""
+        proc = self.proc
+        return proc is not None and (proc.returncode is not None or process_start_time(proc.pid) is None)
 
     def report_failure(self, detail: str, *, poisoned: bool = False) -> None:
         """A failure the trainer saw while the engine served. It counts like a failed probe

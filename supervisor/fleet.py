@@ -241,8 +241,9 @@ class Fleet(Listener):
             return {"counted": False, "state": runner.state.value, "incarnation": runner.incarnation,
                     "message": f"report about incarnation {incarnation} ignored: {runner.name} is now at "
                                f"incarnation {runner.incarnation}"}
-        if not runner.probed or runner.state is State.STANDBY:
-            # The daemon saw the death first, or a spare (never routed: nothing of the
+        if not runner.probed or runner.state is State.STANDBY or (not poisoned and runner.server_gone()):
+            # The daemon saw the death first, or is about to (the server has exited: its exit
+            # names it, not a count of failures), or a spare (never routed: nothing of the
             # trainer's reached it): on the stream, not counted.
             self.emit(Event.FAILURE_REPORTED, engine=runner.name, detail=detail, counted=False, poisoned=poisoned)
             return {"counted": False, "state": runner.state.value,
