@@ -24,7 +24,7 @@ import pytest
 
 from vime.supervisor.process import boot_id, proc_stat
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import Daemon, free_port, kill_all, live_pids_in_groups, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,14 +102,7 @@ def cleanup():
     daemons: list[Daemon] = []
     groups: set[int] = set()
     yield daemons, groups
-    for d in daemons:
-        groups |= set(d.spawned_pids())
-        d.kill()
-    for pgid in groups:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except OSError:
-            pass
+    kill_all(daemons, groups)
 
 
 @contextlib.contextmanager

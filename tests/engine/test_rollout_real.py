@@ -21,14 +21,14 @@ import collections
 import copy
 import os
 import signal
-import threading
 import time
 import urllib.request
 
 import pytest
 
-from vime.supervisor.client import AsyncSupervisorClient, DaemonUnreachable, SupervisorClient
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
+from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient
+from vime.harness.local_daemon import (
+    Daemon, ENGINE_ARGS, ENGINE_ENV, EventStream, free_port, live_pids_in_groups, write_config)
 from vime.trainer.rollout import (ABORT, DIED, MALFORMED, OK, REFUSED, NoEngineAvailable, RolloutClient,
                                   RolloutRequestError)
 
@@ -44,26 +44,6 @@ FAULT_BATCH = 96
 FAULT_CONCURRENCY = 32
 FAULT_CLIENT = {"connect_timeout": 30.0}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-
-
-class EventLog:
-    """Every event of the daemon's socket stream, from a background reader."""
-
-    def __init__(self, socket: str):
-        self.events: list[dict] = []
-        self.client = SupervisorClient(socket)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for ev in self.client.events():
-                self.events.append(ev)
-        except DaemonUnreachable:
-            pass  # the daemon was stopped at teardown
-
-    def of(self, event: str, /, **match) -> list[dict]:
-        return [e for e in list(self.events) if e.get("event") == event
-                and all(e.get(k) == v for k, v in match.items())]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +69,7 @@ def fleet(tiny_model, tmp_path_factory):
         for name in ports:
             daemon.transition(name, "RUNNING", BOOT)
         f.boot_s = time.monotonic() - t0
-        f.log = EventLog(f.socket)
+        f.log = EventStream(f.socket)
         from transformers import AutoTokenizer
 
         f.tok = AutoTokenizer.from_pretrained(tiny_model)
