@@ -93,6 +93,7 @@ class EngineRunner:
         self._adopted_routable = False  # it was serving when the previous daemon died
         self._adopted_unwarmed = False  # it was still STARTING: its warm-up may not have run
         self._adopted_standby = False  # it was a spare: it stays one
+        self._lost_as_spare = False  # it left STANDBY dead, hung or stopping: restarts at once
         self._adopted_up = False  # it had been up (not STARTING): a reload's socket waits for its check
         self._adopted_state: State | None = None  # the state the journal gave it when adopted
         self._adopted_age = 0.0  # seconds since its spawn, when it was adopted STARTING (first_wait goes on)
@@ -207,6 +208,8 @@ class EngineRunner:
             self.bus.emit(Event.SUPERVISION_FAILED, engine=self.name, error=repr(task.exception()))
 
     def _transition(self, t: Transition) -> None:
+        if t.from_state is S.STANDBY or t.to_state in (S.STARTING, S.STALE, S.SYNCING, S.RUNNING):
+            self._lost_as_spare = t.from_state is S.STANDBY and t.to_state in (S.UNHEALTHY, S.STOPPING, S.EXITED)
         self._poke()
         self.bus.transition(t)
 
@@ -324,7 +327,7 @@ class EngineRunner:
                 if fsm.state is S.BACKOFF and self.clock() >= (fsm.backoff_until or 0):
                     fsm.begin_start(f"retry after start failure {fsm.failed_starts}", cause=Cause.RETRY)
             elif fsm.state is S.EXITED and not self.retired:
-                allowed, why_not = self.policy.may_restart()
+                allowed, why_not = self.policy.may_restart(spare=self._lost_as_spare)
                 if allowed:
                     fsm.begin_start(f"restart #{fsm.restarts + 1}: {fsm.reason}")
                 else:

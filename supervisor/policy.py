@@ -116,11 +116,14 @@ class FleetPolicy:
             return 0
         return max(0, self.target - self.active)
 
-    def may_restart(self) -> tuple[bool, str | None]:
-        """A dead engine restarts in a round gap; during round N it waits for its end."""
+    def may_restart(self, *, spare: bool = False) -> tuple[bool, str | None]:
+        """A dead engine restarts in a round gap; during round N it waits for its end. A spare
+        lost in STANDBY restarts at once: it served nothing, so its restart leaves the round's
+        membership alone, and waiting would leave the fleet without a spare for a whole round
+        (were it needed before the gap, it joins in the gap like any restart: `hold_reason`)."""
         if not self.use_fault_tolerance:
             return False, "fault tolerance off: not restarted"
-        if self.round_open and not self.restart_immediately:
+        if self.round_open and not self.restart_immediately and not spare:
             return False, f"restart after round {self.round}"
         return True, None
 

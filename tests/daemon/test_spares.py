@@ -105,18 +105,23 @@ def test_a_spare_takes_a_killed_engines_place_in_the_gap_and_the_killed_one_beco
     never_routed_unless_serving(fleet)
 
 
-def test_a_spare_that_dies_is_restarted_as_a_spare_and_never_routed(fleet):
+def test_a_spare_that_dies_mid_round_is_restarted_at_once_as_a_spare_and_never_routed(fleet):
     d, sock = fleet.daemon, fleet.sock
+    c = SupervisorClient(sock)
     spare = next(n for n, s in states(sock).items() if s == "STANDBY")
-    routable = SupervisorClient(sock).routable_engines()
+    routable = c.routable_engines()
+    c.start_round(1)  # a spare serves nothing: its restart does not wait for the gap
     mark = d.mark()
     os.kill(d.last_pid(spare), signal.SIGKILL)
     d.transition(spare, "EXITED", 10, after=mark)
-    d.transition(spare, "STARTING", 30, after=mark)
+    restart = d.transition(spare, "STARTING", 30, after=mark)
+    assert restart["cause"] == "restart"
     back = d.transition(spare, "STANDBY", 30, after=mark)
     assert back["cause"] == "spare"
-    after = SupervisorClient(sock).routable_engines()
+    assert c.status()["round_open"] is True
+    after = c.routable_engines()
     assert after["engines"] == routable["engines"] and after["epoch"] == routable["epoch"]  # nothing moved
+    c.end_round(1)
     never_routed_unless_serving(fleet)
 
 

@@ -5,7 +5,9 @@ AdamW step on the tiny model) publishes v1 with a checkpoint and no agent, so th
 engine is reloaded from it. Then, inside a round, the serving engine is killed with -9: in the
 gap the spare is promoted, reloaded from the checkpoint, verified, and serves the same greedy
 tokens and logprobs as the killed engine did at v1; the killed engine restarts and becomes the
-spare. Nothing is routed that is not RUNNING at v1 (watched on the event stream).
+spare. That spare is then killed inside the next round: it restarts at once, comes back a
+spare, and is never routed. Nothing is routed that is not RUNNING at v1 (watched on the event
+stream).
 """
 
 from __future__ import annotations
@@ -95,6 +97,18 @@ def test_a_spare_is_promoted_in_the_gap_at_the_current_weights(tiny_model, tmp_p
         back = d.transition(serving, "STANDBY", BOOT, after=mark)
         assert back["cause"] == "spare" and "synced when promoted" in back["reason"]
         assert [e["name"] for e in client.routable_engines()["engines"]] == [spare]
+        # The spare dies in STANDBY inside round 2: it served nothing, so it restarts at once
+        # (not after the round), as a spare; the routable list does not move.
+        epoch = client.routable_engines()["epoch"]
+        client.start_round(2)
+        mark = d.mark()
+        os.kill(d.last_pid(serving), signal.SIGKILL)
+        d.transition(serving, "EXITED", 10, after=mark)
+        assert d.transition(serving, "STARTING", 10, after=mark)["cause"] == "restart"
+        assert d.transition(serving, "STANDBY", BOOT, after=mark)["cause"] == "spare"
+        routable = client.routable_engines()
+        assert [e["name"] for e in routable["engines"]] == [spare] and routable["epoch"] == epoch
+        client.end_round(2)
         assert routed_while_not_serving(list(log.events)) == []
         print(f"\nspare {spare} routable {promoted_in:.2f}s after the round ended (checkpoint reload, "
               f"verified); {serving} back as the spare")

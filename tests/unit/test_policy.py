@@ -82,6 +82,15 @@ def test_a_dead_engine_waits_for_the_gap_and_a_ready_one_is_held():
     assert policy.hold_reason() is None
 
 
+def test_a_spare_lost_during_a_round_restarts_at_once():
+    policy, _ = make()
+    policy.start_round(3)
+    assert policy.may_restart(spare=True) == (True, None)
+    assert policy.may_restart() == (False, "restart after round 3")
+    off, _ = make(use_fault_tolerance=False)
+    assert off.may_restart(spare=True) == (False, "fault tolerance off: not restarted")
+
+
 def test_restart_immediately_restarts_during_a_round_but_still_holds():
     policy, _ = make(restart_immediately=True)
     policy.start_round(1)
