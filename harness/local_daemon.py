@@ -223,6 +223,26 @@ def standin_python(folder: Path, script: Path) -> Path:
     return python
 
 
+def standin_model(path: Path) -> Path:
+    """A model folder for stand-in engines: the daemon's config check wants a config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "standin"}')
+    return path
+
+
+def standin_config(tmp: Path, python: Path, engines: list[dict], *, supervisor: dict | None = None,
+                   health_check: dict | None = None, **sections: dict) -> Path:
+    """`tmp`/sup.toml for a daemon over protocol stand-in engines (`python` runs the stand-in):
+    its folders under `tmp`, a short stop timeout and fast probes, each overridable."""
+    return write_config(
+        tmp / "sup.toml",
+        supervisor={"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "python": str(python),
+                    "stop_timeout": 2.0, **(supervisor or {})},
+        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2,
+                      **(health_check or {})},
+        engines=engines, **sections)
+
+
 def kill_all(daemons: list["Daemon"], pgids: set[int] = frozenset()) -> None:
     """Tests' teardown: SIGKILL each daemon and every engine group it spawned (and `pgids`):
     nothing is left behind, whatever state the test ended in."""

@@ -14,7 +14,7 @@ import signal
 import threading
 from pathlib import Path
 
-from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_python, write_config
+from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.process import proc_stat
 
@@ -23,19 +23,12 @@ STANDIN = Path(__file__).with_name("standin_group.py")
 
 def test_a_kill_flooded_with_failure_reports_is_an_exit_not_a_hang(tmp_path):
     (tmp_path / "mode").write_text("ok")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    cfg = write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
-                    "state_dir": str(tmp_path / "state"), "python": str(standin_python(tmp_path, STANDIN)),
-                    "stop_timeout": 2.0},
+    model = standin_model(tmp_path / "model")
+    cfg = standin_config(
+        tmp_path, standin_python(tmp_path, STANDIN),
+        [{"name": "e0", "model": str(model), "port": free_port(), "env": {"STANDIN_MODE_FILE": str(tmp_path / "mode")}}],
         # One failure condemns: any report counted after the kill would make it a hang.
-        health_check={"first_wait": 20.0, "interval": 0.3, "timeout": 0.4, "failure_threshold": 1},
-        engines=[{"name": "e0", "model": str(model), "port": free_port(),
-                  "env": {"STANDIN_MODE_FILE": str(tmp_path / "mode")}}],
-    )
+        health_check={"interval": 0.3, "failure_threshold": 1})
     d = Daemon(cfg)
     try:
         d.transition("e0", "RUNNING", 30)

@@ -13,7 +13,6 @@ import http.client
 import json
 import os
 import socket
-import stat
 import struct
 import subprocess
 import sys

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, free_port, kill_all, live_pids_in_groups, write_config
+from vime.harness.local_daemon import Daemon, free_port, kill_all, live_pids_in_groups, standin_config
 
 from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
 
@@ -43,12 +43,8 @@ def make_world(tmp_path, env: dict[str, str] | None = None):
     fake.write_text(FAILING_PYTHON)
     fake.chmod(0o755)
     model = model_dir(tmp_path / "model")
-    cfg = write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
-                    "state_dir": str(tmp_path / "state"), "python": str(fake), "stop_timeout": 2.0},
-        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
-        restart={"backoff_initial": 0.2},
+    cfg = standin_config(
+        tmp_path, fake, restart={"backoff_initial": 0.2},
         engine_defaults={"env": {"STANDIN_FAIL_FILE": str(tmp_path / "fail")}},
         engines=[spawned("e0", model, free_port()), spawned("e1", model, free_port())],
     )

@@ -24,7 +24,8 @@ import pytest
 
 from vime.supervisor.process import boot_id, proc_stat
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, free_port, kill_all, live_pids_in_groups, write_config
+from vime.harness.local_daemon import (
+    Daemon, free_port, kill_all, live_pids_in_groups, standin_config, standin_model)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,10 +44,7 @@ asyncio.run(main())
 """
 
 
-def model_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text('{"model_type": "standin"}')
-    return path
+model_dir = standin_model
 
 
 @pytest.fixture
@@ -58,13 +56,7 @@ def fake_python(tmp_path) -> Path:
 
 
 def config(tmp_path: Path, fake_python: Path, engines: list[dict], **supervisor) -> Path:
-    return write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
-                    "python": str(fake_python), "stop_timeout": 2.0, **supervisor},
-        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
-        engines=engines,
-    )
+    return standin_config(tmp_path, fake_python, engines, supervisor=supervisor)
 
 
 def spawned(name: str, model: Path, port: int) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_python, write_config
+from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python
 from vime.supervisor.client import DaemonUnreachable, SupervisorClient
 
 STANDIN = Path(__file__).with_name("standin_group.py")
@@ -27,19 +27,12 @@ STANDIN = Path(__file__).with_name("standin_group.py")
 @pytest.fixture
 def world(tmp_path):
     python = standin_python(tmp_path, STANDIN)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = standin_model(tmp_path / "model")
     mode = tmp_path / "mode"
     mode.write_text("version=1")
-    cfg = write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
-                    "state_dir": str(tmp_path / "state"), "python": str(python), "stop_timeout": 2.0,
-                    "restart_load": "dummy"},
-        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
-        engines=[{"name": "e0", "model": str(model), "port": free_port(), "env": {"STANDIN_MODE_FILE": str(mode)}}],
-    )
+    cfg = standin_config(
+        tmp_path, python, [{"name": "e0", "model": str(model), "port": free_port(), "env": {"STANDIN_MODE_FILE": str(mode)}}],
+        supervisor={"restart_load": "dummy"})
     d = Daemon(cfg)
     w = type("World", (), {})()
     w.daemon, w.mode, w.sock = d, mode, str(tmp_path / "run" / "supervisor.sock")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, EventStream, free_port, kill_all, standin_python, write_config
+from vime.harness.local_daemon import Daemon, EventStream, free_port, kill_all, standin_config, standin_python, write_config
 
 from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
 
@@ -30,14 +30,8 @@ def fleet(tmp_path):
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     model = model_dir(tmp_path / "model")
-    cfg = write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
-                    "state_dir": str(tmp_path / "state"), "python": str(fake), "stop_timeout": 2.0,
-                    "spares": 1, "min_healthy": 1},
-        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
-        engines=[spawned(n, model, free_port()) for n in NAMES],
-    )
+    cfg = standin_config(tmp_path, fake, [spawned(n, model, free_port()) for n in NAMES],
+                         supervisor={"spares": 1, "min_healthy": 1})
     d = Daemon(cfg)
     f = type("Fleet", (), {})()
     f.daemon, f.sock = d, str(tmp_path / "run" / "supervisor.sock")
