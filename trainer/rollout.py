@@ -50,7 +50,14 @@ at the weight version the received tokens were made on, and only while the daemo
 version is the one they were made under; else (no such engine routable, the version changed,
 a parameter that cannot be continued faithfully: stop strings, output penalties, structured
 output; no token ids) the request starts over from its prompt, and `RolloutResult.started_over`
-says why and how many tokens were thrown away. `RolloutStats` counts tokens received before a
+says why and how many tokens were thrown away. Every token received is kept, even when the
+split falls inside a multi-byte character (vLLM holds back the text of a token that ends
+inside one, and its detokenizer, primed with a prompt that ends inside one, streams the whole
+prompt's text again): the text across such a split is built from the token ids with the
+engine's POST /detokenize (vLLM's streamed text is that decode with special tokens skipped and
+an unfinished character at the end left out; `_window_text`). Only an engine whose /detokenize
+does not answer has the prefix cut back to its last whole character (`Split.dropped`,
+regenerated). `RolloutStats` counts tokens received before a
 fault, reused, and regenerated (thrown away, so generated again). `continue_partial=False`
 starts every failed request over (the tokens count as regenerated). `progress()` is a
 read-only view of what each request in flight has received.
@@ -107,6 +114,7 @@ BUSY = "busy"            # HTTP 429: retried elsewhere, not reported
 BAD_REQUEST = "bad_request"    # HTTP 4xx: not retried
 MALFORMED = "malformed"  # a stream line that is not JSON, a chunk of the wrong shape, broken HTTP
 TOO_LARGE = "too_large"  # a streamed line over max_line_bytes: not retried, not reported
+NO_TEXT = "no_text"      # answered, but the text across a split could not be built (/detokenize): started over
 
 REPORTED = frozenset({REFUSED, DIED, TIMEOUT, SERVER_ERROR, MALFORMED})
 
@@ -136,7 +144,7 @@ class Split(NamedTuple):
     tokens: int
     outcome: str
     seed: int | None = None
-    dropped: int = 0  # tokens received after `tokens`, thrown away: the split must fall between characters
+    dropped: int = 0  # tokens received after `tokens`, thrown away (a split inside a character, no /detokenize)
 
 
 class StartOver(NamedTuple):
@@ -453,23 +461,32 @@ def continuation_sampling(sampling: Mapping[str, Any], received: int, chat: bool
 
 class _Partial:
     """A logical request's output so far: the pieces kept from failed attempts (the prefix a
-    continuation carries) and the partial outputs thrown away."""
+    continuation carries) and the partial outputs thrown away.
+
+    Its text: `text` holds segments, each a streamed string or a window (lo, hi, head, tail)
+    of output tokens whose text is built from their ids (_window_text), and covers output tokens
+    [0, synced) exactly; `synced` is a point after which vLLM's detokenizer and ours agree
+    (a whole character ends there). Tokens past it (a split inside a character) are kept;
+    their text comes from the next piece's stream once it is known whole, the gap from ids."""
 
     def __init__(self) -> None:
         self.prompt_token_ids: list[int] | None = None
         self.token_ids: list[int] = []
         self.logprobs: list[float] | None = None
-        self.text: list[str] = []
+        self.text: list[str | tuple[int, int, str, str]] = []
+        self.synced = 0
+        self.head = ""  # text streamed after `synced` (the start of the gap's text, if it is one)
+        self.silent: set[int] = set()  # output tokens streamed in chunks without text (held back, or skipped)
+        self.piece: tuple[int, list[str], list[tuple[int, int, bool, bool]]] | None = None  # the last piece, unfolded
         self.splits: list[Split] = []
         self.started_over: list[StartOver] = []
-        self.bounds: list[tuple[int, int, bool]] = []  # the last piece's chunk ends (_Answer.bounds), in the prefix
-        self.piece_start: tuple[int, int] = (0, 0)     # where the last piece starts: (tokens, text pieces)
         self.version: Any = None      # the listed weight version the prefix was made on
         self.published: Any = None    # the daemon's published version when its first piece was routed
         # Of the logical request, set once:
         self.blocker: str | None = None   # why its sampling cannot be continued (continuation_blocker)
         self.limit: int | None = None     # its max_tokens
         self.want_logprobs = False
+        self.keep_stop = False            # include_stop_str_in_output: a stop token's text is in the output
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -492,11 +509,12 @@ class _Answer:
         self.usage_tokens: int | None = None
         self.first_token: float | None = None
         self.done = False
-        # After each chunk with token ids: (tokens, text pieces, whole): whole when that chunk
-        # held one token and text, so the text streamed so far covers every token (vLLM holds
-        # back the bytes of a character split across tokens; a chunk of several tokens may end
-        # holding some back).
-        self.bounds: list[tuple[int, int, bool]] = []
+        # After each chunk with token ids: (tokens, text pieces, whole, has text): whole when
+        # that chunk held one token and text, so the text streamed so far covers every token
+        # (vLLM holds back the bytes of a character split across tokens; a chunk of several
+        # tokens may end holding some back).
+        self.bounds: list[tuple[int, int, bool, bool]] = []
+        self.silent: list[int] = []  # tokens streamed in chunks without text
 
     def add(self, chunk: dict[str, Any], chat: bool) -> None:
         usage = chunk.get("usage")
@@ -534,7 +552,9 @@ class _Answer:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
             if ids:
-                self.bounds.append((len(self.token_ids), len(self.text), len(ids) == 1 and bool(text)))
+                self.bounds.append((len(self.token_ids), len(self.text), len(ids) == 1 and bool(text), bool(text)))
+                if not text:
+                    self.silent.extend(range(len(self.token_ids) - len(ids), len(self.token_ids)))
 
 
 # -- the client -----------------------------------------------------------------------------
@@ -820,6 +840,7 @@ class RolloutClient:
         limit = sampling.get("max_completion_tokens") if chat else None
         state.limit = sampling.get("max_tokens") if limit is None else limit
         state.want_logprobs = sampling.get("logprobs") not in (None, False)
+        state.keep_stop = bool(sampling.get("include_stop_str_in_output"))
         try:
             retrying = AsyncRetrying(
                 stop=stop_after_attempt(self.max_attempts),
@@ -911,51 +932,198 @@ class RolloutClient:
         log.info("rollout: %s: starting over, %d token(s) thrown away: %s", rid, tokens, why)
         state.prompt_token_ids, state.token_ids, state.logprobs, state.text = None, [], None, []
         state.splits, state.version, state.published = [], None, None
-        state.bounds, state.piece_start = [], (0, 0)
+        state.synced, state.head, state.silent, state.piece = 0, "", set(), None
 
     async def _split_between_characters(self, rid: str, engine: Engine, state: _Partial) -> None:
-        """Make the prefix end between two characters. vLLM holds back the text of a token
-        that ends inside a multi-byte character (byte-level BPE splits them), and its
-        detokenizer, primed with a prompt that ends inside one, streams the whole prompt's
-        text again (tokenizers' DecodeStream). So the last piece is cut back to its last chunk
-        end after which the text is whole: a one-token chunk with text, or one the engine's
-        /detokenize says ends on a whole character (at most 4 asked). The tokens after it are
-        thrown away (Split.dropped, counted as regenerated)."""
-        if not state.bounds:
-            return
-        keep = state.piece_start
-        asked = 0
-        for n_tok, n_text, whole in reversed(state.bounds):
-            if not whole and asked < 4:
-                asked += 1
-                text = await self._detokenize(engine, state.prompt_token_ids + state.token_ids[:n_tok])
-                whole = text is not None and not text.endswith("\ufffd")
-            if whole:
-                keep = (n_tok, n_text)
-                break
-            if asked >= 4:
-                break
-        state.bounds = []
-        dropped = len(state) - keep[0]
+        """Before a continuation: fold the last piece's text in, and if the prefix ends inside
+        a character (vLLM holds back the text of a token that ends inside a multi-byte
+        character, and its detokenizer, primed with a prompt that ends inside one, streams the
+        whole prompt's text again), keep every token anyway: the text across the split is
+        built from token ids with the engine's /detokenize (_window_text). Only when
+        /detokenize does not answer is the prefix cut back to where its text is whole, and
+        the tokens after it thrown away (Split.dropped, counted as regenerated)."""
+        if state.piece is not None:
+            start, texts, bounds = state.piece
+            state.piece = None
+            await self._fold(engine, state, start, texts, bounds, final=False)
+        keep = state.synced
+        dropped = len(state) - keep
         if not dropped:
             return
-        if keep[0] == 0:
-            self._start_over(rid, state, "the tokens received end inside a character: no whole-character split")
+        if await self._detokenize(engine, self._context(state, keep) + state.token_ids[keep:]) is not None:
+            log.info("rollout: %s: the last %d token(s) end inside a character; kept, their text is built "
+                     "from token ids", rid, dropped)
+            return
+        if keep == 0:
+            self._start_over(rid, state, "the tokens received end inside a character and /detokenize did not "
+                                         "answer: no whole-character split")
             return
         last = state.splits.pop()
-        if keep[0] > last.offset:
-            state.splits.append(last._replace(tokens=keep[0] - last.offset, dropped=dropped))
+        if keep > last.offset:
+            state.splits.append(last._replace(tokens=keep - last.offset, dropped=dropped))
         elif state.splits:  # the whole last piece goes: the piece before it keeps the count
             state.splits[-1] = state.splits[-1]._replace(dropped=state.splits[-1].dropped + dropped)
-        del state.token_ids[keep[0]:]
-        del state.text[keep[1]:]
+        del state.token_ids[keep:]
         if state.logprobs is not None:
-            del state.logprobs[keep[0]:]
+            del state.logprobs[keep:]
+        state.silent = {i for i in state.silent if i < keep}
+        state.head = ""
         self.stats.tokens_regenerated += dropped
-        log.info("rollout: %s: %d token(s) end inside a character; continuing after %d", rid, dropped, keep[0])
+        log.info("rollout: %s: %d token(s) end inside a character and /detokenize did not answer; continuing "
+                 "after %d", rid, dropped, keep)
+
+    # -- the sample's text across splits ---------------------------------------------------
+
+    @staticmethod
+    def _context(state: _Partial, at: int) -> list[int]:
+        """The ids just before output token `at` (a point where a whole character ends): decoded
+        with a window and subtracted, they give the window's text as it reads in place (a
+        SentencePiece tokenizer drops the leading space of a decode's first token)."""
+        ids = (state.prompt_token_ids or []) + state.token_ids[:at]
+        return ids[max(0, len(ids) - 8):]
+
+    async def _whole(self, engine: Engine, state: _Partial, at: int, streamed: str) -> bool:
+        """Whether vLLM's text of output tokens [state.synced, at) ends on a whole character:
+        their decode does, and unless the last token's own text is part of a character, the
+        stream's text (`streamed`) ends with it too (a special token at the end, which the
+        stream skips, makes the decode whole but not the stream's)."""
+        text = await self._detokenize(engine, state.token_ids[state.synced:at])
+        if text is None or text.endswith("\ufffd"):
+            return False
+        last = await self._detokenize(engine, state.token_ids[at - 1:at])
+        return last is not None and ("\ufffd" in last or streamed.endswith(last))
+
+    async def _fold(self, engine: Engine, state: _Partial, start: int, texts: list[str],
+                    bounds: list[tuple[int, int, bool, bool]], *, final: bool) -> None:
+        """Fold one piece's streamed text (`texts`, chunk ends `bounds`, absolute tokens; the
+        piece's tokens begin at `start` and are already in state.token_ids) into the sample's.
+        A piece whose stream began at state.synced is in step with its text; one that began
+        after a gap is not until its first chunk known to end whole (a one-token chunk with
+        text, or one /detokenize says ends whole: at most 4 asked), and the gap up to there
+        becomes a window of ids, with the text streamed around it (head, tail) to check it
+        against. `final`: the answer, taken to its end."""
+        end = len(state)
+        first = 0
+        asked = 0
+        if state.synced < start:
+            for i, (tok, n_text, whole, has_text) in enumerate(bounds):
+                if not whole and has_text and asked < 4:
+                    asked += 1
+                    whole = await self._whole(engine, state, tok, "".join(texts[:n_text]))
+                if whole:
+                    state.text.append((state.synced, tok, state.head, "".join(texts[:n_text])))
+                    state.synced, state.head, first = tok, "", i + 1
+                    break
+            else:
+                if final:
+                    state.text.append((state.synced, end, state.head, "".join(texts)))
+                    state.synced, state.head = end, ""
+                return
+        from_text = bounds[first - 1][1] if first else 0
+        if final:
+            state.text.append("".join(texts[from_text:]))
+            state.synced = end
+            return
+        for tok, n_text, whole, has_text in reversed(bounds[first:]):
+            if not whole and has_text and asked < 4:
+                asked += 1
+                whole = await self._whole(engine, state, tok, state.head + "".join(texts[from_text:n_text]))
+            if whole:
+                state.text.append("".join(texts[from_text:n_text]))
+                state.synced, state.head = tok, "".join(texts[n_text:])
+                return
+        state.head = "".join(texts[from_text:])
+
+    async def _sample_text(self, engine: Engine, state: _Partial, stop_token: bool) -> str | None:
+        """The sample's text: its streamed segments, and each window of ids between them
+        decoded (_window_text) by `engine`, else by another listed engine; None if none
+        answers. `stop_token`: the last token ended the request as a stop token (EOS), which
+        vLLM leaves out of the text."""
+        if all(isinstance(seg, str) for seg in state.text):
+            return "".join(state.text)  # type: ignore[arg-type]
+        out: list[str] = []
+        for seg in state.text:
+            if isinstance(seg, str):
+                out.append(seg)
+                continue
+            for e in [engine] + [e for e in self.engines if e.name != engine.name]:
+                text = await self._window_text(e, state, *seg, stop_token=stop_token and seg[1] == len(state))
+                if text is not None:
+                    break
+            else:
+                return None
+            out.append(text)
+        return "".join(out)
+
+    async def _window_text(self, engine: Engine, state: _Partial, lo: int, hi: int, head: str, tail: str,
+                           *, stop_token: bool) -> str | None:
+        """The text vLLM streams for output tokens [lo, hi) (a whole character ends at lo, and
+        at hi unless it is the end), from their ids: the engine's /detokenize of the ids before
+        lo and the window, less that of the ids before lo; None if it does not answer.
+
+        /detokenize keeps special tokens, which vLLM's streamed text skips
+        (skip_special_tokens), so they are found and left out: a token streamed in a chunk
+        without text where the decode is whole was skipped; and the text must begin with
+        `head` (streamed after lo before the split) and end with the text streamed at the
+        window's end (`tail`: vLLM streams the whole text again there, so one of them ends
+        with the other), else the token whose removal makes it so was a special one. At the
+        end, the bytes of an unfinished character and a stop token are not streamed: nor are
+        they here."""
+        ids = state.token_ids
+        ctx = self._context(state, lo)
+        end = hi == len(state)
+        keep = [i for i in range(lo, hi) if not (stop_token and i == len(state) - 1 and not state.keep_stop)]
+        for i in sorted(i for i in state.silent if lo <= i < hi)[:16]:
+            text = await self._detokenize(engine, ctx + [ids[j] for j in keep if j <= i])
+            if text is None:
+                return None
+            if not text.endswith("\ufffd") and i in keep:
+                keep.remove(i)
+        base = await self._detokenize(engine, ctx)
+        if base is None:
+            return None
+
+        async def build(kept: list[int]) -> str | None:
+            full = await self._detokenize(engine, ctx + [ids[j] for j in kept])
+            if full is not None and not full.startswith(base):  # the context did not decode the same
+                full, prefix = await self._detokenize(engine, [ids[j] for j in kept]), ""
+            else:
+                prefix = base
+            if full is None:
+                return None
+            return full[len(prefix):].rstrip("\ufffd") if end else full[len(prefix):]
+
+        def fits(text: str) -> bool:
+            return text == head + tail or text.startswith(head) and tail.endswith(text)
+
+        text = await build(keep)
+        if text is None or fits(text):
+            return text
+        # Specials in chunks that also streamed text: those whose own text is whole are the
+        # candidates (a special's content is); sets of up to 3 of the first 10, 64 tries.
+        cands = []
+        for i in keep:
+            one = await self._detokenize(engine, [ids[i]])
+            if one is None:
+                return None
+            if one and "\ufffd" not in one:
+                cands.append(i)
+        tries = itertools.islice(itertools.chain.from_iterable(
+            itertools.combinations(cands[:10], k) for k in (1, 2, 3)), 64)
+        for drop in tries:
+            other = await build([j for j in keep if j not in drop])
+            if other is None:
+                return None
+            if fits(other):
+                return other
+        log.warning("rollout: the text of output tokens [%d, %d) built from ids does not match the text streamed "
+                    "around it; kept as /detokenize gives it", lo, hi)
+        return text
 
     async def _detokenize(self, engine: Engine, ids: list[int]) -> str | None:
         """The engine's text of `ids` (vLLM's POST /detokenize), or None if it does not answer."""
+        if not ids:
+            return ""
         try:
             async with self._session.post(f"{engine.url}/detokenize", json={"model": self.model or engine.model,
                                                                              "tokens": ids},
@@ -995,13 +1163,19 @@ class RolloutClient:
         if not state.splits:
             state.prompt_token_ids = list(answer.prompt_token_ids)
             state.version, state.published = engine.weight_version, published
-        state.piece_start = (len(state), len(state.text))
-        state.bounds = [(len(state) + t, len(state.text) + p, whole) for t, p, whole in answer.bounds]
+        state.piece = self._piece(state, answer)
         state.splits.append(Split(engine.name, engine.weight_version, len(state), n, outcome, seed))
         state.token_ids.extend(answer.token_ids)
-        state.text.extend(answer.text)
         if state.want_logprobs:
             state.logprobs = (state.logprobs or []) + list(answer.logprobs)
+
+    @staticmethod
+    def _piece(state: _Partial, answer: _Answer) -> tuple[int, list[str], list[tuple[int, int, bool, bool]]]:
+        """An answer as a piece of the sample (its tokens not yet added): where it starts, its
+        streamed text, its chunk ends in the sample's token count."""
+        start = len(state)
+        state.silent.update(start + i for i in answer.silent)
+        return start, answer.text, [(start + t, p, whole, has_text) for t, p, whole, has_text in answer.bounds]
 
     async def _attempt(self, engine: Engine, path: str, payload: dict[str, Any], sampling: dict[str, Any],
                        chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
@@ -1112,17 +1286,29 @@ class RolloutClient:
             raise
         self._outstanding[engine.name] -= 1
         self._progress.pop(rid, None)
-        attempts.append(Attempt(engine.name, OK))
         finished = time.time()
         n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
         token_ids, logprobs, prompt_ids = answer.token_ids, answer.logprobs, answer.prompt_token_ids
+        text: str | None = "".join(answer.text)
         if prefix:  # one sample: the kept pieces, then this answer (whose prompt carried them)
-            token_ids = state.token_ids + (answer.token_ids or [])
+            piece = self._piece(state, answer)
+            state.token_ids.extend(answer.token_ids or [])
+            await self._fold(engine, state, *piece, final=True)
+            text = await self._sample_text(engine, state, answer.finish_reason == "stop")
+            if text is None:  # rare: /detokenize answered at the split, and no engine answers it now
+                attempts.append(Attempt(engine.name, NO_TEXT))
+                self.stats.tokens_before_fault += _answer_tokens(answer)
+                self._start_over(rid, state, "the text across a split inside a character could not be built: "
+                                             "no engine answered /detokenize", engine=engine.name)
+                aborted.add(engine.name)
+                raise _Retry(NO_TEXT, f"no engine answered /detokenize for request {rid}'s text")
+            token_ids = list(state.token_ids)
             logprobs = None if state.logprobs is None or answer.logprobs is None else state.logprobs + answer.logprobs
             prompt_ids = state.prompt_token_ids
             self.stats.tokens_reused += prefix
+        attempts.append(Attempt(engine.name, OK))
         return RolloutResult(
-            request_id=rid, text="".join(state.text + answer.text), finish_reason=answer.finish_reason,
+            request_id=rid, text=text, finish_reason=answer.finish_reason,
             engine=engine.name, url=engine.url, token_ids=token_ids, logprobs=logprobs, prompt_token_ids=prompt_ids,
             n_tokens=prefix + n, attempts=list(attempts), sent=sent, attempt_sent=attempt_sent,
             first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=engine.weight_version,

@@ -21,7 +21,7 @@ from aiohttp import web
 from typing import Any
 
 from vime.trainer.rollout import (
-    ABORT, BAD_REQUEST, BUSY, DIED, MALFORMED, OK, REFUSED, SERVER_ERROR, TIMEOUT, TOO_LARGE,
+    ABORT, BAD_REQUEST, BUSY, DIED, MALFORMED, NO_TEXT, OK, REFUSED, SERVER_ERROR, TIMEOUT, TOO_LARGE,
     Attempt, NoEngineAvailable, Split, StartOver, continuation_blocker, continuation_sampling, continuation_seed, RolloutClient, RolloutError, RolloutFailed, RolloutRequestError,
     RolloutResponseTooLarge, classify_status,
 )
@@ -49,6 +49,9 @@ class FakeEngine:
         self.prompt_ids: list[int] | None = None
         self.on_cut: Any = None  # called as the request is cut (abort, die, stall): the world changing then
         self.detokenized: list[list[int]] = []
+        self.detok_answers: int | None = None  # how many /detokenize calls are answered (None: all)
+        self.special: set[int] = set()  # token ids streamed without text (skipped), /detokenize shows "<s>"
+        self.split_char = False  # a character split across tokens 101 and 102 (see decode)
         self.runner: web.AppRunner | None = None
         self.stopping = asyncio.Event()
         self.url = ""
@@ -74,13 +77,21 @@ class FakeEngine:
     def view(self) -> dict:
         return {"name": self.name, "url": self.url, "model": "tiny", "weight_version": 3, "incarnation": 2}
 
+    def decode(self, ids: list[int]) -> str:
+        """vLLM's tokenizer.decode: with split_char, token 101 ends inside a character (split
+        across tokens 101 and 102), so a text ending with it ends with U+FFFD; special tokens
+        show as "<s>"."""
+        text = "".join("<s>" if i in self.special else f"w{i - 100} " for i in ids if i >= 100)
+        return text + ("\ufffd" if self.split_char and ids and ids[-1] == 101 else "")
+
     async def detokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /detokenize: "held" ends the text with U+FFFD when the last token is 101 (a
-        character split across tokens 101 and 102)."""
         ids = (await request.json())["tokens"]
         self.detokenized.append(ids)
-        text = "".join(f"w{i - 100} " for i in ids if i >= 100) + ("\ufffd" if ids[-1] == 101 else "")
-        return web.json_response({"prompt": text})
+        if self.detok_answers is not None:
+            if self.detok_answers <= 0:
+                return web.json_response({"error": {"message": "not here", "code": 404}}, status=404)
+            self.detok_answers -= 1
+        return web.json_response({"prompt": self.decode(ids)})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -125,7 +136,13 @@ class FakeEngine:
                     if body.get("logprobs"):
                         tok["logprobs"] = {"content": [{"token": f"w{i}", "logprob": -0.5 - i}]}
                 else:
-                    tok["text"] = "" if what == "held" and j == 1 else f"w{i} "
+                    tok["text"] = "" if 100 + i in self.special else f"w{i} "
+                    if self.split_char and i in (1, 2):  # vLLM holds 101's bytes back until 102 comes
+                        tok["text"] = "" if i == 1 else "w1 w2 "
+                        if j == 0 and i == 2:
+                            # Primed with a prompt ending inside a character, vLLM's detokenizer
+                            # streams the whole text again (the prompt's included).
+                            tok["text"] = self.decode(prompt + [102])
                     if j == 0:
                         tok["prompt_token_ids"] = self.prompt_ids or (
                             list(prompt) if isinstance(prompt, list) else [ord(c) for c in prompt])
@@ -143,7 +160,7 @@ class FakeEngine:
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 if what == "stall" and j == 1:
                     await self.stopping.wait()
-                if what in ("die", "held") and j == 1:
+                if what == "die" and j == 1:
                     request.transport.close()  # the server died mid-answer
                     return resp
                 if finish == "abort":
@@ -790,19 +807,67 @@ def test_loop_report_counts_tokens_cut_reused_regenerated():
     assert "tokens cut by faults 69 (reused 61, regenerated 8)" in "\n".join(format_end(rep))
 
 
-async def test_split_falls_between_characters(engines):
-    """A's second token ends inside a character (vLLM streams it without text, holding its
-    bytes back), then A dies: the engine's /detokenize confirms the text is not whole there,
-    so the prefix is cut back to the first token (the second is regenerated: Split.dropped)."""
+async def cut_on_a(engines, what: str, prompt: str = "p", **sampling):
+    """One request whose first attempt goes to A, which behaves as `what`; the next ones as
+    the client routes them. (result, the client's stats)."""
     a, b = engines
-    a.script = ["held"]
-    sup = FakeSupervisor([a.view(), b.view()])
-    async with client(sup) as rollout:
+    a.script = [what]
+    async with client(FakeSupervisor([a.view(), b.view()])) as rollout:
         rollout.pick = _first_then_default(rollout, "A")
-        r = await rollout.complete("p", max_tokens=4, logprobs=1)
-    assert b.detokenized == [[112, 100, 101]] and b.requests[0]["prompt"] == [112, 100]
+        r = await rollout.complete(prompt, **sampling)
+    return r, rollout.stats
+
+
+async def test_split_inside_a_character_keeps_every_token(engines):
+    """A's second token ends inside a character (vLLM streams it without text, holding its
+    bytes back), then A dies: both tokens are kept and continued from; B, primed with a
+    prompt ending inside a character, streams the whole text again, so the text across the
+    split is built from the ids with B's /detokenize instead, and equals the uninterrupted."""
+    a, b = engines
+    a.split_char = b.split_char = True
+    r, st = await cut_on_a(engines, "die", max_tokens=4, logprobs=1)
+    assert b.requests[0]["prompt"] == [112, 100, 101] and b.requests[0]["max_tokens"] == 2
+    assert r.token_ids == [100, 101, 102, 103] and r.text == "w0 w1 w2 w3 " and len(r.logprobs) == 4
+    assert r.splits == [Split("A", 3, 0, 2, DIED), Split("B", 3, 2, 2, OK)]
+    assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated) == (2, 2, 0)
+    # The window [1, 3) of output ids after the prompt's and output's ids before it, less those.
+    assert [112, 100] in b.detokenized and [112, 100, 101, 102] in b.detokenized and a.detokenized == []
+
+
+async def test_special_token_in_the_window_is_left_out_as_vllm_streams_it(engines):
+    """Token 101 is a special token: streamed without text (skip_special_tokens), but
+    /detokenize shows it. Its chunk had no text and the decode through it is whole, so it
+    was skipped: the built text leaves it out, as the uninterrupted stream does."""
+    a, b = engines
+    a.special = b.special = {101}
+    r, st = await cut_on_a(engines, "die", max_tokens=4)
+    assert r.token_ids == [100, 101, 102, 103] and r.text == "w0 w2 w3 " and st.tokens_regenerated == 0
+
+
+async def test_no_detokenize_cuts_the_split_back_to_a_whole_character(engines):
+    """Without /detokenize (it answers 404) the text across such a split cannot be built: the
+    prefix is cut back to its last whole character, and the token after it is generated
+    again (Split.dropped, counted as regenerated)."""
+    a, b = engines
+    a.split_char = b.split_char = True
+    a.detok_answers = b.detok_answers = 0
+    r, st = await cut_on_a(engines, "die", max_tokens=4, logprobs=1)
+    assert b.requests[0]["prompt"] == [112, 100]
     assert r.token_ids == [100, 101, 102, 103] and r.text == "w0 w1 w2 w3 " and len(r.logprobs) == 4
     assert r.splits == [Split("A", 3, 0, 1, DIED, None, 1), Split("B", 3, 1, 3, OK)]
     assert (r.tokens_reused, r.tokens_regenerated) == (1, 1)
-    st = rollout.stats
     assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated) == (2, 1, 1)
+
+
+async def test_detokenize_gone_after_the_split_starts_over(engines):
+    """/detokenize answered at the split, then no engine answers it for the text: the
+    continued sample cannot be given its text, so the request starts over (and says so)."""
+    a, b = engines
+    a.split_char = b.split_char = True
+    a.detok_answers, b.detok_answers = 0, 1
+    r, st = await cut_on_a(engines, "die", max_tokens=4)
+    assert [x.outcome for x in r.attempts] == [DIED, NO_TEXT, OK] and r.splits[-1].offset == 0
+    assert r.token_ids == [100, 101, 102, 103] and r.text == "w0 w1 w2 w3 "
+    (why,) = r.started_over
+    assert why.tokens == 4 and "could not be built" in why.reason
+    assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated) == (4, 0, 4)
