@@ -48,9 +48,13 @@ def toml_value(v: Any) -> str:
 
 def write_config(path: Path, *, engines: list[dict], **sections: dict) -> Path:
     """A TOML config from tables. Unless given, the journal goes beside the config file
-    (state_dir = <dir>/state), so local daemons never share one."""
+    (state_dir = <dir>/state), so local daemons never share one; and the engines' compiler
+    caches go to $VIME_TEST_ENGINE_CACHE when it is set (the test session's: one compile per
+    engine name and model for the whole suite, as on a host whose daemon keeps its state_dir)."""
     sections = dict(sections)
     sections["supervisor"] = {"state_dir": str(Path(path).parent / "state"), **sections.get("supervisor", {})}
+    if os.environ.get("VIME_TEST_ENGINE_CACHE"):
+        sections["supervisor"].setdefault("engine_cache_dir", os.environ["VIME_TEST_ENGINE_CACHE"])
     lines = []
     for name, table in sections.items():
         lines.append(f"[{name}]")

@@ -96,6 +96,9 @@ class Config:
     runtime_dir: str = "/run/vime-supervisor"
     log_dir: str = "/var/log/vime-supervisor"
     state_dir: str = "/var/lib/vime-supervisor"  # the journal (systemd's StateDirectory=)
+    # Each engine's compiler caches, <engine_cache_dir>/<engine>/<model digest>/; "" is
+    # <state_dir>/engine-cache. Engines of the same name and model on the same host may share it.
+    engine_cache_dir: str = ""
     log_level: str = "info"
     python: str = ""  # interpreter for `-m vllm.entrypoints.openai.api_server`; "" = ours
     engine_env: dict[str, str] = field(default_factory=dict)  # for every spawned engine
@@ -137,6 +140,7 @@ _SUPERVISOR = {
     "runtime_dir": str,
     "log_dir": str,
     "state_dir": str,
+    "engine_cache_dir": str,
     "log_level": str,
     "python": str,
     "allowed_uids": list,
@@ -540,8 +544,10 @@ def _check_startup(sup: dict[str, Any], problems: list[str]) -> None:
     if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
         problems.append(f"supervisor.runtime_dir: the socket path {sock} is {len(os.fsencode(sock))} bytes, too "
                         f"long for a Unix socket (at most {MAX_SOCKET_PATH}); choose a shorter runtime_dir")
-    for key in ("runtime_dir", "log_dir", "state_dir"):
+    for key in ("runtime_dir", "log_dir", "state_dir", "engine_cache_dir"):
         path = sup.get(key, getattr(Config, key))
+        if not path:  # engine_cache_dir "": under state_dir
+            continue
         try:
             _check_dir(path, owner_only=key == "runtime_dir")
         except ValueError as e:
@@ -784,6 +790,7 @@ _FLAG_KEYS = {
     "runtime_dir": ("supervisor", "runtime_dir"),
     "log_dir": ("supervisor", "log_dir"),
     "state_dir": ("supervisor", "state_dir"),
+    "engine_cache_dir": ("supervisor", "engine_cache_dir"),
     "log_level": ("supervisor", "log_level"),
     "metrics_address": ("supervisor", "metrics_address"),
 }
@@ -840,6 +847,8 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--runtime-dir", help="holds the control socket (default /run/vime-supervisor)")
     g.add_argument("--log-dir", help="engine logs, one file per incarnation")
     g.add_argument("--state-dir", help="the journal that lets a restarted daemon lose nothing")
+    g.add_argument("--engine-cache-dir", help="the engines' compiler caches, kept across restarts "
+                                              "(default <state_dir>/engine-cache)")
     g.add_argument("--log-level", help="debug, info, warning, error")
     g.add_argument("--metrics-address", metavar="HOST:PORT",
                    help="serve Prometheus' GET /metrics over TCP here, e.g. 127.0.0.1:9464 (loopback only "

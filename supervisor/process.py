@@ -75,7 +75,8 @@ CACHE_VARS = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor", "TRITON_CACHE_DIR": "t
 
 def engine_cache_dir(spec: EngineSpec, cfg: Config) -> Path:
     model = hashlib.sha256(str(spec.model).encode()).hexdigest()[:12]
-    return Path(cfg.state_dir) / "engine-cache" / spec.name / model
+    root = Path(cfg.engine_cache_dir) if cfg.engine_cache_dir else Path(cfg.state_dir) / "engine-cache"
+    return root / spec.name / model
 
 
 # The daemon's own systemd handles: they name the daemon's notify socket and watchdog, not an

@@ -8,6 +8,17 @@ import pytest
 from vime.trainer.tiny_model import build_tiny_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_engine_caches(tmp_path_factory):
+    """Real engines spawned by test daemons share one compiler cache per engine name and model
+    for the session (harness.write_config reads it): without it every daemon's first boot
+    compiles from nothing, about 15 s per engine here. A test that needs cold caches sets
+    its own engine_cache_dir."""
+    if not os.environ.get("VIME_TEST_ENGINE_CACHE"):
+        os.environ["VIME_TEST_ENGINE_CACHE"] = str(tmp_path_factory.mktemp("engine-cache"))
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """One tiny Llama for the whole session (built locally, seeded, ~6 s)."""

@@ -38,7 +38,9 @@ def real_node(root, address: str, model, core: int) -> Node:
     cfg = write_config(
         root / "supervisor.toml",
         supervisor={"runtime_dir": run_dir, "log_dir": str(root / "logs"), "stop_timeout": 5.0,
-                    "min_healthy": 1, "sync_timeout": 60.0},
+                    "min_healthy": 1, "sync_timeout": 60.0,
+                    # Its own: the two nodes' engine-0 boot at once, and must not compile into one folder.
+                    "engine_cache_dir": str(root / "engine-cache")},
         health_check={"first_wait": BOOT, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2},
         engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV, "host": address},
         engines=[{"name": "engine-0", "model": str(model), "served_model_name": "tiny",

@@ -55,7 +55,8 @@ def test_cold_engine_busy_paused_then_stopped(tiny_model, tmp_path):
     url = f"http://127.0.0.1:{port}"
     cfg = write_config(
         tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "stop_timeout": 5.0},
+        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "stop_timeout": 5.0,
+                    "engine_cache_dir": str(tmp_path / "state" / "engine-cache")},  # cold: not the session's
         health_check=PROBE,
         warmup={"requests": 0},  # the compile must land in the batch, under the probes
         engine_defaults={"args": ENGINE_ARGS, "env": ENGINE_ENV},

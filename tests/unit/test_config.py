@@ -554,6 +554,19 @@ def test_each_engine_has_its_own_compiler_caches_under_the_state_dir(tmp_path):
     assert env2["VLLM_CACHE_ROOT"] == "/x"
 
 
+def test_engine_cache_dir_moves_the_caches_and_must_be_a_directory(tmp_path):
+    from vime.supervisor.process import engine_env
+
+    m = model_dir(tmp_path)
+    cfg = build({"supervisor": {"state_dir": str(tmp_path / "state"), "engine_cache_dir": str(tmp_path / "c")},
+                 "engines": [engine("e0", m, 8001)]})
+    assert engine_env(cfg.engines[0], cfg)["VLLM_CACHE_ROOT"].startswith(str(tmp_path / "c" / "e0" / ""))
+    (tmp_path / "file").write_text("")
+    assert problems({"supervisor": {"engine_cache_dir": str(tmp_path / "file")},
+                     "engines": [engine("e0", m, 8001)]}) == [
+        f"supervisor.engine_cache_dir: {tmp_path / 'file'} is not a directory"]
+
+
 def test_warmup_and_max_busy_are_checked_once_each(good):
     assert problems({**good, "health_check": {"max_busy": float("nan")},
                      "warmup": {"temperature": float("nan"), "top_p": 1.5, "requests": -1}}) == [
