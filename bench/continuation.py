@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
 import os
 import signal
@@ -80,9 +81,15 @@ async def one_trial(sock: str, items: list[tuple[str, int]], *, kill: bool, cont
                                f"{r.finish_reason}, expected {max_tokens}")
     if len({r.request_id for r in results}) != len(items):
         raise RuntimeError("a request answered twice")
+    why: collections.Counter[str] = collections.Counter()  # tokens regenerated, by why
+    for r in results:
+        for x in r.started_over:
+            why[x.reason.split(" (")[0]] += x.tokens
+        why["cut back at a split inside a character: no /detokenize"] += sum(s.dropped for s in r.splits)
     return {"seconds": seconds, "victim": victim, "cut": sum(1 for r in results if r.tokens_before_fault),
             "before": st.tokens_before_fault, "reused": st.tokens_reused, "regenerated": st.tokens_regenerated,
-            "continued": sum(r.continued for r in results), "tokens": sum(len(r.token_ids) for r in results)}
+            "continued": sum(r.continued for r in results), "tokens": sum(len(r.token_ids) for r in results),
+            "why": +why}
 
 
 def main() -> None:
@@ -165,6 +172,10 @@ def main() -> None:
     print(f"continue / start over: time lost per kill {lost_c:.2f} / {lost_s:.2f} s = "
           f"{lost_c / lost_s if lost_s > 0 else float('nan'):.2f}; tokens regenerated "
           f"{c['regenerated']:g} / {s['regenerated']:g}")
+    why = sum((r["why"] for n, r in rows if n == "kill, continue_partial=True"), collections.Counter())
+    if why:  # with continuation, a token regenerated has a reason: say it
+        print("regenerated with continue_partial=True (all repeats), why: "
+              + "; ".join(f"{n} tokens: {k}" for k, n in why.most_common()))
 
 
 if __name__ == "__main__":
