@@ -121,17 +121,18 @@ class SyncCoordinator(Listener):
         if runner.state is not S.STALE:
             return
         have = runner.weight_version
+        spare = fleet.policy.park_reason() if version is not None and have != version else None
+        if spare is not None and fleet.cfg.spares_sync == "promotion":
+            # Not needed now: kept warm as it is, synced only if it is ever promoted. Also
+            # inside a round (a spare restarted there): STANDBY is never routed either way.
+            runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced when promoted; {spare}")
+            return
         if fleet.round_open:
             if have != version:
                 runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; sync after round {fleet.round}")
             return
         if version is None or have == version:
             runner.release("no round yet" if fleet.round is None else f"round {fleet.round} ended", version)
-            return
-        spare = fleet.policy.park_reason()
-        if spare is not None and fleet.cfg.spares_sync == "promotion":
-            # Not needed now: kept warm as it is, synced only if it is ever promoted.
-            runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced when promoted; {spare}")
             return
         if self.agents and self._silent.get(runner.name) != version:
             if self._asked.get(runner.name) == version:

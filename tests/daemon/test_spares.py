@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, EventStream, free_port, kill_all, standin_config, standin_python, write_config
+from vime.harness.local_daemon import (
+    Daemon, EventStream, free_port, kill_all, standin_config, standin_model, standin_python)
 
 from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
 
@@ -165,20 +166,13 @@ STANDIN_GROUP = Path(__file__).with_name("standin_group.py")
 @pytest.fixture
 def versioned(tmp_path):
     python = standin_python(tmp_path, STANDIN_GROUP)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = standin_model(tmp_path / "model")
     modes = {n: tmp_path / f"mode-{n}" for n in NAMES}
     for m in modes.values():
         m.write_text("ok")
-    cfg = write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
-                    "state_dir": str(tmp_path / "state"), "python": str(python), "stop_timeout": 2.0, "spares": 1},
-        health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
-        engines=[{"name": n, "model": str(model), "port": free_port(), "env": {"STANDIN_MODE_FILE": str(modes[n])}}
-                 for n in NAMES],
-    )
+    cfg = standin_config(
+        tmp_path, python, [{"name": n, "model": str(model), "port": free_port(), "env": {"STANDIN_MODE_FILE": str(modes[n])}}
+                           for n in NAMES], supervisor={"spares": 1})
     daemons = [Daemon(cfg)]
     f = type("Versioned", (), {})()
     f.cfg, f.daemons, f.modes, f.sock = cfg, daemons, modes, str(tmp_path / "run" / "supervisor.sock")
@@ -224,6 +218,26 @@ def test_roles_hold_across_a_reload_and_a_restart_mid_round_with_the_spare_behin
     f.modes[serving[0]].write_text("version=1")
     back = second.transition(serving[0], "STANDBY", 30)  # the dead one, rebooted, is the spare now
     assert back["cause"] == "spare"
+
+
+def test_a_spare_behind_that_dies_mid_round_is_parked_again_inside_the_round(versioned):
+    f = versioned
+    d = f.daemons[0]
+    c = SupervisorClient(f.sock)
+    before = states(f.sock)
+    spare = next(n for n, s in before.items() if s == "STANDBY")
+    for n in (n for n, s in before.items() if s == "RUNNING"):
+        f.modes[n].write_text("version=1")
+    c.publish_weights(1)  # the spare stays on base weights (promotion mode)
+    c.start_round(1)
+    mark = d.mark()
+    os.kill(d.last_pid(spare), signal.SIGKILL)
+    d.transition(spare, "STARTING", 30, after=mark)  # at once, not after the round
+    # Ready behind v1: parked as the spare inside the round, not held STALE until its end.
+    back = d.transition(spare, "STANDBY", 30, after=mark)
+    assert back["cause"] == "spare" and "synced when promoted" in back["reason"], back
+    assert c.status()["round_open"] is True
+    c.end_round(1)
 
 
 def test_failures_reported_about_a_spare_are_not_counted(fleet):
