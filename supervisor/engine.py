@@ -163,6 +163,12 @@ class EngineRunner:
         return self.fsm.routable
 
     @property
+    def booted_behind(self) -> bool:
+        """STALE since its boot ended (a restart, on older weights than the current version),
+        not marked behind by a publish: it takes a place in the fleet and needs a sync first."""
+        return self.fsm.state is S.STALE and self.fsm.cause is Cause.READY
+
+    @property
     def journal_state(self) -> State:
         """What the journal records: while a re-adopted engine is being checked again (STARTING
         for a moment), the state it was adopted in, so a daemon killed in that moment hands the

@@ -110,11 +110,17 @@ class FleetPolicy:
             return f"a spare: {others}/{self.target} engines active"
         return None
 
-    def spares_wanted(self) -> int:
-        """How many spares to promote now: only in a round gap (membership changes there)."""
+    def spares_wanted(self, *, current_spares: int = 0, behind: int = 0) -> int:
+        """How many spares to promote now: only in a round gap (membership changes there).
+        The places of engines that failed; and, while spares at the current version are left,
+        one for each active engine that booted `behind` it (a restart during the round): a
+        current spare serves at once, where the engine behind would need a sync first (it is
+        parked, or synced as a spare, instead). Engines a publish left behind are not counted:
+        spares kept current are synced with them."""
         if self.target is None or self.round_open:
             return 0
-        return max(0, self.target - self.active)
+        short = max(0, self.target - self.active)
+        return max(short, min(short + behind, current_spares))
 
     def may_restart(self, *, spare: bool = False) -> tuple[bool, str | None]:
         """A dead engine restarts in a round gap; during round N it waits for its end. A spare

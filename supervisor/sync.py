@@ -93,6 +93,7 @@ class SyncCoordinator(Listener):
 
     def kick(self) -> None:
         self.promote_spares()
+        self.sync_spares()
         for runner in list(self.fleet.runners.values()):
             self.consider(runner)
 
@@ -100,18 +101,33 @@ class SyncCoordinator(Listener):
         """In a round gap, spares take the places of engines that failed: those already at the
         current version first (RUNNING at once), then the others (STALE: synced, verified)."""
         fleet = self.fleet
-        wanted = fleet.policy.spares_wanted()
+        version = fleet.current_version
+        runners = [r for r in fleet.runners.values() if not r.retired]
+        spares = sorted((r for r in runners if r.state is S.STANDBY),
+                        key=lambda r: (r.weight_version != version, r.name))
+        wanted = fleet.policy.spares_wanted(
+            current_spares=sum(r.weight_version == version for r in spares),
+            behind=0 if version is None else sum(r.booted_behind and r.weight_version != version for r in runners))
         if not wanted or any(r.readopting for r in fleet.runners.values()):
             return  # after a daemon restart, the re-adopted engines are checked first: they may serve
-        version = fleet.current_version
-        spares = sorted((r for r in fleet.runners.values() if r.state is S.STANDBY and not r.retired),
-                        key=lambda r: (r.weight_version != version, r.name))
         gap = "no round yet" if fleet.round is None else f"round {fleet.round} ended"
         for runner in spares[:wanted]:
             why = f"{fleet.policy.active}/{fleet.policy.target} engines active, {gap}"
             log.info("spare.promoted", engine=runner.name, active=fleet.policy.active, target=fleet.policy.target,
                      weight_version=runner.weight_version, version=version)
             runner.promote(why, version)
+
+    def sync_spares(self) -> None:
+        """With spares kept current (spares_sync = "publish"), in a gap: spares behind the
+        current version (restarted inside a round, parked there) go STALE to be synced as
+        serving engines are. After promote_spares: a current spare is promoted first."""
+        fleet = self.fleet
+        version = fleet.current_version
+        if fleet.cfg.spares_sync != "publish" or fleet.round_open or version is None:
+            return
+        for runner in list(fleet.runners.values()):
+            if runner.state is S.STANDBY and not runner.retired and runner.weight_version != version:
+                runner.mark_outdated(version)
 
     def consider(self, runner: EngineRunner) -> None:
         """A STALE engine in a gap: release it if it already holds the current version,
@@ -122,10 +138,13 @@ class SyncCoordinator(Listener):
             return
         have = runner.weight_version
         spare = fleet.policy.park_reason() if version is not None and have != version else None
-        if spare is not None and fleet.cfg.spares_sync == "promotion":
-            # Not needed now: kept warm as it is, synced only if it is ever promoted. Also
-            # inside a round (a spare restarted there): STANDBY is never routed either way.
-            runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced when promoted; {spare}")
+        if spare is not None and (fleet.cfg.spares_sync == "promotion" or fleet.round_open):
+            # Not needed now: kept warm as it is, synced only if it is ever promoted; or, with
+            # spares kept current, in the next gap (sync_spares). Inside a round too (a spare
+            # restarted there): STANDBY is never routed, and left STALE it would count as an
+            # active engine in the gap and keep a current spare from being promoted.
+            when = "when promoted" if fleet.cfg.spares_sync == "promotion" else f"after round {fleet.round}"
+            runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced {when}; {spare}")
             return
         if fleet.round_open:
             if have != version:

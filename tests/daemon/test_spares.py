@@ -163,16 +163,15 @@ def test_a_reload_and_a_daemon_restart_keep_the_spare_a_spare(fleet):
 STANDIN_GROUP = Path(__file__).with_name("standin_group.py")
 
 
-@pytest.fixture
-def versioned(tmp_path):
+def versioned_fleet(tmp_path, names=NAMES, mode="ok", **supervisor):
     python = standin_python(tmp_path, STANDIN_GROUP)
     model = standin_model(tmp_path / "model")
-    modes = {n: tmp_path / f"mode-{n}" for n in NAMES}
+    modes = {n: tmp_path / f"mode-{n}" for n in names}
     for m in modes.values():
-        m.write_text("ok")
+        m.write_text(mode)
     cfg = standin_config(
         tmp_path, python, [{"name": n, "model": str(model), "port": free_port(), "env": {"STANDIN_MODE_FILE": str(modes[n])}}
-                           for n in NAMES], supervisor={"spares": 1})
+                           for n in names], supervisor={"spares": 1, **supervisor})
     daemons = [Daemon(cfg)]
     f = type("Versioned", (), {})()
     f.cfg, f.daemons, f.modes, f.sock = cfg, daemons, modes, str(tmp_path / "run" / "supervisor.sock")
@@ -181,6 +180,11 @@ def versioned(tmp_path):
         yield f
     finally:
         kill_all(daemons)
+
+
+@pytest.fixture
+def versioned(tmp_path):
+    yield from versioned_fleet(tmp_path)
 
 
 def test_roles_hold_across_a_reload_and_a_restart_mid_round_with_the_spare_behind(versioned):
@@ -238,6 +242,31 @@ def test_a_spare_behind_that_dies_mid_round_is_parked_again_inside_the_round(ver
     assert back["cause"] == "spare" and "synced when promoted" in back["reason"], back
     assert c.status()["round_open"] is True
     c.end_round(1)
+
+
+def test_spares_kept_current_a_restarted_spare_behind_does_not_keep_a_current_one_out(tmp_path):
+    """spares = 2, spares_sync = "publish", every engine at v1. Inside a round a spare and a
+    serving engine die together. The spare restarts at once, on base weights: behind, and
+    held for the gap (a place is empty). In the gap the other spare, current, is promoted
+    in that place: it serves at once, where the one behind would need a sync first."""
+    names = ("e0", "e1", "e2", "e3")
+    for f in versioned_fleet(tmp_path, names, mode="version=1", spares=2, spares_sync="publish"):
+        d, c = f.daemons[0], SupervisorClient(f.sock)
+        c.publish_weights(1)
+        st = states(f.sock)
+        spares, serving = sorted(n for n in names if st[n] == "STANDBY"), sorted(n for n in names if st[n] == "RUNNING")
+        assert len(spares) == 2 and len(serving) == 2, st
+        c.start_round(1)
+        mark = d.mark()
+        for victim in (spares[0], serving[0]):
+            f.modes[victim].write_text("ok")  # a reboot holds base weights
+            os.kill(d.last_pid(victim), signal.SIGKILL)
+        back = d.transition(spares[0], "STALE", 30, after=mark)  # restarted at once, behind
+        assert "weights base, current v1" in back["reason"], back
+        c.end_round(1)
+        promoted = d.transition(spares[1], "RUNNING", 10, after=mark)
+        assert promoted["cause"] == "promoted", promoted
+        assert sorted(e["name"] for e in c.routable_engines()["engines"]) == sorted([serving[1], spares[1]])
 
 
 def test_failures_reported_about_a_spare_are_not_counted(fleet):

@@ -214,3 +214,15 @@ def test_spares_are_promoted_only_in_a_gap_and_only_for_missing_places():
     policy.end_round(1)
     policy.active = 3
     assert policy.spares_wanted() == 0
+
+
+def test_a_current_spare_is_promoted_in_place_of_an_engine_that_needs_a_sync():
+    policy, _ = make(target=2)
+    policy.active = 2  # one serving, one restarted during the round and behind the version
+    assert policy.spares_wanted(current_spares=1, behind=1) == 1
+    assert policy.spares_wanted(current_spares=0, behind=1) == 0  # no faster way: it is synced
+    policy.active = 1  # a place empty too: the current spares go first, as many as there are
+    assert policy.spares_wanted(current_spares=1, behind=1) == 1
+    assert policy.spares_wanted(current_spares=3, behind=1) == 2
+    policy.start_round(2)
+    assert policy.spares_wanted(current_spares=3, behind=1) == 0
