@@ -1063,10 +1063,10 @@ class RolloutClient:
 
         /detokenize keeps special tokens, which vLLM's streamed text skips
         (skip_special_tokens), so they are found and left out: a token streamed in a chunk
-        without text where the decode is whole was skipped; and the text must begin with
-        `head` (streamed after lo before the split) and end with the text streamed at the
-        window's end (`tail`: vLLM streams the whole text again there, so one of them ends
-        with the other), else the token whose removal makes it so was a special one. At the
+        without text where the decode is whole was skipped; and the text must agree with what
+        was streamed around it: `head` (after lo, before the split) then `tail` (the next
+        piece's, up to hi), or begin with head and be how `tail` ends (where vLLM streamed the
+        whole text again); else the tokens whose removal makes it agree were special ones. At the
         end, the bytes of an unfinished character and a stop token are not streamed: nor are
         they here."""
         ids = state.token_ids
