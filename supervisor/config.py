@@ -548,6 +548,11 @@ def _check_startup(sup: dict[str, Any], problems: list[str]) -> None:
         path = sup.get(key, getattr(Config, key))
         if not path:  # engine_cache_dir "": under state_dir
             continue
+        if key == "engine_cache_dir" and not os.path.isabs(path):
+            problems.append(f"supervisor.engine_cache_dir: {path!r} is not an absolute path (under systemd the "
+                            "daemon's working directory is /); give an absolute one, or leave it out for "
+                            "<state_dir>/engine-cache")
+            continue
         try:
             _check_dir(path, owner_only=key == "runtime_dir")
         except ValueError as e:

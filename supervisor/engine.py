@@ -36,6 +36,7 @@ from .process import (
     engine_command,
     engine_env,
     engine_fingerprint,
+    make_engine_caches,
     kill_group_of,
     port_is_free,
     process_start_time,
@@ -362,7 +363,10 @@ class EngineRunner:
                                       and self.may_load_dummy())
                 self._read_weights_next = False
                 cmd = engine_command(self.spec, self.cfg) + (["--load-format", "dummy"] if self.dummy_weights else [])
-                self.proc = await EngineProcess.spawn(cmd, engine_env(self.spec, self.cfg), self.log_path)
+                env = engine_env(self.spec, self.cfg)
+                if (problem := make_engine_caches(self.spec, self.cfg, env)) is not None:
+                    raise StartFailed(problem, permanent=True)
+                self.proc = await EngineProcess.spawn(cmd, env, self.log_path)
             except StartFailed as e:
                 fsm.start_failed(e.error, permanent=e.permanent)
                 return

@@ -98,6 +98,22 @@ def engine_env(spec: EngineSpec, cfg: Config) -> dict[str, str]:
     return env
 
 
+def make_engine_caches(spec: EngineSpec, cfg: Config, env: dict[str, str]) -> str | None:
+    """Create the cache folders `env` still points under the engine's cache root (the config's
+    env may point elsewhere); the start's error if one cannot be: better at the spawn than
+    deep in the engine's first compile."""
+    root = engine_cache_dir(spec, cfg)
+    for var in CACHE_VARS:
+        path = Path(env.get(var, ""))
+        if path.is_relative_to(root):
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                return (f"cannot create the engine's compiler cache {path}: {e.strerror}; make "
+                        f"engine_cache_dir writable by the daemon's user (under systemd: ReadWritePaths=)")
+    return None
+
+
 def port_is_free(host: str, port: int) -> bool:
     """Bind the way uvicorn will (SO_REUSEADDR), so TIME_WAIT alone does not count as busy."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -565,6 +565,23 @@ def test_engine_cache_dir_moves_the_caches_and_must_be_a_directory(tmp_path):
     assert problems({"supervisor": {"engine_cache_dir": str(tmp_path / "file")},
                      "engines": [engine("e0", m, 8001)]}) == [
         f"supervisor.engine_cache_dir: {tmp_path / 'file'} is not a directory"]
+    (relative,) = problems({"supervisor": {"engine_cache_dir": "cache"}, "engines": [engine("e0", m, 8001)]})
+    assert relative.startswith("supervisor.engine_cache_dir: 'cache' is not an absolute path")
+
+
+def test_an_engine_cache_that_cannot_be_created_fails_the_start_with_its_reason(tmp_path):
+    from vime.supervisor.process import engine_env, make_engine_caches
+
+    m = model_dir(tmp_path)
+    cfg = build({"supervisor": {"state_dir": str(tmp_path / "state"), "engine_cache_dir": str(tmp_path / "later")},
+                 "engines": [engine("e0", m, 8001)]})
+    (tmp_path / "later").write_text("")  # the folder became a file after the config was checked
+    spec = cfg.engines[0]
+    problem = make_engine_caches(spec, cfg, engine_env(spec, cfg))
+    assert problem is not None and problem.startswith(f"cannot create the engine's compiler cache {tmp_path / 'later'}")
+    ok = build({"supervisor": {"state_dir": str(tmp_path / "state")}, "engines": [engine("e0", m, 8001)]})
+    assert make_engine_caches(ok.engines[0], ok, engine_env(ok.engines[0], ok)) is None
+    assert (tmp_path / "state" / "engine-cache" / "e0").is_dir()
 
 
 def test_warmup_and_max_busy_are_checked_once_each(good):
