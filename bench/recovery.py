@@ -12,6 +12,11 @@ pushes it, publishes it, and runs the resync agent.
   answered completion, with no supervisor.
 - restart_load = "dummy": the no-spare case again, the restart booting on dummy weights for
   the agent's push instead of reading the model.
+- A checkpoint and no agent: the no-spare case again, v1 published with a checkpoint and no
+  agent running, so the restarted engine is reloaded from it.
+- Where the seconds go: each recovery split into phases from the daemon's own log (death
+  detected, clean-up, boot, warm-up, until the sync, sync and verify, until the client sees
+  it routable), against the median bare cold start.
 - Boots: the daemon's own "ready in" of each incarnation: the first with the engine's compile
   caches (under the state directory, per engine and model) empty, then the restarts.
 
@@ -25,9 +30,11 @@ import json
 import os
 import re
 import signal
+import statistics
 import tempfile
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +46,7 @@ from vime.supervisor.client import SupervisorClient  # noqa: E402
 from vime.harness.local_daemon import (  # noqa: E402
     ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, bare_engine, free_port, write_config)
 from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
+from vime.weight_sync.checkpoint import save_checkpoint  # noqa: E402
 from vime.weight_sync.sender import WeightSender  # noqa: E402
 
 
@@ -85,10 +93,14 @@ def main() -> None:
         opt.step()
 
         agent_weights = lambda: (1, [(n, p.detach()) for n, p in model.named_parameters()])  # noqa: E731
-        no_spare, boots = kill_to_routable(tmp / "one", model_dir, agent_weights, args.repeats, spares=0)
-        spare, _ = kill_to_routable(tmp / "two", model_dir, agent_weights, args.repeats, spares=1)
-        dummy, _ = kill_to_routable(tmp / "dummy", model_dir, agent_weights, args.repeats, spares=0,
-                                    restart_load="dummy")
+        no_spare, boots, split_agent = kill_to_routable(tmp / "one", model_dir, agent_weights, args.repeats, spares=0)
+        spare, _, split_spare = kill_to_routable(tmp / "two", model_dir, agent_weights, args.repeats, spares=1)
+        dummy, _, _ = kill_to_routable(tmp / "dummy", model_dir, agent_weights, args.repeats, spares=0,
+                                       restart_load="dummy")
+        ckpt = tmp / "ckpt-v1"
+        save_checkpoint(model, model_dir, ckpt)
+        reload, _, split_ckpt = kill_to_routable(tmp / "ckpt", model_dir, agent_weights, args.repeats, spares=0,
+                                                 checkpoint=ckpt)
     print("kill -9 -> routable count back to target at the current version, same run:")
     print("  no spare: restart + boot + gloo resync + verify; one spare: promotion + gloo push + verify;")
     print("  baseline: a bare cold start of the same engine to its first completion")
@@ -101,6 +113,13 @@ def main() -> None:
     print(f"{'run':>4} {'model s':>9} {'dummy s':>9} {'dummy/model':>12}")
     for i, (r, dm) in enumerate(zip(no_spare, dummy)):
         print(f"{i + 1:>4} {r:9.1f} {dm:9.1f} {dm / r:12.2f}")
+    print("where the seconds go, kill -9 -> routable at v1 (medians of the runs; from the daemon's transitions)")
+    print(f"{'path':>32} {'total s':>8} {'total/cold':>10} " + " ".join(f"{p:>{max(8, len(p))}}" for p in PHASES))
+    for label, totals, split in (("no spare, agent push", no_spare, split_agent),
+                                 ("no spare, checkpoint, no agent", reload, split_ckpt),
+                                 ("one spare, agent push", spare, split_spare)):
+        print(f"{label:>32} {statistics.median(totals):8.2f} {statistics.median(totals) / statistics.median(cold):10.2f} "
+              + " ".join(f"{statistics.median(x[p] for x in split):{max(8, len(p))}.2f}" for p in PHASES))
     print("boots under the daemon (its 'ready in', warm-up included): the first with empty compile caches, "
           "then restarts reusing them")
     print(f"{'first (cold caches) s':>22} {'restarts s':>20} {'restart/first':>14}")
@@ -113,10 +132,51 @@ def ready_in(ev: dict) -> float | None:
     return float(m.group(1)) if m else None
 
 
+PHASES = ("detect", "clean-up", "boot", "warm-up", "until sync", "sync + verify", "until routable")
+
+
+def when(ev: dict) -> float:
+    return datetime.fromisoformat(ev["timestamp"]).timestamp()
+
+
+def phases(events: list[dict], victim: str, t_kill: float, t_routable: float) -> dict[str, float]:
+    """Where the seconds from a kill to routable went, from the daemon's own log: the victim's
+    death seen (EXITED); then, for the engine that serves again (the victim restarted, or a
+    spare promoted): its group cleaned up and the port free (until STARTING), the server up
+    (until `engine.warmup`), the warm-up batch (until it leaves STARTING), until its sync
+    began (SYNCING), the sync and its verification (until RUNNING), and until the client
+    polling the routable list saw it. A spare skips the first four: they are 0."""
+    tr = [e for e in events if e.get("event") == "engine.transition"]
+    exited = next(when(e) for e in tr if e["engine"] == victim and e["to_state"] == "EXITED")
+    running = next(e for e in tr if e["to_state"] == "RUNNING" and when(e) >= exited)
+    end, name = when(running), running["engine"]
+    mine = [e for e in tr if e["engine"] == name and exited <= when(e) <= end]
+    start = next((when(e) for e in mine if e["to_state"] == "STARTING"), None)
+    warm = next((when(e) for e in events if e.get("event") == "engine.warmup" and e.get("engine") == name
+                 and start is not None and when(e) >= start), None)
+    ready = next((when(e) for e in mine if e["from_state"] == "STARTING"), None)
+    behind = next((when(e) for e in mine if e["to_state"] == "STALE"), None)  # a promotion's, or the boot's
+    syncing = next((when(e) for e in mine if e["to_state"] == "SYNCING"), None)
+    out = dict.fromkeys(PHASES, 0.0)
+    out["detect"] = exited - t_kill
+    if start is not None and ready is not None:
+        out["clean-up"] = start - exited
+        out["boot"] = (warm or ready) - start
+        out["warm-up"] = ready - (warm or ready)
+    sync_from = ready or behind or exited
+    out["until sync"] = (syncing or end) - sync_from
+    out["sync + verify"] = (end - syncing) if syncing else 0.0
+    out["until routable"] = t_routable - end
+    return out
+
+
 def kill_to_routable(tmp: Path, model_dir: Path, weights, repeats: int, *, spares: int,
-                     restart_load: str = "model") -> tuple[list[float], list[float]]:
+                     restart_load: str = "model", checkpoint: Path | None = None
+                     ) -> tuple[list[float], list[float], list[dict[str, float]]]:
     """Seconds from each kill -9 of the serving engine to the routable list holding `target`
-    engines at version 1; and each incarnation's boot ("ready in") as the daemon saw it."""
+    engines at version 1; each incarnation's boot ("ready in") as the daemon saw it; and the
+    phases of each recovery. `checkpoint`: v1 is published with it and no agent runs, so a
+    restarted engine is reloaded from it."""
     tmp.mkdir(parents=True, exist_ok=True)
     names = ["e0", "e1"][:1 + spares]
     ports = {n: free_port() for n in names}
@@ -131,29 +191,32 @@ def kill_to_routable(tmp: Path, model_dir: Path, weights, repeats: int, *, spare
     d = Daemon(cfg)
     sock = str(tmp / "run" / "supervisor.sock")
     client = SupervisorClient(sock)
-    rows = []
+    rows: list[float] = []
+    split: list[dict[str, float]] = []
     try:
         d.wait_for(lambda e: e.get("event") == "supervisor.ready", 600)
         serving = [e["name"] for e in client.routable_engines()["engines"]]
         WeightSender(f"http://127.0.0.1:{ports[serving[0]]}").push(weights()[1], 1)
-        client.publish_weights(1)
-        agent = ResyncAgent(SupervisorClient(sock), weights).start()
+        client.publish_weights(1, checkpoint=None if checkpoint is None else str(checkpoint))
+        agent = None if checkpoint is not None else ResyncAgent(SupervisorClient(sock), weights).start()
         for _ in range(repeats):
             if spares:  # the last kill's engine is back as the spare before the next kill
                 wait(lambda: sorted(e["state"] for e in client.status()["engines"]) == ["RUNNING", "STANDBY"])
             victim = client.routable_engines()["engines"][0]["name"]
             mark = d.mark()
-            t0 = time.monotonic()
+            t0, t_kill = time.monotonic(), time.time()
             os.kill(d.last_pid(victim), signal.SIGKILL)
             d.transition(victim, "EXITED", 30, after=mark)
             wait(lambda: [e["weight_version"] for e in client.routable_engines()["engines"]] == [1], 0.02)
             rows.append(time.monotonic() - t0)
-        agent.stop()
+            split.append(phases(d.events[mark:], victim, t_kill, time.time()))
+        if agent is not None:
+            agent.stop()
     finally:
         d.terminate(60)
     boots = [b for e in d.events if e.get("event") == "engine.transition" and e.get("engine") == "e0"
              and (b := ready_in(e)) is not None]
-    return rows, boots
+    return rows, boots, split
 
 
 def wait(pred, every: float = 0.2, timeout: float = 600) -> None:
