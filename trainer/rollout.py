@@ -88,7 +88,7 @@ import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
@@ -1005,12 +1005,18 @@ class RolloutClient:
         end = len(state)
         first = 0
         asked = 0
+
+        async def ends_whole(tok: int, whole: bool, has_text: bool, streamed: Callable[[], str]) -> bool:
+            """A chunk end known whole, or (at most 4 asked in all) one /detokenize says is."""
+            nonlocal asked
+            if not whole and has_text and asked < 4:
+                asked += 1
+                whole = await self._whole(engine, state, tok, streamed())
+            return whole
+
         if state.synced < start:
             for i, (tok, n_text, whole, has_text) in enumerate(bounds):
-                if not whole and has_text and asked < 4:
-                    asked += 1
-                    whole = await self._whole(engine, state, tok, "".join(texts[:n_text]))
-                if whole:
+                if await ends_whole(tok, whole, has_text, lambda: "".join(texts[:n_text])):
                     state.text.append((state.synced, tok, state.head, "".join(texts[:n_text])))
                     state.synced, state.head, first = tok, "", i + 1
                     break
@@ -1025,10 +1031,7 @@ class RolloutClient:
             state.synced = end
             return
         for tok, n_text, whole, has_text in reversed(bounds[first:]):
-            if not whole and has_text and asked < 4:
-                asked += 1
-                whole = await self._whole(engine, state, tok, state.head + "".join(texts[from_text:n_text]))
-            if whole:
+            if await ends_whole(tok, whole, has_text, lambda: state.head + "".join(texts[from_text:n_text])):
                 state.text.append("".join(texts[from_text:n_text]))
                 state.synced, state.head = tok, "".join(texts[n_text:])
                 return
@@ -1039,8 +1042,6 @@ class RolloutClient:
         decoded (_window_text) by `engine`, else by another listed engine; None if none
         answers. `stop_token`: the last token ended the request as a stop token (EOS), which
         vLLM leaves out of the text."""
-        if all(isinstance(seg, str) for seg in state.text):
-            return "".join(state.text)  # type: ignore[arg-type]
         out: list[str] = []
         for seg in state.text:
             if isinstance(seg, str):
