@@ -187,17 +187,25 @@ def versioned(tmp_path):
     yield from versioned_fleet(tmp_path)
 
 
+def v1_but_the_spare(f) -> tuple[dict[str, str], str, list[str]]:
+    """The serving engines get v1, published; the spare stays on base weights (promotion
+    mode). Then round 1 opens. The states before, the spare, the serving engines."""
+    before = states(f.sock)
+    spare = next(n for n, s in before.items() if s == "STANDBY")
+    serving = sorted(n for n, s in before.items() if s == "RUNNING")
+    for n in serving:
+        f.modes[n].write_text("version=1")
+    c = SupervisorClient(f.sock)
+    c.publish_weights(1)
+    c.start_round(1)
+    return before, spare, serving
+
+
 def test_roles_hold_across_a_reload_and_a_restart_mid_round_with_the_spare_behind(versioned):
     f = versioned
     d = f.daemons[0]
     c = SupervisorClient(f.sock)
-    before = states(f.sock)
-    spare = next(n for n, s in before.items() if s == "STANDBY")
-    serving = sorted(n for n, s in before.items() if s == "RUNNING")
-    for n in serving:  # the serving engines get v1; the spare stays on base weights (promotion mode)
-        f.modes[n].write_text("version=1")
-    c.publish_weights(1)
-    c.start_round(1)
+    before, spare, serving = v1_but_the_spare(f)
     routable = [e["name"] for e in c.routable_engines()["engines"]]
     assert routable == serving and states(f.sock) == before
     mark = d.mark()
@@ -228,12 +236,7 @@ def test_a_spare_behind_that_dies_mid_round_is_parked_again_inside_the_round(ver
     f = versioned
     d = f.daemons[0]
     c = SupervisorClient(f.sock)
-    before = states(f.sock)
-    spare = next(n for n, s in before.items() if s == "STANDBY")
-    for n in (n for n, s in before.items() if s == "RUNNING"):
-        f.modes[n].write_text("version=1")
-    c.publish_weights(1)  # the spare stays on base weights (promotion mode)
-    c.start_round(1)
+    _, spare, _ = v1_but_the_spare(f)
     mark = d.mark()
     os.kill(d.last_pid(spare), signal.SIGKILL)
     d.transition(spare, "STARTING", 30, after=mark)  # at once, not after the round
