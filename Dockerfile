@@ -5,11 +5,15 @@
 FROM vllm/vllm-openai:v0.33.0
 
 WORKDIR /opt/vime
+# The wheel is built from exactly these files (tests/unit/test_docker_wheel.py builds it from
+# them). src/vime/ holds relative symlinks to the card's folders: COPY keeps them as links.
 COPY pyproject.toml README.md ./
+COPY src ./src
 COPY supervisor ./supervisor
 COPY trainer ./trainer
 COPY weight_sync ./weight_sync
 COPY harness ./harness
+COPY cluster ./cluster
 # Ours imports as vime.*, beside supervisord (which vLLM pulls in). Both wheels write
 # bin/supervisorctl and pip leaves it to the last installed: the --no-deps --force-reinstall
 # makes it ours, a dispatcher that hands supervisord's invocations to supervisord's (README,

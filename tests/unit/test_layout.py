@@ -141,11 +141,42 @@ def test_no_import_cycle_among_the_daemons_modules():
             visit(n, [n])
 
 
-def test_the_wheel_ships_every_package_folder():
+def test_every_package_folder_is_reached_through_src():
+    """src/vime/<folder> is a relative symlink to each card folder: the on-disk import path that
+    setuptools' package discovery, an editable install and every static tool follow."""
+    for folder in FOLDERS:
+        link = ROOT / "src" / "vime" / folder
+        assert link.is_symlink(), f"src/vime/{folder} must be a symlink to ../../{folder}"
+        assert link.readlink() == Path("..", "..", folder), link.readlink()
+        assert (link / "__init__.py").is_file(), folder
+    assert (ROOT / "src" / "vime" / "__init__.py").is_file()
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(cfg["packages"])
-    packages = {module_name(p) for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
-    assert packages == listed, f"pyproject.toml [tool.setuptools] packages differs: {packages ^ listed}"
-    for pkg in listed:
-        folder = cfg["package-dir"].get(pkg) or cfg["package-dir"][pkg.rpartition(".")[0]] + "/" + pkg.rpartition(".")[2]
-        assert (ROOT / folder / "__init__.py").is_file(), pkg
+    assert "package-dir" not in cfg and cfg["packages"]["find"]["where"] == ["src"]
+
+
+def test_every_module_imports_with_only_src_on_the_path():
+    """No import hook: a fresh interpreter with src/ on sys.path, and neither the editable
+    install's finder nor the repository root, imports every module of ours that needs no
+    optional dependency to import."""
+    import subprocess
+    import sys
+
+    names = sorted(MODULES)
+    code = (
+        "import sys, importlib\n"
+        f"sys.path[:] = [{str(ROOT / 'src')!r}] + [p for p in sys.path if p.startswith(sys.base_prefix) or 'site-packages' in p]\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__.lower()]\n"
+        "bad = []\n"
+        f"for n in {names!r}:\n"
+        "    try:\n"
+        "        m = importlib.import_module(n)\n"
+        f"        assert m.__file__.startswith({str(ROOT / 'src')!r}), (n, m.__file__)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if e.name and e.name.split('.')[0] in ('vime',):\n"
+        "            bad.append((n, repr(e)))\n"
+        "print(len(sys.modules), bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert int(r.stdout.split()[0]) > len(names), r.stdout  # it did import them
