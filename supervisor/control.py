@@ -65,6 +65,10 @@ MAX_AGENT_STREAMS = 8
 STREAM_QUEUE = 2000
 STREAM_WRITE_TIMEOUT = 10.0
 _CLOSE = object()  # ends an event stream
+# Calls made while a reload execs wait in the listen backlog (one connection per caller).
+BACKLOG = 1024
+# How long a reload's stop waits for a connection it accepted to send its request.
+ACCEPTED_GRACE = 0.5
 
 
 class _StalledReader(Exception):
@@ -75,6 +79,12 @@ class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+
+
+def _unread(conn: Any) -> bool:
+    """An open connection none of whose requests aiohttp has read yet (its own counter; if a
+    later aiohttp drops it, nothing is waited for)."""
+    return conn.transport is not None and getattr(conn, "_request_count", 1) == 0
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
@@ -154,7 +164,10 @@ def daemon_log_file() -> tuple[str | None, str]:
 
 
 class ControlServer:
-    def __init__(self, fleet: Fleet, path: str, *, allowed_uids: tuple[int, ...] = (), socket_group: str | None = None):
+    def __init__(self, fleet: Fleet, path: str, *, allowed_uids: tuple[int, ...] = (), socket_group: str | None = None,
+                 listener: socket.socket | None = None):
+        """listener: the listening socket a reload handed over (checked by reexec.take_listener),
+        served on instead of binding a new one."""
         self.fleet = fleet
         self.path = path
         self.allowed = {os.getuid(), *allowed_uids}
@@ -163,6 +176,9 @@ class ControlServer:
         self._runner: web.AppRunner | None = None
         self._streams: set = set()  # open event streams, ended at stop
         self._closing = False
+        self._inherited = listener
+        self.listener: socket.socket | None = None  # listening, from start() until close_listener()
+        self.listener_file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file it is bound to
         self._routes()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -171,29 +187,67 @@ class ControlServer:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._check_runtime_dir(os.path.dirname(self.path))
         gid = self._socket_gid()  # before the socket exists: a bad group leaves nothing behind
+        listener, self._inherited = self._inherited, None
+        if listener is not None and listener.getsockname() != self.path:
+            log.warning("control.handover_refused", socket=self.path, why=f"the socket handed over is bound to "
+                        f"{listener.getsockname()!r}", action="binding a fresh socket")
+            listener.close()
+            listener = None
+        inherited = listener is not None
+        if listener is None:
+            listener = self._bind()
+        try:
+            self._keep_as_configured(gid, inherited)
+            # A short shutdown_timeout: nothing a handler does is worth delaying the daemon's exit.
+            self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
+            await self._runner.setup()
+            # aiohttp closes the socket it serves on when it stops: it gets a duplicate, and
+            # self.listener goes on listening (a reload hands it to the next image).
+            await web.SockSite(self._runner, listener.dup(), backlog=BACKLOG).start()
+        except BaseException:
+            if self._runner is not None:
+                await self._runner.cleanup()
+                self._runner = None
+            listener.close()
+            self._unlink_socket()
+            raise
+        self.listener = listener
+        log.info("control.listening", socket=self.path, mode="0660", allowed_uids=sorted(self.allowed),
+                 inherited=inherited)
+
+    def _bind(self) -> socket.socket:
         if os.path.lexists(self.path):
             if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 raise RuntimeError(f"{self.path} exists and is not a socket; remove it or choose another runtime_dir")
             os.unlink(self.path)  # a stale socket from a previous daemon
-        # A short shutdown_timeout: nothing a handler does is worth delaying the daemon's exit.
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
-        await self._runner.setup()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o117)  # the socket is created 0660, never wider, not even for a moment
         try:
-            await web.UnixSite(self._runner, self.path).start()
+            sock.bind(self.path)
+            sock.listen(BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
         finally:
             os.umask(old)
-        try:
-            # bind() made it 0660 under the umask; lstat: never chmod what a symlink points to.
-            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                raise RuntimeError(f"{self.path} was replaced after bind; runtime_dir must be ours alone")
-            if gid is not None:
-                os.chown(self.path, -1, gid, follow_symlinks=False)
-        except BaseException:
-            await self._runner.cleanup()
-            self._unlink_socket()
-            raise
-        log.info("control.listening", socket=self.path, mode="0660", allowed_uids=sorted(self.allowed))
+        return sock
+
+    def _keep_as_configured(self, gid: int | None, inherited: bool) -> None:
+        """Mode 0660 and the configured group. bind() made a fresh socket 0660 under the umask;
+        an inherited one gets both again (a reload may have changed socket_group)."""
+        # lstat: never chmod or chown what a symlink points to.
+        st = os.lstat(self.path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise RuntimeError(f"{self.path} was replaced after bind; runtime_dir must be ours alone")
+        self.listener_file = (st.st_dev, st.st_ino)
+        if inherited:
+            if stat.S_IMODE(st.st_mode) != 0o660:
+                os.chmod(self.path, 0o660)
+            if gid is None:  # the group a fresh bind gets: the directory's if set-group-ID, else ours
+                parent = os.stat(os.path.dirname(self.path))
+                gid = parent.st_gid if parent.st_mode & stat.S_ISGID else os.getegid()
+        if gid is not None and st.st_gid != gid:
+            os.chown(self.path, -1, gid, follow_symlinks=False)
 
     @staticmethod
     def _check_runtime_dir(path: str) -> None:
@@ -226,7 +280,10 @@ class ControlServer:
         except FileNotFoundError:
             pass
 
-    async def stop(self) -> None:
+    async def stop(self, *, keep_listening: bool = False) -> None:
+        """Stop serving. keep_listening (a reload): the listening socket stays open, and calls
+        made from now on wait in its backlog for the next image; a call already accepted is
+        answered first (or closed unanswered, never half-handled)."""
         self._closing = True
         for sub in list(self._streams):  # long-lived streams end now, not at their next event
             try:
@@ -234,7 +291,30 @@ class ControlServer:
             except asyncio.QueueFull:
                 pass
         if self._runner is not None:
+            if keep_listening:
+                await self._stop_accepting()
             await self._runner.cleanup()
+        if not keep_listening:
+            self.close_listener()
+
+    async def _stop_accepting(self) -> None:
+        """Accept no more; wait (ACCEPTED_GRACE at most) until every connection accepted has
+        had its request read: the runner's shutdown closes one not yet read unanswered, which
+        a client would see as a dropped call."""
+        assert self._runner is not None and self._runner.server is not None
+        for site in list(self._runner.sites):
+            await site.stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ACCEPTED_GRACE
+        while any(_unread(c) for c in self._runner.server.connections) and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+
+    def close_listener(self) -> None:
+        """Close the listening socket and remove its file (a stop; or a reload's stop that came
+        after the server had stopped)."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         try:
             os.unlink(self.path)
         except FileNotFoundError:

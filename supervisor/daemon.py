@@ -14,6 +14,7 @@ import fcntl
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -56,8 +57,12 @@ EXTEND_WINDOW = 30.0  # seconds each EXTEND_TIMEOUT_USEC buys while first starts
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, *, generation: int = 0, reread: Callable[[], Config] | None = None):
+    def __init__(self, cfg: Config, *, generation: int = 0, reread: Callable[[], Config] | None = None,
+                 listener: socket.socket | None = None):
         self.cfg = cfg
+        # The listening control socket: handed over by a reload, served on by run(), and after
+        # a run that ends in a reload, still listening for the next image (None otherwise).
+        self.listener = listener
         self.reread = reread  # the config file read again, as a reload's next image will read it
         self.generation = generation  # reloads (re-executions in place) this process has been through
         self.bus = EventBus()
@@ -190,11 +195,13 @@ class Supervisor:
                 if not runner.retired:
                     runner.start(self.tasks)
             if self.generation:
-                # After a reload the socket opens once the adopted engines are checked again,
-                # so a client that reconnects sees the fleet as the previous image left it.
+                # After a reload the socket is served once the adopted engines are checked
+                # again, so a call (waiting in its backlog) sees the fleet as the previous
+                # image left it.
                 await self._readopted(RELOAD_SETTLE)
             control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
-                                    socket_group=cfg.socket_group or None)
+                                    socket_group=cfg.socket_group or None, listener=self.listener)
+            self.listener = None  # the control server's now
             metrics = MetricsListener(self.fleet, cfg.metrics_address)  # "": none
             try:
                 await control.start()
@@ -215,9 +222,11 @@ class Supervisor:
                     self.notifier.stopping()
                     await self.shutdown()
             finally:
-                # In this order: engines are stopped (above), the socket closes, syncs end,
-                # the journal's last write, then whatever task is left.
-                await control.stop()
+                # In this order: engines are stopped (above), the socket closes (for a reload it
+                # stops accepting and stays listening), syncs end, the journal's last write,
+                # then whatever task is left.
+                await control.stop(keep_listening=self._reload and reexec.socket_handover_enabled())
+                self.listener, self.listener_file = control.listener, control.listener_file
                 await metrics.stop()
                 await self.sync.close()
                 await self.journal.close()
@@ -232,6 +241,9 @@ class Supervisor:
         if self._reload and self._stop_wanted:  # a stop in the last moments before the exec
             self._reload = False
             await self.shutdown()
+        if not self._reload:
+            control.close_listener()
+            self.listener = None
         return self._reload
 
     async def detach(self) -> None:
@@ -534,10 +546,15 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         log.error("limits.nofile_low", problem=problem)
     generation = handover.generation if handover else 0
+    listener = handover.listener if handover else None
+    if handover and handover.listener_refused:
+        log.warning("control.handover_refused", why=handover.listener_refused, action="binding a fresh socket")
     kept: list[Supervisor] = []
     try:
         while True:
-            sup = Supervisor(cfg, generation=generation, reread=lambda: config_mod.load(args.config, args))
+            sup = Supervisor(cfg, generation=generation, reread=lambda: config_mod.load(args.config, args),
+                             listener=listener)
+            listener = None
             if early_hup:
                 log.warning("supervisor.reload_ignored", why="SIGHUP before the daemon was up")
                 early_hup.clear()
@@ -545,11 +562,20 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             argv_now = reexec.daemon_argv()
             log.info("supervisor.reexec", argv=argv_now, generation=generation + 1)
+            listener, named = sup.listener, None
+            if listener is not None:
+                try:
+                    named = reexec.socket_identity(listener, cfg.socket_path, sup.listener_file)
+                except OSError as e:  # its file is gone or replaced: the next image binds a fresh one
+                    log.warning("control.not_handed_over", socket=cfg.socket_path, why=str(e))
+                    listener.close()
+                    listener = None
             try:
-                reexec.execute(argv_now, generation + 1, locks)  # returns only if it failed
+                reexec.execute(argv_now, generation + 1, locks, named)  # returns only if it failed
             except OSError as e:
                 # The engines run on, detached and journaled: this process adopts them again,
-                # with the code it already has (nothing of the old image is dropped: kept).
+                # with the code it already has (nothing of the old image is dropped: kept),
+                # serving on the socket it kept listening.
                 log.error("supervisor.reload_failed", error=str(e), argv=argv_now,
                           action="re-adopting the engines with the daemon already running")
                 kept.append(sup)

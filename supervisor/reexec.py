@@ -10,6 +10,12 @@ every engine from the journal as after a kill -9, keeping the round and the weig
 The lock files (one daemon per runtime and state directory) are handed over open across the
 exec, so no second daemon can take them in between: their fds and the pid they were meant for
 travel in $VIME_SUPERVISOR_HANDOVER, which the new image reads and removes.
+
+So does the listening control socket: the old image stops accepting (calls made from then on
+wait in the socket's backlog), ends what it had accepted, and execs; the new image checks the
+descriptor is that socket and serves on it, so a call made during a reload is answered by the
+new image instead of refused. A descriptor that fails the check is not used: the new image
+binds afresh, as a daemon started from nothing does.
 """
 
 from __future__ import annotations
@@ -18,10 +24,19 @@ import asyncio
 import json
 import os
 import signal
+import socket
+import stat
 import sys
 from dataclasses import dataclass, field
 
 HANDOVER_ENV = "VIME_SUPERVISOR_HANDOVER"
+# "0": a reload closes the control socket and the next image binds a new one (calls made in
+# between are refused); bench/reload.py measures that against the handover.
+SOCKET_HANDOVER_ENV = "VIME_SUPERVISOR_SOCKET_HANDOVER"
+
+
+def socket_handover_enabled(environ: dict[str, str] | None = None) -> bool:
+    return (os.environ if environ is None else environ).get(SOCKET_HANDOVER_ENV, "1") != "0"
 PREFLIGHT_TIMEOUT = 120.0  # a cold import of the daemon on a loaded machine, with room
 
 
@@ -31,6 +46,62 @@ class Handover:
 
     generation: int = 0  # re-executions so far in this process (0: a fresh start)
     locks: dict[str, int] = field(default_factory=dict)  # lock file path -> open fd holding its flock
+    listener: socket.socket | None = None  # the control socket, listening, if it passed the check
+    listener_refused: str | None = None  # why a handed-over socket was not taken (logged once logging is up)
+
+
+def socket_identity(sock: socket.socket, path: str, bound: tuple[int, int] | None) -> dict[str, int | str]:
+    """What names a listening control socket in a handover: its descriptor, the socket itself
+    (its inode in sockfs) and the file bound to the path (both survive the exec unchanged).
+    `bound`: (st_dev, st_ino) of that file when it was bound; OSError if the path no longer
+    holds it (the next image must not serve on a socket whose file was removed or replaced)."""
+    held, there = os.fstat(sock.fileno()), os.lstat(path)
+    if (there.st_dev, there.st_ino) != bound:
+        raise OSError(f"{path} is no longer the file this socket was bound to")
+    return {"fd": sock.fileno(), "path": path, "sock_dev": held.st_dev, "sock_ino": held.st_ino,
+            "dev": there.st_dev, "ino": there.st_ino}
+
+
+def take_listener(named: dict) -> tuple[socket.socket | None, str | None]:
+    """The handed-over control socket, or (None, why not). The descriptor must be the very
+    socket the previous image recorded, a listening AF_UNIX stream socket bound to the path,
+    whose file is still the one it bound. One that is the socket but fails a later check is
+    closed; a descriptor that is not that socket is left alone (it is not ours to close)."""
+    try:
+        fd, path = int(named["fd"]), str(named["path"])
+        want_sock = (int(named["sock_dev"]), int(named["sock_ino"]))
+        want_file = (int(named["dev"]), int(named["ino"]))
+    except (KeyError, TypeError, ValueError):
+        return None, f"the handover's listener entry is malformed: {named!r}"
+    try:
+        held = os.fstat(fd)
+    except OSError as e:
+        return None, f"fd {fd} is not open ({e.strerror})"
+    if not stat.S_ISSOCK(held.st_mode) or (held.st_dev, held.st_ino) != want_sock:
+        return None, f"fd {fd} is not the socket the previous image handed over"
+    sock = socket.socket(fileno=fd)
+    try:
+        why = None
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+            why = f"fd {fd} is not a Unix stream socket"
+        elif not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            why = f"fd {fd} is not listening"
+        elif sock.getsockname() != path:
+            why = f"fd {fd} is bound to {sock.getsockname()!r}, not {path}"
+        else:
+            try:
+                there = os.lstat(path)
+            except OSError as e:
+                there, why = None, f"{path}: {e.strerror}"
+            if there is not None and (not stat.S_ISSOCK(there.st_mode) or (there.st_dev, there.st_ino) != want_file):
+                why = f"{path} was replaced since the previous image bound it"
+    except OSError as e:
+        why = f"fd {fd}: {e}"
+    if why is not None:
+        sock.close()
+        return None, why
+    sock.set_inheritable(False)
+    return sock, None
 
 
 def daemon_argv() -> list[str]:
@@ -77,9 +148,11 @@ def release_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
-def execute(argv: list[str], generation: int, locks: list[int]) -> None:
-    """Replace this process's image; returns only by raising OSError (nothing was replaced)."""
-    for fd in locks:
+def execute(argv: list[str], generation: int, locks: list[int], listener: dict | None = None) -> None:
+    """Replace this process's image; returns only by raising OSError (nothing was replaced).
+    `listener`: socket_identity() of the listening control socket, handed over with the locks."""
+    fds = [*locks, *([listener["fd"]] if listener else [])]
+    for fd in fds:
         os.set_inheritable(fd, True)
     paths = {}
     for fd in locks:
@@ -88,19 +161,21 @@ def execute(argv: list[str], generation: int, locks: list[int]) -> None:
         except OSError:
             pass
     env = dict(os.environ)
-    env[HANDOVER_ENV] = json.dumps({"pid": os.getpid(), "generation": generation, "locks": paths})
+    env[HANDOVER_ENV] = json.dumps({"pid": os.getpid(), "generation": generation, "locks": paths,
+                                    "listener": listener})
     hold_signals()  # held already by the caller; they stay held if the exec fails, until a loop handles them
     try:
         os.execve(argv[0], argv, env)
-    finally:  # only reached when execve failed: the locks stay ours, not our children's
-        for fd in locks:
+    finally:  # only reached when execve failed: the fds stay ours, not our children's
+        for fd in fds:
             os.set_inheritable(fd, False)
 
 
 def inherited(environ: dict[str, str] | None = None) -> Handover | None:
     """The handover from the image before this one, if this process is a re-execution. The
     variable is removed either way: engines must not inherit it. One meant for another pid (a
-    shell that copied it) is ignored, and so is any fd that is not the lock file it names."""
+    shell that copied it) is ignored, and so is any fd that is not the lock file or the
+    listening socket it names (see take_listener)."""
     env = os.environ if environ is None else environ
     raw = env.pop(HANDOVER_ENV, None)
     if raw is None:
@@ -111,6 +186,7 @@ def inherited(environ: dict[str, str] | None = None) -> Handover | None:
             return None
         generation = int(data["generation"])
         named = {str(p): int(fd) for p, fd in dict(data["locks"]).items()}
+        listener = data.get("listener")
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
     locks = {}
@@ -122,4 +198,9 @@ def inherited(environ: dict[str, str] | None = None) -> Handover | None:
         if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino):
             os.set_inheritable(fd, False)
             locks[path] = fd
-    return Handover(generation=generation, locks=locks)
+    handover = Handover(generation=generation, locks=locks)
+    if isinstance(listener, dict):
+        handover.listener, handover.listener_refused = take_listener(listener)
+    elif listener is not None:
+        handover.listener_refused = f"the handover's listener entry is malformed: {listener!r}"
+    return handover
