@@ -66,21 +66,44 @@ def write_config(path: Path, *, engines: list[dict], **sections: dict) -> Path:
     return path
 
 
+def one_call(socket_path: str, method: str, path: str, timeout: float = 60.0) -> tuple[int, Any]:
+    """One control-socket call with no retry, unlike the clients: (HTTP status, JSON body). A
+    refused connect (ConnectionRefusedError), a missing socket (FileNotFoundError) or a
+    dropped call (ConnectionError, a partial answer) raises, so a caller sees each one."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(socket_path)
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: vime\r\nContent-Length: 0\r\n"
+                  f"Connection: close\r\n\r\n".encode())
+        buf = bytearray()
+        while chunk := s.recv(65536):
+            buf += chunk
+    head, _, body = bytes(buf).partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 "):
+        raise ConnectionError(f"no answer to {method} {path} ({len(buf)} bytes)")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), len(body))
+    if len(body) != length:
+        raise ConnectionError(f"a partial answer to {method} {path}: {len(body)} of {length} bytes")
+    return int(head.split()[1]), json.loads(body)
+
+
 class Daemon:
     """`python -m vime.supervisor --config FILE` as a child; its stderr parsed line by line.
 
     new_session: start it in a session (and process group) of its own, so that a Ctrl-C at the
-    terminal reaches only the caller, which then stops it in order (the demo does)."""
+    terminal reaches only the caller, which then stops it in order (the demo does).
+    launcher: a command that execs its arguments (the daemon's command line), run in front."""
 
     def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None, tee=None,
-                 new_session: bool = False):
+                 new_session: bool = False, launcher: tuple[str, ...] = ()):
         self.config = config
         self.tee = tee  # a text file that gets every line too
         self.events: list[dict] = []
         self.raw: list[str] = []
         self._cv = threading.Condition()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vime.supervisor", "--config", str(config), *extra],
+            [*launcher, sys.executable, "-m", "vime.supervisor", "--config", str(config), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             start_new_session=new_session,
         )

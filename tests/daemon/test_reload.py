@@ -9,18 +9,24 @@ tests/engine/test_journal_real.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, free_port, kill_all, live_pids_in_groups, standin_config
+from vime.harness.local_daemon import (
+    Daemon, free_port, kill_all, live_pids_in_groups, one_call, standin_config, write_config)
 
 from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
 
@@ -228,3 +234,131 @@ def test_a_fatal_engine_stays_fatal_across_a_reload(tmp_path):
         e1 = next(e for e in c.status()["engines"] if e["name"] == "e1")
         assert e1["state"] == "FATAL" and e1["reason"] == fatal["reason"] + " (FATAL before a reload)"
         assert not [e for e in d.events[mark:] if e.get("event") == "engine.spawned"]
+
+
+def other_group() -> int | None:
+    """A group the socket can be given that is not the one a fresh bind gives it (root: any)."""
+    if os.geteuid() == 0:
+        return 65534
+    return next((g for g in os.getgroups() if g != os.getegid()), None)
+
+
+class Caller(threading.Thread):
+    """Calls the socket without pause, each call on a new connection with no retry: a status,
+    or the next round's start or end (each changes the round once: one lost or answered twice
+    is a 409 or leaves the round where it should not be)."""
+
+    def __init__(self, sock: str, rounds: bool):
+        super().__init__(daemon=True)
+        self.sock, self.rounds = sock, rounds
+        self.calls: list[tuple[float, float, Any]] = []  # (sent, answered, reloads or round)
+        self.errors: list[str] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        n = 199  # the calls go 200 (round 100 starts), 201 (it ends), 202 (round 101 starts), ...
+        while not self.halt.is_set():
+            sent = time.time()
+            try:
+                if self.rounds:  # round n starts, then ends; each call changes something once
+                    n += 1
+                    phase = "end" if n % 2 else "start"
+                    code, body = one_call(self.sock, "POST", f"/v1/rounds/{n // 2}/{phase}")
+                    ok, what = code == 200 and body["changed"] is True, n
+                else:
+                    code, body = one_call(self.sock, "GET", "/v1/status")
+                    ok, what = code == 200, body["daemon"]["reloads"]
+            except Exception as e:  # ConnectionRefusedError, FileNotFoundError, a drop: all failures here
+                self.errors.append(f"{type(e).__name__}: {e}")
+                time.sleep(0.05)
+                continue
+            if not ok:
+                self.errors.append(f"{code}: {body}")
+            self.calls.append((sent, time.time(), what))
+
+
+def ts(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def test_calls_during_reloads_wait_for_the_next_image_and_none_is_refused(world):
+    d, sock, cfg = world.daemon, world.sock, world.cfg
+    first = os.lstat(sock)
+    group, good = other_group(), cfg.read_text()
+    callers = [Caller(sock, rounds=False), Caller(sock, rounds=True)]
+    for c in callers:
+        c.start()
+    try:
+        # The first reload sets socket_group, the second keeps it, the third removes it: the
+        # socket handed over takes the configured group each time, and its mode.
+        for gen, new_group in ((1, group), (2, group), (3, None)):
+            if new_group is not None:
+                cfg.write_text(good.replace("[supervisor]\n", f'[supervisor]\nsocket_group = "{new_group}"\n', 1))
+            else:
+                cfg.write_text(good)
+            time.sleep(0.5)  # calls answered by this image before the signal
+            mark = d.mark()
+            d.proc.send_signal(signal.SIGHUP)
+            up = started(d, gen, after=mark, timeout=60)
+            reexec = next(e for e in d.events[mark:] if e.get("event") == "supervisor.reexec")
+            listening = next(e for e in d.events[mark:] if e.get("event") == "control.listening")
+            assert listening["inherited"] is True, listening
+            st = os.lstat(sock)
+            assert (st.st_dev, st.st_ino) == (first.st_dev, first.st_ino)  # the same socket file
+            assert stat.S_IMODE(st.st_mode) == 0o660
+            assert st.st_gid == (new_group if new_group is not None else os.getegid())
+            # Some status call was sent after the old image stopped serving, and answered by
+            # the new one: it waited in the backlog across the exec.
+            deadline = time.monotonic() + 30
+            while not any(sent > ts(reexec) and what == gen for sent, _, what in callers[0].calls):
+                assert time.monotonic() < deadline, "no call made during the exec was answered"
+                time.sleep(0.1)
+            assert up["pid"] == d.proc.pid
+    finally:
+        for c in callers:
+            c.halt.set()
+        for c in callers:
+            c.join(90)
+    assert [c.errors for c in callers] == [[], []]
+    last = callers[1].calls[-1][2]
+    now = SupervisorClient(sock).status()
+    assert (now["round"], now["round_open"]) == (last // 2, last % 2 == 0)  # the last call's round, as it left it
+    assert not [e for e in d.events if e.get("event") == "control.handover_refused"]
+
+
+# Starts the daemon with a handover as a reload would write it, for this very pid.
+HANDING_OVER = ("import json, os, sys; h = json.loads(os.environ.pop('TEST_HANDOVER')); h['pid'] = os.getpid(); "
+                "os.environ['VIME_SUPERVISOR_HANDOVER'] = json.dumps(h); os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def test_a_handover_naming_a_wrong_fd_binds_a_fresh_socket(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    path = str(run / "supervisor.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # what a previous image left: its file
+    stale.bind(path)
+    stale.listen(1)
+    st = os.lstat(path)
+    named = {"fd": 2, "path": path, "sock_dev": 0, "sock_ino": 0, "dev": st.st_dev, "ino": st.st_ino}
+    cfg = write_config(tmp_path / "sup.toml",
+                       supervisor={"runtime_dir": str(run), "log_dir": str(tmp_path / "logs"),
+                                   "state_dir": str(tmp_path / "state")},
+                       engines=[{"name": "none", "url": "http://127.0.0.1:9"}])
+    handover = json.dumps({"generation": 1, "locks": {}, "listener": named})
+    d = Daemon(cfg, env={"TEST_HANDOVER": handover}, launcher=(sys.executable, "-c", HANDING_OVER))
+    try:
+        refused = d.wait_for(lambda e: e.get("event") == "control.handover_refused", 30)
+        assert refused["why"] == "fd 2 is not the socket the previous image handed over", refused
+        listening = d.wait_for(lambda e: e.get("event") == "control.listening", 30)
+        assert listening["inherited"] is False
+        status = SupervisorClient(path).status()  # answered on the fresh socket, not the stale one
+        assert status["daemon"]["pid"] == d.proc.pid
+        assert os.lstat(path).st_ino != st.st_ino and stat.S_IMODE(os.lstat(path).st_mode) == 0o660
+        # fd 2, its stderr, was left alone: it goes on logging.
+        mark = d.mark()
+        d.proc.send_signal(signal.SIGTERM)
+        d.wait_for(lambda e: e.get("event") == "supervisor.stopped", 30, after=mark)
+        assert d.proc.wait(30) == 0
+    finally:
+        d.kill()
+        stale.close()
