@@ -58,11 +58,11 @@ EXTEND_WINDOW = 30.0  # seconds each EXTEND_TIMEOUT_USEC buys while first starts
 
 class Supervisor:
     def __init__(self, cfg: Config, *, generation: int = 0, reread: Callable[[], Config] | None = None,
-                 listener: socket.socket | None = None):
+                 listening: socket.socket | None = None):
         self.cfg = cfg
         # The listening control socket: handed over by a reload, served on by run(), and after
         # a run that ends in a reload, still listening for the next image (None otherwise).
-        self.listener = listener
+        self.listener = listening
         self.reread = reread  # the config file read again, as a reload's next image will read it
         self.generation = generation  # reloads (re-executions in place) this process has been through
         self.bus = EventBus()
@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             sup = Supervisor(cfg, generation=generation, reread=lambda: config_mod.load(args.config, args),
-                             listener=listener)
+                             listening=listener)
             listener = None
             if early_hup:
                 log.warning("supervisor.reload_ignored", why="SIGHUP before the daemon was up")

@@ -28,16 +28,18 @@ import socket
 import stat
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 HANDOVER_ENV = "VIME_SUPERVISOR_HANDOVER"
 # "0": a reload closes the control socket and the next image binds a new one (calls made in
 # between are refused); bench/reload.py measures that against the handover.
 SOCKET_HANDOVER_ENV = "VIME_SUPERVISOR_SOCKET_HANDOVER"
+PREFLIGHT_TIMEOUT = 120.0  # a cold import of the daemon on a loaded machine, with room
 
 
 def socket_handover_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether a reload hands the listening control socket over (unless the variable is "0")."""
     return (os.environ if environ is None else environ).get(SOCKET_HANDOVER_ENV, "1") != "0"
-PREFLIGHT_TIMEOUT = 120.0  # a cold import of the daemon on a loaded machine, with room
 
 
 @dataclass
@@ -62,7 +64,7 @@ def socket_identity(sock: socket.socket, path: str, bound: tuple[int, int] | Non
             "dev": there.st_dev, "ino": there.st_ino}
 
 
-def take_listener(named: dict) -> tuple[socket.socket | None, str | None]:
+def take_listener(named: dict[str, Any]) -> tuple[socket.socket | None, str | None]:
     """The handed-over control socket, or (None, why not). The descriptor must be the very
     socket the previous image recorded, a listening AF_UNIX stream socket bound to the path,
     whose file is still the one it bound. One that is the socket but fails a later check is
@@ -148,7 +150,7 @@ def release_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
-def execute(argv: list[str], generation: int, locks: list[int], listener: dict | None = None) -> None:
+def execute(argv: list[str], generation: int, locks: list[int], listener: dict[str, Any] | None = None) -> None:
     """Replace this process's image; returns only by raising OSError (nothing was replaced).
     `listener`: socket_identity() of the listening control socket, handed over with the locks."""
     fds = [*locks, *([listener["fd"]] if listener else [])]
