@@ -113,6 +113,8 @@ class AsyncClusterClient:
     discover_interval: how often the Ray cluster is read for nodes that came (back).
     connect_timeout: the agents' connect timeout to their daemon (a dead daemon shows in this).
     ray_address: joins this Ray cluster ("auto", HEAD:PORT) when Ray is not initialised yet.
+    admit_mid_round: a node that comes back inside a round is admitted at once (its engines at
+        the cluster's version only), as the daemons' admit_mid_round does for engines.
     """
 
     def __init__(self, nodes: list[str] | None = None, *, socket_path: str | Mapping[str, str] | None = None,
@@ -120,7 +122,7 @@ class AsyncClusterClient:
                  unavailable_grace: float = 10.0,
                  retry_for: float = 2.0, discover_interval: float = 2.0, connect_timeout: float = 2.0,
                  agent_max_restarts: int = 3, ray_address: str | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 admit_mid_round: bool = False, clock: Callable[[], float] = time.monotonic):
         self.wanted = None if nodes is None else list(nodes)
         self.socket_path = socket_path
         self.call_timeout = call_timeout
@@ -131,7 +133,7 @@ class AsyncClusterClient:
         self.connect_timeout = connect_timeout
         self.agent_max_restarts = agent_max_restarts
         self.ray_address = ray_address
-        self.view = ClusterView(min_healthy=min_healthy, clock=clock)
+        self.view = ClusterView(min_healthy=min_healthy, admit_mid_round=admit_mid_round, clock=clock)
         self._nodes: dict[str, _Node] = {}
         self._subs: set[asyncio.Queue] = set()
         self._tasks: set[asyncio.Task] = set()

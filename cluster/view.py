@@ -12,7 +12,9 @@ its epoch, whether it can be reached) and decides what the trainer sees:
   (nobody can vouch for them); it is retried, and LOST after a grace (or at once when its
   agent or its daemon is known dead);
 - a node that comes back (or is seen for the first time after the start) is JOINING: its
-  engines join routing only in a round gap (`round_ended`, or at once when no round is open);
+  engines join routing only in a round gap (`round_ended`, or at once when no round is open),
+  or at once with `admit_mid_round` (only its engines at the cluster's version are routable,
+  as for every node; a node whose daemon missed a publish lists none until it catches up);
 - the floor: `min_healthy` routable engines across nodes, armed once first reached.
 """
 
@@ -102,8 +104,10 @@ class Change:
 
 
 class ClusterView:
-    def __init__(self, *, min_healthy: int = 1, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, *, min_healthy: int = 1, admit_mid_round: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         self.min_healthy = min_healthy
+        self.admit_mid_round = admit_mid_round
         self.clock = clock
         self.nodes: dict[str, NodeRecord] = {}
         self.epoch = 0
@@ -168,6 +172,8 @@ class ClusterView:
             self.weight_version, self.checkpoint, self.version_learned = rec.weight_version, None, True
         if rec.state is NodeState.JOINING and not self.round_open:
             rec.state, rec.reason = NodeState.UP, "admitted in a round gap"
+        elif rec.state is NodeState.JOINING and self.admit_mid_round:
+            rec.state, rec.reason = NodeState.UP, f"admitted inside round {self.round}"
         return self._recompute(node, before, settle=settle)
 
     def node_unavailable(self, node: str, reason: str) -> Change:

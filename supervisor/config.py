@@ -82,6 +82,11 @@ class Config:
     stop_timeout: float = 10.0  # SIGTERM -> SIGKILL (supervisord's stopwaitsecs)
     min_healthy: int = 1
     restart_immediately: bool = False  # boot a dead engine during the round, route it after
+    # Full strength inside the round: a current spare takes a failed engine's place at once,
+    # and an engine verified at the current version (a restart reloaded from the published
+    # checkpoint, a held one) joins at once, instead of in the next gap. Version-safe: nothing
+    # at another version is routable. Off: membership grows only in gaps (slime's rule).
+    admit_mid_round: bool = False
     # Warm spares: this many engines beyond the routing target (engines - spares) are kept
     # booted and verified in STANDBY, and one takes a failed engine's place in the next gap.
     spares: int = 0
@@ -134,6 +139,7 @@ _SUPERVISOR = {
     "stop_timeout": float,
     "min_healthy": int,
     "restart_immediately": bool,
+    "admit_mid_round": bool,
     "spares": int,
     "spares_sync": str,
     "restart_load": str,
@@ -789,6 +795,7 @@ _FLAG_KEYS = {
     "flapping_max_restarts": ("restart", "flapping_max_restarts"),
     "min_healthy": ("supervisor", "min_healthy"),
     "restart_immediately": ("supervisor", "restart_immediately"),
+    "admit_mid_round": ("supervisor", "admit_mid_round"),
     "spares": ("supervisor", "spares"),
     "spares_sync": ("supervisor", "spares_sync"),
     "restart_load": ("supervisor", "restart_load"),
@@ -840,7 +847,11 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                    help=f"restarts inside the window before FATAL (default {r.flapping_max_restarts})")
     g.add_argument("--min-healthy", type=int, metavar="N", help="routable engines below which the trainer is told")
     g.add_argument("--restart-immediately", action=argparse.BooleanOptionalAction, default=None,
-                   help="boot a dead engine during the round (routed only after the gap)")
+                   help="boot a dead engine during the round (routed after the gap, or at once with "
+                        "--admit-mid-round once verified at the current version)")
+    g.add_argument("--admit-mid-round", action=argparse.BooleanOptionalAction, default=None,
+                   help="fill a failed engine's place inside the round: a current spare at once, an engine "
+                        "verified at the current version as soon as it is (default off: in the gap)")
     g.add_argument("--spares", type=int, metavar="K",
                    help="warm spares: K engines beyond the routing target kept in STANDBY, promoted in "
                         "the gap after a failure (default 0)")

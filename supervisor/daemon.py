@@ -68,6 +68,7 @@ class Supervisor:
         self.bus = EventBus()
         self.policy = FleetPolicy(min_healthy=cfg.min_healthy, use_fault_tolerance=cfg.use_fault_tolerance,
                                   restart_immediately=cfg.restart_immediately,
+                                  admit_mid_round=cfg.admit_mid_round, strength=len(cfg.engines) - cfg.spares,
                                   target=len(cfg.engines) - cfg.spares if cfg.spares else None)
         self.stats = FleetStats(self.bus)
         self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)

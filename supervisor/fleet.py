@@ -54,7 +54,8 @@ class Fleet(Listener):
         self.clock = clock
         self.policy = policy or FleetPolicy(min_healthy=cfg.min_healthy,
                                             use_fault_tolerance=cfg.use_fault_tolerance,
-                                            restart_immediately=cfg.restart_immediately, clock=clock)
+                                            restart_immediately=cfg.restart_immediately,
+                                            admit_mid_round=cfg.admit_mid_round, clock=clock)
         self.bus = bus or EventBus()
         self.stats = stats or FleetStats(self.bus)
         self.runners: dict[str, EngineRunner] = {}

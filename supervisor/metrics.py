@@ -195,6 +195,11 @@ class FleetCollector:
                                          "From a detected failure to the engine routable again")
         yield stats.sync_time.family("vime_sync_duration_seconds", "From SYNCING to verified")
         yield GaugeMetricFamily("vime_routable_engines", "Engines that may take traffic", value=len(fleet.routable()))
+        if policy.strength is not None:
+            yield GaugeMetricFamily("vime_routable_target", "Routable engines at full strength (engines less spares)",
+                                    value=policy.strength)
+            yield CounterMetricFamily("vime_below_target_seconds", "Seconds with fewer routable engines than the "
+                                      "target, once it was first reached", value=policy.seconds_below_strength())
         yield GaugeMetricFamily("vime_membership_epoch", "Changes whenever the routable set changes", value=policy.epoch)
         yield GaugeMetricFamily("vime_round", "Last round started (-1: none)",
                                 value=-1 if policy.round is None else policy.round)

@@ -2,7 +2,8 @@
 
 Rounds (one open at a time, numbers only grow), the published weight version (only grows; one
 checkpoint per version), whether a dead engine may restart now (only in a round gap, unless
-restart_immediately), why a ready engine is held out of routing (a round is open), who is
+restart_immediately), why a ready engine is held out of routing (a round is open, unless
+admit_mid_round: then an engine at the current version joins at once), who is
 routable, the membership epoch (it moves whenever the routable set changes) and the
 min_healthy floor (armed once the fleet first reached it). `Fleet` (fleet.py) carries the
 decisions out: it logs, emits events and calls the engines' runners.
@@ -33,7 +34,7 @@ class Membership:
 class FleetPolicy:
     def __init__(self, *, min_healthy: int = 1, use_fault_tolerance: bool = True,
                  restart_immediately: bool = False, clock: Clock = time.monotonic,
-                 target: int | None = None):
+                 target: int | None = None, admit_mid_round: bool = False, strength: int | None = None):
         self.min_healthy = min_healthy
         # The routing target with warm spares (engines - spares): an engine that is ready
         # once this many are active is kept in STANDBY. None: no spares, every engine serves.
@@ -42,6 +43,9 @@ class FleetPolicy:
         self.serving = 0  # engines RUNNING or SUSPECT: the fleet keeps it
         self.use_fault_tolerance = use_fault_tolerance
         self.restart_immediately = restart_immediately
+        # Membership may grow inside a round: only engines at the current version (the round's
+        # rollouts stay at one version), and only those verified (is_routable).
+        self.admit_mid_round = admit_mid_round
         self.clock = clock
         self.round: int | None = None  # last round started
         self.round_open = False
@@ -54,6 +58,12 @@ class FleetPolicy:
         self.below_floor_since: float | None = None
         self.floor_breaches = 0
         self._floor_armed = False  # the floor counts once the fleet first reached it
+        # Full strength: the routable engines the fleet is configured to serve with (engines
+        # less spares). The time below it, once first reached, is goodput lost to faults.
+        self.strength = strength
+        self.short_since: float | None = None
+        self.short_seconds = 0.0  # closed stretches below strength
+        self._strength_armed = False
 
     def restore(self, *, round_number: int | None, round_open: bool, version: int | None,
                 checkpoint: str | None) -> None:
@@ -87,8 +97,9 @@ class FleetPolicy:
         return True, f"round {n} ended; restarts and syncs may run until the next round starts"
 
     def hold_reason(self) -> str | None:
-        """An engine that becomes ready during a round waits for the gap to join routing."""
-        if self.round_open:
+        """An engine that becomes ready during a round waits for the gap to join routing,
+        unless engines may be admitted mid-round (it joins if it is at the current version)."""
+        if self.round_open and not self.admit_mid_round:
             return f"held out of routing until round {self.round} ends"
         return None
 
@@ -111,15 +122,19 @@ class FleetPolicy:
         return None
 
     def spares_wanted(self, *, current_spares: int = 0, behind: int = 0) -> int:
-        """How many spares to promote now: only in a round gap (membership changes there).
-        The places of engines that failed; and, while spares at the current version are left,
-        one for each active engine that booted `behind` it (a restart during the round): a
-        current spare serves at once, where the engine behind would need a sync first (it is
-        parked, or synced as a spare, instead). Engines a publish left behind are not counted:
-        spares kept current are synced with them."""
-        if self.target is None or self.round_open:
+        """How many spares to promote now: in a round gap (membership changes there), or inside
+        a round with admit_mid_round, where only spares at the current version may serve (one
+        behind would need a sync, which waits for the gap). The places of engines that failed;
+        and, in a gap, while spares at the current version are left, one for each active
+        engine that booted `behind` it (a restart during the round): a current spare serves at
+        once, where the engine behind would need a sync first (it is parked, or synced as a
+        spare, instead). Engines a publish left behind are not counted: spares kept current are
+        synced with them."""
+        if self.target is None:
             return 0
         short = max(0, self.target - self.active)
+        if self.round_open:
+            return min(short, current_spares) if self.admit_mid_round else 0
         return max(short, min(short + behind, current_spares))
 
     def may_restart(self, *, spare: bool = False) -> tuple[bool, str | None]:
@@ -174,4 +189,21 @@ class FleetPolicy:
         elif self._floor_armed and not self.below_floor:
             self.below_floor, self.below_floor_since, breached = True, self.clock(), True
             self.floor_breaches += 1
+        self._track_strength(len(now))
         return Membership(now, joined, changed, breached, restored)
+
+    def _track_strength(self, serving: int) -> None:
+        if self.strength is None:
+            return
+        if serving >= self.strength:
+            self._strength_armed = True
+            if self.short_since is not None:
+                self.short_seconds += self.clock() - self.short_since
+                self.short_since = None
+        elif self._strength_armed and self.short_since is None:
+            self.short_since = self.clock()
+
+    def seconds_below_strength(self) -> float:
+        """Seconds the routable engines were fewer than `strength`, the open stretch included."""
+        open_s = 0.0 if self.short_since is None else self.clock() - self.short_since
+        return self.short_seconds + open_s

@@ -65,9 +65,9 @@ class Cause(StrEnum):
     RETRY = "retry"  # the next attempt after a failed start's backoff
     OPERATOR = "operator"  # a start, stop, restart or retire asked for on the control socket
     READY = "ready"  # the first healthy answer (and warm-up) inside first_wait
-    RELEASED = "released"  # a held engine joins routing in a round gap
+    RELEASED = "released"  # a held engine joins routing (in a round gap, or verified inside one)
     SPARE = "spare"  # ready, but the fleet is at its routing target: kept warm in STANDBY
-    PROMOTED = "promoted"  # a spare takes a failed engine's place in a round gap
+    PROMOTED = "promoted"  # a spare takes a failed engine's place (in a round gap, or inside one)
     START_FAILED = "start_failed"  # the process died, the port stayed busy, or the warm-up failed
     SLOW_START = "slow_start"  # not ready within first_wait
     PROBE = "probe"  # probe failures below the failure threshold (SUSPECT)

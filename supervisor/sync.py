@@ -40,6 +40,15 @@ def _why(e: BaseException, timeout: float) -> str:
     return str(e) or type(e).__name__
 
 
+def _when(fleet: Fleet) -> str:
+    """When membership may grow now, as a transition's reason says it."""
+    if fleet.round is None:
+        return "no round yet"
+    if fleet.round_open:
+        return f"admitted inside round {fleet.round}"
+    return f"round {fleet.round} ended"
+
+
 class SyncCoordinator(Listener):
     """Built by the daemon's start-up and added to the bus: it hears of STALE engines, round
     starts and ends and new versions, and drives engines through their runners' verbs."""
@@ -99,7 +108,8 @@ class SyncCoordinator(Listener):
 
     def promote_spares(self) -> None:
         """In a round gap, spares take the places of engines that failed: those already at the
-        current version first (RUNNING at once), then the others (STALE: synced, verified)."""
+        current version first (RUNNING at once), then the others (STALE: synced, verified).
+        Inside a round with admit_mid_round, only those at the current version."""
         fleet = self.fleet
         version = fleet.current_version
         runners = [r for r in fleet.runners.values() if not r.retired]
@@ -110,7 +120,7 @@ class SyncCoordinator(Listener):
             behind=0 if version is None else sum(r.booted_behind and r.weight_version != version for r in runners))
         if not wanted or any(r.readopting for r in fleet.runners.values()):
             return  # after a daemon restart, the re-adopted engines are checked first: they may serve
-        gap = "no round yet" if fleet.round is None else f"round {fleet.round} ended"
+        gap = _when(fleet)
         for runner in spares[:wanted]:
             why = f"{fleet.policy.active}/{fleet.policy.target} engines active, {gap}"
             log.info("spare.promoted", engine=runner.name, active=fleet.policy.active, target=fleet.policy.target,
@@ -146,12 +156,23 @@ class SyncCoordinator(Listener):
             when = "when promoted" if fleet.cfg.spares_sync == "promotion" else f"after round {fleet.round}"
             runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced {when}; {spare}")
             return
-        if fleet.round_open:
+        if fleet.round_open and not fleet.policy.admit_mid_round:
             if have != version:
                 runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; sync after round {fleet.round}")
             return
         if version is None or have == version:
-            runner.release("no round yet" if fleet.round is None else f"round {fleet.round} ended", version)
+            runner.release(_when(fleet), version)
+            return
+        if fleet.round_open:
+            # Admitted mid-round once verified at the round's version. A checkpoint reload is
+            # exactly that version; the trainer agent's push waits for the gap, as the tensors
+            # it would read may already be past the round's version in a pipelined loop.
+            if fleet.checkpoint is None:
+                runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; sync after round {fleet.round} "
+                            "(no checkpoint published to reload from inside the round)")
+                return
+            runner.begin_sync(f"reloading {vlabel(version)} from checkpoint {fleet.checkpoint} inside round {fleet.round}")
+            self._tasks.spawn(self._reload(runner, runner.incarnation, version, fleet.checkpoint))
             return
         if self.agents and self._silent.get(runner.name) != version:
             if self._asked.get(runner.name) == version:

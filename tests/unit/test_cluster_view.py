@@ -68,6 +68,20 @@ def test_a_lost_node_leaves_at_once_and_returns_only_in_a_gap():
     assert v.nodes["a"].lost_count == 1
 
 
+def test_with_mid_round_admission_a_returning_node_serves_at_once_at_the_version_only():
+    v = ClusterView(min_healthy=1, admit_mid_round=True, clock=Clock())
+    v.published(3, None)
+    v.node_answered("a", answer("e0", version=3))
+    v.node_answered("b", answer("e0", version=3))
+    v.round_started(5)
+    v.node_lost("a", "agent died")
+    back = v.node_answered("a", answer("e0", "e1", version=2))  # its daemon missed the publish
+    assert back.entered is NodeState.UP and v.nodes["a"].reason == "admitted inside round 5"
+    assert v.names() == ["b/e0"]  # up, but nothing of it at another version is routable
+    caught_up = v.node_answered("a", answer("e0", "e1", version=3, epoch=2))
+    assert caught_up.epoch_moved and v.names() == ["a/e0", "a/e1", "b/e0"]
+
+
 def test_an_unavailable_node_is_out_at_once_and_rejoins_in_a_gap():
     v = ClusterView(clock=Clock())
     v.node_answered("a", answer("e0"))

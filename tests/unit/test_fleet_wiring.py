@@ -96,3 +96,33 @@ async def test_journal_restore_goes_through_the_fleet_and_the_runners(wired):
     assert (fleet.round, fleet.round_open, fleet.current_version) == (9, True, 3)
     e0 = fleet.runners["e0"]
     assert (e0.incarnation, e0.fsm.restarts, e0.retired, e0.start_stopped) == (4, 2, True, False)
+
+
+@pytest.fixture
+async def wired_spare(tmp_path):
+    """Three engines, one a spare, members admitted inside a round."""
+    cfg = Config(engines=tuple(EngineSpec(f"e{i}", model="/m", port=i + 1) for i in range(3)), spares=1,
+                 admit_mid_round=True, state_dir=str(tmp_path), log_dir=str(tmp_path), runtime_dir=str(tmp_path))
+    sup = Supervisor(cfg)
+    async with aiohttp.ClientSession() as session:
+        for spec in cfg.engines:
+            sup.fleet.runners[spec.name] = EngineRunner(spec, cfg, sup.policy, sup.bus, session)
+        yield sup
+
+
+async def test_mid_round_a_current_spare_takes_a_dead_engines_place_at_once(wired_spare):
+    import asyncio
+
+    fleet = wired_spare.fleet
+    e0, e1, e2 = (fleet.runners[n] for n in ("e0", "e1", "e2"))
+    for r in (e0, e1, e2):
+        r.fsm.begin_start("start", restart=False)
+        r.fsm.became_ready(None, None, hold=r.policy.hold_reason(), spare=r._spare())
+    assert e2.state is State.STANDBY and [r.name for r in fleet.routable()] == ["e0", "e1"]
+    fleet.start_round(1)
+    e0.fsm.exited("killed", Cause.EXIT)
+    await asyncio.sleep(0)  # the coordinator promotes on the loop's next turn
+    assert e2.state is State.RUNNING and e2.fsm.cause is Cause.PROMOTED
+    assert "admitted inside round 1" in e2.reason
+    assert [r.name for r in fleet.routable()] == ["e1", "e2"] and fleet.round_open
+    assert wired_spare.policy.short_since is None  # back at full strength: no open stretch

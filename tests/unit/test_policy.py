@@ -226,3 +226,47 @@ def test_a_current_spare_is_promoted_in_place_of_an_engine_that_needs_a_sync():
     assert policy.spares_wanted(current_spares=3, behind=1) == 2
     policy.start_round(2)
     assert policy.spares_wanted(current_spares=3, behind=1) == 0
+
+
+# -- mid-round admission ----------------------------------------------------------------------
+
+
+def test_with_mid_round_admission_a_ready_engine_is_not_held():
+    policy, _ = make(admit_mid_round=True)
+    policy.start_round(1)
+    assert policy.hold_reason() is None
+    plain, _ = make()
+    plain.start_round(1)
+    assert plain.hold_reason() == "held out of routing until round 1 ends"
+
+
+def test_mid_round_only_current_spares_fill_missing_places():
+    policy, _ = make(target=3, admit_mid_round=True)
+    policy.start_round(1)
+    policy.active = 1  # two places empty
+    assert policy.spares_wanted(current_spares=0) == 0  # one behind needs a sync: the gap
+    assert policy.spares_wanted(current_spares=1) == 1
+    assert policy.spares_wanted(current_spares=5, behind=1) == 2  # the places, no more
+    policy.active = 3
+    assert policy.spares_wanted(current_spares=2, behind=1) == 0  # `behind` is the gap's rule
+    policy.end_round(1)
+    assert policy.spares_wanted(current_spares=2, behind=1) == 1
+
+
+def test_time_below_strength_counts_once_first_reached_and_includes_the_open_stretch():
+    policy, clock = make(strength=2)
+    policy.set_routable({"a"})
+    clock.now = 10.0
+    assert policy.seconds_below_strength() == 0.0  # never at strength yet: the start-up
+    policy.set_routable({"a", "b"})
+    clock.now = 15.0
+    policy.set_routable({"b"})
+    clock.now = 18.5
+    assert policy.seconds_below_strength() == pytest.approx(3.5)
+    policy.set_routable({"b", "c"})
+    clock.now = 30.0
+    assert policy.seconds_below_strength() == pytest.approx(3.5)
+    policy.set_routable(set())
+    clock.now = 31.0
+    assert policy.seconds_below_strength() == pytest.approx(4.5)
+    assert make()[0].seconds_below_strength() == 0.0  # no strength set: nothing counted
