@@ -16,8 +16,8 @@ COPY harness ./harness
 COPY cluster ./cluster
 # Ours imports as vime.*, beside supervisord (which vLLM pulls in). Both wheels write
 # bin/supervisorctl and pip leaves it to the last installed: the --no-deps --force-reinstall
-# makes it ours, a dispatcher that hands supervisord's invocations to supervisord's (README,
-# "supervisorctl beside supervisord"); vime-supervisorctl is always ours. pip check must
+# makes it ours, a dispatcher that hands supervisord's invocations to supervisord's
+# (docs/supervisorctl.md); vime-supervisorctl is always ours. pip check must
 # find nothing wrong with supervisord or us (the base image's own packages are its business).
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps --force-reinstall . \

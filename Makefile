@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	# supervisord (the PyPI package "supervisor", which vLLM pulls in) stays installed: our code
 	# imports as vime.*. Its wheel ships a bin/supervisorctl too, and pip leaves that file to the
 	# package it installs last: reinstalling ours last makes it our dispatcher, which hands
-	# supervisord's invocations over to supervisord's (README, "supervisorctl beside supervisord").
+	# supervisord's invocations over to supervisord's (docs/supervisorctl.md).
 	$(BIN)/pip install --quiet --no-deps --force-reinstall -e .
 	grep -q "vime.supervisor.supervisorctl" $(BIN)/supervisorctl
 	$(BIN)/supervisorctl --help | grep -q "vime-supervisor daemon"

@@ -1,5 +1,5 @@
 """The trainer's resync agent: it answers the daemon's `sync_request` events by pushing the
-current weights into the one restarted engine the daemon names (README: "Weights after a restart").
+current weights into the one restarted engine the daemon names (docs/weights.md).
 
     agent = ResyncAgent(SupervisorClient(), lambda: (published_version, model.named_parameters()),
                         lock=trainer_lock).start()

@@ -1,5 +1,5 @@
 """The learning half of the example loop: the tiny Llama as a policy, a verifiable reward and
-a GRPO-style update (README: "The main job"). Nothing here talks to an engine or the daemon, so
+a GRPO-style update (docs/getting-started.md). Nothing here talks to an engine or the daemon, so
 a replayed rollout dump trains exactly as the live run did.
 
     policy = Policy(model_dir)

@@ -1,5 +1,5 @@
 """The example RL loop, the file to copy: a tiny Llama trained on rollouts from vLLM engines
-under the daemon (README: "The main job").
+under the daemon (docs/getting-started.md).
 
     python -m vime.trainer.rl_loop --model DIR [--socket PATH] [--num-rollout 30] [debug flags]
     python -m vime.trainer.rl_loop --model DIR --cluster auto     # engines on many nodes (Ray)
@@ -624,7 +624,7 @@ def build_parser(prog: str = "python -m vime.trainer.rl_loop", description: str 
     ap.add_argument("--served-model-name", default=None, help="model name the engines serve (default: the only one)")
     ap.add_argument("--socket", default=None, help="the daemon's control socket ($VIME_SUPERVISOR_SOCKET)")
     ap.add_argument("--out", default="rl-run", help="folder for summary.json, trace.json, long_tail.json")
-    g = ap.add_argument_group("many nodes (README: \"Many nodes\"; pip install vime-supervisor[cluster])")
+    g = ap.add_argument_group("many nodes (docs/cluster.md; pip install vime-supervisor[cluster])")
     g.add_argument("--cluster", metavar="RAY_ADDRESS", default=None,
                    help="the fleet is every node's daemon, through Ray (auto, or HEAD:PORT); --socket is "
                         "then each daemon's socket on its node")

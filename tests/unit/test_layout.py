@@ -108,7 +108,7 @@ def test_the_walk_sees_the_modules_it_judges():
 def test_each_module_imports_only_what_its_layer_may(name):
     mine = layer(name)
     bad = sorted(t for t in GRAPH[name] if layer(t) not in ALLOWED[mine])
-    assert not bad, f"{name} ({mine}) imports {bad}: see the import rule in README.md"
+    assert not bad, f"{name} ({mine}) imports {bad}: see the import rule in docs/architecture.md"
 
 
 def test_ray_is_imported_by_the_cluster_package_and_its_harness_only():
