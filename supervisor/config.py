@@ -74,6 +74,27 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    """[router]: the router in front of the engines, fed by the daemon (docs/router.md)."""
+
+    url: str
+    kind: str = "vllm-router"
+    worker_type: str = "regular"  # vllm-router's worker_type of every engine we add
+    # Report the drift, change nothing: to try the daemon beside a router that others feed.
+    observe_only: bool = False
+    # Remove workers no daemon of ours owns (another node's daemon owns its own: leave off there).
+    prune_unknown: bool = False
+    period: float = 2.0  # drift repair: the router's list is read this often besides every change
+    timeout: float = 5.0  # one GET or POST /workers (POST blocks until the worker answers /health)
+    remove_timeout: float = 1.0  # one DELETE: an engine leaving the routable set is out within it
+    # A planned stop (operator stop/restart/retire, the daemon's shutdown): the engine leaves the
+    # router, then vLLM's POST /pause?mode=wait lets its requests in flight end, at most this long.
+    drain_timeout: float = 30.0
+    token_file: str = ""
+    token: str | None = field(default=None, repr=False)  # read from token_file; never printed
+
+
+@dataclass(frozen=True)
 class Config:
     engines: tuple[EngineSpec, ...]
     probe: ProbePolicy = ProbePolicy()
@@ -119,6 +140,7 @@ class Config:
     # The engines' API key (engine_defaults.api_key_file): spawned engines get it as VLLM_API_KEY
     # in their environment, never on argv; the daemon sends it to every engine. Never printed.
     api_key: str | None = field(default=None, repr=False)
+    router: RouterConfig | None = None  # [router]; None: the daemon feeds no router
     # What is accepted but probably not meant: printed by --check-config, logged at start.
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -133,7 +155,7 @@ class Config:
 
 
 # Table -> {key: type}. Everything else in the file is an error.
-_TOP = {"supervisor", "health_check", "restart", "warmup", "engine_defaults", "engines"}
+_TOP = {"supervisor", "health_check", "restart", "warmup", "engine_defaults", "engines", "router"}
 _SUPERVISOR = {
     "use_fault_tolerance": bool,
     "stop_timeout": float,
@@ -188,6 +210,18 @@ _ENGINE = {
     "args": list,
     "env": dict,
     "url": str,
+}
+_ROUTER = {
+    "kind": str,
+    "url": str,
+    "token_file": str,
+    "worker_type": str,
+    "observe_only": bool,
+    "prune_unknown": bool,
+    "period": float,
+    "timeout": float,
+    "remove_timeout": float,
+    "drain_timeout": float,
 }
 _LOG_LEVELS = {"debug", "info", "warning", "error"}
 SPARES_SYNC = ("promotion", "publish")
@@ -323,12 +357,17 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     restart = _check_table("restart", raw.get("restart", {}), _RESTART, problems)
     defaults = _check_table("engine_defaults", raw.get("engine_defaults", {}), _DEFAULTS, problems)
     warm = _check_table("warmup", raw.get("warmup", {}), _WARMUP, problems)
+    rtr = _check_table("router", raw.get("router", {}), _ROUTER, problems)
+    router_given = "router" in raw
     for section, key, value in _apply_overrides(overrides or {}):
-        {"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm}[section][key] = value
+        {"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm,
+         "router": rtr}[section][key] = value
+        router_given |= section == "router"
 
     # NaN passes every `<= 0` test and inf never fires: refused first, and each rule below
     # judges only finite values, so a non-finite one is reported once.
-    _check_finite({"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm}, problems)
+    _check_finite({"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm,
+                   "router": rtr}, problems)
     warnings: list[str] = []
     # A paused engine is excused for as long as a weight push may take.
     probe = ProbePolicy(**health, max_paused=sup.get("sync_timeout", Config.sync_timeout))
@@ -403,6 +442,8 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         problems.append(f"supervisor.spares_sync: must be one of {', '.join(SPARES_SYNC)}, "
                         f"got {sup['spares_sync']!r}")
 
+    router = _router(rtr, base_dir, problems) if router_given else None
+
     if problems:
         raise ConfigError(problems)
     return Config(
@@ -415,8 +456,38 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         warmup=warmup,
         api_key=api_key,
         warnings=tuple(_one_line(w) for w in warnings),
+        router=router,
         **sup,
     )
+
+
+def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str]) -> RouterConfig | None:
+    """[router]: a URL the daemon can reach the router's admin API at, bounds > 0, the token
+    file (if any) the daemon's user's alone."""
+    from .router import KINDS
+
+    n = len(problems)
+    if not rtr.get("url"):
+        problems.append("router.url: missing; the router's admin URL, e.g. url = \"http://127.0.0.1:30000\" "
+                        "(or --router-url)")
+    else:
+        _check_url("router", rtr["url"], problems)
+    if rtr.get("kind", "vllm-router") not in KINDS:
+        problems.append(f"router.kind: must be one of {', '.join(KINDS)}, got {rtr['kind']!r}")
+    if not re.fullmatch(r"[a-z_]{1,32}", rtr.get("worker_type", "regular")):
+        problems.append(f"router.worker_type: must be a word such as regular, got {rtr['worker_type']!r}")
+    for key in ("period", "timeout", "remove_timeout", "drain_timeout"):
+        if key in rtr and _finite(rtr[key]) and rtr[key] <= 0:
+            problems.append(f"router.{key}: must be a number of seconds > 0, got {rtr[key]:g}")
+    token = None
+    if rtr.get("token_file"):
+        path = rtr["token_file"]
+        if base_dir and not os.path.isabs(path):
+            path = rtr["token_file"] = os.path.join(base_dir, path)
+        token = _read_secret("router.token_file", path, problems, owner_only=True, what="the router's admin token")
+    if len(problems) > n:
+        return None
+    return RouterConfig(token=token, **rtr)
 
 
 def _finite(*values: float) -> bool:
@@ -736,13 +807,19 @@ _KEY = re.compile(r"[\x21-\x7e]{1,4096}")
 
 def _read_api_key(path: str, base_dir: str | None, problems: list[str], warnings: list[str]) -> str | None:
     """The engines' API key from engine_defaults.api_key_file. Its contents are never echoed."""
-    where = "engine_defaults.api_key_file"
     if base_dir and not os.path.isabs(path):
         path = os.path.join(base_dir, path)
+    return _read_secret("engine_defaults.api_key_file", path, problems, warnings)
+
+
+def _read_secret(where: str, path: str, problems: list[str], warnings: list[str] | None = None, *,
+                 owner_only: bool = False, what: str = "the engines' API key") -> str | None:
+    """A key or token from a file: one line of visible ASCII. `owner_only`: the file must be the
+    daemon's user's, mode 0600 (a problem otherwise); else a file others can read is a warning."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
-        problems.append(f"{where}: no such file: {path}; write the engines' API key into it (one line, "
+        problems.append(f"{where}: no such file: {path}; write {what} into it (one line, "
                         "mode 0600)")
         return None
     except OSError as e:
@@ -763,13 +840,18 @@ def _read_api_key(path: str, base_dir: str | None, problems: list[str], warnings
         os.close(fd)
     key = raw.strip()
     if not key:
-        problems.append(f"{where}: {path} is empty; write the engines' API key into it")
+        problems.append(f"{where}: {path} is empty; write {what} into it")
         return None
     if not _KEY.fullmatch(key.decode("latin-1")):
         problems.append(f"{where}: {path} must hold one line: the key, in printable ASCII without spaces, "
                         "at most 4096 characters (it goes into an HTTP header)")
         return None
-    if st.st_mode & 0o044:
+    if owner_only and (st.st_uid != os.geteuid() or st.st_mode & 0o077):
+        problems.append(f"{where}: {path} must be owned by the daemon's user (uid {os.geteuid()}) with mode 0600 "
+                        f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}); "
+                        f"chown {os.geteuid()} {path} && chmod 600 {path}")
+        return None
+    if st.st_mode & 0o044 and warnings is not None:
         warnings.append(f"{where}: {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
                         f"chmod 600 {path}")
     return key.decode("ascii")
@@ -805,6 +887,9 @@ _FLAG_KEYS = {
     "engine_cache_dir": ("supervisor", "engine_cache_dir"),
     "log_level": ("supervisor", "log_level"),
     "metrics_address": ("supervisor", "metrics_address"),
+    "router_url": ("router", "url"),
+    "router_observe_only": ("router", "observe_only"),
+    "router_prune_unknown": ("router", "prune_unknown"),
 }
 
 
@@ -869,6 +954,13 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-address", metavar="HOST:PORT",
                    help="serve Prometheus' GET /metrics over TCP here, e.g. 127.0.0.1:9464 (loopback only "
                         "unless supervisor.metrics_allow_remote; default: none)")
+    g = ap.add_argument_group("router (override the config file's [router] table)")
+    g.add_argument("--router-url", metavar="URL",
+                   help="feed the router (vllm-router) at URL with the routable engines, e.g. http://127.0.0.1:30000")
+    g.add_argument("--router-observe-only", action=argparse.BooleanOptionalAction, default=None,
+                   help="report how the router's list differs from the routable set; change nothing")
+    g.add_argument("--router-prune-unknown", action=argparse.BooleanOptionalAction, default=None,
+                   help="remove router workers that are not this daemon's engines (default: report them)")
 
 
 def load(path: str, args: argparse.Namespace | None = None) -> Config:

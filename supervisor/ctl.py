@@ -130,6 +130,21 @@ def status_lines(engines: list[dict[str, Any]]) -> list[str]:
     return [fmt % (e["name"], e["state"], describe(e)) for e in engines]
 
 
+def router_line(router: dict[str, Any]) -> str:
+    """The router the daemon feeds, in the same layout: `router:KIND  STATE  URL, what differs`."""
+    state = str(router.get("state", "")).upper()
+    desc = f"{router.get('url')}, {router.get('workers', 0)} workers"
+    diffs = [f"{k} {', '.join(map(str, router[k]))}" for k in ("missing", "extra", "unknown") if router.get(k)]
+    if diffs:
+        desc += ", " + "; ".join(diffs)
+    if router.get("observe_only"):
+        desc += ", observe-only"
+    if router.get("error"):
+        desc += f", {router['error']}"
+    width = max(30, len(f"router:{router.get('kind')}")) + 3
+    return f"%-{width}s%-10s%s" % (f"router:{router.get('kind')}", state, desc)
+
+
 def avail_lines(engines: list[dict[str, Any]]) -> list[str]:
     """supervisord's avail layout "%-32s %-9s %-9s %s": in use (retired: avail), auto (the
     daemon starts it) or manual (attached), and supervisord's default priority: engines start
@@ -287,6 +302,8 @@ def cmd_status(client: SupervisorClient, args: argparse.Namespace) -> int:
     else:
         for line in status_lines(listed):
             print(line)
+        if not args.names and st.get("router"):
+            print(router_line(st["router"]))
     sys.stdout.flush()
     if _report_missing(sel, engines):
         return EXIT_UNKNOWN

@@ -42,6 +42,8 @@ from .process import (
     boot_id, engine_fingerprint, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of,
     proc_stat, reap_child, stop_group_of)
 from .protocol import Event
+from .router import make_router
+from .routerfeed import RouterFeed
 from .sdnotify import Notifier
 from .states import State
 from .sync import SyncCoordinator
@@ -87,6 +89,8 @@ class Supervisor:
         self._stop_wanted = False  # a stop asked for (SIGTERM): wins over a reload
         self._reloading: asyncio.Task[None] | None = None
         self.tasks = TaskSet("daemon")  # every long-lived task of the daemon
+        self.router_feed: RouterFeed | None = None
+        self._router_session: aiohttp.ClientSession | None = None
 
     def request_stop(self, why: str) -> None:
         self._stop_wanted = True
@@ -188,6 +192,9 @@ class Supervisor:
                     runner.may_load_dummy = lambda: self.sync.agents > 0 and self.policy.current_version is not None
                 self.fleet.runners[spec.name] = runner
             await self._restore()
+            self.fleet.session = session
+            if cfg.router is not None:
+                self._start_router(cfg)
             self.journal.start(self.tasks)
             self.tasks.spawn(self._follow_fleet(), name="follow-fleet")
             if self.notifier.watchdog_interval:
@@ -200,6 +207,9 @@ class Supervisor:
                 # again, so a call (waiting in its backlog) sees the fleet as the previous
                 # image left it.
                 await self._readopted(RELOAD_SETTLE)
+            if self.router_feed is not None:
+                # After the adopted engines' first check: a reload never takes them out.
+                self.tasks.spawn(self.router_feed.run(), name="router-feed")
             control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None, listener=self.listener)
             self.listener = None  # the control server's now
@@ -232,6 +242,7 @@ class Supervisor:
                 await self.sync.close()
                 await self.journal.close()
                 await self.tasks.aclose()
+                await self._stop_router()
                 self.notifier.close()
         if self._reload:
             # From here a stop stays pending (blocked) and reaches the next image's handler:
@@ -246,6 +257,25 @@ class Supervisor:
             control.close_listener()
             self.listener = None
         return self._reload
+
+    def _start_router(self, cfg: Config) -> None:
+        """[router]: the feed follows the routable set from the first change on. Its own
+        session: the engines' API key is not the router's token."""
+        assert cfg.router is not None
+        self._router_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8))
+        router = make_router(cfg.router.kind, cfg.router.url, self._router_session,
+                             worker_type=cfg.router.worker_type, token=cfg.router.token)
+        self.router_feed = RouterFeed(self.fleet, cfg.router, router)
+        self.fleet.router = self.router_feed
+        self.bus.add_listener(self.router_feed)
+        log.info("router.feeding", kind=cfg.router.kind, url=cfg.router.url, observe_only=cfg.router.observe_only,
+                 prune_unknown=cfg.router.prune_unknown, period=cfg.router.period)
+
+    async def _stop_router(self) -> None:
+        if self.router_feed is not None:
+            await self.router_feed.close()
+        if self._router_session is not None:
+            await self._router_session.close()
 
     async def detach(self) -> None:
         """A reload: end supervision of every engine, leaving its process running; the
@@ -422,6 +452,12 @@ class Supervisor:
         """Stop every engine in parallel, bounded: stop_timeout covers SIGTERM->SIGKILL."""
         runners = list(self.fleet.runners.values())
         log.info("supervisor.stopping", engines=len(runners))
+        feed = self.router_feed
+        if feed is not None and self._router_session is not None and not self._router_session.closed:
+            # A planned stop: every engine out of the router, its requests end
+            session = self.fleet.session if self.fleet.session is not None and not self.fleet.session.closed else None
+            await asyncio.gather(*(feed.drain(r, session) for r in runners
+                                   if r.serving or self.fleet.is_routable(r)), return_exceptions=True)
         results = await asyncio.gather(*(r.shutdown() for r in runners), return_exceptions=True)
         for r, res in zip(runners, results):
             if isinstance(res, BaseException):

@@ -39,6 +39,9 @@ class Listener:
     def on_joined_routing(self, engines: frozenset[str], at: float) -> None:
         pass
 
+    def on_membership(self, routable: frozenset[str]) -> None:
+        """The routable set changed (told in the same turn that recomputed it)."""
+
     def on_round_started(self, n: int) -> None:
         pass
 
@@ -90,6 +93,10 @@ class EventBus:
     def joined_routing(self, engines: frozenset[str], at: float) -> None:
         for listener in self.listeners:
             listener.on_joined_routing(engines, at)
+
+    def membership(self, routable: frozenset[str]) -> None:
+        for listener in self.listeners:
+            listener.on_membership(routable)
 
     def round_started(self, n: int) -> None:
         for listener in self.listeners:

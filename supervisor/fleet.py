@@ -67,6 +67,9 @@ class Fleet(Listener):
         # Called after a change the trainer was told about (round, version, a new pid): the
         # daemon's journal is written before the answer, so a kill -9 right after loses nothing.
         self.persist: Callable[[], None] = lambda: None
+        # The router fed by the daemon (routerfeed.RouterFeed), set by the start-up with [router].
+        self.router: Any = None
+        self.session: Any = None  # the daemon's HTTP session to the engines (a drain's /pause)
 
     # -- what the policy knows, as the control socket, status and the journal read it ------
 
@@ -159,6 +162,7 @@ class Fleet(Listener):
             self.bus.joined_routing(m.joined, self.clock())
         if m.changed:
             self.emit(Event.MEMBERSHIP, epoch=self.epoch, routable=sorted(m.routable))
+            self.bus.membership(m.routable)
         floor = self.cfg.min_healthy
         if m.restored:
             log.info("fleet.floor_restored", routable=len(m.routable), min_healthy=floor)
@@ -230,6 +234,12 @@ class Fleet(Listener):
 
     # -- engines ---------------------------------------------------------------------------
 
+    async def _drain(self, runner: EngineRunner) -> str:
+        """With a router: out of it first, then the engine's requests in flight end (bounded)."""
+        if self.router is None or not (runner.serving or self.is_routable(runner)):
+            return ""
+        return f" ({await self.router.drain(runner, self.session)})"
+
     def report_failure(self, runner: EngineRunner, detail: str, poisoned: bool = False,
                        incarnation: int | None = None) -> dict[str, Any]:
         """A failure the trainer saw. `poisoned`: a weight push into this engine failed between
@@ -263,15 +273,21 @@ class Fleet(Listener):
         if runner.retired and action != "retire":
             raise Conflict(f"{runner.name} is retired, and stays retired across daemon restarts (the journal "
                            f"keeps it); to use it again, stop the daemon and delete {self.cfg.state_dir}/journal.json")
-        if action == "stop":
-            return await runner.stop("stopped by request")
         if action == "start":
             return runner.request_start("started by request")
-        if action == "restart":
-            await runner.stop("stopped by request (restart)")
-            return runner.request_start("restarted by request")
-        runner.retired = True
-        msg = await runner.stop("retired by request") if runner.spec.spawned else "retired"
+        drained = await self._drain(runner)  # a planned stop: out of the router, requests end
+        try:
+            if action == "stop":
+                return await runner.stop("stopped by request") + drained
+            if action == "restart":
+                await runner.stop("stopped by request (restart)")
+                return runner.request_start("restarted by request") + drained
+            runner.retired = True
+            msg = await runner.stop("retired by request") if runner.spec.spawned else "retired"
+        finally:
+            if self.router is not None:
+                self.router.release(runner)
+        msg += drained
         self._membership_changed()
         self.emit(Event.RETIRED, engine=runner.name)
         return msg

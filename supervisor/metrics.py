@@ -210,6 +210,9 @@ class FleetCollector:
                                 value=1 if policy.below_floor else 0)
         yield CounterMetricFamily("vime_floor_breaches", "Times the fleet fell below min_healthy",
                                   value=policy.floor_breaches)
+        router = getattr(fleet, "router", None)
+        if router is not None:
+            yield from router.families()
 
 
 def render(fleet: FleetReadings) -> bytes:

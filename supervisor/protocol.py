@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal as _signal
 from enum import StrEnum
-from typing import Literal, NotRequired, TypedDict, Union
+from typing import Any, Literal, NotRequired, TypedDict, Union
 from urllib.parse import quote, urlencode
 
 from .states import PROBED, PROCESS_STATES, ROUTABLE, RUNNING_STATES, TRANSITIONS, Cause, State
@@ -135,6 +135,10 @@ class Event(StrEnum):
     NOT_ADOPTED = "not_adopted"
     ORPHAN_STOPPED = "orphan_stopped"
     RELOAD_REFUSED = "reload_refused"  # a SIGHUP's checks failed: the running daemon goes on
+    ROUTER = "router"  # an engine added to or removed from the router ([router])
+    ROUTER_DRIFT = "router_drift"  # the router's list differs from the routable set in a new way
+    ROUTER_STATE = "router_state"  # in_sync, drift or unreachable
+    ROUTER_ERROR = "router_error"  # a router call failed (after its retries)
 
 
 # -- routes ---------------------------------------------------------------------------------
@@ -291,6 +295,7 @@ class FleetStatus(TypedDict):
     below_min_healthy: bool
     fault_tolerance: bool
     daemon: DaemonInfo
+    router: NotRequired[dict[str, Any]]  # with [router]: RouterFeed.status()
 
 
 class RoutableEngine(TypedDict):

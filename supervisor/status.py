@@ -68,6 +68,7 @@ def fleet_status(fleet: Fleet) -> FleetStatus:
         "fault_tolerance": fleet.cfg.use_fault_tolerance,
         "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1), "version": VERSION,
                    "reloads": fleet.reloads},
+        **({"router": fleet.router.status()} if fleet.router is not None else {}),
     }
 
 

@@ -5,9 +5,10 @@ ships every package folder.
     states    <- nothing of ours
     protocol  <- states
     client    <- protocol, states
-    daemon    <- protocol, states, weight_sync   (never client, trainer or harness)
+    router    <- nothing of ours (supervisor/router/: the router adapters, for daemon and cluster)
+    daemon    <- protocol, states, weight_sync, router   (never client, trainer or harness)
     trainer   <- client, protocol, states, weight_sync, cluster (rl_loop --cluster)
-    cluster   <- client, protocol, states        (Ray; the daemon never imports it or Ray)
+    cluster   <- client, protocol, states, router   (Ray; the daemon never imports it or Ray)
     weight_sync <- nothing of ours (vLLM loads it in every engine process)
     harness, bench, tests <- anything
 """
@@ -25,6 +26,7 @@ FOLDERS = {"supervisor": "vime.supervisor", "trainer": "vime.trainer",
            "weight_sync": "vime.weight_sync", "harness": "vime.harness", "cluster": "vime.cluster"}
 CLIENT_SIDE = ("vime.supervisor.client", "vime.supervisor.ctl", "vime.supervisor.supervisorctl")
 CONTRACT = ("vime.supervisor.protocol", "vime.supervisor.states")
+ROUTER = "vime.supervisor.router"  # the adapters: a layer of their own inside the daemon's folder
 
 
 def module_name(path: Path) -> str:
@@ -81,6 +83,8 @@ def layer(name: str) -> str:
         return name.rpartition(".")[2]
     if name.startswith(CLIENT_SIDE):
         return "client"
+    if name == ROUTER or name.startswith(ROUTER + "."):
+        return "router"
     return name.split(".")[1].replace("supervisor", "daemon")
 
 
@@ -88,11 +92,12 @@ ALLOWED = {
     "states": set(),
     "protocol": {"states"},
     "client": {"client", "protocol", "states"},
-    "daemon": {"daemon", "protocol", "states", "weight_sync"},
+    "router": {"router"},
+    "daemon": {"daemon", "protocol", "states", "weight_sync", "router"},
     "trainer": {"trainer", "client", "protocol", "states", "weight_sync", "cluster"},
     "weight_sync": {"weight_sync"},
-    "cluster": {"cluster", "client", "protocol", "states"},
-    "harness": {"harness", "daemon", "client", "protocol", "states", "trainer", "weight_sync", "cluster"},
+    "cluster": {"cluster", "client", "protocol", "states", "router"},
+    "harness": {"harness", "daemon", "router", "client", "protocol", "states", "trainer", "weight_sync", "cluster"},
 }
 
 
@@ -102,6 +107,8 @@ def test_the_walk_sees_the_modules_it_judges():
             "vime.trainer.rollout", "vime.weight_sync.sender", "vime.harness.demo"} <= MODULES.keys()
     assert "vime.supervisor.fsm" in GRAPH["vime.supervisor.engine"]
     assert any("vime.supervisor.client" in GRAPH[n] for n in GRAPH if n.startswith("vime.trainer."))
+    assert layer("vime.supervisor.router.plan") == "router" and layer("vime.supervisor.routerfeed") == "daemon"
+    assert "vime.supervisor.router.plan" in GRAPH["vime.supervisor.routerfeed"]
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -1,0 +1,43 @@
+"""The membership diff, pure: what the router should gain and lose to match the daemon.
+
+The daemon owns only its own engines' URLs. A URL in the router that is neither desired nor
+the daemon's is `unknown`: another daemon's (one per node feeds the same router), an
+operator's hand edit, or a stray; it is reported as drift and removed only when pruning is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .base import normalize_url
+
+
+@dataclass(frozen=True)
+class Plan:
+    add: tuple[str, ...]  # desired, not in the router
+    remove: tuple[str, ...]  # ours, in the router, not desired (and unknown ones when pruning)
+    unknown: tuple[str, ...]  # in the router, not ours
+
+    @property
+    def in_sync(self) -> bool:
+        """Nothing to add or remove, nothing unknown: the router routes exactly where it should."""
+        return not (self.add or self.remove or self.unknown)
+
+
+def plan(desired: Iterable[str], listed: Iterable[str], own: Iterable[str], *,
+         prune_unknown: bool = False) -> Plan:
+    """`desired`: our URLs that may take traffic now; `listed`: the router's workers; `own`:
+    every URL of ours (desired or not). URLs are compared normalized; the plan names each URL
+    as the router spells it when removing, as we do when adding."""
+    want = {normalize_url(u): u for u in desired}
+    mine = {normalize_url(u) for u in own} | set(want)
+    have: dict[str, str] = {}
+    for u in listed:
+        have.setdefault(normalize_url(u), u)
+    add = tuple(sorted(want[n] for n in want.keys() - have.keys()))
+    extra = sorted(n for n in have.keys() - want.keys())
+    ours = tuple(have[n] for n in extra if n in mine)
+    unknown = tuple(have[n] for n in extra if n not in mine)
+    remove = ours + unknown if prune_unknown else ours
+    return Plan(add=add, remove=remove, unknown=unknown)

@@ -1,0 +1,286 @@
+"""The router follows the daemon: its worker list is kept equal to the routable set.
+
+A reconcile loop (one task): the desired set is the daemon's routable engines (RUNNING or
+SUSPECT at the current weight version, verified), less those being drained; the actual set is
+the router's own list. Their diff (router/plan.py, pure) is applied on every membership change
+and every `period` (drift repair: a router restarted empty, a hand edit, an engine that
+registered itself at boot). Only this daemon's engines' URLs are added or removed; others are
+reported as drift, and removed only with `prune_unknown`.
+
+An engine that leaves the routable set is removed at once, outside the loop: its DELETE is sent
+in the same event-loop turn that recomputed the set, bounded by `remove_timeout`, retried with
+jittered backoff on transient errors only. Nothing of the supervision awaits a router call:
+a router that is down or hangs is logged, counted, shown in status, and repaired when back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import aiohttp
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from .config import RouterConfig
+from .events import Listener
+from .fsm import Transition
+from .metrics import Histogram
+from .protocol import Event
+from .router import Router, RouterError, normalize_url
+from .router.plan import Plan, plan
+
+if TYPE_CHECKING:
+    from .engine import EngineRunner
+    from .fleet import Fleet
+
+log = structlog.get_logger("vime.router")
+
+ATTEMPTS = 3  # per call: the first and two retries on transient errors
+REMOVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+OPS = ("list", "add", "remove")
+
+
+def _transient(e: BaseException) -> bool:
+    return isinstance(e, RouterError) and e.transient
+
+
+class RouterFeed(Listener):
+    def __init__(self, fleet: Fleet, cfg: RouterConfig, router: Router, *,
+                 clock: Callable[[], float] = time.monotonic):
+        self.fleet, self.cfg, self.router, self.clock = fleet, cfg, router, clock
+        self.desired: frozenset[str] = frozenset()  # normalized URLs routable now
+        self.held: set[str] = set()  # being drained: out of the router whatever the set says
+        self.state = "starting"  # in_sync, drift, unreachable (observing: drift is only reported)
+        self.error: str | None = None  # the last call's failure, until one succeeds
+        self.listed: tuple[str, ...] | None = None  # the router's list after the last reconcile
+        self.last: Plan | None = None  # what the last reconcile found
+        self.checked_at: float | None = None  # wall time of the last answered GET /workers
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.removal_time = Histogram(REMOVAL_BUCKETS)  # left the routable set -> router said removed
+        self._wake = asyncio.Event()
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    # -- the sets --------------------------------------------------------------------------
+
+    def own(self) -> dict[str, str]:
+        """normalized URL -> engine name, for every engine of this daemon's."""
+        return {normalize_url(r.spec.base_url): r.name for r in self.fleet.runners.values()}
+
+    def _desired_now(self) -> frozenset[str]:
+        return frozenset(normalize_url(r.spec.base_url) for r in self.fleet.routable()) - self.held
+
+    # -- told by the bus -------------------------------------------------------------------
+
+    def on_membership(self, routable: frozenset[str]) -> None:
+        self._changed()
+
+    def on_transition(self, t: Transition) -> None:
+        self._wake.set()  # an own engine that registered itself is looked for sooner
+
+    def _changed(self) -> None:
+        new = self._desired_now()
+        gone = self.desired - new
+        self.desired = new
+        for url in sorted(gone):
+            self._spawn(self._remove(url, since=self.clock(), why="left the routable set"))
+        self._wake.set()
+
+    def _spawn(self, coro: Any) -> None:
+        if self.cfg.observe_only:
+            coro.close()
+            return
+        task = asyncio.get_running_loop().create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    # -- calls -----------------------------------------------------------------------------
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        """One router call, retried on transient errors with jittered backoff; RouterError if
+        it failed for good. Each attempt is bounded (remove_timeout for a removal)."""
+        timeout = self.cfg.remove_timeout if op == "remove" else self.cfg.timeout
+        method = {"list": self.router.workers, "add": self.router.add, "remove": self.router.remove}[op]
+        try:
+            async for attempt in AsyncRetrying(retry=retry_if_exception(_transient), reraise=True,
+                                               stop=stop_after_attempt(ATTEMPTS),
+                                               wait=wait_random_exponential(multiplier=0.1, max=2.0)):
+                with attempt:
+                    result = await method(*args, timeout)
+        except RouterError as e:
+            self.calls[(op, "error")] += 1
+            if self.error != str(e):
+                log.warning("router.call_failed", op=op, error=str(e), transient=e.transient,
+                            router=self.router.url, action="supervision goes on; retried on the next change "
+                                                           f"or within {self.cfg.period:g}s")
+                self.fleet.emit(Event.ROUTER_ERROR, op=op, error=str(e), router=self.router.url)
+            self.error = str(e)
+            raise
+        self.calls[(op, "ok")] += 1
+        self.error = None
+        return result
+
+    async def _remove(self, url: str, *, since: float | None = None, why: str) -> bool:
+        engine = self.own().get(normalize_url(url))
+        try:
+            await self._call("remove", url)
+        except RouterError:
+            self._wake.set()  # the loop tries again within its period
+            return False
+        if since is not None:
+            self.removal_time.observe(self.clock() - since)
+        log.info("router.removed", engine=engine, url=url, why=why, router=self.router.url)
+        self.fleet.emit(Event.ROUTER, action="removed", engine=engine, url=url, why=why)
+        return True
+
+    async def _add(self, url: str) -> bool:
+        engine = self.own().get(normalize_url(url))
+        try:
+            await self._call("add", url)
+        except RouterError:
+            return False
+        if normalize_url(url) not in self.desired:  # it left while the POST ran: out again
+            await self._remove(url, why="left the routable set while it was being added")
+            return False
+        log.info("router.added", engine=engine, url=url, router=self.router.url)
+        self.fleet.emit(Event.ROUTER, action="added", engine=engine, url=url, why="routable at the current version")
+        return True
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()
+            await self.reconcile()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.cfg.period)
+            except asyncio.TimeoutError:
+                pass
+
+    async def reconcile(self) -> Plan | None:
+        """Read the router's list and make it match; None when the router could not be read."""
+        self.desired = self._desired_now()
+        try:
+            listed = await self._call("list")
+        except RouterError:
+            self._set_state("unreachable")
+            return None
+        self.checked_at = time.time()
+        own = self.own()
+        # Desired URLs are sent as the engines' own base URLs.
+        by_norm = {normalize_url(r.spec.base_url): r.spec.base_url for r in self.fleet.runners.values()}
+        p = plan([by_norm[u] for u in self.desired], listed, own, prune_unknown=self.cfg.prune_unknown)
+        if self.last is None or set(p.unknown) != set(self.last.unknown):
+            if p.unknown:
+                log.warning("router.unknown_workers", urls=list(p.unknown), router=self.router.url,
+                            action="removed" if self.cfg.prune_unknown and not self.cfg.observe_only
+                            else "left alone: not this daemon's engines (set router.prune_unknown to remove)")
+            self.fleet.emit(Event.ROUTER_DRIFT, unknown=list(p.unknown), missing=list(p.add),
+                            extra=list(p.remove))
+        self.last = p
+        now = set(listed)
+        if not self.cfg.observe_only:
+            adds = [self._add(u) for u in p.add]
+            removes = [self._remove(u, why="not routable" if normalize_url(u) in own else "unknown: pruned")
+                       for u in p.remove]
+            results = await asyncio.gather(*adds, *removes)
+            for u, ok in zip(p.add, results[:len(adds)]):
+                if ok:
+                    now.add(u)
+            for u, ok in zip(p.remove, results[len(adds):]):
+                if ok:
+                    now.discard(u)
+        self.listed = tuple(sorted(now))
+        after = plan([by_norm[u] for u in self.desired], now, own, prune_unknown=self.cfg.prune_unknown)
+        self._set_state("in_sync" if after.in_sync else "drift")
+        return p
+
+    def _set_state(self, state: str) -> None:
+        if state == self.state:
+            return
+        old, self.state = self.state, state
+        level = log.warning if state == "unreachable" else log.info
+        level("router.state", state=state, previous=old, router=self.router.url, error=self.error)
+        self.fleet.emit(Event.ROUTER_STATE, state=state, previous=old, router=self.router.url, error=self.error)
+
+    # -- a planned stop --------------------------------------------------------------------
+
+    async def drain(self, runner: EngineRunner, session: aiohttp.ClientSession | None) -> str:
+        """Before a planned stop: out of the router first, then vLLM's POST /pause?mode=wait
+        lets the requests in flight end (at most drain_timeout). What it did, for the log."""
+        url = normalize_url(runner.spec.base_url)
+        self.held.add(url)
+        self._changed()
+        if not self.cfg.observe_only:
+            try:
+                await self._call("remove", runner.spec.base_url)
+            except RouterError as e:
+                log.warning("router.drain_not_removed", engine=runner.name, error=str(e))
+        if session is None or not runner.spec.spawned or runner.pid is None:
+            return "removed from the router"  # an attached engine is not ours to pause
+        started = self.clock()
+        try:
+            async with session.post(runner.spec.base_url + "/pause", params={"mode": "wait"},
+                                    timeout=aiohttp.ClientTimeout(total=self.cfg.drain_timeout)) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+            ok = False
+        took = self.clock() - started
+        log.info("router.drained", engine=runner.name, drained=ok, seconds=round(took, 3),
+                 drain_timeout=self.cfg.drain_timeout)
+        return f"drained in {took:.1f}s" if ok else f"not drained within {self.cfg.drain_timeout:g}s"
+
+    def release(self, runner: EngineRunner) -> None:
+        """After the stop: the engine rejoins once it is routable again."""
+        self.held.discard(normalize_url(runner.spec.base_url))
+        self._changed()
+
+    async def close(self) -> None:
+        for task in list(self._pending):
+            task.cancel()
+        await asyncio.gather(*self._pending, return_exceptions=True)
+
+    # -- what status and metrics read ------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        p, own = self.last, self.own()
+        listed = self.listed or ()
+        return {
+            "kind": self.router.kind,
+            "url": self.router.url,
+            "state": self.state,
+            "observe_only": self.cfg.observe_only,
+            "workers": len(listed),
+            "ours": sorted(own[normalize_url(u)] for u in listed if normalize_url(u) in own),
+            "missing": [] if p is None else sorted(own.get(normalize_url(u), u) for u in p.add
+                                                   if normalize_url(u) not in {normalize_url(x) for x in listed}),
+            "extra": sorted(own[normalize_url(u)] for u in listed
+                            if normalize_url(u) in own and normalize_url(u) not in self.desired),
+            "unknown": [] if p is None else sorted(u for u in p.unknown if u in listed),
+            "error": self.error,
+            "checked_at": self.checked_at,
+        }
+
+    def families(self) -> Iterator[Metric]:
+        st = self.status()
+        yield GaugeMetricFamily("vime_router_up", "1 if the router answered the last call",
+                                value=0 if self.state in ("unreachable", "starting") else 1)
+        yield GaugeMetricFamily("vime_router_in_sync", "1 if the router lists exactly the routable engines",
+                                value=1 if self.state == "in_sync" else 0)
+        yield GaugeMetricFamily("vime_router_workers", "Workers the router lists", value=st["workers"])
+        yield GaugeMetricFamily("vime_router_unknown_workers", "Workers the router lists that are not ours",
+                                value=len(st["unknown"]))
+        yield GaugeMetricFamily("vime_router_missing_workers", "Routable engines the router does not list",
+                                value=len(st["missing"]))
+        calls = CounterMetricFamily("vime_router_calls", "Router admin calls, by operation and result",
+                                    labels=["op", "result"])
+        for op in OPS:
+            for result in ("ok", "error"):
+                calls.add_metric([op, result], self.calls.get((op, result), 0))
+        yield calls
+        yield self.removal_time.family("vime_router_removal_seconds",
+                                       "From an engine leaving the routable set to the router removing it")

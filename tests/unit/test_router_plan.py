@@ -1,0 +1,125 @@
+"""The router's membership diff (supervisor/router/plan.py, pure), URL normalization and the
+[router] table's validation. No router, no engines."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vime.supervisor.config import ConfigError, build
+from vime.supervisor.daemon import parse_args
+from vime.supervisor.router import normalize_url
+from vime.supervisor.router.plan import plan
+
+A, B, C = "http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"
+OTHER = "http://10.0.0.9:8001"  # another node's engine
+
+
+@pytest.mark.parametrize("given, normal", [
+    ("http://127.0.0.1:8001/", "http://127.0.0.1:8001"),
+    ("HTTP://LocalHost:8001", "http://localhost:8001"),
+    ("http://h", "http://h:80"),
+    ("https://h/", "https://h:443"),
+    ("http://[::1]:9000/", "http://[::1]:9000"),
+    ("http://h:1/v1?x=1#f", "http://h:1/v1"),
+])
+def test_urls_compare_in_one_spelling(given, normal):
+    assert normalize_url(given) == normal
+
+
+def test_the_router_gains_the_routable_and_loses_ours_that_are_not():
+    p = plan([A, B], [B + "/", C], own=[A, B, C])
+    assert p.add == (A,)
+    assert p.remove == (C,)  # ours, listed, not routable: out
+    assert p.unknown == ()
+    assert not p.in_sync
+
+
+def test_in_sync_is_nothing_to_do_and_nothing_unknown():
+    assert plan([A, B], [B, A], own=[A, B, C]).in_sync
+    assert plan([], [], own=[A]).in_sync
+
+
+def test_another_daemons_workers_are_reported_never_removed_unless_pruning():
+    p = plan([A], [A, OTHER], own=[A, B])
+    assert p.unknown == (OTHER,) and p.remove == () and p.add == ()
+    assert not p.in_sync  # drift is shown
+    pruned = plan([A], [A, OTHER], own=[A, B], prune_unknown=True)
+    assert pruned.remove == (OTHER,)
+
+
+def test_a_removal_names_the_url_as_the_router_spells_it():
+    # The DELETE must carry the router's own key for the worker.
+    p = plan([], ["HTTP://127.0.0.1:8001/"], own=[A])
+    assert p.remove == ("HTTP://127.0.0.1:8001/",)
+
+
+def test_the_plan_is_idempotent_once_applied():
+    listed = [B, C, OTHER]
+    p = plan([A, B], listed, own=[A, B, C])
+    after = (set(listed) | set(p.add)) - set(p.remove)
+    again = plan([A, B], after, own=[A, B, C])
+    assert again.add == () and again.remove == () and again.unknown == (OTHER,)
+
+
+# -- the [router] table ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def base(tmp_path) -> dict:
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return {"engines": [{"name": "e0", "model": str(model), "port": 8001}]}
+
+
+def problems(raw: dict, overrides: dict | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        build(raw, overrides)
+    return ei.value.problems
+
+
+def test_no_router_table_feeds_no_router(base):
+    assert build(base).router is None
+
+
+def test_a_router_table_with_defaults(base):
+    r = build({**base, "router": {"url": "http://127.0.0.1:30000"}}).router
+    assert r is not None
+    assert (r.kind, r.worker_type, r.observe_only, r.prune_unknown) == ("vllm-router", "regular", False, False)
+    assert r.remove_timeout <= 1.0 and r.token is None
+
+
+def test_the_flags_alone_turn_the_router_on(base):
+    args = parse_args(["--router-url", "http://127.0.0.1:30000", "--router-observe-only"])
+    r = build(base, {k: getattr(args, k) for k in ("router_url", "router_observe_only", "router_prune_unknown")}).router
+    assert r is not None and r.url == "http://127.0.0.1:30000" and r.observe_only
+
+
+@pytest.mark.parametrize("table, message", [
+    ({}, "router.url: missing"),
+    ({"url": "127.0.0.1:30000"}, "router.url: must be http://HOST:PORT"),
+    ({"url": "http://h:99999"}, "router.url: port must be a number in 1..65535"),
+    ({"url": "http://h:1", "kind": "nginx"}, "router.kind: must be one of vllm-router"),
+    ({"url": "http://h:1", "period": 0}, "router.period: must be a number of seconds > 0"),
+    ({"url": "http://h:1", "remove_timeout": -1}, "router.remove_timeout: must be a number of seconds > 0"),
+    ({"url": "http://h:1", "worker_type": "a b"}, "router.worker_type: must be a word"),
+    ({"url": "http://h:1", "spawn": True}, "router.spawn: unknown key"),
+])
+def test_bad_router_tables_say_what_to_do(base, table, message):
+    found = problems({**base, "router": table})
+    assert any(p.startswith(message) for p in found), found
+
+
+def test_the_token_file_must_be_the_daemons_users_alone(base, tmp_path):
+    token = tmp_path / "router.token"
+    token.write_text("s3cret\n")
+    os.chmod(token, 0o644)
+    (msg,) = problems({**base, "router": {"url": "http://h:1", "token_file": str(token)}})
+    assert "must be owned by the daemon's user" in msg and "mode 0644" in msg and "s3cret" not in msg
+    os.chmod(token, 0o600)
+    r = build({**base, "router": {"url": "http://h:1", "token_file": str(token)}}).router
+    assert r is not None and r.token == "s3cret" and "s3cret" not in repr(r)
+    (msg,) = problems({**base, "router": {"url": "http://h:1", "token_file": str(tmp_path / "none")}})
+    assert "no such file" in msg and "the router's admin token" in msg
