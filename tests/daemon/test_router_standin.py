@@ -1,0 +1,188 @@
+"""The router the daemon feeds, with the real vllm-router binary (harness/router_proc.py: vime's
+flags, breaker off) and PROTOCOL STAND-IN engines (tests/daemon/standin_group.py; not vLLM):
+two daemons (two simulated nodes) feeding one router, the router killed and restarted, an
+engine registering itself, and bad routers. What is vLLM's (a kill -9 under load, a frozen
+EngineCore, a restart verified at the published weights, a drain) is tested against real
+engines in tests/engine/test_router_real.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python
+from vime.harness.router_proc import RouterProc
+from vime.supervisor.client import SupervisorClient
+
+STANDIN = Path(__file__).with_name("standin_group.py")
+PERIOD = 0.5  # drift repair, short for the test
+
+
+def wait(pred, timeout: float = 20.0, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.05)
+    return got
+
+
+def node(tmp: Path, names: tuple[str, ...], router_url: str, **router) -> tuple[Daemon, str, dict[str, str]]:
+    """A daemon over stand-in engines feeding the router at `router_url`."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    python = standin_python(tmp, STANDIN)
+    model = standin_model(tmp / "model")
+    ports = {n: free_port() for n in names}
+    engines = [{"name": n, "model": str(model), "served_model_name": "tiny", "port": p,
+                "env": {"STANDIN_MODE_FILE": str(tmp / f"{n}.mode")}} for n, p in ports.items()]
+    cfg = standin_config(tmp, python, engines, router={"url": router_url, "period": PERIOD, **router})
+    d = Daemon(cfg)
+    d.wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
+    return d, str(tmp / "run" / "supervisor.sock"), {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
+
+
+def routable_urls(sock: str) -> set[str]:
+    return {e["url"] for e in SupervisorClient(sock).routable_engines()["engines"]}
+
+
+@pytest.fixture
+def router(tmp_path):
+    r = RouterProc(free_port(), tmp_path / "router.log").start()
+    try:
+        yield r
+    finally:
+        r.kill()
+
+
+def test_two_daemons_feed_one_router_each_keeping_its_own_engines(tmp_path, router):
+    a = b = None
+    try:
+        a, sock_a, urls_a = node(tmp_path / "a", ("a0", "a1"), router.url)
+        b, sock_b, urls_b = node(tmp_path / "b", ("b0", "b1"), router.url)
+        everyone = set(urls_a.values()) | set(urls_b.values())
+        wait(lambda: set(router.workers()) == everyone, what="both nodes' engines listed")
+        # Each daemon reports the other's engines as drift it leaves alone.
+        st = wait(lambda: (s := SupervisorClient(sock_a).status()["router"])["unknown"] and s, what="drift shown")
+        assert sorted(st["unknown"]) == sorted(urls_b.values()) and st["state"] == "drift", st
+        assert sorted(st["ours"]) == ["a0", "a1"]
+
+        # kill -9 one of a's engines: out of the router, b's untouched; back once routable again.
+        victim = next(e for e in SupervisorClient(sock_a).status()["engines"] if e["name"] == "a0")
+        mark = a.mark()
+        os.killpg(victim["pid"], signal.SIGKILL)
+        a.wait_for(lambda e: e.get("event") == "router.removed" and e.get("engine") == "a0", 20, after=mark)
+        assert urls_a["a0"] not in router.workers()
+        assert set(urls_b.values()) <= set(router.workers())
+        a.wait_for(lambda e: e.get("event") == "router.added" and e.get("engine") == "a0", 60, after=mark)
+        assert urls_a["a0"] in routable_urls(sock_a)
+        assert set(router.workers()) == everyone
+        # b never removed anything: a's engines are not its own.
+        assert not [e for e in b.events if e.get("event") == "router.removed"]
+    finally:
+        kill_all([d for d in (a, b) if d is not None])
+
+
+def test_the_router_restarted_empty_is_refilled_and_a_self_registered_engine_is_taken_out(tmp_path, router):
+    d = None
+    try:
+        d, sock, urls = node(tmp_path, ("e0", "e1"), router.url)
+        c = SupervisorClient(sock)
+        wait(lambda: set(router.workers()) == set(urls.values()), what="both listed")
+        # The router dies and comes back empty (external mode): the daemon refills it.
+        router.kill()
+        wait(lambda: c.status()["router"]["state"] == "unreachable", what="unreachable shown")
+        assert {e["state"] for e in c.status()["engines"]} == {"RUNNING"}  # supervision unaffected
+        router.start()
+        wait(lambda: set(router.workers()) == set(urls.values()), what="refilled after the restart")
+        wait(lambda: c.status()["router"]["state"] == "in_sync", what="in sync again")
+
+        # An operator's stop: out of the router before it stops; back once routable again.
+        mark = d.mark()
+        c.stop("e1")
+        assert urls["e1"] not in router.workers()
+        removed = d.wait_for(lambda e: e.get("event") == "router.removed" and e.get("engine") == "e1", 5, after=mark)
+        stopping = d.transition("e1", "STOPPING", 5, after=mark)
+        assert d.events.index(removed) < d.events.index(stopping)
+        c.start("e1")
+        wait(lambda: set(router.workers()) == set(urls.values()), what="e1 back once routable")
+
+        # A publish neither engine reports: both STALE, both out at once.
+        mark = d.mark()
+        c.publish_weights(1)
+        wait(lambda: router.workers() == [], what="stale engines out")
+        # An engine registers itself (as vime's engines do at the end of their init): the
+        # daemon takes it out again, since it is not verified at version 1.
+        assert router.add(urls["e1"]) == 200
+        d.wait_for(lambda e: e.get("event") == "router.removed" and e.get("engine") == "e1"
+                   and e.get("why") == "not routable", 10, after=mark)
+        wait(lambda: router.workers() == [], what="self-registered engine out")
+        # e0 restarted at version 1 (the stand-in reports it): listed again, e1 still out.
+        (tmp_path / "e0.mode").write_text("version=1")
+        c.restart("e0")
+        wait(lambda: router.workers() == [urls["e0"]], what="e0 back at version 1")
+        assert c.status()["router"]["state"] == "in_sync"
+    finally:
+        kill_all([d] if d else [])
+
+
+class BadRouter:
+    """A PROTOCOL STAND-IN for a broken router: answers 500, or never answers."""
+
+    def __init__(self, mode: str):
+        self.mode, self.port = mode, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        threading.Thread(target=self._serve, args=(ready,), daemon=True).start()
+        ready.wait(10)
+
+    def _serve(self, ready: threading.Event) -> None:
+        async def handler(_):
+            if self.mode == "hang":
+                await asyncio.sleep(3600)
+            return web.json_response({"error": "boom"}, status=500 if self.mode == "500" else 401)
+
+        async def main():
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            ready.set()
+            await asyncio.Event().wait()
+
+        self.loop.run_until_complete(main())
+
+
+@pytest.mark.parametrize("mode, said", [
+    ("refused", "is the router running at"),
+    ("500", "500: boom"),
+    ("hang", "no answer within 1s"),
+    ("401", "refused our token; check router.token_file"),
+])
+def test_a_bad_router_is_reported_and_supervision_goes_on(tmp_path, mode, said):
+    url = f"http://127.0.0.1:{free_port()}" if mode == "refused" else BadRouter(mode).url
+    d = None
+    try:
+        d, sock, urls = node(tmp_path, ("e0",), url, timeout=1.0, remove_timeout=0.5)
+        c = SupervisorClient(sock)
+        st = wait(lambda: (s := c.status())["router"]["error"] and s, what="the error shown")
+        assert said in st["router"]["error"], st["router"]
+        assert st["router"]["state"] == "unreachable" and st["engines"][0]["state"] == "RUNNING"
+        assert d.wait_for(lambda e: e.get("event") == "router.call_failed", 5)["action"].startswith(
+            "supervision goes on")
+        # A kill -9 is still detected and restarted while the router is down.
+        mark = d.mark()
+        os.killpg(st["engines"][0]["pid"], signal.SIGKILL)
+        d.transition("e0", "RUNNING", 60, after=mark)
+        metrics = c.metrics()
+        assert "vime_router_up 0.0" in metrics and 'vime_router_calls_total{op="list",result="error"}' in metrics
+    finally:
+        kill_all([d] if d else [])
