@@ -69,8 +69,9 @@ def test_two_daemons_feed_one_router_each_keeping_its_own_engines(tmp_path, rout
         everyone = set(urls_a.values()) | set(urls_b.values())
         wait(lambda: set(router.workers()) == everyone, what="both nodes' engines listed")
         # Each daemon reports the other's engines as drift it leaves alone.
-        st = wait(lambda: (s := SupervisorClient(sock_a).status()["router"])["unknown"] and s, what="drift shown")
-        assert sorted(st["unknown"]) == sorted(urls_b.values()) and st["state"] == "drift", st
+        st = wait(lambda: (s := SupervisorClient(sock_a).status()["router"])["unknown"] == sorted(urls_b.values())
+                  and s, what="b's engines shown as drift by a")
+        assert st["state"] == "drift", st
         assert sorted(st["ours"]) == ["a0", "a1"]
 
         # kill -9 one of a's engines: out of the router, b's untouched; back once routable again.
