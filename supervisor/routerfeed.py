@@ -103,7 +103,9 @@ class RouterFeed(Listener):
         """One router call, retried on transient errors with jittered backoff; RouterError if
         it failed for good. Each attempt is bounded (remove_timeout for a removal)."""
         timeout = self.cfg.remove_timeout if op == "remove" else self.cfg.timeout
-        method = {"list": self.router.workers, "add": self.router.add, "remove": self.router.remove}[op]
+        methods: dict[str, Callable[..., Any]] = {"list": self.router.workers, "add": self.router.add,
+                                                  "remove": self.router.remove}
+        method = methods[op]
         try:
             async for attempt in AsyncRetrying(retry=retry_if_exception(_transient), reraise=True,
                                                stop=stop_after_attempt(ATTEMPTS),
