@@ -31,6 +31,7 @@ SCHEMAS = {
     "restart": config_mod._RESTART,
     "engine_defaults": config_mod._DEFAULTS,
     "engines": config_mod._ENGINE,
+    "router": config_mod._ROUTER,
 }
 
 
@@ -97,6 +98,8 @@ def actual_default(cfg: config_mod.Config, section: str, key: str):
         return getattr(where[section], key)
     if section == "engine_defaults":
         return {"env": cfg.engine_env, "args": cfg.engine_args, "host": cfg.engines[0].host}.get(key)
+    if section == "router" and key != "url":  # the table's defaults, with the one key it needs
+        return getattr(config_mod.RouterConfig(url="http://127.0.0.1:30000"), key)
     return None
 
 
