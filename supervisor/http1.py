@@ -94,7 +94,9 @@ class Http1Client:
         # something unasked). Either way it cannot carry this request. (StreamReader has no
         # public "bytes buffered" test; _buffer has been its bytearray since Python 3.4.)
         if reader is not None and writer is not None and (
-                reader.at_eof() or reader._buffer or writer.is_closing()):  # type: ignore[attr-defined]
+                reader.at_eof()
+                or reader._buffer  # type: ignore[attr-defined]  # private: typeshed omits it
+                or writer.is_closing()):
             self.close()
             reused = False
         try:
