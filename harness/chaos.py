@@ -177,8 +177,8 @@ class ChaosLoop(RLLoop):
     async def _in_flight(self, gather: asyncio.Future, engine: str | None = None) -> None:
         """Wait (at most fault_delay) until this round has requests in flight (on `engine`)."""
         deadline = time.monotonic() + self.args.fault_delay
-        assert self.rollout is not None  # connected for the round
         while not gather.done() and time.monotonic() < deadline:
+            assert self.rollout is not None  # connected for the round
             out = self.rollout.outstanding()
             if (out.get(engine) if engine else out):
                 return

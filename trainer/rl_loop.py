@@ -508,8 +508,8 @@ class RLLoop:
         gather = beside = None
         results, lost, error = [], False, None
         t_round = time.time()
-        assert self.rollout is not None  # connect() opened it
         try:
+            assert self.rollout is not None  # connect() opened it
             await self.rollout.refresh(force=True)
             gather = asyncio.ensure_future(self.rollout.gather(prompts, **self.sampling()))
             beside = asyncio.ensure_future(self.during_round(step, rnd, gather))
