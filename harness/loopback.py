@@ -98,6 +98,10 @@ class LoopbackEngine:
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
 
+    def _set_paused(self, paused: bool) -> dict:
+        self.paused = paused
+        return {"status": "paused" if paused else "resumed"}
+
     def dispatch(self, method: str, path: str, query: dict, body: dict):
         e = self.engine
         routes = {
@@ -105,8 +109,8 @@ class LoopbackEngine:
             ("GET", "/get_world_size"): lambda: {"world_size": 1},
             ("GET", "/weight_info"): lambda: {"weight_version": self.version},
             ("GET", "/is_paused"): lambda: {"is_paused": self.paused},
-            ("POST", "/pause"): lambda: setattr(self, "paused", True) or {"status": "paused"},
-            ("POST", "/resume"): lambda: setattr(self, "paused", False) or {"status": "resumed"},
+            ("POST", "/pause"): lambda: self._set_paused(True),
+            ("POST", "/resume"): lambda: self._set_paused(False),
             ("POST", "/init_weight_transfer_engine"):
                 lambda: e.init_transfer_engine(e.parse_init_info(body["init_info"])),
             ("POST", "/shutdown_weight_transfer_engine"): e.shutdown,

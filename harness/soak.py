@@ -84,7 +84,7 @@ class Keeper(ChaosHooks):
         self.gap_restarts: list[dict[str, Any]] = []
         self.crashes = 0
         self.adoption: list[dict[str, Any]] = []  # (pid, restarts) of each engine around a daemon kill
-        self.outages: list[list[float | None]] = []  # [killed at, answering again at]
+        self.outages: list[list[Any]] = []  # [killed at, answering again at (None until then)]
         self._lock = threading.Lock()
         self._stopping = False
         self.start()
@@ -357,9 +357,9 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     keeper = Keeper(root, cfg, links, model, broken)
     plan = schedule(kinds, seed)
     gap = {}
-    for f in plan:  # the gap restarts run as harness/faults.py's "daemon" kind, by SoakLoop
-        if f.kind in GAP_RESTARTS:
-            gap[id(f)], f.kind = f.kind, "daemon"
+    for fault in plan:  # the gap restarts run as harness/faults.py's "daemon" kind, by SoakLoop
+        if fault.kind in GAP_RESTARTS:
+            gap[id(fault)], fault.kind = fault.kind, "daemon"
     steps = max(steps, plan[-1].step + 2 if plan else steps)  # the last fault has rounds after it
     result = SoakResult()
     fuzzer = None

@@ -169,7 +169,8 @@ def events_from_log(lines: Iterable[str], since: float | None = None) -> tuple[l
     daemons: list[tuple[float, float, int | None]] = []
     alive: list[Any] | None = None  # [start, pid] of the daemon that is up
     block_at: float | None = None  # the first of the start-up lines just read
-    last_ts = before_block = None    # the line before them: the previous daemon's last
+    last_ts: float | None = None
+    before_block: float | None = None  # the line before them: the previous daemon's last
     for ts, rec in rows:
         name = str(rec.get("event"))
         if name.startswith(STARTUP_PREFIXES):
@@ -177,7 +178,9 @@ def events_from_log(lines: Iterable[str], since: float | None = None) -> tuple[l
                 block_at, before_block = ts, last_ts
         elif name == STARTED:
             if alive is not None:  # the one before was killed: it ended with its last line
-                daemons.append((alive[0], before_block if block_at is not None else last_ts, alive[1]))
+                end = before_block if block_at is not None else last_ts
+                assert end is not None  # its own start line was read
+                daemons.append((alive[0], end, alive[1]))
             alive = [block_at if block_at is not None else ts, rec.get("pid")]
             block_at = None
         else:
@@ -222,9 +225,9 @@ def detection(ev: Mapping[str, Any]) -> str | None:
     from vime.supervisor.metrics import detection_kind
 
     try:
-        t = Transition(str(ev.get("engine")), State(ev.get("from_state")), State(ev.get("to_state")),
+        t = Transition(str(ev.get("engine")), State(ev.get("from_state", "")), State(ev.get("to_state", "")),
                        str(ev.get("reason", "")), float(ev.get("ts", 0.0)), int(ev.get("incarnation") or 0),
-                       Cause(ev.get("cause")))
+                       Cause(ev.get("cause", "")))
     except ValueError:  # a state or cause this version does not know
         return None
     return detection_kind(t)
@@ -312,7 +315,7 @@ def _place_faults(tl: Timeline, faults: list[Mapping[str, Any]], steps: list[Map
     """Each injected fault at its injection time: `injected_at` when the record has it, else
     its detection (found after its step's rounds began) less its detected_after_s."""
     round_of = {s.get("step"): s.get("round") for s in steps}
-    round_start = {r.n: r.start for r in tl.rounds}
+    round_start: dict[int | None, float] = {r.n: r.start for r in tl.rounds}
 
     def step_start(step: Any) -> float | None:
         return round_start.get(round_of.get(step)) if isinstance(step, int) else None

@@ -325,10 +325,10 @@ class ControlServer:
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         creds = peer_credentials(request)
-        uid = None if creds is None else creds[1]
-        if uid is None:  # no credentials (the connection is already gone): fail closed
+        if creds is None:  # no credentials (the connection is already gone): fail closed
             log.warning("control.refused", uid=None, path=request.path)
             return _error(403, ErrorCode.FORBIDDEN, "the peer's credentials could not be read; connect over the Unix socket")
+        uid = creds[1]
         if uid not in self.allowed:
             log.warning("control.refused", uid=uid, caller_pid=creds[0], path=request.path)
             return _error(403, ErrorCode.FORBIDDEN, f"uid {uid} may not use this socket; add it to supervisor.allowed_uids")
@@ -341,8 +341,8 @@ class ControlServer:
             resp = await self._answer(request, handler)
             return resp
         finally:  # answered, refused or cancelled: one line
-            fields = {field: request.match_info[key] for key, field in _AUDIT_FROM_PATH.items()
-                      if key in request.match_info}
+            fields: dict[str, Any] = {field: request.match_info[key] for key, field in _AUDIT_FROM_PATH.items()
+                                      if key in request.match_info}
             fields.update(request[_AUDIT], status=None if resp is None else resp.status)
             if (code := _error_code(resp)) is not None:
                 fields["error"] = code
@@ -400,7 +400,7 @@ class ControlServer:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    async def _body(self, request: web.Request, schema: dict[str, tuple[type, ...]], required: set[str] = frozenset()) -> dict[str, Any]:
+    async def _body(self, request: web.Request, schema: dict[str, tuple[type, ...]], required: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
         try:
             raw = await request.read()
         except web.RequestPayloadError as e:  # a body that cannot be decoded (Content-Encoding)

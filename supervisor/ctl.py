@@ -49,6 +49,7 @@ from .protocol import (
     ENGINE_ACTIONS,
     ENV_SOCKET,
     Action,
+    EngineStatus,
     ErrorCode,
     Event,
     State,
@@ -107,7 +108,7 @@ def _weights(version: Any) -> str:
     return "base" if version is None else f"v{version}"
 
 
-def describe(engine: dict[str, Any]) -> str:
+def describe(engine: EngineStatus) -> str:
     """supervisord's description column for one engine of the daemon's status JSON."""
     state, reason = engine.get("state"), engine.get("reason") or ""
     if state in _PROCESS_DESC:
@@ -123,7 +124,7 @@ def describe(engine: dict[str, Any]) -> str:
     return reason
 
 
-def status_lines(engines: list[dict[str, Any]]) -> list[str]:
+def status_lines(engines: list[EngineStatus]) -> list[str]:
     """supervisord's layout: "%-{w}s%-10s%s" with w = max(30, longest name) + 3."""
     width = max([30, *(len(e["name"]) for e in engines)]) + 3
     fmt = f"%-{width}s%-10s%s"
@@ -145,7 +146,7 @@ def router_line(router: dict[str, Any]) -> str:
     return f"%-{width}s%-10s%s" % (f"router:{router.get('kind')}", state, desc)
 
 
-def avail_lines(engines: list[dict[str, Any]]) -> list[str]:
+def avail_lines(engines: list[EngineStatus]) -> list[str]:
     """supervisord's avail layout "%-32s %-9s %-9s %s": in use (retired: avail), auto (the
     daemon starts it) or manual (attached), and supervisord's default priority: engines start
     together, in no order."""
@@ -156,13 +157,13 @@ def avail_lines(engines: list[dict[str, Any]]) -> list[str]:
 # -- names: NAME, all, NAME:*, globs --------------------------------------------------------
 
 
-def _spawned_live(e: dict[str, Any]) -> bool:
+def _spawned_live(e: EngineStatus) -> bool:
     return bool(e.get("spawned")) and not e.get("retired")
 
 
 # What `all` and patterns take, per verb (supervisord's all/group:* skip processes a verb does
 # not apply to: `stop all` leaves stopped ones alone). Names given in full are always tried.
-APPLIES: dict[str, Callable[[dict[str, Any]], bool]] = {
+APPLIES: dict[str, Callable[[EngineStatus], bool]] = {
     Action.START: lambda e: _spawned_live(e) and e["state"] in _NOT_STARTED,
     Action.STOP: lambda e: _spawned_live(e) and e["state"] != State.STOPPED,
     Action.RESTART: _spawned_live,
@@ -175,11 +176,11 @@ class Selection:
     """The engines some NAME arguments name, in the order named, each once."""
 
     def __init__(self) -> None:
-        self.engines: list[dict[str, Any]] = []
+        self.engines: list[EngineStatus] = []
         self.explicit: set[str] = set()  # named in full (not through all or a pattern)
         self.missing: list[tuple[str, str]] = []  # (argument, "process" or "group")
 
-    def add(self, engines: Iterable[dict[str, Any]]) -> None:
+    def add(self, engines: Iterable[EngineStatus]) -> None:
         for e in engines:
             if all(e["name"] != have["name"] for have in self.engines):
                 self.engines.append(e)
@@ -188,15 +189,15 @@ class Selection:
         return [f"{arg}: ERROR (no such {kind})" for arg, kind in self.missing]
 
 
-def select(args: Iterable[str], engines: list[dict[str, Any]],
-           applies: Callable[[dict[str, Any]], bool] = lambda e: True) -> Selection:
+def select(args: Iterable[str], engines: list[EngineStatus],
+           applies: Callable[[EngineStatus], bool] = lambda e: True) -> Selection:
     """`all`, a full name, `NAME:*`/`NAME:`/`NAME:NAME` (an engine is a group of one), or a shell
     glob (fnmatch, case-sensitive); `all` and patterns keep only the engines `applies` to. A
     pattern that matches no engine at all is missing, as supervisord's "no such process"."""
     by_name = {e["name"]: e for e in engines}
     sel = Selection()
 
-    def matching(pattern: str) -> list[dict[str, Any]]:
+    def matching(pattern: str) -> list[EngineStatus]:
         if _GLOB_CHARS.search(pattern):
             return [e for e in engines if fnmatch.fnmatchcase(e["name"], pattern)]
         return [by_name[pattern]] if pattern in by_name else []
@@ -270,11 +271,11 @@ def _unreachable(e: SupervisorError) -> int:
     return EXIT_UNKNOWN
 
 
-def _known_hint(engines: list[dict[str, Any]]) -> None:
+def _known_hint(engines: list[EngineStatus]) -> None:
     _err(f"{PROG}: known engines: {', '.join(e['name'] for e in engines) or 'none'}")
 
 
-def _report_missing(sel: Selection, engines: list[dict[str, Any]]) -> bool:
+def _report_missing(sel: Selection, engines: list[EngineStatus]) -> bool:
     for line in sel.missing_lines():
         _err(line)
     if sel.missing:
@@ -373,7 +374,7 @@ def transition_outcome(ev: dict[str, Any], target: int, answered: float = 0.0) -
     return None  # STARTING, or a failing start's STOPPING
 
 
-def start_outcome(e: dict[str, Any], target: int, since: float = float("inf")) -> tuple[bool, str] | None:
+def start_outcome(e: EngineStatus, target: int, since: float = float("inf")) -> tuple[bool, str] | None:
     """The same read from a status entry (when the event stream is not there): a state passed
     between two reads is not seen, so the stream is preferred. `since`: seconds since the
     start was answered (a state older than that is the restart's own stop)."""
@@ -534,8 +535,8 @@ def cmd_action(client: SupervisorClient, args: argparse.Namespace) -> int:
 def cmd_signal(client: SupervisorClient, args: argparse.Namespace) -> int:
     try:
         parse_signal(args.sig)
-    except ValueError as e:  # refused before anything is sent (the daemon checks it too)
-        _err(f"{PROG}: {e}")
+    except ValueError as bad:  # refused before anything is sent (the daemon checks it too)
+        _err(f"{PROG}: {bad}")
         return EXIT_ERROR
     st = client.status()
     engines = st.get("engines", [])

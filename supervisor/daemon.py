@@ -198,7 +198,7 @@ class Supervisor:
             self.journal.start(self.tasks)
             self.tasks.spawn(self._follow_fleet(), name="follow-fleet")
             if self.notifier.watchdog_interval:
-                self.tasks.spawn(self._watchdog(), name="sd-watchdog")
+                self.tasks.spawn(self._watchdog(self.notifier.watchdog_interval), name="sd-watchdog")
             for runner in self.fleet.runners.values():
                 if not runner.retired:
                     runner.start(self.tasks)
@@ -442,11 +442,11 @@ class Supervisor:
         self.notifier.ready(status_line(self.fleet))
         log.info("supervisor.ready", status=status_line(self.fleet))
 
-    async def _watchdog(self) -> None:
+    async def _watchdog(self, interval: float) -> None:
         # From the event loop itself: if the loop is wedged, systemd stops hearing from us.
         while True:
             self.notifier.watchdog()
-            await asyncio.sleep(self.notifier.watchdog_interval)
+            await asyncio.sleep(interval)
 
     async def shutdown(self) -> None:
         """Stop every engine in parallel, bounded: stop_timeout covers SIGTERM->SIGKILL."""
@@ -547,8 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vime-supervisor: config error: {e.problems[0]}", file=sys.stderr)
         return 2
     except ConfigError as e:
-        for problem in e.problems:
-            print(f"vime-supervisor: config error: {problem}", file=sys.stderr)
+        for message in e.problems:
+            print(f"vime-supervisor: config error: {message}", file=sys.stderr)
         print(f"vime-supervisor: {len(e.problems)} problem(s) in {args.config}; nothing was started",
               file=sys.stderr)
         return 2

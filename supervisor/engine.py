@@ -290,7 +290,7 @@ class EngineRunner:
         self._adopted_routable = state in (S.RUNNING.value, S.SUSPECT.value)
         self._adopted_unwarmed = state == S.STARTING.value
         self._adopted_up = state != S.STARTING.value
-        self._adopted_state = S(state)
+        self._adopted_state = S(str(state))  # one of the kept states' values, checked above
         spawned_at = entry.get("spawned_at")
         self._adopted_age = max(0.0, time.time() - spawned_at) if self._adopted_unwarmed and spawned_at else 0.0
         self._adopted_standby = state == S.STANDBY.value and self.policy.target is not None
@@ -541,6 +541,8 @@ class EngineRunner:
 
     async def _wait_port_free(self) -> None:
         """A previous incarnation (or anything else) may hold the port for a moment: retry."""
+        port = self.spec.port
+        assert port is not None  # a spawned engine's, which the config requires
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_result(lambda free: not free),
@@ -548,8 +550,8 @@ class EngineRunner:
                 wait=wait_exponential_jitter(initial=0.1, max=1.0),
             ):
                 with attempt:
-                    free = port_is_free(self.spec.host, self.spec.port)
-                if not attempt.retry_state.outcome.failed:
+                    free = port_is_free(self.spec.host, port)
+                if attempt.retry_state.outcome is not None and not attempt.retry_state.outcome.failed:
                     attempt.retry_state.set_result(free)
         except RetryError:
             raise StartFailed(f"port {self.spec.port} still in use by another process", permanent=False) from None
@@ -576,7 +578,7 @@ class EngineRunner:
                 outcome = await self.prober.health(timeout=self.cfg.probe.timeout)
                 if outcome.ok:
                     outcome = await self.prober.generate()
-            if not attempt.retry_state.outcome.failed:
+            if attempt.retry_state.outcome is not None and not attempt.retry_state.outcome.failed:
                 # Ready means an answer (or tokens counted): an excused late probe (paused,
                 # busy) proves no engine loop.
                 attempt.retry_state.set_result(outcome.ok and outcome.excuse is None)

@@ -88,18 +88,22 @@ class Http1Client:
         return await asyncio.open_connection(self.host, self.port, limit=MAX_HEAD)
 
     async def _on_kept(self, request: bytes) -> tuple[int, bytes]:
-        reused = self._writer is not None
+        reader, writer = self._reader, self._writer
+        reused = writer is not None
         # Bytes or EOF waiting on an idle connection: the server closed it (or said
         # something unasked). Either way it cannot carry this request. (StreamReader has no
         # public "bytes buffered" test; _buffer has been its bytearray since Python 3.4.)
-        if reused and (self._reader.at_eof() or self._reader._buffer or self._writer.is_closing()):
+        if reader is not None and writer is not None and (
+                reader.at_eof()
+                or reader._buffer  # type: ignore[attr-defined]  # private: typeshed omits it
+                or writer.is_closing()):
             self.close()
             reused = False
         try:
-            if not reused:
-                self._reader, self._writer = await self._connect()
+            if not reused or reader is None or writer is None:
+                reader, writer = self._reader, self._writer = await self._connect()
             try:
-                status, data, keep = await self._exchange(self._reader, self._writer, request)
+                status, data, keep = await self._exchange(reader, writer, request)
             except _NoAnswer as e:
                 self.close()
                 if not reused:
@@ -188,7 +192,8 @@ class Http1Client:
         return status, data, keep
 
     async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
-        parts, total = [], 0
+        parts: list[bytes] = []
+        total = 0
         while True:
             line = await reader.readuntil(b"\r\n")
             digits = line.split(b";", 1)[0].strip()  # chunk extensions ignored

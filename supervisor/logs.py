@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, MutableMapping, cast
 
 import structlog
 
@@ -63,8 +63,8 @@ class _JsonRenderer:
         self.journald = journald
         self._json = structlog.processors.JSONRenderer(sort_keys=False)
 
-    def __call__(self, logger: Any, name: str, event_dict: dict[str, Any]) -> str:
-        line = self._json(logger, name, event_dict)
+    def __call__(self, logger: Any, name: str, event_dict: MutableMapping[str, Any]) -> str:
+        line = cast(str, self._json(logger, name, event_dict))  # json.dumps, its default, makes str
         if not self.journald:
             return line
         return f"<{PRIORITIES.get(str(event_dict.get('level')), 6)}>{line}"

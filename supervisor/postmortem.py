@@ -45,7 +45,7 @@ async def capture(runner: EngineView, reason: str, *, budget: float = 10.0) -> P
     t0 = time.monotonic()
     group = sample_group(runner.proc.pid) if runner.proc is not None else None
     pids = [m.pid for m in group.members] if group is not None else []
-    summary = {
+    summary: dict[str, Any] = {
         "engine": runner.name, "incarnation": runner.fsm.incarnation, "reason": reason,
         "state": runner.fsm.state.value, "time": time.time(), "url": runner.spec.base_url,
         "pid": runner.pid, "group": pids,
@@ -112,7 +112,7 @@ def _beside_python(name: str) -> str | None:
 
 def list_incidents(log_dir: str) -> list[dict[str, Any]]:
     root = incident_dir(log_dir)
-    out = []
+    out: list[dict[str, Any]] = []
     if not root.is_dir():
         return out
     for folder in sorted(root.iterdir()):

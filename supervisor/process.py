@@ -357,7 +357,7 @@ class EngineProcess:
         self.log_path = log_path
         self.proc = proc
         self.start_time = process_start_time(pid)
-        self._exited: asyncio.Future | None = None  # adopted: resolved when its pidfd is readable
+        self._exited: asyncio.Future[int | None] | None = None  # adopted: resolved when its pidfd is readable
         self._fd: int | None = None
         self._status: int | None = None  # adopted and our child (after a reload): its exit, as returncode
 
@@ -414,7 +414,7 @@ class EngineProcess:
             return None
         self = cls(pid, log_path)
         loop = asyncio.get_running_loop()
-        self._exited = loop.create_future()
+        exited = self._exited = loop.create_future()
         self._fd = fd
 
         def readable() -> None:
@@ -422,8 +422,8 @@ class EngineProcess:
             os.close(fd)
             self._fd = None
             self._status = reap_child(pid)
-            if not self._exited.done():
-                self._exited.set_result(self.returncode)
+            if not exited.done():
+                exited.set_result(self.returncode)
 
         loop.add_reader(fd, readable)
         return self
@@ -437,10 +437,11 @@ class EngineProcess:
             os.close(self._fd)
             self._fd = None
 
-    async def wait(self) -> int:
+    async def wait(self) -> int | None:
         """Returns when the server process exits (the child watcher or a pidfd, no polling)."""
         if self.proc is not None:
             return await self.proc.wait()
+        assert self._exited is not None  # no child: adopt() made the pidfd's future
         return await asyncio.shield(self._exited)
 
     def _signal_group(self, sig: int) -> bool:

@@ -261,7 +261,7 @@ class EngineStatus(TypedDict):
     uptime: float | None
     restarts: int
     failed_starts: int
-    weight_version: int | None
+    weight_version: int | str | None  # a str: the engine's own label, never a published version
     consecutive_failures: int
     last_probe: ProbeInfo | None
     last_probe_latency: float | None
@@ -302,7 +302,7 @@ class RoutableEngine(TypedDict):
     name: str
     url: str
     model: str
-    weight_version: int | None
+    weight_version: int | str | None  # as EngineStatus's
     incarnation: int
 
 

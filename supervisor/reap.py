@@ -92,10 +92,12 @@ def targets_of(args: argparse.Namespace) -> tuple[Path, dict[int, str], float, l
         raw = config_mod.load_file(args.config)
         log.warning("reap.config_invalid", config=args.config, problem=e.problems[0],
                     action="state_dir and engine ports read from the file as it is")
-    sup: dict[str, Any] = raw.get("supervisor") if isinstance(raw.get("supervisor"), dict) else {}
+    sup = raw.get("supervisor")
+    sup = sup if isinstance(sup, dict) else {}
     state_dir = args.state_dir or sup.get("state_dir") or Config.state_dir
     runtime_dir = args.runtime_dir or sup.get("runtime_dir") or Config.runtime_dir
-    engines = raw.get("engines") if isinstance(raw.get("engines"), list) else []
+    engines = raw.get("engines")
+    engines = engines if isinstance(engines, list) else []
     ports = {e["port"]: str(e.get("name")) for e in engines
              if isinstance(e, dict) and not e.get("url") and isinstance(e.get("port"), int)}
     return Path(str(state_dir)), ports, Config.stop_timeout, [str(state_dir), str(runtime_dir)]
@@ -121,8 +123,8 @@ def journal_groups(state_dir: Path) -> list[tuple[str, int, int, int | None]]:
     """(engine, pid, start_time, port) of the groups the journal names that are still ours."""
     try:
         data = journal_mod.load(state_dir / "journal.json")
-    except journal_mod.JournalError as e:
-        log.warning("reap.journal_unusable", error=str(e), action="engines found on configured ports only")
+    except journal_mod.JournalError as err:
+        log.warning("reap.journal_unusable", error=str(err), action="engines found on configured ports only")
         return []
     if data is None:
         return []
@@ -160,8 +162,8 @@ async def reap(state_dir: Path, ports: dict[int, str], stop_timeout: float | Non
     """Stop every group the journal names and every engine of ours on `ports`: SIGTERM, then
     SIGKILL after stop_timeout; None: SIGKILL at once. How many were stopped."""
     groups = {pid: (name, st, port, "journal") for name, pid, st, port in journal_groups(state_dir)}
-    for pid, st, port in find_engine_leaders(set(ports)):
-        groups.setdefault(pid, (ports[port], st, port, "port scan"))
+    for pid, st, found_port in find_engine_leaders(set(ports)):
+        groups.setdefault(pid, (ports[found_port], st, found_port, "port scan"))
     hows = await asyncio.gather(*(kill_now(pid, st) if stop_timeout is None else stop_group_of(pid, st, stop_timeout)
                                   for pid, (_, st, _, _) in groups.items()))
     for (pid, (name, _st, port, source)), how in zip(groups.items(), hows):

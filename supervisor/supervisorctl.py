@@ -214,7 +214,7 @@ def _import_supervisord(name: str):
     is loaded from where supervisord_installed() found it, so the submodules come from there."""
     if "supervisor" not in sys.modules:
         spec = _supervisord_spec()
-        if spec is None:
+        if spec is None or spec.loader is None:
             raise ImportError("supervisord's package supervisor is not installed", name="supervisor")
         mod = importlib.util.module_from_spec(spec)
         sys.modules["supervisor"] = mod
@@ -244,7 +244,7 @@ def our_actions() -> frozenset[str]:
         from vime.supervisor import ctl
 
         sub = next(a for a in ctl.build_parser()._actions if a.choices and a.dest == "command")
-        return frozenset(sub.choices)
+        return frozenset(sub.choices or ())
     except Exception:  # noqa: BLE001 - ctl changed shape: the verbs it has always had
         return _OUR_ACTIONS
 

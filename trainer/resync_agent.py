@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -31,12 +32,12 @@ class ResyncRecord:
     ok: bool
     seconds: float
     error: str | None = None
-    reply: dict[str, Any] = field(default_factory=dict)
+    reply: Mapping[str, Any] = field(default_factory=dict)
 
 
 class ResyncAgent:
     def __init__(self, client: SupervisorClient, weights: WeightsProvider, *, backend: str = "gloo",
-                 lock: threading.Lock | None = None, on_sync: Callable[[ResyncRecord], None] | None = None,
+                 lock: AbstractContextManager[Any] | None = None, on_sync: Callable[[ResyncRecord], None] | None = None,
                  master_address: str | None = None):
         """client: a SupervisorClient, or a vime.cluster.ClusterClient for engines on many
         nodes (the same verbs; engines named node/engine). master_address: the address of this
@@ -53,7 +54,7 @@ class ResyncAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._published: int | None = None  # the last version the daemon announced publishing
+        self._published: object = None  # the last version the daemon announced (restore_version checks it)
 
     def start(self, wait: float = 10.0) -> "ResyncAgent":
         self._thread = threading.Thread(target=self._run, name="vime-resync-agent", daemon=True)
@@ -102,7 +103,7 @@ class ResyncAgent:
             return False  # the next reconnect tries again
         return True
 
-    def handle(self, request: dict[str, Any]) -> ResyncRecord | None:
+    def handle(self, request: Mapping[str, Any]) -> ResyncRecord | None:
         """Push the current version into the one engine the daemon asked about."""
         from vime.weight_sync.sender import WeightSender
 

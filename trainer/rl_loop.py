@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
-from vime.supervisor.protocol import RUNNING_STATES, State
+from vime.supervisor.protocol import RUNNING_STATES, EngineStatus, State
 from vime.trainer.dumps import Sample, dump_path, load_rollout, save_rollout
 from vime.trainer.resync_agent import ResyncAgent, ResyncRecord
 from vime.trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
@@ -113,10 +113,10 @@ class DaemonView:
         self.stop = stop or threading.Event()
         self.stop_on_fatal = stop_on_fatal
 
-    def engines(self) -> list[dict[str, Any]]:
+    def engines(self) -> list[EngineStatus]:
         return self.client.status()["engines"]
 
-    def fatal(self, engines: list[dict[str, Any]] | None = None) -> list[str]:
+    def fatal(self, engines: list[EngineStatus] | None = None) -> list[str]:
         """'name: reason' of every FATAL engine."""
         return [f"{e['name']} FATAL: {e.get('reason') or '?'}" for e in (engines or self.engines())
                 if e["state"] == State.FATAL]
@@ -204,14 +204,15 @@ class RLLoop:
         self.base = 0                      # published version = base + policy.version
         self.next_round = 1
         self.stop = threading.Event()       # set by SIGINT/SIGTERM (or by a caller): every wait ends
-        # Set while a live run is on (_run_steps):
-        self.client: SupervisorClient | None = None
-        self.view: DaemonView | None = None
+        # Set while a live run is on (_run_steps). The client is open_client()'s: a
+        # SupervisorClient, or with --cluster a ClusterClient (the same verbs, and more).
+        self.client: Any = None
+        self.view: DaemonView
         self.rollout: RolloutClient | None = None
         self.agent: ResyncAgent | None = None
-        self.pusher: Pusher | None = None
-        self.tracer: Tracer | None = None
-        self.recorder: DaemonEventRecorder | None = None  # the daemon's events, for the trace
+        self.pusher: Pusher
+        self.tracer: Tracer
+        self.recorder: DaemonEventRecorder  # the daemon's events, for the trace
 
     def log(self, msg: str) -> None:
         print(f"[rl {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -377,7 +378,8 @@ class RLLoop:
         """SIGINT, SIGTERM and SIGHUP cancel the run (main thread only); what to restore after."""
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
-        saved = []
+        assert task is not None  # called from the run's task
+        saved: list[tuple[int, Any]] = []
         if threading.current_thread() is not threading.main_thread():
             return saved
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -487,7 +489,8 @@ class RLLoop:
         if a.save_debug_rollout_data and out.samples:
             save_rollout(a.save_debug_rollout_data, step, out.samples, weight_version=self.published,
                          round=rnd, target=a.target)
-        stats, pushed = None, {}
+        stats: StepStats | None = None
+        pushed: dict[str, str] = {}
         if train and out.samples:
             with self.tracer.span(f"train step {step}"):
                 stats, pushed = await asyncio.to_thread(self.train_and_push, step, out.samples)
@@ -506,6 +509,7 @@ class RLLoop:
         results, lost, error = [], False, None
         t_round = time.time()
         try:
+            assert self.rollout is not None  # connect() opened it
             await self.rollout.refresh(force=True)
             gather = asyncio.ensure_future(self.rollout.gather(prompts, **self.sampling()))
             beside = asyncio.ensure_future(self.during_round(step, rnd, gather))

@@ -552,6 +552,7 @@ class _Answer:
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
             if ids:
+                assert self.token_ids is not None  # extended with ids above
                 self.bounds.append((len(self.token_ids), len(self.text), len(ids) == 1 and bool(text), bool(text)))
                 if not text:
                     self.silent.extend(range(len(self.token_ids) - len(ids), len(self.token_ids)))
@@ -854,6 +855,7 @@ class RolloutClient:
                     if state.token_ids:
                         await self._split_between_characters(rid, engine, state)
                     if state.token_ids:  # a continuation: a completion on the token ids so far
+                        assert state.prompt_token_ids is not None  # set with its first piece
                         self.stats.continued += 1
                         log.info("rollout: %s: continuing on %s after %d token(s)", rid, engine.name, len(state))
                         result = await self._attempt(
@@ -1161,13 +1163,17 @@ class RolloutClient:
         if why:
             self._start_over(rid, state, why, engine=engine.name, version=engine.weight_version, extra=n)
             return
+        # Else `why` above: the ids, and the prompt's with the first piece, and the logprobs wanted.
+        assert answer.token_ids is not None
         if not state.splits:
+            assert answer.prompt_token_ids is not None
             state.prompt_token_ids = list(answer.prompt_token_ids)
             state.version, state.published = engine.weight_version, published
         state.piece = self._piece(state, answer)
         state.splits.append(Split(engine.name, engine.weight_version, len(state), n, outcome, seed))
         state.token_ids.extend(answer.token_ids)
         if state.want_logprobs:
+            assert answer.logprobs is not None
             state.logprobs = (state.logprobs or []) + list(answer.logprobs)
 
     @staticmethod
@@ -1290,19 +1296,20 @@ class RolloutClient:
         finished = time.time()
         n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
         token_ids, logprobs, prompt_ids = answer.token_ids, answer.logprobs, answer.prompt_token_ids
-        text: str | None = "".join(answer.text)
+        text = "".join(answer.text)
         if prefix:  # one sample: the kept pieces, then this answer (whose prompt carried them)
             piece = self._piece(state, answer)
             state.token_ids.extend(answer.token_ids or [])
             await self._fold(engine, state, *piece, final=True)
-            text = await self._sample_text(engine, state, answer.finish_reason == "stop")
-            if text is None:  # rare: /detokenize answered at the split, and no engine answers it now
+            built = await self._sample_text(engine, state, answer.finish_reason == "stop")
+            if built is None:  # rare: /detokenize answered at the split, and no engine answers it now
                 attempts.append(Attempt(engine.name, NO_TEXT))
                 self.stats.tokens_before_fault += _answer_tokens(answer)
                 self._start_over(rid, state, "the text across a split inside a character could not be built: "
                                              "no engine answered /detokenize", engine=engine.name)
                 aborted.add(engine.name)
                 raise _Retry(NO_TEXT, f"no engine answered /detokenize for request {rid}'s text")
+            text = built
             token_ids = list(state.token_ids)
             logprobs = None if state.logprobs is None or answer.logprobs is None else state.logprobs + answer.logprobs
             prompt_ids = state.prompt_token_ids

@@ -198,13 +198,13 @@ def _stats(xs: list[float]) -> dict[str, float | None]:
 
 def _summary(reqs: list[_Request], top: int, round: Any) -> dict[str, Any]:
     done = [r for r in reqs if r.latency is not None]
-    lat = [r.latency for r in done]
+    lat = [r.latency for r in done if r.latency is not None]  # all of done
     ttft = [r.ttft for r in done if r.ttft is not None]
     stats = _stats(lat)
-    slowest = sorted(done, key=lambda r: (-r.latency, r.index))[:top]
+    slowest = sorted(done, key=lambda r: (-(r.latency or 0.0), r.index))[:top]
     per_engine: dict[str, dict[str, Any]] = {}
     for eng in sorted({r.engine for r in reqs}):
-        mine = [r.latency for r in done if r.engine == eng]
+        mine = [r.latency for r in done if r.engine == eng and r.latency is not None]
         per_engine[eng] = {"count": sum(1 for r in reqs if r.engine == eng), "completed": len(mine),
                            "p50": percentile(mine, 50), "max": max(mine) if mine else None}
     return {
@@ -214,7 +214,7 @@ def _summary(reqs: list[_Request], top: int, round: Any) -> dict[str, Any]:
         "failed": len(reqs) - len(done),
         "latency_s": stats,
         "ttft_s": _stats(ttft),
-        "tail_ratio_p99_p50": (stats["p99"] / stats["p50"]) if stats["p50"] else None,
+        "tail_ratio_p99_p50": (stats["p99"] / stats["p50"]) if stats["p50"] and stats["p99"] is not None else None,
         "slowest": [{"index": r.index, "name": r.name, "engine": r.engine, "latency_s": r.latency,
                      "ttft_s": r.ttft, "tokens": r.tokens, "attempts": r.attempts,
                      "finish_reason": r.finish_reason} for r in slowest],
@@ -440,8 +440,9 @@ class Tracer:
         phase_parent = root
         timed = [a for a in r.attempt_spans if a.sent is not None]
         for k, a in enumerate(timed, 1):
-            a_end = a.finished if a.finished is not None else (
-                timed[k].sent if k < len(timed) and timed[k].sent is not None else end)
+            nxt = timed[k].sent if k < len(timed) else None
+            a_end = a.finished if a.finished is not None else (nxt if nxt is not None else end)
+            assert a.sent is not None  # timed: the attempts with a send time
             span = _Span(f"attempt {k}" + (f" ({a.engine})" if a.engine else ""), a.sent, a_end,
                          {x: y for x, y in (("engine", a.engine), ("outcome", a.outcome)) if y is not None})
             root.children.append(span)
@@ -482,8 +483,8 @@ class Tracer:
             daemon = sorted(self._daemon, key=lambda e: e["ts"])
         # Build the span trees (fresh objects each call: _nest edits them).
         trees: dict[str, list[_Span]] = {}
-        for n, s, e, args in sorted(rounds, key=lambda x: x[1]):
-            trees.setdefault("rounds", []).append(_Span(f"round {n}", s, e, {"round": n, **args}, cat="round"))
+        for n, s, t_end, args in sorted(rounds, key=lambda x: x[1]):
+            trees.setdefault("rounds", []).append(_Span(f"round {n}", s, t_end, {"round": n, **args}, cat="round"))
         for r in reqs:
             tree = self._request_tree(r)
             if tree is not None:
@@ -543,15 +544,15 @@ class Tracer:
         # pid 2: the daemon. tid 1 "fleet", then one per engine.
         name_process(DAEMON_PID, "vime-supervisor daemon")
         engines = sorted({str(e["engine"]) for e in daemon if e.get("engine") is not None})
-        tids = {None: 1, **{eng: i for i, eng in enumerate(engines, 2)}}
+        tids: dict[str | None, int] = {None: 1, **{eng: i for i, eng in enumerate(engines, 2)}}
         if daemon:
             name_thread(DAEMON_PID, 1, "fleet")
         for eng in engines:
             name_thread(DAEMON_PID, tids[eng], eng)
         for e in daemon:
-            eng = None if e.get("engine") is None else str(e["engine"])
+            who = None if e.get("engine") is None else str(e["engine"])
             events.append({"name": _daemon_event_name(e), "cat": "daemon", "ph": "i", "s": "t", "ts": us(e["ts"]),
-                           "pid": DAEMON_PID, "tid": tids[eng],
+                           "pid": DAEMON_PID, "tid": tids[who],
                            "args": _jsonable({k: v for k, v in e.items() if k != "ts"})})
         for eng in engines:
             for sp in self._state_spans([e for e in daemon if e.get("engine") == eng], end_of_trace):

@@ -94,7 +94,8 @@ def plan_update(meta: Sequence[tuple[str, torch.dtype, Sequence[int]]], bucket_b
         return plan
     solo = bucket_bytes if solo_bytes is None else min(solo_bytes, bucket_bytes)
     plan.buckets, plan.bucket_nbytes = [], []
-    count, sizes = 0, []
+    count = 0
+    sizes: list[int] = []
 
     def flush():
         nonlocal count, sizes
@@ -208,6 +209,7 @@ def receive_update(broadcast, update_info: dict, load_weights) -> int:
 
     pending = post(0) if buckets else None
     for b in range(len(buckets)):
+        assert pending is not None  # posted for every bucket there is
         buf, work = pending
         pending = post(b + 1) if b + 1 < len(buckets) else None
         work.wait()

@@ -59,7 +59,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -74,7 +74,7 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 _ENGINE_NOT_INITIALIZED = "gloo weight transfer not initialized"
 _ENGINE_POISONED = "gloo weight transfer poisoned"
 
-NamedTensors = Iterable[tuple[str, torch.Tensor]] | torch.nn.Module | Mapping[str, torch.Tensor]
+NamedTensors: TypeAlias = Iterable[tuple[str, torch.Tensor]] | torch.nn.Module | Mapping[str, torch.Tensor]
 Progress = Callable[[str, dict], None]
 
 
@@ -82,8 +82,8 @@ def _wait_all(futures: list[cf.Future], timeout: float, what: str) -> None:
     """Wait for all; raise the first exception as soon as it happens, or TimeoutError."""
     done, pending = cf.wait(futures, timeout=timeout, return_when=cf.FIRST_EXCEPTION)
     for f in futures:  # the first failure in list order among those done
-        if f in done and f.exception() is not None:
-            raise f.exception()
+        if f in done and (err := f.exception()) is not None:
+            raise err
     if pending:
         raise TimeoutError(f"{what} did not complete within {timeout:.0f}s")
 
@@ -200,7 +200,7 @@ class WeightSender:
         self._store = None
         self._pg = None
         self._world_size: int | None = None
-        self._nccl = None  # vLLM NCCLTrainerWeightTransferEngine (backend="nccl")
+        self._nccl: Any = None  # vLLM NCCLTrainerWeightTransferEngine (backend="nccl")
 
     # -- plumbing ---------------------------------------------------------------------------
     def _call(self, method: str, path: str, *, timeout: float | None = None, **kw) -> Any:

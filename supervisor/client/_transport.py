@@ -11,7 +11,9 @@ import struct
 import time
 from typing import Any, Callable
 
+import tenacity
 from tenacity import stop_after_delay, wait_exponential, wait_random
+from tenacity.stop import stop_base
 
 from vime.supervisor.protocol import Event, ReconnectedEvent, default_socket_path
 
@@ -25,10 +27,9 @@ from .errors import (
     unreachable_message,
 )
 
-try:  # tenacity >= 8.3: do not start a wait that would end past the deadline
-    from tenacity import stop_before_delay as stop_within
-except ImportError:  # pragma: no cover - older tenacity overshoots by at most one wait
-    stop_within = stop_after_delay
+# tenacity >= 8.3: do not start a wait that would end past the deadline; older tenacity
+# overshoots by at most one wait.
+stop_within: Callable[[float], stop_base] = getattr(tenacity, "stop_before_delay", stop_after_delay)
 
 # A daemon running as a dedicated user (neither root nor ours) is trusted only when named here.
 ENV_SERVER_UID = "VIME_SUPERVISOR_UID"

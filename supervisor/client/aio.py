@@ -46,6 +46,7 @@ class _CheckedUnixConnector(aiohttp.UnixConnector):
 
     async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> Any:
         proto = await super()._create_connection(req, traces, timeout)
+        assert proto.transport is not None  # set by connection_made, before the return
         try:
             check_server(proto.transport.get_extra_info("socket"), self.path)
         except Forbidden:

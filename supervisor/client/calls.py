@@ -39,6 +39,7 @@ from vime.supervisor.protocol import (
     FailureResult,
     FleetStatus,
     Incident,
+    IncidentList,
     Role,
     RoundPhase,
     RoundResult,
@@ -110,7 +111,8 @@ def _log_tail(payload: bytes, headers: Headers) -> LogTail:
 
 
 def _incidents(payload: bytes, headers: Headers) -> list[Incident]:
-    return _json(payload, headers)["incidents"]
+    listing: IncidentList = _json(payload, headers)
+    return listing["incidents"]
 
 
 def _post(path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True) -> Call[Any]:
@@ -201,32 +203,32 @@ class Verbs:
     the verb's documentation."""
 
     @Verb
-    def status() -> Call[FleetStatus]:  # type: ignore[misc]
+    def status() -> Call[FleetStatus]:
         """The whole fleet: engines (name, state, reason, pid, weight_version, restarts,
         routable, ...), round, round_open, weight_version, epoch, ..."""
         return _get(STATUS_PATH)
 
     @Verb
-    def routable_engines() -> Call[Routable]:  # type: ignore[misc]
+    def routable_engines() -> Call[Routable]:
         """{"epoch", "weight_version", "engines": [{"name", "url", "model", "weight_version"}]}:
         the engines that may take traffic now. `epoch` changes whenever that set changes."""
         return _get(ROUTABLE_PATH)
 
     @Verb
-    def start_round(n: int) -> Call[RoundResult]:  # type: ignore[misc]
+    def start_round(n: int) -> Call[RoundResult]:
         """Open round n. Idempotent: starting the open round again is a no-op (changed: false),
         so a retry after a reconnect is safe. ConflictError if another round is open or n is not
         greater than the last round."""
         return _post(round_path(n, RoundPhase.START))
 
     @Verb
-    def end_round(n: int) -> Call[RoundResult]:  # type: ignore[misc]
+    def end_round(n: int) -> Call[RoundResult]:
         """End round n. Idempotent: ending it again is a no-op (changed: false), so a retry after
         a reconnect is safe. ConflictError if n is not the open round."""
         return _post(round_path(n, RoundPhase.END))
 
     @Verb
-    def publish_weights(version: int, checkpoint: str | os.PathLike[str] | None = None  # type: ignore[misc]
+    def publish_weights(version: int, checkpoint: str | os.PathLike[str] | None = None
                         ) -> Call[WeightsResult]:
         """Make `version` current (engines not reporting it go STALE, out of routing, until
         synced). Idempotent: publishing the current version again (same checkpoint) is a no-op,
@@ -236,27 +238,27 @@ class Verbs:
         return _post(WEIGHTS_PATH, _weights_body(version, checkpoint))
 
     @Verb
-    def restart(name: str) -> Call[ActionResult]:  # type: ignore[misc]
+    def restart(name: str) -> Call[ActionResult]:
         """Stop and start a spawned engine now. Not repeated after a dropped connection."""
         return _action(name, Action.RESTART)
 
     @Verb
-    def stop(name: str) -> Call[ActionResult]:  # type: ignore[misc]
+    def stop(name: str) -> Call[ActionResult]:
         """Stop a spawned engine and keep it STOPPED. Idempotent."""
         return _action(name, Action.STOP)
 
     @Verb
-    def start(name: str) -> Call[ActionResult]:  # type: ignore[misc]
+    def start(name: str) -> Call[ActionResult]:
         """Start a STOPPED/EXITED/BACKOFF/FATAL spawned engine with a fresh start budget. Idempotent."""
         return _action(name, Action.START)
 
     @Verb
-    def retire(name: str) -> Call[ActionResult]:  # type: ignore[misc]
+    def retire(name: str) -> Call[ActionResult]:
         """Take an engine out of routing for good (spawned ones are stopped). Idempotent."""
         return _action(name, Action.RETIRE)
 
     @Verb
-    def signal(name: str, sig: str | int) -> Call[SignalResult]:  # type: ignore[misc]
+    def signal(name: str, sig: str | int) -> Call[SignalResult]:
         """Send a signal to a spawned engine's server process: a name ("HUP", "SIGHUP") or a
         number. What follows is the daemon's supervision (a TERM ends the engine and it is
         restarted). BadRequest (code bad_signal) for an unknown signal; ConflictError for an
@@ -265,7 +267,7 @@ class Verbs:
         return _post(engine_signal_path(name), {SIGNAL_FIELD: sig}, idempotent=False)
 
     @Verb
-    def report_failure(name: str, detail: str, *, poisoned: bool = False,  # type: ignore[misc]
+    def report_failure(name: str, detail: str, *, poisoned: bool = False,
                        incarnation: int | None = None) -> Call[FailureResult]:
         """A request to this engine failed: counts like a failed probe. poisoned=True: a weight
         push into it failed midway (weight_sync.PoisonedEngine), so it is stopped and restarted
@@ -278,7 +280,7 @@ class Verbs:
         return _post(engine_path(name, FAILURES), body, idempotent=False)
 
     @Verb
-    def sync_begin(name: str, version: int) -> Call[SyncBeginResult]:  # type: ignore[misc]
+    def sync_begin(name: str, version: int) -> Call[SyncBeginResult]:
         """The sync agent takes a STALE engine to push `version` into it ({"engine", "url",
         "version"}); the engine is SYNCING, never probed, until sync_end. ConflictError if the
         version is not current, the engine is not STALE, or a round is open. Not repeated after
@@ -286,7 +288,7 @@ class Verbs:
         return _post(engine_sync_path(name, SyncPhase.BEGIN), {"version": int(version)}, idempotent=False)
 
     @Verb
-    def sync_end(name: str, version: int, ok: bool, error: str | None = None  # type: ignore[misc]
+    def sync_end(name: str, version: int, ok: bool, error: str | None = None
                  ) -> Call[SyncEndResult]:
         """The push finished: ok=True has the daemon verify the engine (/weight_info and a deep
         probe) before it is RUNNING; ok=False (with `error`) has it restarted as poisoned.
@@ -295,25 +297,25 @@ class Verbs:
         return _post(engine_sync_path(name, SyncPhase.END), body, idempotent=False)
 
     @Verb
-    def engine_log(name: str, nbytes: int = 16384) -> Call[LogTail]:  # type: ignore[misc]
+    def engine_log(name: str, nbytes: int = 16384) -> Call[LogTail]:
         """The last `nbytes` of the engine's current log (ConflictError for attached engines,
         which have none)."""
         return _get(engine_log_path(name, nbytes), _log_tail)
 
     @Verb
-    def daemon_log(nbytes: int = 1600) -> Call[LogTail]:  # type: ignore[misc]
+    def daemon_log(nbytes: int = 1600) -> Call[LogTail]:
         """The last `nbytes` of the daemon's own log, when its stderr is a file (`.path` names
         it). ConflictError (code no_log) otherwise: its message says where the log goes (the
         systemd journal's command)."""
         return _get(daemon_log_path(nbytes), _log_tail)
 
     @Verb
-    def metrics() -> Call[str]:  # type: ignore[misc]
+    def metrics() -> Call[str]:
         """Prometheus text exposition of the fleet."""
         return _get(METRICS_PATH, _text)
 
     @Verb
-    def incidents() -> Call[list[Incident]]:  # type: ignore[misc]
+    def incidents() -> Call[list[Incident]]:
         """Post-mortem folders saved before unhealthy engines were stopped, oldest first."""
         return _get(INCIDENTS_PATH, _incidents)
 
