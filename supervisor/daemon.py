@@ -581,16 +581,16 @@ def main(argv: list[str] | None = None) -> int:
     need = limits.nofile_needed(n, warm, attached=attached)
     log.info("limits.nofile", soft=soft, hard=hard, needed=need, engines=len(cfg.engines))
     adopting = journal_mod.engines_to_adopt(Path(cfg.state_dir) / "journal.json")
-    may_start, problem = limits.start_problem(n, hard, warmup_requests=warm, attached=attached, adopting=adopting)
+    may_start, short = limits.start_problem(n, hard, warmup_requests=warm, attached=attached, adopting=adopting)
     if not may_start and handover is None:  # nothing runs yet: --check-config's error, exit 2 (no restart loop)
-        log.error("limits.nofile_refused", problem=problem)
-        print(f"vime-supervisor: config error: {problem}; nothing was started", file=sys.stderr)
+        log.error("limits.nofile_refused", problem=short)
+        print(f"vime-supervisor: config error: {short}; nothing was started", file=sys.stderr)
         for fd in locks:
             os.close(fd)
         return 2
-    problem = problem or limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)
-    if problem:
-        log.error("limits.nofile_low", problem=problem)
+    short = short or limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)
+    if short:
+        log.error("limits.nofile_low", problem=short)
     generation = handover.generation if handover else 0
     listener = handover.listener if handover else None
     if handover and handover.listener_refused:

@@ -27,6 +27,7 @@ own shortage, never held against the engine (probes.py: kind "daemon_limit").
 from __future__ import annotations
 
 import resource
+from typing import Any, Sequence
 
 # Descriptors per engine at the worst moment, first starts of the whole fleet at once: the
 # heartbeat connection (1), aiohttp's pool for health, /metrics and /weight_info (up to 4),
@@ -84,7 +85,7 @@ def nofile_needed(n_engines: int, warmup_requests: int = 8, *, attached: int = 0
             + max(0, attached) * PER_ATTACHED)
 
 
-def fleet_counts(specs) -> tuple[int, int]:
+def fleet_counts(specs: Sequence[Any]) -> tuple[int, int]:
     """(spawned, attached) among engine specs (config.EngineSpec: `spawned` is True for one
     the daemon starts)."""
     spawned = sum(1 for s in specs if s.spawned)
