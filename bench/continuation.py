@@ -125,6 +125,7 @@ def main() -> None:
         sock = str(tmp / "run" / "supervisor.sock")
         sup = SupervisorClient(sock)
         rnd = 0
+        failed = None
         try:
             for n in ENGINES:
                 d.transition(n, "RUNNING", BOOT)
@@ -150,8 +151,18 @@ def main() -> None:
                     if kill:  # back to two engines before the next trial (untimed)
                         d.transition(row["victim"], "EXITED", 30, after=mark)
                         d.transition(row["victim"], "RUNNING", BOOT, after=mark)
+        except Exception as e:  # noqa: BLE001  (printed; the repeats done so far are kept)
+            failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            print(f"  FAILED: {failed}", flush=True)
         finally:
             d.terminate(60)
+
+    # Only whole repeats (no kill, and a kill each way) make a row of the table.
+    whole = {rep for rep in {r["repeat"] for _, r in rows} if sum(r["repeat"] == rep for _, r in rows) == 3}
+    rows = [(n, r) for n, r in rows if r["repeat"] in whole]
+    if not rows:
+        print(f"FAILED before a whole repeat: {failed}")
+        sys.exit(1)
 
     base = {r["repeat"]: r["seconds"] for name, r in rows if name == "no kill"}
     print()
@@ -176,6 +187,9 @@ def main() -> None:
     if why:  # with continuation, a token regenerated has a reason: say it
         print("regenerated with continue_partial=True (all repeats), why: "
               + "; ".join(f"{n} tokens: {k}" for k, n in why.most_common()))
+    if failed:
+        print(f"FAILED after {len(whole)} whole repeat(s): {failed}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

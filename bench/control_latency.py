@@ -90,9 +90,10 @@ def daemon_with_standins(n: int, calls: int, tmp: Path) -> tuple[list[float], li
     try:
         client = SupervisorClient(str(run / "supervisor.sock"))
         deadline = time.time() + 60
-        while n and time.time() < deadline:
-            if client.status()["routable"] == n:
-                break
+        while n and client.status()["routable"] < n:
+            if d.proc.poll() is not None or time.time() > deadline:  # not timed on a fleet it does not hold
+                raise RuntimeError(f"{n} stand-ins: {client.status()['routable'] if d.proc.poll() is None else 'the daemon exited'}"
+                                   f" routable after 60 s; daemon log tail: {d.raw[-1:]}")
             time.sleep(0.5)
         time.sleep(1.0)  # the heartbeat in its steady state
         return time_calls(client, calls)
@@ -114,13 +115,21 @@ def main() -> None:
         print(f"control-socket latency, {args.calls} calls each; baseline: bare aiohttp Unix-socket handler")
         print(f"{'engines probed':>14} {'call':>7} {'p50 ms':>8} {'p99 ms':>8} {'bare p50':>9} {'bare p99':>9} "
               f"{'ratio p50':>9} {'ratio p99':>9}")
+        failed = {}
         for n in args.engines:
-            rounds, status = daemon_with_standins(n, args.calls, tmp)
+            try:
+                rounds, status = daemon_with_standins(n, args.calls, tmp)
+            except Exception as e:  # noqa: BLE001  (printed; the other sizes still run)
+                failed[n] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                print(f"{n:>14} FAILED: {failed[n]}", flush=True)
+                continue
             for name, xs, bs in (("round", rounds, b_round), ("status", status, b_status)):
                 p50, p99, bp50, bp99 = (pct(xs, .5), pct(xs, .99), pct(bs, .5), pct(bs, .99))
                 print(f"{n:>14} {name:>7} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {bp50 * 1e3:9.2f} {bp99 * 1e3:9.2f} "
                       f"{p50 / bp50:9.2f} {p99 / bp99:9.2f}", flush=True)
         print(f"(cpu count {os.cpu_count()}; median of bare status {statistics.median(b_status) * 1e3:.2f} ms)")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

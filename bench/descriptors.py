@@ -70,6 +70,8 @@ def measure(tmp: Path, n: int, mode: str, warmup: int) -> tuple[int, int]:
         t0 = time.monotonic()
         t_ready = None
         while time.monotonic() - t0 < 150:
+            if d.proc.poll() is not None:
+                raise RuntimeError(f"{mode} x {n}: the daemon exited with status {d.proc.returncode}: {d.raw[-2:]}")
             peak = max(peak, len(os.listdir(f"/proc/{d.proc.pid}/fd")))
             if t_ready is None and any(e.get("event") == "supervisor.ready" for e in list(d.events)):
                 t_ready = time.monotonic()
@@ -93,17 +95,23 @@ def main() -> None:
     ap.add_argument("--spawned", type=int, nargs="*", default=[20, 50])
     ap.add_argument("--warmup", type=int, default=8)
     args = ap.parse_args()
-    rows = []
+    failed = 0
+    print(f"the daemon's descriptors, start to 8 s after READY=1 (warm-up {args.warmup} requests), "
+          "against nofile_needed(), what --check-config and the daemon hold the limit to", flush=True)
+    print(f"{'engines':>14} {'peak':>6} {'steady':>7} {'estimate':>9} {'peak/estimate':>14}", flush=True)
     with tempfile.TemporaryDirectory() as t:
         for mode, counts in (("attached", args.attached), ("spawned", args.spawned)):
             for n in counts:
-                peak, steady = measure(Path(t) / f"{mode}-{n}", n, mode, args.warmup)
-                rows.append((mode, n, peak, steady, nofile_needed(n, args.warmup)))
-    print(f"the daemon's descriptors, start to 8 s after READY=1 (warm-up {args.warmup} requests), "
-          "against nofile_needed()")
-    print(f"{'engines':>14} {'peak':>6} {'steady':>7} {'estimate':>9} {'peak/estimate':>14}")
-    for mode, n, peak, steady, need in rows:
-        print(f"{f'{n} {mode}':>14} {peak:6d} {steady:7d} {need:9d} {peak / need:14.2f}")
+                need = nofile_needed(0, attached=n) if mode == "attached" else nofile_needed(n, args.warmup)
+                try:
+                    peak, steady = measure(Path(t) / f"{mode}-{n}", n, mode, args.warmup)
+                except Exception as e:  # noqa: BLE001  (printed; the other rows still run)
+                    failed += 1
+                    print(f"{f'{n} {mode}':>14} FAILED: {type(e).__name__}: {e}", flush=True)
+                    continue
+                print(f"{f'{n} {mode}':>14} {peak:6d} {steady:7d} {need:9d} {peak / need:14.2f}", flush=True)
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

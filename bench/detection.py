@@ -123,6 +123,7 @@ def main() -> None:
             engines=[{"name": "e0", "model": str(model), "served_model_name": "tiny", "port": port}])
         d = Daemon(cfg)
         poller = HealthPoller(f"http://127.0.0.1:{port}")
+        failed = None
         try:
             d.transition("e0", "RUNNING", BOOT)
             for _ in range(args.repeats):
@@ -143,7 +144,12 @@ def main() -> None:
                         poller.failed_at = None  # it saw the daemon's stop of the engine, not the hang
                     base = None if poller.failed_at is None else poller.failed_at - t0
                     rows[kind].append((_ts(seen) - t0, base))
+                    print(f"  {kind}: daemon {rows[kind][-1][0]:.2f} s, /health poller "
+                          f"{'still 200' if base is None else f'{base:.2f} s'}", flush=True)
                     d.transition("e0", "RUNNING", BOOT, after=mark)
+        except Exception as e:  # noqa: BLE001  (printed; the rows measured so far are kept)
+            failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            print(f"  FAILED: {failed}", flush=True)
         finally:
             poller.stop()
             d.terminate(60)
@@ -155,6 +161,9 @@ def main() -> None:
           "timeout) in the same run")
     print(f"{'fault':<28}{'runs':>5}{'daemon median s':>17}{'daemon max s':>14}{'/health poller':>16}{'ratio':>7}")
     for kind, rs in rows.items():
+        if not rs:
+            print(f"{kind:<28}{0:>5}  (none measured)")
+            continue
         ours = [r for r, _ in rs]
         base = [b for _, b in rs if b is not None]
         missed = sum(b is None for _, b in rs)
@@ -164,6 +173,9 @@ def main() -> None:
         print(f"{kind:<28}{len(rs):>5}{statistics.median(ours):>17.2f}{max(ours):>14.2f}{btxt:>16}{ratio:>7}")
     print(f"bare engine with its EngineCore SIGSTOPped (no supervisor): /health answered 200 to "
           f"{polls} polls over {watched:.0f}s" if polls is not None else "bare engine: /health failed")
+    if failed:
+        print(f"FAILED after {sum(map(len, rows.values()))} faults: {failed}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,9 @@ def main() -> int:
             round_times.append(time.monotonic() - t_round)
             finished += out.count("length")
             print(f"round {r}: {out.count('length')}/{len(out)} finished in {round_times[-1]:.1f}s", flush=True)
+        # The counts below are read from this harness's copy of the daemon's log: wait in it
+        # for the last round's end, so everything the daemon logged before it is there.
+        d.wait_for(lambda e: e.get("event") == "round.end" and e.get("round") == args.rounds, 30, after=mark)
         events = d.events[mark:]
         # Condemned by the probes, or died on its own (an exit after our stop is the same stop).
         stops = sum(1 for e in events if e.get("event") == "engine.transition" and (

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
 import statistics
 import tempfile
+import sys
 import time
 import urllib.request
 from datetime import datetime
@@ -80,10 +82,13 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    runs: dict[str, tuple[list[float], list[float], list[dict[str, float]]]] = {}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         model_dir = build_tiny_model(tmp / "model")
         cold = [cold_start(model_dir, tmp) for _ in range(args.repeats)]
+        print(f"bare cold start to the first completion: {' / '.join(f'{c:.1f}' for c in cold)} s", flush=True)
 
         model = LlamaForCausalLM.from_pretrained(model_dir)
         tok = AutoTokenizer.from_pretrained(model_dir)
@@ -91,40 +96,78 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
-
-        agent_weights = lambda: (1, [(n, p.detach()) for n, p in model.named_parameters()])  # noqa: E731
-        no_spare, boots, split_agent = kill_to_routable(tmp / "one", model_dir, agent_weights, args.repeats, spares=0)
-        spare, _, split_spare = kill_to_routable(tmp / "two", model_dir, agent_weights, args.repeats, spares=1)
-        dummy, _, _ = kill_to_routable(tmp / "dummy", model_dir, agent_weights, args.repeats, spares=0,
-                                       restart_load="dummy")
         ckpt = tmp / "ckpt-v1"
         save_checkpoint(model, model_dir, ckpt)
-        reload, _, split_ckpt = kill_to_routable(tmp / "ckpt", model_dir, agent_weights, args.repeats, spares=0,
-                                                 checkpoint=ckpt)
+
+        agent_weights = lambda: (1, [(n, p.detach()) for n, p in model.named_parameters()])  # noqa: E731
+        configs = {  # label: (folder, keyword arguments of kill_to_routable)
+            "no spare": ("one", {"spares": 0}),
+            "one spare": ("two", {"spares": 1}),
+            "no spare, dummy restart": ("dummy", {"spares": 0, "restart_load": "dummy"}),
+            "no spare, checkpoint": ("ckpt", {"spares": 0, "checkpoint": ckpt}),
+        }
+        for label, (folder, kw) in configs.items():
+            # One configuration's failure is printed and costs only its own rows.
+            try:
+                runs[label] = kill_to_routable(tmp / folder, model_dir, agent_weights, args.repeats, **kw)
+            except Exception as e:  # noqa: BLE001  (a bench reports and goes on)
+                failed[label] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                print(f"  {label}: FAILED: {failed[label]}", flush=True)
+                continue
+            totals, _, split = runs[label]
+            print(f"  {label}: kill -9 -> routable at v1 {' / '.join(f'{x:.2f}' for x in totals)} s; phases "
+                  + "; ".join(", ".join(f"{p} {x[p]:.2f}" for p in PHASES) for x in split), flush=True)
+    report(cold, runs, failed)
+
+
+def med(xs) -> float:
+    """The median of the known values (NaN: a phase the log did not show); NaN if none."""
+    known = [x for x in xs if not math.isnan(x)]
+    return statistics.median(known) if known else math.nan
+
+
+def report(cold: list[float], runs: dict, failed: dict[str, str]) -> None:
+    print()
     print("kill -9 -> routable count back to target at the current version, same run:")
     print("  no spare: restart + boot + gloo resync + verify; one spare: promotion + gloo push + verify;")
     print("  baseline: a bare cold start of the same engine to its first completion")
+    get = lambda label: runs[label][0] if label in runs else []  # noqa: E731
+    no_spare, spare, dummy = get("no spare"), get("one spare"), get("no spare, dummy restart")
+    nan = math.nan
     print(f"{'run':>4} {'no spare s':>11} {'one spare s':>12} {'bare cold start s':>18} {'no spare/cold':>14} "
           f"{'no spare/spare':>15}")
-    for i, (r, sp, c) in enumerate(zip(no_spare, spare, cold)):
+    for i, c in enumerate(cold):
+        r = no_spare[i] if i < len(no_spare) else nan
+        sp = spare[i] if i < len(spare) else nan
         print(f"{i + 1:>4} {r:11.1f} {sp:12.2f} {c:18.1f} {r / c:14.2f} {r / sp:15.1f}")
     print("kill -9 -> routable at v1 with no spare: the restart reads the model, or boots on dummy weights "
           "(restart_load = \"dummy\") for the agent's push")
     print(f"{'run':>4} {'model s':>9} {'dummy s':>9} {'dummy/model':>12}")
-    for i, (r, dm) in enumerate(zip(no_spare, dummy)):
+    for i in range(max(len(no_spare), len(dummy))):
+        r = no_spare[i] if i < len(no_spare) else nan
+        dm = dummy[i] if i < len(dummy) else nan
         print(f"{i + 1:>4} {r:9.1f} {dm:9.1f} {dm / r:12.2f}")
-    print("where the seconds go, kill -9 -> routable at v1 (medians of the runs; from the daemon's transitions)")
+    print("where the seconds go, kill -9 -> routable at v1 (medians of the runs; from the daemon's transitions; "
+          "nan: not in its log)")
     print(f"{'path':>32} {'total s':>8} {'total/cold':>10} " + " ".join(f"{p:>{max(8, len(p))}}" for p in PHASES))
-    for label, totals, split in (("no spare, agent push", no_spare, split_agent),
-                                 ("no spare, checkpoint, no agent", reload, split_ckpt),
-                                 ("one spare, agent push", spare, split_spare)):
-        print(f"{label:>32} {statistics.median(totals):8.2f} {statistics.median(totals) / statistics.median(cold):10.2f} "
-              + " ".join(f"{statistics.median(x[p] for x in split):{max(8, len(p))}.2f}" for p in PHASES))
-    print("boots under the daemon (its 'ready in', warm-up included): the first with empty compile caches, "
-          "then restarts reusing them")
-    print(f"{'first (cold caches) s':>22} {'restarts s':>20} {'restart/first':>14}")
-    print(f"{boots[0]:22.1f} {' / '.join(f'{b:.1f}' for b in boots[1:]):>20} "
-          f"{(sum(boots[1:]) / max(1, len(boots) - 1)) / boots[0]:14.2f}")
+    for label, key in (("no spare, agent push", "no spare"), ("no spare, checkpoint, no agent", "no spare, checkpoint"),
+                       ("one spare, agent push", "one spare")):
+        if key not in runs:
+            continue
+        totals, _, split = runs[key]
+        print(f"{label:>32} {med(totals):8.2f} {med(totals) / statistics.median(cold):10.2f} "
+              + " ".join(f"{med(x[p] for x in split):{max(8, len(p))}.2f}" for p in PHASES))
+    if "no spare" in runs and runs["no spare"][1]:
+        boots = runs["no spare"][1]
+        print("boots under the daemon (its 'ready in', warm-up included): the first with empty compile caches, "
+              "then restarts reusing them")
+        print(f"{'first (cold caches) s':>22} {'restarts s':>20} {'restart/first':>14}")
+        print(f"{boots[0]:22.1f} {' / '.join(f'{b:.1f}' for b in boots[1:]):>20} "
+              f"{(sum(boots[1:]) / max(1, len(boots) - 1)) / boots[0]:14.2f}")
+    for label, why in failed.items():
+        print(f"FAILED {label}: {why}")
+    if failed:
+        sys.exit(1)
 
 
 def ready_in(ev: dict) -> float | None:
@@ -145,10 +188,17 @@ def phases(events: list[dict], victim: str, t_kill: float, t_routable: float) ->
     spare promoted): its group cleaned up and the port free (until STARTING), the server up
     (until `engine.warmup`), the warm-up batch (until it leaves STARTING), until its sync
     began (SYNCING), the sync and its verification (until RUNNING), and until the client
-    polling the routable list saw it. A spare skips the first four: they are 0."""
+    polling the routable list saw it. A spare skips the first four: they are 0. A phase the
+    log does not show (no EXITED, no RUNNING after it) is NaN, as is every phase after it."""
+    out = dict.fromkeys(PHASES, math.nan)
     tr = [e for e in events if e.get("event") == "engine.transition"]
-    exited = next(when(e) for e in tr if e["engine"] == victim and e["to_state"] == "EXITED")
-    running = next(e for e in tr if e["to_state"] == "RUNNING" and when(e) >= exited)
+    exited = next((when(e) for e in tr if e["engine"] == victim and e["to_state"] == "EXITED"), None)
+    if exited is None:
+        return out
+    out["detect"] = exited - t_kill
+    running = next((e for e in tr if e["to_state"] == "RUNNING" and when(e) >= exited), None)
+    if running is None:
+        return out
     end, name = when(running), running["engine"]
     mine = [e for e in tr if e["engine"] == name and exited <= when(e) <= end]
     start = next((when(e) for e in mine if e["to_state"] == "STARTING"), None)
@@ -157,8 +207,8 @@ def phases(events: list[dict], victim: str, t_kill: float, t_routable: float) ->
     ready = next((when(e) for e in mine if e["from_state"] == "STARTING"), None)
     behind = next((when(e) for e in mine if e["to_state"] == "STALE"), None)  # a promotion's, or the boot's
     syncing = next((when(e) for e in mine if e["to_state"] == "SYNCING"), None)
-    out = dict.fromkeys(PHASES, 0.0)
-    out["detect"] = exited - t_kill
+    for p in ("clean-up", "boot", "warm-up"):
+        out[p] = 0.0
     if start is not None and ready is not None:
         out["clean-up"] = start - exited
         out["boot"] = (warm or ready) - start
@@ -209,7 +259,12 @@ def kill_to_routable(tmp: Path, model_dir: Path, weights, repeats: int, *, spare
             d.transition(victim, "EXITED", 30, after=mark)
             wait(lambda: [e["weight_version"] for e in client.routable_engines()["engines"]] == [1], 0.02)
             rows.append(time.monotonic() - t0)
-            split.append(phases(d.events[mark:], victim, t_kill, time.time()))
+            t_routable = time.time()
+            # The phases are read from this harness's copy of the daemon's log, which may lag
+            # the routable list: wait in it for what they end on, the RUNNING after the death.
+            d.wait_for(lambda e: e.get("event") == "engine.transition" and e.get("to_state") == "RUNNING"
+                       and when(e) >= t_kill, 60, after=mark)
+            split.append(phases(d.events[mark:], victim, t_kill, t_routable))
         if agent is not None:
             agent.stop()
     finally:

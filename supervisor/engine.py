@@ -26,7 +26,7 @@ from . import postmortem
 from .activity import sample_group
 from .config import Config, EngineSpec
 from .events import EventBus
-from .fsm import EngineFSM, ProbeOutcome, Transition
+from .fsm import DAEMON_LIMIT, EngineFSM, ProbeOutcome, Transition
 from .policy import FleetPolicy
 from .probes import Prober
 from .process import (
@@ -534,7 +534,7 @@ class EngineRunner:
     async def _probe_once(self, started: float) -> ProbeOutcome:
         outcome = await self.prober.check()
         self.probes += 1
-        self.probe_failures += not outcome.ok
+        self.probe_failures += not outcome.ok and outcome.kind != DAEMON_LIMIT
         self.probe_history.append((started, outcome))
         self.bus.probed(self.name, outcome)
         return outcome

@@ -22,7 +22,7 @@ from .config import Config
 from .engine import EngineRunner
 from .errors import BadRequest, Conflict
 from .events import EventBus, Listener, Subscription
-from .fsm import ProbeOutcome, Transition
+from .fsm import DAEMON_LIMIT, ProbeOutcome, Transition
 from .logs import exit_fields
 from .metrics import FleetStats, detection_kind
 from .policy import FleetPolicy
@@ -127,7 +127,12 @@ class Fleet(Listener):
         self._membership_changed()
 
     def on_probe(self, engine: str, outcome: ProbeOutcome) -> None:
-        if not outcome.ok:
+        if outcome.kind == DAEMON_LIMIT:  # the daemon's shortage, not the engine's: once per run of them
+            runner = self.runners.get(engine)
+            last = runner.fsm.last_probe if runner is not None else None
+            if last is None or last.kind != DAEMON_LIMIT:
+                log.error("engine.probe_not_made", engine=engine, detail=outcome.detail)
+        elif not outcome.ok:
             log.info("engine.probe_failed", engine=engine, detail=outcome.detail)
         elif outcome.excuse is not None:  # late, and judged busy or paused: not a failure
             log.info("engine.probe_excused", engine=engine, excuse=outcome.excuse, detail=outcome.detail)

@@ -64,6 +64,11 @@ class Transition:
     cause: Cause
 
 
+# ProbeOutcome.kind of a probe the daemon could not make (out of descriptors: EMFILE, ENFILE):
+# neither a success nor a failure of the engine, never counted towards its stop.
+DAEMON_LIMIT = "daemon_limit"
+
+
 @dataclass(frozen=True)
 class ProbeOutcome:
     ok: bool
@@ -270,6 +275,8 @@ class EngineFSM:
         if self.state not in PROBED and self.state is not S.UNHEALTHY:
             return False  # a late answer for an engine that has moved on
         self.last_probe = outcome
+        if outcome.kind == DAEMON_LIMIT:  # the daemon's own shortage says nothing of the engine
+            return False
         if self._excused_too_long(outcome):
             return True
         if outcome.ok:

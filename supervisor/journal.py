@@ -178,6 +178,16 @@ def load(path: Path) -> dict[str, Any] | None:
     return data
 
 
+def engines_to_adopt(path: Path) -> int:
+    """How many engines the journal at `path` names with a pid (a process a previous daemon
+    left running): 0 when there is none or it cannot be trusted (the daemon then starts clean)."""
+    try:
+        data = load(path)
+    except JournalError:
+        return 0
+    return 0 if data is None else sum(1 for e in data["engines"].values() if "pid" in e)
+
+
 class JournalWriter:
     """Writes the journal when the fleet changed, at most every `min_interval` seconds."""
 

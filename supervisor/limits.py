@@ -11,21 +11,32 @@ vLLM raises its own soft limit anyway), and `nofile_problem` says, in one line, 
 raise when even the hard limit is below what the engine count needs.
 
 Measured with a daemon supervising stand-in engines (harness/standin_engine.py), its
-/proc/PID/fd counted every 20 ms from start to 8 s after READY=1: 18 with one engine; attached
-engines 2 each (50: 116, 200: 417); spawned engines 2 each once running and about 10 each
-while they all warm up at once (warm-up requests 8; 50 engines: peak 516). The estimate
-below is an upper bound of that, with room for late probes and adopted engines' pidfds.
+/proc/PID/fd counted every 20 ms from start to 8 s after READY=1 (bench/descriptors.py): 18
+with one engine; attached engines 2 each (50: 116, 200: 417); spawned engines 2 each once
+running and about 10 each while they all warm up at once (warm-up requests 8; 50 engines:
+peak 516). The estimate below is an upper bound of that: spawned engines at their warm-up's
+worst, with room for late probes and adopted engines' pidfds; attached engines, which the
+daemon never starts nor warms up, at what they hold plus one late probe's read.
+
+A fresh daemon whose hard limit is below the estimate refuses to start (what --check-config
+says, exit status 2); one with engines to adopt (a journal that names live pids) starts and
+logs the problem instead: refusing would orphan them. An EMFILE while probing is the daemon's
+own shortage, never held against the engine (probes.py: kind "daemon_limit").
 """
 
 from __future__ import annotations
 
 import resource
+from typing import Any, Sequence
 
 # Descriptors per engine at the worst moment, first starts of the whole fleet at once: the
 # heartbeat connection (1), aiohttp's pool for health, /metrics and /weight_info (up to 4),
 # a one-off connection beside a probe still in flight (1), a pidfd for an adopted engine
 # (1). The warm-up adds its concurrent requests, counted apart (warmup_requests).
 PER_ENGINE = 7
+# An attached engine (a url: no process, no warm-up): the heartbeat connection and aiohttp's
+# kept one for /health and /weight_info (2, measured), plus one for a late probe's /metrics.
+PER_ATTACHED = 3
 # The daemon alone: the interpreter, stdio, epoll and signal pipes, the lock files, the
 # control socket and a few of its clients (each event stream holds one), the metrics
 # listener, the journal write, log tails read for post-mortems.
@@ -66,16 +77,27 @@ def raise_nofile() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def nofile_needed(n_engines: int, warmup_requests: int = 8) -> int:
-    """Descriptors the daemon may hold with `n_engines` engines, all starting at once (the
-    first start of a fleet): BASE + n_engines x (PER_ENGINE + warmup_requests)."""
-    return BASE + max(0, n_engines) * (PER_ENGINE + max(0, warmup_requests))
+def nofile_needed(n_engines: int, warmup_requests: int = 8, *, attached: int = 0) -> int:
+    """Descriptors the daemon may hold with `n_engines` spawned engines, all starting at once
+    (the first start of a fleet), and `attached` attached ones:
+    BASE + n_engines x (PER_ENGINE + warmup_requests) + attached x PER_ATTACHED."""
+    return (BASE + max(0, n_engines) * (PER_ENGINE + max(0, warmup_requests))
+            + max(0, attached) * PER_ATTACHED)
 
 
-def nofile_problem(n_engines: int, soft: int, *, hard: bool = False, warmup_requests: int = 8) -> str | None:
+def fleet_counts(specs: Sequence[Any]) -> tuple[int, int]:
+    """(spawned, attached) among engine specs (config.EngineSpec: `spawned` is True for one
+    the daemon starts)."""
+    spawned = sum(1 for s in specs if s.spawned)
+    return spawned, len(specs) - spawned
+
+
+def nofile_problem(n_engines: int, soft: int, *, hard: bool = False, warmup_requests: int = 8,
+                   attached: int = 0) -> str | None:
     """One line saying what to raise when the open-file limit `soft` (the hard one, with
-    hard=True) is below what `n_engines` engines need; None when it is enough."""
-    need = nofile_needed(n_engines, warmup_requests)
+    hard=True) is below what `n_engines` spawned and `attached` attached engines need; None
+    when it is enough."""
+    need = nofile_needed(n_engines, warmup_requests, attached=attached)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return None
     which = "hard" if hard else "soft"
@@ -83,6 +105,25 @@ def nofile_problem(n_engines: int, soft: int, *, hard: bool = False, warmup_requ
            "as root before starting it" if hard else
            f"the daemon raises the soft limit to the hard one at start; raise both with LimitNOFILE={need} in "
            f"the unit, or ulimit -n {need} in the shell that starts it")
-    return (f"the {which} open-file limit is {soft}, below the {need} descriptors {n_engines} engine(s) may need "
-            f"(about {PER_ENGINE + max(0, warmup_requests)} per engine while they start, {BASE} for the daemon); "
-            f"{fix}")
+    who = []
+    if n_engines or not attached:
+        who.append(f"{n_engines} spawned engine(s) about {PER_ENGINE + max(0, warmup_requests)} each while they start")
+    if attached:
+        who.append(f"{attached} attached engine(s) about {PER_ATTACHED} each")
+    total = n_engines + attached
+    return (f"the {which} open-file limit is {soft}, below the {need} descriptors {total} engine(s) may need "
+            f"({', '.join(who)}, {BASE} for the daemon); {fix}")
+
+
+def start_problem(n_engines: int, hard: int, *, warmup_requests: int = 8, attached: int = 0,
+                  adopting: int = 0) -> tuple[bool, str | None]:
+    """Whether a daemon may start under the hard limit `hard`, and the problem to report:
+    (False, problem) refuses a fresh start whose hard limit cannot hold the fleet; with
+    engines to adopt (`adopting`: live pids in its journal, or a re-exec's) it starts and
+    reports (True, problem), since refusing would leave them running unsupervised."""
+    problem = nofile_problem(n_engines, hard, hard=True, warmup_requests=warmup_requests, attached=attached)
+    if problem is None:
+        return True, None
+    if adopting:
+        return True, f"{problem}; starting anyway to adopt {adopting} running engine(s)"
+    return False, problem

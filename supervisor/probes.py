@@ -15,6 +15,7 @@ judged by the evidence read right then (`judge_late`):
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from .activity import GroupSample, busy, describe, sample_group
-from .fsm import ProbeOutcome
+from .fsm import DAEMON_LIMIT, ProbeOutcome
 from .http1 import Http1Client, HttpProtocolError, read_bounded
 
 # Labels end on their own line ([^}\n]): an unclosed "{" must not make a scan of the whole
@@ -45,7 +46,17 @@ PROGRESS_WINDOW = 0.5
 # (excused up to max_busy); generation held by /pause (excused up to sync_timeout); a process
 # of the group stopped (state T); late with no sign of work; the connection refused; any other
 # failure (an HTTP error status, an answer that cannot be read).
-PROBE_KINDS = ("ok", "late_progress", "late_busy", "paused", "stopped", "timeout", "refused", "error")
+# daemon_limit: the daemon could not open a connection for want of descriptors (its own
+# open-file limit, EMFILE, or the system's, ENFILE): not held against the engine (fsm).
+PROBE_KINDS = ("ok", "late_progress", "late_busy", "paused", "stopped", "timeout", "refused", "error",
+               DAEMON_LIMIT)
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
+def _daemon_limit(what: str, e: OSError) -> ProbeOutcome:
+    return ProbeOutcome(False, f"{what}: the daemon is out of descriptors ({e}); not the engine's failure: raise "
+                               "the daemon's open-file limit (vime-supervisor --check-config says to what)",
+                        kind=DAEMON_LIMIT)
 # Our published versions are integers below 2**63 (what the journal, metrics and JSON
 # consumers all take); anything else an engine says is an opaque label, never "current".
 _VERSION = re.compile(r"[0-9]{1,19}")
@@ -149,6 +160,8 @@ class Prober:
         except asyncio.TimeoutError:
             return ProbeOutcome(False, f"health timeout after {timeout or self.timeout:g}s", kind="timeout")
         except aiohttp.ClientConnectorError as e:
+            if e.os_error is not None and e.os_error.errno in _OUT_OF_DESCRIPTORS:
+                return _daemon_limit("health", e.os_error)
             return ProbeOutcome(False, f"health: connection refused ({e.os_error.strerror if e.os_error else e})",
                                 kind="refused")
         except aiohttp.ClientError as e:
@@ -181,13 +194,17 @@ class Prober:
             return ProbeOutcome(True, "ok", latency, kind="ok")
         except asyncio.TimeoutError:  # before OSError: TimeoutError is one since Python 3.11
             return await self._late()
-        except aiohttp.ClientConnectorError:
+        except aiohttp.ClientConnectorError as e:
+            if e.os_error is not None and e.os_error.errno in _OUT_OF_DESCRIPTORS:
+                return _daemon_limit("generate", e.os_error)
             return ProbeOutcome(False, "generate: connection refused", kind="refused")
         except aiohttp.ClientError as e:
             return ProbeOutcome(False, f"generate: {type(e).__name__}: {e}", kind="error")
         except ConnectionRefusedError:  # the lean client could not connect
             return ProbeOutcome(False, "generate: connection refused", kind="refused")
-        except OSError as e:  # unreachable, no such host, ...
+        except OSError as e:  # unreachable, no such host, ... or the daemon's own limit
+            if e.errno in _OUT_OF_DESCRIPTORS:
+                return _daemon_limit("generate", e)
             return ProbeOutcome(False, f"generate: cannot connect: {e}", kind="error")
         except HttpProtocolError as e:  # it connected, but the answer was cut short or unreadable
             return ProbeOutcome(False, f"generate: HttpProtocolError: {e}", kind="error")
@@ -241,7 +258,7 @@ class Prober:
         """One heartbeat: the deep probe, which proves liveness too when it answers. Only when
         it fails is /health asked, to say why (503: the engine core is dead)."""
         deep = await self.generate()
-        if deep.ok:
+        if deep.ok or deep.kind == DAEMON_LIMIT:  # no descriptor for /health either
             return deep
         live = await self.health()
         return deep if live.ok else ProbeOutcome(False, f"{live.detail}; {deep.detail}", deep.latency, kind=deep.kind)

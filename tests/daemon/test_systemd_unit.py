@@ -76,7 +76,8 @@ def test_unit_keeps_what_the_daemon_relies_on():
                        "RuntimeDirectoryMode": "0750", "RuntimeDirectoryPreserve": "restart",
                        "StateDirectory": "vime-supervisor", "User": "vime-supervisor",
                        "Group": "vime-supervisor", "ExecReload": "/bin/kill -HUP $MAINPID",
-                       "DevicePolicy": "closed", "CapabilityBoundingSet": ""}.items():
+                       "DevicePolicy": "closed", "CapabilityBoundingSet": "",
+                       "RestartPreventExitStatus": "2"}.items():  # 2: a config error, never looped on
         assert s.get(key) == [value], (key, s.get(key))
     assert "WatchdogSec" in s and int(s["LimitNOFILE"][0]) >= limits.nofile_needed(1000)
     assert any("-m vime.supervisor.reap --config" in v for v in s["ExecStopPost"])

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from vime.supervisor.fsm import (
+    DAEMON_LIMIT,
     vlabel,
     EngineFSM,
     IllegalTransition,
@@ -207,6 +208,18 @@ def test_a_success_in_between_restarts_the_failure_count():
     assert fsm.consecutive_failures == 2
     assert fsm.probe_result(TIMEOUT) is True
     assert fsm.state is S.UNHEALTHY
+
+
+def test_a_probe_the_daemon_could_not_make_is_never_held_against_the_engine():
+    """EMFILE in the daemon (kind daemon_limit): no SUSPECT, no stop, and the failures around it
+    are counted as if it had not happened (neither a success nor a failure)."""
+    no_fd = ProbeOutcome(False, "generate: the daemon is out of descriptors", kind=DAEMON_LIMIT)
+    fsm, clock, seen = running(probe=ProbePolicy(failure_threshold=2))
+    assert [fsm.probe_result(no_fd) for _ in range(50)] == [False] * 50
+    assert fsm.state is S.RUNNING and fsm.consecutive_failures == 0 and not seen
+    assert fsm.probe_result(TIMEOUT) is False and fsm.state is S.SUSPECT
+    assert fsm.probe_result(no_fd) is False and fsm.consecutive_failures == 1
+    assert fsm.probe_result(TIMEOUT) is True and fsm.state is S.UNHEALTHY
 
 
 def test_failure_threshold_1_goes_straight_to_unhealthy():

@@ -73,3 +73,82 @@ def test_the_problem_appears_exactly_below_the_need(n):
     need = nofile_needed(n)
     assert nofile_problem(n, need - 1) is not None
     assert nofile_problem(n, need) is None
+
+
+def test_attached_engines_count_at_what_they_hold_not_at_a_warm_up():
+    assert nofile_needed(0, attached=4096) == limits.BASE + 4096 * limits.PER_ATTACHED
+    assert nofile_needed(0, attached=4096) <= 20000 < nofile_needed(4096)  # this machine's hard limit
+    assert nofile_needed(10, 8, attached=5) == nofile_needed(10, 8) + 5 * limits.PER_ATTACHED
+    assert nofile_problem(0, 20000, hard=True, attached=4096) is None
+    line = nofile_problem(2, 100, hard=True, attached=300)
+    assert line is not None and "2 spawned engine(s)" in line and "300 attached engine(s) about 3 each" in line
+    assert "302 engine(s)" in line
+
+
+def test_fleet_counts_splits_spawned_from_attached():
+    class Spec:
+        def __init__(self, spawned):
+            self.spawned = spawned
+    assert limits.fleet_counts([Spec(True), Spec(False), Spec(False)]) == (1, 2)
+    assert limits.fleet_counts([]) == (0, 0)
+
+
+def test_a_fresh_start_is_refused_below_the_need_and_an_adopting_one_is_not():
+    need = nofile_needed(10, attached=100)
+    assert limits.start_problem(10, need, attached=100) == (True, None)
+    ok, problem = limits.start_problem(10, need - 1, attached=100)
+    assert not ok and problem == nofile_problem(10, need - 1, hard=True, attached=100)
+    ok, problem = limits.start_problem(10, need - 1, attached=100, adopting=3)
+    assert ok and problem.startswith(nofile_problem(10, need - 1, hard=True, attached=100))
+    assert problem.endswith("starting anyway to adopt 3 running engine(s)")
+    assert limits.start_problem(10, INF, attached=100) == (True, None)
+
+
+PROBE_OUT_OF_FDS = r"""
+import asyncio, json, resource, socket, sys
+import aiohttp
+from vime.supervisor.probes import Prober
+
+async def main():
+    session = aiohttp.ClientSession()
+    prober = Prober(session, sys.argv[1], "tiny", 1.0)
+    kept, soft = [], resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        while True:  # every descriptor the limit allows, taken
+            kept.append(socket.socket())
+    except OSError:
+        pass
+    outcome = await prober.check()
+    for s in kept:
+        s.close()
+    again = await prober.check()  # the engine itself was never at fault
+    await session.close()
+    print(json.dumps([outcome.kind, outcome.ok, outcome.detail, again.kind]))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("client", ["lean", "aiohttp"])
+def test_a_probe_the_daemon_has_no_descriptor_for_is_not_the_engines_failure(tmp_path, client):
+    """In a process out of descriptors (its soft limit 128, all taken), the probe of an engine
+    that answers (a PROTOCOL STAND-IN) says daemon_limit, not refused or error; with
+    descriptors again, the same engine answers ok."""
+    from vime.harness.standin_engine import free_port_range
+    import os
+    port = free_port_range(1)
+    standin = subprocess.Popen([sys.executable, "-m", "vime.harness.standin_engine", "--base-port", str(port),
+                                "--count", "1"], stdout=subprocess.PIPE)
+    try:
+        assert standin.stdout.readline().startswith(b"ready")
+        env = {**os.environ, "VIME_PROBE_HTTP": client}
+        out = subprocess.run([sys.executable, "-c", PROBE_OUT_OF_FDS, f"http://127.0.0.1:{port}"], env=env,
+                             capture_output=True, text=True, timeout=60,
+                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)))
+        assert out.returncode == 0, out.stderr
+        kind, ok, detail, again = json.loads(out.stdout)
+        assert (kind, ok, again) == ("daemon_limit", False, "ok"), detail
+        assert "out of descriptors" in detail and "--check-config" in detail
+    finally:
+        standin.kill()
+        standin.wait()
