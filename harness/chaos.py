@@ -227,7 +227,7 @@ class ChaosLoop(RLLoop):
         fault.confirmed = True  # injected with the round's requests in flight
         await asyncio.to_thread(self._inject, fault, step, "during the round")
 
-    def _inject(self, fault: faults.Fault, step: int, when: str, engines: list[dict] | None = None) -> None:
+    def _inject(self, fault: faults.Fault, step: int, when: str, engines: list[dict[str, Any]] | None = None) -> None:
         engines = self.view.engines() if engines is None else engines
         fault.fired_step, fault.injected_at = step, time.time()
         if fault.kind == "daemon":
@@ -354,7 +354,7 @@ def format_faults(plan: list[faults.Fault]) -> list[str]:
             lines.append(f"  {faults.WHAT[f.kind]} of {f.engine}: warm spare {f.spare} promoted, full strength "
                          f"{fmt_seconds(f.full_after_gap())} after {gap}; {f.engine}'s own restart was ready "
                          f"{fmt_seconds(f.after(f.ready_at))} after the fault (without a spare, the fleet is short "
-                         "that long)")
+                         "at least that long)")
     return lines
 
 

@@ -605,7 +605,8 @@ def format_end(rep: Report) -> list[str]:
     if rep.engines:
         lines += ["", f"engines at the end (trainer at v{rep.final_version})"]
         for name, e in sorted(rep.engines.items()):
-            lines.append(f"  {name:<12}{e['state']:<10}v{e['weight_version']}  restarts {e.get('restarts')}"
+            ver = "base" if e["weight_version"] is None else f"v{e['weight_version']}"
+            lines.append(f"  {name:<12}{e['state']:<10}{ver}  restarts {e.get('restarts')}"
                          + ("  (warm spare: synced when promoted)" if e["state"] == State.STANDBY else ""))
     if rep.stopped:
         lines += ["", f"STOPPED EARLY: {rep.stopped}"]
