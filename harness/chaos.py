@@ -8,8 +8,11 @@ it is measured on a whole fleet; `faults.timeline` then reads from the daemon's 
 was detected, back up and resynced. The hook points it uses:
 
   before_round    pick the fault due at this step and wait (bounded) for a whole fleet;
+  generate        the round of an in-round kill gets a long tail (--long-tail): a few requests
+                  far longer than the rest, as RL rollouts have, which the kill cuts mid-stream;
   during_round    kill -9 / SIGSTOP / a crash at start / kill -9 of the daemon, once the round
-                  has requests in flight;
+                  has requests in flight (with a long tail: once the victim has streamed
+                  --kill-after-tokens of one);
   rollout_round   the trainer disconnects mid-round, comes back, ends the round, runs it again;
   after_round     kill -9 in the round gap;
   push_into       the push into one engine fails after half its buckets (poisoned);
@@ -150,6 +153,21 @@ class ChaosLoop(RLLoop):
         self.view.settle_syncs(self.args.sync_wait)
         return stats, pushed
 
+    async def generate(self, step: int, prompts: list[str]):
+        n = min(self.args.long_tail, len(prompts)) if self.fault_now("kill") else 0
+        if not n:
+            return await super().generate(step, prompts)
+        # The long ones first, so each engine gets some (fewest outstanding, ties round robin).
+        long = asyncio.ensure_future(self.rollout.gather(
+            prompts[:n], **{**self.sampling(), "max_tokens": self.args.long_tail_tokens, "ignore_eos": True}))
+        short = asyncio.ensure_future(self.rollout.gather(prompts[n:], **self.sampling()))
+        try:
+            return [*await long, *await short]
+        finally:
+            for t in (long, short):
+                t.cancel()
+            await asyncio.gather(long, short, return_exceptions=True)
+
     def after_run(self) -> None:
         for f in self.plan:
             faults.timeline(f, self.recorder.events)
@@ -186,7 +204,28 @@ class ChaosLoop(RLLoop):
 
     # -- injections ------------------------------------------------------------------------
 
+    async def _streamed(self, gather: asyncio.Future, engine: str, tokens: int) -> bool:
+        """Wait (at most fault_delay) until the client has read `tokens` output tokens of a
+        request on `engine`: a kill then cuts it mid-stream."""
+        deadline = time.monotonic() + self.args.fault_delay
+        while not gather.done() and time.monotonic() < deadline:
+            if any(p.engine == engine and p.tokens >= tokens for p in self.rollout.progress().values()):
+                return True
+            await asyncio.sleep(0.005)
+        return False
+
     async def _inject_later(self, fault: faults.Fault, step: int, gather: asyncio.Future) -> None:
+        if fault.kind == "kill" and self.args.long_tail:
+            # The pid first: from the read to the kill nothing waits, the long request streams on.
+            engines = await asyncio.to_thread(self.view.engines)
+            if not await self._streamed(gather, fault.engine, self.args.kill_after_tokens):
+                fault.engine = None
+                fault.note = (f"no request on the engine streamed {self.args.kill_after_tokens} tokens within "
+                              f"--fault-delay {self.args.fault_delay:g}s of step {step}; postponed")
+                return
+            fault.confirmed = True  # a request was mid-stream on it
+            self._inject(fault, step, "during the round (a long request mid-stream)", engines)
+            return
         await self._in_flight(gather, None if fault.kind in faults.NO_ENGINE else fault.engine)
         if gather.done():  # the round finished first: try again at the next step
             fault.engine = None
@@ -195,8 +234,8 @@ class ChaosLoop(RLLoop):
         fault.confirmed = True  # injected with the round's requests in flight
         await asyncio.to_thread(self._inject, fault, step, "during the round")
 
-    def _inject(self, fault: faults.Fault, step: int, when: str) -> None:
-        engines = self.view.engines()
+    def _inject(self, fault: faults.Fault, step: int, when: str, engines: list[dict[str, Any]] | None = None) -> None:
+        engines = self.view.engines() if engines is None else engines
         fault.fired_step, fault.injected_at = step, time.time()
         if fault.kind == "daemon":
             fault.note = "pids before: " + ", ".join(f"{e['name']}={e.get('pid')}" for e in engines)
@@ -320,6 +359,13 @@ def format_faults(plan: list[faults.Fault]) -> list[str]:
         lines.append(f"  {faults.WHAT[f.kind]:<30}{f.engine:<11}{f.fired_step:>5}"
                      f"{fmt_seconds(f.after(f.detected_at)):>10}{fmt_seconds(f.after(f.ready_at)):>10}"
                      f"{fmt_seconds(f.after(f.resynced_at)):>10}  {(f.detected_as or 'not detected')[:90]}")
+    for f in plan:
+        if f.spare is not None:
+            gap = "the round ended" if f.kind in faults.IN_ROUND else "the fault"
+            lines.append(f"  {faults.WHAT[f.kind]} of {f.engine}: warm spare {f.spare} promoted, full strength "
+                         f"{fmt_seconds(f.full_after_gap())} after {gap}; {f.engine}'s own restart was ready "
+                         f"{fmt_seconds(f.after(f.ready_at))} after the fault (without a spare, the fleet is short "
+                         "at least that long)")
     return lines
 
 
@@ -341,6 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fault-delay", type=float, default=2.0,
                    help="longest wait into a round for requests in flight before kill/hang (else postponed)")
     g.add_argument("--fault-wait", type=float, default=300.0, help="longest wait for a whole fleet before a fault")
+    g.add_argument("--long-tail", type=int, default=0, metavar="N",
+                   help="in the round of --kill-at, N samples run to --long-tail-tokens (ignore_eos), and the "
+                        "kill waits until one on its engine has streamed --kill-after-tokens: it is cut "
+                        "mid-stream and continued elsewhere")
+    g.add_argument("--long-tail-tokens", type=int, default=200, metavar="T")
+    g.add_argument("--kill-after-tokens", type=int, default=16, metavar="K")
     return ap
 
 

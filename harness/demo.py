@@ -2,13 +2,17 @@
 
     make demo                   (or: python -m vime.harness.demo --out demo-run)
 
-1. builds the tiny Llama (trainer/tiny_model.py) and writes a config for two engines that
-   accept weight pushes (gloo on CPU);
-2. starts `python -m vime.supervisor` as a plain child process and waits until both are RUNNING;
+1. builds the tiny Llama (trainer/tiny_model.py) and writes a config for three engines that
+   accept weight pushes (gloo on CPU): two serve, one is a warm spare (`spares = 1`);
+2. starts `python -m vime.supervisor` as a plain child process and waits until the two are
+   RUNNING and the spare is STANDBY (booted, kept warm, never routed);
 3. runs the example RL loop (trainer/rl_loop.py) under harness/chaos.py: rollouts through
    the daemon's routing, reward, a policy-gradient step, the new weights pushed into the
-   engines, versions published, with a kill -9 (step --kill-at), a SIGSTOPped EngineCore
-   (--hang-at) and a push that fails midway (--fail-push-at);
+   engines, versions published, with a kill -9 (step --kill-at) in a round with a long tail
+   (--long-tail: its long requests are cut mid-stream and continued on the other engine from
+   the tokens already streamed; the spare takes the killed engine's place in the round gap),
+   a SIGSTOPped EngineCore (--hang-at) and a push that fails midway (--fail-push-at); it
+   prints what each fault demonstrates before, and what it showed after;
 4. shows `supervisorctl status`, stops the daemon (SIGTERM: every engine stopped) and checks
    that no engine process is left.
 
@@ -41,6 +45,7 @@ from vime.harness.timeline import write_for_run
 from vime.trainer.tiny_model import build_tiny_model
 
 BOOT = 300.0
+UP = ("RUNNING", "STANDBY")  # serving, or a warm spare
 
 
 def _say(msg: str) -> None:
@@ -49,16 +54,18 @@ def _say(msg: str) -> None:
 
 def demo_config(out: Path, model: Path, *, engines: int = 2, interval: float = 1.0, timeout: float = 2.0,
                 threshold: int = 2, models: dict[str, Path] | None = None, boot: float = BOOT,
-                python: str | None = None, **sections: dict) -> Path:
+                python: str | None = None, spares: int = 0, **sections: dict) -> Path:
     """The daemon config the demo (and its tests and the soak) runs: fast probes, engines
     engine-0.. on this host. `models` gives an engine its own model path; `sections` adds
-    tables (e.g. restart={...}); `boot` is first_wait; `python` the engines' interpreter."""
+    tables (e.g. restart={...}); `boot` is first_wait; `python` the engines' interpreter;
+    `spares` of the engines are warm spares."""
     cpus = max(1, os.cpu_count() or 1)
     names = [f"engine-{i}" for i in range(engines)]
     return write_config(
         out / "supervisor.toml",
         supervisor={"runtime_dir": str(out / "run"), "log_dir": str(out / "logs"), "stop_timeout": 5.0,
-                    "min_healthy": 1, "sync_timeout": 60.0, **({"python": python} if python else {})},
+                    "min_healthy": 1, "sync_timeout": 60.0, **({"python": python} if python else {}),
+                    **({"spares": spares} if spares else {})},
         health_check={"first_wait": boot, "interval": interval, "timeout": timeout,
                       "failure_threshold": threshold},
         **sections,
@@ -136,9 +143,9 @@ def _engine_lines(daemon: Daemon, client, names: list[str]) -> list[str]:
 
 def wait_for_engines(daemon: Daemon, sock: Path, names: list[str], boot: float, *,
                      every: float = 5.0, on_tick=lambda: None) -> list[str]:
-    """Wait, at most `boot` seconds, until every engine is RUNNING, printing what they are
-    doing every `every` seconds. Returns the problems that end the wait early: an engine FATAL,
-    the daemon gone, the bound passed ([] when all are RUNNING)."""
+    """Wait, at most `boot` seconds, until every engine is RUNNING (or STANDBY: a warm
+    spare), printing what they are doing every `every` seconds. Returns the problems that end
+    the wait early: an engine FATAL, the daemon gone, the bound passed ([] when all are up)."""
     from vime.supervisor.client import SupervisorClient
 
     client = SupervisorClient(str(sock), connect_timeout=1.0, timeout=5.0)
@@ -149,10 +156,12 @@ def wait_for_engines(daemon: Daemon, sock: Path, names: list[str], boot: float, 
         while True:
             states = {n: daemon.state(n) for n in names}
             for n, st in states.items():
-                if st == "RUNNING" and n not in seen:
+                if st in UP and n not in seen:
                     seen.add(n)
-                    _say(f"{n} RUNNING after {time.monotonic() - t0:.0f}s")
-            if all(st == "RUNNING" for st in states.values()):
+                    _say(f"{n} {st} after {time.monotonic() - t0:.0f}s"
+                         + (" (the warm spare: booted, never routed, takes a failed engine's place)"
+                            if st == "STANDBY" else ""))
+            if all(st in UP for st in states.values()):
                 return []
             fatal = [n for n, st in states.items() if st == "FATAL"]
             if fatal:
@@ -168,7 +177,7 @@ def wait_for_engines(daemon: Daemon, sock: Path, names: list[str], boot: float, 
             if now - t0 > boot:
                 for line in _engine_lines(daemon, client, names):
                     print(line, flush=True)
-                return ["engines not RUNNING within the boot bound of "
+                return ["engines not up within the boot bound of "
                         f"{boot:g}s: " + ", ".join(f"{n} {st or 'not spawned'}" for n, st in states.items())]
             if now >= next_report:
                 next_report = now + every
@@ -215,6 +224,8 @@ def judge(report) -> list[str]:
             elif wrong := f.wrong_cause():
                 problems.append(f"fault {f.kind} on {f.engine} (step {f.fired_step}): {wrong}")
     for name, e in sorted(report.engines.items()):
+        if e["state"] == "STANDBY":  # a warm spare: synced when it is promoted
+            continue
         if e["state"] != "RUNNING" or e.get("weight_version") != report.final_version:
             problems.append(f"{name} ends {e['state']} on v{e.get('weight_version')} (trainer at v{report.final_version})")
     injected = [f for f in report.faults if f.injected_at is not None]
@@ -226,8 +237,62 @@ def judge(report) -> list[str]:
     return problems
 
 
+# What each fault demonstrates, said before the loop runs.
+SHOWS = {
+    "kill": "kill -9 of a serving engine mid-round, in a round with a long tail: the requests it was "
+            "streaming are continued on the other engine from the tokens already read (none generated "
+            "twice), and the warm spare takes its place in the round gap, instead of a ~1 min restart",
+    "hang": "SIGSTOP of an EngineCore (its /health still answers 200): seen as hung by the daemon's "
+            "probes, taken out of routing and restarted; a spare, if there is one, serves in its place",
+    "push": "a weight push failing halfway (the engine holds half a version): reported poisoned, never "
+            "routed again on those weights, restarted; a spare, if there is one, serves in its place",
+}
+
+
+def plan_lines(loop_argv: list[str]) -> list[str]:
+    """What each fault of the loop's flags demonstrates, one line each."""
+    from vime.harness.chaos import build_parser
+
+    a = build_parser().parse_args(["--model", "-", *loop_argv])
+    steps = {"kill": a.kill_at, "hang": a.hang_at, "push": a.fail_push_at}
+    return [f"  step {step:>3}: {SHOWS[kind]}" for kind, step in sorted(steps.items(), key=lambda kv: kv[1]) if step]
+
+
+def showcase(report) -> list[str]:
+    """What the faults showed, from the report: for each, how it was seen and when the fleet
+    was whole again; for a kill, the requests cut mid-stream and what became of their tokens;
+    for a fault a spare covered, the spare's promotion next to the restart it spared."""
+    from vime.harness.chaos import fmt_seconds
+    from vime.harness.faults import IN_ROUND, WHAT
+
+    lines = ["", "what the faults showed"]
+    steps = {s.step: s for s in report.steps}
+    for f in report.faults:
+        if f.injected_at is None:
+            lines.append(f"  {WHAT[f.kind]}: not injected ({f.note or 'run too short'})")
+            continue
+        lines.append(f"  {WHAT[f.kind]} of {f.engine} (step {f.fired_step}): seen after "
+                     f"{fmt_seconds(f.after(f.detected_at))} as {(f.detected_as or 'not detected')[:80]}")
+        s = steps.get(f.fired_step)
+        if f.kind == "kill" and s is not None:
+            if s.tokens_cut:
+                lines.append(f"    {s.continued} request(s) cut mid-stream, continued on another engine: "
+                             f"{s.tokens_reused} streamed tokens reused, {s.tokens_regenerated} regenerated")
+            else:
+                lines.append("    no request had streamed tokens when it died: nothing to continue")
+        gap = "the round ended" if f.kind in IN_ROUND else "the fault"
+        if f.spare is not None:
+            lines.append(f"    full strength {fmt_seconds(f.full_after_gap())} after {gap}: warm spare {f.spare} "
+                         f"promoted, synced and verified; a restart would have cost "
+                         f"{fmt_seconds(f.after(f.ready_at))} ({f.engine} ready again after that, now the spare)")
+        else:
+            lines.append(f"    full strength {fmt_seconds(f.full_after_gap())} after {gap}: {f.engine} "
+                         f"restarted and resynced (no spare took its place)")
+    return lines
+
+
 def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeout: float, threshold: int,
-        model: Path | None = None, python: str | None = None, boot: float = BOOT) -> int:
+        model: Path | None = None, python: str | None = None, boot: float = BOOT, spares: int = 0) -> int:
     """The demo; its exit status: 0 when everything went as it should, 1 when something went
     wrong (printed), 128 + the signal when SIGINT/SIGTERM stopped it."""
     from vime.harness.chaos import ChaosLoop, build_parser, format_report
@@ -257,7 +322,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
             _say(f"building the tiny model in {out / 'model'}")
             model = build_tiny_model(out / "model")
         cfg = demo_config(out, model, engines=engines, interval=interval, timeout=timeout, threshold=threshold,
-                          boot=boot, python=python)
+                          boot=boot, python=python, spares=spares)
         sock = out / "run" / "supervisor.sock"
         _say(f"starting the daemon: python -m vime.supervisor --config {cfg}")
         log_file = open(out / "daemon.log", "w")
@@ -270,10 +335,14 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
                                               "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.jsonl"),
                                               "--stop-on-fatal", *loop_argv])
             _say("running the RL loop: " + " ".join(loop_argv or ["(defaults)"]))
+            _say(f"{engines - spares} engine(s) serve, {spares} warm spare(s); the faults and what each demonstrates:")
+            for line in plan_lines(loop_argv):
+                print(line, flush=True)
             report = ChaosLoop(args).run()
             sig.raising()  # the loop's own handlers are gone again
             save(engine_pids=daemon.spawned_pids())
             print(format_report(report))
+            print("\n".join(showcase(report)))
             signum = report.signal
             problems = judge(report)
             env = {**os.environ, "VIME_SUPERVISOR_SOCKET": str(sock)}
@@ -326,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("demo-run"))
-    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument("--spares", type=int, default=1, help="of the engines, warm spares (default 1)")
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=2.0)
     ap.add_argument("--failure-threshold", type=int, default=2)
@@ -335,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--boot", type=float, default=BOOT,
                     help=f"longest wait for the engines to be RUNNING, each start's first_wait (default {BOOT:g})")
     args = ap.parse_args(argv)
-    loop_argv = loop_argv or ["--num-rollout", "30", "--kill-at", "3", "--hang-at", "12", "--fail-push-at", "21"]
+    loop_argv = loop_argv or ["--num-rollout", "30", "--kill-at", "3", "--long-tail", "4", "--hang-at", "12",
+                              "--fail-push-at", "21"]
     return run(args.out.resolve(), loop_argv, engines=args.engines, interval=args.interval, timeout=args.timeout,
                threshold=args.failure_threshold, model=args.model and args.model.resolve(), python=args.python,
-               boot=args.boot)
+               boot=args.boot, spares=args.spares)
 
 
 if __name__ == "__main__":

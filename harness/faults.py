@@ -59,8 +59,13 @@ class Fault:
     detected_as: str | None = None   # the transition's state and reason, for people
     detected_cause: str | None = None  # the transition's cause (DETECTED_AS says which is right)
     ready_at: float | None = None    # the restarted engine answered (STALE or RUNNING)
-    resynced_at: float | None = None  # RUNNING on the current weights, verified
+    resynced_at: float | None = None  # RUNNING on the current weights, verified (or, where a
+                                      # spare took its place, back as the warm spare)
     resync_reason: str | None = None
+    gap_at: float | None = None      # the round gap the daemon could act in (an in-round fault:
+                                     # the round's end; otherwise the injection)
+    spare: str | None = None         # the warm spare promoted into the engine's place
+    full_at: float | None = None     # the spare RUNNING on the current weights, verified
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def wrong_cause(self) -> str | None:
@@ -80,7 +85,18 @@ class Fault:
                 "detected_after_s": self.after(self.detected_at), "detected_as": self.detected_as,
                 "detected_cause": self.detected_cause,
                 "ready_after_s": self.after(self.ready_at), "resynced_after_s": self.after(self.resynced_at),
-                "resync_reason": self.resync_reason}
+                "resync_reason": self.resync_reason, "spare": self.spare,
+                "full_after_gap_s": self.full_after_gap(), "place_back_after_s": self.after(self.place_back_at())}
+
+    def place_back_at(self) -> float | None:
+        """When the engine's place served again on verified current weights: the spare's
+        promotion, else the engine's own resync."""
+        return self.full_at if self.spare is not None else self.resynced_at
+
+    def full_after_gap(self) -> float | None:
+        """Seconds from the gap the daemon could act in to the fleet at full strength."""
+        back = self.place_back_at()
+        return None if back is None or self.gap_at is None else back - self.gap_at
 
 
 def kill_server(pid: int) -> None:
@@ -114,9 +130,11 @@ class FailHalfway:
 
 
 def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
-    """Fill in detected/ready/resynced from the daemon's transitions after the injection."""
+    """Fill in detected/ready/resynced from the daemon's transitions after the injection, and,
+    where a warm spare was promoted into the engine's place, which one and when it served."""
     if fault.injected_at is None or fault.engine is None:
         return fault
+    events = list(events)
     if fault.kind == "daemon":  # back when the restarted daemon says hello on the stream
         for ev in events:
             if ev.get("event") == Event.HELLO and ev.get("ts", 0) >= fault.injected_at:
@@ -126,24 +144,44 @@ def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
                 break
         return fault
     fault.events = []
+    after = [ev for ev in events if ev.get("ts", 0) >= fault.injected_at - 0.01]
+    fault.gap_at = fault.injected_at
+    if fault.kind in IN_ROUND:  # the daemon acts on an in-round fault once the round ends
+        fault.gap_at = next((ev["ts"] for ev in after if ev.get("event") == Event.ROUND_END), None)
     verified = False  # the engine's weights were verified since it came back
-    for ev in events:
-        if ev.get("engine") != fault.engine or ev.get("ts", 0) < fault.injected_at - 0.01:
-            continue
+    spare_verified = False
+    for ev in after:
         if ev.get("event") != Event.TRANSITION:
             continue
-        fault.events.append(ev)
         to, frm, cause = ev.get("to_state"), ev.get("from_state"), ev.get("cause")
+        if ev.get("engine") != fault.engine:
+            # A spare promoted in the gap after the fault was seen takes the engine's place.
+            if (fault.detected_at is None or fault.gap_at is None or ev["ts"] < fault.gap_at
+                    or fault.full_at is not None or fault.spare is None and fault.resynced_at is not None):
+                continue
+            if fault.spare is None and cause == Cause.PROMOTED:
+                fault.spare = ev["engine"]
+            if ev.get("engine") == fault.spare:
+                spare_verified = cause == Cause.VERIFIED or (spare_verified and to in (State.STALE, State.RUNNING))
+                if to == State.RUNNING and (spare_verified or cause == Cause.PROMOTED):  # promoted already current
+                    fault.full_at = ev["ts"]
+            continue
+        if fault.resynced_at is not None:
+            continue
+        fault.events.append(ev)
         if fault.detected_at is None:
             if to in (State.EXITED, State.UNHEALTHY):
                 fault.detected_at, fault.detected_as = ev["ts"], f"{to}: {ev.get('reason', '')}"
                 fault.detected_cause = cause
             continue
-        if fault.ready_at is None and frm == State.STARTING and to in (State.STALE, State.RUNNING):
+        if fault.ready_at is None and frm == State.STARTING and to in (State.STALE, State.RUNNING, State.STANDBY):
             fault.ready_at = ev["ts"]
+        if to == State.STANDBY and cause == Cause.SPARE and fault.spare is not None:
+            # A spare serves in its place: it is back as the warm spare (synced when promoted).
+            fault.resynced_at, fault.resync_reason = ev["ts"], f"back as the spare; {fault.spare} serves in its place"
+            continue
         # Verified, then RUNNING: at once, or (held while a round was open) released in the gap.
         verified = cause == Cause.VERIFIED or (verified and to in (State.STALE, State.RUNNING))
         if to == State.RUNNING and verified:
             fault.resynced_at, fault.resync_reason = ev["ts"], ev.get("reason", "")
-            break
     return fault

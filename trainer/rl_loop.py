@@ -60,6 +60,7 @@ class StepRecord:
     tokens_cut: int = 0
     tokens_reused: int = 0
     tokens_regenerated: int = 0
+    continued: int = 0               # samples continued on another engine from their streamed tokens
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Report:
                 "tokens_cut": sum(s.tokens_cut for s in self.steps),
                 "tokens_reused": sum(s.tokens_reused for s in self.steps),
                 "tokens_regenerated": sum(s.tokens_regenerated for s in self.steps),
+                "requests_continued": sum(s.continued for s in self.steps),
                 "seconds": self.seconds, "stopped": self.stopped, "signal": self.signal,
                 "reward_first": self.steps[0].reward_mean if self.steps else None,
                 "reward_last": self.steps[-1].reward_mean if self.steps else None}
@@ -122,8 +124,10 @@ class DaemonView:
                 if e["state"] == State.FATAL]
 
     def whole(self, version: int | None) -> bool:
-        """Every engine serving the given version (a FATAL one too must be back)."""
-        return all(e["state"] in WHOLE_STATES and (version is None or e.get("weight_version") == version)
+        """Every engine serving the given version or kept as a warm spare (STANDBY: synced
+        when it is promoted); a FATAL one too must be back."""
+        return all(e["state"] == State.STANDBY
+                   or e["state"] in WHOLE_STATES and (version is None or e.get("weight_version") == version)
                    for e in self.engines())
 
     def wait(self, pred, timeout: float, poll: float = 0.2) -> bool:
@@ -236,6 +240,10 @@ class RLLoop:
     def after_run(self) -> None:
         """Once the run is over and the event recorder stopped (`recorder.events` complete)."""
 
+    async def generate(self, step: int, prompts: list[str]) -> list[RolloutResult]:
+        """The round's requests, one result per prompt in order (a harness may shape them)."""
+        return await self.rollout.gather(prompts, **self.sampling())
+
     # -- samples ---------------------------------------------------------------------------
 
     def prompts(self) -> list[str]:
@@ -299,13 +307,14 @@ class RLLoop:
                          duplicates=len(ids) - len(set(ids)),
                          tokens_cut=sum(r.tokens_before_fault for r in out.results),
                          tokens_reused=sum(r.tokens_reused for r in out.results),
-                         tokens_regenerated=sum(r.tokens_regenerated for r in out.results))
+                         tokens_regenerated=sum(r.tokens_regenerated for r in out.results),
+                         continued=sum(r.continued for r in out.results))
         self.report.steps.append(rec)
         gap = "" if rec.logprob_gap_max is None else f" logprob gap {rec.logprob_gap_max:.1e}"
         self.log(f"step {step}: reward {rec.reward_mean:.2f}{gap} from {engines or '-'}"
                  + (f", {rec.resent} re-sent" if rec.resent else "")
-                 + (f" (tokens cut by faults {rec.tokens_cut}: reused {rec.tokens_reused}, regenerated "
-                    f"{rec.tokens_regenerated})" if rec.tokens_cut else "")
+                 + (f" (tokens cut by faults {rec.tokens_cut}: reused {rec.tokens_reused} in {rec.continued} "
+                    f"continued request(s), regenerated {rec.tokens_regenerated})" if rec.tokens_cut else "")
                  + (f", LOST: {out.error}" if out.lost else ""))
         return rec
 
@@ -511,7 +520,7 @@ class RLLoop:
         try:
             assert self.rollout is not None  # connect() opened it
             await self.rollout.refresh(force=True)
-            gather = asyncio.ensure_future(self.rollout.gather(prompts, **self.sampling()))
+            gather = asyncio.ensure_future(self.generate(step, prompts))
             beside = asyncio.ensure_future(self.during_round(step, rnd, gather))
             try:
                 results = await asyncio.wait_for(asyncio.shield(gather), a.round_timeout)
@@ -600,12 +609,15 @@ def format_end(rep: Report) -> list[str]:
     if rep.engines:
         lines += ["", f"engines at the end (trainer at v{rep.final_version})"]
         for name, e in sorted(rep.engines.items()):
-            lines.append(f"  {name:<12}{e['state']:<10}v{e['weight_version']}  restarts {e.get('restarts')}")
+            ver = "base" if e["weight_version"] is None else f"v{e['weight_version']}"
+            lines.append(f"  {name:<12}{e['state']:<10}{ver}  restarts {e.get('restarts')}"
+                         + ("  (warm spare: synced when promoted)" if e["state"] == State.STANDBY else ""))
     if rep.stopped:
         lines += ["", f"STOPPED EARLY: {rep.stopped}"]
     cut = sum(s.tokens_cut for s in rep.steps)
     lines += ["", f"rounds lost {rep.rounds_lost}   stale responses {rep.stale_responses}   "
-              f"tokens cut by faults {cut} (reused {sum(s.tokens_reused for s in rep.steps)}, "
+              f"tokens cut by faults {cut} (reused {sum(s.tokens_reused for s in rep.steps)} in "
+              f"{sum(s.continued for s in rep.steps)} continued request(s), "
               f"regenerated {sum(s.tokens_regenerated for s in rep.steps)})   "
               f"agent syncs {len(rep.syncs)} ({sum(1 for s in rep.syncs if s['ok'])} ok)   "
               f"reward {rep.steps[0].reward_mean if rep.steps else 0:.2f} -> "
@@ -681,7 +693,8 @@ def exit_status(args: argparse.Namespace, rep: Report) -> int:
         return 128 + rep.signal
     ok = not rep.stopped and rep.rounds_lost == 0 and rep.stale_responses == 0 and (
         args.debug_train_only or args.debug_rollout_only
-        or all(e["weight_version"] == rep.final_version for e in rep.engines.values() if e["state"] != State.FATAL))
+        or all(e["weight_version"] == rep.final_version for e in rep.engines.values()
+               if e["state"] not in (State.FATAL, State.STANDBY)))  # a spare is synced when promoted
     return 0 if ok else 1
 
 

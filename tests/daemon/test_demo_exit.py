@@ -157,9 +157,10 @@ def test_signal_to_the_demo_while_engines_boot_leaves_no_process(tmp_path, sig):
     proc = demo(tmp_path, "--model", str(fake_model(tmp_path)), "--python", script(tmp_path, "boot.sh", BOOTING))
     run = tmp_path / "run"
     try:
-        # Both engines spawned, each a group of three processes (the script and two sleeps).
-        until(lambda: (run / "daemon.log").exists() and len(spawned(run)) == 2
-              and len(live_pids_in_groups(set(spawned(run)))) == 6, 30, "both stand-in engines up")
+        # The three engines (two to serve, the spare) spawned, each a group of three processes
+        # (the script and two sleeps).
+        until(lambda: (run / "daemon.log").exists() and len(spawned(run)) == 3
+              and len(live_pids_in_groups(set(spawned(run)))) == 9, 30, "the three stand-in engines up")
         groups = set(spawned(run))
         daemon_pid = json.loads((run / "demo.json").read_text())["daemon_pid"]
         assert alive(daemon_pid)

@@ -318,7 +318,12 @@ async def test_version_pushed_mid_batch_cut_requests_start_over_and_say_so(fleet
     from the published checkpoint (`/pause?mode=abort` first), so A's requests are cut with
     tokens made on the old version. Each starts over from its prompt on an engine at the new
     version (B, relabelled: the same weights), says why, and returns once; its tokens all come
-    from after the change."""
+    from after the change.
+
+    The abort comes when the daemon's reload reaches A, after the publish returns; A takes no
+    new request once it is stale, so what it holds then must outlast that: the whole batch is
+    in flight at once (48 on A, ~6 waves of 8). Which requests were cut is read from what A was
+    streaming at the publish, not from a count taken earlier."""
     f = fleet
     d = f.daemon
     sup = SupervisorClient(f.socket)
@@ -326,10 +331,11 @@ async def test_version_pushed_mid_batch_cut_requests_start_over_and_say_so(fleet
     prompts = batch_prompts("version", FAULT_BATCH)
     async with rollout(f, **FAULT_CLIENT) as client:
         assert client.weight_version is None
-        batch = asyncio.create_task(client.gather(prompts, concurrency=FAULT_CONCURRENCY, **GREEDY))
+        batch = asyncio.create_task(client.gather(prompts, concurrency=FAULT_BATCH, **GREEDY))
         await until_engine_holds(f, "A", 8, batch)
         await until_tokens_read(client, "A", 4, 8, batch)
         mark = d.mark()
+        read_on_a = tokens_read_on(client, "A")  # no await from here to the publish
         t_publish = time.time()
         answer = await asyncio.to_thread(sup.publish_weights, 1, str(f.model))
         results = await asyncio.wait_for(batch, 180)
@@ -340,7 +346,10 @@ async def test_version_pushed_mid_batch_cut_requests_start_over_and_say_so(fleet
     assert answer["changed"] and answer["message"].endswith("stale (not routable until synced): A"), answer
     assert_exactly_once(f, results, prompts)
     over = [r for r in results if r.started_over]
-    assert over and not any(r.continued for r in results)
+    assert not any(r.continued for r in results)
+    # Of the requests A was streaming at the publish, each one A did not answer in full before
+    # the abort landed started over; the abort cut at least one (A still held dozens).
+    assert over and cut_after_tokens(results, read_on_a) <= {r.request_id for r in over}
     for r in over:
         (why,) = r.started_over
         assert why.reason == "the weight version changed since the tokens were made (published None -> 1)"
@@ -352,7 +361,7 @@ async def test_version_pushed_mid_batch_cut_requests_start_over_and_say_so(fleet
     assert st.started_over == len(over) and st.tokens_reused == 0
     assert st.tokens_regenerated == st.tokens_before_fault == sum(r.tokens_regenerated for r in results) > 0
     assert st.requests == st.succeeded == FAULT_BATCH and st.failed == 0
-    print(f"\npush: {len(over)} started over on version 1 ({st.tokens_regenerated} tokens made on the old "
+    print(f"\npush: {len(read_on_a)} streaming on A at the publish; {len(over)} started over on version 1 ({st.tokens_regenerated} tokens made on the old "
           f"version thrown away); {sum(r.weight_version == 1 for r in results)} of {FAULT_BATCH} answered at "
           f"version 1; attempts {st.sent}")
 
@@ -428,15 +437,19 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
 
 
 async def test_no_engine_left_when_every_engine_is_stopped(fleet):
+    """B, the last engine, is stopped mid-batch: each request comes back once, answered or
+    NoEngineAvailable. The whole batch is in flight on B (~12 waves of 8, longer than the
+    stop's 5 s stop_timeout), so the stop lands while B still holds requests, however late."""
     f = fleet
     d = f.daemon
     sup = AsyncSupervisorClient(f.socket)
-    prompts = batch_prompts("stop")
-    async with rollout(f) as client:
+    prompts = batch_prompts("stop", FAULT_BATCH)
+    async with rollout(f, **FAULT_CLIENT) as client:
         assert [e.name for e in client.engines] == ["B"]  # A is still down (round 1 is open)
-        batch = asyncio.create_task(client.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, 
-                                              return_exceptions=True))
-        await until(lambda: client.outstanding().get("B", 0) >= 8)
+        batch = asyncio.create_task(client.gather(prompts, concurrency=FAULT_BATCH, max_tokens=MAX_TOKENS,
+                                                  ignore_eos=True, return_exceptions=True))
+        await until_engine_holds(f, "B", 8, batch)
+        await until_tokens_read(client, "B", 4, 8, batch)
         mark = d.mark()
         await sup.stop("B")
         await asyncio.to_thread(d.transition, "B", "STOPPED", 30, after=mark)
@@ -445,11 +458,11 @@ async def test_no_engine_left_when_every_engine_is_stopped(fleet):
         with pytest.raises(NoEngineAvailable) as none:
             await client.complete("anyone there", max_tokens=4)
     # Each request came back once: an answer, or NoEngineAvailable; none lost.
-    assert len(results) == BATCH
+    assert len(results) == FAULT_BATCH
     errors = [r for r in results if isinstance(r, BaseException)]
     assert errors and all(isinstance(e, NoEngineAvailable) for e in errors)
     answers = [r for r in results if not isinstance(r, BaseException)]
-    assert len({r.request_id for r in answers} | {e.request_id for e in errors}) == BATCH
+    assert len({r.request_id for r in answers} | {e.request_id for e in errors}) == FAULT_BATCH
     assert all(r.finish_reason == "length" and r.engine == "B" for r in answers)
     assert client.stats.succeeded == len(answers) and client.stats.failed == len(errors) + 1
     msg = str(none.value)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from vime.harness.faults import Fault, timeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +63,40 @@ def test_running_again_without_a_verified_sync_is_not_resynced():
         _ev(150.0, "UNHEALTHY", "RUNNING", "recovered: answering probes again (weights verified before)", "recovered"),
     ])
     assert f.resynced_at is None
+
+
+def test_a_spare_promoted_into_the_killed_engines_place_is_full_strength_once_verified():
+    """The spare (engine-2) is promoted in the round gap and synced; the killed engine comes
+    back as the new spare: recovered, and full strength is timed from the round's end."""
+    f = _killed([
+        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)", "exit"),
+        _ev(100.2, "STANDBY", "STALE", "promoted before round 3", "promoted", engine="engine-1"),  # not in its gap
+        {"event": "round_end", "round": 3, "ts": 102.0},
+        _ev(102.1, "STANDBY", "STALE", "2/2 engines active, round 3 ended", "promoted", engine="engine-2"),
+        _ev(102.3, "STALE", "SYNCING", "trainer agent pushing v3", "sync", engine="engine-2"),
+        _ev(102.9, "SYNCING", "RUNNING", "weights v3, verified", "verified", engine="engine-2"),
+        _ev(102.95, "EXITED", "STARTING", "restart 1", "restart"),
+        _ev(150.0, "STARTING", "STANDBY", "base weights; synced when promoted", "spare"),
+        _ev(160.0, "RUNNING", "EXITED", "a later fault of the spare", "exit", engine="engine-2"),
+    ])
+    assert (f.detected_at, f.ready_at, f.resynced_at) == (100.1, 150.0, 150.0)
+    assert (f.spare, f.gap_at, f.full_at) == ("engine-2", 102.0, 102.9)
+    assert f.full_after_gap() == pytest.approx(0.9) and f.place_back_at() == 102.9
+    assert f.resync_reason == "back as the spare; engine-2 serves in its place"
+    assert f.as_dict()["spare"] == "engine-2" and f.as_dict()["full_after_gap_s"] == pytest.approx(0.9)
+
+
+def test_a_promotion_after_the_engine_resynced_itself_is_not_its_spare():
+    f = _killed([
+        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)", "exit"),
+        {"event": "round_end", "round": 3, "ts": 101.0},
+        _ev(140.0, "STARTING", "STALE", "base weights; current v3", "ready"),
+        _ev(141.0, "SYNCING", "RUNNING", "weights v3, verified", "verified"),
+        _ev(150.0, "STANDBY", "STALE", "a later fault's promotion", "promoted", engine="engine-2"),
+        _ev(151.0, "SYNCING", "RUNNING", "weights v3, verified", "verified", engine="engine-2"),
+    ])
+    assert f.spare is None and f.full_at is None and f.resynced_at == 141.0
+    assert f.full_after_gap() == pytest.approx(40.0)  # the engine's own resync, from the round's end
 
 
 def test_a_fault_seen_with_another_cause_says_so():

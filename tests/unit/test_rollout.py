@@ -796,15 +796,16 @@ def test_loop_report_counts_tokens_cut_reused_regenerated():
     and the end of the report sums them."""
     from vime.trainer.rl_loop import Report, StepRecord, format_end
 
-    def step(n, cut, reused, regen):
+    def step(n, cut, reused, regen, continued):
         return StepRecord(step=n, round=n, version=1, samples=8, reward_mean=0.5, loss=0.1, logprob_gap_max=1e-6,
                           digest="x", engines={"A": 8}, resent=1, stale=0, pushed={}, seconds=1.0,
-                          tokens_cut=cut, tokens_reused=reused, tokens_regenerated=regen)
-    rep = Report(steps=[step(1, 0, 0, 0), step(2, 57, 57, 0), step(3, 12, 4, 8)])
+                          tokens_cut=cut, tokens_reused=reused, tokens_regenerated=regen, continued=continued)
+    rep = Report(steps=[step(1, 0, 0, 0, 0), step(2, 57, 57, 0, 3), step(3, 12, 4, 8, 1)])
     d = rep.as_dict()
     assert (d["tokens_cut"], d["tokens_reused"], d["tokens_regenerated"]) == (69, 61, 8)
-    assert d["steps"][1]["tokens_reused"] == 57
-    assert "tokens cut by faults 69 (reused 61, regenerated 8)" in "\n".join(format_end(rep))
+    assert d["steps"][1]["tokens_reused"] == 57 and d["requests_continued"] == 4
+    assert ("tokens cut by faults 69 (reused 61 in 4 continued request(s), regenerated 8)"
+            in "\n".join(format_end(rep)))
 
 
 async def cut_on_a(engines, what: str, prompt: str = "p", **sampling):

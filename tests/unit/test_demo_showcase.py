@@ -1,0 +1,46 @@
+"""The demo's words: what each fault demonstrates (before the loop) and what it showed (after),
+read from the chaos loop's report."""
+
+from __future__ import annotations
+
+from vime.harness.chaos import ChaosReport, format_faults
+from vime.harness.demo import plan_lines, showcase
+from vime.harness.faults import Fault
+from vime.trainer.rl_loop import StepRecord
+
+
+def _step(n: int, **cut) -> StepRecord:
+    return StepRecord(step=n, round=n, version=n - 1, samples=32, reward_mean=0.0, loss=0.1, logprob_gap_max=1e-6,
+                      digest="x", engines={}, resent=0, stale=0, pushed={}, seconds=1.0, **cut)
+
+
+def _kill(**more) -> Fault:
+    return Fault("kill", 3, engine="engine-0", fired_step=3, injected_at=100.0, detected_at=100.4,
+                 detected_as="EXITED: exited unexpectedly (killed by SIGKILL)", ready_at=158.0, resynced_at=158.0,
+                 gap_at=101.0, **more)
+
+
+def test_the_plan_says_what_each_fault_demonstrates_in_step_order():
+    lines = plan_lines(["--kill-at", "3", "--hang-at", "12", "--fail-push-at", "21"])
+    assert [ln.split(":")[0].strip() for ln in lines] == ["step   3", "step  12", "step  21"]
+    assert "continued on the other engine" in lines[0] and "warm spare takes its place" in lines[0]
+    assert "/health still answers 200" in lines[1] and "poisoned" in lines[2]
+    assert plan_lines(["--hang-at", "2"]) == [lines[1].replace("12", " 2")]
+
+
+def test_a_kill_covered_by_a_spare_shows_its_tokens_and_the_restart_it_spared():
+    rep = ChaosReport(steps=[_step(1), _step(2), _step(3, tokens_cut=61, tokens_reused=61, continued=2)],
+                      faults=[_kill(spare="engine-2", full_at=102.3)])
+    text = "\n".join(showcase(rep))
+    assert "2 request(s) cut mid-stream, continued on another engine: 61 streamed tokens reused, 0 regenerated" in text
+    assert ("full strength 1.30s after the round ended: warm spare engine-2 promoted, synced and verified; "
+            "a restart would have cost 58.0s (engine-0 ready again after that, now the spare)") in text
+    assert "warm spare engine-2 promoted, full strength 1.30s after the round ended" in "\n".join(format_faults(rep.faults))
+
+
+def test_a_kill_without_a_spare_or_a_cut_request_says_so():
+    rep = ChaosReport(steps=[_step(3)], faults=[_kill(), Fault("hang", 12, note="run too short")])
+    text = "\n".join(showcase(rep))
+    assert "no request had streamed tokens when it died: nothing to continue" in text
+    assert "full strength 57.0s after the round ended: engine-0 restarted and resynced (no spare took its place)" in text
+    assert "SIGSTOP of the EngineCore: not injected (run too short)" in text
