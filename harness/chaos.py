@@ -157,6 +157,7 @@ class ChaosLoop(RLLoop):
         n = min(self.args.long_tail, len(prompts)) if self.fault_now("kill") else 0
         if not n:
             return await super().generate(step, prompts)
+        assert self.rollout is not None
         # The long ones first, so each engine gets some (fewest outstanding, ties round robin).
         long = asyncio.ensure_future(self.rollout.gather(
             prompts[:n], **{**self.sampling(), "max_tokens": self.args.long_tail_tokens, "ignore_eos": True}))
@@ -207,6 +208,7 @@ class ChaosLoop(RLLoop):
     async def _streamed(self, gather: asyncio.Future, engine: str, tokens: int) -> bool:
         """Wait (at most fault_delay) until the client has read `tokens` output tokens of a
         request on `engine`: a kill then cuts it mid-stream."""
+        assert self.rollout is not None
         deadline = time.monotonic() + self.args.fault_delay
         while not gather.done() and time.monotonic() < deadline:
             if any(p.engine == engine and p.tokens >= tokens for p in self.rollout.progress().values()):
@@ -217,8 +219,8 @@ class ChaosLoop(RLLoop):
     async def _inject_later(self, fault: faults.Fault, step: int, gather: asyncio.Future) -> None:
         if fault.kind == "kill" and self.args.long_tail:
             # The pid first: from the read to the kill nothing waits, the long request streams on.
-            engines = await asyncio.to_thread(self.view.engines)
-            if not await self._streamed(gather, fault.engine, self.args.kill_after_tokens):
+            engines = [dict(e) for e in await asyncio.to_thread(self.view.engines)]
+            if fault.engine is None or not await self._streamed(gather, fault.engine, self.args.kill_after_tokens):
                 fault.engine = None
                 fault.note = (f"no request on the engine streamed {self.args.kill_after_tokens} tokens within "
                               f"--fault-delay {self.args.fault_delay:g}s of step {step}; postponed")
@@ -235,7 +237,7 @@ class ChaosLoop(RLLoop):
         await asyncio.to_thread(self._inject, fault, step, "during the round")
 
     def _inject(self, fault: faults.Fault, step: int, when: str, engines: list[dict[str, Any]] | None = None) -> None:
-        engines = self.view.engines() if engines is None else engines
+        engines = [dict(e) for e in self.view.engines()] if engines is None else engines
         fault.fired_step, fault.injected_at = step, time.time()
         if fault.kind == "daemon":
             fault.note = "pids before: " + ", ".join(f"{e['name']}={e.get('pid')}" for e in engines)

@@ -54,7 +54,7 @@ def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
 
 def fleet_status(fleet: Fleet) -> FleetStatus:
     engines = [engine_status(fleet, r) for r in fleet.runners.values()]
-    return {
+    out: FleetStatus = {
         "engines": engines,
         "round": fleet.round,
         "round_open": fleet.round_open,
@@ -68,8 +68,10 @@ def fleet_status(fleet: Fleet) -> FleetStatus:
         "fault_tolerance": fleet.cfg.use_fault_tolerance,
         "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1), "version": VERSION,
                    "reloads": fleet.reloads},
-        **({"router": fleet.router.status()} if fleet.router is not None else {}),
     }
+    if fleet.router is not None:
+        out["router"] = fleet.router.status()
+    return out
 
 
 def routable_view(fleet: Fleet) -> Routable:

@@ -242,6 +242,7 @@ class RLLoop:
 
     async def generate(self, step: int, prompts: list[str]) -> list[RolloutResult]:
         """The round's requests, one result per prompt in order (a harness may shape them)."""
+        assert self.rollout is not None, "generate() runs inside run(), after the client started"
         return await self.rollout.gather(prompts, **self.sampling())
 
     # -- samples ---------------------------------------------------------------------------
@@ -544,7 +545,7 @@ class RLLoop:
                               tokens_regenerated=sum(r.tokens_regenerated for r in results))
         for r in results:
             # A request cut by a fault: its pieces and what was thrown away, on its span.
-            cut = {} if not r.tokens_before_fault else {
+            cut: dict[str, Any] = {} if not r.tokens_before_fault else {
                 "tokens_reused": r.tokens_reused, "tokens_regenerated": r.tokens_regenerated,
                 "splits": [f"{s.engine}@{s.weight_version} [{s.offset}+{s.tokens}] {s.outcome}" for s in r.splits],
                 "started_over": [f"{x.engine}: {x.tokens} tokens: {x.reason}" for x in r.started_over]}
