@@ -2,8 +2,8 @@
 flags, breaker off) and PROTOCOL STAND-IN engines (tests/daemon/standin_group.py; not vLLM):
 two daemons (two simulated nodes) feeding one router, the router killed and restarted, an
 engine registering itself, and bad routers. What is vLLM's (a kill -9 under load, a frozen
-EngineCore, a restart verified at the published weights, a drain) is tested against real
-engines in tests/engine/test_router_real.py.
+EngineCore, a restart verified at the published weights, a drain) still needs its test against
+real engines (docs/router.md, Tests).
 """
 
 from __future__ import annotations
