@@ -208,8 +208,7 @@ class Supervisor:
                 # image left it.
                 await self._readopted(RELOAD_SETTLE)
             if self.router_feed is not None:
-                # After the adopted engines' first check: a reload never takes them out.
-                self.tasks.spawn(self.router_feed.run(), name="router-feed")
+                self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
             control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None, listener=self.listener)
             self.listener = None  # the control server's now
@@ -285,7 +284,16 @@ class Supervisor:
                  round_open=self.fleet.round_open, weight_version=self.fleet.current_version)
         await asyncio.gather(*(r.detach() for r in runners))
 
-    async def _readopted(self, bound: float) -> None:
+    async def _feed_router(self, feed: RouterFeed) -> None:
+        """The router is fed once the engines adopted from the journal (after a reload or a
+        crash) have been checked again: healthy ones are never taken out on the way. At most
+        as long as a hang takes to judge; past that, what is known is fed."""
+        probe = self.cfg.probe
+        await self._readopted(RELOAD_SETTLE + probe.timeout * probe.failure_threshold,
+                              then="the router is fed now; they go on being checked")
+        await feed.run()
+
+    async def _readopted(self, bound: float, then: str = "the socket opens now; they go on being checked") -> None:
         """Until every engine being re-adopted has been checked again, at most `bound` s."""
         runners = [r for r in self.fleet.runners.values() if not r.retired]
         deadline = time.monotonic() + bound
@@ -296,8 +304,7 @@ class Supervisor:
             if not pending:
                 return
             if left <= 0:
-                log.warning("supervisor.readoption_slow", bound=bound, engines=pending,
-                            action="the socket opens now; they go on being checked")
+                log.warning("supervisor.readoption_slow", bound=bound, engines=pending, action=then)
                 return
             waits = [asyncio.ensure_future(c.wait()) for c in changes]
             try:

@@ -240,8 +240,9 @@ class Fleet(Listener):
     # -- engines ---------------------------------------------------------------------------
 
     async def _drain(self, runner: EngineRunner) -> str:
-        """With a router: out of it first, then the engine's requests in flight end (bounded)."""
-        if self.router is None or not (runner.serving or self.is_routable(runner)):
+        """With a router: out of it first, then the engine's requests in flight end (bounded).
+        Observe-only changes nothing: the engine stays listed, so it is not paused either."""
+        if self.router is None or self.router.cfg.observe_only or not (runner.serving or self.is_routable(runner)):
             return ""
         return f" ({await self.router.drain(runner, self.session)})"
 
@@ -280,8 +281,8 @@ class Fleet(Listener):
                            f"keeps it); to use it again, stop the daemon and delete {self.cfg.state_dir}/journal.json")
         if action == "start":
             return runner.request_start("started by request")
-        drained = await self._drain(runner)  # a planned stop: out of the router, requests end
         try:
+            drained = await self._drain(runner)  # a planned stop: out of the router, requests end
             if action == "stop":
                 return await runner.stop("stopped by request") + drained
             if action == "restart":

@@ -224,17 +224,35 @@ class RouterFeed(Listener):
         if session is None or not runner.spec.spawned or runner.pid is None:
             return "removed from the router"  # an attached engine is not ours to pause
         started = self.clock()
+        why = ""
         try:
             async with session.post(runner.spec.base_url + "/pause", params={"mode": "wait"},
                                     timeout=aiohttp.ClientTimeout(total=self.cfg.drain_timeout)) as resp:
                 await resp.read()
                 ok = resp.status == 200
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
-            ok = False
+                why = "" if ok else f"/pause answered {resp.status}"
+        except asyncio.CancelledError:
+            # The stop was abandoned mid-drain (the control server shutting down for a reload,
+            # a client gone): the engine is not stopped, so it must not be left paused.
+            await asyncio.shield(self._resume(runner, session))
+            raise
+        except asyncio.TimeoutError:
+            ok, why = False, f"requests still running after drain_timeout ({self.cfg.drain_timeout:g}s)"
+        except (aiohttp.ClientError, OSError) as e:
+            ok, why = False, f"/pause failed: {e or type(e).__name__}"
         took = self.clock() - started
         log.info("router.drained", engine=runner.name, drained=ok, seconds=round(took, 3),
-                 drain_timeout=self.cfg.drain_timeout)
-        return f"drained in {took:.1f}s" if ok else f"not drained within {self.cfg.drain_timeout:g}s"
+                 drain_timeout=self.cfg.drain_timeout, why=why or None)
+        return f"drained in {took:.1f}s" if ok else f"not drained: {why}, after {took:.1f}s"
+
+    async def _resume(self, runner: EngineRunner, session: aiohttp.ClientSession) -> None:
+        try:
+            async with session.post(runner.spec.base_url + "/resume",
+                                    timeout=aiohttp.ClientTimeout(total=self.cfg.remove_timeout)) as resp:
+                await resp.read()
+            log.warning("router.drain_cancelled", engine=runner.name, resumed=resp.status == 200)
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as e:
+            log.warning("router.drain_cancelled", engine=runner.name, resumed=False, error=str(e) or type(e).__name__)
 
     def release(self, runner: EngineRunner) -> None:
         """After the stop: the engine rejoins once it is routable again."""

@@ -187,3 +187,25 @@ def test_a_bad_router_is_reported_and_supervision_goes_on(tmp_path, mode, said):
         assert "vime_router_up 0.0" in metrics and 'vime_router_calls_total{op="list",result="error"}' in metrics
     finally:
         kill_all([d] if d else [])
+
+
+def test_a_daemon_restarted_after_a_kill_never_takes_its_healthy_engines_out(tmp_path, router):
+    """kill -9 of the daemon, then a fresh start on the same journal: the adopted engines are
+    checked again before the router is fed, so the router's list never loses them."""
+    d = d2 = None
+    try:
+        d, sock, urls = node(tmp_path, ("e0", "e1"), router.url)
+        wait(lambda: set(router.workers()) == set(urls.values()), what="both listed")
+        d.kill()
+        d2 = Daemon(tmp_path / "sup.toml")
+        d2.wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
+        seen = []
+        deadline = time.monotonic() + 3 * PERIOD + 2
+        while time.monotonic() < deadline:
+            seen.append(set(router.workers()))
+            time.sleep(0.02)
+        assert all(s == set(urls.values()) for s in seen), [s for s in seen if s != set(urls.values())][:3]
+        assert [e.get("engine") for e in d2.events if e.get("event") == "engine.adopted"], "nothing adopted"
+        assert not [e for e in d2.events if e.get("event") == "router.removed"]
+    finally:
+        kill_all([x for x in (d2, d) if x is not None])
