@@ -442,7 +442,7 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         problems.append(f"supervisor.spares_sync: must be one of {', '.join(SPARES_SYNC)}, "
                         f"got {sup['spares_sync']!r}")
 
-    router = _router(rtr, base_dir, problems) if router_given else None
+    router = _router(rtr, base_dir, problems, warnings) if router_given else None
 
     if problems:
         raise ConfigError(problems)
@@ -461,7 +461,8 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     )
 
 
-def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str]) -> RouterConfig | None:
+def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
+            warnings: list[str]) -> RouterConfig | None:
     """[router]: a URL the daemon can reach the router's admin API at, bounds > 0, the token
     file (if any) the daemon's user's alone."""
     from .router import KINDS
@@ -472,6 +473,17 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str]) -> R
                         "(or --router-url)")
     else:
         _check_url("router", rtr["url"], problems)
+        u = urlparse(rtr["url"]) if isinstance(rtr["url"], str) else None
+        if u is not None and (u.path.strip("/") or u.query or u.fragment or u.params):
+            # The admin routes are appended to it: /workers must be the router's own.
+            problems.append(f"router.url: must be the router's root, http://HOST:PORT, with no path, query or "
+                            f"fragment; got {rtr['url']!r}")
+    if rtr.get("observe_only") and rtr.get("prune_unknown"):
+        warnings.append("router.prune_unknown has no effect with router.observe_only = true: nothing is removed")
+    if _finite(rtr.get("drain_timeout", 30.0)) and rtr.get("drain_timeout", 30.0) > 55:
+        warnings.append(f"router.drain_timeout = {rtr['drain_timeout']:g}s: a planned stop waits this long before "
+                        "SIGTERM; keep it below the unit's TimeoutStopSec (60 s in systemd/vime-supervisor.service) "
+                        "and the client's call timeout (60 s)")
     if rtr.get("kind", "vllm-router") not in KINDS:
         problems.append(f"router.kind: must be one of {', '.join(KINDS)}, got {rtr['kind']!r}")
     if not re.fullmatch(r"[a-z_]{1,32}", rtr.get("worker_type", "regular")):

@@ -106,6 +106,7 @@ def test_the_flags_alone_turn_the_router_on(base):
     ({"url": "http://h:1", "remove_timeout": -1}, "router.remove_timeout: must be a number of seconds > 0"),
     ({"url": "http://h:1", "worker_type": "a b"}, "router.worker_type: must be a word"),
     ({"url": "http://h:1", "spawn": True}, "router.spawn: unknown key"),
+    ({"url": "http://h:1/api?x=1#f"}, "router.url: must be the router's root"),
 ])
 def test_bad_router_tables_say_what_to_do(base, table, message):
     found = problems({**base, "router": table})
@@ -123,3 +124,12 @@ def test_the_token_file_must_be_the_daemons_users_alone(base, tmp_path):
     assert r is not None and r.token == "s3cret" and "s3cret" not in repr(r)
     (msg,) = problems({**base, "router": {"url": "http://h:1", "token_file": str(tmp_path / "none")}})
     assert "no such file" in msg and "the router's admin token" in msg
+
+
+def test_router_settings_that_do_nothing_or_outlast_the_stop_are_warned_about(base):
+    cfg = build({**base, "router": {"url": "http://h:1/", "observe_only": True, "prune_unknown": True,
+                                    "drain_timeout": 300.0}})
+    assert cfg.router is not None
+    assert any("prune_unknown has no effect" in w for w in cfg.warnings), cfg.warnings
+    assert any("drain_timeout = 300s" in w and "TimeoutStopSec" in w for w in cfg.warnings), cfg.warnings
+    assert not build({**base, "router": {"url": "http://h:1"}}).warnings
