@@ -56,6 +56,7 @@ class RouterFeed(Listener):
         self.held: set[str] = set()  # being drained: out of the router whatever the set says
         self.state = "starting"  # in_sync, drift, unreachable (observing: drift is only reported)
         self.error: str | None = None  # the last call's failure, until one succeeds
+        self.failing: str | None = None  # an attempt failed and the call is being retried
         self.listed: tuple[str, ...] | None = None  # the router's list after the last reconcile
         self.last: Plan | None = None  # what the last reconcile found
         self.checked_at: float | None = None  # wall time of the last answered GET /workers
@@ -109,7 +110,8 @@ class RouterFeed(Listener):
         try:
             async for attempt in AsyncRetrying(retry=retry_if_exception(_transient), reraise=True,
                                                stop=stop_after_attempt(ATTEMPTS),
-                                               wait=wait_random_exponential(multiplier=0.1, max=2.0)):
+                                               wait=wait_random_exponential(multiplier=0.1, max=2.0),
+                                               before_sleep=self._attempt_failed):
                 with attempt:
                     result = await method(*args, timeout)
         except RouterError as e:
@@ -119,11 +121,17 @@ class RouterFeed(Listener):
                             router=self.router.url, action="supervision goes on; retried on the next change "
                                                            f"or within {self.cfg.period:g}s")
                 self.fleet.emit(Event.ROUTER_ERROR, op=op, error=str(e), router=self.router.url)
-            self.error = str(e)
+            self.error, self.failing = str(e), None
             raise
         self.calls[(op, "ok")] += 1
-        self.error = None
+        self.error = self.failing = None
         return result
+
+    def _attempt_failed(self, state: Any) -> None:
+        """An attempt failed and another follows: shown at once (status, vime_router_up), not
+        only once every attempt has (a hung router costs each attempt its whole timeout)."""
+        if state.outcome is not None and state.outcome.failed:
+            self.failing = str(state.outcome.exception())
 
     async def _remove(self, url: str, *, since: float | None = None, why: str) -> bool:
         engine = self.own().get(normalize_url(url))
@@ -281,16 +289,16 @@ class RouterFeed(Listener):
             "extra": sorted(own[normalize_url(u)] for u in listed
                             if normalize_url(u) in own and normalize_url(u) not in self.desired),
             "unknown": [] if p is None else sorted(u for u in p.unknown if u in listed),
-            "error": self.error,
+            "error": self.error or self.failing,
             "checked_at": self.checked_at,
         }
 
     def families(self) -> Iterator[Metric]:
         st = self.status()
-        yield GaugeMetricFamily("vime_router_up", "1 if the router answered the last call",
-                                value=0 if self.state in ("unreachable", "starting") else 1)
+        up = self.state not in ("unreachable", "starting") and self.error is None and self.failing is None
+        yield GaugeMetricFamily("vime_router_up", "1 if the router answered the last call", value=1 if up else 0)
         yield GaugeMetricFamily("vime_router_in_sync", "1 if the router lists exactly the routable engines",
-                                value=1 if self.state == "in_sync" else 0)
+                                value=1 if up and self.state == "in_sync" else 0)
         yield GaugeMetricFamily("vime_router_workers", "Workers the router lists", value=st["workers"])
         yield GaugeMetricFamily("vime_router_unknown_workers", "Workers the router lists that are not ours",
                                 value=len(st["unknown"]))
