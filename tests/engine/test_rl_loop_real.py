@@ -1,13 +1,10 @@
-"""The main job (`make demo`), shortened: the example RL loop on real vLLM engines under the
-daemon, two serving and a warm spare, with a kill -9 in a round with a long tail, a hung
-EngineCore and a push failing midway injected at its hook points (harness/chaos.py); then the
-plain loop's dump/replay flags (`python -m vime.trainer.rl_loop`) on its output.
+"""The main job, shortened: the example RL loop on two real vLLM engines under the daemon, with
+a kill -9, a hung EngineCore and a push failing midway injected at its hook points
+(harness/chaos.py); then the plain loop's dump/replay flags (`python -m vime.trainer.rl_loop`)
+on its output.
 
-One daemon, three engines for the module; the faults wait (in the round gap) for a whole fleet
-(two RUNNING, the spare STANDBY), so each is measured on two serving engines. The kill cuts a
-long request mid-stream: it is continued on the other engine (no token generated twice), and
-the spare takes the killed engine's place in the gap. ~5 minutes on 2 cores, most of it vLLM
-boots.
+One daemon, two engines for the module; the faults wait (in the round gap) for a whole fleet,
+so each is measured on two running engines. ~4 minutes on 2 cores, most of it vLLM boots.
 """
 
 from __future__ import annotations
@@ -37,12 +34,11 @@ def world(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     # The demo's own tight probes (interval 1 s, timeout 2 s, threshold 2), from cold compiler
     # caches: the daemon keeps each engine's under this new state directory.
-    cfg = demo_config(root, tiny_model, engines=3, spares=1)
+    cfg = demo_config(root, tiny_model)
     daemon = Daemon(cfg)
     try:
-        daemon.wait_for(lambda e: e.get("event") == "supervisor.ready", BOOT * 2)
-        states = sorted(e["state"] for e in SupervisorClient(str(root / "run" / "supervisor.sock")).status()["engines"])
-        assert states == ["RUNNING", "RUNNING", "STANDBY"]
+        for name in ("engine-0", "engine-1"):
+            daemon.transition(name, "RUNNING", BOOT)
         yield root, daemon, str(root / "run" / "supervisor.sock")
     finally:
         pids = set(daemon.spawned_pids())
@@ -60,7 +56,7 @@ def loop_args(root: Path, sock: str | None, model: Path, *extra: str):
 @pytest.fixture(scope="module")
 def live_run(world, tiny_model):
     root, daemon, sock = world
-    args = loop_args(root, sock, tiny_model, "--kill-at", "2", "--long-tail", "2", "--hang-at", "3", "--fail-push-at", "4",
+    args = loop_args(root, sock, tiny_model, "--kill-at", "2", "--hang-at", "3", "--fail-push-at", "4",
                      "--save-debug-rollout-data", str(root / "dumps" / "{rollout_id}.jsonl"))
     report = ChaosLoop(args).run()
     print(format_report(report))
@@ -76,32 +72,19 @@ def test_faults_are_detected_and_every_engine_ends_on_the_trainers_version(world
     for f in rep.faults:
         assert f.injected_at is not None, f"{f.kind} was not injected: {f.note}"
         assert f.detected_at is not None and f.resynced_at is not None, f.as_dict()
-        assert f.detected_at < f.ready_at <= f.resynced_at  # equal: back as the spare
+        assert f.detected_at < f.ready_at < f.resynced_at
     assert kinds["kill"].detected_as.startswith("EXITED: exited unexpectedly (killed by SIGKILL)")
     assert kinds["hang"].detected_as.startswith("UNHEALTHY: hung:")
     assert kinds["push"].detected_as.startswith("UNHEALTHY: poisoned: push of v")
     assert "(reported by the trainer)" in kinds["push"].detected_as
-    # The kill's place was taken by the warm spare in the round gap: promoted, synced by the
-    # agent's verified push, RUNNING; the killed engine came back as the new spare.
-    kill = kinds["kill"]
-    assert kill.spare is not None and kill.spare != kill.engine, kill.as_dict()
-    assert kill.gap_at is not None and kill.gap_at <= kill.full_at < kill.ready_at, kill.as_dict()
-    assert kill.resync_reason == f"back as the spare; {kill.spare} serves in its place"
-    # Every fault's place served again on verified weights (a spare's, or the engine's own push).
-    assert all(f.place_back_at() is not None for f in rep.faults)
-    assert all(f.resync_reason.startswith(("weights v", "back as the spare")) for f in rep.faults)
-    # The kill cut a long request mid-stream: continued on the other engine from the streamed
-    # tokens, none generated twice.
-    cut = rep.steps[kill.fired_step - 1]
-    assert cut.continued >= 1 and cut.tokens_reused > 0 and cut.tokens_regenerated == 0, cut
-    assert cut.tokens_cut == cut.tokens_reused
+    # Each fault came back through the agent's verified push, not a boot on base weights.
+    assert all(f.resync_reason.startswith("weights v") for f in rep.faults)
     # The daemon's structured causes, which the demo's and the soak's verdicts read.
     assert {k: f.detected_cause for k, f in kinds.items()} == {"kill": "exit", "hang": "hang", "push": "poisoned"}
     assert [f.wrong_cause() for f in rep.faults] == [None] * 3
     assert rep.final_version == STEPS
-    serving = {n: e["weight_version"] for n, e in rep.engines.items() if e["state"] == "RUNNING"}
-    assert len(serving) == 2 and set(serving.values()) == {STEPS}
-    assert sorted(e["state"] for e in rep.engines.values()) == ["RUNNING", "RUNNING", "STANDBY"]
+    assert {n: e["weight_version"] for n, e in rep.engines.items()} == {"engine-0": STEPS, "engine-1": STEPS}
+    assert {e["state"] for e in rep.engines.values()} == {"RUNNING"}
     assert rep.syncs and all(s["ok"] for s in rep.syncs)
     # The demo's verdict on this run (what makes `make demo` exit 0 or 1): nothing went wrong,
     # and the daemon restarted engines exactly once per injected fault (no healthy one stopped).
