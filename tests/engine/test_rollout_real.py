@@ -437,19 +437,15 @@ async def test_kill9_mid_batch_every_request_completes_once_on_the_survivor(flee
 
 
 async def test_no_engine_left_when_every_engine_is_stopped(fleet):
-    """B, the last engine, is stopped mid-batch: each request comes back once, answered or
-    NoEngineAvailable. The whole batch is in flight on B (~12 waves of 8, longer than the
-    stop's 5 s stop_timeout), so the stop lands while B still holds requests, however late."""
     f = fleet
     d = f.daemon
     sup = AsyncSupervisorClient(f.socket)
-    prompts = batch_prompts("stop", FAULT_BATCH)
-    async with rollout(f, **FAULT_CLIENT) as client:
+    prompts = batch_prompts("stop")
+    async with rollout(f) as client:
         assert [e.name for e in client.engines] == ["B"]  # A is still down (round 1 is open)
-        batch = asyncio.create_task(client.gather(prompts, concurrency=FAULT_BATCH, max_tokens=MAX_TOKENS,
-                                                  ignore_eos=True, return_exceptions=True))
-        await until_engine_holds(f, "B", 8, batch)
-        await until_tokens_read(client, "B", 4, 8, batch)
+        batch = asyncio.create_task(client.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, 
+                                              return_exceptions=True))
+        await until(lambda: client.outstanding().get("B", 0) >= 8)
         mark = d.mark()
         await sup.stop("B")
         await asyncio.to_thread(d.transition, "B", "STOPPED", 30, after=mark)
@@ -458,11 +454,11 @@ async def test_no_engine_left_when_every_engine_is_stopped(fleet):
         with pytest.raises(NoEngineAvailable) as none:
             await client.complete("anyone there", max_tokens=4)
     # Each request came back once: an answer, or NoEngineAvailable; none lost.
-    assert len(results) == FAULT_BATCH
+    assert len(results) == BATCH
     errors = [r for r in results if isinstance(r, BaseException)]
     assert errors and all(isinstance(e, NoEngineAvailable) for e in errors)
     answers = [r for r in results if not isinstance(r, BaseException)]
-    assert len({r.request_id for r in answers} | {e.request_id for e in errors}) == FAULT_BATCH
+    assert len({r.request_id for r in answers} | {e.request_id for e in errors}) == BATCH
     assert all(r.finish_reason == "length" and r.engine == "B" for r in answers)
     assert client.stats.succeeded == len(answers) and client.stats.failed == len(errors) + 1
     msg = str(none.value)
