@@ -221,7 +221,7 @@ def _natural(name: str) -> list:
 def detection(ev: Mapping[str, Any]) -> str | None:
     """The daemon's own rule (supervisor/metrics.py detection_kind) on a transition event: exit,
     hang, poisoned or reported; None when the transition is no detection."""
-    from vime.supervisor.fsm import Transition
+    from vime.supervisor.states import Transition
     from vime.supervisor.metrics import detection_kind
 
     try:

@@ -24,8 +24,51 @@ from urllib.parse import urlparse
 # sockaddr_un.sun_path is 108 bytes, the terminating NUL included.
 MAX_SOCKET_PATH = 107
 
-from .fsm import ProbePolicy, RestartPolicy
-from .warmup import MAX_REQUESTS, WarmupPolicy
+
+# The per-engine policies the config builds: here, at the base, so that the config need not
+# import the engine modules that read them (fsm.py, warmup.py).
+@dataclass(frozen=True)
+class ProbePolicy:
+    """Kubernetes probe terms; slime's --rollout-health-check-* for the first three."""
+
+    first_wait: float = 300.0  # startup budget of each incarnation
+    interval: float = 10.0  # periodSeconds
+    timeout: float = 5.0  # timeoutSeconds, per probe
+    failure_threshold: int = 3  # consecutive failures -> UNHEALTHY
+    success_threshold: int = 1  # consecutive successes to clear SUSPECT
+    # A late probe is excused while the engine's processes burn CPU (a first-use compile, a
+    # long prefill); busy cannot excuse it for ever: on GPU a collective that never completes
+    # spins a core too. Far above a compile of a new shape (seconds here, tens of seconds on
+    # GPU), well below vLLM's own VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300).
+    max_busy: float = 120.0
+    # A paused engine (a weight push holds generation) is excused up to this long: the
+    # config's sync_timeout, past which the push has failed anyway.
+    max_paused: float = 300.0
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    start_retries: int = 3  # consecutive failed starts before FATAL (supervisord's startretries)
+    backoff_initial: float = 1.0  # seconds before the 2nd attempt; doubles per failure
+    backoff_max: float = 60.0
+    flapping_window: float = 600.0  # seconds
+    flapping_max_restarts: int = 5  # restarts inside the window -> FATAL (systemd StartLimitBurst)
+
+
+@dataclass(frozen=True)
+class WarmupPolicy:
+    """The defaults mirror a rollout batch: concurrent sampled requests with logprobs."""
+
+    requests: int = 8  # sent at once; 0 turns the warm-up off
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs: int = 1  # completions' logprobs=N; 0 asks for none
+    prompt: str = "The quick brown fox"
+
+
+# More at once than any engine batches is no warm-up, only load (and memory in the daemon).
+MAX_REQUESTS = 256
 
 
 class ConfigError(Exception):

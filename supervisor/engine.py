@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import aiohttp
 import structlog
@@ -26,8 +26,8 @@ from . import postmortem
 from .activity import sample_group
 from .config import Config, EngineSpec
 from .events import EventBus
-from .fsm import DAEMON_LIMIT, EngineFSM, ProbeOutcome, Transition
-from .policy import FleetPolicy
+from .fsm import EngineFSM
+from .states import DAEMON_LIMIT, ProbeOutcome, Transition
 from .probes import Prober
 from .process import (
     EngineProcess,
@@ -60,8 +60,20 @@ class StartFailed(Exception):
         self.permanent = permanent
 
 
+class RestartGate(Protocol):
+    """What a runner asks of the fleet's policy (policy.FleetPolicy is the one the daemon
+    hands in): the engine group owns the question, the fleet group answers it."""
+
+    target: int | None
+    current_version: int | None
+
+    def may_restart(self, *, spare: bool = False) -> tuple[bool, str | None]: ...
+    def hold_reason(self) -> str | None: ...
+    def spare_reason(self) -> str | None: ...
+
+
 class EngineRunner:
-    def __init__(self, spec: EngineSpec, cfg: Config, policy: FleetPolicy, bus: EventBus,
+    def __init__(self, spec: EngineSpec, cfg: Config, policy: RestartGate, bus: EventBus,
                  session: aiohttp.ClientSession, *, phase: float = 0.0,
                  clock: Callable[[], float] = time.monotonic, persist: Callable[[], None] = lambda: None):
         self.spec = spec

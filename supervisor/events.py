@@ -16,7 +16,7 @@ import asyncio
 import time
 from typing import Any
 
-from .fsm import ProbeOutcome, Transition
+from .states import ProbeOutcome, Transition
 
 
 class Subscription:

@@ -22,7 +22,7 @@ from .config import Config
 from .engine import EngineRunner
 from .errors import BadRequest, Conflict
 from .events import EventBus, Listener, Subscription
-from .fsm import DAEMON_LIMIT, ProbeOutcome, Transition
+from .states import DAEMON_LIMIT, ProbeOutcome, Transition
 from .logs import exit_fields
 from .metrics import FleetStats, detection_kind
 from .policy import FleetPolicy

@@ -15,7 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .states import PROBED, ROUTABLE, TRANSITIONS, Cause, State
+from .config import ProbePolicy, RestartPolicy
+from .states import DAEMON_LIMIT, PROBED, ROUTABLE, TRANSITIONS, Cause, ProbeOutcome, State, Transition
 
 S = State
 Clock = Callable[[], float]
@@ -23,64 +24,6 @@ Clock = Callable[[], float]
 
 class IllegalTransition(RuntimeError):
     pass
-
-
-@dataclass(frozen=True)
-class ProbePolicy:
-    """Kubernetes probe terms; slime's --rollout-health-check-* for the first three."""
-
-    first_wait: float = 300.0  # startup budget of each incarnation
-    interval: float = 10.0  # periodSeconds
-    timeout: float = 5.0  # timeoutSeconds, per probe
-    failure_threshold: int = 3  # consecutive failures -> UNHEALTHY
-    success_threshold: int = 1  # consecutive successes to clear SUSPECT
-    # A late probe is excused while the engine's processes burn CPU (a first-use compile, a
-    # long prefill); busy cannot excuse it for ever: on GPU a collective that never completes
-    # spins a core too. Far above a compile of a new shape (seconds here, tens of seconds on
-    # GPU), well below vLLM's own VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300).
-    max_busy: float = 120.0
-    # A paused engine (a weight push holds generation) is excused up to this long: the
-    # config's sync_timeout, past which the push has failed anyway.
-    max_paused: float = 300.0
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    start_retries: int = 3  # consecutive failed starts before FATAL (supervisord's startretries)
-    backoff_initial: float = 1.0  # seconds before the 2nd attempt; doubles per failure
-    backoff_max: float = 60.0
-    flapping_window: float = 600.0  # seconds
-    flapping_max_restarts: int = 5  # restarts inside the window -> FATAL (systemd StartLimitBurst)
-
-
-@dataclass(frozen=True)
-class Transition:
-    engine: str
-    from_state: State
-    to_state: State
-    reason: str
-    at: float
-    incarnation: int
-    cause: Cause
-
-
-# ProbeOutcome.kind of a probe the daemon could not make (out of descriptors: EMFILE, ENFILE):
-# neither a success nor a failure of the engine, never counted towards its stop.
-DAEMON_LIMIT = "daemon_limit"
-
-
-@dataclass(frozen=True)
-class ProbeOutcome:
-    ok: bool
-    detail: str  # "ok", "timeout after 5.0s", "health 503", "busy: 12 tokens generated", ...
-    latency: float | None = None
-    # A late probe that is not a failure, but not proof of progress either: "busy" (CPU
-    # advancing, vLLM's counters still) or "paused" (generation held by /pause). Bounded by
-    # ProbePolicy.max_busy / max_paused.
-    excuse: str | None = None
-    # What the heartbeat saw, one of probes.PROBE_KINDS (vime_probes_total{outcome}); None:
-    # read as "ok" or "error" by its `ok`.
-    kind: str | None = None
 
 
 def vlabel(version: int | str | None) -> str:

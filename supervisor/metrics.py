@@ -27,7 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from .config import parse_metrics_address
 from .engine import EngineRunner
 from .events import EventBus, Listener
-from .fsm import ProbeOutcome, Transition
+from .states import ProbeOutcome, Transition
 from .policy import FleetPolicy
 from .probes import PROBE_KINDS
 from .protocol import Event

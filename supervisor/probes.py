@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from .activity import GroupSample, busy, describe, sample_group
-from .fsm import DAEMON_LIMIT, ProbeOutcome
+from .states import DAEMON_LIMIT, ProbeOutcome
 from .http1 import Http1Client, HttpProtocolError, read_bounded
 
 # Labels end on their own line ([^}\n]): an unclosed "{" must not make a scan of the whole

@@ -27,7 +27,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from .config import RouterConfig
 from .events import Listener
-from .fsm import Transition
+from .states import Transition
 from .metrics import Histogram
 from .protocol import Event
 from .router import Router, RouterError, normalize_url

@@ -3,6 +3,7 @@ warm spares (STANDBY)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -84,3 +85,35 @@ class Cause(StrEnum):
     EXIT = "exit"  # the process exited (or an attached engine stopped answering)
     FLAPPING = "flapping"  # too many restarts inside the flapping window
     SHUTDOWN = "shutdown"  # the daemon is stopping its engines on its way out
+
+
+# The records the engine group hands up (through the event bus) to the fleet: base-level types,
+# so that the bus and the fleet need not import the state machine.
+@dataclass(frozen=True)
+class Transition:
+    engine: str
+    from_state: State
+    to_state: State
+    reason: str
+    at: float
+    incarnation: int
+    cause: Cause
+
+
+# ProbeOutcome.kind of a probe the daemon could not make (out of descriptors: EMFILE, ENFILE):
+# neither a success nor a failure of the engine, never counted towards its stop.
+DAEMON_LIMIT = "daemon_limit"
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    ok: bool
+    detail: str  # "ok", "timeout after 5.0s", "health 503", "busy: 12 tokens generated", ...
+    latency: float | None = None
+    # A late probe that is not a failure, but not proof of progress either: "busy" (CPU
+    # advancing, vLLM's counters still) or "paused" (generation held by /pause). Bounded by
+    # ProbePolicy.max_busy / max_paused.
+    excuse: str | None = None
+    # What the heartbeat saw, one of probes.PROBE_KINDS (vime_probes_total{outcome}); None:
+    # read as "ok" or "error" by its `ok`.
+    kind: str | None = None

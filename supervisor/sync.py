@@ -20,7 +20,8 @@ from .engine import EngineRunner
 from .errors import Conflict
 from .events import Listener
 from .fleet import Fleet, validate_checkpoint_off_loop
-from .fsm import Transition, vlabel
+from .fsm import vlabel
+from .states import Transition
 from .protocol import Event
 from .states import ACTIVE, Cause, State
 from .tasks import TaskSet

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Protocol
 
 from .config import Config, EngineSpec
-from .fsm import EngineFSM, ProbeOutcome
+from .fsm import EngineFSM
+from .states import ProbeOutcome
 from .probes import Prober
 from .process import EngineProcess
 from .states import State

@@ -11,28 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 
 import aiohttp
 
+from .config import WarmupPolicy
 from .http1 import read_bounded
 
 # A warm-up answer is a few KB; an engine that sends more is refused, never buffered whole.
 MAX_ANSWER = 1 << 20
-# More at once than any engine batches is no warm-up, only load (and memory in the daemon).
-MAX_REQUESTS = 256
-
-
-@dataclass(frozen=True)
-class WarmupPolicy:
-    """The defaults mirror a rollout batch: concurrent sampled requests with logprobs."""
-
-    requests: int = 8  # sent at once; 0 turns the warm-up off
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    logprobs: int = 1  # completions' logprobs=N; 0 asks for none
-    prompt: str = "The quick brown fox"
 
 
 class WarmupFailed(Exception):

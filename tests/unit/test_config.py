@@ -11,7 +11,7 @@ import pytest
 
 from vime.supervisor.config import ConfigError, ConfigReadError, build, load
 from vime.supervisor.daemon import parse_args
-from vime.supervisor.fsm import ProbePolicy, RestartPolicy
+from vime.supervisor.config import ProbePolicy, RestartPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "vime-supervisor: config error: "

@@ -104,8 +104,7 @@ def test_every_float_setting_is_covered():
     import dataclasses
 
     from vime.supervisor.config import Config
-    from vime.supervisor.fsm import ProbePolicy, RestartPolicy
-    from vime.supervisor.warmup import WarmupPolicy
+    from vime.supervisor.config import ProbePolicy, RestartPolicy, WarmupPolicy
 
     floats = {(section, f.name) for section, cls in (
         ("supervisor", Config), ("health_check", ProbePolicy), ("restart", RestartPolicy), ("warmup", WarmupPolicy))

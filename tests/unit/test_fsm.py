@@ -6,18 +6,9 @@ import random
 
 import pytest
 
-from vime.supervisor.fsm import (
-    DAEMON_LIMIT,
-    vlabel,
-    EngineFSM,
-    IllegalTransition,
-    ProbeOutcome,
-    ProbePolicy,
-    RestartPolicy,
-    Transition,
-    backoff_delay,
-)
-from vime.supervisor.states import TRANSITIONS, Cause, State
+from vime.supervisor.fsm import vlabel, EngineFSM, IllegalTransition, backoff_delay
+from vime.supervisor.config import ProbePolicy, RestartPolicy
+from vime.supervisor.states import DAEMON_LIMIT, TRANSITIONS, Cause, ProbeOutcome, State, Transition
 
 S = State
 OK = ProbeOutcome(True, "ok", 0.01)

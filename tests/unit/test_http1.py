@@ -505,7 +505,8 @@ async def test_an_engines_oversized_answers_are_not_buffered(session):
     from aiohttp import web
 
     from vime.supervisor.probes import MAX_METRICS
-    from vime.supervisor.warmup import MAX_ANSWER, WarmupFailed, WarmupPolicy, warm_up
+    from vime.supervisor.warmup import MAX_ANSWER, WarmupFailed, warm_up
+    from vime.supervisor.config import WarmupPolicy
 
     big = b"x" * (max(MAX_METRICS, MAX_ANSWER) + 1)
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vime.supervisor.activity import GroupSample, Member
 from vime.supervisor.events import EventBus
-from vime.supervisor.fsm import ProbeOutcome, Transition
+from vime.supervisor.states import ProbeOutcome, Transition
 from vime.supervisor.logs import exit_fields
 from vime.supervisor.metrics import DETECTION_KINDS, RESTART_CAUSES, FleetStats, render
 from vime.supervisor.policy import FleetPolicy
