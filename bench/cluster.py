@@ -77,7 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from vime.harness.local_daemon import write_config  # noqa: E402  (bench/ is on sys.path when run)
 from vime.harness.ray_nodes import Node, RayNodes, cleanup, node_address  # noqa: E402
 from vime.supervisor.client import SupervisorClient  # noqa: E402
-from vime.supervisor.process import all_procs, proc_stat  # noqa: E402
+from vime.supervisor.engine.process import all_procs, proc_stat  # noqa: E402
 
 WAIT = 120.0  # the longest any one thing may take to start or to be seen before the run gives up
 

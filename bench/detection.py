@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from vime.supervisor.probes import PROGRESS_WINDOW  # noqa: E402
+from vime.supervisor.engine.probes import PROGRESS_WINDOW  # noqa: E402
 from vime.harness.faults import engine_core_pid  # noqa: E402
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, bare_engine, free_port, write_config  # noqa: E402
 from vime.trainer.tiny_model import build_tiny_model  # noqa: E402

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from vime.supervisor.probes import PROGRESS_WINDOW  # noqa: E402
+from vime.supervisor.engine.probes import PROGRESS_WINDOW  # noqa: E402
 from vime.supervisor.config import WarmupPolicy  # noqa: E402
 from vime.supervisor.client import SupervisorClient  # noqa: E402
 from vime.harness.faults import engine_core_pid  # noqa: E402

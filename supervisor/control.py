@@ -51,7 +51,7 @@ from .protocol import (
     SyncPhase,
     parse_signal,
 )
-from .process import read_tail
+from .engine.process import read_tail
 from .status import fleet_status, routable_view
 
 log = structlog.get_logger("vime.control")
@@ -655,7 +655,7 @@ class ControlServer:
             raise _StalledReader() from None
 
     async def incidents(self, request: web.Request) -> web.Response:
-        from .postmortem import list_incidents
+        from .engine.postmortem import list_incidents
 
         return web.json_response({"incidents": list_incidents(self.fleet.cfg.log_dir)})
 

@@ -31,14 +31,14 @@ from . import limits
 from . import reexec
 from .config import Config, ConfigError, ConfigReadError
 from .control import ControlServer
-from .engine import EngineRunner
+from .engine.runner import EngineRunner
 from .events import EventBus
 from .fleet import Fleet
-from .fsm import vlabel
+from .engine.fsm import vlabel
 from .journal import JournalError, JournalWriter
-from .metrics import FleetStats, MetricsListener
+from .metrics import FleetStats, MetricsServer
 from .policy import FleetPolicy
-from .process import (
+from .engine.process import (
     boot_id, engine_fingerprint, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of,
     proc_stat, reap_child, stop_group_of)
 from .protocol import Event
@@ -212,7 +212,7 @@ class Supervisor:
             control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None, listener=self.listener)
             self.listener = None  # the control server's now
-            metrics = MetricsListener(self.fleet, cfg.metrics_address)  # "": none
+            metrics = MetricsServer(self.fleet, cfg.metrics_address)  # "": none
             try:
                 await control.start()
                 await metrics.start()

@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 import structlog
 
 from .config import Config
-from .engine import EngineRunner
+from .engine.runner import EngineRunner
 from .errors import BadRequest, Conflict
 from .events import EventBus, Listener, Subscription
 from .states import DAEMON_LIMIT, ProbeOutcome, Transition

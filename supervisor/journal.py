@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from .fleet import Fleet
-from .process import boot_id, engine_fingerprint
+from .engine.process import boot_id, engine_fingerprint
 from .states import State
 from .tasks import TaskSet, cancel_and_wait
 

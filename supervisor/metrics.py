@@ -7,7 +7,7 @@ cause and each probe's kind, never from reason text. `render` turns the statisti
 fleet's state into Prometheus' text format at scrape time. Every label set an engine can
 have is there from the start at 0, so the first detection is an increase() like any other.
 
-`MetricsListener` serves GET /metrics over loopback TCP for Prometheus (config
+`MetricsServer` serves GET /metrics over loopback TCP for Prometheus (config
 `metrics_address`): the same families as the control socket's /v1/metrics, plus the
 daemon's own process_* and python_* (prometheus_client's collectors).
 """
@@ -25,11 +25,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from .config import parse_metrics_address
-from .engine import EngineRunner
+from .engine.runner import EngineRunner
 from .events import EventBus, Listener
 from .states import ProbeOutcome, Transition
 from .policy import FleetPolicy
-from .probes import PROBE_KINDS
+from .engine.probes import PROBE_KINDS
 from .protocol import Event
 from .states import Cause, State
 
@@ -229,7 +229,7 @@ for _collector in (ProcessCollector, PlatformCollector, GCCollector):
 METRICS_ROUTE = "/metrics"
 
 
-class MetricsListener:
+class MetricsServer:
     """GET /metrics over TCP at `address` (config metrics_address, "127.0.0.1:9464"; "" for
     none), for Prometheus. A listener that cannot bind is logged and left out: supervision
     never waits on the metrics. Scrapes never block the event loop: the fleet's families are

@@ -42,7 +42,7 @@ from . import config as config_mod
 from . import journal as journal_mod
 from . import logs
 from .config import Config, ConfigError
-from .process import (
+from .engine.process import (
     KILL_WAIT, boot_id, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of, proc_stat,
     stop_group_of)
 

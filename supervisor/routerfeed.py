@@ -34,7 +34,7 @@ from .router import Router, RouterError, normalize_url
 from .router.plan import Plan, plan
 
 if TYPE_CHECKING:
-    from .engine import EngineRunner
+    from .engine.runner import EngineRunner
     from .fleet import Fleet
 
 log = structlog.get_logger("vime.router")

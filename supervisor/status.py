@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from importlib import metadata
 
-from .engine import EngineRunner
+from .engine.runner import EngineRunner
 from .fleet import Fleet
 from .protocol import EngineStatus, FleetStatus, Routable, RoutableEngine
 

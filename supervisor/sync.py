@@ -16,11 +16,11 @@ from typing import Any
 
 import structlog
 
-from .engine import EngineRunner
+from .engine.runner import EngineRunner
 from .errors import Conflict
 from .events import Listener
 from .fleet import Fleet, validate_checkpoint_off_loop
-from .fsm import vlabel
+from .engine.fsm import vlabel
 from .states import Transition
 from .protocol import Event
 from .states import ACTIVE, Cause, State

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime.supervisor.activity import sample_group
-from vime.supervisor.probes import PROGRESS_WINDOW
+from vime.supervisor.engine.activity import sample_group
+from vime.supervisor.engine.probes import PROGRESS_WINDOW
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
 

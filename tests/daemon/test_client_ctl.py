@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime.supervisor.ctl import describe, status_lines
+from vime.supervisor.client.cli import describe, status_lines
 from vime.supervisor.client import (
     DEFAULT_SOCKET,
     AsyncSupervisorClient,
@@ -136,7 +136,7 @@ def next_round(st: dict) -> int:
 
 def ctl(*args: str, sock: str | os.PathLike | None, env: dict | None = None, timeout: float = 30
         ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "vime.supervisor.ctl"]
+    cmd = [sys.executable, "-m", "vime.supervisor.client.cli"]
     if sock is not None:
         cmd += ["--socket", str(sock)]
     full_env = {k: v for k, v in os.environ.items() if k != "VIME_SUPERVISOR_SOCKET"}
@@ -825,7 +825,7 @@ def test_forbidden_for_other_uids(tmp_path):
         # Everything is imported before dropping privileges (the venv lives under /root).
         script = f"""
 import io, json, os, shutil, sys, contextlib  # shutil: argparse imports it lazily
-import vime.supervisor.ctl
+import vime.supervisor.client.cli
 from vime.supervisor.client import SupervisorClient, Forbidden
 gid = int(sys.argv[1])
 os.setgroups([]); os.setgid(gid); os.setuid(65534)
@@ -836,7 +836,7 @@ except Forbidden as e:
     out["client"] = [e.status, e.code, e.message]
 err = io.StringIO()
 with contextlib.redirect_stderr(err):
-    out["ctl_rc"] = vime.supervisor.ctl.main(["--socket", {sock!r}, "status"])
+    out["ctl_rc"] = vime.supervisor.client.cli.main(["--socket", {sock!r}, "status"])
 out["ctl_err"] = err.getvalue()
 print(json.dumps(out))
 """
@@ -1012,7 +1012,7 @@ def test_ctl_tail_follow(fleet, client):
     logged = max(numbers(client.engine_log("spawned")), default=0)
     # SIGINT at its default, as for a command in a terminal's foreground: a test run started in
     # the background of a non-interactive shell inherits it ignored, and Ctrl-C would not reach.
-    proc = subprocess.Popen([sys.executable, "-m", "vime.supervisor.ctl", "--socket", fleet.sock, "tail", "-f", "spawned"],
+    proc = subprocess.Popen([sys.executable, "-m", "vime.supervisor.client.cli", "--socket", fleet.sock, "tail", "-f", "spawned"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue = queue.Queue()

@@ -1,7 +1,7 @@
 """supervisorctl as operators use supervisord's: all and globs, tail -N / -f, signal, pid, avail,
 version, maintail, start/restart waiting, and the exit statuses (supervisord 4.3's LSB codes).
 
-Every check runs the real command (`python -m vime.supervisor.ctl`, or the installed
+Every check runs the real command (`python -m vime.supervisor.client.cli`, or the installed
 `supervisorctl` script) in a subprocess against a real daemon (`python -m vime.supervisor`, its
 stderr appended to a file, so `maintail` has a log to read). The daemon supervises:
 
@@ -33,7 +33,7 @@ import pytest
 
 from vime.harness.local_daemon import free_port, live_pids_in_groups, write_config
 from vime.supervisor.client import BadRequest, ConflictError, SupervisorClient
-from vime.supervisor.ctl import select, start_outcome, transition_outcome
+from vime.supervisor.client.cli import select, start_outcome, transition_outcome
 
 REPO = Path(__file__).resolve().parents[2]
 # far (attached, nothing listening) stays STARTING this long: the status test reads it as a start
@@ -93,14 +93,14 @@ web.run_app(app, host=args.host, port=args.port, print=None)
 def ctl(*args: str, sock, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k != "VIME_SUPERVISOR_SOCKET"}
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "vime.supervisor.ctl", "--socket", str(sock), *args],
+    return subprocess.run([sys.executable, "-m", "vime.supervisor.client.cli", "--socket", str(sock), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=REPO, env=full)
 
 
 def ctl_popen(*args: str, sock) -> subprocess.Popen:
     # SIGINT at its default, as for a command in a terminal's foreground (a test run in the
     # background of a non-interactive shell inherits it ignored, and Ctrl-C would not reach).
-    return subprocess.Popen([sys.executable, "-m", "vime.supervisor.ctl", "--socket", str(sock), *args],
+    return subprocess.Popen([sys.executable, "-m", "vime.supervisor.client.cli", "--socket", str(sock), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
@@ -389,7 +389,7 @@ def test_tail_follow_goes_on_to_the_next_incarnation(fleet):
 def test_signal_hup_reaches_the_engine_and_is_logged_with_its_sender(fleet):
     all_running(fleet.client)
     e = engines(fleet.client)["e0"]
-    proc = subprocess.Popen([sys.executable, "-m", "vime.supervisor.ctl", "--socket", str(fleet.sock), "signal",
+    proc = subprocess.Popen([sys.executable, "-m", "vime.supervisor.client.cli", "--socket", str(fleet.sock), "signal",
                              "HUP", "e0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, out, err) == (0, "e0: signalled\n", "")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python
 from vime.supervisor.client import SupervisorClient
-from vime.supervisor.process import proc_stat
+from vime.supervisor.engine.process import proc_stat
 
 STANDIN = Path(__file__).with_name("standin_group.py")
 

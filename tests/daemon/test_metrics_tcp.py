@@ -28,7 +28,7 @@ from vime.supervisor import config
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.config import ConfigError
 from vime.supervisor.metrics import DETECTION_KINDS, RESTART_CAUSES
-from vime.supervisor.probes import PROBE_KINDS
+from vime.supervisor.engine.probes import PROBE_KINDS
 
 from test_client_ctl import listening, wait_state
 

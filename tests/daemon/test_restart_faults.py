@@ -22,7 +22,7 @@ from typing import Iterator
 
 import pytest
 
-from vime.supervisor.process import boot_id, proc_stat
+from vime.supervisor.engine.process import boot_id, proc_stat
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import (
     Daemon, free_port, kill_all, live_pids_in_groups, standin_config, standin_model)

@@ -1,6 +1,6 @@
 """`supervisorctl` beside supervisord's own (PyPI "supervisor", which vLLM pulls in).
 
-The rule (supervisor/supervisorctl.py) is checked pure first, then for real: the venv's installed
+The rule (supervisor/client/dispatch.py) is checked pure first, then for real: the venv's installed
 console scripts run as subprocesses from cwd=/ (so the checkout does not shadow imports) against
 a real supervisord (bin/supervisord, one program `x` running `sleep 600`) and a real vime daemon
 (`python -m vime.supervisor`, one engine attached to a protocol stand-in).
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 from vime.harness.local_daemon import Daemon, free_port, write_config
-from vime.supervisor import supervisorctl as dispatch
+from vime.supervisor.client import dispatch
 from vime.supervisor.client import SupervisorClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -261,7 +261,7 @@ def test_the_installed_supervisorctl_is_the_dispatcher():
     Makefile reinstalls ours last. If this fails: pip install --no-deps --force-reinstall -e ."""
     text = script("supervisorctl").read_text()
     assert "from vime.supervisor.supervisorctl import main" in text, text
-    assert "from vime.supervisor.ctl import main" in script("vime-supervisorctl").read_text()
+    assert "from vime.supervisor.client.cli import main" in script("vime-supervisorctl").read_text()
 
 
 @needs_both

@@ -22,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from vime.supervisor.probes import PROGRESS_WINDOW
+from vime.supervisor.engine.probes import PROGRESS_WINDOW
 from vime.supervisor.client import SupervisorClient
 from vime.harness.faults import engine_core_pid
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, write_config

@@ -1,5 +1,5 @@
 """Busy or hung from the operating system's side: the group's CPU time and process states
-(supervisor/activity.py), judged with vLLM's counters and the pause (probes.judge_late), and
+(supervisor/engine/activity.py), judged with vLLM's counters and the pause (probes.judge_late), and
 an engine's weight version read as untrusted input. Pure functions, plus /proc of processes
 this test starts."""
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from vime.supervisor.activity import GroupSample, Member, busy, cpu_seconds, sample_group
-from vime.supervisor.probes import Progress, judge_late, parse_version
+from vime.supervisor.engine.activity import GroupSample, Member, busy, cpu_seconds, sample_group
+from vime.supervisor.engine.probes import Progress, judge_late, parse_version
 
 
 def sample(at: float, *members: tuple[int, str, float]) -> GroupSample:

@@ -540,7 +540,7 @@ def test_cli_toml_syntax_error(tmp_path):
 def test_each_engine_has_its_own_compiler_caches_under_the_state_dir(tmp_path):
     """Engines never share a compile lock, and a restart reuses its first incarnation's caches;
     the config's env still has the last word."""
-    from vime.supervisor.process import CACHE_VARS, engine_env
+    from vime.supervisor.engine.process import CACHE_VARS, engine_env
 
     m, other = model_dir(tmp_path), model_dir(tmp_path / "other")
     cfg = build({"supervisor": {"state_dir": str(tmp_path / "state")},
@@ -555,7 +555,7 @@ def test_each_engine_has_its_own_compiler_caches_under_the_state_dir(tmp_path):
 
 
 def test_engine_cache_dir_moves_the_caches_and_must_be_a_directory(tmp_path):
-    from vime.supervisor.process import engine_env
+    from vime.supervisor.engine.process import engine_env
 
     m = model_dir(tmp_path)
     cfg = build({"supervisor": {"state_dir": str(tmp_path / "state"), "engine_cache_dir": str(tmp_path / "c")},
@@ -570,7 +570,7 @@ def test_engine_cache_dir_moves_the_caches_and_must_be_a_directory(tmp_path):
 
 
 def test_an_engine_cache_that_cannot_be_created_fails_the_start_with_its_reason(tmp_path):
-    from vime.supervisor.process import engine_env, make_engine_caches
+    from vime.supervisor.engine.process import engine_env, make_engine_caches
 
     m = model_dir(tmp_path)
     cfg = build({"supervisor": {"state_dir": str(tmp_path / "state"), "engine_cache_dir": str(tmp_path / "later")},

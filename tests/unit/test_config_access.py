@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vime.supervisor.config import ConfigError, build, load
-from vime.supervisor.process import engine_command, engine_env, engine_fingerprint
+from vime.supervisor.engine.process import engine_command, engine_env, engine_fingerprint
 from vime.weight_sync._http import http_json
 
 KEY = "s3cr3t-Key_0123456789"

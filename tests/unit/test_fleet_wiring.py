@@ -10,7 +10,7 @@ import pytest
 
 from vime.supervisor.config import Config, EngineSpec
 from vime.supervisor.daemon import Supervisor
-from vime.supervisor.engine import EngineRunner
+from vime.supervisor.engine.runner import EngineRunner
 from vime.supervisor.states import Cause, State
 
 

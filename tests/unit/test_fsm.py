@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from vime.supervisor.fsm import vlabel, EngineFSM, IllegalTransition, backoff_delay
+from vime.supervisor.engine.fsm import vlabel, EngineFSM, IllegalTransition, backoff_delay
 from vime.supervisor.config import ProbePolicy, RestartPolicy
 from vime.supervisor.states import DAEMON_LIMIT, TRANSITIONS, Cause, ProbeOutcome, State, Transition
 
@@ -969,7 +969,7 @@ def test_a_slow_start_backs_off_with_its_cause():
     ("TypeError: argument of type 'NoneType' is not iterable", False, "TypeError"),
 ])
 def test_classify_failure_calls_only_what_it_recognises_permanent(tail, permanent, what):
-    from vime.supervisor.process import classify_failure
+    from vime.supervisor.engine.process import classify_failure
 
     got, summary = classify_failure(tail, "/models/polcy")
     assert got is permanent

@@ -1,4 +1,4 @@
-"""The heartbeat's lean HTTP/1.1 client (supervisor/http1.py) and the deep probe over it.
+"""The heartbeat's lean HTTP/1.1 client (supervisor/engine/http1.py) and the deep probe over it.
 
 Against real local servers, no mocks: an aiohttp web server (what the stand-ins and, for
 HTTP purposes, uvicorn look like) and raw asyncio servers that misbehave on purpose.
@@ -17,8 +17,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from vime.supervisor.http1 import Http1Client, HttpProtocolError
-from vime.supervisor.probes import Prober, _lean_target
+from vime.supervisor.engine.http1 import Http1Client, HttpProtocolError
+from vime.supervisor.engine.probes import Prober, _lean_target
 
 
 COMPLETION = json.dumps({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}).encode()
@@ -504,8 +504,8 @@ async def test_an_engines_oversized_answers_are_not_buffered(session):
     /metrics past MAX_METRICS is no evidence, a warm-up answer past MAX_ANSWER a failed start."""
     from aiohttp import web
 
-    from vime.supervisor.probes import MAX_METRICS
-    from vime.supervisor.warmup import MAX_ANSWER, WarmupFailed, warm_up
+    from vime.supervisor.engine.probes import MAX_METRICS
+    from vime.supervisor.engine.warmup import MAX_ANSWER, WarmupFailed, warm_up
     from vime.supervisor.config import WarmupPolicy
 
     big = b"x" * (max(MAX_METRICS, MAX_ANSWER) + 1)
@@ -531,7 +531,7 @@ async def test_an_engines_oversized_answers_are_not_buffered(session):
 
 def test_metrics_labels_end_on_their_line():
     """An unclosed '{' no longer scans the rest of the answer (quadratic on the event loop)."""
-    from vime.supervisor.probes import parse_progress
+    from vime.supervisor.engine.probes import parse_progress
 
     text = "vllm:generation_tokens_total{\n" * 1000 + 'vllm:generation_tokens_total{engine="0"} 7.0\n'
     assert parse_progress(text).generation_tokens == 7.0

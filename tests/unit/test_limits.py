@@ -107,7 +107,7 @@ def test_a_fresh_start_is_refused_below_the_need_and_an_adopting_one_is_not():
 PROBE_OUT_OF_FDS = r"""
 import asyncio, json, resource, socket, sys
 import aiohttp
-from vime.supervisor.probes import Prober
+from vime.supervisor.engine.probes import Prober
 
 async def main():
     session = aiohttp.ClientSession()

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vime.supervisor.activity import GroupSample, Member
+from vime.supervisor.engine.activity import GroupSample, Member
 from vime.supervisor.events import EventBus
 from vime.supervisor.states import ProbeOutcome, Transition
 from vime.supervisor.logs import exit_fields
 from vime.supervisor.metrics import DETECTION_KINDS, RESTART_CAUSES, FleetStats, render
 from vime.supervisor.policy import FleetPolicy
-from vime.supervisor.probes import PROBE_KINDS, Progress, judge_late
+from vime.supervisor.engine.probes import PROBE_KINDS, Progress, judge_late
 from vime.supervisor.states import Cause, State
 
 S = State

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from .activity import GroupSample, busy, describe, sample_group
-from .states import DAEMON_LIMIT, ProbeOutcome
+from ..states import DAEMON_LIMIT, ProbeOutcome
 from .http1 import Http1Client, HttpProtocolError, read_bounded
 
 # Labels end on their own line ([^}\n]): an unclosed "{" must not make a scan of the whole
@@ -105,7 +105,7 @@ def _lean_target(base_url: str) -> tuple[str, int, str] | None:
 
 class Prober:
     """Probes one engine: the deep probe (every heartbeat) over a lean kept-alive HTTP/1.1
-    connection of its own (supervisor/http1.py: aiohttp costs ~0.3 ms of CPU a request, a
+    connection of its own (supervisor/engine/http1.py: aiohttp costs ~0.3 ms of CPU a request, a
     third of a core at 1024 engines), the rare reads (/health, /metrics, /weight_info) over
     the daemon's shared aiohttp session. Call close() when the engine's process goes, so a
     new incarnation is never probed over a connection to the old one."""

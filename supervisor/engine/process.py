@@ -22,7 +22,7 @@ from typing import Awaitable, Callable, NamedTuple
 
 import structlog
 
-from .config import Config, EngineSpec
+from ..config import Config, EngineSpec
 
 log = structlog.get_logger("vime.process")
 # After SIGKILL, how long to wait for a group to vanish: a member in D state (uninterruptible

@@ -1,6 +1,6 @@
 """The pure per-engine state machine: no I/O, no sleeping, an injected clock.
 
-The runner (supervisor/engine.py) feeds it what it saw (spawned, ready, a probe result, the
+The runner (supervisor/engine/runner.py) feeds it what it saw (spawned, ready, a probe result, the
 process exited) and carries out what it decides (stop now, back off for d seconds, give up).
 Every state change is one Transition handed to `on_transition`: the runner passes it to the
 event bus (events.py), where the fleet makes it one structured log event and one event on the
@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .config import ProbePolicy, RestartPolicy
-from .states import DAEMON_LIMIT, PROBED, ROUTABLE, TRANSITIONS, Cause, ProbeOutcome, State, Transition
+from ..config import ProbePolicy, RestartPolicy
+from ..states import DAEMON_LIMIT, PROBED, ROUTABLE, TRANSITIONS, Cause, ProbeOutcome, State, Transition
 
 S = State
 Clock = Callable[[], float]

@@ -10,12 +10,12 @@ from collections import deque
 from pathlib import Path
 from typing import Protocol
 
-from .config import Config, EngineSpec
+from ..config import Config, EngineSpec
 from .fsm import EngineFSM
-from .states import ProbeOutcome
+from ..states import ProbeOutcome
 from .probes import Prober
 from .process import EngineProcess
-from .states import State
+from ..states import State
 
 
 class EngineView(Protocol):

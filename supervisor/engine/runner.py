@@ -24,10 +24,10 @@ from tenacity import AsyncRetrying, RetryError, retry_if_result, stop_after_dela
 
 from . import postmortem
 from .activity import sample_group
-from .config import Config, EngineSpec
-from .events import EventBus
+from ..config import Config, EngineSpec
+from ..events import EventBus
 from .fsm import EngineFSM
-from .states import DAEMON_LIMIT, ProbeOutcome, Transition
+from ..states import DAEMON_LIMIT, ProbeOutcome, Transition
 from .probes import Prober
 from .process import (
     EngineProcess,
@@ -42,9 +42,9 @@ from .process import (
     process_start_time,
     read_tail,
 )
-from .protocol import Event
-from .states import PROCESS_STATES, Cause, State
-from .tasks import TaskSet, cancel_and_wait
+from ..protocol import Event
+from ..states import PROCESS_STATES, Cause, State
+from ..tasks import TaskSet, cancel_and_wait
 from .warmup import WarmupFailed, warm_up
 
 S = State

@@ -14,7 +14,7 @@ import json
 
 import aiohttp
 
-from .config import WarmupPolicy
+from ..config import WarmupPolicy
 from .http1 import read_bounded
 
 # A warm-up answer is a few KB; an engine that sends more is refused, never buffered whole.

@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, cast
 
-from .client import (
+from . import (
     BadRequest,
     ConflictError,
     DaemonUnreachable,
@@ -44,7 +44,7 @@ from .client import (
     SupervisorError,
     UnknownEngine,
 )
-from .protocol import (
+from ..protocol import (
     DEFAULT_SOCKET,
     ENGINE_ACTIONS,
     ENV_SOCKET,
