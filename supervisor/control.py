@@ -17,7 +17,7 @@ import stat
 import struct
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import structlog
 from aiohttp import web
@@ -52,6 +52,7 @@ from .protocol import (
     parse_signal,
 )
 from .engine.process import read_tail
+from .engine.runner import EngineRunner
 from .status import fleet_status, routable_view
 
 log = structlog.get_logger("vime.control")
@@ -163,12 +164,25 @@ def daemon_log_file() -> tuple[str | None, str]:
                   f"(under systemd: journalctl -u vime-supervisor), or start the daemon with 2>>FILE")
 
 
+class ResyncVerbs(Protocol):
+    """What the control socket asks of the sync coordinator (sync.SyncCoordinator)."""
+
+    def agent_connected(self) -> None: ...
+
+    def agent_disconnected(self) -> None: ...
+
+    def begin(self, runner: EngineRunner, version: int) -> dict[str, Any]: ...
+
+    async def end(self, runner: EngineRunner, version: int, ok: bool, error: str | None) -> dict[str, Any]: ...
+
+
 class ControlServer:
-    def __init__(self, fleet: Fleet, path: str, *, allowed_uids: tuple[int, ...] = (), socket_group: str | None = None,
+    def __init__(self, fleet: Fleet, sync: ResyncVerbs, path: str, *, allowed_uids: tuple[int, ...] = (), socket_group: str | None = None,
                  listener: socket.socket | None = None):
         """listener: the listening socket a reload handed over (checked by reexec.take_listener),
         served on instead of binding a new one."""
         self.fleet = fleet
+        self.sync = sync  # the weight-push verbs (begin, end, the agent's stream)
         self.path = path
         self.allowed = {os.getuid(), *allowed_uids}
         self.socket_group = socket_group
@@ -554,12 +568,12 @@ class ControlServer:
         if phase == SyncPhase.BEGIN:
             body = await self._body(request, {"version": (int,)}, {"version"})
             check_version("version", body["version"])
-            return web.json_response(self.fleet.sync.begin(runner, body["version"]))
+            return web.json_response(self.sync.begin(runner, body["version"]))
         if phase == SyncPhase.END:
             body = await self._body(request, {"version": (int,), "ok": (bool,), "error": (str, type(None))},
                                     {"version", "ok"})
             check_version("version", body["version"])
-            return web.json_response(await self.fleet.sync.end(runner, body["version"], body["ok"], body.get("error")))
+            return web.json_response(await self.sync.end(runner, body["version"], body["ok"], body.get("error")))
         raise ApiError(404, ErrorCode.UNKNOWN_ACTION, f"no sync phase {phase!r}; use {' or '.join(SyncPhase)}")
 
     @staticmethod
@@ -609,7 +623,7 @@ class ControlServer:
         sub = self.fleet.subscribe(STREAM_QUEUE)
         self._streams.add(sub)
         if role == Role.AGENT:  # it answers sync_request events: the daemon may ask it now
-            self.fleet.sync.agent_connected()
+            self.sync.agent_connected()
         try:
             hello = {"event": Event.HELLO, "ts": time.time(), **routable_view(self.fleet),
                      "round": self.fleet.round, "round_open": self.fleet.round_open}
@@ -639,7 +653,7 @@ class ControlServer:
             self._streams.discard(sub)
             self.fleet.unsubscribe(sub)
             if role == Role.AGENT:
-                self.fleet.sync.agent_disconnected()
+                self.sync.agent_disconnected()
         return resp
 
     @staticmethod

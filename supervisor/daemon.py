@@ -76,9 +76,10 @@ class Supervisor:
         self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)
         self.fleet.reloads = generation
         self.sync = SyncCoordinator(self.fleet, cfg.sync_timeout)
-        self.fleet.sync = self.sync
-        # In this order: a detection is counted and on the stream before its transition, and
-        # the sync coordinator considers an engine once the fleet has settled its routing.
+        # In this order: the statistics see a transition before the routing change it causes
+        # (a recovery is timed from the detection), and the sync coordinator considers an
+        # engine once the fleet has settled its routing. (DETECTION is on the stream before
+        # its transition whatever the order: the runner emits it as it hands the transition on.)
         for listener in (self.stats, self.fleet, self.sync):
             self.bus.add_listener(listener)
         self.notifier = Notifier()
@@ -209,7 +210,7 @@ class Supervisor:
                 await self._readopted(RELOAD_SETTLE)
             if self.router_feed is not None:
                 self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
-            control = ControlServer(self.fleet, cfg.socket_path, allowed_uids=cfg.allowed_uids,
+            control = ControlServer(self.fleet, self.sync, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None, listener=self.listener)
             self.listener = None  # the control server's now
             metrics = MetricsServer(self.fleet, cfg.metrics_address)  # "": none

@@ -14,7 +14,7 @@ import asyncio
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import structlog
 
@@ -22,29 +22,16 @@ from .config import Config
 from .engine.runner import EngineRunner
 from .errors import BadRequest, Conflict
 from .events import EventBus, Listener, Subscription
-from .states import DAEMON_LIMIT, ProbeOutcome, Transition
 from .logs import exit_fields
-from .metrics import FleetStats, detection_kind
+from .metrics import FleetStats
 from .policy import FleetPolicy
 from .protocol import Event
-from .states import ACTIVE, State
+from .states import ACTIVE, DAEMON_LIMIT, ProbeOutcome, State, Transition, detection_kind
 
 __all__ = ["Fleet", "BadRequest", "Conflict", "check_version", "validate_checkpoint",
            "validate_checkpoint_off_loop", "MAX_VERSION"]
 
 log = structlog.get_logger("vime.fleet")
-
-
-class ResyncVerbs(Protocol):
-    """What the control socket asks of the sync coordinator (sync.SyncCoordinator)."""
-
-    def agent_connected(self) -> None: ...
-
-    def agent_disconnected(self) -> None: ...
-
-    def begin(self, runner: EngineRunner, version: int) -> dict[str, Any]: ...
-
-    async def end(self, runner: EngineRunner, version: int, ok: bool, error: str | None) -> dict[str, Any]: ...
 
 
 class Fleet(Listener):
@@ -59,8 +46,6 @@ class Fleet(Listener):
         self.bus = bus or EventBus()
         self.stats = stats or FleetStats(self.bus)
         self.runners: dict[str, EngineRunner] = {}
-        # The sync coordinator, set by the daemon's start-up (it needs the fleet to be built).
-        self.sync: ResyncVerbs
         self.started_at = time.time()
         self.pid = os.getpid()
         self.reloads = 0  # set by the daemon: reloads this process has been through

@@ -27,11 +27,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from .config import parse_metrics_address
 from .engine.runner import EngineRunner
 from .events import EventBus, Listener
-from .states import ProbeOutcome, Transition
 from .policy import FleetPolicy
 from .engine.probes import PROBE_KINDS
-from .protocol import Event
-from .states import Cause, State
+from .states import DETECTION_KINDS, Cause, ProbeOutcome, State, Transition, detection_kind
 
 log = structlog.get_logger("vime.metrics")
 
@@ -61,8 +59,6 @@ RECOVERY_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 SYNC_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-# vime_detections_total{kind}: see detection_kind.
-DETECTION_KINDS = ("exit", "hang", "poisoned", "reported")
 # vime_engine_restarts_total{cause}: why the incarnation before a restart ended (the cause of
 # the transition that took it down), or "operator" when an operator asked for the start.
 RESTART_CAUSES = tuple(c.value for c in (
@@ -72,24 +68,8 @@ RESTART_CAUSES = tuple(c.value for c in (
 _RESTART_STARTS = frozenset({Cause.RESTART, Cause.RETRY, Cause.OPERATOR})
 
 
-def detection_kind(t: Transition) -> str | None:
-    """How an engine was found unusable, for vime_detections_total{kind}, from the transition's
-    cause: "exit" (it died), "poisoned" (a weight sync failed midway, or the trainer said so),
-    "reported" (the trainer's failure reports crossed the threshold), "hang" (probes: failed,
-    or excused as busy or paused for too long). None: not a detection."""
-    if t.to_state is State.EXITED:
-        return "exit" if t.from_state is not State.STOPPING else None
-    if t.to_state is not State.UNHEALTHY:
-        return None
-    if t.cause in (Cause.POISONED, Cause.SYNC_FAILED):
-        return "poisoned"
-    if t.cause is Cause.REPORTED:
-        return "reported"
-    return "hang"
-
-
 class FleetStats(Listener):
-    """Counters and histograms, fed by the bus. A detection is also an event on the stream."""
+    """Counters and histograms, fed by the bus."""
 
     def __init__(self, bus: EventBus):
         self.bus = bus
@@ -114,7 +94,6 @@ class FleetStats(Listener):
         if kind:
             self.detections[(t.engine, kind)] = self.detections.get((t.engine, kind), 0) + 1
             self._detected_at.setdefault(t.engine, t.at)
-            self.bus.emit(Event.DETECTION, engine=t.engine, kind=kind, reason=t.reason, cause=t.cause.value)
         if t.to_state in (State.STOPPED, State.FATAL):
             self._detected_at.pop(t.engine, None)  # no recovery to time: it was stopped or gave up
         if t.to_state is State.SYNCING:

@@ -117,3 +117,23 @@ class ProbeOutcome:
     # What the heartbeat saw, one of probes.PROBE_KINDS (vime_probes_total{outcome}); None:
     # read as "ok" or "error" by its `ok`.
     kind: str | None = None
+
+
+# vime_detections_total{kind}: see detection_kind.
+DETECTION_KINDS = ("exit", "hang", "poisoned", "reported")
+
+
+def detection_kind(t: Transition) -> str | None:
+    """How an engine was found unusable, for vime_detections_total{kind}, from the transition's
+    cause: "exit" (it died), "poisoned" (a weight sync failed midway, or the trainer said so),
+    "reported" (the trainer's failure reports crossed the threshold), "hang" (probes: failed,
+    or excused as busy or paused for too long). None: not a detection."""
+    if t.to_state is State.EXITED:
+        return "exit" if t.from_state is not State.STOPPING else None
+    if t.to_state is not State.UNHEALTHY:
+        return None
+    if t.cause in (Cause.POISONED, Cause.SYNC_FAILED):
+        return "poisoned"
+    if t.cause is Cause.REPORTED:
+        return "reported"
+    return "hang"

@@ -259,17 +259,12 @@ class SyncCoordinator(Listener):
     # -- the disk fallback -----------------------------------------------------------------
 
     async def _reload(self, runner: EngineRunner, incarnation: int, version: int, checkpoint: str) -> None:
-        from vime.weight_sync.checkpoint import reload_from_checkpoint_async
-
         try:
             # Checked again (the files may have changed since publishing), off the loop, before
             # the engine is touched. Then the engine's work alone runs under sync_timeout: the
             # reload is async, so no engine waits for a thread with its clock running.
             await validate_checkpoint_off_loop(checkpoint)
-            await asyncio.wait_for(
-                reload_from_checkpoint_async(runner.prober.session, runner.spec.base_url, checkpoint, version,
-                                             reload_timeout=self.sync_timeout),
-                self.sync_timeout)
+            await asyncio.wait_for(runner.reload_weights(checkpoint, version, self.sync_timeout), self.sync_timeout)
         except Exception as e:  # any failure mid-reload leaves meta tensors behind
             if runner.state is S.SYNCING and runner.incarnation == incarnation:
                 self._poisoned(runner, f"reload of {vlabel(version)} from {checkpoint} failed: "
@@ -280,20 +275,11 @@ class SyncCoordinator(Listener):
     # -- verification and poison -----------------------------------------------------------
 
     async def _verify(self, runner: EngineRunner, incarnation: int, version: int, how: str) -> None:
-        def still_ours() -> bool:  # the engine may have died or been stopped meanwhile
-            return runner.state is S.SYNCING and runner.incarnation == incarnation
-
-        reported = await runner.prober.weight_version()
-        if not still_ours():
+        ours, problem = await runner.verify_weights(version, incarnation)
+        if not ours:  # the engine died or was stopped meanwhile
             return
-        if reported != version:
-            self._poisoned(runner, f"{how}, but /weight_info says {vlabel(reported)}, not {vlabel(version)}")
-            return
-        probe = await runner.prober.generate()
-        if not still_ours():
-            return
-        if not probe.ok:
-            self._poisoned(runner, f"{how}, but the deep probe failed: {probe.detail}")
+        if problem is not None:
+            self._poisoned(runner, f"{how}, but {problem}")
             return
         runner.finish_sync(version, hold=self.fleet.hold_reason())
         log.info("sync.verified", engine=runner.name, version=version, how=how)

@@ -26,8 +26,7 @@ from . import postmortem
 from .activity import sample_group
 from ..config import Config, EngineSpec
 from ..events import EventBus
-from .fsm import EngineFSM
-from ..states import DAEMON_LIMIT, ProbeOutcome, Transition
+from .fsm import EngineFSM, vlabel
 from .probes import Prober
 from .process import (
     EngineProcess,
@@ -43,7 +42,7 @@ from .process import (
     read_tail,
 )
 from ..protocol import Event
-from ..states import PROCESS_STATES, Cause, State
+from ..states import DAEMON_LIMIT, PROCESS_STATES, Cause, ProbeOutcome, State, Transition, detection_kind
 from ..tasks import TaskSet, cancel_and_wait
 from .warmup import WarmupFailed, warm_up
 
@@ -230,6 +229,9 @@ class EngineRunner:
         if t.from_state is S.STANDBY or t.to_state in (S.STARTING, S.STALE, S.SYNCING, S.RUNNING):
             self._lost_as_spare = t.from_state is S.STANDBY and t.to_state in (S.UNHEALTHY, S.STOPPING, S.EXITED)
         self._poke()
+        kind = detection_kind(t)
+        if kind:  # decided here, with the transition: on the stream before the transition itself
+            self.bus.emit(Event.DETECTION, engine=t.engine, kind=kind, reason=t.reason, cause=t.cause.value)
         self.bus.transition(t)
 
     def _poke(self) -> None:
@@ -634,6 +636,34 @@ class EngineRunner:
 
     def begin_sync(self, reason: str) -> None:
         self.fsm.sync_started(reason)
+
+    async def reload_weights(self, checkpoint: str, version: int, timeout: float) -> None:
+        """Load `checkpoint` into the engine through vLLM's reload route (the disk fallback of a
+        sync). Raises on any failure; the caller holds the overall bound."""
+        from vime.weight_sync.checkpoint import reload_from_checkpoint_async
+
+        await reload_from_checkpoint_async(self.prober.session, self.spec.base_url, checkpoint, version,
+                                           reload_timeout=timeout)
+
+    async def verify_weights(self, version: int, incarnation: int) -> tuple[bool, str | None]:
+        """After a sync: does the engine report `version` (/weight_info) and answer the deep
+        probe? (False, None) if this sync is no longer current (the engine died or was stopped,
+        or another incarnation runs); else (True, None) or (True, what failed)."""
+
+        def still_this_sync() -> bool:
+            return self.fsm.state is S.SYNCING and self.fsm.incarnation == incarnation
+
+        reported = await self.prober.weight_version()
+        if not still_this_sync():
+            return False, None
+        if reported != version:
+            return True, f"/weight_info says {vlabel(reported)}, not {vlabel(version)}"
+        probe = await self.prober.generate()
+        if not still_this_sync():
+            return False, None
+        if not probe.ok:
+            return True, f"the deep probe failed: {probe.detail}"
+        return True, None
 
     def finish_sync(self, version: int, hold: str | None = None) -> None:
         self.dummy_weights = False  # every tensor pushed and verified: real weights from here on

@@ -146,7 +146,7 @@ def test_event_stream_roles():
 @pytest.fixture(scope="module")
 def app():
     # ControlServer builds its aiohttp app and routes in __init__; nothing is started.
-    return ControlServer(None, "/nonexistent/supervisor.sock").app  # type: ignore[arg-type]
+    return ControlServer(None, None, "/nonexistent/supervisor.sock").app  # type: ignore[arg-type]
 
 
 def resolve(app, method: str, path: str):
