@@ -388,7 +388,7 @@ class Supervisor:
                 kill_group_of(pid, start_time)  # its leftovers, if any
                 killed.append((pid, start_time))
         await self._await_gone(killed)
-        await self._stop_orphans({r._adopted.pid for r in fleet.runners.values() if r._adopted is not None})
+        await self._stop_orphans({r.adoption.proc.pid for r in fleet.runners.values() if r.adoption.proc is not None})
         log.info("journal.restored", round=fleet.round, round_open=fleet.round_open,
                  weight_version=fleet.current_version, adopted=adopted, gone=gone)
 

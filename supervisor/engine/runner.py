@@ -26,7 +26,9 @@ from . import postmortem
 from .activity import sample_group
 from ..config import Config, EngineSpec
 from ..events import EventBus
+from .adoption import Adoption
 from .fsm import EngineFSM, vlabel
+from .heartbeat import HeartbeatSchedule
 from .probes import Prober
 from .process import (
     EngineProcess,
@@ -95,20 +97,15 @@ class EngineRunner:
         self.log_path: Path | None = None
         # This incarnation's heartbeats only (a post-mortem is about the process being stopped).
         self.probe_history: deque[tuple[float, ProbeOutcome]] = deque(maxlen=64)
-        self.probes = self.probe_failures = self.late_probes = 0  # heartbeats, for status and bench/
+        self.probes = self.probe_failures = 0  # heartbeats, for status and bench/
+        self.heartbeat = HeartbeatSchedule(cfg.probe, clock)  # when the next probe is due; late ones
         self._retired = False  # never restarted again, never routed
         self._wake = asyncio.Event()
         self._stop_now: asyncio.Event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stop_reason: str | None = None  # set by an operator's stop: ends in STOPPED
-        self._adopted: EngineProcess | None = None  # from the journal, taken by the first start
-        self._adopted_routable = False  # it was serving when the previous daemon died
-        self._adopted_unwarmed = False  # it was still STARTING: its warm-up may not have run
-        self._adopted_standby = False  # it was a spare: it stays one
+        self.adoption = Adoption()  # what a previous daemon image left of it (adopt, restore)
         self._lost_as_spare = False  # it left STANDBY dead, hung or stopping: restarts at once
-        self._adopted_up = False  # it had been up (not STARTING): a reload's socket waits for its check
-        self._adopted_state: State | None = None  # the state the journal gave it when adopted
-        self._adopted_age = 0.0  # seconds since its spawn, when it was adopted STARTING (first_wait goes on)
         self._fatal: str | None = None  # FATAL before a reload, under the same config: stays FATAL
         # restart_load = "dummy": whether a restart may boot on dummy weights now (the daemon
         # wires it: a trainer agent connected and a version published), whether this
@@ -117,7 +114,6 @@ class EngineRunner:
         self.may_load_dummy: Callable[[], bool] = lambda: False
         self.dummy_weights = False
         self._read_weights_next = False
-        self._adopted_after = ""  # "a daemon restart" or "a reload", for the transition's reason
         self._restored = False  # a previous daemon's journal named it
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
         self._start_pending: str | None = None  # a start asked for while a dead group is cleaned up
@@ -185,8 +181,8 @@ class EngineRunner:
         """What the journal records: while a re-adopted engine is being checked again (STARTING
         for a moment), the state it was adopted in, so a daemon killed in that moment hands the
         next one the same engine (a spare stays a spare, a serving one keeps serving)."""
-        if self.readopting and self._adopted_state is not None and self.spec.spawned:
-            return self._adopted_state
+        if self.readopting and self.adoption.state is not None and self.spec.spawned:
+            return self.adoption.state
         return self.fsm.state
 
     @property
@@ -195,9 +191,9 @@ class EngineRunner:
         but not yet checked again."""
         if not self.spec.spawned:
             return self._restored and self.fsm.state is S.STARTING
-        if not self._adopted_up:  # it was still starting: nothing to wait for
+        if not self.adoption.up:  # it was still starting: nothing to wait for
             return False
-        return self._adopted is not None or (self.fsm.state is S.STARTING and self.proc is not None
+        return self.adoption.proc is not None or (self.fsm.state is S.STARTING and self.proc is not None
                                              and self.proc.adopted)
 
     @property
@@ -300,15 +296,10 @@ class EngineRunner:
                         port=entry.get("port"), action="killed its process group; a fresh one is started")
             self.bus.emit(Event.NOT_ADOPTED, engine=self.name, pid=pid, why=why)
             return False
-        self._adopted = proc
-        self._adopted_routable = state in (S.RUNNING.value, S.SUSPECT.value)
-        self._adopted_unwarmed = state == S.STARTING.value
-        self._adopted_up = state != S.STARTING.value
-        self._adopted_state = S(str(state))  # one of the kept states' values, checked above
         spawned_at = entry.get("spawned_at")
-        self._adopted_age = max(0.0, time.time() - spawned_at) if self._adopted_unwarmed and spawned_at else 0.0
-        self._adopted_standby = state == S.STANDBY.value and self.policy.target is not None
-        self._adopted_after = after
+        self.adoption = Adoption.of(proc, str(state), after=after,  # a kept state's value, checked above
+                                    age=max(0.0, time.time() - spawned_at) if spawned_at else 0.0,
+                                    spares=self.policy.target is not None)
         self.fsm.incarnation = max(0, int(entry.get("incarnation", 1)) - 1)
         self.fsm.restarts = int(entry.get("restarts", 0))
         return True
@@ -317,10 +308,10 @@ class EngineRunner:
         fsm = self.fsm
         if self._fatal is not None:
             fsm.carry(S.FATAL, self._fatal)
-        elif self._adopted is not None:
-            fsm.begin_start(f"re-adopting pid {self._adopted.pid} after {self._adopted_after}", restart=False,
+        elif self.adoption.proc is not None:
+            fsm.begin_start(f"re-adopting pid {self.adoption.proc.pid} after {self.adoption.after}", restart=False,
                             cause=Cause.RESTORED)
-            fsm.spawned_at = self.clock() - self._adopted_age  # first_wait counts from its spawn
+            fsm.spawned_at = self.clock() - self.adoption.age  # first_wait counts from its spawn
         elif self.start_stopped:
             fsm.annotate("stopped by request (before a daemon restart)")
         else:  # this daemon's first start of it (a daemon restart is no engine restart)
@@ -362,9 +353,10 @@ class EngineRunner:
         fsm = self.fsm
         self._stop_reason = None  # a stop that raced the last incarnation's end is spent
         self.probe_history.clear()
-        if self._adopted is not None:
-            self.proc, self._adopted = self._adopted, None
-            self.log_path = self.proc.log_path
+        adopted = self.adoption.take()
+        if adopted is not None:
+            self.proc = adopted
+            self.log_path = adopted.log_path
             self.dummy_weights = False  # not known across a daemon restart: its version says what it holds
             log.info("engine.adopted", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation)
         else:
@@ -392,8 +384,8 @@ class EngineRunner:
                      log=str(self.log_path), load="dummy" if self.dummy_weights else "model")
         proc = self.proc
         exited = asyncio.ensure_future(proc.wait())
-        warm = not proc.adopted or self._adopted_unwarmed
-        self._adopted_unwarmed = False
+        warm = not proc.adopted or self.adoption.unwarmed
+        self.adoption.unwarmed = False
         ready = asyncio.ensure_future(self._wait_ready_and_warm() if warm else self._wait_ready())
         budget = self.cfg.probe.first_wait  # 0: none; an adopted start goes on with what it had left
         if budget and proc.adopted:
@@ -409,10 +401,10 @@ class EngineRunner:
             if fsm.state is S.STARTING and self._stop_reason is None and not exited.done():
                 # A re-adopted engine was serving in this round before the daemon died: it
                 # goes on serving if its version checks out. A new one waits for the gap.
-                hold = None if proc.adopted and self._adopted_routable else self.policy.hold_reason()
+                hold = None if proc.adopted and self.adoption.routable else self.policy.hold_reason()
                 # A re-adopted spare stays a spare whatever its version (promotion mode keeps
                 # spares behind: it is synced if it is ever promoted).
-                keep = proc.adopted and self._adopted_standby and self.cfg.spares_sync == "promotion"
+                keep = proc.adopted and self.adoption.standby and self.cfg.spares_sync == "promotion"
                 fsm.became_ready(version, self.policy.current_version, hold=hold, spare=self._spare(),
                                  behind_ok=keep)
                 await self._supervise(proc, exited)
@@ -518,13 +510,12 @@ class EngineRunner:
         So a hang is confirmed back to back: UNHEALTHY at most interval + timeout x threshold
         after it began. Returns when the engine must be stopped.
         """
-        probe = self.cfg.probe
         await asyncio.sleep(self.phase)
         if not self.cfg.use_fault_tolerance:
             await asyncio.Future()  # deaths are still seen by waiting on the process
-        due = self.clock()
+        schedule = self.heartbeat.restart()
         while True:
-            started = self._note_start(due)
+            started = schedule.begin()
             if self.fsm.probed:
                 outcome = await self._probe_once(started)
                 if not outcome.ok and self.server_gone():
@@ -533,17 +524,12 @@ class EngineRunner:
                     await asyncio.Future()
                 if self.fsm.probe_result(outcome):
                     return
-            gap = probe.timeout if self.fsm.consecutive_failures else probe.interval
-            due = started + gap
-            await asyncio.sleep(max(0.0, due - self.clock()))
+            await schedule.wait_next(started, failing=bool(self.fsm.consecutive_failures))
 
-    def _note_start(self, due: float) -> float:
-        """A heartbeat starting more than one interval behind its schedule is late: the
-        daemon itself is too loaded to watch this engine as configured."""
-        started = self.clock()
-        if started - due > self.cfg.probe.interval:
-            self.late_probes += 1
-        return started
+    @property
+    def late_probes(self) -> int:
+        """Heartbeats that started more than one interval behind their schedule."""
+        return self.heartbeat.late
 
     async def _probe_once(self, started: float) -> ProbeOutcome:
         outcome = await self.prober.check()
@@ -686,9 +672,9 @@ class EngineRunner:
         no spares configured). After a reload or a daemon restart a re-adopted engine keeps
         its role: a spare stays one, a serving one serves."""
         if self.proc is not None and self.proc.adopted and self.fsm.state is S.STARTING:
-            if self._adopted_standby:
-                return f"a spare before {self._adopted_after}"
-            if self._adopted_routable:
+            if self.adoption.standby:
+                return f"a spare before {self.adoption.after}"
+            if self.adoption.routable:
                 return None
         return self.policy.spare_reason()
 
@@ -706,7 +692,7 @@ class EngineRunner:
         if not self.spec.spawned:
             # An attached engine outlives the daemon as an adopted process does: it goes on
             # serving the round it was serving (its version is checked when it answers).
-            self._adopted_routable = routable
+            self.adoption.routable = routable
         # Incarnations go on counting across daemon restarts: a failure report or a log file
         # names one process, never two.
         self.fsm.incarnation = incarnation
@@ -801,8 +787,9 @@ class EngineRunner:
         self.stopped_by_shutdown = self.fsm.state is not S.STOPPED
         await cancel_and_wait(self._task)
         self.prober.close()  # an attached engine's probe connection (spawned: closed already)
-        if self._adopted is not None:  # a stop that came before the task took it over
-            self.proc, self._adopted = self._adopted, None
+        adopted = self.adoption.take()
+        if adopted is not None:  # a stop that came before the task took it over
+            self.proc = adopted
         fsm = self.fsm
         if self.proc is not None:
             if fsm.state in PROCESS_STATES and fsm.state is not S.STOPPING:
@@ -830,16 +817,16 @@ class EngineRunner:
         self._poke()
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
-            hold = None if self._adopted_routable else self.policy.hold_reason()
+            hold = None if self.adoption.routable else self.policy.hold_reason()
             fsm.became_ready(await self.prober.weight_version(), self.policy.current_version, hold=hold,
                              spare=self._spare())
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)", Cause.SLOW_START)
         await asyncio.sleep(self.phase)
         ok_streak = 0
-        due = self.clock()
+        schedule = self.heartbeat.restart()
         while True:
-            started = self._note_start(due)
+            started = schedule.begin()
             if fsm.state in (S.UNHEALTHY, S.EXITED):
                 outcome = await self._probe_once(started)
                 ok_streak = ok_streak + 1 if outcome.ok and outcome.excuse is None else 0
@@ -850,9 +837,7 @@ class EngineRunner:
                     ok_streak = 0
             elif fsm.probed and self.cfg.use_fault_tolerance:
                 fsm.probe_result(await self._probe_once(started))
-            gap = probe.timeout if fsm.consecutive_failures else probe.interval
-            due = started + gap
-            await asyncio.sleep(max(0.0, due - self.clock()))
+            await schedule.wait_next(started, failing=bool(fsm.consecutive_failures))
 
 
 def api_key(args: tuple[str, ...], env: dict[str, str]) -> str | None:
