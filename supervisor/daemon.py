@@ -567,7 +567,12 @@ def main(argv: list[str] | None = None) -> int:
         (n, attached), warm = limits.fleet_counts(cfg.engines), cfg.warmup.requests
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         problem = limits.nofile_problem(n, hard, hard=True, warmup_requests=warm, attached=attached)
-        if problem:
+        if problem and os.environ.get(reexec.RELOAD_CHECK_ENV) == "1":
+            # A reload's check: the new image re-adopts the running fleet and starts under this
+            # limit (as any daemon with engines to adopt does), so only a fresh start is refused.
+            print(f"vime-supervisor: config warning: {problem}; a reload re-adopts the running engines "
+                  "and goes ahead", file=sys.stderr)
+        elif problem:
             print(f"vime-supervisor: config error: {problem}", file=sys.stderr)
             return 2
         problem = limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)
