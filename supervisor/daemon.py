@@ -420,6 +420,8 @@ class Supervisor:
             try:
                 while not sub.lost:
                     await sub.queue.get()
+                    while not sub.queue.empty():  # one status line for what came at once (it reads every engine)
+                        sub.queue.get_nowait()
                     self.journal.mark()
                     self.notifier.status(status_line(self.fleet))
             finally:
