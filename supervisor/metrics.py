@@ -79,7 +79,7 @@ def detection_kind(t: Transition) -> str | None:
     or excused as busy or paused for too long). None: not a detection."""
     if t.to_state is State.EXITED:
         return "exit" if t.from_state is not State.STOPPING else None
-    if t.to_state is not State.UNHEALTHY:
+    if t.to_state is not State.UNHEALTHY or t.cause is Cause.DAEMON_LIMIT:  # the daemon's shortage
         return None
     if t.cause in (Cause.POISONED, Cause.SYNC_FAILED):
         return "poisoned"

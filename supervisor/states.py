@@ -73,6 +73,9 @@ class Cause(StrEnum):
     PROBE = "probe"  # probe failures below the failure threshold (SUSPECT)
     RECOVERED = "recovered"  # answering probes again after SUSPECT or UNHEALTHY
     HANG = "hang"  # failure_threshold consecutive probe failures
+    # Unobserved: the daemon could not make its probes (out of descriptors) for as long as a
+    # hang takes to confirm; out of routing, never stopped for it (the daemon's fault).
+    DAEMON_LIMIT = "daemon_limit"
     BUSY = "busy"  # busy (CPU, no progress) for longer than max_busy
     PAUSED = "paused"  # paused (generation held) for longer than sync_timeout
     REPORTED = "reported"  # the trainer's failure reports crossed the threshold
