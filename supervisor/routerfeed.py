@@ -9,7 +9,7 @@ reported as drift, and removed only with `prune_unknown`.
 
 An engine that leaves the routable set is removed at once, outside the loop: its DELETE is sent
 in the same event-loop turn that recomputed the set, bounded by `remove_timeout`, retried with
-jittered backoff on transient errors only. Nothing of the supervision awaits a router call:
+jittered backoff on transient errors only, and never once the engine is routable again. Nothing of the supervision awaits a router call:
 a router that is down or hangs is logged, counted, shown in status, and repaired when back.
 """
 
