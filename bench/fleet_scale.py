@@ -174,6 +174,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=0.9)
+    ap.add_argument("--probes", nargs="+", choices=("lean", "aiohttp"), default=["lean", "aiohttp"],
+                    help="probe clients to run (default both: the lean client and its aiohttp baseline)")
     ap.add_argument("--routable-within", type=float, default=None,
                     help="seconds for every engine to become routable (default: 120, or 0.1 s per engine above that)")
     args = ap.parse_args()
@@ -185,7 +187,7 @@ def main() -> None:
         for n in args.engines:
             within = args.routable_within or max(120.0, 0.1 * n)
             pair = {}
-            for kind in ("lean", "aiohttp"):
+            for kind in args.probes:
                 try:
                     pair[kind] = run(n, args.seconds, args.interval, args.timeout, Path(t), kind, within)
                 except FleetFailed as e:  # printed; the other sizes still run

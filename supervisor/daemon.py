@@ -421,6 +421,8 @@ class Supervisor:
             try:
                 while not sub.lost:
                     await sub.queue.get()
+                    while not sub.queue.empty():  # one status line for what came at once (it reads every engine)
+                        sub.queue.get_nowait()
                     self.journal.mark()
                     self.notifier.status(status_line(self.fleet))
             finally:
@@ -432,21 +434,29 @@ class Supervisor:
             return not r.retired and (r.state is State.STARTING
                                       or not r.first_start_begun and not r.start_stopped)
 
+        # One engine waited on at a time, in order: waiting on every engine's change at each
+        # change was O(N^2) while N engines came up. A last look over all of them catches one
+        # that went back to STARTING (a restart) behind the one waited on.
         runners = list(self.fleet.runners.values())
+        i = 0
         while True:
-            changes = [r.next_change() for r in runners]  # taken before the check: no change is missed
-            if not any(first_start_pending(r) for r in runners):
-                break
+            while i < len(runners) and not first_start_pending(runners[i]):
+                i += 1
+            if i == len(runners):
+                i = next((k for k, r in enumerate(runners) if first_start_pending(r)), i)
+                if i == len(runners):
+                    break
+            change = runners[i].next_change()  # taken before the check: no change is missed
+            if not first_start_pending(runners[i]):
+                continue
             # First starts may outlast TimeoutStartSec (a cold compile, a large model): each
             # message buys EXTEND_WINDOW more, and one is due before that runs out. A daemon
             # that stops sending (wedged) still fails the start.
             self.notifier.extend_timeout(EXTEND_WINDOW)
-            waits = [asyncio.ensure_future(c.wait()) for c in changes]
             try:
-                await asyncio.wait(waits, timeout=EXTEND_WINDOW / 3, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+                await asyncio.wait_for(change.wait(), EXTEND_WINDOW / 3)
+            except asyncio.TimeoutError:
+                pass
         self.notifier.ready(status_line(self.fleet))
         log.info("supervisor.ready", status=status_line(self.fleet))
 
@@ -568,7 +578,12 @@ def main(argv: list[str] | None = None) -> int:
         (n, attached), warm = limits.fleet_counts(cfg.engines), cfg.warmup.requests
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         problem = limits.nofile_problem(n, hard, hard=True, warmup_requests=warm, attached=attached)
-        if problem:
+        if problem and os.environ.get(reexec.RELOAD_CHECK_ENV) == "1":
+            # A reload's check: the new image re-adopts the running fleet and starts under this
+            # limit (as any daemon with engines to adopt does), so only a fresh start is refused.
+            print(f"vime-supervisor: config warning: {problem}; a reload re-adopts the running engines "
+                  "and goes ahead", file=sys.stderr)
+        elif problem:
             print(f"vime-supervisor: config error: {problem}", file=sys.stderr)
             return 2
         problem = limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)

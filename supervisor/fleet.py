@@ -11,6 +11,7 @@ coordinator (sync.py), and wires them as listeners of the bus.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 import time
 from pathlib import Path
@@ -55,6 +56,17 @@ class Fleet(Listener):
         # The router fed by the daemon (routerfeed.RouterFeed), set by the start-up with [router].
         self.router: Any = None
         self.session: Any = None  # the daemon's HTTP session to the engines (a drain's /pause)
+        # Membership kept incrementally: each engine's part (active, serving, routable) as last
+        # counted, the totals, and the routable names (a set, and sorted for the event). A
+        # transition recounts its own engine only: recounting the whole fleet on each one was
+        # O(N^2) while N engines came up (4,096 never all became routable). A publish (the
+        # current version moves) and a retire recount every engine.
+        self._parts: dict[str, tuple[bool, bool, bool]] = {}
+        self._active = self._serving = 0
+        self._routable: set[str] = set()
+        self._routable_sorted: list[str] = []
+        self._routable_moved = False  # changed since the policy was last told
+        self._counted_version: int | None = None  # the current version the parts were counted at
 
     # -- what the policy knows, as the control socket, status and the journal read it ------
 
@@ -109,7 +121,8 @@ class Fleet(Listener):
               **self._log_fields(t.engine))
         self.emit(Event.TRANSITION, engine=t.engine, from_state=t.from_state.value,
                   to_state=t.to_state.value, reason=t.reason, cause=t.cause.value, incarnation=t.incarnation)
-        self._membership_changed()
+        runner = self.runners.get(t.engine)
+        self._membership_changed(None if runner is None else [runner])
 
     def on_probe(self, engine: str, outcome: ProbeOutcome) -> None:
         if outcome.kind == DAEMON_LIMIT:  # the daemon's shortage, not the engine's: once per run of them
@@ -143,15 +156,46 @@ class Fleet(Listener):
     def routable(self) -> list[EngineRunner]:
         return [r for r in self.runners.values() if self.is_routable(r)]
 
-    def _membership_changed(self) -> None:
-        live = [r for r in self.runners.values() if not r.retired]
-        self.policy.active = sum(r.state in ACTIVE for r in live)
-        self.policy.serving = sum(r.serving for r in live)
-        m = self.policy.set_routable(r.name for r in self.routable())
+    def _count(self, runner: EngineRunner) -> None:
+        """Bring `runner`'s part of the membership up to date: O(1), or O(log N) when it joins
+        or leaves the routable set."""
+        live = not runner.retired
+        part = (live and runner.state in ACTIVE, live and runner.serving, self.is_routable(runner))
+        was = self._parts.get(runner.name, (False, False, False))
+        if part == was:
+            return
+        self._parts[runner.name] = part
+        self._active += part[0] - was[0]
+        self._serving += part[1] - was[1]
+        if part[2] != was[2]:
+            self._routable_moved = True
+            i = bisect.bisect_left(self._routable_sorted, runner.name)
+            if part[2]:
+                self._routable.add(runner.name)
+                self._routable_sorted.insert(i, runner.name)
+            else:
+                self._routable.discard(runner.name)
+                del self._routable_sorted[i]
+
+    def _membership_changed(self, changed: list[EngineRunner] | None = None) -> None:
+        """After a change to the engines in `changed` (None: any engine, or the current
+        version): the counts the policy decides spares with, the routable set and its epoch,
+        the floor. Told in the same turn, as a full recount would."""
+        if changed is None or self.policy.current_version != self._counted_version:
+            self._counted_version = self.policy.current_version
+            changed = list(self.runners.values())
+            self._routable_moved = True  # the policy is told even if nothing moved, as before
+        for runner in changed:
+            self._count(runner)
+        self.policy.active, self.policy.serving = self._active, self._serving
+        if not self._routable_moved:  # the same set: no epoch, floor or strength change to find
+            return
+        self._routable_moved = False
+        m = self.policy.set_routable(self._routable)
         if m.joined:
             self.bus.joined_routing(m.joined, self.clock())
         if m.changed:
-            self.emit(Event.MEMBERSHIP, epoch=self.epoch, routable=sorted(m.routable))
+            self.emit(Event.MEMBERSHIP, epoch=self.epoch, routable=list(self._routable_sorted))
             self.bus.membership(m.routable)
         floor = self.cfg.min_healthy
         if m.restored:

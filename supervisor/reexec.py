@@ -34,6 +34,10 @@ HANDOVER_ENV = "VIME_SUPERVISOR_HANDOVER"
 # "0": a reload closes the control socket and the next image binds a new one (calls made in
 # between are refused); bench/reload.py measures that against the handover.
 SOCKET_HANDOVER_ENV = "VIME_SUPERVISOR_SOCKET_HANDOVER"
+# "1" in the environment of the `--check-config` a reload runs: the new image re-adopts the
+# engines this one holds, so a hard open-file limit below the fleet's estimate is said as a
+# warning there (the new image starts and reports it), not refused as for a fresh start.
+RELOAD_CHECK_ENV = "VIME_SUPERVISOR_RELOAD_CHECK"
 PREFLIGHT_TIMEOUT = 120.0  # a cold import of the daemon on a loaded machine, with room
 
 
@@ -118,7 +122,8 @@ async def preflight(argv: list[str], timeout: float = PREFLIGHT_TIMEOUT) -> str 
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, "--check-config", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env={k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"})
+            stderr=asyncio.subprocess.STDOUT,
+            env={**{k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}, RELOAD_CHECK_ENV: "1"})
     except OSError as e:
         return f"cannot run {argv[0]}: {e}"
     try:

@@ -9,7 +9,7 @@ reported as drift, and removed only with `prune_unknown`.
 
 An engine that leaves the routable set is removed at once, outside the loop: its DELETE is sent
 in the same event-loop turn that recomputed the set, bounded by `remove_timeout`, retried with
-jittered backoff on transient errors only. Nothing of the supervision awaits a router call:
+jittered backoff on transient errors only, and never once the engine is routable again. Nothing of the supervision awaits a router call:
 a router that is down or hangs is logged, counted, shown in status, and repaired when back.
 """
 
@@ -42,6 +42,10 @@ log = structlog.get_logger("vime.router")
 ATTEMPTS = 3  # per call: the first and two retries on transient errors
 REMOVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 OPS = ("list", "add", "remove")
+
+
+class Superseded(Exception):
+    """A call not sent: what it was for no longer holds (a removal's engine is routable again)."""
 
 
 def _transient(e: BaseException) -> bool:
@@ -100,9 +104,11 @@ class RouterFeed(Listener):
 
     # -- calls -----------------------------------------------------------------------------
 
-    async def _call(self, op: str, *args: Any) -> Any:
+    async def _call(self, op: str, *args: Any, still: Callable[[], bool] | None = None) -> Any:
         """One router call, retried on transient errors with jittered backoff; RouterError if
-        it failed for good. Each attempt is bounded (remove_timeout for a removal)."""
+        it failed for good. Each attempt is bounded (remove_timeout for a removal). `still`,
+        asked before each attempt: False raises Superseded instead of sending it (a removal
+        whose engine came back between two attempts must not land after its re-add)."""
         timeout = self.cfg.remove_timeout if op == "remove" else self.cfg.timeout
         methods: dict[str, Callable[..., Any]] = {"list": self.router.workers, "add": self.router.add,
                                                   "remove": self.router.remove}
@@ -113,6 +119,8 @@ class RouterFeed(Listener):
                                                wait=wait_random_exponential(multiplier=0.1, max=2.0),
                                                before_sleep=self._attempt_failed):
                 with attempt:
+                    if still is not None and not still():
+                        raise Superseded(f"{op} {' '.join(map(str, args))}")
                     result = await method(*args, timeout)
         except RouterError as e:
             self.calls[(op, "error")] += 1
@@ -133,12 +141,19 @@ class RouterFeed(Listener):
         if state.outcome is not None and state.outcome.failed:
             self.failing = str(state.outcome.exception())
 
+    def _meant_out(self, url: str) -> Callable[[], bool]:
+        return lambda: normalize_url(url) not in self.desired
+
     async def _remove(self, url: str, *, since: float | None = None, why: str) -> bool:
         engine = self.own().get(normalize_url(url))
         try:
-            await self._call("remove", url)
+            await self._call("remove", url, still=self._meant_out(url))
         except RouterError:
             self._wake.set()  # the loop tries again within its period
+            return False
+        except Superseded:
+            log.info("router.remove_superseded", engine=engine, url=url, router=self.router.url,
+                     why="routable again before the removal was sent: left listed")
             return False
         if since is not None:
             self.removal_time.observe(self.clock() - since)
@@ -226,9 +241,11 @@ class RouterFeed(Listener):
         self._changed()
         if not self.cfg.observe_only:
             try:
-                await self._call("remove", runner.spec.base_url)
+                await self._call("remove", runner.spec.base_url, still=self._meant_out(runner.spec.base_url))
             except RouterError as e:
                 log.warning("router.drain_not_removed", engine=runner.name, error=str(e))
+            except Superseded:  # released before the removal went out: it serves on
+                pass
         if session is None or not runner.spec.spawned or runner.pid is None:
             return "removed from the router"  # an attached engine is not ours to pause
         started = self.clock()

@@ -74,6 +74,9 @@ class Cause(StrEnum):
     PROBE = "probe"  # probe failures below the failure threshold (SUSPECT)
     RECOVERED = "recovered"  # answering probes again after SUSPECT or UNHEALTHY
     HANG = "hang"  # failure_threshold consecutive probe failures
+    # Unobserved: the daemon could not make its probes (out of descriptors) for as long as a
+    # hang takes to confirm; out of routing, never stopped for it (the daemon's fault).
+    DAEMON_LIMIT = "daemon_limit"
     BUSY = "busy"  # busy (CPU, no progress) for longer than max_busy
     PAUSED = "paused"  # paused (generation held) for longer than sync_timeout
     REPORTED = "reported"  # the trainer's failure reports crossed the threshold
@@ -130,7 +133,7 @@ def detection_kind(t: Transition) -> str | None:
     or excused as busy or paused for too long). None: not a detection."""
     if t.to_state is State.EXITED:
         return "exit" if t.from_state is not State.STOPPING else None
-    if t.to_state is not State.UNHEALTHY:
+    if t.to_state is not State.UNHEALTHY or t.cause is Cause.DAEMON_LIMIT:  # the daemon's shortage
         return None
     if t.cause in (Cause.POISONED, Cause.SYNC_FAILED):
         return "poisoned"

@@ -68,6 +68,7 @@ class EngineFSM:
     excused_since: float | None = None  # first of the unbroken run of probes without progress
     excuse: str | None = None  # what the last of them was excused as
     cause: Cause | None = None  # of the last transition
+    limit_since: float | None = None  # first of the unbroken run of probes the daemon could not make
     _restart_times: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -82,6 +83,17 @@ class EngineFSM:
     @property
     def probed(self) -> bool:
         return self.state in PROBED
+
+    @property
+    def unobserved(self) -> bool:
+        """Out of routing because the daemon could not probe it (not the engine's fault): it is
+        still probed, and back once a probe is made and answered."""
+        return self.state is S.UNHEALTHY and self.cause is Cause.DAEMON_LIMIT
+
+    def limit_bound(self) -> float:
+        """How long an unbroken run of probes the daemon could not make keeps a serving engine
+        routable: as long as a hang takes to confirm (interval + timeout x failure_threshold)."""
+        return self.probe.interval + self.probe.timeout * self.probe.failure_threshold
 
     def uptime(self) -> float | None:
         return None if self.ready_at is None else self.clock() - self.ready_at
@@ -131,6 +143,7 @@ class EngineFSM:
         self.weight_version = None
         self.held = False
         self.excused_since = self.excuse = None
+        self.limit_since = None
         self._go(S.STARTING, reason, cause or (Cause.RESTART if is_restart else Cause.START))
         return True
 
@@ -219,7 +232,9 @@ class EngineFSM:
             return False  # a late answer for an engine that has moved on
         self.last_probe = outcome
         if outcome.kind == DAEMON_LIMIT:  # the daemon's own shortage says nothing of the engine
+            self._unobserved_for(outcome)
             return False
+        self.limit_since = None
         if self._excused_too_long(outcome):
             return True
         if outcome.ok:
@@ -232,9 +247,11 @@ class EngineFSM:
         self.consecutive_failures += 1
         n, k = self.consecutive_failures, self.probe.failure_threshold
         if n >= k:
+            why = f"hung: {n} consecutive probe failures (last: {outcome.detail})"
             if self.state is not S.UNHEALTHY:
-                self._go(S.UNHEALTHY, f"hung: {n} consecutive probe failures (last: {outcome.detail})",
-                         Cause.REPORTED if reported else Cause.HANG)
+                self._go(S.UNHEALTHY, why, Cause.REPORTED if reported else Cause.HANG)
+            elif self.cause is Cause.DAEMON_LIMIT:  # probes made again, and failed: the engine's now
+                self.reason, self.cause = why, Cause.REPORTED if reported else Cause.HANG
             return True
         if self.state is S.RUNNING:
             self._go(S.SUSPECT, f"{n}/{k} probe failures (last: {outcome.detail})",
@@ -242,6 +259,19 @@ class EngineFSM:
         else:
             self.reason = f"{self.state.value.lower()}; {n}/{k} probe failures (last: {outcome.detail})"
         return False
+
+    def _unobserved_for(self, outcome: ProbeOutcome) -> None:
+        """A probe the daemon could not make: counted neither way, but a serving engine is not
+        kept routable unobserved for longer than a hang takes to confirm (limit_bound). Past
+        it, UNHEALTHY with cause daemon_limit: out of routing, never stopped or restarted for
+        it; the next probe made decides (an answer brings it back, failures are a hang)."""
+        now = self.clock()
+        if self.limit_since is None:
+            self.limit_since = now
+        lasted = now - self.limit_since
+        if self.state in ROUTABLE and lasted >= self.limit_bound():
+            self._go(S.UNHEALTHY, f"unobserved: the daemon could not probe it for {lasted:.0f}s "
+                                  f"(last: {outcome.detail})", Cause.DAEMON_LIMIT)
 
     def _excused_too_long(self, outcome: ProbeOutcome) -> bool:
         """Track the unbroken run of probes without progress (excused or failed); an excused
@@ -278,6 +308,7 @@ class EngineFSM:
         joins routing only in a round gap (`hold` says why it waits) and at the current version,
         or becomes a spare."""
         self.consecutive_failures = 0
+        self.limit_since = None
         self.weight_version = weight_version
         current = current_version is None or weight_version == current_version
         if current and spare is not None:

@@ -516,13 +516,18 @@ class EngineRunner:
         schedule = self.heartbeat.restart()
         while True:
             started = schedule.begin()
-            if self.fsm.probed:
+            if self.fsm.probed or self.fsm.unobserved:
                 outcome = await self._probe_once(started)
                 if not outcome.ok and self.server_gone():
                     # Refused because the server died: its exit is seen (and named) by the wait
                     # on the process in a moment; this is not a hang.
                     await asyncio.Future()
-                if self.fsm.probe_result(outcome):
+                if self.fsm.unobserved and outcome.ok and outcome.excuse is None:
+                    # Out of routing only because the daemon could not probe it: back, as an
+                    # attached engine that answers again (held until the gap inside a round).
+                    self.fsm.recovered(await self.prober.weight_version(), self.policy.current_version,
+                                       hold=self.policy.hold_reason(), spare=self._spare())
+                elif self.fsm.probe_result(outcome):
                     return
             await schedule.wait_next(started, failing=bool(self.fsm.consecutive_failures))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import stat
@@ -24,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from vime.supervisor import limits
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import (
     Daemon, free_port, kill_all, live_pids_in_groups, one_call, standin_config, write_config)
@@ -143,6 +145,38 @@ def test_a_reload_that_fails_its_checks_changes_nothing(world):
     d.proc.send_signal(signal.SIGHUP)
     started(d, 1, after=mark)
     assert engine_pids(sock) == pids and c.status()["round"] == 1
+
+
+def test_a_reload_under_a_hard_limit_below_the_estimate_keeps_the_engines(world):
+    """A daemon already holding its fleet under a hard open-file limit below the estimate (as one
+    started with engines to adopt does, or one whose limit was lowered while it ran): a reload's
+    `--check-config` says the limit but does not refuse, and the new image re-adopts every
+    engine. The same check run for a fresh start still refuses (exit 2)."""
+    d, sock, cfg = world.daemon, world.sock, world.cfg
+    c = SupervisorClient(sock)
+    c.start_round(4)
+    pids, before = engine_pids(sock), c.status()
+    held = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+    limit = limits.nofile_needed(2, 0) - 1  # below the estimate whatever the warm-up
+    assert held + 16 < limit, (held, limit)  # room for the daemon as it runs
+    resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (limit, limit))
+    fresh = subprocess.run(["sh", "-c", 'ulimit -n "$1" && shift && exec "$@"', "sh", str(limit), sys.executable,
+                            "-m", "vime.supervisor", "--config", str(cfg), "--check-config"],
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 2 and "open-file limit" in fresh.stderr, fresh
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    started(d, 1, after=mark, timeout=60)
+    events = d.events[mark:]
+    assert not [e for e in events if e.get("event") == "supervisor.reload_refused"]
+    low = next(e for e in events if e.get("event") == "limits.nofile_low")
+    assert f"hard open-file limit is {limit}" in low["problem"] and "adopt 2 running engine(s)" in low["problem"], low
+    assert {e["engine"] for e in events if e.get("event") == "engine.adopted"} == {"e0", "e1"}
+    assert not [e for e in events if e.get("event") == "engine.spawned"]
+    after = c.status()
+    assert engine_pids(sock) == pids and after["daemon"]["reloads"] == 1
+    assert [e["state"] for e in after["engines"]] == [e["state"] for e in before["engines"]] == ["RUNNING"] * 2
+    assert (after["round"], after["round_open"]) == (4, True)
 
 
 def test_sigterm_during_a_reload_stops_the_engines(world):

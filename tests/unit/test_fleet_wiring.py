@@ -10,8 +10,13 @@ import pytest
 
 from vime.supervisor.config import Config, EngineSpec
 from vime.supervisor.daemon import Supervisor
+from vime.supervisor.config import RestartPolicy
+from vime.supervisor.engine.fsm import IllegalTransition
 from vime.supervisor.engine.runner import EngineRunner
-from vime.supervisor.states import Cause, State
+from vime.supervisor.events import EventBus
+from vime.supervisor.fleet import Fleet
+from vime.supervisor.policy import FleetPolicy
+from vime.supervisor.states import ACTIVE, Cause, ProbeOutcome, State
 
 
 @pytest.fixture
@@ -126,3 +131,94 @@ async def test_mid_round_a_current_spare_takes_a_dead_engines_place_at_once(wire
     assert "admitted inside round 1" in e2.reason
     assert [r.name for r in fleet.routable()] == ["e1", "e2"] and fleet.round_open
     assert wired_spare.policy.short_since is None  # back at full strength: no open stretch
+
+
+def recount(fleet) -> tuple[int, int, frozenset[str]]:
+    """The membership counted from scratch, over every engine: what the fleet keeps."""
+    live = [r for r in fleet.runners.values() if not r.retired]
+    return (sum(r.state in ACTIVE for r in live), sum(r.serving for r in live),
+            frozenset(r.name for r in fleet.runners.values() if fleet.is_routable(r)))
+
+
+async def test_membership_kept_per_transition_matches_a_full_recount(tmp_path):
+    """Random transitions, publishes and a retire over 8 engines (2 spares): after each, the
+    counts the spares are decided on, the routable set, the epoch and the membership events
+    are what a recount of the whole fleet gives."""
+    import random
+
+    cfg = Config(engines=tuple(EngineSpec(f"e{i}", model="/m", port=i + 1) for i in range(8)), spares=2,
+                 state_dir=str(tmp_path), log_dir=str(tmp_path), runtime_dir=str(tmp_path), min_healthy=3,
+                 restart=RestartPolicy(flapping_max_restarts=10 ** 6))
+    sup = Supervisor(cfg)
+    rng = random.Random(7)
+    async with aiohttp.ClientSession() as session:
+        fleet = sup.fleet
+        for spec in cfg.engines:
+            fleet.runners[spec.name] = EngineRunner(spec, cfg, sup.policy, sup.bus, session)
+        sub = fleet.subscribe(100000)
+        epoch, routable = 0, frozenset()
+        for step in range(3000):
+            r = rng.choice(list(fleet.runners.values()))
+            f, cur = r.fsm, fleet.current_version
+            op = rng.randrange(8)
+            try:
+                if op == 0 and f.state in (State.STOPPED, State.EXITED, State.BACKOFF, State.FATAL):
+                    f.begin_start("start")
+                elif op == 1 and f.state is State.STARTING:
+                    f.became_ready(rng.choice([cur, cur, None, 1]), cur, spare=r._spare())
+                elif op == 2 and f.state in (State.RUNNING, State.SUSPECT, State.STALE, State.STANDBY):
+                    f.probe_result(ProbeOutcome(rng.random() < 0.5, "probe"))
+                elif op == 3 and f.state not in (State.STOPPED, State.EXITED, State.BACKOFF, State.FATAL):
+                    f.exited("killed")
+                elif op == 4 and f.state is State.STALE:
+                    f.sync_started("sync")
+                elif op == 5 and f.state is State.SYNCING:
+                    f.sync_finished(cur if cur is not None else 0, spare=r._spare())
+                elif op == 6 and rng.random() < 0.05:
+                    await fleet.publish_weights((cur or 0) + 1, None)
+                elif op == 7 and step == 1500:
+                    await fleet.engine_action(fleet.runners["e3"], "retire")
+            except IllegalTransition:
+                continue
+            active, serving, names = recount(fleet)
+            assert (sup.policy.active, sup.policy.serving, sup.policy.routable) == (active, serving, names), step
+            for ev in drain(sub):
+                if ev["event"] == "membership":
+                    epoch += 1
+                    assert ev["epoch"] == epoch and ev["routable"] != sorted(routable), (step, ev)
+                    routable = frozenset(ev["routable"])
+                    assert ev["routable"] == sorted(routable)
+            assert fleet.epoch == epoch and routable == names, step
+        assert epoch > 100 and sup.policy.floor_breaches > 0
+
+
+async def test_engines_coming_up_cost_the_fleet_a_constant_each(tmp_path):
+    """1,024 engines become ready one after another: each transition counts its own engine,
+    not the whole fleet (a recount per transition was N^2: 4,096 never all became routable).
+    Every membership change still has its epoch and its event, as before."""
+    n = 1024
+    checked = 0
+
+    class Counting(Fleet):
+        def is_routable(self, runner):
+            nonlocal checked
+            checked += 1
+            return super().is_routable(runner)
+
+    cfg = Config(engines=tuple(EngineSpec(f"e{i:04}", url=f"http://127.0.0.1:{20000 + i}") for i in range(n)),
+                 state_dir=str(tmp_path), log_dir=str(tmp_path), runtime_dir=str(tmp_path), min_healthy=0)
+    policy = FleetPolicy(min_healthy=0)
+    bus = EventBus()
+    fleet = Counting(cfg, policy=policy, bus=bus)
+    bus.add_listener(fleet)
+    async with aiohttp.ClientSession() as session:
+        for spec in cfg.engines:
+            fleet.runners[spec.name] = EngineRunner(spec, cfg, policy, bus, session)
+        sub = fleet.subscribe(4 * n)
+        for r in fleet.runners.values():
+            r.fsm.begin_start("attach", restart=False)
+            r.fsm.became_ready(None, None)
+    assert len(fleet.routable()) == n and fleet.epoch == n
+    assert checked <= 3 * n  # 2 transitions per engine, and the routable() above
+    memberships = [e for e in drain(sub) if e["event"] == "membership"]
+    assert [len(e["routable"]) for e in memberships] == list(range(1, n + 1))

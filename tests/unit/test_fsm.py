@@ -8,7 +8,8 @@ import pytest
 
 from vime.supervisor.engine.fsm import vlabel, EngineFSM, IllegalTransition, backoff_delay
 from vime.supervisor.config import ProbePolicy, RestartPolicy
-from vime.supervisor.states import DAEMON_LIMIT, TRANSITIONS, Cause, ProbeOutcome, State, Transition
+from vime.supervisor.states import (
+    DAEMON_LIMIT, TRANSITIONS, Cause, ProbeOutcome, State, Transition, detection_kind)
 
 S = State
 OK = ProbeOutcome(True, "ok", 0.01)
@@ -211,6 +212,55 @@ def test_a_probe_the_daemon_could_not_make_is_never_held_against_the_engine():
     assert fsm.probe_result(TIMEOUT) is False and fsm.state is S.SUSPECT
     assert fsm.probe_result(no_fd) is False and fsm.consecutive_failures == 1
     assert fsm.probe_result(TIMEOUT) is True and fsm.state is S.UNHEALTHY
+
+
+def test_an_engine_the_daemon_cannot_probe_leaves_routing_after_a_hangs_worth_unblamed():
+    """Probes the daemon could not make (EMFILE) keep a serving engine routable only as long as
+    a hang takes to confirm (interval + timeout x threshold: 10 + 5 x 3 = 25 s here). Then it
+    is UNHEALTHY with cause daemon_limit: out of routing, no stop asked (no restart, no hang
+    detection); the next probe made decides: an answer brings it back, failures are a hang."""
+    no_fd = ProbeOutcome(False, "generate: the daemon is out of descriptors", kind=DAEMON_LIMIT)
+    fsm, clock, seen = running()
+    assert fsm.limit_bound() == 25.0
+    for t in (11.0, 21.0, 31.0, 35.9):  # 24.9 s since the first: still routable
+        clock.now = t
+        assert fsm.probe_result(no_fd) is False
+    assert fsm.state is S.RUNNING and fsm.routable and not seen
+    clock.now = 36.0
+    assert fsm.probe_result(no_fd) is False  # never a stop
+    assert edges(seen) == [(S.RUNNING, S.UNHEALTHY)] and seen[0].cause is Cause.DAEMON_LIMIT
+    assert detection_kind(seen[0]) is None  # not in vime_detections_total: not the engine's
+    assert not fsm.routable and fsm.unobserved and fsm.consecutive_failures == 0
+    assert fsm.reason.startswith("unobserved: the daemon could not probe it for 25s")
+    clock.now = 100.0
+    assert fsm.probe_result(no_fd) is False and len(seen) == 1  # still out, still not blamed
+    # A probe made and answered: back (the runner calls recovered, as for an attached engine).
+    fsm.recovered(None, None)
+    assert fsm.state is S.RUNNING and fsm.limit_since is None
+    # A probe made in between ends the run: the bound counts from the next one the daemon lacks.
+    for t, outcome in ((110.0, no_fd), (130.0, OK), (131.0, no_fd), (150.0, no_fd)):
+        clock.now = t
+        assert fsm.probe_result(outcome) is False
+    assert fsm.state is S.RUNNING
+    # Unobserved, then probes made again that fail: the engine's hang, with its own cause.
+    clock.now = 160.0
+    fsm.probe_result(no_fd)
+    assert fsm.unobserved
+    assert [fsm.probe_result(TIMEOUT) for _ in range(3)] == [False, False, True]
+    assert fsm.cause is Cause.HANG and fsm.reason.startswith("hung: 3 consecutive probe failures")
+    assert fsm.stopping("stopping").cause is Cause.HANG
+
+
+def test_a_spare_or_a_stale_engine_is_not_taken_out_for_the_daemons_limit():
+    no_fd = ProbeOutcome(False, "generate: the daemon is out of descriptors", kind=DAEMON_LIMIT)
+    fsm, clock, seen = make()
+    fsm.begin_start("start")
+    fsm.became_ready(1, 2)
+    seen.clear()
+    for t in range(0, 200, 10):
+        clock.now = float(t)
+        assert fsm.probe_result(no_fd) is False
+    assert fsm.state is S.STALE and not seen  # never routed: nothing to take out
 
 
 def test_failure_threshold_1_goes_straight_to_unhealthy():
