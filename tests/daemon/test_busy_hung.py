@@ -1,5 +1,5 @@
 """Busy is not hung, through a real daemon process and its control socket, with protocol
-stand-ins (tests/standin_group.py) for what vLLM cannot be made to show on demand: a group that
+stand-ins (tests/support/standin_group.py) for what vLLM cannot be made to show on demand: a group that
 burns CPU with frozen counters, a stopped EngineCore, a pause that outlasts the probes, a start
 that never finishes, a stop that outlives SIGTERM, a warm-up the engine refuses, a weight
 version that is not a number. Real engines show the same in tests/engine/test_busy_real.py.
@@ -25,9 +25,10 @@ from vime.supervisor.probes import PROGRESS_WINDOW
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
 
+from support.standins import STANDIN_GROUP as STANDIN
+
 from test_client_ctl import engines_by_name, listening, wait_state
 
-STANDIN = Path(__file__).with_name("standin_group.py")
 PROBE = {"first_wait": 15.0, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2, "max_busy": 10.0}
 # How long the counters-only rule took to stop a busy engine: interval + 2 x (timeout + window).
 OLD_RULE_STOP = PROBE["interval"] + 2 * (PROBE["timeout"] + PROGRESS_WINDOW)

@@ -34,6 +34,8 @@ from hypothesis import strategies as st
 
 from vime.harness.local_daemon import Daemon, free_port, write_config
 
+from support.daemons import start_answering, stop_removing_run_dir
+
 NOBODY = 65534
 ENGINES = ("e0", "e1")
 FIRST_WAIT = 5.0
@@ -148,27 +150,11 @@ def start_daemon(root: Path, run: str, **supervisor) -> Daemon:
         health_check={"first_wait": FIRST_WAIT, "interval": 1.0, "timeout": 0.5},
         engines=[{"name": n, "url": f"http://127.0.0.1:{free_port()}"} for n in ENGINES],
     )
-    d = Daemon(cfg)
-    d.sock = os.path.join(run, "supervisor.sock")  # type: ignore[attr-defined]
-    d.run_dir = run  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 30
-    while True:
-        assert d.proc.poll() is None, "daemon exited:\n" + "\n".join(d.raw[-30:])
-        try:
-            status(d.sock)  # type: ignore[attr-defined]
-            return d
-        except (OSError, http.client.HTTPException):
-            if time.monotonic() > deadline:
-                raise AssertionError("control socket never answered:\n" + "\n".join(d.raw[-30:]))
-            time.sleep(0.1)
+    return start_answering(cfg, status)
 
 
 def stop_daemon(d: Daemon) -> None:
-    try:
-        d.terminate(timeout=20)
-    except subprocess.TimeoutExpired:
-        d.kill()
-    shutil.rmtree(d.run_dir, ignore_errors=True)  # type: ignore[attr-defined]
+    stop_removing_run_dir(d, 20)
 
 
 @pytest.fixture(scope="module")

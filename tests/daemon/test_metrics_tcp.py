@@ -2,7 +2,7 @@
 Prometheus server; the families promtool accepts; every label set at 0 from the start; the
 counters that follow a kill; an address off loopback refused; a port already taken.
 
-The daemon supervises a spawned protocol stand-in (tests/daemon/standin_group.py); no vLLM
+The daemon supervises a spawned protocol stand-in (tests/support/standin_group.py); no vLLM
 behaviour is tested here.
 """
 
@@ -17,7 +17,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,9 +29,10 @@ from vime.supervisor.config import ConfigError
 from vime.supervisor.metrics import DETECTION_KINDS, RESTART_CAUSES
 from vime.supervisor.probes import PROBE_KINDS
 
+from support.standins import STANDIN_GROUP as STANDIN
+
 from test_client_ctl import listening, wait_state
 
-STANDIN = Path(__file__).with_name("standin_group.py")
 PROBE = {"first_wait": 15.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2}
 JOB = "vime-supervisor"
 

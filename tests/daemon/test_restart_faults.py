@@ -10,7 +10,6 @@ real; only the server is a stand-in.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -26,6 +24,9 @@ from vime.supervisor.process import boot_id, proc_stat
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import (
     Daemon, free_port, kill_all, live_pids_in_groups, standin_config, standin_model)
+
+from support.polling import wait_until
+from support.standins import standin_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,13 +77,6 @@ def alive(pid: int) -> bool:
     return st is not None and st.state != "Z"
 
 
-def wait_until(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.1)
-
-
 def kill9(d: Daemon) -> None:
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait(10)
@@ -95,20 +89,6 @@ def cleanup():
     groups: set[int] = set()
     yield daemons, groups
     kill_all(daemons, groups)
-
-
-@contextlib.contextmanager
-def standin_at(port: int) -> Iterator[None]:
-    """An engine stand-in (not vLLM) serving on port, as someone else's server an engine is
-    attached to; stopped on the way out."""
-    standin = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"), "--base-port", str(port)],
-                               stdout=subprocess.PIPE)
-    try:
-        assert standin.stdout.readline().startswith(b"ready")
-        yield
-    finally:
-        standin.kill()
-        standin.wait()
 
 
 def start(cfg: Path, cleanup) -> Daemon:
@@ -194,7 +174,7 @@ def test_engine_switched_to_attached_stops_its_old_process(tmp_path, fake_python
     cleanup[1].add(old)
 
     other = free_port()  # now attached to a server someone else runs
-    with standin_at(other):
+    with standin_server(other):
         cfg = config(tmp_path, fake_python, [{"name": "e0", "url": f"http://127.0.0.1:{other}",
                                               "served_model_name": "tiny"}])
         d2 = start(cfg, cleanup)
@@ -208,7 +188,7 @@ def test_attached_engine_keeps_serving_its_round_across_a_daemon_crash(tmp_path,
     re-attaches it (cause restored), keeps it routable in the open round, and keeps its
     incarnation, so the trainer's failure reports that name it still count."""
     port = free_port()
-    with standin_at(port):
+    with standin_server(port):
         cfg = config(tmp_path, fake_python, [{"name": "r0", "url": f"http://127.0.0.1:{port}",
                                               "served_model_name": "tiny"}])
         d = start(cfg, cleanup)
