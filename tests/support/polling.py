@@ -23,9 +23,7 @@ async def until(pred: Callable[[], Any], timeout: float, what: str = "condition"
     """wait_until on the running event loop, which keeps serving while it waits."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
+    while not (got := pred()):
         assert loop.time() < deadline, f"not within {timeout}s: {what}"
         await asyncio.sleep(interval)
+    return got

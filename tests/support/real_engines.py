@@ -46,3 +46,14 @@ def stop_leaving_nothing(d: Daemon, timeout: float = 60) -> list[tuple[int, int,
     for pid, _, _ in leftovers:
         os.kill(pid, signal.SIGKILL)
     return leftovers
+
+
+class EngineDaemon(Daemon):
+    """A daemon over a real engine that the test also talks to directly: the engine's URL and
+    port beside it, its folder (the config's), and the transition that made it ready."""
+
+    def __init__(self, config: Path, *extra: str, host: str = "127.0.0.1", port: int, **kw: Any):
+        super().__init__(config, *extra, **kw)
+        self.root = Path(config).parent
+        self.port, self.url = port, f"http://{host}:{port}"
+        self.ready: dict | None = None

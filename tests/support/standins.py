@@ -85,14 +85,9 @@ class AttachedStandIns:
             return web.json_response({})
 
         app = web.Application()
-        app.router.add_get("/health", ok)
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/weight_info", weight_info)
-        app.router.add_post("/pause", ok)
-        app.router.add_post("/resume", ok)
-        app.router.add_post("/collective_rpc", rpc)
-        app.router.add_post("/update_weight_version", update)
+        app.add_routes([web.get("/health", ok), web.post("/v1/completions", completions), web.get("/metrics", metrics),
+                        web.get("/weight_info", weight_info), web.post("/pause", ok), web.post("/resume", ok),
+                        web.post("/collective_rpc", rpc), web.post("/update_weight_version", update)])
         return app
 
     def _run(self, ready: threading.Event) -> None:
