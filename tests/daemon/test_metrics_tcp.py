@@ -29,6 +29,7 @@ from vime.supervisor.config import ConfigError
 from vime.supervisor.metrics import DETECTION_KINDS, RESTART_CAUSES
 from vime.supervisor.probes import PROBE_KINDS
 
+from support.daemons import end_process
 from support.standins import STANDIN_GROUP as STANDIN
 
 from test_client_ctl import listening, wait_state
@@ -166,12 +167,7 @@ def test_a_real_prometheus_scrapes_the_daemon(fleet, tmp_path):
         assert float(process[0]["value"][1]) > 0
         assert targets and targets[0]["value"][1] == "1"
     finally:
-        prom.terminate()
-        try:
-            prom.wait(15)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait(5)
+        end_process(prom, 15)
         log.close()
 
 

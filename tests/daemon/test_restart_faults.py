@@ -97,6 +97,25 @@ def start(cfg: Path, cleanup) -> Daemon:
     return d
 
 
+def orphaned_engine(tmp_path: Path, fake_python: Path, cleanup, model: Path) -> tuple[int, int]:
+    """A daemon spawns e0 on `model`, which reaches RUNNING; then the daemon is killed with -9:
+    (e0's port, the pid of e0, which outlives it)."""
+    port = free_port()
+    d = start(config(tmp_path, fake_python, [spawned("e0", model, port)]), cleanup)
+    d.transition("e0", "RUNNING", 30)
+    old = d.last_pid("e0")
+    kill9(d)
+    return port, old
+
+
+def start_stranger(cleanup) -> subprocess.Popen:
+    """A live process that is no engine, leading a group of its own as our engines do."""
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+    cleanup[1].add(stranger.pid)
+    wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
+    return stranger
+
+
 # -- fault 1 --------------------------------------------------------------------------------
 
 def test_fault1_clean_restart_restarts_engines(tmp_path, fake_python, cleanup):
@@ -144,12 +163,7 @@ def test_fault2_second_daemon_refused_and_socket_kept(tmp_path, fake_python, cle
 # -- fault 3 --------------------------------------------------------------------------------
 
 def test_fault3_journal_of_another_config_not_adopted(tmp_path, fake_python, cleanup):
-    port = free_port()
-    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model-a"), port)])
-    d = start(cfg, cleanup)
-    d.transition("e0", "RUNNING", 30)
-    old = d.last_pid("e0")
-    kill9(d)
+    port, old = orphaned_engine(tmp_path, fake_python, cleanup, model_dir(tmp_path / "model-a"))
     assert alive(old)  # the engine outlives its daemon
 
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model-b"), port)])  # model B now
@@ -165,12 +179,7 @@ def test_fault3_journal_of_another_config_not_adopted(tmp_path, fake_python, cle
 
 
 def test_engine_switched_to_attached_stops_its_old_process(tmp_path, fake_python, cleanup):
-    port = free_port()
-    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
-    d = start(cfg, cleanup)
-    d.transition("e0", "RUNNING", 30)
-    old = d.last_pid("e0")
-    kill9(d)
+    _, old = orphaned_engine(tmp_path, fake_python, cleanup, model_dir(tmp_path / "model"))
     cleanup[1].add(old)
 
     other = free_port()  # now attached to a server someone else runs
@@ -274,10 +283,8 @@ def test_journal_of_another_boot_neither_adopts_nor_kills(tmp_path, fake_python,
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
     # A process of this boot that happens to carry the pid and start time the journal names,
     # leading its own group as our engines do: after a reboot, that is someone else's.
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
-    cleanup[1].add(stranger.pid)
+    stranger = start_stranger(cleanup)
     try:
-        wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
         entry = {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": None, "retired": False,
                  "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
                  "log_path": str(tmp_path / "logs" / "e0.1.log")}
@@ -339,10 +346,8 @@ def test_journal_naming_a_stranger_of_this_boot_leaves_it_alone(tmp_path, fake_p
     start time) that is no engine server on that port: it used to be SIGKILLed (or adopted)."""
     port = free_port()
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
-    cleanup[1].add(stranger.pid)
+    stranger = start_stranger(cleanup)
     try:
-        wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
         entry = {"state": "RUNNING", "incarnation": 4, "restarts": 3, "verified_version": None, "retired": False,
                  "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
                  "log_path": str(tmp_path / "x.log"), "fingerprint": "deadbeef"}

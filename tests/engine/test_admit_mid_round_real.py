@@ -22,9 +22,8 @@ import pytest
 
 from vime.harness.local_daemon import ENGINE_ARGS, GLOO, Daemon, EventStream, free_port
 from vime.supervisor.client import SupervisorClient
-from vime.weight_sync.checkpoint import save_checkpoint
 
-from support.real_engines import BOOT, real_config, stop_leaving_nothing, tiny_engine
+from support.real_engines import BOOT, publish_step, real_config, stop_leaving_nothing, tiny_engine
 
 from test_resync_real import Trainer, assert_same_outputs, greedy  # noqa: E402  (the same trainer)
 from test_spares_real import routed_while_not_serving  # noqa: E402
@@ -68,12 +67,7 @@ def test_a_failed_engines_place_is_filled_inside_the_round_at_the_rounds_version
     try:
         d.wait_for(lambda e: e.get("event") == "supervisor.ready", BOOT * 2)
         log = EventStream(sock)
-        trainer = Trainer(tiny_model)
-        version = trainer.step()
-        ckpt = tmp_path / "ckpt-v1"
-        save_checkpoint(trainer.model, tiny_model, ckpt)
-        mark = d.mark()
-        client.publish_weights(version, checkpoint=str(ckpt))
+        mark = publish_step(Trainer(tiny_model), tiny_model, tmp_path / "ckpt-v1", d, client)
         # Both are reloaded from it (spares kept current); the first verified serves, the other
         # is the spare, whichever they were before.
         for name in ports:

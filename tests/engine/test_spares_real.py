@@ -20,9 +20,8 @@ import pytest
 
 from vime.harness.local_daemon import ENGINE_ARGS, GLOO, Daemon, EventStream, free_port
 from vime.supervisor.client import SupervisorClient
-from vime.weight_sync.checkpoint import save_checkpoint
 
-from support.real_engines import BOOT, real_config, stop_leaving_nothing, tiny_engine
+from support.real_engines import BOOT, publish_step, real_config, stop_leaving_nothing, tiny_engine
 
 from test_resync_real import Trainer, assert_same_outputs, greedy  # noqa: E402  (the same trainer)
 
@@ -60,12 +59,7 @@ def test_a_spare_is_promoted_in_the_gap_at_the_current_weights(tiny_model, tmp_p
         spare = next(n for n, s in st.items() if s == "STANDBY")
         # v1, published with a checkpoint and no agent: the serving engine is reloaded from it;
         # the spare keeps its base weights (spares_sync = "promotion").
-        trainer = Trainer(tiny_model)
-        version = trainer.step()
-        ckpt = tmp_path / "ckpt-v1"
-        save_checkpoint(trainer.model, tiny_model, ckpt)
-        mark = d.mark()
-        client.publish_weights(version, checkpoint=str(ckpt))
+        mark = publish_step(Trainer(tiny_model), tiny_model, tmp_path / "ckpt-v1", d, client)
         assert d.transition(serving, "RUNNING", 60, after=mark)["reason"] == "weights v1, verified"
         assert {e["name"]: e["state"] for e in client.status()["engines"]}[spare] == "STANDBY"
         at_v1 = greedy(url[serving])

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, live_pids_in_groups, write_config
+from vime.weight_sync.checkpoint import save_checkpoint
 
 BOOT = 240  # a generous bound on one engine boot on a loaded 2-core CI machine
 # Lenient probes, for tests that do not measure detection: a starved CI core must not fake a hang.
@@ -57,3 +58,13 @@ class EngineDaemon(Daemon):
         self.root = Path(config).parent
         self.port, self.url = port, f"http://{host}:{port}"
         self.ready: dict | None = None
+
+
+def publish_step(trainer: Any, model: Path, ckpt: Path, d: Daemon, client: Any) -> int:
+    """One training step saved as a checkpoint at `ckpt` and published with it (no agent):
+    the daemon's event mark from before the publish."""
+    version = trainer.step()
+    save_checkpoint(trainer.model, model, ckpt)
+    mark = d.mark()
+    client.publish_weights(version, checkpoint=str(ckpt))
+    return mark
