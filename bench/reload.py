@@ -2,7 +2,7 @@
 the exec, against a reload that closes it and binds a new one (VIME_SUPERVISOR_SOCKET_HANDOVER=0,
 how every reload worked before the handover), both measured in the same run.
 
-The daemon spawns E engines that are PROTOCOL STAND-INS (tests/daemon/standin_group.py run as
+The daemon spawns E engines that are PROTOCOL STAND-INS (tests/support/standin_group.py run as
 the engine's interpreter; not vLLM: a reload's socket gap does not depend on what the engines
 are), a round is open, and C threads call GET /v1/status without pause, each call on a new
 connection. A connect that is refused (or finds no socket file) is tried again 10 ms later, as
@@ -30,7 +30,7 @@ from vime.harness.local_daemon import (  # noqa: E402  (bench/ is on sys.path wh
 from vime.supervisor.client import SupervisorClient  # noqa: E402
 from vime.supervisor.reexec import SOCKET_HANDOVER_ENV  # noqa: E402
 
-STANDIN = ROOT / "tests" / "daemon" / "standin_group.py"
+STANDIN = ROOT / "tests" / "support" / "standin_group.py"
 RETRY = 0.01
 
 

@@ -14,9 +14,11 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from vime.supervisor.config import Config
 from vime.supervisor.engine.process import all_procs
 from vime.supervisor.protocol import DaemonEvent
 
@@ -111,6 +113,17 @@ class Daemon:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    @property
+    def run_dir(self) -> str:
+        """Its runtime_dir, as its config file says (the daemon's default when it is not set)."""
+        with open(self.config, "rb") as f:
+            return str(tomllib.load(f).get("supervisor", {}).get("runtime_dir", Config.runtime_dir))
+
+    @property
+    def sock(self) -> str:
+        """Its control socket."""
+        return os.path.join(self.run_dir, "supervisor.sock")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -245,7 +258,7 @@ def bare_engine(model: Path, log_path: Path, *extra: str) -> tuple[subprocess.Po
 
 def standin_python(folder: Path, script: Path) -> Path:
     """An executable to give the daemon as its `python`: it runs `script` (a protocol
-    stand-in such as tests/daemon/standin_group.py) with the engine's command line."""
+    stand-in such as tests/support/standin_group.py) with the engine's command line."""
     python = folder / "standin-python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
     python.chmod(0o755)

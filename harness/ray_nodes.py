@@ -22,7 +22,7 @@ from vime.harness.local_daemon import Daemon, write_config
 
 HEAD = "127.0.0.9"
 # The spawned PROTOCOL STAND-IN of the daemon tests (a source checkout's tests/ folder).
-STANDIN = Path(__file__).resolve().parents[1] / "tests" / "daemon" / "standin_group.py"
+STANDIN = Path(__file__).resolve().parents[1] / "tests" / "support" / "standin_group.py"
 
 
 def node_address(i: int) -> str:
@@ -82,7 +82,7 @@ class Node:
 
 def standin_config(root: Path, address: str, engines: list[str], *, mode: str = "ok",
                    probe: dict | None = None, supervisor: dict | None = None) -> Node:
-    """A node whose daemon spawns PROTOCOL STAND-IN engines (tests/daemon/standin_group.py)
+    """A node whose daemon spawns PROTOCOL STAND-IN engines (tests/support/standin_group.py)
     bound to the node's address."""
     root.mkdir(parents=True, exist_ok=True)
     python = root / "standin-python"

@@ -1,6 +1,6 @@
 """The cluster client over a real Ray cluster of simulated nodes (ray.cluster_utils: one raylet
 per node, each at its own loopback address) with a real vime-supervisor daemon per node. The
-engines are PROTOCOL STAND-INS (tests/daemon/standin_group.py) that the daemons spawn, bound
+engines are PROTOCOL STAND-INS (tests/support/standin_group.py) that the daemons spawn, bound
 to their node's address: what these tests check is the cluster client's behaviour; the same
 path with real vLLM engines is tests/cluster/test_cluster_real.py.
 """
@@ -19,20 +19,12 @@ from vime.cluster import ClusterBelowFloor, ClusterClient, NodeUnavailable
 from vime.harness.ray_nodes import cleanup, node_address, standin_config
 from vime.supervisor.client import BadRequest, UnknownEngine
 
+from support.polling import wait_until
+
 pytestmark = pytest.mark.cluster
 
 A, B = node_address(0), node_address(1)  # 127.0.0.2, 127.0.0.3
 ENGINES = ["e0", "e1"]
-
-
-def until(pred, timeout: float, what: str, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(step)
 
 
 class Recorder:
@@ -58,7 +50,7 @@ class Recorder:
             return len(self.events)
 
     def wait(self, pred, timeout: float, after: int = 0) -> dict:
-        return until(lambda: next((e for e in self.since(after) if pred(e)), None), timeout, "event")
+        return wait_until(lambda: next((e for e in self.since(after) if pred(e)), None), timeout, "event")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +63,7 @@ def fleet(ray_head, tmp_path_factory):
             n.ray_node = ray_head.add(n.address)
         sup = ClusterClient([A, B], socket_path={n.address: n.sock for n in nodes}, min_healthy=2,
                             unavailable_grace=4.0, discover_interval=0.5)
-        until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four stand-ins routable")
+        wait_until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four stand-ins routable")
         rec = Recorder(sup)
         hello = rec.wait(lambda e: e["event"] == "hello", 10)
         assert "node" in hello and hello["scope"] == "cluster"
@@ -117,7 +109,7 @@ def test_actions_by_node_slash_engine_move_the_cluster_epoch(fleet):
     assert tr["node"] == B  # a node's own event, named for the cluster
     assert f"{B}/e1" not in names(sup.routable_engines())
     sup.start(f"{B}/e1")
-    until(lambda: f"{B}/e1" in names(sup.routable_engines()), 20, "e1 back on B")
+    wait_until(lambda: f"{B}/e1" in names(sup.routable_engines()), 20, "e1 back on B")
     with pytest.raises(UnknownEngine):
         sup.stop(f"{B}/nosuch")
     with pytest.raises(UnknownEngine):
@@ -152,7 +144,7 @@ def test_rounds_and_weights_go_to_every_node(fleet):
         with pytest.raises(RuntimeError, match="shut down"):
             other.routable_engines()
     ends = [e for e in rec.since(mark) if e["event"] == "round_end"]
-    until(lambda: {e["node"] for e in rec.since(mark) if e["event"] == "round_end"} == {A, B}, 5, "round_end from both")
+    wait_until(lambda: {e["node"] for e in rec.since(mark) if e["event"] == "round_end"} == {A, B}, 5, "round_end from both")
     assert all(e["round"] == 1 for e in ends)
     sup.publish_weights(1)
     view = sup.routable_engines()
@@ -170,10 +162,10 @@ def test_a_briefly_unavailable_agent_is_retried(fleet):
     os.kill(pid, signal.SIGKILL)
     st = sup.status()  # retried while the agent restarts
     assert st["nodes"][A]["daemon"] is not None
-    until(lambda: ray.get(agent.where.remote())["pid"] != pid, 20, "a new agent process")
-    until(lambda: sup.nodes()[A]["state"] == "UP", 20, "A up again")
+    wait_until(lambda: ray.get(agent.where.remote())["pid"] != pid, 20, "a new agent process")
+    wait_until(lambda: sup.nodes()[A]["state"] == "UP", 20, "A up again")
     assert not [e for e in rec.since(mark) if e["event"] == "node_lost"]
-    until(lambda: len(sup.routable_engines()["engines"]) == 4, 20, "all four back")
+    wait_until(lambda: len(sup.routable_engines()["engines"]) == 4, 20, "all four back")
 
 
 def test_a_dead_agent_loses_its_node_at_once_and_is_replaced(fleet):
@@ -189,7 +181,7 @@ def test_a_dead_agent_loses_its_node_at_once_and_is_replaced(fleet):
     assert time.monotonic() - t0 < 5
     # The node itself is alive: a new agent is placed, and the node comes back (no round open).
     rec.wait(lambda e: e["event"] == "node_admitted" and e["node"] == B, 30, mark)
-    until(lambda: len(sup.routable_engines()["engines"]) == 4, 20, "B's engines back")
+    wait_until(lambda: len(sup.routable_engines()["engines"]) == 4, 20, "B's engines back")
 
 
 def test_a_node_lost_mid_round_leaves_at_once_and_rejoins_in_a_gap(fleet):
@@ -222,23 +214,23 @@ def test_a_node_lost_mid_round_leaves_at_once_and_rejoins_in_a_gap(fleet):
     assert all(not n.startswith(A + "/") for n in names(sup.routable_engines())), "joined mid-round"
     assert sup.nodes()[A]["state"] != "UP", sup.nodes()[A]  # JOINING (or LOST again while Ray still lists the old node)
     sup.end_round(3)
-    view = until(lambda: (v := sup.routable_engines()) and len(v["engines"]) == 4 and v, 30, "A admitted")
+    view = wait_until(lambda: (v := sup.routable_engines()) and len(v["engines"]) == 4 and v, 30, "A admitted")
     assert {e["weight_version"] for e in view["engines"]} == {2}
     assert sup.status()["nodes"][A]["daemon"]["weight_version"] == 2  # published to it on its return
 
 
 def test_below_the_cluster_floor_a_round_does_not_start(fleet):
     sup, nodes, rec, _ = fleet
-    until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four routable")
+    wait_until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four routable")
     sup.stop(f"{A}/e0")
     sup.stop(f"{A}/e1")
     sup.stop(f"{B}/e0")
-    until(lambda: len(sup.routable_engines()["engines"]) == 1, 10, "one left")
+    wait_until(lambda: len(sup.routable_engines()["engines"]) == 1, 10, "one left")
     assert sup.status()["below_min_healthy"]
     with pytest.raises(ClusterBelowFloor):
         sup.start_round(10)
     for n in (f"{A}/e0", f"{A}/e1", f"{B}/e0"):
         sup.start(n)
-    until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four again")
+    wait_until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four again")
     assert sup.start_round(10)["open"]
     sup.end_round(10)

@@ -1,5 +1,5 @@
 """Busy is not hung, through a real daemon process and its control socket, with protocol
-stand-ins (tests/standin_group.py) for what vLLM cannot be made to show on demand: a group that
+stand-ins (tests/support/standin_group.py) for what vLLM cannot be made to show on demand: a group that
 burns CPU with frozen counters, a stopped EngineCore, a pause that outlasts the probes, a start
 that never finishes, a stop that outlives SIGTERM, a warm-up the engine refuses, a weight
 version that is not a number. Real engines show the same in tests/engine/test_busy_real.py.
@@ -25,9 +25,10 @@ from vime.supervisor.engine.probes import PROGRESS_WINDOW
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
 
+from support.standins import STANDIN_GROUP as STANDIN
+
 from test_client_ctl import engines_by_name, listening, wait_state
 
-STANDIN = Path(__file__).with_name("standin_group.py")
 PROBE = {"first_wait": 15.0, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2, "max_busy": 10.0}
 # How long the counters-only rule took to stop a busy engine: interval + 2 x (timeout + window).
 OLD_RULE_STOP = PROBE["interval"] + 2 * (PROBE["timeout"] + PROGRESS_WINDOW)
@@ -92,19 +93,25 @@ def incidents(root: Path, engine: str, *, at_least: int = 0, timeout: float = 15
         time.sleep(0.1)
 
 
+def late_but_kept(fleet, mode: str, detail: str) -> None:
+    """The engine named after `mode` put in it for twice what the counters-only rule allowed:
+    its probes are late with `detail`, and it never leaves RUNNING (not even SUSPECT)."""
+    d, mark = fleet.daemon, fleet.daemon.mark()
+    fleet.modes[mode].write_text(mode)
+    try:
+        time.sleep(2 * OLD_RULE_STOP)
+        e = engines_by_name(fleet.client.status())[mode]
+        assert e["last_probe"]["detail"].startswith(detail), e
+    finally:
+        fleet.modes[mode].write_text("ok")
+    wait_state(fleet.client, mode, {"RUNNING"})
+    assert transitions(d, mode, mark) == []
+
+
 def test_busy_group_with_frozen_counters_is_not_stopped(fleet):
     """CPU burning, no token counted, probes late for longer than the counters-only rule
     allowed: excused as busy, never a failure."""
-    d, mark = fleet.daemon, fleet.daemon.mark()
-    fleet.modes["busy"].write_text("busy")
-    try:
-        time.sleep(2 * OLD_RULE_STOP)
-        e = engines_by_name(fleet.client.status())["busy"]
-        assert e["last_probe"]["detail"].startswith("busy: probe late (>2s), no tokens, processes at"), e
-    finally:
-        fleet.modes["busy"].write_text("ok")
-    wait_state(fleet.client, "busy", {"RUNNING"})
-    assert transitions(d, "busy", mark) == []  # not even SUSPECT
+    late_but_kept(fleet, "busy", "busy: probe late (>2s), no tokens, processes at")
 
 
 def test_stopped_engine_core_is_detected_within_the_bound(fleet):
@@ -125,16 +132,7 @@ def test_stopped_engine_core_is_detected_within_the_bound(fleet):
 def test_fault8_paused_engine_is_not_declared_hung(fleet):
     """Fault 8 (stand-in; the real engine is in test_busy_real.py): vLLM 0.32 queues requests
     while paused instead of answering 503; /is_paused says so, and the engine is kept."""
-    d, mark = fleet.daemon, fleet.daemon.mark()
-    fleet.modes["paused"].write_text("paused")
-    try:
-        time.sleep(2 * OLD_RULE_STOP)
-        e = engines_by_name(fleet.client.status())["paused"]
-        assert e["last_probe"]["detail"].startswith("paused: probe late"), e
-    finally:
-        fleet.modes["paused"].write_text("ok")
-    wait_state(fleet.client, "paused", {"RUNNING"})
-    assert transitions(d, "paused", mark) == []
+    late_but_kept(fleet, "paused", "paused: probe late")
 
 
 def test_busy_past_max_busy_is_stopped_with_the_busy_reason(fleet):

@@ -3,7 +3,7 @@
 No vLLM engine boots here; real engines are covered by tests/engine/test_engines_real.py. The module's
 daemon supervises three engines:
 
-  live     attached to a PROTOCOL STAND-IN (STANDIN below, a ~20-line aiohttp server answering
+  live     attached to a PROTOCOL STAND-IN (tests/support/standin_versioned.py, an aiohttp server answering
            /health, /v1/completions and /weight_info like vLLM does): it becomes RUNNING.
   dead     attached to a port where nothing listens: STARTING, then EXITED after first_wait.
   spawned  spawned by the daemon itself, with supervisor.python pointing at the same stand-in
@@ -47,55 +47,15 @@ from vime.supervisor.client import (
     SupervisorError,
     UnknownEngine,
 )
-from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, standin_python, write_config
+
+from support.standins import STANDIN_VERSIONED
 
 REPO = Path(__file__).resolve().parents[2]
 FIRST_WAIT = 5.0
 HEALTH = {"first_wait": FIRST_WAIT, "interval": 1.0, "timeout": 1.0}
 ENGINES = ("live", "dead", "spawned")
 NAME_W, STATE_W = 33, 10  # supervisord's "%-33s%-10s%s" for names up to 30 characters
-
-# A protocol stand-in for a vLLM OpenAI server (tests only). It accepts the daemon's spawn
-# command line (`-m vllm.entrypoints.openai.api_server --model M --host H --port P`).
-STANDIN = r'''
-import argparse, os
-from aiohttp import web
-
-ap = argparse.ArgumentParser()
-ap.add_argument("-m")
-ap.add_argument("--model")
-ap.add_argument("--host", default="127.0.0.1")
-ap.add_argument("--port", type=int, required=True)
-args, _ = ap.parse_known_args()
-version_file = os.environ["STANDIN_VERSION_FILE"]
-served = 0
-
-def version():
-    try:
-        with open(version_file) as f:
-            return f.read().strip() or "default"
-    except OSError:
-        return "default"
-
-async def health(request):
-    return web.Response()
-
-async def completions(request):
-    global served
-    served += 1
-    print(f"completion request #{served}", flush=True)
-    return web.json_response({"choices": [{"text": "x", "finish_reason": "length"}]})
-
-async def weight_info(request):
-    return web.json_response({"weight_version": version()})
-
-app = web.Application()
-app.router.add_get("/health", health)
-app.router.add_post("/v1/completions", completions)
-app.router.add_get("/weight_info", weight_info)
-print(f"stand-in engine pid {os.getpid()} serving {args.host}:{args.port}", flush=True)
-web.run_app(app, host=args.host, port=args.port, print=None)
-'''
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -201,9 +161,7 @@ async def async_until(agen, pred, timeout: float = 10.0) -> dict:
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("client-ctl")
     version_file = root / "standin-weight-version"
-    standin = root / "standin-engine"
-    standin.write_text(f"#!{sys.executable}\n{STANDIN}")
-    standin.chmod(0o755)
+    standin = standin_python(root, STANDIN_VERSIONED)
     model = root / "model"  # the daemon's config check wants a directory with config.json
     model.mkdir()
     (model / "config.json").write_text("{}")

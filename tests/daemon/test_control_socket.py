@@ -34,6 +34,8 @@ from hypothesis import strategies as st
 
 from vime.harness.local_daemon import Daemon, free_port, write_config
 
+from support.daemons import start_answering, stop_removing_run_dir
+
 NOBODY = 65534
 ENGINES = ("e0", "e1")
 FIRST_WAIT = 5.0
@@ -148,27 +150,11 @@ def start_daemon(root: Path, run: str, **supervisor) -> Daemon:
         health_check={"first_wait": FIRST_WAIT, "interval": 1.0, "timeout": 0.5},
         engines=[{"name": n, "url": f"http://127.0.0.1:{free_port()}"} for n in ENGINES],
     )
-    d = Daemon(cfg)
-    d.sock = os.path.join(run, "supervisor.sock")  # type: ignore[attr-defined]
-    d.run_dir = run  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 30
-    while True:
-        assert d.proc.poll() is None, "daemon exited:\n" + "\n".join(d.raw[-30:])
-        try:
-            status(d.sock)  # type: ignore[attr-defined]
-            return d
-        except (OSError, http.client.HTTPException):
-            if time.monotonic() > deadline:
-                raise AssertionError("control socket never answered:\n" + "\n".join(d.raw[-30:]))
-            time.sleep(0.1)
+    return start_answering(cfg, status)
 
 
 def stop_daemon(d: Daemon) -> None:
-    try:
-        d.terminate(timeout=20)
-    except subprocess.TimeoutExpired:
-        d.kill()
-    shutil.rmtree(d.run_dir, ignore_errors=True)  # type: ignore[attr-defined]
+    stop_removing_run_dir(d, 20)
 
 
 @pytest.fixture(scope="module")
@@ -644,6 +630,22 @@ def would_mutate(method: str, segs: list[str], body: bytes | None, round_: int, 
     return False
 
 
+def send_generated(d, req, snap: dict) -> tuple[int, dict[str, str], bytes] | None:
+    """One generated request, unless it would change the daemon (None): its answer is < 500,
+    and a refusal is our JSON error."""
+    method, segs, path, body, headers = req
+    if would_mutate(method, segs, body, snap["round"], snap["weight_version"]):
+        return None
+    is_events = method == "GET" and segs == ["v1", "events"]  # a stream: read its head only
+    code, hdrs, data = call(d.sock, method, path, body, headers, stream=is_events)
+    assert code < 500, (code, data[:500])
+    if code >= 400 and is_events:  # only the head was read
+        assert hdrs.get("content-type", "").startswith("application/json"), (code, hdrs)
+    elif code >= 400:
+        assert_json_error(code, hdrs, data)
+    return code, hdrs, data
+
+
 def test_fuzz_never_500_never_changes_state(known_state):
     """A few hundred generated requests: every answer is < 500, every refusal is our JSON error,
     the daemon stays up, and (no request here should succeed in changing anything) status stays
@@ -659,18 +661,11 @@ def test_fuzz_never_500_never_changes_state(known_state):
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(req=requests())
     def one(req):
-        method, segs, path, body, headers = req
-        if would_mutate(method, segs, body, snap["round"], snap["weight_version"]):
+        if (answer := send_generated(d, req, snap)) is None:
             return
-        is_events = method == "GET" and segs == ["v1", "events"]  # a stream: read its head only
-        code, hdrs, data = call(d.sock, method, path, body, headers, stream=is_events)
+        code, hdrs, data = answer
         seen[code] = seen.get(code, 0) + 1
-        assert code < 500, (code, data[:500])
-        if code >= 400 and is_events:  # only the head was read
-            assert hdrs.get("content-type", "").startswith("application/json"), (code, hdrs)
-        elif code >= 400:
-            assert_json_error(code, hdrs, data)
-        elif hdrs.get("content-type", "").startswith("application/json"):
+        if code < 400 and hdrs.get("content-type", "").startswith("application/json"):
             json.loads(data)
         assert d.proc.poll() is None, "\n".join(d.raw[-30:])
         assert stable(status(d.sock)) == snap

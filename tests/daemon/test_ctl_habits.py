@@ -5,7 +5,7 @@ Every check runs the real command (`python -m vime.supervisor.client.cli`, or th
 `supervisorctl` script) in a subprocess against a real daemon (`python -m vime.supervisor`, its
 stderr appended to a file, so `maintail` has a log to read). The daemon supervises:
 
-  e0, e1   spawned by the daemon: PROTOCOL STAND-INS for vLLM servers (STANDIN below: /health,
+  e0, e1   spawned by the daemon: PROTOCOL STAND-INS for vLLM servers (tests/support/standin_ctl.py: /health,
            /v1/completions, /weight_info; GET /say?text=X prints X to its log; SIGHUP prints
            "SIGHUP received"); each boots in well under a second
   flaky    the same stand-in, told by a mode file to fail its start ("fail") or to take 3 s
@@ -31,9 +31,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from vime.harness.local_daemon import free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import free_port, live_pids_in_groups, standin_python, write_config
 from vime.supervisor.client import BadRequest, ConflictError, SupervisorClient
 from vime.supervisor.client.cli import select, start_outcome, transition_outcome
+
+from support.standins import STANDIN_CTL
 
 REPO = Path(__file__).resolve().parents[2]
 # far (attached, nothing listening) stays STARTING this long: the status test reads it as a start
@@ -41,50 +43,6 @@ REPO = Path(__file__).resolve().parents[2]
 FIRST_WAIT = 60.0
 SPAWNED = ("e0", "e1", "flaky")
 ENGINES = (*SPAWNED, "far")
-
-STANDIN = r'''
-import argparse, os, signal, sys, time
-from aiohttp import web
-
-ap = argparse.ArgumentParser()
-ap.add_argument("-m")
-ap.add_argument("--model")
-ap.add_argument("--host", default="127.0.0.1")
-ap.add_argument("--port", type=int, required=True)
-args, _ = ap.parse_known_args()
-try:
-    with open(os.environ["STANDIN_MODE_FILE"]) as f:
-        mode = f.read().strip()
-except (KeyError, OSError):
-    mode = "ok"
-if mode == "fail":
-    print("boom: failing on purpose", flush=True)
-    sys.exit(1)
-if mode == "slow":
-    time.sleep(3)
-print(f"stand-in pid {os.getpid()} on port {args.port} " + "." * 300, flush=True)
-signal.signal(signal.SIGHUP, lambda *_: print("SIGHUP received", flush=True))
-
-async def health(request):
-    return web.Response()
-
-async def say(request):
-    print(request.query["text"], flush=True)
-    return web.Response()
-
-async def completions(request):
-    return web.json_response({"choices": [{"text": "x", "finish_reason": "length"}]})
-
-async def weight_info(request):
-    return web.json_response({"weight_version": "default"})
-
-app = web.Application()
-app.router.add_get("/health", health)
-app.router.add_get("/say", say)
-app.router.add_post("/v1/completions", completions)
-app.router.add_get("/weight_info", weight_info)
-web.run_app(app, host=args.host, port=args.port, print=None)
-'''
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -200,9 +158,7 @@ def stop_daemon(proc: subprocess.Popen, log: Path) -> None:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("ctl-habits")
-    standin = root / "standin-engine"
-    standin.write_text(f"#!{sys.executable}\n{STANDIN}")
-    standin.chmod(0o755)
+    standin = standin_python(root, STANDIN_CTL)
     model = root / "model"  # the config check wants a directory with config.json
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -3,7 +3,7 @@ reports and the refused probes that follow the kill are not counted as a hang (s
 a report and one refused probe crossed failure_threshold 2 ten milliseconds before the
 daemon handled the server's SIGCHLD, and the kill was named a hang).
 
-The engine is a PROTOCOL STAND-IN (tests/daemon/standin_group.py, run as the daemon's
+The engine is a PROTOCOL STAND-IN (tests/support/standin_group.py, run as the daemon's
 `python`); what is tested is the daemon's classification.
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from pathlib import Path
 
 from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.engine.process import proc_stat
 
-STANDIN = Path(__file__).with_name("standin_group.py")
+from support.standins import STANDIN_GROUP as STANDIN
+
 
 
 def test_a_kill_flooded_with_failure_reports_is_an_exit_not_a_hang(tmp_path):

@@ -31,6 +31,8 @@ from vime.harness.demo import demo_config
 from vime.harness.local_daemon import Daemon, live_pids_in_groups
 from vime.harness.timeline import png_size
 
+from support.polling import wait_until as until
+
 BROKEN = """#!/bin/sh
 echo "Traceback (most recent call last):" >&2
 echo "ModuleNotFoundError: No module named 'vllm' (stand-in for a broken engine install)" >&2
@@ -84,13 +86,6 @@ def demo(tmp_path: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "vime.harness.demo", "--out", str(tmp_path / "run"), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=Path(__file__).resolve().parents[2])
-
-
-def until(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.1)
 
 
 def _last_resort(out: Path) -> None:

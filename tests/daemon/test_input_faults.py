@@ -8,8 +8,6 @@ routes (/pause, /collective_rpc reload_weights, /update_weight_version, /resume)
 
 from __future__ import annotations
 
-import asyncio
-import http.client
 import json
 import os
 import socket
@@ -22,10 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from vime.supervisor.client import Forbidden, SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, write_config
+
+from support.daemons import start_answering, stop_removing_run_dir
+from support.polling import wait_until
+from support.standins import AttachedStandIns
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "vime-supervisor: config error: "
@@ -96,38 +97,11 @@ def start_daemon(root: Path, engines: list[dict], *, supervisor: dict | None = N
         health_check={"first_wait": 20.0, "interval": 1.0, "timeout": 0.9, **(health or {})},
         engines=engines,
     )
-    d = Daemon(cfg)
-    d.sock = os.path.join(run, "supervisor.sock")  # type: ignore[attr-defined]
-    d.run_dir = run  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 30
-    while True:
-        assert d.proc.poll() is None, "daemon exited:\n" + "\n".join(d.raw[-30:])
-        try:
-            status(d.sock)  # type: ignore[attr-defined]
-            return d
-        except (OSError, http.client.HTTPException):
-            assert time.monotonic() < deadline, "control socket never answered:\n" + "\n".join(d.raw[-30:])
-            time.sleep(0.1)
+    return start_answering(cfg, status)
 
 
 def stop_daemon(d: Daemon) -> None:
-    try:
-        d.terminate(timeout=30)
-    except subprocess.TimeoutExpired:
-        d.kill()
-    import shutil
-
-    shutil.rmtree(d.run_dir, ignore_errors=True)  # type: ignore[attr-defined]
-
-
-def wait_until(pred, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(interval)
+    stop_removing_run_dir(d, 30)
 
 
 def unheard_engines(n: int = 2) -> list[dict]:
@@ -148,86 +122,6 @@ def good_checkpoint(d: Path) -> Path:
     write_safetensors(d / "model.safetensors", {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
                       b"\0" * 8)
     return d
-
-
-# -- stand-in engines that can be reloaded from a checkpoint ------------------------------------
-
-
-class StandIns:
-    """n attached-engine stand-ins on one event loop in a thread. reload_weights takes
-    `reload_s`; each one records when its reload started and ended."""
-
-    def __init__(self, n: int, reload_s: float = 0.0):
-        self.n, self.reload_s = n, reload_s
-        self.ports = [free_port() for _ in range(n)]
-        self.versions = ["default"] * n
-        self.reloads: list[tuple[int, float, float]] = []
-        self.loop = asyncio.new_event_loop()
-        self._runners: list[web.AppRunner] = []
-        ready = threading.Event()
-        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(30)
-
-    def _app(self, i: int) -> web.Application:
-        async def ok(_):
-            return web.json_response({})
-
-        async def completions(_):
-            return web.json_response({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-                                      "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-        async def metrics(_):
-            return web.Response(text='vllm:generation_tokens_total{engine="0"} 1.0\n'
-                                     'vllm:num_requests_running{engine="0"} 0.0\n')
-
-        async def weight_info(_):
-            return web.json_response({"weight_version": self.versions[i]})
-
-        async def rpc(_):
-            t0 = time.monotonic()
-            await asyncio.sleep(self.reload_s)
-            self.reloads.append((i, t0, time.monotonic()))
-            return web.json_response({"results": [None]})
-
-        async def update(request):
-            self.versions[i] = (await request.json())["new_version"]
-            return web.json_response({})
-
-        app = web.Application()
-        app.router.add_get("/health", ok)
-        app.router.add_post("/v1/completions", completions)
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/weight_info", weight_info)
-        app.router.add_post("/pause", ok)
-        app.router.add_post("/resume", ok)
-        app.router.add_post("/collective_rpc", rpc)
-        app.router.add_post("/update_weight_version", update)
-        return app
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def up():
-            for i, port in enumerate(self.ports):
-                runner = web.AppRunner(self._app(i), access_log=None)
-                await runner.setup()
-                await web.TCPSite(runner, "127.0.0.1", port).start()
-                self._runners.append(runner)
-
-        self.loop.run_until_complete(up())
-        ready.set()
-        self.loop.run_forever()
-
-    def engines(self) -> list[dict]:
-        return [{"name": f"s{i}", "url": f"http://127.0.0.1:{p}"} for i, p in enumerate(self.ports)]
-
-    def close(self) -> None:
-        async def down():
-            for r in self._runners:
-                await r.cleanup()
-
-        asyncio.run_coroutine_threadsafe(down(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def all_running(sock: str, version=None) -> bool:
@@ -451,7 +345,7 @@ def test_fault18_fifo_in_checkpoint_does_not_block_the_loop(ckpt_daemon, tmp_pat
 
 
 def test_fault7_reload_timeout_starts_when_the_engine_is_asked(tmp_path):
-    engines = StandIns(26, reload_s=1.2)
+    engines = AttachedStandIns(26, reload_s=1.2)
     d = start_daemon(tmp_path / "d", engines.engines(), supervisor={"sync_timeout": 4.0, "min_healthy": 0},
                      health={"interval": 2.0, "timeout": 1.5})
     try:
@@ -476,7 +370,7 @@ def test_fault7_reload_timeout_starts_when_the_engine_is_asked(tmp_path):
 
 
 def test_fault7_reload_failure_reason_is_never_empty(tmp_path):
-    engines = StandIns(1, reload_s=30)  # never within sync_timeout
+    engines = AttachedStandIns(1, reload_s=30)  # never within sync_timeout
     d = start_daemon(tmp_path / "d", engines.engines(), supervisor={"sync_timeout": 1.0, "min_healthy": 0})
     try:
         wait_until(lambda: all_running(d.sock, None), 30, "stand-in RUNNING")
@@ -494,7 +388,7 @@ def test_fault7_reload_failure_reason_is_never_empty(tmp_path):
 
 
 def test_silent_agent_does_not_block_the_checkpoint_fallback(tmp_path):
-    engines = StandIns(1)
+    engines = AttachedStandIns(1)
     d = start_daemon(tmp_path / "d", engines.engines(), supervisor={"sync_timeout": 2.0, "min_healthy": 0})
     agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -539,7 +433,7 @@ def test_event_stream_readers_are_capped(tmp_path):
 
 
 def test_failure_report_for_an_older_incarnation_is_ignored(tmp_path):
-    engines = StandIns(1)
+    engines = AttachedStandIns(1)
     d = start_daemon(tmp_path / "d", engines.engines(), supervisor={"min_healthy": 0},
                      health={"failure_threshold": 2})
     try:

@@ -6,7 +6,7 @@ JOURNAL_STREAM, or with one naming another stream, lines are plain JSON.
 
 The bytes are checked where journald would read them: the daemon's stderr, a file here, whose
 dev:inode the test gives as JOURNAL_STREAM (systemd gives its socket's). Engines are protocol
-stand-ins (tests/daemon/standin_group.py); one fails at start as vLLM does for a bad argument.
+stand-ins (tests/support/standin_group.py); one fails at start as vLLM does for a bad argument.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import pytest
 from vime.harness.local_daemon import free_port, write_config
 from vime.supervisor.client import SupervisorClient
 
+from support.standins import STANDIN_GROUP as STANDIN
+
 from test_client_ctl import wait_state
 
-STANDIN = Path(__file__).with_name("standin_group.py")
 LINE = re.compile(r"<([0-7])>(\{.*\})")
 
 

@@ -2,7 +2,7 @@
 Prometheus server; the families promtool accepts; every label set at 0 from the start; the
 counters that follow a kill; an address off loopback refused; a port already taken.
 
-The daemon supervises a spawned protocol stand-in (tests/daemon/standin_group.py); no vLLM
+The daemon supervises a spawned protocol stand-in (tests/support/standin_group.py); no vLLM
 behaviour is tested here.
 """
 
@@ -17,7 +17,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,9 +29,11 @@ from vime.supervisor.config import ConfigError
 from vime.supervisor.metrics import DETECTION_KINDS, RESTART_CAUSES
 from vime.supervisor.engine.probes import PROBE_KINDS
 
+from support.daemons import end_process
+from support.standins import STANDIN_GROUP as STANDIN
+
 from test_client_ctl import listening, wait_state
 
-STANDIN = Path(__file__).with_name("standin_group.py")
 PROBE = {"first_wait": 15.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2}
 JOB = "vime-supervisor"
 
@@ -166,12 +167,7 @@ def test_a_real_prometheus_scrapes_the_daemon(fleet, tmp_path):
         assert float(process[0]["value"][1]) > 0
         assert targets and targets[0]["value"][1] == "1"
     finally:
-        prom.terminate()
-        try:
-            prom.wait(15)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-            prom.wait(5)
+        end_process(prom, 15)
         log.close()
 
 

@@ -12,12 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python, write_config
 from vime.supervisor import limits
 
-STANDIN = Path(__file__).with_name("standin_group.py")
+from support.standins import STANDIN_GROUP as STANDIN
+
 
 
 def fleet_config(tmp_path, n: int):

@@ -10,7 +10,6 @@ real; only the server is a stand-in.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -26,6 +24,9 @@ from vime.supervisor.engine.process import boot_id, proc_stat
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import (
     Daemon, free_port, kill_all, live_pids_in_groups, standin_config, standin_model)
+
+from support.polling import wait_until
+from support.standins import standin_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,13 +77,6 @@ def alive(pid: int) -> bool:
     return st is not None and st.state != "Z"
 
 
-def wait_until(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.1)
-
-
 def kill9(d: Daemon) -> None:
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait(10)
@@ -97,24 +91,29 @@ def cleanup():
     kill_all(daemons, groups)
 
 
-@contextlib.contextmanager
-def standin_at(port: int) -> Iterator[None]:
-    """An engine stand-in (not vLLM) serving on port, as someone else's server an engine is
-    attached to; stopped on the way out."""
-    standin = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"), "--base-port", str(port)],
-                               stdout=subprocess.PIPE)
-    try:
-        assert standin.stdout.readline().startswith(b"ready")
-        yield
-    finally:
-        standin.kill()
-        standin.wait()
-
-
 def start(cfg: Path, cleanup) -> Daemon:
     d = Daemon(cfg)
     cleanup[0].append(d)
     return d
+
+
+def orphaned_engine(tmp_path: Path, fake_python: Path, cleanup, model: Path) -> tuple[int, int]:
+    """A daemon spawns e0 on `model`, which reaches RUNNING; then the daemon is killed with -9:
+    (e0's port, the pid of e0, which outlives it)."""
+    port = free_port()
+    d = start(config(tmp_path, fake_python, [spawned("e0", model, port)]), cleanup)
+    d.transition("e0", "RUNNING", 30)
+    old = d.last_pid("e0")
+    kill9(d)
+    return port, old
+
+
+def start_stranger(cleanup) -> subprocess.Popen:
+    """A live process that is no engine, leading a group of its own as our engines do."""
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+    cleanup[1].add(stranger.pid)
+    wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
+    return stranger
 
 
 # -- fault 1 --------------------------------------------------------------------------------
@@ -164,12 +163,7 @@ def test_fault2_second_daemon_refused_and_socket_kept(tmp_path, fake_python, cle
 # -- fault 3 --------------------------------------------------------------------------------
 
 def test_fault3_journal_of_another_config_not_adopted(tmp_path, fake_python, cleanup):
-    port = free_port()
-    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model-a"), port)])
-    d = start(cfg, cleanup)
-    d.transition("e0", "RUNNING", 30)
-    old = d.last_pid("e0")
-    kill9(d)
+    port, old = orphaned_engine(tmp_path, fake_python, cleanup, model_dir(tmp_path / "model-a"))
     assert alive(old)  # the engine outlives its daemon
 
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model-b"), port)])  # model B now
@@ -185,16 +179,11 @@ def test_fault3_journal_of_another_config_not_adopted(tmp_path, fake_python, cle
 
 
 def test_engine_switched_to_attached_stops_its_old_process(tmp_path, fake_python, cleanup):
-    port = free_port()
-    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
-    d = start(cfg, cleanup)
-    d.transition("e0", "RUNNING", 30)
-    old = d.last_pid("e0")
-    kill9(d)
+    _, old = orphaned_engine(tmp_path, fake_python, cleanup, model_dir(tmp_path / "model"))
     cleanup[1].add(old)
 
     other = free_port()  # now attached to a server someone else runs
-    with standin_at(other):
+    with standin_server(other):
         cfg = config(tmp_path, fake_python, [{"name": "e0", "url": f"http://127.0.0.1:{other}",
                                               "served_model_name": "tiny"}])
         d2 = start(cfg, cleanup)
@@ -208,7 +197,7 @@ def test_attached_engine_keeps_serving_its_round_across_a_daemon_crash(tmp_path,
     re-attaches it (cause restored), keeps it routable in the open round, and keeps its
     incarnation, so the trainer's failure reports that name it still count."""
     port = free_port()
-    with standin_at(port):
+    with standin_server(port):
         cfg = config(tmp_path, fake_python, [{"name": "r0", "url": f"http://127.0.0.1:{port}",
                                               "served_model_name": "tiny"}])
         d = start(cfg, cleanup)
@@ -294,10 +283,8 @@ def test_journal_of_another_boot_neither_adopts_nor_kills(tmp_path, fake_python,
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
     # A process of this boot that happens to carry the pid and start time the journal names,
     # leading its own group as our engines do: after a reboot, that is someone else's.
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
-    cleanup[1].add(stranger.pid)
+    stranger = start_stranger(cleanup)
     try:
-        wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
         entry = {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": None, "retired": False,
                  "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
                  "log_path": str(tmp_path / "logs" / "e0.1.log")}
@@ -359,10 +346,8 @@ def test_journal_naming_a_stranger_of_this_boot_leaves_it_alone(tmp_path, fake_p
     start time) that is no engine server on that port: it used to be SIGKILLed (or adopted)."""
     port = free_port()
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
-    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
-    cleanup[1].add(stranger.pid)
+    stranger = start_stranger(cleanup)
     try:
-        wait_until(lambda: proc_stat(stranger.pid) is not None, 5, "the stranger started")
         entry = {"state": "RUNNING", "incarnation": 4, "restarts": 3, "verified_version": None, "retired": False,
                  "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
                  "log_path": str(tmp_path / "x.log"), "fingerprint": "deadbeef"}

@@ -2,7 +2,7 @@
 the trainer's agent is connected to push every tensor; when no push can come, the dummy
 incarnation is never served and is restarted reading the model, and the log says why.
 
-The engine is a PROTOCOL STAND-IN (tests/daemon/standin_group.py, run as the daemon's
+The engine is a PROTOCOL STAND-IN (tests/support/standin_group.py, run as the daemon's
 `python`): its /weight_info answers what its mode file says, base weights for a dummy boot.
 The daemon's decisions (which command line, when to fall back) are ours and run for real;
 that a dummy-booted real engine ends RUNNING with the pushed weights is
@@ -21,7 +21,8 @@ import pytest
 from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python
 from vime.supervisor.client import DaemonUnreachable, SupervisorClient
 
-STANDIN = Path(__file__).with_name("standin_group.py")
+from support.standins import STANDIN_GROUP as STANDIN
+
 
 
 @pytest.fixture

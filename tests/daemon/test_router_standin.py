@@ -1,5 +1,5 @@
 """The router the daemon feeds, with the real vllm-router binary (harness/router_proc.py: vime's
-flags, breaker off) and PROTOCOL STAND-IN engines (tests/daemon/standin_group.py; not vLLM):
+flags, breaker off) and PROTOCOL STAND-IN engines (tests/support/standin_group.py; not vLLM):
 two daemons (two simulated nodes) feeding one router, the router killed and restarted, an
 engine registering itself, and bad routers. What is vLLM's (a kill -9 under load, a frozen
 EngineCore, a restart verified at the published weights, a drain) still needs its test against
@@ -22,7 +22,8 @@ from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_confi
 from vime.harness.router_proc import RouterProc
 from vime.supervisor.client import SupervisorClient
 
-STANDIN = Path(__file__).with_name("standin_group.py")
+from support.standins import STANDIN_GROUP as STANDIN
+
 PERIOD = 0.5  # drift repair, short for the test
 
 

@@ -26,6 +26,8 @@ from vime.supervisor.sdnotify import Notifier
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import Daemon, free_port, write_config
 
+from support.standins import standin_server
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -100,13 +102,8 @@ def test_watchdog_belongs_to_the_pid_it_names():
 
 @pytest.fixture
 def standin():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "harness" / "standin_engine.py"), "--base-port", str(port)],
-                            stdout=subprocess.PIPE)
-    assert proc.stdout.readline().startswith(b"ready")
-    yield f"http://127.0.0.1:{port}"
-    proc.kill()
-    proc.wait()
+    with standin_server(free_port()) as url:
+        yield url
 
 
 def service_config(tmp_path: Path, url: str) -> Path:

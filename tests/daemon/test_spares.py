@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from vime.supervisor.client import SupervisorClient
 from vime.harness.local_daemon import (
     Daemon, EventStream, free_port, kill_all, standin_config, standin_model, standin_python)
+
+from support.standins import STANDIN_GROUP
 
 from test_restart_faults import FAKE_PYTHON, model_dir, spawned  # noqa: E402  (the same stand-in)
 
@@ -157,10 +158,8 @@ def test_a_reload_and_a_daemon_restart_keep_the_spare_a_spare(fleet):
 
 
 # -- roles across reloads and restarts, weights behind, reports -------------------------------
-# The engines here are tests/daemon/standin_group.py (a protocol stand-in whose /weight_info
+# The engines here are tests/support/standin_group.py (a protocol stand-in whose /weight_info
 # answers what its mode file says, `version=X`), so a spare can be behind the current version.
-
-STANDIN_GROUP = Path(__file__).with_name("standin_group.py")
 
 
 def versioned_fleet(tmp_path, names=NAMES, mode="ok", **supervisor):

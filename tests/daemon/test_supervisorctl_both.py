@@ -25,6 +25,8 @@ from vime.harness.local_daemon import Daemon, free_port, write_config
 from vime.supervisor.client import dispatch
 from vime.supervisor.client import SupervisorClient
 
+from support.daemons import end_process
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SD, VIME = dispatch.SUPERVISORD, dispatch.VIME
@@ -248,12 +250,7 @@ def vime(tmp_path_factory):
                 d.terminate(20)
             except subprocess.TimeoutExpired:
                 d.kill()
-        standin.terminate()
-        try:
-            standin.wait(10)
-        except subprocess.TimeoutExpired:
-            standin.kill()
-            standin.wait(10)
+        end_process(standin, 10)
 
 
 def test_the_installed_supervisorctl_is_the_dispatcher():

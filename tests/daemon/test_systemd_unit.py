@@ -25,6 +25,8 @@ from vime.supervisor import limits
 from vime.supervisor.sdnotify import Notifier
 from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups, write_config
 
+from support.polling import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "vime-supervisor.service"
 SYSUSERS = ROOT / "systemd" / "vime-supervisor.sysusers"
@@ -184,13 +186,6 @@ def engines_config(tmp_path: Path, n: int, **sections) -> Path:
                  for i in range(n)],
         **sections,
     )
-
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -20,16 +20,15 @@ import time
 
 import pytest
 
-from vime.harness.local_daemon import (
-    ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, EventStream, free_port, live_pids_in_groups, write_config)
+from vime.harness.local_daemon import ENGINE_ARGS, GLOO, Daemon, EventStream, free_port
 from vime.supervisor.client import SupervisorClient
-from vime.weight_sync.checkpoint import save_checkpoint
+
+from support.real_engines import BOOT, publish_step, real_config, stop_leaving_nothing, tiny_engine
 
 from test_resync_real import Trainer, assert_same_outputs, greedy  # noqa: E402  (the same trainer)
 from test_spares_real import routed_while_not_serving  # noqa: E402
 
 pytestmark = pytest.mark.engine
-BOOT = 240
 
 
 class RoutablePoller:
@@ -55,17 +54,11 @@ class RoutablePoller:
 
 def test_a_failed_engines_place_is_filled_inside_the_round_at_the_rounds_version(tiny_model, tmp_path):
     ports = {"A": free_port(), "B": free_port()}
-    cfg = write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "stop_timeout": 5.0,
-                    "sync_timeout": 60.0, "spares": 1, "spares_sync": "publish", "restart_immediately": True,
+    cfg = real_config(
+        tmp_path, [tiny_engine(n, tiny_model, p, core=i) for i, (n, p) in enumerate(ports.items())],
+        supervisor={"sync_timeout": 60.0, "spares": 1, "spares_sync": "publish", "restart_immediately": True,
                     "admit_mid_round": True},
-        # Lenient probes: nothing here measures detection, and a starved CI core must not fake a hang.
-        health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
-        engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
-        engines=[{"name": n, "model": str(tiny_model), "served_model_name": "tiny", "port": p,
-                  "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i)}} for i, (n, p) in enumerate(ports.items())],
-    )
+        args=ENGINE_ARGS + GLOO)
     url = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
     d = Daemon(cfg)
     sock = str(tmp_path / "run" / "supervisor.sock")
@@ -74,12 +67,7 @@ def test_a_failed_engines_place_is_filled_inside_the_round_at_the_rounds_version
     try:
         d.wait_for(lambda e: e.get("event") == "supervisor.ready", BOOT * 2)
         log = EventStream(sock)
-        trainer = Trainer(tiny_model)
-        version = trainer.step()
-        ckpt = tmp_path / "ckpt-v1"
-        save_checkpoint(trainer.model, tiny_model, ckpt)
-        mark = d.mark()
-        client.publish_weights(version, checkpoint=str(ckpt))
+        mark = publish_step(Trainer(tiny_model), tiny_model, tmp_path / "ckpt-v1", d, client)
         # Both are reloaded from it (spares kept current); the first verified serves, the other
         # is the spare, whichever they were before.
         for name in ports:
@@ -136,9 +124,4 @@ def test_a_failed_engines_place_is_filled_inside_the_round_at_the_rounds_version
     finally:
         if poller is not None:
             poller.stop()
-        pids = set(d.spawned_pids())
-        d.terminate(60)
-        leftovers = live_pids_in_groups(pids)
-        for pid, _, _ in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers
+        assert not stop_leaving_nothing(d)

@@ -27,6 +27,8 @@ from vime.supervisor.client import SupervisorClient
 from vime.harness.faults import engine_core_pid
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, write_config
 
+from support.requests import post
+
 pytestmark = pytest.mark.engine
 BOOT = 300  # cold caches on 2 shared cores
 PROBE = {"first_wait": float(BOOT), "interval": 1.0, "timeout": 2.0, "failure_threshold": 2}
@@ -43,11 +45,6 @@ def sampled(url: str, results: list, errors: list) -> None:
             results.append(json.loads(r.read())["choices"][0]["finish_reason"])
     except Exception as e:  # reported by the test, not lost in a thread
         errors.append(repr(e))
-
-
-def post(url: str, path: str) -> dict:
-    with urllib.request.urlopen(urllib.request.Request(f"{url}{path}", b"", method="POST"), timeout=30) as r:
-        return json.loads(r.read() or b"{}")
 
 
 def test_cold_engine_busy_paused_then_stopped(tiny_model, tmp_path):
@@ -92,12 +89,12 @@ def test_cold_engine_busy_paused_then_stopped(tiny_model, tmp_path):
         assert any(inductor.rglob("*.so")), "no compile seen: the test proved nothing"
 
         # 2. Paused as a weight push pauses it, longer than a silent engine may be.
-        assert post(url, "/pause?mode=keep") == {"status": "paused"}
+        assert post(f"{url}/pause?mode=keep") == {"status": "paused"}
         try:
             time.sleep(SILENT_LIMIT + 2)
             probe = client.status()["engines"][0]["last_probe"]
         finally:
-            post(url, "/resume")
+            post(f"{url}/resume")
         assert probe["detail"].startswith("paused: probe late"), probe
         states = [e["to_state"] for e in d.events[mark:] if e.get("event") == "engine.transition"]
         assert states == [], states

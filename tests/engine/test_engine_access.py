@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
-import signal
 import socket
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port, live_pids_in_groups, write_config
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient
 from vime.trainer.rollout import OK, RolloutClient, RolloutRequestError
 from vime.weight_sync._http import http_json
+
+from support.polling import wait_until
+from support.real_engines import EngineDaemon, stop_leaving_nothing
 
 pytestmark = pytest.mark.engine
 BOOT = 240
@@ -50,19 +50,14 @@ def engine(tiny_model, tmp_path_factory):
         engines=[{"name": "guarded", "model": str(tiny_model), "served_model_name": "tiny", "port": port,
                   "env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}],
     )
-    d = Daemon(cfg, env={"NOTIFY_SOCKET": str(root / "notify.sock"), "WATCHDOG_USEC": "60000000"})
-    d.root, d.port, d.url = root, port, f"http://{HOST}:{port}"  # type: ignore[attr-defined]
-    d.socket = str(root / "run" / "supervisor.sock")  # type: ignore[attr-defined]
+    d = EngineDaemon(cfg, env={"NOTIFY_SOCKET": str(root / "notify.sock"), "WATCHDOG_USEC": "60000000"},
+                     host=HOST, port=port)
     try:
-        d.ready = d.transition("guarded", "RUNNING", BOOT)  # type: ignore[attr-defined]
+        d.ready = d.transition("guarded", "RUNNING", BOOT)
         yield d
     finally:
-        pids = set(d.spawned_pids())
-        d.terminate(60)
+        leftovers = stop_leaving_nothing(d)
         notify.close()
-        leftovers = live_pids_in_groups(pids)
-        for pid, _, _ in leftovers:
-            os.kill(pid, signal.SIGKILL)
         assert not leftovers
 
 
@@ -83,18 +78,10 @@ def request(url: str, path: str, *, key: str | None = None, body: dict | None = 
 COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
 
 
-def wait_until(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (got := pred()):
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.2)
-    return got
-
-
 def test_it_reaches_running_with_the_probe_and_warm_up_authenticated(engine):
     assert engine.ready["reason"].startswith("ready in ")
     assert engine.wait_for(lambda e: e.get("event") == "engine.warmed_up", 1)["summary"].startswith("warm-up: 8 ")
-    client = SupervisorClient(engine.socket)
+    client = SupervisorClient(engine.sock)
     # Heartbeats after RUNNING are deep probes (a /v1 completion): they pass only with the key.
     e = wait_until(lambda: next((x for x in client.status()["engines"] if x["probes"] >= 3), None), 60,
                    "three heartbeats")
@@ -113,7 +100,7 @@ def test_v1_answers_only_with_the_key(engine):
 
 def test_the_rollout_client_sends_the_key(engine, monkeypatch):
     async def one(**kw):
-        async with RolloutClient(AsyncSupervisorClient(engine.socket), **kw) as client:
+        async with RolloutClient(AsyncSupervisorClient(engine.sock), **kw) as client:
             return await client.complete("the quick brown", max_tokens=4, temperature=0)
 
     monkeypatch.delenv("VIME_ENGINE_API_KEY", raising=False)
@@ -148,7 +135,7 @@ def test_it_listens_on_its_address_only(engine):
 
 
 def test_the_key_is_not_on_a_command_line_nor_in_status_logs_or_journal(engine):
-    client = SupervisorClient(engine.socket)
+    client = SupervisorClient(engine.sock)
     (e,) = client.status()["engines"]
     group = live_pids_in_groups({e["pid"]})
     assert len(group) >= 2  # the API server and its EngineCore at least

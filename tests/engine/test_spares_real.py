@@ -18,15 +18,14 @@ import time
 
 import pytest
 
-from vime.harness.local_daemon import (
-    ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, EventStream, free_port, live_pids_in_groups, write_config)
+from vime.harness.local_daemon import ENGINE_ARGS, GLOO, Daemon, EventStream, free_port
 from vime.supervisor.client import SupervisorClient
-from vime.weight_sync.checkpoint import save_checkpoint
+
+from support.real_engines import BOOT, publish_step, real_config, stop_leaving_nothing, tiny_engine
 
 from test_resync_real import Trainer, assert_same_outputs, greedy  # noqa: E402  (the same trainer)
 
 pytestmark = pytest.mark.engine
-BOOT = 240
 
 
 def routed_while_not_serving(events: list[dict]) -> list[dict]:
@@ -44,16 +43,9 @@ def routed_while_not_serving(events: list[dict]) -> list[dict]:
 
 def test_a_spare_is_promoted_in_the_gap_at_the_current_weights(tiny_model, tmp_path):
     ports = {"A": free_port(), "B": free_port()}
-    cfg = write_config(
-        tmp_path / "sup.toml",
-        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "stop_timeout": 5.0,
-                    "sync_timeout": 60.0, "spares": 1},
-        # Lenient probes: nothing here measures detection, and a starved CI core must not fake a hang.
-        health_check={"first_wait": float(BOOT), "interval": 2.0, "timeout": 10.0, "failure_threshold": 3},
-        engine_defaults={"args": ENGINE_ARGS + GLOO, "env": ENGINE_ENV},
-        engines=[{"name": n, "model": str(tiny_model), "served_model_name": "tiny", "port": p,
-                  "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i)}} for i, (n, p) in enumerate(ports.items())],
-    )
+    cfg = real_config(
+        tmp_path, [tiny_engine(n, tiny_model, p, core=i) for i, (n, p) in enumerate(ports.items())],
+        supervisor={"sync_timeout": 60.0, "spares": 1}, args=ENGINE_ARGS + GLOO)
     url = {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}
     d = Daemon(cfg)
     sock = str(tmp_path / "run" / "supervisor.sock")
@@ -67,12 +59,7 @@ def test_a_spare_is_promoted_in_the_gap_at_the_current_weights(tiny_model, tmp_p
         spare = next(n for n, s in st.items() if s == "STANDBY")
         # v1, published with a checkpoint and no agent: the serving engine is reloaded from it;
         # the spare keeps its base weights (spares_sync = "promotion").
-        trainer = Trainer(tiny_model)
-        version = trainer.step()
-        ckpt = tmp_path / "ckpt-v1"
-        save_checkpoint(trainer.model, tiny_model, ckpt)
-        mark = d.mark()
-        client.publish_weights(version, checkpoint=str(ckpt))
+        mark = publish_step(Trainer(tiny_model), tiny_model, tmp_path / "ckpt-v1", d, client)
         assert d.transition(serving, "RUNNING", 60, after=mark)["reason"] == "weights v1, verified"
         assert {e["name"]: e["state"] for e in client.status()["engines"]}[spare] == "STANDBY"
         at_v1 = greedy(url[serving])
@@ -113,9 +100,4 @@ def test_a_spare_is_promoted_in_the_gap_at_the_current_weights(tiny_model, tmp_p
         print(f"\nspare {spare} routable {promoted_in:.2f}s after the round ended (checkpoint reload, "
               f"verified); {serving} back as the spare")
     finally:
-        pids = set(d.spawned_pids())
-        d.terminate(60)
-        leftovers = live_pids_in_groups(pids)
-        for pid, _, _ in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        assert not leftovers
+        assert not stop_leaving_nothing(d)

@@ -26,6 +26,8 @@ from vime.trainer.rollout import (
     RolloutResponseTooLarge, classify_status,
 )
 
+from support.polling import until
+
 
 class FakeEngine:
     """Protocol stand-in for a vLLM OpenAI server. `script` is consumed one behaviour per
@@ -442,10 +444,10 @@ async def test_requests_spread_by_outstanding_count(engines):
         tasks = []
         for i in range(5):
             tasks.append(asyncio.create_task(rollout.complete(f"p{i}", max_tokens=2)))
-            await _until(lambda: sum(rollout.outstanding().values()) == i + 1)
+            await until(lambda: sum(rollout.outstanding().values()) == i + 1, 5.0)
         assert sorted(rollout.outstanding().values()) == [2, 3]
         b.gate.set()  # B drains; A keeps 3 (or 2) in flight
-        await _until(lambda: b.active == 0 and sum(rollout.outstanding().values()) == a.active)
+        await until(lambda: b.active == 0 and sum(rollout.outstanding().values()) == a.active, 5.0)
         busy_a = rollout.outstanding()["A"]
         more = [asyncio.create_task(rollout.complete("q", max_tokens=2)) for _ in range(busy_a)]
         await asyncio.gather(*more)
@@ -496,10 +498,10 @@ async def test_membership_event_drops_an_engine_at_once(engines):
     a, b = engines
     sup = FakeSupervisor([a.view(), b.view()], with_events=True)
     async with client(sup, follow_events=True, refresh_interval=3600) as rollout:
-        await _until(lambda: sup.routable_calls >= 2)  # the hello triggered a read
+        await until(lambda: sup.routable_calls >= 2, 5.0)  # the hello triggered a read
         sup.drop("A")
         await sup.event_queue.put({"event": "membership", "epoch": 2, "routable": ["B"]})
-        await _until(lambda: rollout.epoch == 2)
+        await until(lambda: rollout.epoch == 2, 5.0)
         results = [await rollout.complete("p", max_tokens=2) for _ in range(4)]
     assert {r.engine for r in results} == {"B"} and {r.epoch for r in results} == {2}
     assert [e.name for e in rollout.engines] == ["B"]
@@ -532,14 +534,6 @@ def _first_then_default(rollout: RolloutClient, name: str):
             return next(e for e in rollout.engines if e.name == name)
         return real(exclude, avoid)
     return pick
-
-
-async def _until(pred, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not pred():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 # -- fault 16 (issue 13): long stream lines, malformed streams ------------------------------
@@ -663,7 +657,7 @@ async def test_cut_after_tokens_continues_into_one_sample(engines, what, outcome
         rollout.pick = _first_then_default(rollout, "A")
         task = asyncio.create_task(rollout.complete("hi", max_tokens=8, logprobs=1, temperature=0))
         if what == "stall":  # the read-only progress view, while A holds the request silent
-            await _until(lambda: [tuple(p) for p in rollout.progress().values()] == [("A", 2, 0)])
+            await until(lambda: [tuple(p) for p in rollout.progress().values()] == [("A", 2, 0)], 5.0)
         r = await task
         whole = await rollout.complete("hi", max_tokens=8, logprobs=1, temperature=0)
     assert r.attempts == [Attempt("A", outcome), Attempt("B", OK)] and r.engine == "B"

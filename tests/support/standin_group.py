@@ -19,7 +19,6 @@ process group. A mode file (env STANDIN_MODE_FILE, re-read at every request) say
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing
@@ -27,6 +26,8 @@ import os
 import signal
 
 from aiohttp import web
+
+from standin_cli import engine_args
 
 
 def mode() -> str:
@@ -61,12 +62,7 @@ def core(pipe_path: str) -> None:
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("-m")
-    ap.add_argument("--model")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True)
-    args, _ = ap.parse_known_args()
+    args = engine_args()
     if mode() == "deaf":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     pid_file = os.environ["STANDIN_MODE_FILE"] + f".core.{os.getpid()}"
