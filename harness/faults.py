@@ -101,7 +101,8 @@ class Fault:
     def full_after_gap(self) -> float | None:
         """Seconds from the gap the daemon could act in to the fleet at full strength."""
         back = self.place_back_at()
-        return None if back is None or self.gap_at is None else back - self.gap_at
+        # Filled inside the round: already whole when the gap came.
+        return None if back is None or self.gap_at is None else max(0.0, back - self.gap_at)
 
 
 def kill_server(pid: int) -> None:

@@ -98,7 +98,7 @@ def test_a_spare_admitted_inside_the_round_fills_the_place_before_the_gap():
         _ev(150.0, "STARTING", "STANDBY", "base weights; synced when promoted", "spare"),
     ])
     assert (f.spare, f.full_at, f.gap_at) == ("engine-2", 100.3, 104.0)
-    assert f.filled_in_round() and f.after(f.full_at) == pytest.approx(0.3)
+    assert f.filled_in_round() and f.after(f.full_at) == pytest.approx(0.3) and f.full_after_gap() == 0.0
     assert f.resync_reason == "back as the spare; engine-2 serves in its place"
 
 
