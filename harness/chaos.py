@@ -364,8 +364,10 @@ def format_faults(plan: list[faults.Fault]) -> list[str]:
     for f in plan:
         if f.spare is not None:
             gap = "the round ended" if f.kind in faults.IN_ROUND else "the fault"
+            when = (f"{fmt_seconds(f.after(f.full_at))} after the fault, inside the round" if f.filled_in_round()
+                    else f"{fmt_seconds(f.full_after_gap())} after {gap}")
             lines.append(f"  {faults.WHAT[f.kind]} of {f.engine}: warm spare {f.spare} promoted, full strength "
-                         f"{fmt_seconds(f.full_after_gap())} after {gap}; {f.engine}'s own restart was ready "
+                         f"{when}; {f.engine}'s own restart was ready "
                          f"{fmt_seconds(f.after(f.ready_at))} after the fault (without a spare, the fleet is short "
                          "at least that long)")
     return lines

@@ -10,7 +10,8 @@
    the daemon's routing, reward, a policy-gradient step, the new weights pushed into the
    engines, versions published, with a kill -9 (step --kill-at) in a round with a long tail
    (--long-tail: its long requests are cut mid-stream and continued on the other engine from
-   the tokens already streamed; the spare takes the killed engine's place in the round gap),
+   the tokens already streamed; the spare, kept at the current weights, takes the killed
+   engine's place at once, inside the round),
    a SIGSTOPped EngineCore (--hang-at) and a push that fails midway (--fail-push-at); it
    prints what each fault demonstrates before, and what it showed after;
 4. shows `supervisorctl status`, stops the daemon (SIGTERM: every engine stopped) and checks
@@ -65,7 +66,9 @@ def demo_config(out: Path, model: Path, *, engines: int = 2, interval: float = 1
         out / "supervisor.toml",
         supervisor={"runtime_dir": str(out / "run"), "log_dir": str(out / "logs"), "stop_timeout": 5.0,
                     "min_healthy": 1, "sync_timeout": 60.0, **({"python": python} if python else {}),
-                    **({"spares": spares} if spares else {})},
+                    # A spare kept at the current weights (one more receiver per push) can take a
+                    # failed engine's place at once, inside the round.
+                    **({"spares": spares, "spares_sync": "publish", "admit_mid_round": True} if spares else {})},
         health_check={"first_wait": boot, "interval": interval, "timeout": timeout,
                       "failure_threshold": threshold},
         **sections,
@@ -241,7 +244,8 @@ def judge(report) -> list[str]:
 SHOWS = {
     "kill": "kill -9 of a serving engine mid-round, in a round with a long tail: the requests it was "
             "streaming are continued on the other engine from the tokens already read (none generated "
-            "twice), and the warm spare takes its place in the round gap, instead of a ~1 min restart",
+            "twice), and the warm spare, kept at the current weights, takes its place at once, inside the "
+            "round, instead of a ~1 min restart after it",
     "hang": "SIGSTOP of an EngineCore (its /health still answers 200): seen as hung by the daemon's "
             "probes, taken out of routing and restarted; a spare, if there is one, serves in its place",
     "push": "a weight push failing halfway (the engine holds half a version): reported poisoned, never "
@@ -281,7 +285,12 @@ def showcase(report) -> list[str]:
             else:
                 lines.append("    no request had streamed tokens when it died: nothing to continue")
         gap = "the round ended" if f.kind in IN_ROUND else "the fault"
-        if f.spare is not None:
+        if f.spare is not None and f.filled_in_round():
+            lines.append(f"    full strength {fmt_seconds(f.after(f.full_at))} after the fault, inside the round: "
+                         f"warm spare {f.spare}, already at the round's version, promoted at once; a restart "
+                         f"would have cost {fmt_seconds(f.after(f.ready_at))} and waited for the round's end "
+                         f"({f.engine} ready again after that, now the spare)")
+        elif f.spare is not None:
             lines.append(f"    full strength {fmt_seconds(f.full_after_gap())} after {gap}: warm spare {f.spare} "
                          f"promoted, synced and verified; a restart would have cost "
                          f"{fmt_seconds(f.after(f.ready_at))} ({f.engine} ready again after that, now the spare)")

@@ -86,17 +86,23 @@ class Fault:
                 "detected_cause": self.detected_cause,
                 "ready_after_s": self.after(self.ready_at), "resynced_after_s": self.after(self.resynced_at),
                 "resync_reason": self.resync_reason, "spare": self.spare,
-                "full_after_gap_s": self.full_after_gap(), "place_back_after_s": self.after(self.place_back_at())}
+                "full_after_gap_s": self.full_after_gap(), "place_back_after_s": self.after(self.place_back_at()),
+                "filled_in_round": self.filled_in_round()}
 
     def place_back_at(self) -> float | None:
         """When the engine's place served again on verified current weights: the spare's
         promotion, else the engine's own resync."""
         return self.full_at if self.spare is not None else self.resynced_at
 
+    def filled_in_round(self) -> bool:
+        """A spare took the engine's place inside the round (`admit_mid_round`), before the gap."""
+        return self.full_at is not None and (self.gap_at is None or self.full_at < self.gap_at)
+
     def full_after_gap(self) -> float | None:
         """Seconds from the gap the daemon could act in to the fleet at full strength."""
         back = self.place_back_at()
-        return None if back is None or self.gap_at is None else back - self.gap_at
+        # Filled inside the round: already whole when the gap came.
+        return None if back is None or self.gap_at is None else max(0.0, back - self.gap_at)
 
 
 def kill_server(pid: int) -> None:
@@ -155,8 +161,11 @@ def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
             continue
         to, frm, cause = ev.get("to_state"), ev.get("from_state"), ev.get("cause")
         if ev.get("engine") != fault.engine:
-            # A spare promoted in the gap after the fault was seen takes the engine's place.
-            if (fault.detected_at is None or fault.gap_at is None or ev["ts"] < fault.gap_at
+            # A spare promoted after the fault was seen takes the engine's place: in the gap, or
+            # inside the round where the daemon says it admitted it there (`admit_mid_round`).
+            in_round = "inside round" in ev.get("reason", "") and ev["ts"] >= (fault.detected_at or ev["ts"])
+            if (fault.detected_at is None or fault.gap_at is None and not in_round
+                    or fault.gap_at is not None and ev["ts"] < fault.gap_at and not in_round
                     or fault.full_at is not None or fault.spare is None and fault.resynced_at is not None):
                 continue
             if fault.spare is None and cause == Cause.PROMOTED:

@@ -23,7 +23,7 @@ def _kill(**more) -> Fault:
 def test_the_plan_says_what_each_fault_demonstrates_in_step_order():
     lines = plan_lines(["--kill-at", "3", "--hang-at", "12", "--fail-push-at", "21"])
     assert [ln.split(":")[0].strip() for ln in lines] == ["step   3", "step  12", "step  21"]
-    assert "continued on the other engine" in lines[0] and "warm spare takes its place" in lines[0]
+    assert "continued on the other engine" in lines[0] and "takes its place at once, inside the round" in lines[0]
     assert "/health still answers 200" in lines[1] and "poisoned" in lines[2]
     assert plan_lines(["--hang-at", "2"]) == [lines[1].replace("12", " 2")]
 
@@ -44,3 +44,13 @@ def test_a_kill_without_a_spare_or_a_cut_request_says_so():
     assert "no request had streamed tokens when it died: nothing to continue" in text
     assert "full strength 57.0s after the round ended: engine-0 restarted and resynced (no spare took its place)" in text
     assert "SIGSTOP of the EngineCore: not injected (run too short)" in text
+
+
+def test_a_kill_filled_inside_the_round_says_so_next_to_the_restart_it_spared():
+    rep = ChaosReport(steps=[_step(3, tokens_cut=40, tokens_reused=40, continued=1)],
+                      faults=[_kill(spare="engine-2", full_at=100.7)])
+    text = "\n".join(showcase(rep))
+    assert ("full strength 0.70s after the fault, inside the round: warm spare engine-2, already at the "
+            "round's version, promoted at once; a restart would have cost 58.0s") in text
+    assert "warm spare engine-2 promoted, full strength 0.70s after the fault, inside the round" in "\n".join(
+        format_faults(rep.faults))

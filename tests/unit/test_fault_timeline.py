@@ -86,6 +86,22 @@ def test_a_spare_promoted_into_the_killed_engines_place_is_full_strength_once_ve
     assert f.as_dict()["spare"] == "engine-2" and f.as_dict()["full_after_gap_s"] == pytest.approx(0.9)
 
 
+def test_a_spare_admitted_inside_the_round_fills_the_place_before_the_gap():
+    """`admit_mid_round`: the current spare is promoted straight to RUNNING inside the round
+    (the daemon's reason says so); full strength is timed from the fault, not the gap."""
+    f = _killed([
+        _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)", "exit"),
+        _ev(100.3, "STANDBY", "RUNNING", "1/2 engines active, admitted inside round 3", "promoted",
+            engine="engine-2"),
+        {"event": "round_end", "round": 3, "ts": 104.0},
+        _ev(104.1, "EXITED", "STARTING", "restart 1", "restart"),
+        _ev(150.0, "STARTING", "STANDBY", "base weights; synced when promoted", "spare"),
+    ])
+    assert (f.spare, f.full_at, f.gap_at) == ("engine-2", 100.3, 104.0)
+    assert f.filled_in_round() and f.after(f.full_at) == pytest.approx(0.3) and f.full_after_gap() == 0.0
+    assert f.resync_reason == "back as the spare; engine-2 serves in its place"
+
+
 def test_a_promotion_after_the_engine_resynced_itself_is_not_its_spare():
     f = _killed([
         _ev(100.1, "RUNNING", "EXITED", "exited unexpectedly (killed by SIGKILL)", "exit"),
