@@ -127,6 +127,17 @@ def throughput(done: list[Request], t0: float, t1: float) -> float:
     return sum(1 for _, end, ok, _ in done if ok and t0 <= end <= t1) / (t1 - t0)
 
 
+def daemon_times(events: list[dict], victim: str, t_fault: float) -> tuple[float | None, float | None]:
+    """From the daemon's event stream, seconds from the fault to its detection (the victim's
+    transition to EXITED or UNHEALTHY) and to its `router` "removed" event (the router's
+    answer to the DELETE)."""
+    def first(pred) -> float | None:
+        return next((e["ts"] - t_fault for e in events if e.get("engine") == victim and e["ts"] >= t_fault
+                     and pred(e)), None)
+    return (first(lambda e: e.get("event") == "transition" and e.get("to_state") in ("EXITED", "UNHEALTHY")),
+            first(lambda e: e.get("event") == "router" and e.get("action") == "removed"))
+
+
 def fmt_out(x: float | None, cap: float) -> str:
     return f"not within {cap:g} s" if x is None else f"{x:.3f}"
 
@@ -151,6 +162,8 @@ class Trial:
     longest: float
     sends: int  # failed sends to the victim in the router's log, whole trial
     after: int  # of which surely after "out"
+    detected: float | None = None  # daemon-fed: the daemon's detection, s after the fault
+    removed: float | None = None  # daemon-fed: its `router` "removed" event, s after the fault
 
 
 @dataclass
@@ -175,6 +188,13 @@ def table(res: Results) -> list[str]:
         ratio = "1.0" if t.feed == FEEDS[0] and t.out else fmt_ratio(t.out, fed.get((t.fault, t.repeat)), cap)
         lines.append(f"{t.fault:>8} {t.feed:>24} {t.repeat + 1:>3} {fmt_out(t.out, cap):>18} {ratio:>6} "
                      f"{f'{t.failed}/{t.requests}':>10} {t.longest:9.2f} {t.sends:11d} {t.after:10d}")
+    fed_rows = [t for t in res.trials if t.feed == FEEDS[0]]
+    if fed_rows:
+        lines.append("daemon feeds the router, from its event stream: fault -> detected, -> \"removed\" "
+                     "(the router answered the DELETE), -> out (first poll without it)")
+        for t in fed_rows:
+            lines.append(f"{t.fault:>8} run {t.repeat + 1}: detected {fmt_out(t.detected, cap)} s, removed "
+                         f"{fmt_out(t.removed, cap)} s, out {fmt_out(t.out, cap)} s")
     if res.listed_ms:
         ok = "yes" if max(res.listed_ms) < 100 else "no"
         lines.append(f"routable at the current version -> in the router's list: "
@@ -362,6 +382,10 @@ def fed_phase(res: Results, args, tmp: Path, model: Path) -> None:
                 url = urls[victim]
                 t_fault, (poller,) = measure(res, args, [(FEEDS[0], router)], d, victim, url, kind, rep)
                 samples = poller.samples
+                trial = res.trials[-1]
+                trial.detected, trial.removed = daemon_times(list(stream.events), victim, t_fault)
+                print(f"    daemon: detected {fmt_out(trial.detected, args.cap)} s, router \"removed\" event "
+                      f"{fmt_out(trial.removed, args.cap)} s after the fault", flush=True)
                 # The restart: routable again -> in the router's list (the poller still runs).
                 running = None
                 deadline = time.monotonic() + BOOT + 60
@@ -378,7 +402,12 @@ def fed_phase(res: Results, args, tmp: Path, model: Path) -> None:
                 listed = first_listed(samples, url, running["ts"])
                 assert listed is not None
                 res.listed_ms.append((listed - running["ts"]) * 1000)
-                print(f"  {victim} RUNNING -> in the router's list: {res.listed_ms[-1]:.0f} ms", flush=True)
+                added = next((e["ts"] for e in list(stream.events) if e.get("event") == "router"
+                              and e.get("action") == "added" and e.get("engine") == victim
+                              and e["ts"] >= running["ts"]), math.nan)
+                print(f"  {victim} RUNNING -> in the router's list: {res.listed_ms[-1]:.0f} ms (the daemon's "
+                      f"\"added\" event, the router's answer to its POST: "
+                      f"{(added - running['ts']) * 1000:.0f} ms)", flush=True)
     finally:
         d.terminate(90)
         router.kill()

@@ -105,7 +105,7 @@ def test_table_compares_each_feed_with_the_daemon_fed_trial(br):
     res.listed_ms = [12.0, 30.0]
     res.direct, res.routed = [40.0, 44.0], [30.0, 33.0]
     lines = br.table(res)
-    rows = [line for line in lines if line.lstrip().startswith(("kill -9", "SIGSTOP"))]
+    rows = [x for x in lines if x.lstrip().startswith(("kill", "SIGSTOP")) and any(f in x for f in br.FEEDS)]
     # kill -9 first, the daemon-fed trial first within a fault.
     assert [r.split()[0] for r in rows] == ["kill", "kill", "SIGSTOP", "SIGSTOP"]
     assert "daemon feeds the router" in rows[0] and "0.029" in rows[0] and " 1.0 " in rows[0]
@@ -113,8 +113,20 @@ def test_table_compares_each_feed_with_the_daemon_fed_trial(br):
     assert "not within 300 s" in rows[3] and "> 120" in rows[3] and "30/40" in rows[3]
     assert any("12 / 30 ms" in x and "median 21" in x and "goal: yes" in x for x in lines)
     assert lines[-1].split() == ["median", "42.0", "31.5", "0.75"]
+    assert any(x.split()[:2] == ["kill", "-9"] and "detected" in x for x in lines)
 
 
 def test_table_names_a_failed_phase(br):
     res = br.Results(cap=30.0, failures=["router alone: TimeoutError: x"])
     assert br.table(res)[-1] == "FAILED router alone: TimeoutError: x"
+
+
+def test_daemon_times_from_its_event_stream(br):
+    events = [{"event": "transition", "engine": "engine-1", "to_state": "EXITED", "ts": 5.0},  # earlier fault
+              {"event": "transition", "engine": "engine-0", "to_state": "EXITED", "ts": 10.01},
+              {"event": "transition", "engine": "engine-1", "to_state": "EXITED", "ts": 10.02},
+              {"event": "router", "action": "removed", "engine": "engine-1", "ts": 10.05},
+              {"event": "router", "action": "added", "engine": "engine-1", "ts": 40.0}]
+    det, rem = br.daemon_times(events, "engine-1", 10.0)
+    assert (round(det, 3), round(rem, 3)) == (0.02, 0.05)
+    assert br.daemon_times(events[:1], "engine-1", 10.0) == (None, None)
