@@ -142,6 +142,10 @@ def fmt_out(x: float | None, cap: float) -> str:
     return f"not within {cap:g} s" if x is None else f"{x:.3f}"
 
 
+def say(x: float | None, cap: float) -> str:
+    return f"not within {cap:g} s" if x is None else f"{x:.3f} s"
+
+
 def fmt_ratio(alone: float | None, fed: float | None, cap: float) -> str:
     """alone / daemon-fed out time; a trial never out is at least cap / fed."""
     if fed is None or fed <= 0:
@@ -193,8 +197,8 @@ def table(res: Results) -> list[str]:
         lines.append("daemon feeds the router, from its event stream: fault -> detected, -> \"removed\" "
                      "(the router answered the DELETE), -> out (first poll without it)")
         for t in fed_rows:
-            lines.append(f"{t.fault:>8} run {t.repeat + 1}: detected {fmt_out(t.detected, cap)} s, removed "
-                         f"{fmt_out(t.removed, cap)} s, out {fmt_out(t.out, cap)} s")
+            lines.append(f"{t.fault:>8} run {t.repeat + 1}: detected {say(t.detected, cap)}, removed "
+                         f"{say(t.removed, cap)}, out {say(t.out, cap)}")
     if res.listed_ms:
         ok = "yes" if max(res.listed_ms) < 100 else "no"
         lines.append(f"routable at the current version -> in the router's list: "
@@ -346,7 +350,7 @@ def measure(res: Results, args, routers: list[tuple[str, RouterProc]], d: Daemon
             t = Trial(kind, feed, rep, None if t_out is None else t_out - t_fault, n, failed, longest,
                       len(stamps), sent_after(stamps, t_out))
             res.trials.append(t)
-            print(f"  {kind}, {feed}, run {rep + 1}: out {fmt_out(t.out, args.cap)} s; failed {failed}/{n}; "
+            print(f"  {kind}, {feed}, run {rep + 1}: out {say(t.out, args.cap)}; failed {failed}/{n}; "
                   f"longest {longest:.2f} s; failed sends to it in the router's log {t.sends}, "
                   f"surely after out {t.after}", flush=True)
     finally:
@@ -384,8 +388,8 @@ def fed_phase(res: Results, args, tmp: Path, model: Path) -> None:
                 samples = poller.samples
                 trial = res.trials[-1]
                 trial.detected, trial.removed = daemon_times(list(stream.events), victim, t_fault)
-                print(f"    daemon: detected {fmt_out(trial.detected, args.cap)} s, router \"removed\" event "
-                      f"{fmt_out(trial.removed, args.cap)} s after the fault", flush=True)
+                print(f"    daemon: detected {say(trial.detected, args.cap)}, router \"removed\" event "
+                      f"{say(trial.removed, args.cap)} after the fault", flush=True)
                 # The restart: routable again -> in the router's list (the poller still runs).
                 running = None
                 deadline = time.monotonic() + BOOT + 60
