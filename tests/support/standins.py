@@ -57,7 +57,7 @@ class AttachedStandIns:
         self._runners: list[web.AppRunner] = []
         ready = threading.Event()
         threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(30)
+        assert ready.wait(30), f"{n} stand-ins did not all listen within 30 s (a port taken since free_port?)"
 
     def _app(self, i: int) -> web.Application:
         async def ok(_):
@@ -97,7 +97,12 @@ class AttachedStandIns:
             for i, port in enumerate(self.ports):
                 runner = web.AppRunner(self._app(i), access_log=None)
                 await runner.setup()
-                await web.TCPSite(runner, "127.0.0.1", port).start()
+                for _ in range(5):  # a port free when picked may be taken since (other tests)
+                    try:
+                        await web.TCPSite(runner, "127.0.0.1", self.ports[i]).start()
+                        break
+                    except OSError:
+                        self.ports[i] = free_port()
                 self._runners.append(runner)
 
         self.loop.run_until_complete(up())
