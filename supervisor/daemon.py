@@ -117,7 +117,9 @@ class Supervisor:
         # sync_timeout).
         why = await self._wait_for_syncs()
         if why is None:
-            why = await reexec.preflight(argv)
+            (n, attached) = limits.fleet_counts(self.cfg.engines)
+            held = limits.nofile_needed(n, self.cfg.warmup.requests, attached=attached)
+            why = await reexec.preflight(argv, held=held)
         if why is None:
             why = await asyncio.to_thread(self._moved_dirs)
         if why is None:  # a sync that began while the check ran ends first too
@@ -578,9 +580,11 @@ def main(argv: list[str] | None = None) -> int:
         (n, attached), warm = limits.fleet_counts(cfg.engines), cfg.warmup.requests
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         problem = limits.nofile_problem(n, hard, hard=True, warmup_requests=warm, attached=attached)
-        if problem and os.environ.get(reexec.RELOAD_CHECK_ENV) == "1":
+        held = reexec.reload_held(os.environ.get(reexec.RELOAD_CHECK_ENV))
+        if problem and limits.nofile_needed(n, warm, attached=attached) <= held:
             # A reload's check: the new image re-adopts the running fleet and starts under this
-            # limit (as any daemon with engines to adopt does), so only a fresh start is refused.
+            # limit (as any daemon with engines to adopt does); a config that needs no more than
+            # the running one goes ahead. One that needs more is refused, as a fresh start is.
             print(f"vime-supervisor: config warning: {problem}; a reload re-adopts the running engines "
                   "and goes ahead", file=sys.stderr)
         elif problem:

@@ -3,7 +3,7 @@
 The decisions that span engines are policy.py's (pure): rounds, the current weight version,
 whether a dead engine may restart now, who is routable, the membership epoch, the min_healthy
 floor. `Fleet` carries them out: it logs, emits events on the bus (events.py) and calls the
-runners' verbs (engine.py); it never drives an engine's state machine itself. The daemon's
+runners' verbs (engine/runner.py); it never drives an engine's state machine itself. The daemon's
 start-up (daemon.py) builds the policy, the bus, the statistics (metrics.py) and the sync
 coordinator (sync.py), and wires them as listeners of the bus.
 """

@@ -110,20 +110,28 @@ def take_listener(named: dict[str, Any]) -> tuple[socket.socket | None, str | No
     return sock, None
 
 
+def reload_held(raw: str | None) -> int:
+    """The running fleet's open-file need a reload's check was handed (RELOAD_CHECK_ENV); 0
+    when it is not one, or the value is not a count."""
+    return int(raw) if raw is not None and raw.isascii() and raw.isdigit() else 0
+
+
 def daemon_argv() -> list[str]:
     """The command line this process was started with, run by this interpreter: `-m
     vime.supervisor ...` or the console script's path, with the interpreter's own options."""
     return [sys.executable, *sys.orig_argv[1:]]
 
 
-async def preflight(argv: list[str], timeout: float = PREFLIGHT_TIMEOUT) -> str | None:
+async def preflight(argv: list[str], timeout: float = PREFLIGHT_TIMEOUT, held: int = 0) -> str | None:
     """None if the installed daemon accepts this command line and its config now, else why not
-    (the check's own last lines). Runs while this daemon goes on serving."""
+    (the check's own last lines). Runs while this daemon goes on serving. `held`: the open
+    files the running fleet is estimated to need: a new config that needs no more may go
+    ahead under a hard limit below that (the fleet runs already); one that needs more may not."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, "--check-config", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env={**{k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}, RELOAD_CHECK_ENV: "1"})
+            env={**{k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}, RELOAD_CHECK_ENV: str(held)})
     except OSError as e:
         return f"cannot run {argv[0]}: {e}"
     try:

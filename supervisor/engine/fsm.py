@@ -294,8 +294,12 @@ class EngineFSM:
             return False
         what = ("without progress" if outcome.excuse == "busy"
                 else f"(longer than sync_timeout, {limit:g}s)")
-        self._go(S.UNHEALTHY, f"hung: {outcome.excuse} for {lasted:.0f}s {what} (last: {outcome.detail})",
-                 Cause.PAUSED if outcome.excuse == "paused" else Cause.BUSY)
+        why = f"hung: {outcome.excuse} for {lasted:.0f}s {what} (last: {outcome.detail})"
+        cause = Cause.PAUSED if outcome.excuse == "paused" else Cause.BUSY
+        if self.state is S.UNHEALTHY:  # out already (daemon_limit): the verdict is the engine's now
+            self.reason, self.cause = why, cause
+        else:
+            self._go(S.UNHEALTHY, why, cause)
         return True
 
     def report_failure(self, detail: str) -> bool:

@@ -153,7 +153,8 @@ def test_a_reload_under_a_hard_limit_below_the_estimate_keeps_the_engines(world)
     """A daemon already holding its fleet under a hard open-file limit below the estimate (as one
     started with engines to adopt does, or one whose limit was lowered while it ran): a reload's
     `--check-config` says the limit but does not refuse, and the new image re-adopts every
-    engine. The same check run for a fresh start still refuses (exit 2)."""
+    engine. The same check run for a fresh start still refuses (exit 2), and so does a reload
+    whose config adds an engine past the limit."""
     d, sock, cfg = world.daemon, world.sock, world.cfg
     c = SupervisorClient(sock)
     c.start_round(4)
@@ -179,6 +180,14 @@ def test_a_reload_under_a_hard_limit_below_the_estimate_keeps_the_engines(world)
     assert engine_pids(sock) == pids and after["daemon"]["reloads"] == 1
     assert [e["state"] for e in after["engines"]] == [e["state"] for e in before["engines"]] == ["RUNNING"] * 2
     assert (after["round"], after["round_open"]) == (4, True)
+    # A config that adds an engine needs more than the running fleet: that reload is refused.
+    cfg.write_text(cfg.read_text() + f'\n[[engines]]\nname = "e2"\nmodel = "{cfg.parent / "model"}"\n'
+                   f'served_model_name = "tiny"\nport = {free_port()}\n')
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    refused = d.wait_for(lambda e: e.get("event") == "supervisor.reload_refused", 60, after=mark)
+    assert "open-file limit" in refused["why"], refused
+    assert engine_pids(sock) == pids and c.status()["daemon"]["reloads"] == 1
 
 
 def test_sigterm_during_a_reload_stops_the_engines(world):

@@ -251,6 +251,25 @@ def test_an_engine_the_daemon_cannot_probe_leaves_routing_after_a_hangs_worth_un
     assert fsm.stopping("stopping").cause is Cause.HANG
 
 
+def test_an_engine_out_for_the_daemons_limit_then_busy_too_long_is_the_engines_hang():
+    """Out of routing for daemon_limit, then answered but busy past max_busy: the verdict is the
+    engine's (stop asked, cause busy), without a second UNHEALTHY transition (not a legal edge:
+    raising here would end the heartbeat and stop the engine for the daemon's shortage)."""
+    no_fd = ProbeOutcome(False, "generate: the daemon is out of descriptors", kind=DAEMON_LIMIT)
+    busy = ProbeOutcome(True, "busy: probe late (>2s), no tokens", excuse="busy")
+    fsm, clock, seen = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=5))
+    for t in (11.0, 13.0, 16.0):
+        clock.now = t
+        assert fsm.probe_result(no_fd) is False
+    assert fsm.state is S.UNHEALTHY and fsm.cause is Cause.DAEMON_LIMIT
+    clock.now = 17.0
+    assert fsm.probe_result(busy) is False  # busy: no answer yet on its weights, still out
+    clock.now = 23.0
+    assert fsm.probe_result(busy) is True
+    assert fsm.cause is Cause.BUSY and fsm.reason.startswith("hung: busy for 6s")
+    assert edges(seen) == [(S.RUNNING, S.UNHEALTHY)]
+
+
 def test_a_spare_or_a_stale_engine_is_not_taken_out_for_the_daemons_limit():
     no_fd = ProbeOutcome(False, "generate: the daemon is out of descriptors", kind=DAEMON_LIMIT)
     fsm, clock, seen = make()
