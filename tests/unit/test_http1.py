@@ -221,18 +221,29 @@ async def test_stale_connection_retried_only_once():
     await srv.stop()
 
 
-async def test_oversized_header_is_a_protocol_error():
+async def refused(answer: bytes, match: str | None = None, *, linger: float = 0.5, timeout: float = 2.0,
+                  **client: int) -> None:
+    """A server that writes `answer`, waits `linger` s and closes: the request fails with
+    HttpProtocolError (its message matching `match`)."""
     async def handler(n, reader, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: " + b"h" * 100000 + b"\r\n\r\n")
+        writer.write(answer)
         await writer.drain()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(linger)
         return "close"
 
     srv = await raw(handler)
-    c = Http1Client("127.0.0.1", srv.port)
-    with pytest.raises(HttpProtocolError, match="header larger"):
-        await c.post_json("/x", b"{}", 2.0)
+    c = Http1Client("127.0.0.1", srv.port, **client)
+    with pytest.raises(HttpProtocolError, match=match):
+        await c.post_json("/x", b"{}", timeout)
     await srv.stop()
+
+
+@pytest.mark.parametrize("head, linger, match, timeout", [
+    (b"HTTP/1.1 200 OK\r\nX-Big: " + b"h" * 100000 + b"\r\n\r\n", 0.5, "header larger", 2.0),  # oversized
+    (b"HTTP/1.1 200 OK\r\nContent-Le", 0.0, "mid-header", 1.0),  # closed mid-header
+], ids=["oversized", "closed-mid-header"])
+async def test_a_broken_header_is_a_protocol_error(head, linger, match, timeout):
+    await refused(head, match, linger=linger, timeout=timeout)
 
 
 async def test_fresh_connection_closed_without_answer_is_not_retried():
@@ -244,6 +255,14 @@ async def test_fresh_connection_closed_without_answer_is_not_retried():
     with pytest.raises(HttpProtocolError, match="without answering"):
         await c.post_json("/x", b"{}", 1.0)
     assert srv.requests == 1
+    await srv.stop()
+
+
+async def answered_on_a_fresh_connection(c: Http1Client, srv) -> None:
+    """After a broken first answer, the next request is answered, on a second connection."""
+    assert await c.post_json("/x", b"{}", 1.0) == (200, b'{"ok":1}')
+    assert srv.connections == 2
+    c.close()
     await srv.stop()
 
 
@@ -259,23 +278,7 @@ async def test_close_mid_answer_is_a_protocol_error_and_the_next_request_reconne
     c = Http1Client("127.0.0.1", srv.port)
     with pytest.raises(HttpProtocolError, match="mid-body"):
         await c.post_json("/x", b"{}", 1.0)
-    assert await c.post_json("/x", b"{}", 1.0) == (200, b'{"ok":1}')
-    assert srv.connections == 2
-    c.close()
-    await srv.stop()
-
-
-async def test_close_mid_header_is_a_protocol_error():
-    async def handler(n, reader, writer):
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Le")
-        await writer.drain()
-        return "close"
-
-    srv = await raw(handler)
-    c = Http1Client("127.0.0.1", srv.port)
-    with pytest.raises(HttpProtocolError, match="mid-header"):
-        await c.post_json("/x", b"{}", 1.0)
-    await srv.stop()
+    await answered_on_a_fresh_connection(c, srv)
 
 
 async def test_no_answer_times_out_and_drops_the_connection():
@@ -291,10 +294,7 @@ async def test_no_answer_times_out_and_drops_the_connection():
         await c.post_json("/x", b"{}", 0.2)
     assert time.monotonic() - t0 < 1.0
     # The late answer must never be read as the next request's: a fresh connection answers.
-    assert await c.post_json("/x", b"{}", 1.0) == (200, b'{"ok":1}')
-    assert srv.connections == 2
-    c.close()
-    await srv.stop()
+    await answered_on_a_fresh_connection(c, srv)
 
 
 async def test_chunked_answer_is_joined():
@@ -347,17 +347,7 @@ async def test_body_ended_by_close_without_length():
     b"HTTP/1.1 200 OK\r\n\r\n" + b"z" * 70000,
 ], ids=["content-length", "chunked", "until-close"])
 async def test_oversized_body_is_refused(answer):
-    async def handler(n, reader, writer):
-        writer.write(answer)
-        await writer.drain()
-        await asyncio.sleep(0.5)
-        return "close"
-
-    srv = await raw(handler)
-    c = Http1Client("127.0.0.1", srv.port, max_body=65536)
-    with pytest.raises(HttpProtocolError, match="cap"):
-        await c.post_json("/x", b"{}", 2.0)
-    await srv.stop()
+    await refused(answer, "cap", max_body=65536)
 
 
 @pytest.mark.parametrize("answer", [b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 2x0 OK\r\n\r\n",
@@ -367,17 +357,7 @@ async def test_oversized_body_is_refused(answer):
                                     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
                                     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"])
 async def test_malformed_answers_are_protocol_errors(answer):
-    async def handler(n, reader, writer):
-        writer.write(answer)
-        await writer.drain()
-        await asyncio.sleep(0.5)
-        return "close"
-
-    srv = await raw(handler)
-    c = Http1Client("127.0.0.1", srv.port)
-    with pytest.raises(HttpProtocolError):
-        await c.post_json("/x", b"{}", 2.0)
-    await srv.stop()
+    await refused(answer)
 
 
 async def test_interim_100_answer_is_skipped():
