@@ -7,9 +7,12 @@ One `Run` per configuration holds what the run recorded:
                cause, ts; `round_start` / `round_end`), as harness/faults.py `timeline()` reads it;
   faults       the injected faults (faults.Fault: kind, engine, injected_at);
   rounds       the per-round rollout records (trainer/rl_loop.py StepRecord, or anything with its
-               samples, seconds, lost, tokens_cut, tokens_reused, tokens_regenerated);
+               lost and tokens_regenerated);
   started_over the rollout client's per-sample StartOver records (RolloutResult.started_over);
   useful_tokens output tokens in samples returned at the right version and used;
+  discarded_tokens output tokens of samples returned but not used (a lost round's, or at the
+               wrong version): the bench sums their n_tokens (a continued sample's reused
+               pieces are in it);
   target       serving engines wanted; wall_s the run's wall time.
 
 `account(run, fault_free_s)` gives its `Goodput` row; `fault_free_s` is the fault-free run's wall
@@ -18,9 +21,8 @@ time for the same work. The figures:
   ETTR             fault_free_s / wall_s (1.0: the faults cost nothing);
   useful tok/s     useful_tokens / wall_s;
   tokens lost      output tokens the client read that are in no sample used: the rounds'
-                   tokens_regenerated (partial outputs thrown away, StartOver's among them), and of
-                   a lost round its tokens_reused too (its continued samples went with it); per
-                   injected fault;
+                   tokens_regenerated (partial outputs thrown away, StartOver's among them) plus
+                   discarded_tokens; per injected fault;
   rounds lost      rounds recorded as lost;
   false restarts   stops (an engine taken down: UNHEALTHY, STOPPING or EXITED from a serving
                    state, for a failure cause) that match no injected fault: a fault matches the
@@ -49,11 +51,7 @@ from vime.supervisor.protocol import ROUTABLE, Cause, Event, State
 class RoundRecord(Protocol):
     """The fields of trainer/rl_loop.py StepRecord this module reads."""
 
-    samples: int
-    seconds: float
     lost: bool
-    tokens_cut: int
-    tokens_reused: int
     tokens_regenerated: int
 
 
@@ -82,6 +80,7 @@ class Run:
     wall_s: float
     useful_tokens: int
     started_over: Sequence[StartedOver] = ()
+    discarded_tokens: int = 0
 
 
 @dataclass
@@ -142,8 +141,9 @@ def false_restarts(events: Sequence[Mapping[str, Any]], faults: Sequence[Fault])
                    key=lambda f: float(f.injected_at or 0.0))
     false = 0
     for ev in stops(events):
+        # The daemon's ts and injected_at are both this host's wall clock; 10 ms as timeline() allows.
         hit = next((f for f in open_ if f.engine == ev.get("engine") and DETECTED_AS[f.kind] == ev.get("cause")
-                    and float(f.injected_at or 0.0) <= float(ev["ts"])), None)
+                    and float(f.injected_at or 0.0) - 0.01 <= float(ev["ts"])), None)
         if hit is None:
             false += 1
         else:
@@ -185,7 +185,7 @@ def reduced_strength(events: Sequence[Mapping[str, Any]], target: int) -> float:
 def account(run: Run, fault_free_s: float | None = None) -> Goodput:
     """The run's goodput row; ETTR against `fault_free_s`, the fault-free run's wall time."""
     lost_rounds = [r for r in run.rounds if r.lost]
-    tokens_lost = sum(r.tokens_regenerated for r in run.rounds) + sum(r.tokens_reused for r in lost_rounds)
+    tokens_lost = sum(r.tokens_regenerated for r in run.rounds) + run.discarded_tokens
     false, unmatched = false_restarts(run.events, run.faults)
     engines = {str(ev.get("engine")) for ev in _transitions(run.events)}
     return Goodput(

@@ -141,10 +141,10 @@ def test_each_fault_matches_one_stop() -> None:
 
 def test_a_lost_round() -> None:
     steps = [Step(), Step(lost=True, tokens_cut=30, tokens_reused=20, tokens_regenerated=10), Step()]
-    row = g.account(run(boot("e0", "e1") + rounds(3), [kill("e0", 12.0)], steps))
+    # Its 8 returned samples held 80 tokens (the 20 reused among them): all thrown away.
+    row = g.account(run(boot("e0", "e1") + rounds(3), [kill("e0", 12.0)], steps, discarded_tokens=80))
     assert (row.rounds, row.rounds_lost) == (3, 1)
-    # Its continued samples went with it: reused and regenerated tokens both lost.
-    assert row.tokens_lost == 30 and row.tokens_lost_per_fault == 30.0
+    assert row.tokens_lost == 90 and row.tokens_lost_per_fault == 90.0
 
 
 def test_a_request_started_over_with_twelve_tokens() -> None:
