@@ -604,7 +604,7 @@ def test_engine_names_that_are_not_safe_file_names_are_refused(tmp_path, name):
 # -- retention of engine logs and incident folders ------------------------------------------
 
 
-def test_retention_defaults_bound_the_log_dir_and_each_key_is_checked(good, tmp_path, spawn_trap):
+def test_retention_defaults_bound_the_log_dir_and_each_key_is_checked(good, model, tmp_path, spawn_trap):
     cfg = build(good)
     assert (cfg.log_keep, cfg.log_keep_bytes) == (10, 1 << 30)
     assert (cfg.incidents_keep, cfg.incidents_keep_bytes) == (100, 256 << 20)
@@ -620,7 +620,7 @@ def test_retention_defaults_bound_the_log_dir_and_each_key_is_checked(good, tmp_
     ]
     # The flags set them and are checked the same way, by --check-config too.
     trap, _ = spawn_trap
-    f = _cli_config(tmp_path, trap, f'log_keep = 3\n\n[[engines]]\nname = "e0"\nmodel = "{model_dir(tmp_path)}"\n'
+    f = _cli_config(tmp_path, trap, f'log_keep = 3\n\n[[engines]]\nname = "e0"\nmodel = "{model}"\n'
                                     "port = 8001\n")
     args = parse_args(["--config", str(f), "--log-keep-bytes", "4096", "--incidents-keep", "7",
                        "--incidents-keep-bytes", "0"])
