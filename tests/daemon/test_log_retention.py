@@ -70,3 +70,32 @@ def test_old_engine_logs_are_removed_and_the_live_one_kept(tmp_path, daemons):
     wait_until(lambda: "ready on" in live.read_text(), 10, "the live incarnation writes its log")
     assert d.terminate(30) == 0
     assert live.exists()
+
+
+def test_an_incident_folder_written_removes_the_oldest_beyond_the_count(tmp_path, daemons):
+    """A hung engine (SIGSTOP) gets a post-mortem before its stop; with incidents_keep = 1 the
+    older folder goes (by the time stamp its name starts with) and the new one stays."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    model = standin_model(tmp_path / "model")
+    root = tmp_path / "logs" / "incidents"
+    old = root / "20200101T000000-e0-1"
+    old.mkdir(parents=True)
+    (old / "incident.json").write_text("{}")
+    (root / "keep-me").mkdir()  # not a folder the daemon names: never touched
+    cfg = standin_config(tmp_path, fake, [{"name": "e0", "model": str(model), "served_model_name": "tiny",
+                                           "port": free_port()}],
+                         supervisor={"incidents_keep": 1})
+    d = Daemon(cfg)
+    daemons.append(d)
+    d.transition("e0", "RUNNING", 30)
+    mark = d.mark()
+    os.kill(d.last_pid("e0"), signal.SIGSTOP)
+    d.transition("e0", "UNHEALTHY", 30, after=mark)
+    saved = d.wait_for(lambda e: e.get("event") == "postmortem.saved", 30, after=mark)
+    removed = d.wait_for(lambda e: e.get("event") == "retention.removed", 30, after=mark)
+    assert removed["what"] == "incidents" and removed["folders"][0] == old.name
+    assert not old.exists() and (root / "keep-me").is_dir()
+    wait_until(lambda: Path(saved["folder"]).is_dir(), 5, "the new incident folder is kept")
+    assert d.terminate(30) == 0
