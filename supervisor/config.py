@@ -165,6 +165,13 @@ class Config:
     runtime_dir: str = "/run/vime-supervisor"
     log_dir: str = "/var/log/vime-supervisor"
     state_dir: str = "/var/lib/vime-supervisor"  # the journal (systemd's StateDirectory=)
+    # Retention, so that a week of restarts cannot fill log_dir (0: no limit). Each engine keeps
+    # its newest log_keep logs within log_keep_bytes, oldest incarnation removed first, the live
+    # one never; the incident folders, all engines together, likewise, the newest never.
+    log_keep: int = 10
+    log_keep_bytes: int = 1 << 30
+    incidents_keep: int = 100
+    incidents_keep_bytes: int = 256 << 20
     # Each engine's compiler caches, <engine_cache_dir>/<engine>/<model digest>/; "" is
     # <state_dir>/engine-cache. Engines of the same name and model on the same host may share it.
     engine_cache_dir: str = ""
@@ -211,6 +218,10 @@ _SUPERVISOR = {
     "runtime_dir": str,
     "log_dir": str,
     "state_dir": str,
+    "log_keep": int,
+    "log_keep_bytes": int,
+    "incidents_keep": int,
+    "incidents_keep_bytes": int,
     "engine_cache_dir": str,
     "log_level": str,
     "python": str,
@@ -440,6 +451,9 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     _check_metrics_address(sup, problems, warnings)
     if _finite(sup.get("stop_timeout", 1.0)) and sup.get("stop_timeout", 1.0) <= 0:
         problems.append(f"supervisor.stop_timeout: must be > 0, got {sup['stop_timeout']:g}")
+    for key in ("log_keep", "log_keep_bytes", "incidents_keep", "incidents_keep_bytes"):
+        if sup.get(key, 0) < 0:
+            problems.append(f"supervisor.{key}: must be >= 0 (0: no limit), got {sup[key]}")
     if sup.get("log_level", "info") not in _LOG_LEVELS:
         problems.append(f"supervisor.log_level: must be one of {', '.join(sorted(_LOG_LEVELS))}, got {sup['log_level']!r}")
     uids = sup.pop("allowed_uids", [])
@@ -939,6 +953,10 @@ _FLAG_KEYS = {
     "runtime_dir": ("supervisor", "runtime_dir"),
     "log_dir": ("supervisor", "log_dir"),
     "state_dir": ("supervisor", "state_dir"),
+    "log_keep": ("supervisor", "log_keep"),
+    "log_keep_bytes": ("supervisor", "log_keep_bytes"),
+    "incidents_keep": ("supervisor", "incidents_keep"),
+    "incidents_keep_bytes": ("supervisor", "incidents_keep_bytes"),
     "engine_cache_dir": ("supervisor", "engine_cache_dir"),
     "log_level": ("supervisor", "log_level"),
     "metrics_address": ("supervisor", "metrics_address"),
@@ -1003,6 +1021,17 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--runtime-dir", help="holds the control socket (default /run/vime-supervisor)")
     g.add_argument("--log-dir", help="engine logs, one file per incarnation")
     g.add_argument("--state-dir", help="the journal that lets a restarted daemon lose nothing")
+    g.add_argument("--log-keep", type=int, metavar="N",
+                   help=f"each engine's newest N logs are kept, the live one always; 0: no limit "
+                        f"(default {Config.log_keep})")
+    g.add_argument("--log-keep-bytes", type=int, metavar="BYTES",
+                   help=f"each engine's logs within BYTES, oldest removed first; 0: no limit "
+                        f"(default {Config.log_keep_bytes})")
+    g.add_argument("--incidents-keep", type=int, metavar="N",
+                   help=f"the newest N incident folders are kept; 0: no limit (default {Config.incidents_keep})")
+    g.add_argument("--incidents-keep-bytes", type=int, metavar="BYTES",
+                   help=f"the incident folders within BYTES, oldest removed first; 0: no limit "
+                        f"(default {Config.incidents_keep_bytes})")
     g.add_argument("--engine-cache-dir", help="the engines' compiler caches, kept across restarts "
                                               "(default <state_dir>/engine-cache)")
     g.add_argument("--log-level", help="debug, info, warning, error")

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import structlog
 
+from . import retention
 from .activity import sample_group
 from .process import read_tail
 from .view import EngineView
@@ -33,6 +34,10 @@ def incident_dir(log_dir: str) -> Path:
     return Path(log_dir) / "incidents"
 
 
+# Folders being written now (two engines may be captured at once): retention leaves them alone.
+_writing: set[Path] = set()
+
+
 async def capture(runner: EngineView, reason: str, *, budget: float = 10.0) -> Path | None:
     """Save the incident folder; returns it (None if even creating it failed)."""
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -42,6 +47,18 @@ async def capture(runner: EngineView, reason: str, *, budget: float = 10.0) -> P
     except OSError as e:
         log.error("postmortem.failed", engine=runner.name, error=str(e))
         return None
+    _writing.add(folder)
+    try:
+        await _capture(runner, reason, folder, budget)
+    finally:
+        _writing.discard(folder)
+    # The oldest beyond incidents_keep(_bytes) go; this one and any still being written stay.
+    await asyncio.to_thread(retention.prune_incidents, folder.parent, {folder} | _writing,
+                            retention.incidents_rule(runner.cfg))
+    return folder
+
+
+async def _capture(runner: EngineView, reason: str, folder: Path, budget: float) -> None:
     t0 = time.monotonic()
     group = sample_group(runner.proc.pid) if runner.proc is not None else None
     pids = [m.pid for m in group.members] if group is not None else []
@@ -71,7 +88,6 @@ async def capture(runner: EngineView, reason: str, *, budget: float = 10.0) -> P
     (folder / "incident.json").write_text(json.dumps(summary, indent=1))
     log.warning("postmortem.saved", engine=runner.name, folder=str(folder), took=summary["took"],
                 captured=summary["captured"])
-    return folder
 
 
 async def _slow_parts(runner: EngineView, folder: Path, pids: list[int], summary: dict) -> None:

@@ -22,7 +22,7 @@ import aiohttp
 import structlog
 from tenacity import AsyncRetrying, RetryError, retry_if_result, stop_after_delay, wait_exponential_jitter
 
-from . import postmortem
+from . import postmortem, retention
 from .activity import sample_group
 from ..config import Config, EngineSpec
 from ..events import EventBus
@@ -382,6 +382,10 @@ class EngineRunner:
             self.persist()  # the pid is on disk before anything else can happen
             log.info("engine.spawned", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation,
                      log=str(self.log_path), load="dummy" if self.dummy_weights else "model")
+            # A new log is open: this engine's oldest beyond log_keep(_bytes) go, never this one
+            # (an OSError is logged there, never raised into supervision).
+            await asyncio.to_thread(retention.prune_logs, self.cfg.log_dir, self.name, self.log_path,
+                                    retention.log_rule(self.cfg))
         proc = self.proc
         exited = asyncio.ensure_future(proc.wait())
         warm = not proc.adopted or self.adoption.unwarmed

@@ -599,3 +599,33 @@ def test_engine_names_that_are_not_safe_file_names_are_refused(tmp_path, name):
     """Review: name = "../../e5-escaped/x" put the engine's log outside log_dir."""
     out = problems({"engines": [engine(name, model_dir(tmp_path), 8001)]})
     assert len(out) == 1 and out[0].endswith(f"got {name!r}") and ".name: use letters" in out[0]
+
+
+# -- retention of engine logs and incident folders ------------------------------------------
+
+
+def test_retention_defaults_bound_the_log_dir_and_each_key_is_checked(good, model, tmp_path, spawn_trap):
+    cfg = build(good)
+    assert (cfg.log_keep, cfg.log_keep_bytes) == (10, 1 << 30)
+    assert (cfg.incidents_keep, cfg.incidents_keep_bytes) == (100, 256 << 20)
+    cfg = build({**good, "supervisor": {"log_keep": 0, "log_keep_bytes": 5, "incidents_keep": 1,
+                                        "incidents_keep_bytes": 0}})
+    assert (cfg.log_keep, cfg.log_keep_bytes, cfg.incidents_keep, cfg.incidents_keep_bytes) == (0, 5, 1, 0)
+    assert problems({**good, "supervisor": {"log_keep": -1, "log_keep_bytes": "1G", "incidents_keep": 2.5,
+                                            "incidents_keep_bytes": -4096}}) == [
+        "supervisor.log_keep_bytes: must be an integer, got '1G'",
+        "supervisor.incidents_keep: must be an integer, got 2.5",
+        "supervisor.log_keep: must be >= 0 (0: no limit), got -1",
+        "supervisor.incidents_keep_bytes: must be >= 0 (0: no limit), got -4096",
+    ]
+    # The flags set them and are checked the same way, by --check-config too.
+    trap, _ = spawn_trap
+    f = _cli_config(tmp_path, trap, f'log_keep = 3\n\n[[engines]]\nname = "e0"\nmodel = "{model}"\n'
+                                    "port = 8001\n")
+    args = parse_args(["--config", str(f), "--log-keep-bytes", "4096", "--incidents-keep", "7",
+                       "--incidents-keep-bytes", "0"])
+    cfg = load(args.config, args)
+    assert (cfg.log_keep, cfg.log_keep_bytes, cfg.incidents_keep, cfg.incidents_keep_bytes) == (3, 4096, 7, 0)
+    r = run_cli("--config", str(f), "--check-config", "--log-keep", "-2")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == PREFIX + "supervisor.log_keep: must be >= 0 (0: no limit), got -2"

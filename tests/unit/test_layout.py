@@ -16,7 +16,7 @@ Inside the daemon (vime.supervisor), five groups, each importing only itself and
 
     base     states, protocol, errors, config, tasks, logs, events
     engine   supervisor/engine/: runner, adoption, heartbeat, fsm, process, activity, probes, http1, warmup,
-             postmortem, view
+             postmortem, retention, view
     fleet    policy, fleet, sync, metrics, status, journal, routerfeed
     service  daemon, reexec, sdnotify, limits, reap, control, __main__
     client   supervisor/client/ and the supervisorctl entry module (the contract only, above)
@@ -114,7 +114,7 @@ _D = "vime.supervisor."
 GROUPS = {  # lowest first
     "base": {_D + m for m in ("states", "protocol", "errors", "config", "tasks", "logs", "events")},
     "engine": {_D + "engine"} | {_D + "engine." + m for m in ("runner", "fsm", "process", "activity", "probes", "heartbeat", "adoption",
-                                                             "http1", "warmup", "postmortem", "view")},
+                                                             "http1", "warmup", "postmortem", "retention", "view")},
     "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "routerfeed")},
     "service": {"vime.supervisor"} | {_D + m for m in ("daemon", "reexec", "sdnotify", "limits", "reap", "control",
                                                        "__main__")},
