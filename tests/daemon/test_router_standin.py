@@ -9,6 +9,7 @@ real engines (docs/router.md, Tests).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -199,6 +200,11 @@ def test_a_daemon_restarted_after_a_kill_never_takes_its_healthy_engines_out(tmp
     try:
         d, sock, urls = node(tmp_path, ("e0", "e1"), router.url)
         wait(lambda: set(router.workers()) == set(urls.values()), what="both listed")
+        # The journal knows them RUNNING: one killed in the instant before the journal is
+        # written is adopted as STARTING, and is rightly kept out until it is checked again.
+        journal = tmp_path / "state" / "journal.json"
+        wait(lambda: {e.get("state") for e in json.loads(journal.read_text())["engines"].values()} == {"RUNNING"},
+             what="the journal records both RUNNING")
         d.kill()
         d2 = Daemon(tmp_path / "sup.toml")
         d2.wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
