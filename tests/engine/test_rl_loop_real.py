@@ -1,13 +1,10 @@
-"""The main job, shortened: the example RL loop on the demo's fleet (three real vLLM engines
-under the daemon, one a warm spare kept at the current weights, `admit_mid_round`), with a
-kill -9 in a round with a long tail, a hung EngineCore and a push failing midway injected at
-its hook points (harness/chaos.py); then the plain loop's dump/replay flags
-(`python -m vime.trainer.rl_loop`) on its output.
+"""The main job, shortened: the example RL loop on two real vLLM engines under the daemon, with
+a kill -9, a hung EngineCore and a push failing midway injected at its hook points
+(harness/chaos.py); then the plain loop's dump/replay flags (`python -m vime.trainer.rl_loop`)
+on its output.
 
-The kill cuts a long request mid-stream: it is continued on the other serving engine with
-0 tokens regenerated, and the spare takes the killed engine's place inside the round.
-One daemon, three engines for the module; the faults wait (in the round gap) for a whole
-fleet. Most of its time is vLLM boots.
+One daemon, two engines for the module; the faults wait (in the round gap) for a whole fleet,
+so each is measured on two running engines. ~4 minutes on 2 cores, most of it vLLM boots.
 """
 
 from __future__ import annotations
@@ -37,10 +34,11 @@ def world(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     # The demo's own tight probes (interval 1 s, timeout 2 s, threshold 2), from cold compiler
     # caches: the daemon keeps each engine's under this new state directory.
-    cfg = demo_config(root, tiny_model, engines=3, spares=1)
+    cfg = demo_config(root, tiny_model)
     daemon = Daemon(cfg)
     try:
-        daemon.wait_for(lambda e: e.get("event") == "supervisor.ready", BOOT * 2)
+        for name in ("engine-0", "engine-1"):
+            daemon.transition(name, "RUNNING", BOOT)
         yield root, daemon, str(root / "run" / "supervisor.sock")
     finally:
         pids = set(daemon.spawned_pids())
@@ -58,8 +56,7 @@ def loop_args(root: Path, sock: str | None, model: Path, *extra: str):
 @pytest.fixture(scope="module")
 def live_run(world, tiny_model):
     root, daemon, sock = world
-    args = loop_args(root, sock, tiny_model, "--kill-at", "2", "--long-tail", "4", "--hang-at", "3",
-                     "--fail-push-at", "4",
+    args = loop_args(root, sock, tiny_model, "--kill-at", "2", "--hang-at", "3", "--fail-push-at", "4",
                      "--save-debug-rollout-data", str(root / "dumps" / "{rollout_id}.jsonl"))
     report = ChaosLoop(args).run()
     print(format_report(report))
@@ -80,26 +77,14 @@ def test_faults_are_detected_and_every_engine_ends_on_the_trainers_version(world
     assert kinds["hang"].detected_as.startswith("UNHEALTHY: hung:")
     assert kinds["push"].detected_as.startswith("UNHEALTHY: poisoned: push of v")
     assert "(reported by the trainer)" in kinds["push"].detected_as
-    # The kill cut a long request mid-stream: continued elsewhere, no token generated twice;
-    # the spare (current) took the killed engine's place inside the round.
-    kill, cut = kinds["kill"], next(s for s in rep.steps if s.step == kinds["kill"].fired_step)
-    assert cut.continued >= 1 and cut.tokens_reused > 0, cut
-    # A sample that starts over is one the kill cut after its last token and before its finish
-    # reason (a short one, complete but unconfirmed); a continued one regenerates nothing.
-    started = [so for line in (world[0] / "dumps" / f"{kill.fired_step}.jsonl").read_text().splitlines()[1:]
-               for so in json.loads(line).get("started_over") or []]
-    assert all("of max_tokens received, but no finish reason" in so["reason"] for so in started), started
-    assert cut.tokens_regenerated == sum(so["tokens"] for so in started), (cut, started)
-    assert kill.spare is not None and kill.filled_in_round(), kill.as_dict()
-    assert kill.resync_reason == f"back as the spare; {kill.spare} serves in its place"
-    # Each fault came back through a verified push (not a boot on base weights) or as the spare.
-    assert all(f.resync_reason.startswith(("weights v", "back as the spare")) for f in rep.faults)
+    # Each fault came back through the agent's verified push, not a boot on base weights.
+    assert all(f.resync_reason.startswith("weights v") for f in rep.faults)
     # The daemon's structured causes, which the demo's and the soak's verdicts read.
     assert {k: f.detected_cause for k, f in kinds.items()} == {"kill": "exit", "hang": "hang", "push": "poisoned"}
     assert [f.wrong_cause() for f in rep.faults] == [None] * 3
     assert rep.final_version == STEPS
-    assert sorted(e["state"] for e in rep.engines.values()) == ["RUNNING", "RUNNING", "STANDBY"]
-    assert all(e["weight_version"] == STEPS for e in rep.engines.values() if e["state"] == "RUNNING")
+    assert {n: e["weight_version"] for n, e in rep.engines.items()} == {"engine-0": STEPS, "engine-1": STEPS}
+    assert {e["state"] for e in rep.engines.values()} == {"RUNNING"}
     assert rep.syncs and all(s["ok"] for s in rep.syncs)
     # The demo's verdict on this run (what makes `make demo` exit 0 or 1): nothing went wrong,
     # and the daemon restarted engines exactly once per injected fault (no healthy one stopped).
