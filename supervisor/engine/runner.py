@@ -824,6 +824,9 @@ class EngineRunner:
             fsm.begin_start(f"attach to {self.spec.base_url}", restart=False)
         self.first_start_begun = True
         self._poke()
+        # Spread over one interval as the heartbeats are: thousands of attached engines' first
+        # checks sent in the same instant time out in waves on the daemon's own loop.
+        await asyncio.sleep(self.phase)
         try:
             await asyncio.wait_for(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
             hold = None if self.adoption.routable else self.policy.hold_reason()
