@@ -7,6 +7,11 @@ agent connected, a checkpoint published with the version is the fallback: the da
 the engine from it. Either way the daemon then checks `/weight_info` and a deep probe before
 the engine is RUNNING. A failed or timed-out sync leaves vLLM half-loaded (meta tensors
 behind a 200 /health): the engine is poisoned and restarted, never routed.
+
+The trainer's every-step push into the routable engines is not a sync: it is announced
+(POST /v1/pushes) and ended, and while it is in flight its receivers, paused, are excused until
+its deadline instead of sync_timeout (PushBook, pure; PushCoordinator, its I/O; the verdict is
+the engine FSM's, through its PushWindow).
 """
 
 from __future__ import annotations
