@@ -16,6 +16,8 @@ import json
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -143,6 +145,10 @@ def test_bad_announcements_and_ends_are_refused_and_change_nothing(fleet):
     got, answer = call(sock, "POST", "/v1/pushes", json.dumps({**good, "engines": ["b", "a"]}).encode())
     assert got == 409 and f"a already receives push {push}" in answer["error"]["message"], answer
     assert [p["push"] for p in c.pushes()] == [push]
+    ctl = subprocess.run([sys.executable, "-m", "vime.supervisor.client.cli", "--socket", sock, "pushes"],
+                         capture_output=True, text=True, timeout=60)
+    assert ctl.returncode == 0 and re.match(rf"{push} +v1 +1 engines, 10 bytes, \d+s old, \d+s to its deadline "
+                                            r"\(30s\): a$", ctl.stdout), (ctl.stdout, ctl.stderr)
     summary = c.push_end(push, False, {"a": "timed out in the collective"})
     assert summary["outcome"] == "failed" and summary["condemned"] == {} and not summary["late"], summary
     assert summary["failed"] == {"a": "timed out in the collective"}
