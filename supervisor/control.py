@@ -37,6 +37,8 @@ from .protocol import (
     LOG_PATH_HEADER,
     METRICS_PATH,
     NDJSON,
+    PUSH_END_PATTERN,
+    PUSHES_PATH,
     ROLE_PARAM,
     ROUTABLE_PATH,
     ROUTES,
@@ -105,7 +107,7 @@ def peer_credentials(request: web.Request) -> tuple[int, int, int] | None:
 # Requests that change what the daemon does leave one line each, `control.<action>`, with
 # who asked (SO_PEERCRED's uid and pid), what was asked, and how it was answered.
 _AUDIT = "vime.audit"  # request key: the fields a handler adds to its audit line
-_AUDIT_FROM_PATH = {"name": "engine", "n": "round"}  # route placeholder -> audit field
+_AUDIT_FROM_PATH = {"name": "engine", "n": "round", "id": "push"}  # route placeholder -> audit field
 
 
 def _note(request: web.Request, **fields: Any) -> None:
@@ -176,13 +178,24 @@ class ResyncVerbs(Protocol):
     async def end(self, runner: EngineRunner, version: int, ok: bool, error: str | None) -> dict[str, Any]: ...
 
 
+class PushVerbs(Protocol):
+    """What the control socket asks of the announced pushes (sync.PushCoordinator)."""
+
+    def begin(self, version: int, engines: list[str], nbytes: int, deadline_s: float) -> dict[str, Any]: ...
+
+    def end(self, push_id: str, ok: bool, failed: dict[str, str]) -> dict[str, Any] | None: ...
+
+    def in_flight(self) -> list[dict[str, Any]]: ...
+
+
 class ControlServer:
     def __init__(self, fleet: Fleet, sync: ResyncVerbs, path: str, *, allowed_uids: tuple[int, ...] = (), socket_group: str | None = None,
-                 listener: socket.socket | None = None):
+                 listener: socket.socket | None = None, pushes: PushVerbs | None = None):
         """listener: the listening socket a reload handed over (checked by reexec.take_listener),
         served on instead of binding a new one."""
         self.fleet = fleet
         self.sync = sync  # the weight-push verbs (begin, end, the agent's stream)
+        self.pushes = pushes  # the trainer's announced pushes into many engines
         self.path = path
         self.allowed = {os.getuid(), *allowed_uids}
         self.socket_group = socket_group
@@ -475,6 +488,9 @@ class ControlServer:
             ("GET", EVENTS_PATH): self.events,
             ("GET", METRICS_PATH): self.metrics,
             ("GET", INCIDENTS_PATH): self.incidents,
+            ("POST", PUSHES_PATH): self.push_begin,
+            ("GET", PUSHES_PATH): self.push_list,
+            ("POST", PUSH_END_PATTERN): self.push_end,
         }
         assert set(handlers) == set(ROUTES), "protocol.ROUTES and the handlers differ"
         # Audited POST routes besides the engine actions (audited by their action's name).
@@ -483,6 +499,8 @@ class ControlServer:
             API + "/rounds/{n}/" + RoundPhase.END: "round_end",
             WEIGHTS_PATH: "weights",
             ENGINE_SIGNAL_PATTERN: "signal",
+            PUSHES_PATH: "push_begin",
+            PUSH_END_PATTERN: "push_end",
         }
         for method, path in ROUTES:  # in the protocol's order: the sync route before {action}
             self.app.router.add_route(method, path, handlers[method, path])
@@ -575,6 +593,48 @@ class ControlServer:
             check_version("version", body["version"])
             return web.json_response(await self.sync.end(runner, body["version"], body["ok"], body.get("error")))
         raise ApiError(404, ErrorCode.UNKNOWN_ACTION, f"no sync phase {phase!r}; use {' or '.join(SyncPhase)}")
+
+    def _push_verbs(self) -> PushVerbs:
+        if self.pushes is None:  # a server built without them (tests of the routes alone)
+            raise ApiError(404, ErrorCode.NOT_FOUND, "this daemon takes no push announcements")
+        return self.pushes
+
+    async def push_begin(self, request: web.Request) -> web.Response:
+        """The trainer announces a push into many engines: each receiver, paused, is excused
+        until the push's deadline (not sync_timeout) while it is in flight."""
+        pushes = self._push_verbs()
+        body = await self._body(request, {"version": (int,), "engines": (list,), "bytes": (int,),
+                                          "deadline_s": (int, float)}, {"version", "engines", "bytes", "deadline_s"})
+        check_version("version", body["version"])
+        engines = body["engines"]
+        if not all(isinstance(e, str) for e in engines):
+            raise ApiError(400, ErrorCode.BAD_REQUEST, "engines must be a list of engine names (strings)")
+        unknown = [e for e in engines if e not in self.fleet.runners]
+        if unknown:
+            raise ApiError(404, ErrorCode.UNKNOWN_ENGINE, f"no engine named {', '.join(map(repr, unknown[:5]))}; "
+                           f"known: {', '.join(self.fleet.runners)}")
+        _note(request, version=body["version"], engines=engines, bytes=body["bytes"], deadline_s=body["deadline_s"])
+        result = pushes.begin(body["version"], engines, body["bytes"], float(body["deadline_s"]))
+        _note(request, push=result["push"])
+        return web.json_response(result)
+
+    async def push_end(self, request: web.Request) -> web.Response:
+        pushes = self._push_verbs()
+        push_id = request.match_info["id"]
+        body = await self._body(request, {"ok": (bool,), "failed": (dict,)}, {"ok"})
+        failed = body.get("failed") or {}
+        if not all(isinstance(v, str) for v in failed.values()):
+            raise ApiError(400, ErrorCode.BAD_REQUEST, 'failed must map engine names to why (strings): {"name": "why"}')
+        _note(request, ok=body["ok"], failed=sorted(failed))
+        result = pushes.end(push_id, body["ok"], failed)
+        if result is None:
+            raise ApiError(404, ErrorCode.UNKNOWN_PUSH, f"no push {push_id[:80]!r} in flight (ended already, or expired "
+                           f"past its deadline); GET {PUSHES_PATH} lists those in flight")
+        _note(request, outcome=result["outcome"])
+        return web.json_response(result)
+
+    async def push_list(self, request: web.Request) -> web.Response:
+        return web.json_response({"pushes": self._push_verbs().in_flight()})
 
     @staticmethod
     def _log_bytes(request: web.Request) -> int:

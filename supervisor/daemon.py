@@ -46,7 +46,7 @@ from .router import make_router
 from .routerfeed import RouterFeed
 from .sdnotify import Notifier
 from .states import State
-from .sync import SyncCoordinator
+from .sync import PushCoordinator, SyncCoordinator
 from .tasks import TaskSet
 
 log = structlog.get_logger("vime.supervisor")
@@ -76,11 +76,12 @@ class Supervisor:
         self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)
         self.fleet.reloads = generation
         self.sync = SyncCoordinator(self.fleet, cfg.sync_timeout)
+        self.pushes = PushCoordinator(self.fleet)
         # In this order: the statistics see a transition before the routing change it causes
         # (a recovery is timed from the detection), and the sync coordinator considers an
         # engine once the fleet has settled its routing. (DETECTION is on the stream before
         # its transition whatever the order: the runner emits it as it hands the transition on.)
-        for listener in (self.stats, self.fleet, self.sync):
+        for listener in (self.stats, self.fleet, self.sync, self.pushes):
             self.bus.add_listener(listener)
         self.notifier = Notifier()
         self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json")
@@ -155,17 +156,28 @@ class Supervisor:
         return None
 
     async def _wait_for_syncs(self) -> str | None:
-        """A reload lets weight syncs in flight end (their watchdog bounds them by sync_timeout):
-        an engine caught SYNCING would not be adopted but restarted. None once none is left."""
+        """A reload lets weight syncs in flight end (their watchdog bounds them by sync_timeout),
+        and announced pushes too (each ends, or expires past its deadline): an engine caught
+        SYNCING would not be adopted but restarted, and the next image would not know a push
+        its receivers are paused for. None once none is left."""
         def syncing() -> list[str]:
             return [r.name for r in self.fleet.runners.values() if r.state is State.SYNCING]
 
-        deadline = time.monotonic() + self.cfg.sync_timeout + 5.0
-        if syncing():
-            log.info("supervisor.reload_waits", syncing=syncing(), why="weight syncs in flight end first")
-        while syncing():
+        def pushing() -> list[str]:
+            return [p.id for p in self.pushes.book.in_flight()]
+
+        # Bounded by what is in flight now: a push announced while waiting is waited for only
+        # within that bound (a trainer pushing back to back would otherwise hold the reload).
+        bound = max(self.cfg.sync_timeout + 5.0, self.pushes.book.wait_bound() + 1.0)
+        deadline = time.monotonic() + bound
+        if syncing() or pushing():
+            log.info("supervisor.reload_waits", syncing=syncing(), pushes=pushing(),
+                     why="weight syncs and announced pushes in flight end first")
+        while syncing() or pushing():
             if time.monotonic() > deadline:
-                return f"engines still SYNCING after sync_timeout ({self.cfg.sync_timeout:g}s): {syncing()}"
+                if syncing():
+                    return f"engines still SYNCING after sync_timeout ({self.cfg.sync_timeout:g}s): {syncing()}"
+                return f"announced pushes still in flight after {bound:g}s: {pushing()}; reload in a gap between pushes"
             await asyncio.sleep(0.1)
         return None
 
@@ -213,7 +225,8 @@ class Supervisor:
             if self.router_feed is not None:
                 self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
             control = ControlServer(self.fleet, self.sync, cfg.socket_path, allowed_uids=cfg.allowed_uids,
-                                    socket_group=cfg.socket_group or None, listener=self.listener)
+                                    socket_group=cfg.socket_group or None, listener=self.listener,
+                                    pushes=self.pushes)
             self.listener = None  # the control server's now
             metrics = MetricsServer(self.fleet, cfg.metrics_address)  # "": none
             try:
@@ -242,6 +255,7 @@ class Supervisor:
                 self.listener, self.listener_file = control.listener, control.listener_file
                 await metrics.stop()
                 await self.sync.close()
+                await self.pushes.close()
                 await self.journal.close()
                 await self.tasks.aclose()
                 await self._stop_router()

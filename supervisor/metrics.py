@@ -57,6 +57,12 @@ class Histogram:
 PROBE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RECOVERY_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 SYNC_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+PUSH_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# vime_pushes_total{outcome}: how announced pushes ended (expired: never ended by the trainer).
+PUSH_OUTCOMES = ("ok", "failed", "expired")
+# vime_push_receiver_failures_total{cause}: receivers lost to a push: reported (named in the
+# trainer's `failed`), deadline (the daemon condemned it: paused past the push's deadline).
+PUSH_FAILURE_CAUSES = ("reported", "deadline")
 
 
 # vime_engine_restarts_total{cause}: why the incarnation before a restart ended (the cause of
@@ -83,6 +89,31 @@ class FleetStats(Listener):
         self._detected_at: dict[str, float] = {}  # engine -> when its last failure was seen
         self._sync_began: dict[str, float] = {}
         self._last_cause: dict[str, Cause] = {}  # engine -> cause of its last transition
+        self.push_time = Histogram(PUSH_BUCKETS)
+        self.pushes: dict[str, int] = {}  # PUSH_OUTCOMES -> count
+        self.push_failures: dict[str, int] = {}  # PUSH_FAILURE_CAUSES -> receivers
+        self.push_bytes = 0  # announced bytes of the pushes ended ok
+        self.push_receivers = 0  # of the last push announced
+        self.pushes_in_flight = 0
+
+    # -- announced pushes (told by sync.PushCoordinator, not by the bus) ---------------------
+
+    def push_announced(self, receivers: int) -> None:
+        self.push_receivers = receivers
+        self.pushes_in_flight += 1
+
+    def push_ended(self, outcome: str, seconds: float | None, nbytes: int, failed: int = 0) -> None:
+        self.pushes_in_flight = max(0, self.pushes_in_flight - 1)
+        self.pushes[outcome] = self.pushes.get(outcome, 0) + 1
+        if seconds is not None:
+            self.push_time.observe(seconds)
+        if outcome == "ok":
+            self.push_bytes += nbytes
+        if failed:
+            self.push_failures["reported"] = self.push_failures.get("reported", 0) + failed
+
+    def push_receiver_failed(self, cause: str) -> None:
+        self.push_failures[cause] = self.push_failures.get(cause, 0) + 1
 
     def on_transition(self, t: Transition) -> None:
         if t.to_state is State.STARTING and t.cause in _RESTART_STARTS and t.incarnation > 1:
@@ -173,6 +204,24 @@ class FleetCollector:
         yield stats.recovery_time.family("vime_detection_to_routable_seconds",
                                          "From a detected failure to the engine routable again")
         yield stats.sync_time.family("vime_sync_duration_seconds", "From SYNCING to verified")
+        pushes = CounterMetricFamily("vime_pushes", "Announced weight pushes, by how they ended (expired: never "
+                                     "ended by the trainer)", labels=["outcome"])
+        for outcome in PUSH_OUTCOMES:
+            pushes.add_metric([outcome], stats.pushes.get(outcome, 0))
+        failures = CounterMetricFamily("vime_push_receiver_failures", "Receivers lost to announced pushes, by cause "
+                                       "(reported by the trainer; deadline: paused past the push's deadline)",
+                                       labels=["cause"])
+        for cause in PUSH_FAILURE_CAUSES:
+            failures.add_metric([cause], stats.push_failures.get(cause, 0))
+        yield pushes
+        yield failures
+        yield stats.push_time.family("vime_push_seconds", "From a push's announcement to its end (ended ones)")
+        yield CounterMetricFamily("vime_push_bytes", "Bytes announced by the pushes that ended ok",
+                                  value=stats.push_bytes)
+        yield GaugeMetricFamily("vime_push_receivers", "Receivers of the last push announced",
+                                value=stats.push_receivers)
+        yield GaugeMetricFamily("vime_pushes_in_flight", "Announced pushes not yet ended or expired",
+                                value=stats.pushes_in_flight)
         yield GaugeMetricFamily("vime_routable_engines", "Engines that may take traffic", value=len(fleet.routable()))
         if policy.strength is not None:
             yield GaugeMetricFamily("vime_routable_target", "Routable engines at full strength (engines less spares)",

@@ -26,8 +26,8 @@ __all__ = [
     # routes
     "STATUS_PATH", "ROUTABLE_PATH", "WEIGHTS_PATH", "EVENTS_PATH", "METRICS_PATH", "INCIDENTS_PATH",
     "DAEMON_LOG_PATH", "ROUND_PATTERN", "ENGINE_ACTION_PATTERN", "ENGINE_SYNC_PATTERN", "ENGINE_LOG_PATTERN",
-    "ENGINE_SIGNAL_PATTERN", "ROUTES", "round_path", "engine_path", "engine_sync_path", "engine_log_path",
-    "engine_signal_path", "daemon_log_path", "events_path", "parse_signal",
+    "ENGINE_SIGNAL_PATTERN", "PUSHES_PATH", "PUSH_END_PATTERN", "ROUTES", "round_path", "engine_path", "engine_sync_path", "engine_log_path",
+    "engine_signal_path", "daemon_log_path", "events_path", "push_end_path", "parse_signal",
     "FAILURES", "LOG_PATH_HEADER", "LOG_BYTES_PARAM", "ROLE_PARAM", "SIGNAL_FIELD", "NDJSON",
     # names
     "Action", "ENGINE_ACTIONS", "RoundPhase", "SyncPhase", "Role", "ErrorCode", "Event",
@@ -35,11 +35,13 @@ __all__ = [
     # payloads
     "ErrorBody", "ErrorAnswer", "ProbeInfo", "EngineStatus", "DaemonInfo", "FleetStatus",
     "RoutableEngine", "Routable", "RoundResult", "WeightsResult", "ActionResult", "FailureResult",
-    "SignalResult", "SyncBeginResult", "SyncEndResult", "Incident", "IncidentList",
+    "SignalResult", "SyncBeginResult", "SyncEndResult", "PushInfo", "PushBeginResult", "PushEndResult",
+    "PushList", "Incident", "IncidentList",
     "HelloEvent", "KeepaliveEvent", "OverflowEvent", "ReconnectedEvent", "TransitionEvent",
     "DetectionEvent", "MembershipEvent", "FloorEvent", "RoundEvent", "WeightsPublishedEvent",
     "FailureReportedEvent", "RetiredEvent", "SyncRequestEvent", "SyncVerifiedEvent", "SyncFailedEvent",
-    "SupervisionFailedEvent", "NotAdoptedEvent", "OrphanStoppedEvent", "DaemonEvent",
+    "PushBeginEvent", "PushEndEvent", "SupervisionFailedEvent", "NotAdoptedEvent", "OrphanStoppedEvent",
+    "DaemonEvent",
 ]
 
 # -- the socket -----------------------------------------------------------------------------
@@ -101,6 +103,7 @@ class ErrorCode(StrEnum):
     FORBIDDEN = "forbidden"  # 403: the peer's uid is not allowed
     UNKNOWN_ENGINE = "unknown_engine"  # 404: no engine of that name
     UNKNOWN_ACTION = "unknown_action"  # 404: no such engine action or sync phase
+    UNKNOWN_PUSH = "unknown_push"  # 404: no announced push of that id in flight (ended, or expired)
     NOT_FOUND = "not_found"  # 404: no such route
     METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
     CONFLICT = "conflict"  # 409: contradicts the daemon's state (stale round/version, refused action)
@@ -131,6 +134,8 @@ class Event(StrEnum):
     SYNC_REQUEST = "sync_request"
     SYNC_VERIFIED = "sync_verified"
     SYNC_FAILED = "sync_failed"
+    PUSH_BEGIN = "push_begin"  # the trainer announced a weight push (POST /v1/pushes)
+    PUSH_END = "push_end"  # it ended it, or it expired unended past its deadline
     SUPERVISION_FAILED = "supervision_failed"
     NOT_ADOPTED = "not_adopted"
     ORPHAN_STOPPED = "orphan_stopped"
@@ -156,6 +161,8 @@ ENGINE_SYNC_PATTERN = API + "/engines/{name}/sync/{phase}"
 ENGINE_ACTION_PATTERN = API + "/engines/{name}/{action}"  # an Action, or FAILURES
 ENGINE_LOG_PATTERN = API + "/engines/{name}/log"
 ENGINE_SIGNAL_PATTERN = API + "/engines/{name}/signal"  # registered before {action}, which it would match
+PUSHES_PATH = f"{API}/pushes"  # POST: announce a weight push; GET: those in flight
+PUSH_END_PATTERN = API + "/pushes/{id}/end"
 
 # (method, pattern) of every route the daemon serves.
 ROUTES: tuple[tuple[str, str], ...] = (
@@ -172,6 +179,9 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("GET", EVENTS_PATH),
     ("GET", METRICS_PATH),
     ("GET", INCIDENTS_PATH),
+    ("POST", PUSHES_PATH),
+    ("GET", PUSHES_PATH),
+    ("POST", PUSH_END_PATTERN),
 )
 
 LOG_PATH_HEADER = "X-Log-Path"  # on the log route's answer: the log file on the daemon's host
@@ -203,6 +213,10 @@ def engine_log_path(name: str, nbytes: int | None = None) -> str:
 
 def engine_signal_path(name: str) -> str:
     return f"{API}/engines/{quote(name, safe='')}/signal"
+
+
+def push_end_path(push: str) -> str:
+    return f"{API}/pushes/{quote(push, safe='')}/end"
 
 
 def daemon_log_path(nbytes: int | None = None) -> str:
@@ -368,6 +382,44 @@ class SyncEndResult(TypedDict):
     reason: str
 
 
+class PushInfo(TypedDict):
+    """An announced weight push in flight (GET PUSHES_PATH)."""
+
+    push: str  # its id
+    version: int
+    engines: list[str]  # the receivers
+    bytes: int
+    deadline_s: float  # as announced
+    age_s: float  # since it was announced
+    remaining_s: float  # to its deadline (< 0: past it; it expires PUSH_GRACE later)
+
+
+class PushList(TypedDict):
+    pushes: list[PushInfo]
+
+
+class PushBeginResult(TypedDict):
+    """POST PUSHES_PATH."""
+
+    push: str
+    version: int
+    deadline_s: float
+    engines: list[str]
+
+
+class PushEndResult(TypedDict):
+    """POST PUSH_END_PATTERN."""
+
+    push: str
+    version: int
+    outcome: str  # ok, failed
+    seconds: float  # from the announcement
+    late: bool  # ended past its deadline
+    engines: list[str]
+    failed: dict[str, str]  # receivers the trainer reports failed, and why
+    condemned: dict[str, str]  # receivers the daemon condemned during it (paused past its deadline), and why
+
+
 class Incident(TypedDict):
     folder: str
     engine: str | None
@@ -503,6 +555,27 @@ class SyncFailedEvent(TypedDict):
     reason: str
 
 
+class PushBeginEvent(TypedDict):
+    event: Literal["push_begin"]
+    ts: float
+    push: str
+    version: int
+    engines: list[str]
+    bytes: int
+    deadline_s: float
+
+
+class PushEndEvent(TypedDict):
+    event: Literal["push_end"]
+    ts: float
+    push: str
+    version: int
+    outcome: str  # ok, failed, expired (never ended: its trainer died or gave up)
+    seconds: float
+    failed: dict[str, str]
+    condemned: dict[str, str]
+
+
 class SupervisionFailedEvent(TypedDict):
     event: Literal["supervision_failed"]
     ts: float
@@ -530,6 +603,6 @@ class OrphanStoppedEvent(TypedDict):
 DaemonEvent = Union[
     HelloEvent, KeepaliveEvent, OverflowEvent, ReconnectedEvent, TransitionEvent, DetectionEvent,
     MembershipEvent, FloorEvent, RoundEvent, WeightsPublishedEvent, FailureReportedEvent, RetiredEvent,
-    SyncRequestEvent, SyncVerifiedEvent, SyncFailedEvent, SupervisionFailedEvent, NotAdoptedEvent,
-    OrphanStoppedEvent,
+    SyncRequestEvent, SyncVerifiedEvent, SyncFailedEvent, PushBeginEvent, PushEndEvent, SupervisionFailedEvent,
+    NotAdoptedEvent, OrphanStoppedEvent,
 ]

@@ -7,17 +7,27 @@ agent connected, a checkpoint published with the version is the fallback: the da
 the engine from it. Either way the daemon then checks `/weight_info` and a deep probe before
 the engine is RUNNING. A failed or timed-out sync leaves vLLM half-loaded (meta tensors
 behind a 200 /health): the engine is poisoned and restarted, never routed.
+
+The trainer's every-step push into the routable engines is not a sync: it is announced
+(POST /v1/pushes) and ended, and while it is in flight its receivers, paused, are excused until
+its deadline instead of sync_timeout (PushBook, pure; PushCoordinator, its I/O; the verdict is
+the engine FSM's, through its PushWindow).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import itertools
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import structlog
 
 from .engine.runner import EngineRunner
-from .errors import Conflict
+from .errors import BadRequest, Conflict
 from .events import Listener
 from .fleet import Fleet, validate_checkpoint_off_loop
 from .engine.fsm import vlabel
@@ -296,3 +306,191 @@ class SyncCoordinator(Listener):
         # A spawned engine is stopped (post-mortem first) and restarted; an attached one stays
         # UNHEALTHY, probed, never routed, until it answers again on the current version.
         runner.condemn_and_stop(f"poisoned: {why}", Cause.SYNC_FAILED)
+
+
+# -- announced pushes: the trainer's every-step push into the routable engines ------------------
+
+# An announced push never ended is dropped this long after its deadline (a trainer that died
+# must not pin a reload or an engine's excuse); its receivers still paused are condemned anyway.
+PUSH_GRACE = 5.0
+# The longest deadline a push may announce: a day. Past it, a typo (ms for s) would hold a
+# reload and excuse a wedged engine for that long.
+MAX_PUSH_DEADLINE = 86400.0
+
+
+@dataclass
+class Push:
+    """One announced push; times on the book's clock."""
+
+    id: str
+    version: int
+    engines: tuple[str, ...]
+    nbytes: int
+    deadline_s: float
+    began: float
+    condemned: dict[str, str] = field(default_factory=dict)  # receivers condemned during it: why
+
+    @property
+    def deadline(self) -> float:
+        return self.began + self.deadline_s
+
+    @property
+    def expires(self) -> float:
+        return self.deadline + PUSH_GRACE
+
+    def info(self, now: float) -> dict[str, Any]:
+        return {"push": self.id, "version": self.version, "engines": list(self.engines), "bytes": self.nbytes,
+                "deadline_s": self.deadline_s, "age_s": round(now - self.began, 3),
+                "remaining_s": round(self.deadline - now, 3)}
+
+
+class PushBook:
+    """Pure: the announced pushes in flight, checked as announced and ended, with an injected
+    clock. I/O (timers, events, engines) is PushCoordinator's."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.pushes: dict[str, Push] = {}
+        self._serial = itertools.count(1)
+        self._prefix = secrets.token_hex(3)  # ids of an earlier daemon image are never reused
+
+    def check(self, version: int, engines: list[str], nbytes: int, deadline_s: float,
+              current_version: int | None) -> None:
+        """Raises BadRequest or Conflict (saying what to do); changes nothing."""
+        if not engines:
+            raise BadRequest("engines must name at least one engine (the push's receivers)")
+        dup = sorted({e for e in engines if engines.count(e) > 1})
+        if dup:
+            raise BadRequest(f"engines names {', '.join(dup)} more than once; name each receiver once")
+        if nbytes < 0 or nbytes >= 2**63:
+            raise BadRequest(f"bytes must be >= 0 and < 2**63, got {nbytes}")
+        if not (math.isfinite(deadline_s) and 0 < deadline_s <= MAX_PUSH_DEADLINE):
+            raise BadRequest(f"deadline_s must be a number of seconds > 0 and <= {MAX_PUSH_DEADLINE:g}, "
+                             f"got {deadline_s!r}")
+        if current_version is not None and version < current_version:
+            # As publishing: versions only increase. The current one (a push again) or a later
+            # one (about to be published) is fine; an older one would undo the fleet's weights.
+            raise Conflict(f"version {version} is stale: the current version is {current_version}; push the current "
+                           "version or the one you are about to publish")
+        for name in engines:
+            held = self.holding(name)
+            if held is not None:
+                raise Conflict(f"{name} already receives push {held.id} (v{held.version}, "
+                               f"{held.deadline - self.clock():.0f}s to its deadline); end it first "
+                               f"(POST /v1/pushes/{held.id}/end) or wait for it to expire")
+
+    def announce(self, version: int, engines: list[str], nbytes: int, deadline_s: float,
+                 current_version: int | None) -> Push:
+        self.check(version, engines, nbytes, deadline_s, current_version)
+        push = Push(f"{self._prefix}-{next(self._serial)}", version, tuple(engines), nbytes, float(deadline_s),
+                    self.clock())
+        self.pushes[push.id] = push
+        return push
+
+    def get(self, push_id: str) -> Push | None:
+        return self.pushes.get(push_id)
+
+    def end(self, push_id: str) -> Push | None:
+        return self.pushes.pop(push_id, None)
+
+    def holding(self, engine: str) -> Push | None:
+        return next((p for p in self.pushes.values() if engine in p.engines), None)
+
+    def expired(self) -> list[Push]:
+        """Pushes past their deadline and the grace, taken out of the book."""
+        now = self.clock()
+        gone = [p for p in self.pushes.values() if now >= p.expires]
+        for p in gone:
+            del self.pushes[p.id]
+        return gone
+
+    def in_flight(self) -> list[Push]:
+        return sorted(self.pushes.values(), key=lambda p: p.began)
+
+    def wait_bound(self) -> float:
+        """Seconds until every push in flight now has ended or expired (0 with none)."""
+        now = self.clock()
+        return max((p.expires - now for p in self.pushes.values()), default=0.0)
+
+
+class PushCoordinator(Listener):
+    """The announced pushes' I/O: each receiver's excuse set and cleared, an expiry timer per
+    push, events on the stream, log lines and the statistics. Added to the bus for the
+    transitions that condemn a receiver during a push."""
+
+    def __init__(self, fleet: Fleet, clock: Callable[[], float] = time.monotonic):
+        self.fleet = fleet
+        self.book = PushBook(clock)
+        self._tasks = TaskSet("pushes")
+        self._timers: dict[str, asyncio.Task[None]] = {}  # push id -> its expiry (in _tasks)
+
+    def on_transition(self, t: Transition) -> None:
+        if t.to_state is S.UNHEALTHY and t.cause is Cause.PAUSED:
+            push = self.book.holding(t.engine)
+            if push is not None and t.engine not in push.condemned:
+                push.condemned[t.engine] = t.reason
+                self.fleet.stats.push_receiver_failed("deadline")
+
+    def begin(self, version: int, engines: list[str], nbytes: int, deadline_s: float) -> dict[str, Any]:
+        push = self.book.announce(version, engines, nbytes, deadline_s, self.fleet.current_version)
+        for name in push.engines:
+            self.fleet.runners[name].push_announced(push.id, push.deadline_s)
+        self._timers[push.id] = self._tasks.spawn(self._expire(push), name=f"push-expiry:{push.id}")
+        self.fleet.stats.push_announced(len(push.engines))
+        log.info("push.begin", push=push.id, version=version, engines=list(push.engines), bytes=nbytes,
+                 deadline_s=push.deadline_s)
+        self.fleet.emit(Event.PUSH_BEGIN, push=push.id, version=version, engines=list(push.engines), bytes=nbytes,
+                        deadline_s=push.deadline_s)
+        return {"push": push.id, "version": version, "deadline_s": push.deadline_s, "engines": list(push.engines)}
+
+    def end(self, push_id: str, ok: bool, failed: dict[str, str]) -> dict[str, Any] | None:
+        """None: no such push in flight. BadRequest for a `failed` that contradicts the push
+        (nothing changes)."""
+        push = self.book.get(push_id)
+        if push is None:
+            return None
+        strangers = sorted(set(failed) - set(push.engines))
+        if strangers:
+            raise BadRequest(f"failed names {', '.join(strangers)}, not receivers of push {push_id} "
+                             f"({', '.join(push.engines)})")
+        if ok and failed:
+            raise BadRequest(f"ok is true but failed names {', '.join(sorted(failed))}; send ok: false")
+        self.book.end(push_id)
+        timer = self._timers.pop(push_id, None)
+        if timer is not None:
+            timer.cancel()
+        now = self.book.clock()
+        for name in push.engines:
+            runner = self.fleet.runners.get(name)
+            if runner is not None:
+                runner.push_ended(push.id)
+        outcome = "ok" if ok else "failed"
+        seconds = now - push.began
+        self.fleet.stats.push_ended(outcome, seconds, push.nbytes, failed=len(failed))
+        fields = {"push": push.id, "version": push.version, "outcome": outcome, "seconds": round(seconds, 3),
+                  "failed": dict(failed), "condemned": dict(push.condemned)}
+        (log.info if ok else log.warning)("push.end", late=now >= push.deadline, **fields)
+        self.fleet.emit(Event.PUSH_END, **fields)
+        return {**fields, "late": now >= push.deadline, "engines": list(push.engines)}
+
+    async def _expire(self, push: Push) -> None:
+        await asyncio.sleep(max(0.0, push.expires - self.book.clock()))
+        self._timers.pop(push.id, None)
+        for gone in self.book.expired():
+            # Not cleared from the receivers: one still paused past the deadline is condemned
+            # at its next probe (a dead trainer leaves it half-loaded).
+            self.fleet.stats.push_ended("expired", None, 0)
+            fields = {"push": gone.id, "version": gone.version, "outcome": "expired",
+                      "seconds": round(self.book.clock() - gone.began, 3), "failed": {},
+                      "condemned": dict(gone.condemned)}
+            log.warning("push.expired", engines=list(gone.engines), deadline_s=gone.deadline_s,
+                        why=f"not ended within its deadline and {PUSH_GRACE:g}s of grace; receivers still paused "
+                            "are condemned", **fields)
+            self.fleet.emit(Event.PUSH_END, **fields)
+
+    def in_flight(self) -> list[dict[str, Any]]:
+        now = self.book.clock()
+        return [p.info(now) for p in self.book.in_flight()]
+
+    async def close(self) -> None:
+        await self._tasks.aclose()

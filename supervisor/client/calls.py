@@ -30,6 +30,7 @@ from vime.supervisor.protocol import (
     FAILURES,
     INCIDENTS_PATH,
     METRICS_PATH,
+    PUSHES_PATH,
     ROUTABLE_PATH,
     SIGNAL_FIELD,
     STATUS_PATH,
@@ -40,6 +41,10 @@ from vime.supervisor.protocol import (
     FleetStatus,
     Incident,
     IncidentList,
+    PushBeginResult,
+    PushEndResult,
+    PushInfo,
+    PushList,
     Role,
     RoundPhase,
     RoundResult,
@@ -55,6 +60,7 @@ from vime.supervisor.protocol import (
     engine_signal_path,
     engine_sync_path,
     events_path,
+    push_end_path,
     round_path,
 )
 
@@ -113,6 +119,16 @@ def _log_tail(payload: bytes, headers: Headers) -> LogTail:
 def _incidents(payload: bytes, headers: Headers) -> list[Incident]:
     listing: IncidentList = _json(payload, headers)
     return listing["incidents"]
+
+
+def _push_id(payload: bytes, headers: Headers) -> str:
+    answer: PushBeginResult = _json(payload, headers)
+    return answer["push"]
+
+
+def _pushes(payload: bytes, headers: Headers) -> list[PushInfo]:
+    listing: PushList = _json(payload, headers)
+    return listing["pushes"]
 
 
 def _post(path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True) -> Call[Any]:
@@ -295,6 +311,38 @@ class Verbs:
         Returns {"engine", "state", "reason"}. Not repeated after a dropped connection."""
         body = {"version": int(version), "ok": bool(ok), "error": error}
         return _post(engine_sync_path(name, SyncPhase.END), body, idempotent=False)
+
+    @Verb
+    def push_begin(version: int, engines: list[str], nbytes: int, deadline_s: float) -> Call[str]:
+        """Announce a weight push of `version` (`nbytes` bytes) into `engines`, to end within
+        `deadline_s`; returns its id for push_end. While it is in flight each receiver, paused,
+        is excused until the deadline (not sync_timeout), and condemned if still paused past it;
+        unended, it expires by itself a few seconds after its deadline. UnknownEngine for a name
+        the daemon does not know; BadRequest for no engines, a name twice, bytes < 0 or a
+        deadline_s not > 0; ConflictError for a version older
+        than the current one, or an engine already in another push. Not repeated after a
+        dropped connection (the repeat would announce a second push: check pushes())."""
+        body = {"version": int(version), "engines": [str(e) for e in engines], "bytes": int(nbytes),
+                "deadline_s": float(deadline_s)}
+        return Call("POST", PUSHES_PATH, body, False, _push_id)
+
+    @Verb
+    def push_end(push: str, ok: bool, failed: Mapping[str, str] | None = None) -> Call[PushEndResult]:
+        """End an announced push: ok, or not with `failed` ({engine: why}) naming the receivers
+        that failed (reported; the daemon condemns an engine on its own evidence). Returns the
+        summary: outcome, seconds, late, failed, condemned (receivers the daemon condemned during
+        it). SupervisorError with code unknown_push (404) for a push ended already or expired.
+        Not repeated after a dropped connection (check pushes())."""
+        body: dict[str, Any] = {"ok": bool(ok)}
+        if failed:
+            body["failed"] = {str(k): str(v) for k, v in failed.items()}
+        return _post(push_end_path(push), body, idempotent=False)
+
+    @Verb
+    def pushes() -> Call[list[PushInfo]]:
+        """The announced pushes in flight: push, version, engines, bytes, deadline_s, age_s,
+        remaining_s."""
+        return _get(PUSHES_PATH, _pushes)
 
     @Verb
     def engine_log(name: str, nbytes: int = 16384) -> Call[LogTail]:

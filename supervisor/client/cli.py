@@ -7,7 +7,7 @@
     supervisorctl pid [NAME|all|GLOB ...]
     supervisorctl tail [-f] [-BYTES] NAME [stdout|stderr]
     supervisorctl maintail [-f] [-BYTES]
-    supervisorctl avail | version | incidents
+    supervisorctl avail | version | incidents | pushes
 
 Names, output and exit statuses follow supervisord 4.3's supervisorctl. A NAME may be `all`,
 `NAME:*` (each engine is a group of one, as a supervisord program with one process), or a shell
@@ -662,6 +662,20 @@ def cmd_incidents(client: SupervisorClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_pushes(client: SupervisorClient, args: argparse.Namespace) -> int:
+    """The trainer's announced weight pushes in flight, one line each (none: no output)."""
+    pushes = client.pushes()
+    if args.json:
+        print(json.dumps(pushes, indent=1))
+        return EXIT_OK
+    for p in pushes:
+        left = p["remaining_s"]
+        due = f"{left:.0f}s to its deadline" if left >= 0 else f"{-left:.0f}s past its deadline"
+        print(f"{p['push']:<16} v{p['version']:<8} {len(p['engines'])} engines, {p['bytes']} bytes, "
+              f"{p['age_s']:.0f}s old, {due} ({p['deadline_s']:g}s): {', '.join(p['engines'])}")
+    return EXIT_OK
+
+
 # -- arguments ----------------------------------------------------------------------------------
 
 
@@ -739,12 +753,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="the daemon's version")
     p = sub.add_parser("incidents", help="post-mortems saved before unhealthy engines were stopped")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("pushes", help="the trainer's announced weight pushes in flight")
+    p.add_argument("--json", action="store_true")
     return ap
 
 
 COMMANDS: dict[str, Callable[[SupervisorClient, argparse.Namespace], int]] = {
     "status": cmd_status, "signal": cmd_signal, "pid": cmd_pid, "tail": cmd_tail, "maintail": cmd_maintail,
-    "avail": cmd_avail, "version": cmd_version, "incidents": cmd_incidents,
+    "avail": cmd_avail, "version": cmd_version, "incidents": cmd_incidents, "pushes": cmd_pushes,
     **{str(verb): cmd_action for verb in ENGINE_ACTIONS},
 }
 

@@ -41,6 +41,16 @@ def backoff_delay(failures: int, policy: RestartPolicy, rng: random.Random) -> f
     return base * rng.uniform(0.5, 1.0)
 
 
+@dataclass(frozen=True)
+class PushWindow:
+    """An announced weight push this engine receives (POST /v1/pushes): while it holds, a
+    paused engine is excused until `deadline` (on the FSM's clock), not for sync_timeout."""
+
+    push: str  # the push's id
+    deadline: float  # the announcement's time + deadline_s, on the FSM's clock
+    deadline_s: float  # as announced, for reasons
+
+
 @dataclass
 class EngineFSM:
     name: str
@@ -69,6 +79,7 @@ class EngineFSM:
     excuse: str | None = None  # what the last of them was excused as
     cause: Cause | None = None  # of the last transition
     limit_since: float | None = None  # first of the unbroken run of probes the daemon could not make
+    push: PushWindow | None = None  # the announced push it receives, until ended or answered past it
     _restart_times: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -144,6 +155,7 @@ class EngineFSM:
         self.held = False
         self.excused_since = self.excuse = None
         self.limit_since = None
+        self.push = None  # a new process is in no push
         self._go(S.STARTING, reason, cause or (Cause.RESTART if is_restart else Cause.START))
         return True
 
@@ -279,21 +291,31 @@ class EngineFSM:
         longer than any failure threshold would). Only an answer or real progress ends the
         run: neither an excuse that changes (paused, busy, paused, ...) nor a failure between
         two excuses starts the clock again."""
+        now = self.clock()
+        push = self.push
         if outcome.ok and outcome.excuse is None:
             self.excused_since = self.excuse = None
+            if push is not None and now >= push.deadline:
+                self.push = None  # answering past the push's deadline: it is over for this engine
             return False
-        now = self.clock()
         if self.excused_since is None:
             self.excused_since = now
         self.excuse = outcome.excuse
         if not outcome.ok:
             return False  # failures are the threshold's to count
-        limit = self.probe.max_paused if outcome.excuse == "paused" else self.probe.max_busy
         lasted = now - self.excused_since
-        if lasted < limit:
-            return False
-        what = ("without progress" if outcome.excuse == "busy"
-                else f"(longer than sync_timeout, {limit:g}s)")
+        if outcome.excuse == "paused" and push is not None:
+            # In an announced push, the push's own deadline is the excuse, whether shorter or
+            # longer than sync_timeout: paused past it, the engine is not coming back by itself.
+            if now < push.deadline:
+                return False
+            what = f"past the deadline of push {push.push} ({push.deadline_s:g}s after it was announced)"
+        else:
+            limit = self.probe.max_paused if outcome.excuse == "paused" else self.probe.max_busy
+            if lasted < limit:
+                return False
+            what = ("without progress" if outcome.excuse == "busy"
+                    else f"(longer than sync_timeout, {limit:g}s)")
         why = f"hung: {outcome.excuse} for {lasted:.0f}s {what} (last: {outcome.detail})"
         cause = Cause.PAUSED if outcome.excuse == "paused" else Cause.BUSY
         if self.state is S.UNHEALTHY:  # out already (daemon_limit): the verdict is the engine's now
@@ -301,6 +323,18 @@ class EngineFSM:
         else:
             self._go(S.UNHEALTHY, why, cause)
         return True
+
+    def push_announced(self, window: PushWindow) -> None:
+        """It receives an announced push: paused, it is excused until the push's deadline
+        (a later push replaces an earlier one: an engine is in one transfer at a time)."""
+        self.push = window
+
+    def push_ended(self, push: str) -> None:
+        """That push was ended by the trainer: a pause from now on has sync_timeout again.
+        A push that expired unended is not ended here: its receivers still paused past its
+        deadline are condemned at their next probe."""
+        if self.push is not None and self.push.push == push:
+            self.push = None
 
     def report_failure(self, detail: str) -> bool:
         """A request failure seen by the trainer counts like a failed probe."""

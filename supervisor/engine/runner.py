@@ -27,7 +27,7 @@ from .activity import sample_group
 from ..config import Config, EngineSpec
 from ..events import EventBus
 from .adoption import Adoption
-from .fsm import EngineFSM, vlabel
+from .fsm import EngineFSM, PushWindow, vlabel
 from .heartbeat import HeartbeatSchedule
 from .probes import Prober
 from .process import (
@@ -628,6 +628,13 @@ class EngineRunner:
     def mark_outdated(self, current_version: int) -> None:
         """A newer version was published: STALE (out of routing) until synced."""
         self.fsm.version_behind(current_version)
+
+    def push_announced(self, push: str, deadline_s: float) -> None:
+        """It receives an announced push (POST /v1/pushes): paused, excused until its deadline."""
+        self.fsm.push_announced(PushWindow(push, self.clock() + deadline_s, deadline_s))
+
+    def push_ended(self, push: str) -> None:
+        self.fsm.push_ended(push)
 
     def begin_sync(self, reason: str) -> None:
         self.fsm.sync_started(reason)

@@ -51,13 +51,16 @@ SAMPLE_ARGS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "report_failure": (("engine-0", "timed out"), {"poisoned": True, "incarnation": 3}),
     "sync_begin": (("engine-0", 8), {}),
     "sync_end": (("engine-0", 8, False, "push failed"), {}),
+    "push_begin": ((8, ["engine-0", "engine/1"], 1024, 30.0), {}),
+    "push_end": (("a1b2c3-1", False, {"engine-0": "timed out"}), {}),
+    "pushes": ((), {}),
     "engine_log": (("engine-0", 512), {}),
     "daemon_log": ((512,), {}),
     "metrics": ((), {}),
     "incidents": ((), {}),
 }
 # Verbs a dropped connection must not repeat (a repeat restarts twice or counts twice).
-NOT_IDEMPOTENT = {"restart", "signal", "report_failure", "sync_begin", "sync_end"}
+NOT_IDEMPOTENT = {"restart", "signal", "report_failure", "sync_begin", "sync_end", "push_begin", "push_end"}
 # What each transport has beyond the table: a block, a stream, and ending the streams.
 BLOCKING_EXTRA = {"round", "events", "close"}
 ASYNC_EXTRA = {"round", "events", "aclose"}
@@ -249,7 +252,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(n) if n else b""
         self.seen.append((self.command, self.path, json.loads(raw) if raw else None))
-        body = b'{"incidents": [], "ok": true}'
+        # One answer for every verb: each decoder finds its key (incidents, push, pushes).
+        body = b'{"incidents": [], "ok": true, "push": "a1b2c3-1", "pushes": []}'
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -305,7 +309,8 @@ def test_the_asyncio_client_sends_the_tables_calls(recorder):
     assert _Recorder.seen == [_expected(v) for v in SAMPLE_ARGS]
     answers = dict(zip(SAMPLE_ARGS, results))
     assert answers["incidents"] == [] and answers["engine_log"].path == "/var/log/e0.log"
-    assert answers["status"] == {"incidents": [], "ok": True}
+    assert answers["status"] == {"incidents": [], "ok": True, "push": "a1b2c3-1", "pushes": []}
+    assert answers["push_begin"] == "a1b2c3-1" and answers["pushes"] == []
 
 
 # -- the daemon's names are the protocol's ---------------------------------------------------
