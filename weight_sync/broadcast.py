@@ -400,19 +400,26 @@ class FleetSender:
         op_timeout = timedelta(seconds=deadline)
 
         def broadcasts():
-            pending = None  # bucket i+1 is packed while bucket i is on the wire
-            for i, buf in enumerate(iter_buckets(plan, (t for _, t in pairs))):
-                if self._pg is None:
-                    raise WeightSyncError("fleet group dropped during the transfer")
-                work = self._pg.broadcast(buf, 0, op_timeout)  # no local ref to the group
+            pending: Any = None  # bucket i+1 is packed while bucket i is on the wire
+            work: Any = None
+            try:
+                for i, buf in enumerate(iter_buckets(plan, (t for _, t in pairs))):
+                    if self._pg is None:
+                        raise WeightSyncError("fleet group dropped during the transfer")
+                    work = self._pg.broadcast(buf, 0, op_timeout)  # no local ref to the group
+                    if pending is not None:
+                        pending[1].wait()
+                        self._note("bucket_sent", index=pending[0], of=n_buckets)
+                    pending = (i, work)
+                    del work
                 if pending is not None:
                     pending[1].wait()
                     self._note("bucket_sent", index=pending[0], of=n_buckets)
-                pending = (i, work)
-                del work
-            if pending is not None:
-                pending[1].wait()
-                self._note("bucket_sent", index=pending[0], of=n_buckets)
+            except BaseException as e:
+                # The future keeps the exception: no frame of it may keep a Work (and through
+                # it the group) alive, or destroying the group would not close its sockets.
+                pending = work = None
+                raise _detached(e) from None
 
         info = {**plan.update_info(), "staged": True, "timeout_s": deadline}
         calls = {u: _Call(u, "POST", "/update_weights", body={"update_info": info},
