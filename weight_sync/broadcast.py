@@ -209,6 +209,11 @@ class FleetSender:
         return err if isinstance(err, HttpFailure) else HttpFailure(call.method, call.path, cause=err)
 
     # -- group ------------------------------------------------------------------------------
+    def drop_group(self) -> None:
+        """Forget the group without telling the engines (one of them joined another group):
+        the next push builds a new one."""
+        self._drop_group()
+
     def _drop_group(self) -> None:
         """Destroy the local end: gloo closes its connections only when the group object dies,
         which fails the receivers' pending receives at once (shutdown()/abort() do not)."""

@@ -321,6 +321,10 @@ class WeightSender:
         self._world_size = ws
         self.group_inits += 1
 
+    def drop_group(self) -> None:
+        """Forget the group without telling the engine (it joined another group)."""
+        self._drop_group()
+
     def _drop_group(self) -> None:
         """Tear down the local end (no HTTP): after a failure, or before a re-init."""
         pg, store, nccl = self._pg, self._store, self._nccl

@@ -105,6 +105,22 @@ def test_broadcast_delivers_every_byte_reuses_the_group_and_rebuilds_on_a_new_se
     assert fleet_threads() == []
 
 
+def test_the_example_loops_pusher_broadcasts_and_resyncs_one(stand_ins):
+    from vime.trainer.rl_loop import Pusher
+
+    urls = [u for _, u in stand_ins]
+    p = Pusher()
+    try:
+        assert p.push_many(urls, model(11), 11) == {u: "ok" for u in urls}
+        assert p.fleet.members == tuple(urls)
+        assert p.push(urls[0], model(12), 12) == "ok"  # a resync over its own group...
+        assert p.fleet.members == ()  # ...replaces the fleet's in that engine: rebuilt next
+        assert p.push_many(urls, model(13), 13) == {u: "ok" for u in urls}
+        assert urls[0] not in p.senders and all(state(u)["version"] == "13" for u in urls)
+    finally:
+        p.close()
+
+
 def test_push_deadline_grows_with_the_bytes(monkeypatch):
     assert push_deadline(0) == 30.0 and push_deadline(500_000_000) == 40.0
     monkeypatch.setenv("VIME_PUSH_FLOOR_MBPS", "100")
