@@ -144,8 +144,10 @@ def start_loopback():
 
 def start_loopbacks(n: int) -> list:
     """n receiver processes, started together (each imports vLLM)."""
+    # stderr dropped: the fault rows make every survivor log its failed receive's traceback.
     procs = [subprocess.Popen([sys.executable, "-m", "vime.harness.loopback"], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for _ in range(n)]
     out = []
     for p in procs:
         line = p.stdout.readline()

@@ -131,7 +131,7 @@ class LoopbackEngine:
             ("POST", "/finish_weight_update"): lambda: self._finish(body.get("weight_version")),
         }
         fn = routes[(method, path)]
-        if path == "/stand_in":  # a probe: must answer while a transfer holds the lock
+        if path in ("/stand_in", "/health"):  # probes answer beside a transfer, as vLLM's /health
             return fn()
         with self._lock:
             out = fn()

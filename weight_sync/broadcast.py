@@ -25,7 +25,8 @@ Bounded by the bytes moved: ``deadline_s = rendezvous_s + bytes / floor rate``
 /update_weights calls. On a failure the trainer destroys its end of the group (closing its
 sockets fails its direct peers' receives at once); an engine stalled behind a stopped peer in the
 tree fails on its own per-receive timeout, so the engines' answers are awaited one more deadline
-at most, then the calls still open are cut (their sockets shut). Every thread is joined or ends
+at most, then the calls still open are cut (their sockets shut); an engine that does not answer
+GET /health then (stopped, gone) is cut at once. Every thread is joined or ends
 with its call; none outlives a push by more than its socket timeout.
 
 Failure semantics: `push` never raises for an engine's fault. It returns one `PushResult` per
@@ -301,7 +302,9 @@ class FleetSender:
                            solo_bytes=self.solo_bytes)
         nbytes = plan.total_bytes
         deadline = self.deadline_for(nbytes)
-        if self.announce is not None:
+        if not urls:
+            return {}
+        if self.announce is not None:  # an exception here aborts the push before any call
             self.announce(list(urls), nbytes, deadline)
         t0 = time.monotonic()
         results = {u: PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
@@ -441,6 +444,14 @@ class FleetSender:
             # Destroy our end now: our direct peers' receives fail at once; one stalled behind a
             # stopped peer fails on its per-receive timeout (one deadline), so wait that long.
             self._drop_group()
+            # An engine that does not even answer /health (vLLM serves it beside a transfer)
+            # is stopped or gone: cut its call now rather than wait out one more deadline.
+            pending = [u for u, f in futs.items() if not f.done()]
+            if pending:
+                probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, 5.0))
+                for u in pending:
+                    if isinstance(probes[u], HttpFailure):
+                        calls[u].cancel()
             cf.wait(all_futs, timeout=deadline + GRACE_S)
         answers = {u: self._settle(calls[u], f) for u, f in futs.items()}
         try:
