@@ -18,15 +18,26 @@ What is measured, per tensor set (all on this machine, loopback TCP, CPU only):
 
 Each figure is the median of --repeat rounds; MB = 1e6 bytes.
 
+Fleet mode (--fleet 1,2,4,8) pushes one --fleet-mb tensor set into N stand-in receivers (the
+loopback processes above, one per receiver), for each N: the broadcast (FleetSender, one group,
+staged receive) and, in the same run, the sequential push (push_to_many(broadcast=False): one
+WeightSender group per receiver, one after the other), their ratio, and broadcast(N) /
+broadcast(1) beside log2(N+1) (gloo's binomial tree). Then one receiver of the largest N is
+SIGKILLed, and once SIGSTOPped, after bucket 1 of a push: the time from the fault to the push's
+failure against its bound (the deadline, rendezvous_s + bytes / floor rate), and the whole push
+with the survivors' redo.
+
     python bench/weight_push.py                       # 4, 64, 256, 512 MB + the tiny model
     python bench/weight_push.py --sizes 4,64 --no-engine
     python bench/weight_push.py --big                 # adds 1024 MB (needs ~4 GB free memory)
+    python bench/weight_push.py --fleet 1,2,4,8       # the fleet broadcast (8 receiver processes)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -128,13 +139,129 @@ def push_bench(url: str, pairs, rounds: int, bucket_bytes: int) -> tuple[list[fl
 
 
 def start_loopback():
-    p = subprocess.Popen([sys.executable, "-m", "vime.harness.loopback"], cwd=ROOT,
-                         stdout=subprocess.PIPE, text=True)
-    line = p.stdout.readline()
-    if not line.startswith("READY"):
-        p.kill()
-        raise RuntimeError(f"loopback receiver failed to start: {line!r}")
-    return p, f"http://127.0.0.1:{int(line.split()[1])}"
+    return start_loopbacks(1)[0]
+
+
+def start_loopbacks(n: int) -> list:
+    """n receiver processes, started together (each imports vLLM)."""
+    # stderr dropped: the fault rows make every survivor log its failed receive's traceback.
+    procs = [subprocess.Popen([sys.executable, "-m", "vime.harness.loopback"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for _ in range(n)]
+    out = []
+    for p in procs:
+        line = p.stdout.readline()
+        if not line.startswith("READY"):
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"loopback receiver failed to start: {line!r}")
+        out.append((p, f"http://127.0.0.1:{int(line.split()[1])}"))
+    return out
+
+
+# -- fleet -----------------------------------------------------------------------------------
+def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_rdv_s: float) -> int:
+    from vime.weight_sync.broadcast import FleetSender
+    from vime.weight_sync.sender import push_to_many
+
+    pairs = synthetic_set(total_mb)
+    nb = nbytes(pairs)
+    procs = start_loopbacks(max(ns))
+    urls = [u for _, u in procs]
+    failed = 0
+    hdr = (f"{'receivers':>9} {'bcast s':>8} {'seq s':>8} {'seq/bcast':>9} "
+           f"{'bcast(N)/bcast(1)':>17} {'log2(N+1)':>9}")
+    print(f"fleet: {nb / MB:.0f} MB ({len(pairs)} tensors, bucket {bucket >> 20} MiB), median of "
+          f"{rounds}, stand-in receivers on {os.cpu_count()} CPUs, torch {torch.__version__}")
+    print("  " + hdr, flush=True)
+    rows = []
+    try:
+        one = None
+        for n in ns:
+            sub = urls[:n]
+            with FleetSender(bucket_bytes=bucket) as fs:
+                fs.push(sub, pairs, "warmup")
+                bc = []
+                for r in range(rounds):
+                    t0 = time.perf_counter()
+                    res = fs.push(sub, pairs, f"b{r}")
+                    bc.append(time.perf_counter() - t0)
+                    if not all(x.ok for x in res.values()):
+                        raise RuntimeError(f"broadcast into {n} failed: {res}")
+            senders: dict = {}
+            push_to_many(sub, pairs, "warmup", broadcast=False, senders=senders, bucket_bytes=bucket)
+            sq = []
+            for r in range(rounds):
+                t0 = time.perf_counter()
+                res = push_to_many(sub, pairs, f"s{r}", broadcast=False, senders=senders,
+                                   bucket_bytes=bucket)
+                sq.append(time.perf_counter() - t0)
+                if not all(x.ok for x in res.values()):
+                    raise RuntimeError(f"sequential push into {n} failed: {res}")
+            for s in senders.values():
+                s.close()
+            b, q = statistics.median(bc), statistics.median(sq)
+            one = b if n == ns[0] and n == 1 else one
+            rows.append(f"{n:>9} {b:>8.3f} {q:>8.3f} {q / b:>9.2f} "
+                        f"{(f'{b / one:.2f}' if one else '-'):>17} {math.log2(n + 1):>9.2f}")
+            print("  " + rows[-1], flush=True)
+        n = max(ns)
+        if n >= 2:
+            for sig in ("SIGKILL", "SIGSTOP"):
+                line = fault_row(urls[:n], procs[1][0], sig, pairs, bucket, fault_rdv_s)
+                rows.append(line)
+                print("  " + line, flush=True)
+                if sig == "SIGSTOP":
+                    break  # the last row: no replacement needed
+                procs[1][0].kill()
+                procs[1][0].wait()
+                procs[1] = start_loopbacks(1)[0]
+                urls[1] = procs[1][1]
+    except Exception as e:  # noqa: BLE001
+        print(f"  FAILED {type(e).__name__}: {e}"[:400], flush=True)
+        failed = 1
+    finally:
+        for p, _ in procs:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            p.kill()
+            p.wait()
+    print("\n" + hdr)
+    print("-" * len(hdr))
+    for row in rows:
+        print(row)
+    return failed
+
+
+def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float) -> str:
+    """One receiver faulted after bucket 1: fault -> the push's failure, against its bound."""
+    from vime.weight_sync.broadcast import FleetSender
+
+    seen: dict[str, float] = {}
+
+    def progress(step, info):
+        seen.setdefault(step, time.monotonic())
+        if step == "bucket_sent" and info.get("index") == 1 and "fault" not in seen:
+            seen["fault"] = time.monotonic()
+            os.kill(victim.pid, getattr(signal, sig))
+
+    with FleetSender(bucket_bytes=bucket, rendezvous_s=rdv_s) as fs:
+        fs.push(urls, pairs, "warmup")
+        fs.progress = progress
+        t0 = time.monotonic()
+        res = fs.push(urls, pairs, "faulted")
+        took = time.monotonic() - t0
+        fs.progress = None
+    deadline = next(iter(res.values())).deadline_s
+    fail_s = seen.get("transfer_failed", float("nan")) - seen.get("fault", float("nan"))
+    surv = [r for u, r in res.items() if u != urls[1]]
+    ok, redone = sum(r.ok for r in surv), sum(r.ok and r.redone for r in surv)
+    return (f"{sig} of 1 of {len(urls)} after bucket 1: push failed {fail_s:.2f}s after the fault "
+            f"(bound: deadline {deadline:.1f}s = {rdv_s:g}s + {nbytes(pairs) / MB:.0f} MB at the "
+            f"floor rate); whole push {took:.2f}s; survivors at the version {ok}/{len(surv)} "
+            f"({redone} by the redo); faulted one {res[urls[1]].status}")
 
 
 def start_engine(model_dir: Path, log: Path):
@@ -178,11 +305,20 @@ def main(argv=None) -> None:
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-engine", action="store_true", help="skip the real-engine row")
+    ap.add_argument("--fleet", default=None, metavar="N,N,...",
+                    help="fleet mode only: the broadcast into N stand-in receivers (e.g. 1,2,4,8)")
+    ap.add_argument("--fleet-mb", type=float, default=64.0, help="fleet mode: tensor set size in MB")
+    ap.add_argument("--fault-rendezvous-s", type=float, default=5.0,
+                    help="fleet mode: the fault rows' rendezvous_s (the fixed part of the bound)")
     ap.add_argument("--raw-receiver", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.raw_receiver:
         port, spec, rounds = args.raw_receiver
         return raw_receiver(int(port), spec, int(rounds))
+    if args.fleet:
+        ns = sorted({int(x) for x in args.fleet.split(",") if x})
+        sys.exit(fleet_bench(ns, args.fleet_mb, args.repeat, int(args.bucket_mb * (1 << 20)),
+                             args.fault_rendezvous_s))
 
     bucket = int(args.bucket_mb * (1 << 20))
     sizes = [float(s) for s in args.sizes.split(",") if s] + ([1024.0] if args.big else [])

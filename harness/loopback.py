@@ -3,11 +3,15 @@
 It runs the real `vime.weight_sync.gloo_engine.GlooWeightTransferEngine` (the same group join, the
 same wire parsing, the same `receive_update` loop as inside a vLLM worker) behind a tiny
 stdlib HTTP server, but with NO vLLM model: ``load_weights`` either discards the tensors or
-keeps them for inspection, and ``/start_weight_update`` / ``/finish_weight_update`` skip vLLM's
-layerwise reload (there is no model to move to meta and back). What it measures is therefore
-the sender + transport + receive-and-unpack path, not vLLM's weight loading.
+keeps them for inspection, and vLLM's layerwise reload is replaced by counters (there is no
+model to move to meta and back). What it measures is therefore the sender + transport +
+receive-and-unpack path, not vLLM's weight loading.
 
-    python -m vime.harness.loopback --port 8123       # prints "READY <port>" when listening
+Several of these processes, one per receiver, are the fleet broadcast's stand-in receivers
+(tests/unit/test_weight_sync_fleet.py, bench/weight_push.py --fleet); ``GET /stand_in`` tells
+what one received (a digest per tensor with --keep) and whether its "model" was touched.
+
+    python -m vime.harness.loopback --port 8123 [--keep]   # prints "READY <port>" when listening
 
 Needs vLLM importable (for the engine's base class and its stateless group init).
 """
@@ -22,19 +26,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 from urllib.parse import parse_qs, urlsplit
 
+import torch
+
 
 def make_engine(load_weights):
     from vime.weight_sync.gloo_engine import GlooWeightTransferEngine
 
     class ModelFreeGlooEngine(GlooWeightTransferEngine):
-        def start_weight_update(self) -> None:
-            self._check_ready()
-            self._in_session = True
+        # No vLLM model to move to meta and back: count instead, so a test can tell whether a
+        # failed staged update touched "the model" (reloads_begun) or not.
+        reloads_begun = 0
+        reloads_ended = 0
 
-        def finish_weight_update(self) -> None:
-            if self.poisoned is not None:
-                raise RuntimeError(f"poisoned: {self.poisoned}")
-            self._in_session = False
+        def _begin_reload(self) -> None:
+            self.reloads_begun += 1
+
+        def _end_reload(self) -> None:
+            self.reloads_ended += 1
 
     model = SimpleNamespace(load_weights=load_weights)
     vllm_config = SimpleNamespace(
@@ -51,11 +59,14 @@ class LoopbackEngine:
         self.version = "default"
         self.paused = False
         self.calls: list[str] = []
+        self._received_lock = threading.Lock()
         self._lock = threading.Lock()  # one engine call at a time, like vLLM's collective_rpc
 
         def load(pairs):
-            if keep:
-                self.received.extend(pairs)
+            if keep:  # the last version only: one entry per name
+                with self._received_lock:
+                    names = {n for n, _ in pairs}
+                    self.received[:] = [(n, t) for n, t in self.received if n not in names] + list(pairs)
 
         self.engine = make_engine(load)
         outer = self
@@ -109,6 +120,7 @@ class LoopbackEngine:
             ("GET", "/get_world_size"): lambda: {"world_size": 1},
             ("GET", "/weight_info"): lambda: {"weight_version": self.version},
             ("GET", "/is_paused"): lambda: {"is_paused": self.paused},
+            ("GET", "/stand_in"): self.stand_in_state,
             ("POST", "/pause"): lambda: self._set_paused(True),
             ("POST", "/resume"): lambda: self._set_paused(False),
             ("POST", "/init_weight_transfer_engine"):
@@ -119,9 +131,21 @@ class LoopbackEngine:
             ("POST", "/finish_weight_update"): lambda: self._finish(body.get("weight_version")),
         }
         fn = routes[(method, path)]
+        if path in ("/stand_in", "/health"):  # probes answer beside a transfer, as vLLM's /health
+            return fn()
         with self._lock:
             out = fn()
         return out if out is not None else {"message": "ok"}
+
+    def stand_in_state(self) -> dict:
+        import hashlib
+
+        e = self.engine
+        return {"version": self.version, "paused": self.paused, "poisoned": e.poisoned,
+                "reloads_begun": e.reloads_begun, "reloads_ended": e.reloads_ended,
+                "received": {n: hashlib.sha1(t.contiguous().view(-1).view(torch.uint8).numpy()
+                                             .tobytes()).hexdigest() if t.numel() else ""
+                             for n, t in self.received}}
 
     def _finish(self, version):
         self.engine.finish_weight_update()
@@ -137,8 +161,9 @@ class LoopbackEngine:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--keep", action="store_true", help="keep what is received (GET /stand_in digests it)")
     args = ap.parse_args(argv)
-    eng = LoopbackEngine(args.port)
+    eng = LoopbackEngine(args.port, keep=args.keep)
     print(f"READY {eng.port}", flush=True)
     try:
         threading.Event().wait()

@@ -149,26 +149,55 @@ class DaemonView:
 
 
 class Pusher:
-    """Pushes each new version into the routable engines, one WeightSender (group) per URL."""
+    """Pushes each new version into the routable engines: all at once over one group
+    (`push_many`, a FleetSender broadcast), or one engine over its own group (`push`, a
+    WeightSender per URL: the resync of one engine, and the chaos harness's faulted push)."""
 
     def __init__(self, backend: str = "gloo", master_address: str | None = None):
         self.backend = backend
         self.master_address = master_address
         self.senders: dict[str, Any] = {}
+        self.fleet: Any = None  # vime.weight_sync.broadcast.FleetSender, made on first use
 
     def push(self, url: str, tensors, version: int) -> str:
         """One version into one engine: "ok", "poisoned: ..." (it holds half a version) or
         "failed: ..." (it died or went away)."""
         from vime.weight_sync.sender import WeightSender
 
+        self._leave_fleet(url)
         sender = self.senders.get(url) or self.senders.setdefault(
             url, WeightSender(url, backend=self.backend, master_address=self.master_address))
         return self.push_with(sender, url, tensors, version)
+
+    def push_many(self, urls: list[str], tensors, version: int) -> dict[str, str]:
+        """One version into every engine in one broadcast: url -> outcome, as push() says it.
+        A receiver that failed the broadcast costs only itself: the others are redone once
+        over a new group. gloo only; backend "nccl" pushes one engine after the other."""
+        if self.backend != "gloo":
+            return {u: self.push(u, tensors, version) for u in urls}
+        from vime.weight_sync.broadcast import FleetSender
+
+        for url in urls:  # the engine's group is about to be replaced by the fleet's
+            old = self.senders.pop(url, None)
+            if old is not None:
+                old.drop_group()  # local end only: a /shutdown would race the fleet's init
+        if self.fleet is None:
+            self.fleet = FleetSender(master_address=self.master_address)
+        out: dict[str, str] = {}
+        for url, r in self.fleet.push(urls, tensors, version).items():
+            if r.ok:
+                out[url] = "ok"
+            elif r.status == "poisoned":
+                out[url] = f"poisoned: {r.error}"
+            else:  # unreachable (the daemon sees it itself) or intact on its old weights
+                out[url] = f"failed: {r.status}: {r.error}"
+        return out
 
     def push_with(self, sender, url: str, tensors, version: int) -> str:
         """One push through `sender`, its outcome as push() says it."""
         from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
 
+        self._leave_fleet(url)
         try:
             sender.push(tensors, version)
             return "ok"
@@ -179,16 +208,26 @@ class Pusher:
             self.senders.pop(url, None)
             return f"failed: {e}"
 
+    def _leave_fleet(self, url: str) -> None:
+        """A per-engine group replaces the fleet's in that engine: the fleet must rebuild, or
+        its next broadcast would wait on a rank that is no longer there."""
+        if self.fleet is not None and url.rstrip("/") in self.fleet.members:
+            self.fleet.drop_group()
+
     def drop(self, url: str) -> None:
         """Close and forget the sender (its process group) of one engine."""
         old = self.senders.pop(url, None)
         if old is not None:
             old.close()
+        self._leave_fleet(url)
 
     def close(self) -> None:
         for s in self.senders.values():
             s.close()
         self.senders.clear()
+        if self.fleet is not None:
+            self.fleet.close()
+            self.fleet = None
 
 
 # -- the loop ----------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Move weights from a trainer into running vLLM engines.
 
-* `vime.weight_sync.sender` (trainer side, pure torch): `WeightSender`, `push_to_many`.
+* `vime.weight_sync.sender` (trainer side, pure torch): `WeightSender` (one engine),
+  `push_to_many`, `push_deadline`.
+* `vime.weight_sync.broadcast` (trainer side, pure torch): `FleetSender` (one group, one
+  broadcast per version into every engine).
 * `vime.weight_sync.gloo_engine` + `vime.weight_sync.vllm_plugin` (engine side): the "gloo" backend for
   vLLM's weight-transfer routes, registered by a ``vllm.general_plugins`` entry point.
 * `vime.weight_sync.checkpoint` (disk path): `save_checkpoint`, `validate_checkpoint`,
@@ -16,6 +19,8 @@ _LAZY = {
     "WeightSender": "vime.weight_sync.sender",
     "PushResult": "vime.weight_sync.sender",
     "push_to_many": "vime.weight_sync.sender",
+    "push_deadline": "vime.weight_sync.sender",
+    "FleetSender": "vime.weight_sync.broadcast",
     "save_checkpoint": "vime.weight_sync.checkpoint",
     "validate_checkpoint": "vime.weight_sync.checkpoint",
     "reload_from_checkpoint": "vime.weight_sync.checkpoint",

@@ -8,12 +8,22 @@ vLLM's own HTTP routes then drive it exactly as they drive the built-in ``nccl``
   world_size[, timeout_s]}}``: joins the trainer's gloo group (the trainer is rank 0 and hosts
   the TCPStore) with vLLM's ``stateless_init_torch_distributed_process_group``. Calling it again
   replaces the previous group (a new trainer, or a trainer that re-inits).
-* ``/start_weight_update``: ``initialize_layerwise_reload(model)`` (parameters go to meta).
+* ``/start_weight_update``: marks the session (refuses, untouched, without a group).
 * ``/update_weights {"update_info": {names, dtype_names, shapes[, buckets, bucket_nbytes,
-  bucket_align]}}``: receives the tensors by broadcast from rank 0 and ``model.load_weights``
-  them. Without ``buckets``: one broadcast per tensor (the NCCL engine's unpacked wire format).
-  With ``buckets``: one broadcast per bucket of a flat uint8 buffer (see vime.weight_sync.packing).
-* ``/finish_weight_update``: ``finalize_layerwise_reload(model, model_config)``.
+  bucket_align, staged, timeout_s]}}``: receives the tensors by broadcast from rank 0 and
+  ``model.load_weights`` them. Without ``buckets``: one broadcast per tensor (the NCCL engine's
+  unpacked wire format). With ``buckets``: one broadcast per bucket of a flat uint8 buffer (see
+  vime.weight_sync.packing). ``timeout_s`` bounds each receive (default: the group's timeout).
+
+  Streaming (default): ``initialize_layerwise_reload(model)`` (parameters to meta), then each
+  bucket is loaded as it arrives; any failure poisons. Staged (``"staged": true``, the fleet
+  broadcast): every bucket is received into host buffers first (one model's worth of host
+  memory) and only then is the reload begun and loaded from them. A failure while receiving
+  leaves the model untouched: the session ends, the group is destroyed, and the 500 says
+  ``NOT_LOADED`` (the weights are intact, a new push may follow); a failure once loading began
+  still poisons.
+* ``/finish_weight_update``: ``finalize_layerwise_reload(model, model_config)`` (nothing when no
+  update began the reload: a session cancelled before its transfer).
 
 Differences from the NCCL engine: `update_weights` does not call
 ``torch.accelerator.synchronize()`` (it raises on CPU torch and gloo is synchronous anyway);
@@ -46,6 +56,7 @@ logger = init_logger("vllm.plugins.vime_gloo_weight_transfer")  # under "vllm": 
 # Markers the trainer-side sender looks for in HTTP 500 bodies.
 NOT_INITIALIZED = "gloo weight transfer not initialized"
 POISONED = "gloo weight transfer poisoned"
+NOT_LOADED = "gloo weight transfer not loaded"  # a staged receive failed: the model is untouched
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -83,6 +94,8 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     buckets: list[int] | None = None
     bucket_nbytes: list[int] | None = None
     bucket_align: int = DEFAULT_BUCKET_ALIGN
+    staged: bool = False  # receive everything before touching the model (see the module doc)
+    timeout_s: float | None = None  # per receive; the sender derives it from the bytes moved
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -109,6 +122,19 @@ class GlooWeightTransferEngine(
         self.timeout: timedelta | None = None
         self.poisoned: str | None = None  # why, once a session failed between start and finish
         self._in_session = False
+        self._reload_begun = False  # the model was touched in this session
+        self._op_timeout: timedelta | None = None  # per receive, from update_info.timeout_s
+
+    # -- reload (a model-free stand-in overrides these two) ----------------------------------
+    def _begin_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def _end_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
 
     # -- group ------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
@@ -151,12 +177,18 @@ class GlooWeightTransferEngine(
             raise RuntimeError(f"{NOT_INITIALIZED}: call /init_weight_transfer_engine first")
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+        # Only marks the session: the reload begins in update_weights, once it knows whether
+        # the update is staged (then only after every byte is in).
         self._check_ready()  # refuse before the model is touched
         self._in_session = True
+        self._reload_begun = False
+
+    def _begin_reload_once(self) -> None:
+        if self._reload_begun:
+            return
+        self._reload_begun = True  # from here on a failure leaves the model half-loaded
         try:
-            initialize_layerwise_reload(self.model)
+            self._begin_reload()
         except BaseException as e:
             self.poisoned = f"initialize_layerwise_reload failed: {e!r}"
             raise
@@ -164,13 +196,20 @@ class GlooWeightTransferEngine(
     def update_weights(self, update_info: dict) -> None:
         # The base class calls torch.accelerator.synchronize() here, which raises on CPU torch.
         try:
-            self.receive_weights(self.parse_update_info(update_info))
+            info = self.parse_update_info(update_info)
+            self.receive_weights(info)
         except BaseException as e:
-            if self._in_session:
-                self.poisoned = f"update_weights failed mid-session: {e!r}"
             # Destroy the group: the trainer is (or will be) blocked sending to us, and only a
             # destroyed gloo group closes its connections, which fails the trainer at once.
             self.shutdown()
+            if self._in_session and self._reload_begun:
+                self.poisoned = f"update_weights failed mid-session: {e!r}"
+                raise
+            if self._in_session:
+                # Nothing was loaded: end the session (vLLM's worker ends its own on this
+                # raise), keep serving the old weights; the marker tells the sender so.
+                self._in_session = False
+                raise RuntimeError(f"{NOT_LOADED}: {e!r}; weights intact") from None
             raise
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
@@ -182,28 +221,41 @@ class GlooWeightTransferEngine(
         except ImportError:  # pragma: no cover - older/newer vLLM
             from contextlib import nullcontext as disable_mtp_completeness_check
 
+        self._op_timeout = (timedelta(seconds=float(update_info.timeout_s))
+                            if update_info.timeout_s else self.timeout)
         t0 = time.monotonic()
+        staged: list = []
         with disable_mtp_completeness_check():
-            n = receive_update(self._broadcast, asdict(update_info), self.model.load_weights)
+            if update_info.staged:
+                n = receive_update(self._broadcast, asdict(update_info), staged.append)
+                t1 = time.monotonic()
+                self._begin_reload_once()
+                while staged:  # drop each bucket once loaded (the reload may keep its views)
+                    self.model.load_weights(staged.pop(0))
+            else:
+                self._begin_reload_once()
+                n = receive_update(self._broadcast, asdict(update_info), self.model.load_weights)
+                t1 = time.monotonic()
         dt = time.monotonic() - t0
-        logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)",
-                    len(update_info.names), n / 1e6, dt, n / 1e6 / max(dt, 1e-9))
+        logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)%s",
+                    len(update_info.names), n / 1e6, dt, n / 1e6 / max(dt, 1e-9),
+                    f", staged: received in {t1 - t0:.3f}s" if update_info.staged else "")
 
     def _broadcast(self, buf: torch.Tensor):
         # Reads self.group each time and keeps no reference in this frame (see receive_update).
         if self.group is None:
             raise RuntimeError(f"{NOT_INITIALIZED} (group dropped during the transfer)")
-        return self.group.broadcast(buf, 0, self.timeout)
+        return self.group.broadcast(buf, 0, self._op_timeout or self.timeout)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if self.poisoned is not None:
             raise RuntimeError(f"{POISONED}: {self.poisoned}; restart the engine")
         try:
-            finalize_layerwise_reload(self.model, self.model_config)
+            if self._reload_begun:  # a session cancelled before its transfer loaded nothing
+                self._end_reload()
         except BaseException as e:
             self.poisoned = f"finalize_layerwise_reload failed: {e!r}"
             raise
         finally:
             self._in_session = False
+            self._reload_begun = False

@@ -39,8 +39,14 @@ read-back) raises `WeightSyncError` with ``step`` set; the weights are loaded.
 
 Timeouts: every HTTP call has one (``http_timeout``; ``transfer_timeout`` for /update_weights
 and /pause?mode=wait), the process group has ``transfer_timeout`` per collective (also sent to
-the engine as ``init_info.timeout_s`` so a dead trainer does not leave a worker blocked for
-gloo's default 30 min), and the whole broadcast phase is bounded by ``transfer_timeout``.
+the engine as ``init_info.timeout_s`` and ``update_info.timeout_s`` so a dead trainer does not
+leave a worker blocked for gloo's default 30 min), and the whole broadcast phase is bounded by
+``transfer_timeout``. Left unset, ``transfer_timeout`` is `push_deadline` of the bytes pushed:
+``rendezvous_s + bytes / floor rate`` (``$VIME_PUSH_FLOOR_MBPS``, default 50 MB/s;
+``$VIME_PUSH_RENDEZVOUS_S``, default 30 s), so a push is bounded by what it moves.
+
+Many engines: `vime.weight_sync.broadcast.FleetSender` pushes one version into all of them over
+one group (one broadcast per bucket); `push_to_many` uses it unless ``broadcast=False``.
 
 ``backend="nccl"`` (GPU engines started with ``{"backend":"nccl"}``) delegates the transport to
 vLLM's own ``NCCLTrainerWeightTransferEngine`` (so it imports vLLM) with this module's HTTP client
@@ -68,6 +74,35 @@ from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
 from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, iter_buckets, plan_update
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+
+# A push's deadline: rendezvous_s + bytes / floor rate. The floor is a rate no healthy link
+# falls under (loopback gloo moves ~1 GB/s, a 10 GbE link ~1 GB/s): far under it means stuck.
+ENV_FLOOR_MBPS = "VIME_PUSH_FLOOR_MBPS"
+ENV_RENDEZVOUS_S = "VIME_PUSH_RENDEZVOUS_S"
+DEFAULT_FLOOR_MBPS = 50.0
+DEFAULT_RENDEZVOUS_S = 30.0
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"${name}={raw!r} must be > 0")
+    return value
+
+
+def push_deadline(nbytes: int, floor_mbps: float | None = None,
+                  rendezvous_s: float | None = None) -> float:
+    """Seconds a push of nbytes may take: rendezvous_s + nbytes / floor rate (MB = 1e6 bytes).
+    Unset arguments come from $VIME_PUSH_FLOOR_MBPS / $VIME_PUSH_RENDEZVOUS_S, else 50 / 30."""
+    floor = floor_mbps if floor_mbps is not None else _env_float(ENV_FLOOR_MBPS, DEFAULT_FLOOR_MBPS)
+    fixed = rendezvous_s if rendezvous_s is not None else _env_float(ENV_RENDEZVOUS_S, DEFAULT_RENDEZVOUS_S)
+    return fixed + nbytes / (floor * 1e6)
 
 # Messages raised by vime.weight_sync.gloo_engine before it touches the model (kept in sync by hand:
 # importing gloo_engine would import vLLM).
@@ -157,6 +192,12 @@ class PushResult:
     group_inits: int = 0  # rendezvous done by this push (0: the group was reused)
     steps: dict[str, float] = field(default_factory=dict)  # seconds per step
     error: BaseException | None = None
+    # Fleet pushes (FleetSender) only: "ok", "intact" (not loaded, old weights, resumed: safe to
+    # push again), "poisoned" (half-loaded: restart it) or "unreachable" (died, stopped, timed
+    # out); redone: it got the version in the second broadcast, over the survivors.
+    status: str = ""
+    redone: bool = False
+    deadline_s: float = 0.0
 
     @property
     def poisoned(self) -> bool:
@@ -173,9 +214,10 @@ class WeightSender:
     def __init__(self, url: str, *, backend: str = "gloo", master_address: str | None = None,
                  master_port: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  solo_bytes: int | None = DEFAULT_SOLO_BYTES,
-                 http_timeout: float = 30.0, transfer_timeout: float = 600.0,
+                 http_timeout: float = 30.0, transfer_timeout: float | None = None,
                  pause_mode: str | None = "abort", reuse_group: bool = True,
-                 progress: Progress | None = None):
+                 progress: Progress | None = None, floor_mbps: float | None = None,
+                 rendezvous_s: float | None = None):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
         if pause_mode not in (None, "abort", "wait", "keep"):
@@ -192,7 +234,11 @@ class WeightSender:
         self.bucket_bytes = bucket_bytes
         self.solo_bytes = solo_bytes
         self.http_timeout = http_timeout
-        self.transfer_timeout = transfer_timeout
+        # None: each push's own push_deadline (set in push(), before anything uses it).
+        self._derive_timeout = transfer_timeout is None
+        self.floor_mbps, self.rendezvous_s = floor_mbps, rendezvous_s
+        self.transfer_timeout = (transfer_timeout if transfer_timeout is not None
+                                 else push_deadline(0, floor_mbps, rendezvous_s))
         self.pause_mode = pause_mode
         self.reuse_group = reuse_group
         self.progress = progress
@@ -275,6 +321,10 @@ class WeightSender:
         self._world_size = ws
         self.group_inits += 1
 
+    def drop_group(self) -> None:
+        """Forget the group without telling the engine (it joined another group)."""
+        self._drop_group()
+
     def _drop_group(self) -> None:
         """Tear down the local end (no HTTP): after a failure, or before a re-init."""
         pg, store, nccl = self._pg, self._store, self._nccl
@@ -329,6 +379,9 @@ class WeightSender:
                            solo_bytes=self.solo_bytes)
         res.tensors, res.bytes = len(pairs), plan.total_bytes
         res.buckets = len(plan.buckets) if plan.buckets is not None else len(pairs)
+        if self._derive_timeout:
+            self.transfer_timeout = push_deadline(res.bytes, self.floor_mbps, self.rendezvous_s)
+        res.deadline_s = self.transfer_timeout
 
         if not self.has_group:
             step("init_weight_transfer_engine", self._init_group)
@@ -423,7 +476,8 @@ class WeightSender:
                 self._finish_send(*pending, n_buckets)
 
         update = _run_in_thread(self._call, "POST", "/update_weights",
-                                body={"update_info": plan.update_info()},
+                                body={"update_info": {**plan.update_info(),
+                                                      "timeout_s": self.transfer_timeout}},
                                 timeout=self.transfer_timeout, name="wsync-update-http")
         send = _run_in_thread(broadcasts, name="wsync-broadcast")
         try:
@@ -511,14 +565,27 @@ class _DeferredSource:
 
 
 def push_to_many(urls: Iterable[str], named_tensors: NamedTensors, version: int | str, *,
-                 senders: dict[str, WeightSender] | None = None, **sender_kwargs
-                 ) -> dict[str, PushResult]:
-    """Push one version into several engines, one after the other, each over its own group.
+                 senders: dict[str, WeightSender] | None = None, broadcast: bool = True,
+                 fleet: Any = None, **sender_kwargs) -> dict[str, PushResult]:
+    """Push one version into several engines. Never raises for an engine's failure: each result
+    has ok/error (error.poisoned says the engine must be restarted).
 
-    Never raises for an engine's failure: each result has ok/error (error.poisoned says the
-    engine must be restarted). Pass a `senders` dict (url -> WeightSender, filled in as needed)
-    to keep the groups across versions; without it each sender is closed after its push.
+    broadcast=True (the default, gloo): one FleetSender broadcast into all of them; pass
+    `fleet` (a FleetSender) to keep its group across versions, else it is closed after the push.
+    broadcast=False (and backend="nccl"): one after the other, each over its own group; pass a
+    `senders` dict (url -> WeightSender, filled in as needed) to keep those groups.
     """
+    if broadcast and sender_kwargs.get("backend", "gloo") == "gloo":
+        from vime.weight_sync.broadcast import FleetSender
+
+        kw = {k: v for k, v in sender_kwargs.items() if k not in ("reuse_group", "backend")}
+        own_fleet = fleet is None
+        fs = FleetSender(**kw) if fleet is None else fleet
+        try:
+            return fs.push(urls, named_tensors, version)
+        finally:
+            if own_fleet:
+                fs.close()
     pairs = named_tensor_list(named_tensors)
     results: dict[str, PushResult] = {}
     own = senders is None

@@ -145,7 +145,11 @@ def test_engine_side_failure_fails_the_sender_fast(loopback, where):
         s.push(pairs, 1)
     assert time.monotonic() - t0 < 15
     assert exc.value.step == "update_weights" and not s.has_group
-    assert f"engine-side {where} failure" in loopback.engine.poisoned
+    if where == "load":  # the reload had begun: half-loaded
+        assert f"engine-side {where} failure" in loopback.engine.poisoned
+    else:  # rejected before the reload began: the model is untouched, the session over
+        assert loopback.engine.poisoned is None and loopback.engine.reloads_begun == 0
+        assert not loopback.engine._in_session and loopback.engine.group is None
 
 
 def test_nccl_backend_on_cpu_fails_cleanly_before_start(loopback):

@@ -1,0 +1,524 @@
+"""Trainer side: push one version into a fleet of engines over ONE group (one broadcast per bucket).
+
+`FleetSender` is `WeightSender`'s fleet path. The trainer is rank 0 and hosts the TCPStore;
+engine k joins with ``rank_offset = 1 + sum of the earlier engines' world sizes`` and
+``world_size = 1 + sum of all``. gloo's broadcast is a binomial tree (receivers forward to
+receivers), so a push into N engines costs about log2(N+1) bucket times, not N pushes. The group
+is built once and reused; it is rebuilt only when the set of receiver URLs changes (or after a
+failure, which always drops it: a stale group must never block a push). WeightSender's
+per-engine group stays the path for the resync of one restarted engine.
+
+A push (every HTTP call to the N engines in parallel threads, never one after the other)::
+
+    GET /get_world_size, /init_weight_transfer_engine   (only when the group is (re)built)
+    /pause?mode=abort, /start_weight_update             (start only marks the session)
+    /update_weights {"staged": true, ...}               (beside the trainer's broadcasts)
+    /finish_weight_update {"weight_version"}, /resume, GET /weight_info
+
+Staged: an engine receives every bucket into host memory before touching its model, so a fault
+anywhere in the collective (an engine killed, stopped, or the deadline passed) leaves every
+other engine's weights intact (its 500 carries gloo_engine.NOT_LOADED).
+
+Bounded by the bytes moved: ``deadline_s = rendezvous_s + bytes / floor rate``
+(sender.push_deadline; $VIME_PUSH_FLOOR_MBPS, default 50 MB/s; $VIME_PUSH_RENDEZVOUS_S, default
+30 s) bounds the transfer phase, each collective on both sides (update_info.timeout_s) and the
+/update_weights calls. On a failure the trainer destroys its end of the group (closing its
+sockets fails its direct peers' receives at once); an engine stalled behind a stopped peer in the
+tree fails on its own per-receive timeout, so the engines' answers are awaited one more deadline
+at most, then the calls still open are cut (their sockets shut); an engine that does not answer
+GET /health then (stopped, gone) is cut at once. Every thread is joined or ends
+with its call; none outlives a push by more than its socket timeout.
+
+Failure semantics: `push` never raises for an engine's fault. It returns one `PushResult` per
+URL with ``status``: "ok", "intact" (nothing loaded, resumed on its old weights: safe to push
+again), "poisoned" (half-loaded: restart it; left paused) or "unreachable" (refused, reset, timed
+out). After a failed collective the push is redone ONCE over the intact survivors (a new group),
+unless ``redo=False``; their results say ``redone``.
+
+``announce(receivers, nbytes, deadline_s)`` is called before a push (so the daemon can excuse
+the paused engines for exactly that long) and ``on_done(results)`` after it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import gc
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from vime.weight_sync._http import HttpFailure, auth_headers, decode_body, run_in_thread
+from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
+from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, UpdatePlan, iter_buckets, plan_update
+from vime.weight_sync.sender import (
+    DEFAULT_BUCKET_BYTES,
+    ENV_RENDEZVOUS,
+    NamedTensors,
+    Progress,
+    PushResult,
+    _detached,
+    _free_port,
+    _local_address_towards,
+    _tcp_uri,
+    named_tensor_list,
+    push_deadline,
+)
+
+# gloo_engine's markers, kept in sync by hand (importing it would import vLLM).
+_NOT_INITIALIZED = "gloo weight transfer not initialized"
+_POISONED = "gloo weight transfer poisoned"
+_NOT_LOADED = "gloo weight transfer not loaded"
+
+Announce = Callable[[list[str], int, float], None]
+OnDone = Callable[[dict[str, PushResult]], None]
+
+GRACE_S = 5.0  # on top of a deadline, for the HTTP answer that follows the last byte
+
+
+class _Call:
+    """One HTTP call another thread can cut short (`cancel` shuts its socket down), so that a
+    call to a stopped engine never outlives the push that made it."""
+
+    def __init__(self, base_url: str, method: str, path: str, *, body: Any = None,
+                 params: dict | None = None, timeout: float):
+        self.url = base_url
+        self.method, self.path, self.body, self.params, self.timeout = method, path, body, params, timeout
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._cancelled = False
+
+    def run(self) -> Any:
+        u = urllib.parse.urlsplit(self.url)
+        path = self.path + ("?" + urllib.parse.urlencode(self.params) if self.params else "")
+        data = None if self.body is None else json.dumps(self.body).encode()
+        headers = {**({"Content-Type": "application/json"} if data else {}), **auth_headers()}
+        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout)
+        try:
+            try:
+                conn.connect()
+            except ConnectionRefusedError as e:
+                raise HttpFailure(self.method, self.path, cause=e, delivered=False) from None
+            with self._lock:
+                self._sock = conn.sock
+                cancelled = self._cancelled
+            if cancelled:
+                raise HttpFailure(self.method, self.path, cause=TimeoutError("cut: push over"),
+                                  delivered=False)
+            conn.request(self.method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except HttpFailure:
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            cause: BaseException = TimeoutError("cut: push over") if self._cancelled else e
+            raise HttpFailure(self.method, self.path, cause=cause) from None
+        finally:
+            conn.close()
+        if resp.status >= 400:
+            raise HttpFailure(self.method, self.path, status=resp.status,
+                              body=raw.decode("utf-8", "replace"))
+        return decode_body(raw)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked reading the answer
+            except OSError:
+                pass
+
+
+class FleetSender:
+    """Pushes named tensors into many engines over one gloo group (see the module docstring)."""
+
+    def __init__(self, *, backend: str = "gloo", master_address: str | None = None,
+                 master_port: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 solo_bytes: int | None = DEFAULT_SOLO_BYTES, http_timeout: float = 30.0,
+                 transfer_timeout: float | None = None, floor_mbps: float | None = None,
+                 rendezvous_s: float | None = None, pause_mode: str | None = "abort",
+                 progress: Progress | None = None, announce: Announce | None = None,
+                 on_done: OnDone | None = None, reuse_group: bool = True):
+        if backend == "nccl":
+            raise NotImplementedError(
+                "FleetSender(backend='nccl') is not implemented (no GPU here to test it): push "
+                "into GPU engines one by one with push_to_many(..., broadcast=False) or "
+                "WeightSender(url, backend='nccl')")
+        if backend != "gloo":
+            raise ValueError(f"backend must be 'gloo', not {backend!r}")
+        if pause_mode not in (None, "abort", "keep"):
+            raise ValueError(f"pause_mode must be abort|keep|None, not {pause_mode!r}")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.bucket_bytes, self.solo_bytes = bucket_bytes, solo_bytes
+        self.http_timeout = http_timeout
+        self.transfer_timeout = transfer_timeout  # None: push_deadline(bytes) per push
+        self.floor_mbps, self.rendezvous_s = floor_mbps, rendezvous_s
+        self.pause_mode = pause_mode
+        self.progress, self.announce, self.on_done = progress, announce, on_done
+        self.reuse_group = reuse_group
+        self.group_inits = 0  # group rendezvous over this sender's life
+        self._pg: Any = None
+        self._store: Any = None
+        self._members: tuple[str, ...] = ()  # the URLs the live group was built for, in rank order
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def deadline_for(self, nbytes: int) -> float:
+        if self.transfer_timeout is not None:
+            return float(self.transfer_timeout)
+        return push_deadline(nbytes, self.floor_mbps, self.rendezvous_s)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._members if self._pg is not None else ()
+
+    def _note(self, step: str, **info) -> None:
+        if self.progress is not None:
+            self.progress(step, info)
+
+    def _each(self, urls: Sequence[str], method: str, path: str, *, timeout: float,
+              body: Any = None, params: dict | None = None, wait: float | None = None
+              ) -> dict[str, Any]:
+        """The same call to every URL at once (a thread each); url -> answer or HttpFailure.
+        Waits `wait` (default timeout + GRACE_S) at most, then cuts the calls still open."""
+        calls = {u: _Call(u, method, path, body=body, params=params, timeout=timeout) for u in urls}
+        futs = {u: run_in_thread(c.run, name=f"fleet-{path.strip('/')}") for u, c in calls.items()}
+        cf.wait(list(futs.values()), timeout=timeout + GRACE_S if wait is None else wait)
+        return {u: self._settle(calls[u], f) for u, f in futs.items()}
+
+    @staticmethod
+    def _settle(call: _Call, fut: cf.Future, join: float = 2.0) -> Any:
+        if not fut.done():
+            call.cancel()
+            try:  # its socket is shut: the thread ends now
+                fut.exception(timeout=join)
+            except cf.TimeoutError:
+                pass
+        if not fut.done():
+            return HttpFailure(call.method, call.path, cause=TimeoutError("no answer"))
+        err = fut.exception()
+        if err is None:
+            return fut.result()
+        return err if isinstance(err, HttpFailure) else HttpFailure(call.method, call.path, cause=err)
+
+    # -- group ------------------------------------------------------------------------------
+    def drop_group(self) -> None:
+        """Forget the group without telling the engines (one of them joined another group):
+        the next push builds a new one."""
+        self._drop_group()
+
+    def _drop_group(self) -> None:
+        """Destroy the local end: gloo closes its connections only when the group object dies,
+        which fails the receivers' pending receives at once (shutdown()/abort() do not)."""
+        pg, store = self._pg, self._store
+        self._pg = self._store = None
+        self._members = ()
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            del pg, store
+            gc.collect()  # in case a cycle (an exception's traceback) still holds it
+
+    def _build_group(self, urls: list[str], results: dict[str, PushResult], deadline: float
+                     ) -> list[str]:
+        """Rendezvous with every URL that answers; returns the members (in rank order)."""
+        import torch.distributed as dist
+
+        self._drop_group()
+        sizes = self._each(urls, "GET", "/get_world_size", timeout=self.http_timeout)
+        members, world = [], 1
+        offsets: dict[str, int] = {}
+        for u in urls:
+            got = sizes[u]
+            if isinstance(got, HttpFailure) or not isinstance(got, dict):
+                results[u].status = "unreachable"
+                results[u].error = WeightSyncError(f"{u}: GET /get_world_size failed: {got}", url=u,
+                                                   step="get_world_size")
+                continue
+            offsets[u] = world
+            world += int(got["world_size"])
+            members.append(u)
+        if not members:
+            return []
+        host = urllib.parse.urlsplit(members[0]).hostname or "127.0.0.1"
+        addr = (self.master_address or os.environ.get(ENV_RENDEZVOUS, "").strip()
+                or _local_address_towards(host))
+        port = self.master_port or _free_port(addr if addr != "0.0.0.0" else "")
+        rdv = timedelta(seconds=push_deadline(0, self.floor_mbps, self.rendezvous_s))
+        store = dist.TCPStore(addr, port, world, is_master=True, timeout=rdv, wait_for_workers=False)
+        prefix = dist.PrefixStore(_tcp_uri(addr, port), store)
+        make_pg = run_in_thread(dist.ProcessGroupGloo, prefix, 0, world, rdv, name="fleet-init-pg")
+        calls = {u: _Call(u, "POST", "/init_weight_transfer_engine", timeout=self.http_timeout + rdv.total_seconds(),
+                          body={"init_info": {"master_address": addr, "master_port": port,
+                                              "rank_offset": offsets[u], "world_size": world,
+                                              "timeout_s": deadline}}) for u in members}
+        futs = {u: run_in_thread(c.run, name="fleet-init-http") for u, c in calls.items()}
+        cf.wait([make_pg, *futs.values()], timeout=rdv.total_seconds() + GRACE_S)
+        answers = {u: self._settle(calls[u], f) for u, f in futs.items()}
+        failed = [u for u in members if isinstance(answers[u], HttpFailure)]
+        for u in failed:
+            e = answers[u]
+            results[u].status = "poisoned" if _POISONED in e.body else "unreachable"
+            results[u].error = (PoisonedEngine(u, "init_weight_transfer_engine", e)
+                                if results[u].status == "poisoned" else
+                                WeightSyncError(f"{u}: /init_weight_transfer_engine failed: {e}",
+                                                url=u, step="init_weight_transfer_engine"))
+        if failed or not make_pg.done() or make_pg.exception() is not None:
+            # The group cannot form without them (its constructor gives up after rdv); the
+            # others loaded nothing: intact, and in the redo's group if there is one.
+            why = make_pg.exception() if make_pg.done() else TimeoutError("rendezvous timed out")
+            for u in members:
+                if u not in failed:
+                    results[u].status = "intact"
+                    results[u].error = WeightSyncError(f"{u}: group rendezvous failed: {why}",
+                                                       url=u, step="init_weight_transfer_engine")
+            del store, prefix
+            return []
+        self._pg, self._store, self._members = make_pg.result(), store, tuple(members)
+        self.group_inits += 1
+        for u in members:
+            results[u].group_inits += 1
+        return members
+
+    # -- push -------------------------------------------------------------------------------
+    def push(self, urls: Iterable[str], named_tensors: NamedTensors, version: int | str, *,
+             redo: bool = True) -> dict[str, PushResult]:
+        """Push one version into every URL; never raises for an engine's fault (see the module
+        docstring). Results are in the order of `urls`."""
+        version = str(version)
+        urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        pairs = named_tensor_list(named_tensors)
+        plan = plan_update([(n, t.dtype, t.shape) for n, t in pairs], self.bucket_bytes,
+                           solo_bytes=self.solo_bytes)
+        nbytes = plan.total_bytes
+        deadline = self.deadline_for(nbytes)
+        if not urls:
+            return {}
+        if self.announce is not None:  # an exception here aborts the push before any call
+            self.announce(list(urls), nbytes, deadline)
+        t0 = time.monotonic()
+        results = {u: PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
+                                 buckets=len(plan.buckets) if plan.buckets is not None else len(pairs),
+                                 deadline_s=deadline) for u in urls}
+        failed_collective = self._attempt(urls, pairs, plan, version, deadline, results)
+        again = [u for u in urls if results[u].status == "intact"]
+        if redo and failed_collective and again:
+            self._note("redo", receivers=again)
+            for u in again:
+                results[u] = PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
+                                        buckets=results[u].buckets, deadline_s=deadline, redone=True)
+            self._attempt(again, pairs, plan, version, deadline, results)
+        for r in results.values():
+            r.seconds = time.monotonic() - t0
+            r.ok = r.status == "ok"
+            if r.status == "intact" and r.error is None:
+                r.error = WeightSyncError(f"{r.url}: not loaded (weights intact): the push failed "
+                                          f"in another receiver", url=r.url, step="update_weights")
+        if not self.reuse_group:
+            self.close()
+        if self.on_done is not None:
+            self.on_done(results)
+        return results
+
+    def _attempt(self, urls: list[str], pairs, plan: UpdatePlan, version: str, deadline: float,
+                 results: dict[str, PushResult]) -> bool:
+        """One broadcast into `urls`; fills their results. True when the collective failed."""
+        t0 = time.monotonic()
+        members = list(self._members) if self._pg is not None and list(self._members) == urls else []
+        if not members:
+            self._note("init_weight_transfer_engine", receivers=urls)
+            members = self._build_group(urls, results, deadline)
+            if self._pg is None:  # some failed to join: the rest are intact; the caller redoes
+                return True
+        for u in members:
+            results[u].steps["init"] = time.monotonic() - t0
+
+        def fail(u: str, status: str, step: str, e: BaseException) -> None:
+            results[u].status = status
+            results[u].error = (PoisonedEngine(u, step, e) if status == "poisoned" else
+                                WeightSyncError(f"{u}: {step} failed: {e}", url=u, step=step))
+
+        # pause + start: nothing touched yet. A fault here costs a new group for the rest.
+        live = list(members)
+        if self.pause_mode is not None:
+            self._note("pause", receivers=live)
+            for u, got in self._each(live, "POST", "/pause", timeout=self.http_timeout,
+                                     params={"mode": self.pause_mode}).items():
+                if isinstance(got, HttpFailure):
+                    fail(u, "unreachable", "pause", got)
+        live = [u for u in live if not results[u].status]
+        self._note("start_weight_update", receivers=live)
+        started = []
+        for u, got in self._each(live, "POST", "/start_weight_update", timeout=self.http_timeout).items():
+            if not isinstance(got, HttpFailure):
+                started.append(u)
+            elif got.status is None:
+                fail(u, "unreachable", "start_weight_update", got)
+            elif _NOT_INITIALIZED in got.body:  # restarted: lost the group, model untouched
+                fail(u, "intact", "start_weight_update", got)
+            else:
+                fail(u, "poisoned", "start_weight_update", got)
+        if len(started) != len(members):
+            self._drop_group()
+            self._cancel_sessions(started, results)
+            for u in started:
+                results[u].status = "intact"
+            return True
+        t1 = time.monotonic()
+        ok_transfer = self._transfer(members, pairs, plan, deadline, results)
+        for u in members:
+            results[u].steps["update_weights"] = time.monotonic() - t1
+        if not ok_transfer:
+            self._drop_group()
+            return True
+        self._finish(members, version, deadline, results)
+        return False
+
+    def _cancel_sessions(self, started: list[str], results: dict[str, PushResult]) -> None:
+        """Engines that started a session but got no update: finish it empty (nothing was
+        loaded, no version given) and resume them on their old weights."""
+        for u, got in self._each(started, "POST", "/finish_weight_update", timeout=self.http_timeout).items():
+            if isinstance(got, HttpFailure):
+                results[u].error = WeightSyncError(f"{u}: cancelling the session failed: {got}", url=u)
+        self._resume(started, results)
+
+    def _resume(self, urls: list[str], results: dict[str, PushResult]) -> None:
+        if self.pause_mode is None or not urls:
+            return
+        for u, got in self._each(urls, "POST", "/resume", timeout=self.http_timeout).items():
+            if isinstance(got, HttpFailure):
+                results[u].status = "unreachable"
+                results[u].error = WeightSyncError(f"{u}: /resume failed: {got}", url=u, step="resume")
+
+    def _transfer(self, members: list[str], pairs, plan: UpdatePlan, deadline: float,
+                  results: dict[str, PushResult]) -> bool:
+        """/update_weights into every member (a thread each) beside the broadcasts of the
+        buckets (one more thread). True when every member loaded every byte."""
+        n_buckets = len(plan.buckets) if plan.buckets is not None else len(pairs)
+        op_timeout = timedelta(seconds=deadline)
+
+        def broadcasts():
+            pending: Any = None  # bucket i+1 is packed while bucket i is on the wire
+            work: Any = None
+            try:
+                for i, buf in enumerate(iter_buckets(plan, (t for _, t in pairs))):
+                    if self._pg is None:
+                        raise WeightSyncError("fleet group dropped during the transfer")
+                    work = self._pg.broadcast(buf, 0, op_timeout)  # no local ref to the group
+                    if pending is not None:
+                        pending[1].wait()
+                        self._note("bucket_sent", index=pending[0], of=n_buckets)
+                    pending = (i, work)
+                    del work
+                if pending is not None:
+                    pending[1].wait()
+                    self._note("bucket_sent", index=pending[0], of=n_buckets)
+            except BaseException as e:
+                # The future keeps the exception: no frame of it may keep a Work (and through
+                # it the group) alive, or destroying the group would not close its sockets.
+                pending = work = None
+                raise _detached(e) from None
+
+        info = {**plan.update_info(), "staged": True, "timeout_s": deadline}
+        calls = {u: _Call(u, "POST", "/update_weights", body={"update_info": info},
+                          timeout=deadline + GRACE_S) for u in members}
+        futs = {u: run_in_thread(c.run, name="fleet-update-http") for u, c in calls.items()}
+        send = run_in_thread(broadcasts, name="fleet-broadcast")
+        all_futs = [send, *futs.values()]
+        done, _ = cf.wait(all_futs, timeout=deadline, return_when=cf.FIRST_EXCEPTION)
+        failed = any(f.exception() is not None for f in done) or len(done) < len(all_futs)
+        if failed:
+            cause = (send.exception() if send.done() else None) or TimeoutError(
+                f"the broadcast did not complete within its deadline {deadline:.1f}s")
+            self._note("transfer_failed", cause=repr(cause))
+            # Destroy our end now: our direct peers' receives fail at once; one stalled behind a
+            # stopped peer fails on its per-receive timeout (one deadline), so wait that long.
+            self._drop_group()
+            # An engine that does not even answer /health (vLLM serves it beside a transfer)
+            # is stopped or gone: cut its call now rather than wait out one more deadline.
+            pending = [u for u, f in futs.items() if not f.done()]
+            if pending:
+                probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, 5.0))
+                for u in pending:
+                    if isinstance(probes[u], HttpFailure):
+                        calls[u].cancel()
+            cf.wait(all_futs, timeout=deadline + GRACE_S)
+        answers = {u: self._settle(calls[u], f) for u, f in futs.items()}
+        try:
+            send.exception(timeout=GRACE_S)  # a destroyed group fails its pending send
+        except cf.TimeoutError:
+            pass
+        if not failed:
+            return True
+        loaded, intact = [], []
+        for u in members:
+            got = answers[u]
+            if not isinstance(got, HttpFailure):
+                loaded.append(u)  # every byte landed and loaded before the fault: keep it
+            elif got.status is None:
+                results[u].status = "unreachable"
+                results[u].error = WeightSyncError(f"{u}: /update_weights: {got}", url=u,
+                                                   step="update_weights")
+            elif _NOT_LOADED in got.body:
+                intact.append(u)
+                results[u].status = "intact"
+                results[u].error = WeightSyncError(f"{u}: not loaded (weights intact): {got}",
+                                                   url=u, step="update_weights")
+            else:
+                results[u].status = "poisoned"
+                results[u].error = PoisonedEngine(u, "update_weights", _detached(got))
+        self._resume(intact, results)
+        if loaded:
+            self._finish(loaded, results[loaded[0]].version, deadline, results)
+        return False
+
+    def _finish(self, urls: list[str], version: str, deadline: float,
+                results: dict[str, PushResult]) -> None:
+        self._note("finish_weight_update", receivers=urls)
+        resume = []
+        for u, got in self._each(urls, "POST", "/finish_weight_update", timeout=deadline,
+                                 body={"weight_version": version}).items():
+            if isinstance(got, HttpFailure):
+                results[u].status = "poisoned"
+                results[u].error = PoisonedEngine(u, "finish_weight_update", got)
+            else:
+                resume.append(u)
+        self._resume(resume, results)
+        for u, got in self._each([u for u in resume if not results[u].status], "GET", "/weight_info",
+                                 timeout=self.http_timeout).items():
+            if isinstance(got, HttpFailure) or not isinstance(got, dict):
+                results[u].status = "unreachable"
+                results[u].error = WeightSyncError(f"{u}: GET /weight_info: {got}", url=u,
+                                                   step="weight_info")
+            elif got.get("weight_version") != version:
+                results[u].status = "unreachable"
+                results[u].error = WeightSyncError(f"{u}: /weight_info reads {got!r} after pushing "
+                                                   f"{version!r}", url=u, step="weight_info")
+            else:
+                results[u].status = "ok"
+
+    def close(self) -> None:
+        """Shut the group down on its members (best effort, in parallel) and locally."""
+        members = list(self.members)
+        if members:
+            self._each(members, "POST", "/shutdown_weight_transfer_engine", timeout=self.http_timeout)
+        self._drop_group()
+
+    def __enter__(self) -> "FleetSender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["FleetSender", "push_deadline"]
