@@ -15,7 +15,8 @@ was detected, back up and resynced. The hook points it uses:
                   --kill-after-tokens of one);
   rollout_round   the trainer disconnects mid-round, comes back, ends the round, runs it again;
   after_round     kill -9 in the round gap;
-  push_into       the push into one engine fails after half its buckets (poisoned);
+  push_all        the push into one engine fails after half its buckets (poisoned; its own
+                  streamed push, push_into), the others get the step's broadcast;
   train_and_push  no agent, and the checkpoint the daemon reloads from is truncated;
   after_run       each fault's timeline from the recorded events.
 """
@@ -120,6 +121,17 @@ class ChaosLoop(RLLoop):
         fault = self.fault_now("kill-gap")
         if fault is not None:
             await asyncio.to_thread(self._inject, fault, step, "in the gap")
+
+    def push_all(self, engines: list[dict[str, Any]], tensors, version: int) -> dict[str, str]:
+        """The push fault's engine gets its own failing push (push_into); the others the
+        step's broadcast."""
+        fault = self.fault_now("push")
+        victim = next((e for e in engines if fault is not None and e["name"] == fault.engine), None)
+        if victim is None:
+            return super().push_all(engines, tensors, version)
+        out = super().push_all([e for e in engines if e is not victim], tensors, version)
+        out[victim["name"]] = self.push_into(victim, tensors, version)
+        return out
 
     def push_into(self, engine: dict[str, Any], tensors, version: int) -> str:
         fault = self.fault_now("push")

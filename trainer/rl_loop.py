@@ -8,7 +8,7 @@ Each step is one round: round start N -> rollouts (RolloutClient) -> round end N
 a GRPO-style update (trainer/rl.py) -> the new weights pushed into every routable engine -> the
 version published. A ResyncAgent thread brings restarted engines to the published version.
 A harness acts at a step's hook points by overriding them (harness/chaos.py injects faults
-there): before_round, during_round, rollout_round, after_round, train_and_push, push_into,
+there): before_round, during_round, rollout_round, after_round, train_and_push, push_all, push_into,
 after_run.
 """
 
@@ -169,7 +169,8 @@ class Pusher:
             url, WeightSender(url, backend=self.backend, master_address=self.master_address))
         return self.push_with(sender, url, tensors, version)
 
-    def push_many(self, urls: list[str], tensors, version: int) -> dict[str, str]:
+    def push_many(self, urls: list[str], tensors, version: int, *,
+                  announce: Callable[[list[str], int, float], None] | None = None) -> dict[str, str]:
         """One version into every engine in one broadcast: url -> outcome, as push() says it.
         A receiver that failed the broadcast costs only itself: the others are redone once
         over a new group. gloo only; backend "nccl" pushes one engine after the other."""
@@ -183,6 +184,7 @@ class Pusher:
                 old.drop_group()  # local end only: a /shutdown would race the fleet's init
         if self.fleet is None:
             self.fleet = FleetSender(master_address=self.master_address)
+        self.fleet.announce = announce  # (receivers, bytes, the push's bound): told to the daemon
         out: dict[str, str] = {}
         for url, r in self.fleet.push(urls, tensors, version).items():
             if r.ok:
@@ -605,21 +607,50 @@ class RLLoop:
         with self.policy.lock:
             return self.push_and_publish()
 
+    def push_all(self, engines: list[dict[str, Any]], tensors, version: int) -> dict[str, str]:
+        """The step's push into every routable engine: one broadcast over one group
+        (Pusher.push_many), announced to the daemon (POST /v1/pushes) so each receiver's pause
+        is excused for exactly the push's bound, and ended with the receivers that failed.
+        name -> outcome, as push_into says it."""
+        if not engines:
+            return {}
+        name_of = {e["url"].rstrip("/"): e["name"] for e in engines}
+        announced: list[str] = []
+
+        def announce(urls: list[str], nbytes: int, bound_s: float) -> None:
+            if not hasattr(self.client, "push_begin"):  # --cluster: no per-node announcement yet
+                return
+            try:
+                announced.append(self.client.push_begin(version, [name_of[u] for u in urls], nbytes, bound_s))
+            except SupervisorError as e:  # the push goes on; a pause is excused up to sync_timeout
+                self.log(f"could not announce the push of v{version}: {e}")
+
+        outcomes: dict[str, str] = {}
+        try:
+            by_url = self.pusher.push_many(list(name_of), tensors, version, announce=announce)
+            outcomes = {name_of[u]: o for u, o in by_url.items()}
+        finally:
+            for push in announced:
+                failed = {n: o for n, o in outcomes.items() if o != "ok"}
+                try:
+                    self.client.push_end(push, ok=bool(outcomes) and not failed, failed=failed or None)
+                except SupervisorError as e:  # expired meanwhile: the daemon ended it itself
+                    self.log(f"could not end the push of v{version}: {e}")
+        return outcomes
+
     def push_and_publish(self, checkpoint: Path | None = None) -> dict[str, str]:
-        """Push the policy's version into every routable engine, then publish it. An engine
-        whose push failed midway is reported poisoned (the daemon restarts it)."""
+        """Push the policy's version into every routable engine (one broadcast), then publish
+        it. An engine whose push failed midway is reported poisoned (the daemon restarts it)."""
         version = self.base + self.policy.version
         tensors = self.policy.named_tensors()
-        pushed: dict[str, str] = {}
-        for eng in self.client.routable_engines()["engines"]:
-            pushed[eng["name"]] = outcome = self.push_into(eng, tensors, version)
+        pushed = self.push_all(self.client.routable_engines()["engines"], tensors, version)
+        for name, outcome in pushed.items():
             if outcome.startswith("poisoned"):
-                self.log(f"push of v{version} into {eng['name']}: {outcome}; reporting it poisoned")
+                self.log(f"push of v{version} into {name}: {outcome}; reporting it poisoned")
                 try:
-                    self.client.report_failure(eng["name"], f"push of v{version} failed midway: {outcome}",
-                                               poisoned=True)
+                    self.client.report_failure(name, f"push of v{version} failed midway: {outcome}", poisoned=True)
                 except SupervisorError as e:
-                    self.log(f"could not report {eng['name']} poisoned: {e}")
+                    self.log(f"could not report {name} poisoned: {e}")
         self.client.publish_weights(version, checkpoint=checkpoint)
         self.published = version
         return pushed

@@ -305,7 +305,10 @@ class FleetSender:
         if not urls:
             return {}
         if self.announce is not None:  # an exception here aborts the push before any call
-            self.announce(list(urls), nbytes, deadline)
+            # The whole call's bound, not one attempt's: a failed collective may take a second
+            # deadline for the engines' answers, and the redo a third; the daemon must excuse
+            # the receivers' pause for all of it.
+            self.announce(list(urls), nbytes, deadline * (3 if redo else 2))
         t0 = time.monotonic()
         results = {u: PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
                                  buckets=len(plan.buckets) if plan.buckets is not None else len(pairs),
