@@ -1,10 +1,13 @@
-"""The main job, shortened: the example RL loop on two real vLLM engines under the daemon, with
-a kill -9, a hung EngineCore and a push failing midway injected at its hook points
-(harness/chaos.py); then the plain loop's dump/replay flags (`python -m vime.trainer.rl_loop`)
-on its output.
+"""The main job, shortened: the example RL loop on two real vLLM engines under the daemon, one
+serving and one warm spare kept at the current weights (the demo's `spares` settings), with a
+kill -9 in a round with a long tail, a hung EngineCore and a push failing midway injected at its
+hook points (harness/chaos.py); then the plain loop's dump/replay flags
+(`python -m vime.trainer.rl_loop`) on its output.
 
-One daemon, two engines for the module; the faults wait (in the round gap) for a whole fleet,
-so each is measured on two running engines. ~4 minutes on 2 cores, most of it vLLM boots.
+Each fault takes the serving engine down: the spare is promoted into its place inside the
+round, the requests the kill cut mid-stream are continued there from the tokens already read,
+and the failed engine comes back as the spare. Two engines, one per core (a third would share
+a core on this 2-core machine and slow every boot on it). ~5 minutes, most of it vLLM boots.
 """
 
 from __future__ import annotations
@@ -34,11 +37,10 @@ def world(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("rl")
     # The demo's own tight probes (interval 1 s, timeout 2 s, threshold 2), from cold compiler
     # caches: the daemon keeps each engine's under this new state directory.
-    cfg = demo_config(root, tiny_model)
+    cfg = demo_config(root, tiny_model, spares=1)
     daemon = Daemon(cfg)
     try:
-        for name in ("engine-0", "engine-1"):
-            daemon.transition(name, "RUNNING", BOOT)
+        daemon.wait_for(lambda e: e.get("event") == "supervisor.ready", BOOT * 2)
         yield root, daemon, str(root / "run" / "supervisor.sock")
     finally:
         pids = set(daemon.spawned_pids())
@@ -56,7 +58,7 @@ def loop_args(root: Path, sock: str | None, model: Path, *extra: str):
 @pytest.fixture(scope="module")
 def live_run(world, tiny_model):
     root, daemon, sock = world
-    args = loop_args(root, sock, tiny_model, "--kill-at", "2", "--hang-at", "3", "--fail-push-at", "4",
+    args = loop_args(root, sock, tiny_model, "--kill-at", "2", "--long-tail", "2", "--hang-at", "3", "--fail-push-at", "4",
                      "--save-debug-rollout-data", str(root / "dumps" / "{rollout_id}.jsonl"))
     report = ChaosLoop(args).run()
     print(format_report(report))
@@ -77,15 +79,22 @@ def test_faults_are_detected_and_every_engine_ends_on_the_trainers_version(world
     assert kinds["hang"].detected_as.startswith("UNHEALTHY: hung:")
     assert kinds["push"].detected_as.startswith("UNHEALTHY: poisoned: push of v")
     assert "(reported by the trainer)" in kinds["push"].detected_as
-    # Each fault came back through the agent's verified push, not a boot on base weights.
-    assert all(f.resync_reason.startswith("weights v") for f in rep.faults)
+    # Each fault's place was taken by the spare, kept current, inside the round; the failed
+    # engine came back as the spare (never routed on base weights).
+    for f in rep.faults:
+        assert f.spare is not None and f.filled_in_round(), f.as_dict()
+        assert f.resync_reason.startswith("back as the spare"), f.as_dict()
+    # The kill cut the long tail mid-stream: continued from the streamed tokens, none generated twice.
+    assert sum(s.continued for s in rep.steps) >= 1 and sum(s.tokens_reused for s in rep.steps) > 0
+    assert sum(s.tokens_regenerated for s in rep.steps) == 0
     # The daemon's structured causes, which the demo's and the soak's verdicts read.
     assert {k: f.detected_cause for k, f in kinds.items()} == {"kill": "exit", "hang": "hang", "push": "poisoned"}
     assert [f.wrong_cause() for f in rep.faults] == [None] * 3
     assert rep.final_version == STEPS
-    assert {n: e["weight_version"] for n, e in rep.engines.items()} == {"engine-0": STEPS, "engine-1": STEPS}
-    assert {e["state"] for e in rep.engines.values()} == {"RUNNING"}
-    assert rep.syncs and all(s["ok"] for s in rep.syncs)
+    assert sorted(e["state"] for e in rep.engines.values()) == ["RUNNING", "STANDBY"]
+    serving = next(e for e in rep.engines.values() if e["state"] == "RUNNING")
+    assert serving["weight_version"] == STEPS
+    assert all(s["ok"] for s in rep.syncs)
     # The demo's verdict on this run (what makes `make demo` exit 0 or 1): nothing went wrong,
     # and the daemon restarted engines exactly once per injected fault (no healthy one stopped).
     assert rep.stopped is None and rep.signal is None

@@ -5,6 +5,8 @@ Two engines for the whole module, booted together (core 0 and core 1), both with
 
 * A receives weights by `WeightSender` (gloo broadcast, bucketed).
 * B receives the same weights from a checkpoint via `reload_from_checkpoint`.
+* A and B together receive one `FleetSender` broadcast (one group, staged receive); a third
+  engine C, booted for the fleet's fault tests, is SIGSTOPped, then SIGKILLed mid-broadcast.
 
 Same greedy tokens and logprobs on both shows that both paths land the same weights. The tests
 run in file order and share state (versions 1, 2, ...); the last two ruin the engines on purpose.
@@ -21,11 +23,13 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port
+from vime.weight_sync.broadcast import FleetSender
 from vime.weight_sync.checkpoint import reload_from_checkpoint, save_checkpoint
 from vime.weight_sync.errors import PoisonedEngine
 from vime.weight_sync.sender import WeightSender
@@ -221,6 +225,94 @@ def test_stale_group_is_reinitialised(engines, trainer, sender_a):
     assert_same_outputs(greedy(a.url), greedy(b.url))
 
 
+def test_fleet_broadcast_lands_the_same_weights_in_every_engine(engines, trainer, sender_a, tiny_model,
+                                                               tmp_path_factory):
+    """One broadcast into A and B (one group for both): each reads back v3 and generates what a
+    checkpoint reload of the same weights does, bit for bit."""
+    a, b = engines
+    model, step = trainer
+    v2 = greedy(a.url)
+    step()
+    with FleetSender(bucket_bytes=BUCKET) as fleet:
+        res = fleet.push([a.url, b.url], model, 3)
+        assert all(r.ok and not r.redone for r in res.values()), res
+        assert fleet.group_inits == 1 and res[a.url].bytes == res[b.url].bytes > 0
+        assert res[a.url].deadline_s > 0
+        # The same group serves the next version without a rendezvous.
+        assert all(r.ok for r in fleet.push([a.url, b.url], model, 3).values()) and fleet.group_inits == 1
+    assert weight_version(a.url) == weight_version(b.url) == "3"
+    at_a, at_b = greedy(a.url), greedy(b.url)
+    assert [x[2] for x in at_a] != [x[2] for x in v2]
+    assert_same_outputs(at_a, at_b)
+    # And what the disk path lands (checked on A; B keeps the broadcast's v3).
+    reload_from_checkpoint(a.url, save_checkpoint(model, tiny_model, tmp_path_factory.mktemp("ckpt") / "v3"), 3)
+    assert_same_outputs(greedy(a.url), at_b)
+    # sender_a's group on A was replaced by the fleet's: its next push re-inits (as above).
+
+
+@pytest.fixture(scope="module")
+def engine_c(engines, tiny_model, tmp_path_factory):
+    """A third receiver for the fleet's fault tests (A and B idle meanwhile: it boots alone)."""
+    c = Engine(tiny_model, "1", tmp_path_factory.mktemp("wsync-c") / "engine-c.log")
+    try:
+        c.wait_ready(time.monotonic() + BOOT)
+        yield c
+    finally:
+        c.stop()
+
+
+def _fault_at_bucket(n: int, act: Callable[[], None]) -> tuple[dict, Callable[[str, dict], None]]:
+    seen: dict = {}
+
+    def progress(step: str, info: dict) -> None:
+        if step == "bucket_sent" and info["index"] == n and "at" not in seen:
+            seen["at"] = time.monotonic()
+            act()
+    return seen, progress
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
+def test_a_receiver_faulted_mid_broadcast_costs_that_receiver_only(engines, engine_c, trainer, sig):
+    """C stopped (every process of it) or killed after bucket 3 of the broadcast into A and C:
+    the push fails within its bound, A's weights were never touched (staged receive), the
+    broadcast is redone over A alone and A ends verified at the version; C is reported.
+    SIGSTOP first: C is then continued, its failed session leaves it intact, and it is resumed
+    for the SIGKILL run."""
+    a, _ = engines
+    c = engine_c
+    model, _ = trainer
+    version = {signal.SIGSTOP: 4, signal.SIGKILL: 5}[sig]
+    before = greedy(a.url)
+    with FleetSender(bucket_bytes=BUCKET, rendezvous_s=10.0) as fleet:
+        assert all(r.ok for r in fleet.push([a.url, c.url], model, f"{version}-warm").values())
+        seen, fleet.progress = _fault_at_bucket(3, lambda: os.killpg(c.proc.pid, sig))
+        try:
+            res = fleet.push([a.url, c.url], model, version)
+        finally:
+            if sig == signal.SIGSTOP:
+                os.killpg(c.proc.pid, signal.SIGCONT)
+        bound = res[a.url].deadline_s
+    assert "at" in seen, "the fault never fired"
+    took = time.monotonic() - seen["at"]
+    assert res[a.url].ok and res[a.url].redone, res[a.url]
+    assert not res[c.url].ok and res[c.url].status in ("unreachable", "intact"), res[c.url]
+    assert took < 3 * bound + 10, (took, bound)  # the push's own bound, not a fixed 600 s
+    assert weight_version(a.url) == str(version)
+    assert call(a.url, "GET", "/is_paused", timeout=5)[1] == {"is_paused": False}
+    assert [x[0] for x in greedy(a.url)] == [x[0] for x in before]  # same weights, served
+    if sig == signal.SIGSTOP:
+        # Continued: its receive failed on the torn-down group before it touched the model.
+        deadline = time.monotonic() + 60
+        while call(c.url, "GET", "/health", timeout=5)[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # Left paused by the push (nobody could resume it while stopped); the SIGKILL run's
+        # warm-up push into it shows it was left intact and takes pushes again.
+        assert call(c.url, "POST", "/resume", timeout=10)[0] == 200
+        assert weight_version(c.url) == "4-warm"
+    else:
+        c.proc.wait(30)
+
+
 KILLED_SENDER = textwrap.dedent("""
     import sys, time
     from safetensors.torch import load_file
@@ -262,7 +354,7 @@ def test_sender_killed_mid_broadcast_poisons_engine(engines, tiny_model):
     assert time.monotonic() - killed_at < 20
     assert call(b.url, "GET", "/health")[0] == 200  # /health does not see it
     assert call(b.url, "GET", "/is_paused")[1] == {"is_paused": True}
-    assert weight_version(b.url) == "2"  # the last good version is still reported
+    assert weight_version(b.url) == "3"  # the last good version is still reported
 
     # Generating on it (after a resume) fails, and the engine core dies; the server exits.
     assert call(b.url, "POST", "/resume")[0] == 200
@@ -286,7 +378,7 @@ def test_failed_push_raises_poisoned_and_leaves_engine_paused(engines, trainer, 
     sender_a.progress = fail_midway
     t0 = time.monotonic()
     with pytest.raises(PoisonedEngine) as exc:
-        sender_a.push(model, 3)
+        sender_a.push(model, 6)
     assert time.monotonic() - t0 < 10
     assert exc.value.step == "update_weights" and exc.value.url == a.url
     assert "injected" in str(exc.value.cause)
@@ -296,7 +388,7 @@ def test_failed_push_raises_poisoned_and_leaves_engine_paused(engines, trainer, 
     # generation is held (not served on meta tensors) until someone resumes or restarts.
     assert call(a.url, "GET", "/health")[0] == 200
     assert call(a.url, "GET", "/is_paused", timeout=5)[1] == {"is_paused": True}
-    assert weight_version(a.url) == "2"
+    assert weight_version(a.url) == "5"
     status, _ = call(a.url, "POST", "/v1/completions",
                      {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}, timeout=3)
     assert status == "timeout"
