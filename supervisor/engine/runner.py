@@ -529,7 +529,12 @@ class EngineRunner:
                 if self.fsm.unobserved and outcome.ok and outcome.excuse is None:
                     # Out of routing only because the daemon could not probe it: back, as an
                     # attached engine that answers again (held until the gap inside a round).
-                    self.fsm.recovered(await self.prober.weight_version(), self.policy.current_version,
+                    # The process never stopped, so its weights are the ones it had: a read
+                    # that fails (None, as for base weights) must not cost it a resync.
+                    version = await self.prober.weight_version()
+                    if version is None:
+                        version = self.fsm.weight_version
+                    self.fsm.recovered(version, self.policy.current_version,
                                        hold=self.policy.hold_reason(), spare=self._spare())
                 elif self.fsm.probe_result(outcome):
                     return
