@@ -80,6 +80,7 @@ Announce = Callable[[list[str], int, float], None]
 OnDone = Callable[[dict[str, PushResult]], None]
 
 GRACE_S = 5.0  # on top of a deadline, for the HTTP answer that follows the last byte
+PROBE_S = 2.0  # after a failed collective: an engine silent on /health this long is cut
 
 
 class _Call:
@@ -451,7 +452,7 @@ class FleetSender:
             # is stopped or gone: cut its call now rather than wait out one more deadline.
             pending = [u for u, f in futs.items() if not f.done()]
             if pending:
-                probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, 5.0))
+                probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, PROBE_S))
                 for u in pending:
                     if isinstance(probes[u], HttpFailure):
                         calls[u].cancel()
