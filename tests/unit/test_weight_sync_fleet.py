@@ -160,8 +160,12 @@ def test_a_receiver_faulted_mid_broadcast_costs_that_receiver_only(stand_ins, si
                 os.kill(victim_proc.pid, getattr(signal, sig))
 
         reloads = {u: state(u)["reloads_begun"] for u in urls}
-        fs = FleetSender(bucket_bytes=1 << 20, floor_mbps=50, rendezvous_s=4, http_timeout=3)
-        assert fs.push(urls, model(0), 0)[victim].ok  # the group is up: the fault lands in a transfer
+        # The group is built under a generous bound (a loaded machine's rendezvous can take
+        # seconds), then the faulted push runs on it under a tight one: the fault lands in a
+        # transfer.
+        fs = FleetSender(bucket_bytes=1 << 20, floor_mbps=50, rendezvous_s=60, http_timeout=3)
+        assert fs.push(urls, model(0), 0)[victim].ok
+        fs.rendezvous_s = 4
         deadline = fs.deadline_for(sum(t.numel() * t.element_size() for _, t in BIG))
         fs.progress = fault
         t0 = time.monotonic()
