@@ -38,7 +38,9 @@ Flags:
   --model DIR      the tiny model (built there if empty; default $VIME_TINY_MODEL_CACHE, else
                    in --runs);
   --timeout S      longest one configuration may run (default 1800; --quick 900);
-  --out PATH       the rows as JSON (default goodput.json).
+  --out PATH       the rows as JSON (default goodput.json);
+  --read DIR       run nothing: read the run folders a former bench left in DIR (its --runs)
+                   and print their table again.
 
 Engines are real processes: run one engine job at a time on a small host. Exit status 0 when
 every configuration gave a row, 1 otherwise.
@@ -227,10 +229,13 @@ def run_config(cfg: Config, run_dir: Path, model: Path, loop: list[str], timeout
             rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"the demo ran past --timeout {timeout:g}s (its output: {out.name})") from None
-    got = read_dir(run_dir, cfg.target, cfg.name)
+    return read_dir(run_dir, cfg.target, cfg.name), _problems(run_dir, rc)
+
+
+def _problems(run_dir: Path, rc: int) -> str | None:
+    """What the demo said went wrong (demo.json), None when nothing did."""
     demo = _json(run_dir / "demo.json") if (run_dir / "demo.json").is_file() else {}
-    problems = "; ".join(demo.get("problems") or []) or (None if rc == 0 else f"demo exit status {rc}")
-    return got, problems
+    return "; ".join(demo.get("problems") or []) or (None if rc == 0 else f"demo exit status {rc}")
 
 
 def row_dict(row: Goodput, base: Goodput | None, notes: list[str]) -> dict[str, Any]:
@@ -249,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--out", type=Path, default=Path("goodput.json"))
+    ap.add_argument("--read", type=Path, default=None)
     a = ap.parse_args(argv)
     chosen = [c.strip() for c in a.only.split(",") if c.strip()]
     if unknown := [c for c in chosen if c not in CONFIGS]:
@@ -258,12 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     if any(s > steps for s in at.values()):
         ap.error(f"--steps {steps} is before a fault's step ({at}): it would not be injected")
     timeout = a.timeout or (900.0 if a.quick else 1800.0)
-    runs = (a.runs or Path(tempfile.mkdtemp(prefix="goodput-"))).resolve()
+    runs = (a.read or a.runs or Path(tempfile.mkdtemp(prefix="goodput-"))).resolve()
     runs.mkdir(parents=True, exist_ok=True)
-    from vime.trainer.tiny_model import build_tiny_model
+    model = Path("-")
+    if a.read is None:
+        from vime.trainer.tiny_model import build_tiny_model
 
-    cache = os.environ.get("VIME_TINY_MODEL_CACHE")
-    model = build_tiny_model((a.model or (Path(cache) if cache else runs / "model")).resolve())
+        cache = os.environ.get("VIME_TINY_MODEL_CACHE")
+        model = build_tiny_model((a.model or (Path(cache) if cache else runs / "model")).resolve())
     t_start = time.monotonic()
     _say(f"runs in {runs}; {steps} steps, seed {a.seed}, faults at {at}")
     rows: list[Goodput] = []
@@ -277,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = runs / key
         loop = loop_argv(cfg, steps, a.seed, at)
         try:
-            got, problems = run_config(cfg, run_dir, model, loop, timeout)
+            if a.read is not None:
+                got, problems = read_dir(run_dir, cfg.target, cfg.name), _problems(run_dir, 0)
+            else:
+                got, problems = run_config(cfg, run_dir, model, loop, timeout)
             row = account(got.run, base.wall_s if base is not None else None)
         except Exception as e:  # noqa: BLE001 - a bench reports and goes on
             err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
