@@ -85,9 +85,25 @@ class Over:
 
 @dataclass
 class DirRun:
-    """What run_from_dir read: the Run, and what it could not place."""
+    """What run_from_dir read: the Run, what it could not place, and the seconds the loop spent
+    in gaps waiting before a round opened (harness_wait)."""
     run: Run
     notes: list[str] = field(default_factory=list)
+    gap_wait_s: float = 0.0
+
+
+def gap_waits(events: list[dict[str, Any]]) -> float:
+    """Seconds from each step's end (its version published) to the next round's start: nothing
+    of the loop's own work happens there; the chaos loop waits there for a whole fleet (every
+    engine RUNNING on the current version, or the warm spare) before it injects a fault."""
+    total, last = 0.0, None
+    for ev in sorted(events, key=lambda e: float(e["ts"])):
+        if ev.get("event") == Event.WEIGHTS_PUBLISHED:
+            last = float(ev["ts"])
+        elif ev.get("event") == Event.ROUND_START and last is not None:
+            total += float(ev["ts"]) - last
+            last = None
+    return total
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -178,7 +194,8 @@ def read_dir(path: str | os.PathLike[str], target: int, name: str | None = None)
     if summary.get("stopped"):
         notes.append(f"the loop {summary['stopped']}")
     return DirRun(Run(name=name or run_dir.name, events=events, faults=faults, rounds=rows, target=target,
-                      wall_s=wall, useful_tokens=useful, started_over=over, discarded_tokens=discarded), notes)
+                      wall_s=wall, useful_tokens=useful, started_over=over, discarded_tokens=discarded), notes,
+                  gap_wait_s=gap_waits(events))
 
 
 # -- driving the configurations ----------------------------------------------------------------
@@ -279,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                            "steps": steps, "seed": a.seed, "fault_steps": at, "runs": str(runs),
                            "rows": [], "errors": {}}
     base: Goodput | None = None
+    base_worked: float | None = None  # the fault-free wall less its gap waits
     header = False
     for key in chosen:
         cfg = CONFIGS[key]
@@ -299,7 +317,16 @@ def main(argv: list[str] | None = None) -> int:
             base = row = account(got.run, got.run.wall_s)
         rows.append(row)
         notes = got.notes + ([f"demo: {problems}"] if problems else [])
-        doc["rows"].append({**row_dict(row, base, notes), "config": {**asdict(cfg), "loop": loop}})
+        # The chaos loop injects each fault on a whole fleet: the wait for it is the harness's.
+        worked = row.wall_s - got.gap_wait_s
+        if key == "fault-free":
+            base_worked = worked
+        ettr_worked = base_worked / worked if base_worked is not None and worked > 0 else None
+        notes.append(f"{got.gap_wait_s:.1f} s of the wall waited in gaps before a round (the fault harness "
+                     f"waits for a whole fleet); without them {worked:.1f} s"
+                     + (f", ETTR {ettr_worked:.2f}" if ettr_worked is not None else ""))
+        doc["rows"].append({**row_dict(row, base, notes), "gap_wait_s": got.gap_wait_s,
+                            "ettr_without_gap_waits": ettr_worked, "config": {**asdict(cfg), "loop": loop}})
         lines = table([row], base)
         if not header:
             print("\n".join(lines[:2]), flush=True)

@@ -130,3 +130,11 @@ def test_quick_injects_every_fault_and_only_faulted_configs_get_fault_flags(benc
     assert free == ["--num-rollout", str(steps), "--seed", "0"]
     assert spare[:4] == free and {"--kill-at", "--hang-at", "--fail-push-at"} <= set(spare)
     assert bench.CONFIGS["spare"].target == bench.CONFIGS["faults"].target == 2
+
+
+def test_gap_waits_are_the_seconds_from_a_publication_to_the_next_round(bench):
+    evs = [{"event": "round_start", "ts": 1.0}, {"event": "round_end", "ts": 2.0},
+           {"event": "weights_published", "ts": 3.0}, {"event": "round_start", "ts": 10.0},
+           {"event": "round_end", "ts": 11.0}, {"event": "weights_published", "ts": 12.0},
+           {"event": "round_start", "ts": 12.5}]
+    assert bench.gap_waits(evs) == pytest.approx(7.0 + 0.5)
