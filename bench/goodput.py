@@ -27,6 +27,10 @@ time / time with faults). What is measured:
   the rest      as harness/goodput.py says, from the daemon's log (daemon.log) and the loop's
                 summary (summary.json: steps and faults).
 
+Under each row: the seconds its steps waited in gaps before a round opened (from a version's
+publication to the next round's start: the chaos loop's wait for a whole fleet before a fault),
+and the wall and ETTR without them; the JSON has them as gap_wait_s, ettr_without_gap_waits.
+
 Flags:
   --quick          4 steps with the faults at steps 1, 2 and 3 (each fault still injected);
                    default: 30 steps, faults at 3, 12 and 21 (the demo's schedule);
@@ -290,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         cache = os.environ.get("VIME_TINY_MODEL_CACHE")
         model = build_tiny_model((a.model or (Path(cache) if cache else runs / "model")).resolve())
     t_start = time.monotonic()
-    _say(f"runs in {runs}; {steps} steps, seed {a.seed}, faults at {at}")
+    _say(f"reading the run folders in {runs}" if a.read is not None
+         else f"runs in {runs}; {steps} steps, seed {a.seed}, faults at {at}")
     rows: list[Goodput] = []
     doc: dict[str, Any] = {"command": " ".join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)]),
                            "steps": steps, "seed": a.seed, "fault_steps": at, "runs": str(runs),
