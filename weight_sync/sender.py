@@ -299,18 +299,23 @@ class WeightSender:
 
     def _init_nccl(self, ws: int) -> None:  # UNTESTED (no GPU here)
         try:
+            import vllm
+            from vllm.distributed import weight_transfer
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerInitInfo,
                 NCCLTrainerWeightTransferEngine,
             )
         except ImportError as e:
-            raise WeightSyncError(f"backend='nccl' needs vLLM on the trainer: {e}", url=self.url,
-                                  step="init_weight_transfer_engine") from e
+            raise WeightSyncError(f"backend='nccl' needs vLLM ({NCCL_VERSIONS}) on the trainer: {e}",
+                                  url=self.url, step="init_weight_transfer_engine") from e
+        trainer_init = resolve_trainer_init(getattr(weight_transfer, "WeightTransferTrainerFactory", None),
+                                            NCCLTrainerWeightTransferEngine,
+                                            getattr(vllm, "__version__", "?"))
         port = self.master_port or _free_port("")
         self._nccl_client = _NcclClient(self)
         self._nccl_source = _DeferredSource()
         try:
-            self._nccl = NCCLTrainerWeightTransferEngine.trainer_init(
+            self._nccl = trainer_init(
                 NCCLTrainerInitInfo(master_address=self.master_address, master_port=port,
                                     world_size=ws, rank=0, packed=True,
                                     packed_buffer_size_bytes=max(self.bucket_bytes, 1 << 20)),
@@ -508,6 +513,22 @@ class WeightSender:
         except HttpFailure as e:
             raise WeightSyncError(f"{self.url}: weights loaded but /update_weight_version failed: {e}",
                                   url=self.url, step="update_weight_version") from e
+
+
+NCCL_VERSIONS = "vLLM 0.32 or 0.33: their trainer API was read there; never run here, no GPU"
+
+
+def resolve_trainer_init(factory: Any, engine_cls: Any, vllm_version: str) -> Callable[..., Any]:
+    """vLLM's trainer-side NCCL entry point: `WeightTransferTrainerFactory.trainer_init` (0.32+,
+    the only one left on vLLM's main, which removes the engines' static names, #50902), else the
+    engine class's own `trainer_init` (0.32/0.33); neither: a WeightSyncError naming what works."""
+    if factory is not None and callable(getattr(factory, "trainer_init", None)):
+        return factory.trainer_init
+    if callable(getattr(engine_cls, "trainer_init", None)):
+        return engine_cls.trainer_init
+    raise WeightSyncError(f"vLLM {vllm_version} has neither WeightTransferTrainerFactory.trainer_init nor "
+                          f"NCCLTrainerWeightTransferEngine.trainer_init: backend='nccl' needs "
+                          f"{NCCL_VERSIONS}", step="init_weight_transfer_engine")
 
 
 class _NcclClient:
