@@ -231,7 +231,6 @@ class ChaosLoop(RLLoop):
         deadline = push_deadline(nbytes)  # FleetSender's bound for these bytes
         path = faults.save_tensors(pairs, self.out / "mid-push" / f"v{version}.pt")
         st = {n: self._engine_status(n) for n in names}
-        fault.pid, fault.incarnation = st[names[0]].get("pid"), st[names[0]].get("incarnation")
         bound = deadline * 2  # what FleetSender announces for a push without a redo
         push_id = None
         if hasattr(self.client, "push_begin"):
@@ -240,9 +239,13 @@ class ChaosLoop(RLLoop):
             except SupervisorError as e:
                 self.log(f"could not announce the push of v{version}: {e}")
         cmd = faults.child_push_command(path, urls, version, deadline)
-        t0 = time.time()
         killed, what = faults.kill_child_after(cmd, timeout=bound)
-        fault.fired_step, fault.injected_at = self.step_no, time.time() if killed else t0
+        fault.fired_step = self.step_no
+        failed = {n: f"failed: the trainer's push died mid-transfer ({what})" for n in names}
+        if not killed:  # not injected (the soak counts it so); the receivers' fate is the daemon's
+            fault.note = f"not injected: the child push of v{version}: {what}"
+            return failed
+        fault.injected_at = time.time()
         self.log(f"FAULT the trainer's push of v{version} into {', '.join(names)} (push {push_id}, not ended): "
                  f"{what}")
         # Each receiver must be condemned by the daemon itself: paused past the push's deadline
@@ -256,11 +259,22 @@ class ChaosLoop(RLLoop):
                         and e.get("to_state") in ("UNHEALTHY", "EXITED") and e.get("ts", 0) >= since)
             ev = self.recorder.wait_for(condemned, max(0.0, until - time.monotonic()), raise_on_timeout=False)
             seen[n] = "not condemned" if ev is None else f"{ev.get('to_state')} ({ev.get('cause')})"
-        fault.confirmed = killed and push_id is not None and all(
-            s.endswith(f"({faults.DETECTED_AS['trainer-dies-mid-push'].value})") for s in seen.values())
-        fault.note = (f"child push {what}; announced as {push_id} ({bound:.1f}s), not ended; receivers: "
-                      + ", ".join(f"{n} {s}" for n, s in seen.items()))
-        return {n: f"failed: the trainer's push died mid-transfer ({what})" for n in names}
+        want = f"({faults.DETECTED_AS[fault.kind].value})"
+        note = (f"child push {what}; announced as {push_id} ({bound:.1f}s), not ended; receivers: "
+                + ", ".join(f"{n} {s}" for n, s in seen.items()))
+        # Every receiver is a victim: one Fault each (the others added to the plan beside this
+        # one, already injected), so each is timed, checked and matched to its own restart.
+        at = self.plan.index(fault) + 1
+        for n in names:
+            f = fault if n == fault.engine else faults.Fault(fault.kind, fault.step, engine=n)
+            if f is not fault:
+                self.plan.insert(at, f)
+                at += 1
+            f.fired_step, f.injected_at = fault.fired_step, fault.injected_at
+            f.pid, f.incarnation = st[n].get("pid"), st[n].get("incarnation")
+            f.confirmed = push_id is not None and seen[n].endswith(want)
+            f.note = note
+        return failed
 
     def train_and_push(self, step: int, samples):
         fault = self.fault_now("poison-reload")

@@ -53,7 +53,7 @@ WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore"
         "push": "weight push failing midway", "kill-gap": "kill -9 in the round gap",
         "crash-start": "engine crashing at start", "poison-reload": "checkpoint reload poisoned",
         "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon",
-        "kill-mid-push": "kill -9 of a receiver mid-push", "stop-mid-push": "SIGSTOP of a receiver mid-push",
+        "kill-mid-push": "kill -9 of receiver mid-push", "stop-mid-push": "SIGSTOP of receiver mid-push",
         "trainer-dies-mid-push": "trainer killed mid-push"}
 IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected while a round has requests in flight
 NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
