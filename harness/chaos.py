@@ -21,7 +21,8 @@ was detected, back up and resynced. The hook points it uses:
                   half the broadcast's buckets are sent, one receiver is killed -9 or
                   SIGSTOPped (kill-mid-push, stop-mid-push), or the broadcast runs in a child
                   process that is killed -9 (trainer-dies-mid-push);
-  train_and_push  no agent, and the checkpoint the daemon reloads from is truncated;
+  train_and_push  no agent, and the checkpoint the daemon reloads from is truncated; after a
+                  trainer-dies-mid-push, the wait (bounded) for the restarted fleet;
   after_run       each fault's timeline from the recorded events.
 """
 
@@ -279,7 +280,15 @@ class ChaosLoop(RLLoop):
     def train_and_push(self, step: int, samples):
         fault = self.fault_now("poison-reload")
         if fault is None:
-            return super().train_and_push(step, samples)
+            dies = self.fault_now("trainer-dies-mid-push")
+            out = super().train_and_push(step, samples)
+            if dies is not None and dies.injected_at is not None:
+                # Every engine was condemned: wait (bounded) for them RUNNING at the version, or
+                # the next round would open with none to route to.
+                view = self.view
+                whole = view.wait(lambda: view.whole(self.published), self.args.fault_wait)
+                self.log(f"after the trainer died mid-push: fleet whole again at v{self.published}: {whole}")
+            return out
         self.stop_agent()  # before taking the lock: the agent may be waiting for it
         with self.policy.lock:
             stats = self.policy.train_step(samples)
