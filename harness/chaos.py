@@ -2,6 +2,7 @@
 points, on the real engine processes (harness/faults.py). The demo and the soak run it.
 
     python -m vime.harness.chaos --model DIR --socket PATH --kill-at 3 --hang-at 12 --fail-push-at 21
+    python -m vime.harness.chaos --model DIR --socket PATH --fault kill-mid-push@4 --fault trainer-dies-mid-push@9
 
 Each fault waits, in the round gap, until every engine is RUNNING on the trainer's version, so
 it is measured on a whole fleet; `faults.timeline` then reads from the daemon's events when it
@@ -16,8 +17,12 @@ was detected, back up and resynced. The hook points it uses:
   rollout_round   the trainer disconnects mid-round, comes back, ends the round, runs it again;
   after_round     kill -9 in the round gap;
   push_all        the push into one engine fails after half its buckets (poisoned; its own
-                  streamed push, push_into), the others get the step's broadcast;
-  train_and_push  no agent, and the checkpoint the daemon reloads from is truncated;
+                  streamed push, push_into), the others get the step's broadcast; or, once
+                  half the broadcast's buckets are sent, one receiver is killed -9 or
+                  SIGSTOPped (kill-mid-push, stop-mid-push), or the broadcast runs in a child
+                  process that is killed -9 (trainer-dies-mid-push);
+  train_and_push  no agent, and the checkpoint the daemon reloads from is truncated; after a
+                  trainer-dies-mid-push, the wait (bounded) for the restarted fleet;
   after_run       each fault's timeline from the recorded events.
 """
 
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from vime.harness import faults
-from vime.supervisor.client import SupervisorClient
+from vime.supervisor.client import SupervisorClient, SupervisorError
 from vime.trainer import rl_loop
 from vime.trainer.rl_loop import WHOLE_STATES, Report, RLLoop, Rollouts
 
@@ -70,7 +75,8 @@ class ChaosLoop(RLLoop):
         super().__init__(args)
         self.plan = plan if plan is not None else [
             faults.Fault(kind, step) for kind, step in
-            (("kill", args.kill_at), ("hang", args.hang_at), ("push", args.fail_push_at)) if step]
+            (("kill", args.kill_at), ("hang", args.hang_at), ("push", args.fail_push_at),
+             *(getattr(args, "fault", None) or [])) if step]
         self.report = ChaosReport(faults=self.plan)
         self.hooks = hooks or ChaosHooks()
         self.fault: faults.Fault | None = None  # the fault of the step in progress
@@ -124,7 +130,15 @@ class ChaosLoop(RLLoop):
 
     def push_all(self, engines: list[dict[str, Any]], tensors, version: int) -> dict[str, str]:
         """The push fault's engine gets its own failing push (push_into); the others the
-        step's broadcast."""
+        step's broadcast. A mid-push fault acts inside the step's broadcast."""
+        mid = self.fault_now(*faults.MID_PUSH)
+        if mid is not None and any(e["name"] == mid.engine for e in engines):
+            if self.pusher.backend != "gloo":  # Pusher.push_many broadcasts with gloo only
+                mid.note = f"not injected: backend {self.pusher.backend} pushes one engine after the other"
+            elif mid.kind == "trainer-dies-mid-push":
+                return self._trainer_dies(mid, engines, tensors, version)
+            else:
+                return self._fault_mid_broadcast(mid, engines, tensors, version)
         fault = self.fault_now("push")
         victim = next((e for e in engines if fault is not None and e["name"] == fault.engine), None)
         if victim is None:
@@ -154,10 +168,127 @@ class ChaosLoop(RLLoop):
         fault.confirmed = outcome.startswith("poisoned")
         return outcome
 
+    def _engine_status(self, name: str) -> Mapping[str, Any]:
+        return next((e for e in self.view.engines() if e["name"] == name), {})
+
+    def _fault_mid_broadcast(self, fault: faults.Fault, engines: list[dict[str, Any]], tensors,
+                             version: int) -> dict[str, str]:
+        """kill -9 / SIGSTOP of the victim's process group once half the step's broadcast is on
+        the wire (its progress "bucket_sent"): the push fails for it, the survivors are redone."""
+        from vime.weight_sync.broadcast import FleetSender
+
+        st = self._engine_status(fault.engine or "")
+        pid, incarnation = st.get("pid"), st.get("incarnation")
+        assert pid is not None  # a spawned engine of the fleet
+        act = faults.kill_group if fault.kind == "kill-mid-push" else faults.stop_group
+        what = "kill -9" if fault.kind == "kill-mid-push" else "SIGSTOP"
+
+        def fire(sent: int, of: int) -> None:
+            fault.fired_step, fault.injected_at = self.step_no, time.time()
+            fault.pid, fault.incarnation = pid, incarnation
+            act(pid)
+            self.log(f"FAULT {what} {fault.engine} (process group {pid}) after {sent} of {of} buckets "
+                     f"of the broadcast of v{version}, step {self.step_no}")
+
+        if self.pusher.fleet is None:  # as Pusher.push_many makes it, so the hook can be set
+            self.pusher.fleet = FleetSender(master_address=self.pusher.master_address)
+        fleet = self.pusher.fleet
+        saved = fleet.progress, fleet.bucket_bytes, fleet.solo_bytes
+        # Small buckets, so "halfway" is inside the transfer of even a tiny model.
+        fleet.progress = faults.AfterBucket(fire)
+        fleet.bucket_bytes, fleet.solo_bytes = 256 << 10, None
+        try:
+            out = super().push_all(engines, tensors, version)
+        finally:
+            fleet.progress, fleet.bucket_bytes, fleet.solo_bytes = saved
+        mine = out.get(fault.engine or "")
+        others = {n: o for n, o in out.items() if n != fault.engine}
+        # Confirmed: it was injected inside the push, the push failed for the victim only, and
+        # every survivor ended the step at the version (redone over them).
+        fault.confirmed = (fault.injected_at is not None and mine is not None and mine != "ok"
+                           and all(o == "ok" for o in others.values()))
+        fault.note = (f"push of v{version}: {fault.engine} {(mine or 'no outcome')[:100]}; survivors "
+                      + (", ".join(f"{n} {o[:60]}" for n, o in sorted(others.items())) or "none"))
+        if fault.injected_at is None:
+            fault.note = f"not injected: the broadcast of v{version} ended before half its buckets; " + fault.note
+        return out
+
+    def _trainer_dies(self, fault: faults.Fault, engines: list[dict[str, Any]], tensors,
+                      version: int) -> dict[str, str]:
+        """The step's broadcast runs in a child process, announced here and never ended: the
+        child is killed -9 after half its buckets, as a trainer that dies. Every receiver is
+        left paused mid-session; the daemon's announced-push deadline condemns each (paused
+        past it), and restarts it. Waits (bounded) until each receiver is condemned."""
+        from vime.weight_sync.sender import named_tensor_list, push_deadline
+
+        names = [e["name"] for e in engines]
+        urls = [e["url"].rstrip("/") for e in engines]
+        for url in urls:  # the child's group replaces the loop's in every receiver
+            self.pusher.drop(url)
+        if self.pusher.fleet is not None:
+            self.pusher.fleet.drop_group()
+        pairs = named_tensor_list(tensors)
+        nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+        deadline = push_deadline(nbytes)  # FleetSender's bound for these bytes
+        path = faults.save_tensors(pairs, self.out / "mid-push" / f"v{version}.pt")
+        st = {n: self._engine_status(n) for n in names}
+        bound = deadline * 2  # what FleetSender announces for a push without a redo
+        push_id = None
+        if hasattr(self.client, "push_begin"):
+            try:
+                push_id = self.client.push_begin(version, names, nbytes, bound)
+            except SupervisorError as e:
+                self.log(f"could not announce the push of v{version}: {e}")
+        cmd = faults.child_push_command(path, urls, version, deadline)
+        killed, what = faults.kill_child_after(cmd, timeout=bound)
+        fault.fired_step = self.step_no
+        failed = {n: f"failed: the trainer's push died mid-transfer ({what})" for n in names}
+        if not killed:  # not injected (the soak counts it so); the receivers' fate is the daemon's
+            fault.note = f"not injected: the child push of v{version}: {what}"
+            return failed
+        fault.injected_at = time.time()
+        self.log(f"FAULT the trainer's push of v{version} into {', '.join(names)} (push {push_id}, not ended): "
+                 f"{what}")
+        # Each receiver must be condemned by the daemon itself: paused past the push's deadline
+        # (or, were it to happen, gone). Bounded: the push's bound, its grace, a few probes.
+        seen: dict[str, str] = {}
+        until = time.monotonic() + bound + self.args.fault_wait
+        since = fault.injected_at
+        for n in names:
+            def condemned(e: dict[str, Any], n: str = n) -> bool:
+                return (e.get("event") == "transition" and e.get("engine") == n
+                        and e.get("to_state") in ("UNHEALTHY", "EXITED") and e.get("ts", 0) >= since)
+            ev = self.recorder.wait_for(condemned, max(0.0, until - time.monotonic()), raise_on_timeout=False)
+            seen[n] = "not condemned" if ev is None else f"{ev.get('to_state')} ({ev.get('cause')})"
+        want = f"({faults.DETECTED_AS[fault.kind].value})"
+        note = (f"child push {what}; announced as {push_id} ({bound:.1f}s), not ended; receivers: "
+                + ", ".join(f"{n} {s}" for n, s in seen.items()))
+        # Every receiver is a victim: one Fault each (the others added to the plan beside this
+        # one, already injected), so each is timed, checked and matched to its own restart.
+        at = self.plan.index(fault) + 1
+        for n in names:
+            f = fault if n == fault.engine else faults.Fault(fault.kind, fault.step, engine=n)
+            if f is not fault:
+                self.plan.insert(at, f)
+                at += 1
+            f.fired_step, f.injected_at = fault.fired_step, fault.injected_at
+            f.pid, f.incarnation = st[n].get("pid"), st[n].get("incarnation")
+            f.confirmed = push_id is not None and seen[n].endswith(want)
+            f.note = note
+        return failed
+
     def train_and_push(self, step: int, samples):
         fault = self.fault_now("poison-reload")
         if fault is None:
-            return super().train_and_push(step, samples)
+            dies = self.fault_now("trainer-dies-mid-push")
+            out = super().train_and_push(step, samples)
+            if dies is not None and dies.injected_at is not None:
+                # Every engine was condemned: wait (bounded) for them RUNNING at the version, or
+                # the next round would open with none to route to.
+                view = self.view
+                whole = view.wait(lambda: view.whole(self.published), self.args.fault_wait)
+                self.log(f"after the trainer died mid-push: fleet whole again at v{self.published}: {whole}")
+            return out
         self.stop_agent()  # before taking the lock: the agent may be waiting for it
         with self.policy.lock:
             stats = self.policy.train_step(samples)
@@ -394,12 +525,28 @@ def format_report(rep: Report) -> str:
 # -- command line --------------------------------------------------------------------------
 
 
+# The kinds the loop injects without a harness's hooks (ChaosHooks): crash-start and the
+# daemon faults need harness/soak.py's Keeper.
+CLI_KINDS = ("kill", "hang", "push", "kill-gap", "poison-reload", "disconnect", *faults.MID_PUSH)
+
+
+def parse_fault(text: str) -> tuple[str, int]:
+    """KIND@STEP, e.g. kill-mid-push@5: (kind, step)."""
+    kind, sep, step = text.rpartition("@")
+    if not sep or kind not in CLI_KINDS or not step.isdigit() or int(step) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want KIND@STEP, KIND one of {', '.join(CLI_KINDS)}, STEP >= 1")
+    return kind, int(step)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = rl_loop.build_parser(prog="python -m vime.harness.chaos", description=__doc__)
     g = ap.add_argument_group("faults on demand (each waits in the gap until every engine is RUNNING)")
     g.add_argument("--kill-at", type=int, default=0, metavar="STEP", help="kill -9 an engine's server during that round")
     g.add_argument("--hang-at", type=int, default=0, metavar="STEP", help="SIGSTOP an engine's EngineCore during that round")
     g.add_argument("--fail-push-at", type=int, default=0, metavar="STEP", help="fail the push into one engine midway")
+    g.add_argument("--fault", type=parse_fault, action="append", metavar="KIND@STEP",
+                   help="any fault the loop injects alone, by its harness/faults.py name (repeatable): "
+                        f"{', '.join(k for k in faults.KINDS if k in CLI_KINDS)}")
     g.add_argument("--fault-delay", type=float, default=2.0,
                    help="longest wait into a round for requests in flight before kill/hang (else postponed)")
     g.add_argument("--fault-wait", type=float, default=300.0, help="longest wait for a whole fleet before a fault")
@@ -416,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     rl_loop.check_args(ap, args)
-    if args.load_debug_rollout_data and (args.kill_at or args.hang_at or args.fail_push_at):
+    if args.load_debug_rollout_data and (args.kill_at or args.hang_at or args.fail_push_at or args.fault):
         ap.error("faults need live rollouts: drop --load-debug-rollout-data")
     return rl_loop.run_and_report(ChaosLoop, args, "chaos", format_report)
 

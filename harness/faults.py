@@ -15,6 +15,16 @@ and, for the chaos soak (harness/soak.py, which lends the loop the hooks they ne
   disconnect     the trainer drops every connection mid-round and comes back;
   daemon         kill -9 of the daemon mid-round, restarted as systemd would.
 
+and, during the step's broadcast into every engine (weight_sync.broadcast.FleetSender), once
+half its buckets are on the wire (its "bucket_sent" progress):
+
+  kill-mid-push          kill -9 of one receiver's process group;
+  stop-mid-push          SIGSTOP of one receiver's process group (server and EngineCore: the
+                         collective stalls and /health goes unanswered);
+  trainer-dies-mid-push  the push runs in a child process (`python -m vime.harness.faults push`),
+                         announced by the loop, which kills the child -9 and never ends the
+                         announcement: every receiver is left paused mid-session.
+
 They act on real processes (pids from the daemon's status) and need the engines on this host.
 `timeline()` reads the daemon's events after the injection: when the fault was detected, when
 the engine was back (ready), and when it was RUNNING again on verified current weights. It reads
@@ -23,24 +33,38 @@ each transition's structured `cause`, never its reason (which is for people).
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 from vime.harness.local_daemon import child_pids
 from vime.supervisor.protocol import Cause, Event, State
 
-KINDS = ("kill", "hang", "push", "kill-gap", "crash-start", "poison-reload", "disconnect", "daemon")
+MID_PUSH = ("kill-mid-push", "stop-mid-push", "trainer-dies-mid-push")  # during the step's broadcast
+KINDS = ("kill", "hang", "push", "kill-gap", "crash-start", "poison-reload", "disconnect", "daemon", *MID_PUSH)
 WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore",
         "push": "weight push failing midway", "kill-gap": "kill -9 in the round gap",
         "crash-start": "engine crashing at start", "poison-reload": "checkpoint reload poisoned",
-        "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon"}
+        "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon",
+        "kill-mid-push": "kill -9 of receiver mid-push", "stop-mid-push": "SIGSTOP of receiver mid-push",
+        "trainer-dies-mid-push": "trainer killed mid-push"}
 IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected while a round has requests in flight
 NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
 # The transition cause each engine fault must be detected with (a kill -9 seen as a hang is wrong).
+# A receiver stopped mid-push answers no probe (hang); the receivers of a trainer that died stay
+# paused past the announced push's deadline (paused).
 DETECTED_AS = {"kill": Cause.EXIT, "kill-gap": Cause.EXIT, "crash-start": Cause.EXIT, "poison-reload": Cause.EXIT,
-               "hang": Cause.HANG, "push": Cause.POISONED}
+               "hang": Cause.HANG, "push": Cause.POISONED, "kill-mid-push": Cause.EXIT,
+               "stop-mid-push": Cause.HANG, "trainer-dies-mid-push": Cause.PAUSED}
+# What a fault must have done for the soak to count it (Fault.confirmed true), not only be seen.
+MUST_CONFIRM = ("crash-start", "poison-reload", "push", *MID_PUSH)
 
 
 @dataclass
@@ -123,6 +147,39 @@ def hang_core(server_pid: int) -> int:
     return core
 
 
+def kill_group(pid: int) -> None:
+    """kill -9 of an engine's whole process group (the daemon starts each in its own session):
+    the EngineCore goes with its server, so its sockets in a collective close at once."""
+    os.killpg(pid, signal.SIGKILL)
+
+
+def stop_group(pid: int) -> None:
+    """SIGSTOP of an engine's whole process group: its part of a collective stalls and its
+    server answers nothing (the daemon's SIGKILL of the group ends it)."""
+    os.killpg(pid, signal.SIGSTOP)
+
+
+def halfway(of: int) -> int:
+    """The bucket count after which a mid-push fault fires: half of them, at least one."""
+    return max(1, of // 2)
+
+
+class AfterBucket:
+    """A FleetSender/WeightSender `progress` hook that calls `act` once, when `after` buckets
+    (default: half of them) are on the wire. It returns normally: the push goes on into the fault."""
+
+    def __init__(self, act: Callable[[int, int], None], after: int | None = None) -> None:
+        self.act, self.after = act, after
+        self.fired = False
+
+    def __call__(self, step: str, info: dict) -> None:
+        if step != "bucket_sent" or self.fired:
+            return
+        if info["index"] + 1 >= (self.after if self.after is not None else halfway(info["of"])):
+            self.fired = True
+            self.act(info["index"] + 1, info["of"])
+
+
 class FailHalfway:
     """A WeightSender `progress` hook that raises once half the buckets are on the wire."""
 
@@ -194,3 +251,96 @@ def timeline(fault: Fault, events: Iterable[dict[str, Any]]) -> Fault:
         if to == State.RUNNING and verified:
             fault.resynced_at, fault.resync_reason = ev["ts"], ev.get("reason", "")
     return fault
+
+
+# -- a push in a child process (trainer-dies-mid-push) -------------------------------------
+
+CHILD_BUCKET_BYTES = 256 << 10  # small buckets, so "after bucket k" is inside the transfer
+
+
+def save_tensors(named: Iterable[tuple[str, Any]], path: Path) -> Path:
+    """The loop's tensors, for the child push to load (torch.save of a name -> tensor dict)."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({n: t.detach().cpu().contiguous() for n, t in named}, path)
+    return path
+
+
+def child_push_command(tensors: Path, urls: list[str], version: int, deadline_s: float) -> list[str]:
+    return [sys.executable, "-m", "vime.harness.faults", "push", "--tensors", str(tensors),
+            "--version", str(version), "--deadline", f"{deadline_s:.3f}", *urls]
+
+
+def build_child_push(argv: list[str]) -> tuple[Any, list[str], dict[str, Any], int]:
+    """(FleetSender, urls, tensors, version) from child_push_command's arguments (the sender
+    prints each bucket sent as a JSON line on stdout, for the parent to kill it after bucket k)."""
+    import torch
+
+    from vime.weight_sync.broadcast import FleetSender
+
+    ap = argparse.ArgumentParser(prog="python -m vime.harness.faults push")
+    ap.add_argument("--tensors", type=Path, required=True)
+    ap.add_argument("--version", type=int, required=True)
+    ap.add_argument("--deadline", type=float, required=True)
+    ap.add_argument("urls", nargs="+")
+    a = ap.parse_args(argv)
+    tensors = torch.load(a.tensors, weights_only=True)
+
+    def progress(step: str, info: dict) -> None:
+        print(json.dumps({"step": step, **{k: v for k, v in info.items() if isinstance(v, (int, float, str))}}),
+              flush=True)
+
+    # The parent announced the push (with this deadline): the child does not announce again.
+    sender = FleetSender(bucket_bytes=CHILD_BUCKET_BYTES, solo_bytes=None, transfer_timeout=a.deadline,
+                         progress=progress, reuse_group=False)
+    return sender, a.urls, tensors, a.version
+
+
+def kill_child_after(cmd: list[str], timeout: float, after: int | None = None) -> tuple[bool, str]:
+    """Run the child push and kill -9 it once `after` buckets (default half) are on the wire.
+    (killed, what happened); the child is always reaped, killed at the latest after `timeout`."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    watchdog = threading.Timer(timeout, proc.kill)  # a child that prints nothing is killed too
+    watchdog.daemon = True
+    watchdog.start()
+    killed, what = False, "the child push ended before the fault"
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # one JSON line per progress step
+            try:
+                info = json.loads(line)
+            except ValueError:
+                continue
+            if info.get("step") == "bucket_sent" and info["index"] + 1 >= (after or halfway(info["of"])):
+                proc.kill()
+                killed, what = True, f"killed -9 after {info['index'] + 1} of {info['of']} buckets"
+                break
+        else:
+            if watchdog.finished.is_set():
+                what = f"no bucket {after or 'halfway'} within {timeout:g}s (killed then)"
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return killed, what
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "push":
+        print("usage: python -m vime.harness.faults push --tensors FILE --version V --deadline S URL...",
+              file=sys.stderr)
+        return 2
+    sender, urls, tensors, version = build_child_push(argv[1:])
+    results = sender.push(urls, tensors, version, redo=False)
+    print(json.dumps({"step": "done", "results": {u: r.status for u, r in results.items()}}), flush=True)
+    return 0 if all(r.ok for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

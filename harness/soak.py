@@ -7,8 +7,9 @@ fuzzed requests at the control socket all along, and exact figures at the end.
 Faults (harness/faults.py): kill -9 of an engine during a round and in a gap, SIGSTOP of an
 EngineCore, an engine that crashes at start (its model path broken, then mended), a push that
 fails midway, a checkpoint reload that is poisoned (no agent, a truncated checkpoint), a trainer
-that disconnects mid-round, and kill -9 of the daemon itself (restarted a second later, as
-systemd's Restart=on-failure would). Two more daemon restarts, in a round gap: a clean one
+that disconnects mid-round, kill -9 of the daemon itself (restarted a second later, as systemd's
+Restart=on-failure would), and, in the long form only, faults inside the step's broadcast (a
+receiver killed -9 or SIGSTOPped, the pushing trainer process killed -9). Two more daemon restarts, in a round gap: a clean one
 (SIGTERM, engines stopped, then started again: `systemctl restart`), and kill -9 with the
 journal then torn (the new daemon must find and stop the old engines, start new ones, and be
 told the version again by the trainer). Each waits for a whole fleet, so each is measured alone.
@@ -55,8 +56,10 @@ from vime.trainer.tiny_model import build_tiny_model
 GAP_RESTARTS = {"daemon-term": "SIGTERM then start (clean restart)",
                 "daemon-corrupt": "kill -9, journal torn, then start"}
 SHORT = ["kill-gap", "daemon", "disconnect", "crash-start", "poison-reload", "daemon-term", "daemon-corrupt"]
+# The mid-push faults (faults.MID_PUSH) run in the long form only: each costs a push's bound or
+# a restart of every engine, more than CI's budget.
 LONG = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "disconnect", "daemon",
-        "daemon-term", "daemon-corrupt"]
+        "daemon-term", "daemon-corrupt", *faults.MID_PUSH]
 
 
 def schedule(kinds: list[str], seed: int, first: int = 2, spacing: int = 2) -> list[faults.Fault]:
@@ -407,7 +410,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
             f"trainer v{report.final_version}; {ends}")
         missing = [f"{f.kind}: {f.wrong_cause() or f.note or 'not recovered'}" for f in report.faults
                    if f.injected_at is None or f.resynced_at is None or f.confirmed is False
-                   or (f.kind in ("crash-start", "poison-reload", "push") and not f.confirmed)
+                   or (f.kind in faults.MUST_CONFIRM and not f.confirmed)
                    or f.wrong_cause()]
         c["every fault injected, detected, recovered"] = (not missing, "; ".join(missing) or f"{len(plan)} faults")
     if keeper.adoption:
