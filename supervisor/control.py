@@ -614,7 +614,12 @@ class ControlServer:
             raise ApiError(404, ErrorCode.UNKNOWN_ENGINE, f"no engine named {', '.join(map(repr, unknown[:5]))}; "
                            f"known: {', '.join(self.fleet.runners)}")
         _note(request, version=body["version"], engines=engines, bytes=body["bytes"], deadline_s=body["deadline_s"])
-        result = pushes.begin(body["version"], engines, body["bytes"], float(body["deadline_s"]))
+        try:
+            deadline_s = float(body["deadline_s"])
+        except OverflowError:  # an integer past a float's range
+            raise ApiError(400, ErrorCode.BAD_REQUEST, f"deadline_s must be a number of seconds > 0 and "
+                                                       f"<= 86400, got {body['deadline_s']}") from None
+        result = pushes.begin(body["version"], engines, body["bytes"], deadline_s)
         _note(request, push=result["push"])
         return web.json_response(result)
 

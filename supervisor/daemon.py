@@ -76,7 +76,7 @@ class Supervisor:
         self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)
         self.fleet.reloads = generation
         self.sync = SyncCoordinator(self.fleet, cfg.sync_timeout)
-        self.pushes = PushCoordinator(self.fleet)
+        self.pushes = PushCoordinator(self.fleet, grace=cfg.probe.interval + cfg.probe.timeout)
         # In this order: the statistics see a transition before the routing change it causes
         # (a recovery is timed from the detection), and the sync coordinator considers an
         # engine once the fleet has settled its routing. (DETECTION is on the stream before

@@ -328,6 +328,7 @@ class Push:
     nbytes: int
     deadline_s: float
     began: float
+    grace: float = PUSH_GRACE  # past the deadline, until it expires
     condemned: dict[str, str] = field(default_factory=dict)  # receivers condemned during it: why
 
     @property
@@ -336,7 +337,7 @@ class Push:
 
     @property
     def expires(self) -> float:
-        return self.deadline + PUSH_GRACE
+        return self.deadline + self.grace
 
     def info(self, now: float) -> dict[str, Any]:
         return {"push": self.id, "version": self.version, "engines": list(self.engines), "bytes": self.nbytes,
@@ -348,8 +349,11 @@ class PushBook:
     """Pure: the announced pushes in flight, checked as announced and ended, with an injected
     clock. I/O (timers, events, engines) is PushCoordinator's."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, grace: float = PUSH_GRACE):
         self.clock = clock
+        # At least one probe cycle: a receiver paused past the deadline is judged at its next
+        # probe, which must come before the push expires, or its condemnation goes unrecorded.
+        self.grace = max(PUSH_GRACE, grace)
         self.pushes: dict[str, Push] = {}
         self._serial = itertools.count(1)
         self._prefix = secrets.token_hex(3)  # ids of an earlier daemon image are never reused
@@ -383,7 +387,7 @@ class PushBook:
                  current_version: int | None) -> Push:
         self.check(version, engines, nbytes, deadline_s, current_version)
         push = Push(f"{self._prefix}-{next(self._serial)}", version, tuple(engines), nbytes, float(deadline_s),
-                    self.clock())
+                    self.clock(), self.grace)
         self.pushes[push.id] = push
         return push
 
@@ -418,18 +422,23 @@ class PushCoordinator(Listener):
     push, events on the stream, log lines and the statistics. Added to the bus for the
     transitions that condemn a receiver during a push."""
 
-    def __init__(self, fleet: Fleet, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, fleet: Fleet, clock: Callable[[], float] = time.monotonic, grace: float = PUSH_GRACE):
         self.fleet = fleet
-        self.book = PushBook(clock)
+        self.book = PushBook(clock, grace)
         self._tasks = TaskSet("pushes")
         self._timers: dict[str, asyncio.Task[None]] = {}  # push id -> its expiry (in _tasks)
 
     def on_transition(self, t: Transition) -> None:
-        if t.to_state is S.UNHEALTHY and t.cause is Cause.PAUSED:
-            push = self.book.holding(t.engine)
-            if push is not None and t.engine not in push.condemned:
-                push.condemned[t.engine] = t.reason
-                self.fleet.stats.push_receiver_failed("deadline")
+        # A receiver lost during the push on the daemon's own evidence: condemned (paused past
+        # the deadline, hung, poisoned...) or dead. A stop's EXITED after its UNHEALTHY is the
+        # same loss; an operator's stop is none.
+        lost = t.to_state is S.UNHEALTHY or (t.to_state is S.EXITED and t.cause is Cause.EXIT)
+        if not lost:
+            return
+        push = self.book.holding(t.engine)
+        if push is not None and t.engine not in push.condemned:
+            push.condemned[t.engine] = t.reason
+            self.fleet.stats.push_receiver_failed("deadline" if t.cause is Cause.PAUSED else "engine")
 
     def begin(self, version: int, engines: list[str], nbytes: int, deadline_s: float) -> dict[str, Any]:
         push = self.book.announce(version, engines, nbytes, deadline_s, self.fleet.current_version)
@@ -462,7 +471,10 @@ class PushCoordinator(Listener):
         now = self.book.clock()
         for name in push.engines:
             runner = self.fleet.runners.get(name)
-            if runner is not None:
+            # A receiver that failed keeps the push's deadline as its excuse: still paused past
+            # it (its transfer call cut while it answers /health), it is condemned then, not
+            # after sync_timeout. An answer or a new incarnation clears it.
+            if runner is not None and name not in failed:
                 runner.push_ended(push.id)
         outcome = "ok" if ok else "failed"
         seconds = now - push.began
@@ -484,7 +496,7 @@ class PushCoordinator(Listener):
                       "seconds": round(self.book.clock() - gone.began, 3), "failed": {},
                       "condemned": dict(gone.condemned)}
             log.warning("push.expired", engines=list(gone.engines), deadline_s=gone.deadline_s,
-                        why=f"not ended within its deadline and {PUSH_GRACE:g}s of grace; receivers still paused "
+                        why=f"not ended within its deadline and {gone.grace:g}s of grace; receivers still paused "
                             "are condemned", **fields)
             self.fleet.emit(Event.PUSH_END, **fields)
 

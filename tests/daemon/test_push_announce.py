@@ -120,6 +120,7 @@ def test_bad_announcements_and_ends_are_refused_and_change_nothing(fleet):
         ({**good, "bytes": -1}, 400, "bad_request", "bytes must be >= 0"),
         ({**good, "deadline_s": 0}, 400, "bad_request", "deadline_s must be a number of seconds > 0"),
         ({**good, "deadline_s": "5"}, 400, "bad_request", "field 'deadline_s' must be int or float, got str"),
+        ({**good, "deadline_s": 10**400}, 400, "bad_request", "deadline_s must be a number of seconds > 0"),
         ({k: v for k, v in good.items() if k != "bytes"}, 400, "bad_request", "missing field 'bytes'"),
         ({**good, "extra": 1}, 400, "bad_request", "unknown field 'extra'"),
         ({**good, "version": -1}, 400, "bad_request", "version must be >= 0"),

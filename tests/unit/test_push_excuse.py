@@ -168,6 +168,14 @@ def test_a_push_never_ended_expires_after_its_deadline_and_the_grace():
     assert book.expired() == []  # taken out once
 
 
+def test_the_grace_is_at_least_one_probe_cycle():
+    """A receiver paused past the deadline is judged at its next probe: the push must not expire
+    before it (a 10 s interval and 5 s of grace would lose the condemnation's record)."""
+    clock = FakeClock()
+    assert PushBook(clock, grace=12.0).announce(1, ["a"], 0, 10.0, current_version=None).expires == 22.0
+    assert PushBook(clock, grace=1.0).announce(1, ["a"], 0, 10.0, current_version=None).expires == 10.0 + PUSH_GRACE
+
+
 @pytest.mark.parametrize("args, error, match", [
     ((5, [], 0, 1.0), BadRequest, "at least one engine"),
     ((5, ["a", "a"], 0, 1.0), BadRequest, "more than once"),
