@@ -138,6 +138,17 @@ class _Call:
                 pass
 
 
+def _joined_ranks(prefix: Any, world: int) -> set[int] | None:
+    """The ranks that reached the group's rendezvous: gloo's full-mesh connect writes each
+    rank's address under "0/<rank>" in the (prefixed) store, before it waits for the others
+    (torch 2.x). None when even our own rank 0's key is missing: a layout this does not know."""
+    try:
+        joined = {r for r in range(world) if prefix.check([f"0/{r}"])}
+    except Exception:  # noqa: BLE001 - a store gone or a layout unknown: say so, never guess
+        return None
+    return joined if 0 in joined else None
+
+
 class FleetSender:
     """Pushes named tensors into many engines over one gloo group (see the module docstring)."""
 
@@ -239,6 +250,7 @@ class FleetSender:
         sizes = self._each(urls, "GET", "/get_world_size", timeout=self.http_timeout)
         members, world = [], 1
         offsets: dict[str, int] = {}
+        ranks: dict[str, range] = {}
         for u in urls:
             got = sizes[u]
             if isinstance(got, HttpFailure) or not isinstance(got, dict):
@@ -247,6 +259,7 @@ class FleetSender:
                                                    step="get_world_size")
                 continue
             offsets[u] = world
+            ranks[u] = range(world, world + int(got["world_size"]))
             world += int(got["world_size"])
             members.append(u)
         if not members:
@@ -267,6 +280,19 @@ class FleetSender:
         cf.wait([make_pg, *futs.values()], timeout=rdv.total_seconds() + GRACE_S)
         answers = {u: self._settle(calls[u], f) for u, f in futs.items()}
         failed = [u for u in members if isinstance(answers[u], HttpFailure)]
+        if failed and (not make_pg.done() or make_pg.exception() is not None):
+            # The rendezvous never completed: one receiver that never joined holds every
+            # other's /init in the collective, so all were cut alike. Nothing was paused or
+            # touched yet, so the ones that did join are intact (the redo's group), whether
+            # their call was cut or they gave up on the rendezvous themselves (a 500).
+            cut = [u for u in failed if _POISONED not in answers[u].body]
+            joined = _joined_ranks(prefix, world)
+            if joined is not None:
+                absent = {u for u in cut if not set(ranks[u]) <= joined}
+            else:  # the store's layout is not the one known: those silent on /health
+                alive = self._each(cut, "GET", "/health", timeout=min(self.http_timeout, PROBE_S))
+                absent = {u for u in cut if isinstance(alive[u], HttpFailure)}
+            failed = [u for u in failed if u not in cut or u in absent]
         for u in failed:
             e = answers[u]
             results[u].status = "poisoned" if _POISONED in e.body else "unreachable"

@@ -222,3 +222,51 @@ def test_staged_receive_failure_leaves_the_model_untouched():
         fs.close()
     finally:
         eng.close()
+
+
+def test_a_receiver_that_never_joins_the_group_costs_only_itself(stand_ins):
+    """A receiver that answers /get_world_size and /health but never completes its
+    /init_weight_transfer_engine (a wedged worker; a stand-in HTTP server here) holds every
+    other receiver's rendezvous: the ones that did join (seen in the group's store) are intact
+    and redone over a new group; the wedged one alone is reported."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    release = threading.Event()
+
+    class Wedged(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _answer(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._answer({"world_size": 1} if self.path == "/get_world_size" else {})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path == "/init_weight_transfer_engine":
+                release.wait(120)  # never joins
+            self._answer({})
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Wedged)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    wedged = f"http://127.0.0.1:{srv.server_address[1]}"
+    good = [u for _, u in stand_ins[:2]]
+    try:
+        fs = FleetSender(bucket_bytes=1 << 20, rendezvous_s=6, http_timeout=5)
+        res = fs.push([*good, wedged], model(7), 7)
+        assert res[wedged].status == "unreachable" and "init_weight_transfer_engine" in str(res[wedged].error)
+        for u in good:
+            assert res[u].ok and res[u].redone, res[u]
+            assert state(u)["version"] == "7"
+        assert fs.members == tuple(good)
+        fs.close()
+    finally:
+        release.set()
+        srv.shutdown()
