@@ -379,9 +379,10 @@ class PushBook:
         for name in engines:
             held = self.holding(name)
             if held is not None:
-                raise Conflict(f"{name} already receives push {held.id} (v{held.version}, "
-                               f"{held.deadline - self.clock():.0f}s to its deadline); end it first "
-                               f"(POST /v1/pushes/{held.id}/end) or wait for it to expire")
+                left = held.deadline - self.clock()
+                when = f"{left:.0f}s to its deadline" if left >= 0.5 else "past its deadline, expiring"
+                raise Conflict(f"{name} already receives push {held.id} (v{held.version}, {when}); end it "
+                               f"first (POST /v1/pushes/{held.id}/end) or wait for it to expire")
 
     def announce(self, version: int, engines: list[str], nbytes: int, deadline_s: float,
                  current_version: int | None) -> Push:

@@ -201,6 +201,9 @@ def test_the_current_version_or_a_later_one_may_be_pushed():
 def test_an_engine_in_a_push_cannot_be_in_a_second_one():
     book = PushBook(FakeClock())
     first = book.announce(5, ["a", "b"], 0, 30.0, current_version=None)
-    with pytest.raises(Conflict, match=f"b already receives push {first.id}.*end it first"):
+    with pytest.raises(Conflict, match=f"b already receives push {first.id} \\(v5, 30s to its deadline\\).*end it"):
         book.announce(6, ["c", "b"], 0, 30.0, current_version=None)
     assert book.in_flight() == [first] and book.holding("c") is None
+    book.clock.now += 31  # past the deadline, in the grace: no negative seconds
+    with pytest.raises(Conflict, match="past its deadline, expiring"):
+        book.announce(6, ["b"], 0, 30.0, current_version=None)
