@@ -321,7 +321,8 @@ class FleetSender:
     def push(self, urls: Iterable[str], named_tensors: NamedTensors, version: int | str, *,
              redo: bool = True) -> dict[str, PushResult]:
         """Push one version into every URL; never raises for an engine's fault (see the module
-        docstring). Results are in the order of `urls`."""
+        docstring). Results are in the order of `urls`, keyed by each URL without a trailing
+        "/" (the same engine twice in `urls` is pushed once)."""
         version = str(version)
         urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
         pairs = named_tensor_list(named_tensors)
