@@ -219,6 +219,7 @@ class ChaosLoop(RLLoop):
         child is killed -9 after half its buckets, as a trainer that dies. Every receiver is
         left paused mid-session; the daemon's announced-push deadline condemns each (paused
         past it), and restarts it. Waits (bounded) until each receiver is condemned."""
+        from vime.weight_sync.broadcast import push_bound
         from vime.weight_sync.sender import named_tensor_list, push_deadline
 
         names = [e["name"] for e in engines]
@@ -232,7 +233,7 @@ class ChaosLoop(RLLoop):
         deadline = push_deadline(nbytes)  # FleetSender's bound for these bytes
         path = faults.save_tensors(pairs, self.out / "mid-push" / f"v{version}.pt")
         st = {n: self._engine_status(n) for n in names}
-        bound = deadline * 2  # what FleetSender announces for a push without a redo
+        bound = push_bound(deadline, redo=False)  # as FleetSender announces the child's push
         push_id = None
         if hasattr(self.client, "push_begin"):
             try:

@@ -138,6 +138,12 @@ class _Call:
                 pass
 
 
+def push_bound(deadline: float, redo: bool) -> float:
+    """The longest a whole `FleetSender.push` may take, what it announces: a failed collective
+    may take a second deadline for the engines' answers, and the redo a third."""
+    return deadline * (3 if redo else 2)
+
+
 def _joined_ranks(prefix: Any, world: int) -> set[int] | None:
     """The ranks that reached the group's rendezvous: gloo's full-mesh connect writes each
     rank's address under "0/<rank>" in the (prefixed) store, before it waits for the others
@@ -333,10 +339,7 @@ class FleetSender:
         if not urls:
             return {}
         if self.announce is not None:  # an exception here aborts the push before any call
-            # The whole call's bound, not one attempt's: a failed collective may take a second
-            # deadline for the engines' answers, and the redo a third; the daemon must excuse
-            # the receivers' pause for all of it.
-            self.announce(list(urls), nbytes, deadline * (3 if redo else 2))
+            self.announce(list(urls), nbytes, push_bound(deadline, redo))
         t0 = time.monotonic()
         results = {u: PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
                                  buckets=len(plan.buckets) if plan.buckets is not None else len(pairs),
