@@ -254,14 +254,34 @@ def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float) -> str:
         res = fs.push(urls, pairs, "faulted")
         took = time.monotonic() - t0
         fs.progress = None
+    redo_s = t0 + took - seen.get("redo", float("nan"))  # the redo's group, transfer and answers
     deadline = next(iter(res.values())).deadline_s
     fail_s = seen.get("transfer_failed", float("nan")) - seen.get("fault", float("nan"))
     surv = [r for u, r in res.items() if u != urls[1]]
     ok, redone = sum(r.ok for r in surv), sum(r.ok and r.redone for r in surv)
+    resync_s = resync_time([u for u in urls if u != urls[1]], pairs, bucket)
     return (f"{sig} of 1 of {len(urls)} after bucket 1: push failed {fail_s:.2f}s after the fault "
             f"(bound: deadline {deadline:.1f}s = {rdv_s:g}s + {nbytes(pairs) / MB:.0f} MB at the "
             f"floor rate); whole push {took:.2f}s; survivors at the version {ok}/{len(surv)} "
-            f"({redone} by the redo); faulted one {res[urls[1]].status}")
+            f"({redone} by the redo); faulted one {res[urls[1]].status}; the redo over the "
+            f"{len(surv)} survivors took {redo_s:.2f}s against {resync_s:.2f}s for resyncing each "
+            f"over its own new group (resync / redo {resync_s / redo_s:.2f})")
+
+
+def resync_time(urls, pairs, bucket: int) -> float:
+    """The other way to bring the survivors to the version: one resync each, over a new
+    per-engine group (what the daemon's restart path does for one engine), in turn."""
+    from vime.weight_sync.sender import push_to_many
+
+    senders: dict = {}
+    t0 = time.monotonic()
+    res = push_to_many(urls, pairs, "resynced", broadcast=False, senders=senders, bucket_bytes=bucket)
+    took = time.monotonic() - t0
+    for s in senders.values():
+        s.close()
+    if not all(r.ok for r in res.values()):
+        raise RuntimeError(f"resync of the survivors failed: {res}")
+    return took
 
 
 def start_engine(model_dir: Path, log: Path):
