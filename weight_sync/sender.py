@@ -173,7 +173,16 @@ def named_tensor_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tens
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
+        # Refused before any engine is contacted: a broadcast would otherwise fail on every
+        # receiver at once (then again in its redo) and leave them all to be pushed again.
+        if t.layout is not torch.strided:
+            raise ValueError(f"{name!r} is a {t.layout} tensor; push dense tensors (call .to_dense())")
+        if t.is_meta:
+            raise ValueError(f"{name!r} is on the meta device and holds no data; materialize the "
+                             "model's weights before pushing them")
         out.append((str(name), t.detach()))
+    if not out:
+        raise ValueError("no tensors to push: pass the model's named parameters or a name -> tensor mapping")
     names = [n for n, _ in out]
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names in the push")

@@ -181,3 +181,18 @@ def test_plugin_register_is_light_and_idempotent():
     register()
     for name in ("gloo", "vime_gloo"):
         assert WeightTransferEngineFactory._registry[name]() is GlooWeightTransferEngine
+
+
+@pytest.mark.parametrize("tensors, said", [
+    ({"w": torch.eye(3).to_sparse()}, "push dense tensors"),
+    ({"w": torch.empty(4, device="meta")}, "meta device"),
+    ({}, "no tensors to push"),
+])
+def test_a_set_no_engine_could_load_is_refused_before_any_engine_is_contacted(tensors, said):
+    # No engine runs at this URL: a refusal that came after a call would say it is unreachable.
+    from vime.weight_sync.broadcast import FleetSender
+
+    with pytest.raises(ValueError, match=said):
+        WeightSender("http://127.0.0.1:9").push(tensors, 1)
+    with FleetSender() as fs, pytest.raises(ValueError, match=said):
+        fs.push(["http://127.0.0.1:9"], tensors, 1)
