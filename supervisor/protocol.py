@@ -219,6 +219,14 @@ def push_end_path(push: str) -> str:
     return f"{API}/pushes/{quote(push, safe='')}/end"
 
 
+def to_deadline(left: float) -> str:
+    """How far a push is from its deadline, `left` seconds (negative: past it), as the 409,
+    `supervisorctl pushes` and `status` say it."""
+    if -0.5 < left < 0.5:
+        return "at its deadline"
+    return f"{left:.0f}s to its deadline" if left > 0 else f"{-left:.0f}s past its deadline"
+
+
 def daemon_log_path(nbytes: int | None = None) -> str:
     return DAEMON_LOG_PATH if nbytes is None else f"{DAEMON_LOG_PATH}?{urlencode({LOG_BYTES_PARAM: int(nbytes)})}"
 
@@ -263,6 +271,11 @@ class ProbeInfo(TypedDict):
     latency: float | None
 
 
+class EnginePush(TypedDict):
+    id: str  # the announced push this engine receives (GET /v1/pushes)
+    remaining_s: float  # to the push's deadline; negative past it
+
+
 class EngineStatus(TypedDict):
     name: str
     state: str  # a State
@@ -285,6 +298,7 @@ class EngineStatus(TypedDict):
     retired: bool
     state_age: float
     first_wait: float  # seconds a start may take before it counts as failed
+    push: EnginePush | None  # an announced push it receives now
 
 
 class DaemonInfo(TypedDict):

@@ -49,6 +49,8 @@ def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
         "retired": runner.retired,
         "state_age": round(fleet.clock() - fsm.since, 1),
         "first_wait": runner.cfg.probe.first_wait,
+        "push": None if fsm.push is None else {"id": fsm.push.push,
+                                               "remaining_s": round(fsm.push.deadline - fsm.clock(), 1)},
     }
 
 

@@ -32,7 +32,7 @@ from .events import Listener
 from .fleet import Fleet, validate_checkpoint_off_loop
 from .engine.fsm import vlabel
 from .states import Transition
-from .protocol import Event
+from .protocol import Event, to_deadline
 from .states import ACTIVE, Cause, State
 from .tasks import TaskSet
 
@@ -380,7 +380,7 @@ class PushBook:
             held = self.holding(name)
             if held is not None:
                 left = held.deadline - self.clock()
-                when = f"{left:.0f}s to its deadline" if left >= 0.5 else "past its deadline, expiring"
+                when = to_deadline(left) + (", expiring" if left < 0.5 else "")
                 raise Conflict(f"{name} already receives push {held.id} (v{held.version}, {when}); end it "
                                f"first (POST /v1/pushes/{held.id}/end) or wait for it to expire")
 

@@ -53,6 +53,7 @@ from ..protocol import (
     ErrorCode,
     Event,
     State,
+    to_deadline,
     default_socket_path,
     parse_signal,
 )
@@ -118,6 +119,9 @@ def describe(engine: EngineStatus) -> str:
         desc = f"{where}, uptime {_uptime(engine.get('uptime'))}, weights {_weights(engine.get('weight_version'))}"
         if state == State.SUSPECT and reason:
             desc += f", {reason}"
+        push = engine.get("push")
+        if push:
+            desc += f", receiving push {push['id']} ({to_deadline(push['remaining_s'])})"
         if engine.get("retired"):
             desc += ", retired"
         return desc
@@ -669,8 +673,7 @@ def cmd_pushes(client: SupervisorClient, args: argparse.Namespace) -> int:
         print(json.dumps(pushes, indent=1))
         return EXIT_OK
     for p in pushes:
-        left = p["remaining_s"]
-        due = f"{left:.0f}s to its deadline" if left >= 0 else f"{-left:.0f}s past its deadline"
+        due = to_deadline(p["remaining_s"])
         print(f"{p['push']:<16} v{p['version']:<8} {len(p['engines'])} engines, {p['bytes']} bytes, "
               f"{p['age_s']:.0f}s old, {due} ({p['deadline_s']:g}s): {', '.join(p['engines'])}")
     return EXIT_OK

@@ -840,6 +840,11 @@ def test_status_lines_layout_and_descriptions():
     wide = status_lines([{**engines[0], "name": long_name}, engines[2]])
     assert wide[0] == "%-43s%-10s%s" % (long_name, "RUNNING", "pid 41234, uptime 1:02:03, weights v118")
     assert wide[1].startswith("e2" + " " * 41 + "EXITED    hung:")
+    # A receiver of an announced push says so, and how far the push is from its deadline.
+    pushed = {**engines[0], "push": {"id": "a1b2c3-4", "remaining_s": 41.7}}
+    assert describe(pushed) == "pid 41234, uptime 1:02:03, weights v118, receiving push a1b2c3-4 (42s to its deadline)"
+    assert describe({**pushed, "push": {"id": "a1b2c3-4", "remaining_s": -3.2}}).endswith("(3s past its deadline)")
+    assert describe({**pushed, "push": {"id": "a1b2c3-4", "remaining_s": -0.2}}).endswith("(at its deadline)")
 
 
 # -- supervisorctl against the daemon --------------------------------------------------------

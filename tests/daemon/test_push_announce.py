@@ -137,6 +137,8 @@ def test_bad_announcements_and_ends_are_refused_and_change_nothing(fleet):
     assert c.pushes() == [] and snapshot(c) == before
     # A push in flight: an end that contradicts it is refused and it stays in flight.
     push = c.push_begin(1, ["a"], 10, 30.0)
+    held = {e["name"]: e["push"] for e in c.status()["engines"]}
+    assert held["b"] is None and held["a"]["id"] == push and 0 < held["a"]["remaining_s"] <= 30, held
     for body, message in ((b'{"ok": true, "failed": {"b": "x"}}', "failed names b, not receivers of push"),
                           (b'{"ok": true, "failed": {"a": "x"}}', "ok is true but failed names a"),
                           (b'{"ok": false, "failed": {"a": 1}}', "failed must map engine names to why"),
