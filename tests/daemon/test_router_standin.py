@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python
+from vime.cluster.routing import LostNodeRemoval, lost_urls
 from vime.harness.router_proc import RouterProc
 from vime.supervisor.client import SupervisorClient
 
@@ -88,8 +89,37 @@ def test_two_daemons_feed_one_router_each_keeping_its_own_engines(tmp_path, rout
         assert set(router.workers()) == everyone
         # b never removed anything: a's engines are not its own.
         assert not [e for e in b.events if e.get("event") == "router.removed"]
+
+        # b's node is lost: its daemon killed -9, its engines' URLs stay listed with no daemon to
+        # own them. The cluster side (what AsyncClusterClient does at a node's loss) takes out the
+        # URLs of b's last routable answer; a's stay, and a's daemon never puts b's back.
+        last_b = SupervisorClient(sock_b).routable_engines()["engines"]
+        b_pgids = set(b.spawned_pids())
+        b.kill()
+        assert set(urls_b.values()) <= set(router.workers())
+        events: list[dict] = []
+        removal = LostNodeRemoval(router.url, emit=events.append)
+        try:
+            out = asyncio.run(_remove_then_close(removal, "b", lost_urls(last_b)))
+        finally:
+            kill_all([], b_pgids)
+        assert out == {u: "removed" for u in sorted(urls_b.values())}, out
+        assert [(e["action"], e["node"]) for e in events] == [("removed", "b")] * 2, events
+        time.sleep(3 * PERIOD)  # a's drift repair runs meanwhile
+        assert set(router.workers()) == set(urls_a.values())
+        # A router that is down: each URL's error is returned, nothing raises.
+        down = asyncio.run(_remove_then_close(LostNodeRemoval(f"http://127.0.0.1:{free_port()}", timeout=0.5),
+                                              "b", sorted(urls_b.values())))
+        assert all("is the router running" in why for why in down.values()), down
     finally:
         kill_all([d for d in (a, b) if d is not None])
+
+
+async def _remove_then_close(removal: LostNodeRemoval, node: str, urls: list[str]) -> dict[str, str]:
+    try:
+        return await removal.remove(node, urls)
+    finally:
+        await removal.aclose()
 
 
 def test_the_router_restarted_empty_is_refilled_and_a_self_registered_engine_is_taken_out(tmp_path, router):
