@@ -15,7 +15,7 @@ client.py the asyncio client, blocking.py its blocking facade.
 
 from .blocking import ClusterClient
 from .client import NODE_RESOURCE, AsyncClusterClient, ClusterBelowFloor, NodeUnavailable
-from .view import ClusterEvent, ClusterView, NodeState, qualify, split
+from .view import ClusterEvent, ClusterPush, ClusterView, NodeState, qualify, split
 
 __all__ = ["ClusterClient", "AsyncClusterClient", "NodeUnavailable", "ClusterBelowFloor", "NODE_RESOURCE",
-           "ClusterEvent", "ClusterView", "NodeState", "qualify", "split"]
+           "ClusterEvent", "ClusterPush", "ClusterView", "NodeState", "qualify", "split"]

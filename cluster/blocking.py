@@ -24,7 +24,7 @@ from vime.supervisor.protocol import Role
 from .client import AsyncClusterClient
 
 _VERBS = ("status", "routable_engines", "start_round", "end_round", "publish_weights", "restart", "stop",
-          "start", "retire", "report_failure", "sync_begin", "sync_end", "engine_log", "incidents", "metrics")
+          "start", "retire", "report_failure", "sync_begin", "sync_end", "push_begin", "push_end", "pushes", "engine_log", "incidents", "metrics")
 _END = object()
 
 

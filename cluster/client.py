@@ -30,7 +30,8 @@ from vime.supervisor.client.errors import ConflictError, DaemonUnreachable, Supe
 from vime.supervisor.protocol import Event, Role
 
 from .agent import NodeAgent
-from .view import Change, ClusterEvent, ClusterView, NodeState, floor_events, membership_event, qualify_answer, split
+from .view import (Change, ClusterEvent, ClusterPush, ClusterView, NodeState, by_node, floor_events, membership_event,
+                   merge_push_end, merge_pushes, push_ids, qualify, qualify_answer, split, split_failed)
 
 __all__ = ["AsyncClusterClient", "NodeUnavailable", "ClusterBelowFloor", "NODE_RESOURCE"]
 
@@ -346,6 +347,61 @@ class AsyncClusterClient:
         version = _whole("version", version)
         return await self._engine_call("sync_end", name, version, ok, error, idempotent=False)
 
+    async def push_begin(self, version: int, engines: list[str], nbytes: int, deadline_s: float) -> ClusterPush:
+        """Announce a push of `version` into `engines` (node/engine): each node's daemon is told
+        its own receivers, with the same bytes and deadline, concurrently. Returns one id for
+        push_end (a ClusterPush: a str, with `nodes` and `unannounced`). A node that does not
+        take it (unavailable, lost, or it refused) does not stop it: the push goes on for the
+        others, and that node's receivers are in `unannounced` with why; their daemon excuses
+        their pause for sync_timeout only, not until the deadline. Raises as the local client
+        does when no node took it. Not repeated after a dropped connection (check pushes())."""
+        version, nbytes = _whole("version", version), _whole("nbytes", nbytes)
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+            raise client_errors.BadRequest(f"deadline_s must be a number of seconds > 0, got {deadline_s!r}",
+                                           status=400, code="bad_argument")
+        try:
+            groups = by_node(engines)
+        except ValueError as e:
+            raise client_errors.BadRequest(str(e), status=400, code="bad_engine_name") from None
+        if not groups:
+            raise client_errors.BadRequest("engines must name at least one engine (the push's receivers)",
+                                           status=400, code="bad_argument")
+        answers = await self._each("push_begin", {n: (version, own, nbytes, float(deadline_s))
+                                                  for n, own in groups.items()}, idempotent=False)
+        self._raise_if_all_refused(answers)
+        ids = {n: a for n, a in answers.items() if not isinstance(a, BaseException)}
+        unannounced = {qualify(n, e): f"not announced to node {n}: {a}" for n, a in answers.items()
+                       if isinstance(a, BaseException) for e in groups[n]}
+        return ClusterPush(ids, unannounced)
+
+    async def push_end(self, push: str, ok: bool, failed: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """End a cluster push on each of its nodes, concurrently, each with the `failed` names
+        (node/engine: why) that are its own; the answers merged (view.merge_push_end), names
+        qualified. Names on a node the push was not announced to are not sent (nothing to end
+        there): `unannounced` in the answer. Raises as the local client does when no node
+        ended it (unknown_push: ended already, or expired). Not repeated after a dropped
+        connection (check pushes())."""
+        try:
+            ids = push_ids(push)
+        except ValueError as e:
+            raise SupervisorError(str(e), status=404, code="unknown_push") from None
+        if ok and failed:  # as the daemon refuses it, before any node ends its part
+            raise client_errors.BadRequest(f"ok is true but failed names {', '.join(sorted(failed))}; send ok=False",
+                                           status=400, code="bad_argument")
+        try:
+            mine, elsewhere = split_failed(ids, failed or {})
+        except ValueError as e:
+            raise client_errors.BadRequest(str(e), status=400, code="bad_engine_name") from None
+        answers = await self._each("push_end", {n: (own, bool(ok), mine[n] or None) for n, own in ids.items()},
+                                   idempotent=False)
+        self._raise_if_all_refused(answers)
+        return {**merge_push_end(str(push), answers), "unannounced": elsewhere}
+
+    async def pushes(self) -> list[dict[str, Any]]:
+        """Every node's announced pushes in flight, each with `node`, its engines node/engine and
+        its daemon's own push id (a cluster push's id names them: NODE=ID,...)."""
+        return merge_pushes(await self._fanout("pushes"))
+
     async def engine_log(self, name: str, nbytes: int = 16384) -> str:
         nbytes = _whole("nbytes", nbytes)
         return await self._engine_call("engine_log", name, nbytes)
@@ -468,7 +524,12 @@ class AsyncClusterClient:
 
     async def _fanout(self, verb: str, *args: Any) -> dict[str, Any]:
         """The verb on every live node at once: node -> answer, or the SupervisorError it raised."""
-        nodes = self.view.live() or sorted(self._nodes)
+        return await self._each(verb, {n: args for n in self.view.live() or sorted(self._nodes)})
+
+    async def _each(self, verb: str, args_of: Mapping[str, tuple], *, idempotent: bool = True) -> dict[str, Any]:
+        """The verb on each named node at once, with that node's arguments: node -> answer, or
+        the SupervisorError it raised."""
+        nodes = sorted(args_of)
 
         async def one(n: str) -> Any:
             rec = self.view.nodes.get(n)
@@ -476,7 +537,7 @@ class AsyncClusterClient:
                 # Not waited on: its watcher retries it in the background and brings it back.
                 raise NodeUnavailable(f"node {n} is unavailable ({rec.reason}); retried in the background",
                                       code="node_unavailable")
-            return await self._call(n, verb, *args)
+            return await self._call(n, verb, *args_of[n], idempotent=idempotent)
 
         results = await asyncio.gather(*(one(n) for n in nodes), return_exceptions=True)
         out: dict[str, Any] = {}

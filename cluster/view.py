@@ -62,7 +62,8 @@ def split(name: str) -> tuple[str, str]:
 
 def qualify_answer(node: str, obj: Any) -> Any:
     """A node's answer or event with its engine names made cluster names: the `engine` field,
-    and `name` in each entry of an `engines` list, `routable` name lists."""
+    `name` in each entry of an `engines` list (or the names of a push's `engines` list), the
+    keys of a push's `failed` and `condemned`, `routable` name lists."""
     if isinstance(obj, list):
         return [qualify_answer(node, x) for x in obj]
     if not isinstance(obj, dict):
@@ -72,11 +73,115 @@ def qualify_answer(node: str, obj: Any) -> Any:
         out["engine"] = qualify(node, out["engine"])
     if isinstance(out.get("engines"), list):
         out["engines"] = [{**e, "name": qualify(node, e["name"]), "node": node}
-                          if isinstance(e, dict) and isinstance(e.get("name"), str) else e
+                          if isinstance(e, dict) and isinstance(e.get("name"), str)
+                          else qualify(node, e) if isinstance(e, str) else e
                           for e in out["engines"]]
+    for key in ("failed", "condemned"):  # a push's receivers -> why
+        if isinstance(out.get(key), dict):
+            out[key] = {qualify(node, k): v for k, v in out[key].items()}
     if isinstance(out.get("routable"), list):
         out["routable"] = [qualify(node, n) if isinstance(n, str) else n for n in out["routable"]]
     return out
+
+
+# -- announced pushes across nodes ------------------------------------------------------------
+
+PUSH_SEP, PUSH_NODE = ",", "="
+
+
+def by_node(names: Iterable[str]) -> dict[str, list[str]]:
+    """Cluster engine names by node: node -> its engines' own names, in the order given.
+    ValueError for a name that is not node/engine, or one given twice."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        node, engine = split(name)
+        mine = out.setdefault(node, [])
+        if engine in mine:
+            raise ValueError(f"{name} is named more than once: name each receiver once")
+        mine.append(engine)
+    return out
+
+
+def push_id(ids: Mapping[str, str]) -> str:
+    """One cluster push's id from each node's own: NODE=ID,NODE=ID (by node). Node addresses
+    and the daemons' ids (HEX-N) carry neither ',' nor '=', so the id alone says where to end
+    the push: any client can end it (a trainer restarted), nothing is kept in this one."""
+    if not ids:
+        raise ValueError("a cluster push has at least one node's push")
+    return PUSH_SEP.join(f"{n}{PUSH_NODE}{ids[n]}" for n in sorted(ids))
+
+
+def push_ids(push: str) -> dict[str, str]:
+    """node -> its daemon's push id; ValueError for a string that is not a cluster push's id."""
+    out: dict[str, str] = {}
+    for part in str(push).split(PUSH_SEP):
+        node, sep, own = part.partition(PUSH_NODE)
+        if not sep or not node or not own or node in out:
+            raise ValueError(f"{str(push)[:80]!r} is not a cluster push id (NODE=ID,NODE=ID as the cluster "
+                             f"client's push_begin returns it)")
+        out[node] = own
+    return out
+
+
+class ClusterPush(str):
+    """The cluster's push_begin answer: the push's id (a str, for push_end, as the local client
+    returns one), with `nodes` (node -> its daemon's push id) and `unannounced` (node/engine ->
+    why: receivers on a node that did not take the announcement; its daemon excuses their
+    pauses for sync_timeout only)."""
+
+    nodes: dict[str, str]
+    unannounced: dict[str, str]
+
+    def __new__(cls, nodes: Mapping[str, str], unannounced: Mapping[str, str] | None = None) -> "ClusterPush":
+        self = super().__new__(cls, push_id(nodes))
+        self.nodes = dict(nodes)
+        self.unannounced = dict(unannounced or {})
+        return self
+
+
+def split_failed(nodes: Iterable[str], failed: Mapping[str, str]) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """The receivers the trainer reports failed, for push_end: (node -> {engine: why} for each
+    of the push's nodes, {node/engine: why} for those on a node the push was not announced to:
+    there is nothing to end there). ValueError for a name that is not node/engine."""
+    mine: dict[str, dict[str, str]] = {n: {} for n in nodes}
+    elsewhere: dict[str, str] = {}
+    for name, why in failed.items():
+        node, engine = split(name)
+        if node in mine:
+            mine[node][engine] = str(why)
+        else:
+            elsewhere[name] = str(why)
+    return mine, elsewhere
+
+
+def merge_push_end(push: str, answers: Mapping[str, Any]) -> dict[str, Any]:
+    """The nodes' push_end answers (or the error each raised) as one, names qualified:
+    outcome ok only if every node that ended it says ok; seconds the longest; late if any was;
+    engines, failed and condemned of every node; `nodes` each node's own answer (or its
+    error); `not_ended` node -> why, for the nodes that did not end it (their daemon expires
+    it by itself past its deadline)."""
+    ended = {n: qualify_answer(n, a) for n, a in sorted(answers.items()) if isinstance(a, Mapping)}
+    not_ended = {n: str(a) for n, a in sorted(answers.items()) if not isinstance(a, Mapping)}
+    return {
+        "push": str(push),
+        "version": next((a.get("version") for a in ended.values()), None),
+        "outcome": "ok" if ended and all(a.get("outcome") == "ok" for a in ended.values()) else "failed",
+        "seconds": max((float(a.get("seconds") or 0.0) for a in ended.values()), default=0.0),
+        "late": any(bool(a.get("late")) for a in ended.values()),
+        "engines": [e for a in ended.values() for e in a.get("engines") or ()],
+        "failed": {k: v for a in ended.values() for k, v in (a.get("failed") or {}).items()},
+        "condemned": {k: v for a in ended.values() for k, v in (a.get("condemned") or {}).items()},
+        "nodes": {n: ended.get(n) or {"error": not_ended[n], "code": getattr(answers[n], "code", None)}
+                  for n in sorted(answers)},
+        "not_ended": not_ended,
+    }
+
+
+def merge_pushes(answers: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The nodes' lists of pushes in flight as one: each entry the node's own (its daemon's
+    push id), with `node` and its engines qualified. A node that did not answer lists none."""
+    return [{**qualify_answer(n, p), "node": n} for n, a in sorted(answers.items()) if isinstance(a, list)
+            for p in a if isinstance(p, Mapping)]
 
 
 @dataclass

@@ -618,12 +618,15 @@ class RLLoop:
         announced: list[str] = []
 
         def announce(urls: list[str], nbytes: int, bound_s: float) -> None:
-            if not hasattr(self.client, "push_begin"):  # --cluster: no per-node announcement yet
-                return
             try:
-                announced.append(self.client.push_begin(version, [name_of[u] for u in urls], nbytes, bound_s))
+                push = self.client.push_begin(version, [name_of[u] for u in urls], nbytes, bound_s)
             except SupervisorError as e:  # the push goes on; a pause is excused up to sync_timeout
                 self.log(f"could not announce the push of v{version}: {e}")
+                return
+            announced.append(push)
+            # --cluster: a node that did not take it leaves its receivers excused up to sync_timeout only
+            for name, why in sorted(getattr(push, "unannounced", {}).items()):
+                self.log(f"push of v{version} into {name}: {why}")
 
         outcomes: dict[str, str] = {}
         try:

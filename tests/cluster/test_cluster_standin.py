@@ -17,7 +17,7 @@ import ray
 
 from vime.cluster import ClusterBelowFloor, ClusterClient, NodeUnavailable
 from vime.harness.ray_nodes import cleanup, node_address, standin_config
-from vime.supervisor.client import BadRequest, UnknownEngine
+from vime.supervisor.client import BadRequest, ConflictError, SupervisorClient, SupervisorError, UnknownEngine
 
 from support.polling import wait_until
 
@@ -150,6 +150,50 @@ def test_rounds_and_weights_go_to_every_node(fleet):
     view = sup.routable_engines()
     assert view["weight_version"] == 1 and len(view["engines"]) == 4  # the stand-ins report version 1
     assert {row["daemon"]["weight_version"] for row in sup.status()["nodes"].values()} == {1}
+
+
+def test_a_cluster_push_is_announced_to_each_node_with_its_own_engines(fleet):
+    """push_begin splits the receivers by node: each daemon lists the push with its own engines
+    (same version, bytes, deadline); a node that does not take it leaves the push going on the
+    others and says so; push_end ends it on each node with that node's failed names."""
+    sup, nodes, rec, _ = fleet
+    version = sup.routable_engines()["weight_version"]
+    mark = rec.mark()
+    away = "127.0.0.99/e0"  # a node not in the cluster: it does not take the announcement
+    push = sup.push_begin(version, [f"{A}/e0", f"{B}/e0", f"{A}/e1", away], 4096, 30.0)
+    assert set(push.nodes) == {A, B} and list(push.unannounced) == [away], push.unannounced
+    own = {}
+    for n in nodes:
+        with SupervisorClient(n.sock) as local:
+            [listed] = local.pushes()
+        own[n.address] = listed
+        assert listed["push"] == push.nodes[n.address]
+        assert (listed["version"], listed["bytes"], listed["deadline_s"]) == (version, 4096, 30.0)
+    assert own[A]["engines"] == ["e0", "e1"] and own[B]["engines"] == ["e0"]
+    merged = sup.pushes()
+    assert sorted(e for p in merged for e in p["engines"]) == [f"{A}/e0", f"{A}/e1", f"{B}/e0"]
+    assert {p["node"] for p in merged} == {A, B}
+    begun = rec.wait(lambda e: e["event"] == "push_begin" and e["node"] == B, 10, mark)
+    assert begun["engines"] == [f"{B}/e0"]
+    with pytest.raises(ConflictError):  # an engine holds one push at a time, as on one node
+        sup.push_begin(version, [f"{A}/e1"], 1, 30.0)
+    summary = sup.push_end(push, False, {f"{B}/e0": "collective timed out", away: "never announced"})
+    assert summary["outcome"] == "failed" and summary["not_ended"] == {}
+    assert summary["failed"] == {f"{B}/e0": "collective timed out"}
+    assert summary["unannounced"] == {away: "never announced"}
+    assert sorted(summary["engines"]) == [f"{A}/e0", f"{A}/e1", f"{B}/e0"]
+    assert sup.pushes() == []
+    for n in nodes:
+        with SupervisorClient(n.sock) as local:
+            assert local.pushes() == []
+    with pytest.raises(SupervisorError) as ended:  # ended already, on every node
+        sup.push_end(push, True)
+    assert ended.value.code == "unknown_push"
+    with pytest.raises(UnknownEngine):  # no node took it: raised as on one node
+        sup.push_begin(version, [away], 1, 30.0)
+    with pytest.raises(BadRequest):
+        sup.push_begin(version, ["e0"], 1, 30.0)  # not a cluster name, refused before any node is asked
+    assert {n: r["state"] for n, r in sup.nodes().items()} == {A: "UP", B: "UP"}
 
 
 def test_a_briefly_unavailable_agent_is_retried(fleet):

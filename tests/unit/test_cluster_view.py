@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from vime.cluster.view import ClusterView, NodeState, qualify, qualify_answer, split
+from vime.cluster.view import (ClusterPush, ClusterView, NodeState, by_node, merge_push_end, merge_pushes, push_id,
+                               push_ids, qualify, qualify_answer, split, split_failed)
+from vime.supervisor.client import VERBS
+from vime.supervisor.client.errors import ConnectionLost
 
 
 class Clock:
@@ -123,3 +126,64 @@ def test_a_watching_client_learns_the_version_a_node_has_from_the_publisher():
     assert v.weight_version == 4 and v.names() == ["a/e0"]
     v.published(5, "/ckpt/5")
     assert not v.version_learned
+
+
+# -- announced pushes across nodes ---------------------------------------------------------
+
+
+def test_a_push_is_split_by_node_and_its_id_names_each_nodes_own():
+    assert by_node(["10.0.0.7/e0", "10.0.0.8/e0", "10.0.0.7/e1"]) == {"10.0.0.7": ["e0", "e1"], "10.0.0.8": ["e0"]}
+    for bad in (["e0"], ["10.0.0.7/e0", "10.0.0.7/e0"]):
+        with pytest.raises(ValueError):
+            by_node(bad)
+    push = ClusterPush({"10.0.0.8": "beef01-3", "10.0.0.7": "a1b2c3-1"}, {"10.0.0.9/e0": "node lost"})
+    assert push == "10.0.0.7=a1b2c3-1,10.0.0.8=beef01-3" and isinstance(push, str)
+    assert push_ids(push) == push.nodes == {"10.0.0.7": "a1b2c3-1", "10.0.0.8": "beef01-3"}
+    assert push.unannounced == {"10.0.0.9/e0": "node lost"}
+    assert push_ids(push_id({"h": "x-1"})) == {"h": "x-1"}
+    for bad in ("a1b2c3-1", "", "10.0.0.7=", "=x-1", "h=x-1,h=y-2"):
+        with pytest.raises(ValueError, match="not a cluster push id"):
+            push_ids(bad)
+
+
+def test_failed_names_go_each_to_its_node_unqualified():
+    mine, elsewhere = split_failed(["A", "B"], {"A/e1": "timed out", "C/e0": "never announced"})
+    assert mine == {"A": {"e1": "timed out"}, "B": {}}
+    assert elsewhere == {"C/e0": "never announced"}
+    with pytest.raises(ValueError):
+        split_failed(["A"], {"e1": "bare"})
+
+
+def test_push_end_answers_merge_qualified_and_a_node_that_did_not_end_it_says_why():
+    a = {"push": "x-1", "version": 3, "outcome": "failed", "seconds": 1.5, "late": False, "engines": ["e0", "e1"],
+         "failed": {"e1": "timed out"}, "condemned": {}}
+    b = {"push": "y-1", "version": 3, "outcome": "failed", "seconds": 2.0, "late": True, "engines": ["e0"],
+         "failed": {}, "condemned": {"e0": "paused past the deadline"}}
+    gone = ConnectionLost("node C: agent unavailable", code="connection_lost")
+    out = merge_push_end("A=x-1,B=y-1,C=z-1", {"A": a, "B": b, "C": gone})
+    assert out["push"] == "A=x-1,B=y-1,C=z-1" and out["version"] == 3 and out["outcome"] == "failed"
+    assert out["seconds"] == 2.0 and out["late"] is True
+    assert out["engines"] == ["A/e0", "A/e1", "B/e0"]
+    assert out["failed"] == {"A/e1": "timed out"} and out["condemned"] == {"B/e0": "paused past the deadline"}
+    assert out["not_ended"] == {"C": "node C: agent unavailable"}
+    assert out["nodes"]["A"]["push"] == "x-1" and out["nodes"]["C"]["code"] == "connection_lost"
+    ok = merge_push_end("A=x-1", {"A": {**a, "outcome": "ok", "failed": {}}})
+    assert ok["outcome"] == "ok" and ok["not_ended"] == {}
+
+
+def test_the_nodes_pushes_in_flight_merge_qualified():
+    listing = {"A": [{"push": "x-1", "version": 3, "engines": ["e0"], "bytes": 10, "deadline_s": 30.0}],
+               "B": [], "C": ConnectionLost("away")}
+    assert merge_pushes(listing) == [{"push": "x-1", "version": 3, "engines": ["A/e0"], "bytes": 10,
+                                      "deadline_s": 30.0, "node": "A"}]
+    ev = qualify_answer("A", {"event": "push_end", "push": "x-1", "failed": {"e1": "why"}, "condemned": {"e0": "paused"}})
+    assert ev["failed"] == {"A/e1": "why"} and ev["condemned"] == {"A/e0": "paused"}
+
+
+def test_the_agent_relays_the_push_verbs_and_the_blocking_client_has_them():
+    from vime.cluster import blocking
+    from vime.cluster.client import AsyncClusterClient
+
+    assert {"push_begin", "push_end", "pushes"} <= set(VERBS)  # the agent's table
+    assert {"push_begin", "push_end", "pushes"} <= set(blocking._VERBS)
+    assert all(callable(getattr(AsyncClusterClient, v, None)) for v in blocking._VERBS)
