@@ -30,6 +30,7 @@ from vime.supervisor.client.errors import ConflictError, DaemonUnreachable, Supe
 from vime.supervisor.protocol import Event, Role
 
 from .agent import NodeAgent
+from .routing import LostNodeRemoval, lost_urls
 from .view import (Change, ClusterEvent, ClusterPush, ClusterView, NodeState, by_node, floor_events, membership_event,
                    merge_push_end, merge_pushes, push_ids, qualify, qualify_answer, split, split_failed)
 
@@ -116,6 +117,9 @@ class AsyncClusterClient:
     ray_address: joins this Ray cluster ("auto", HEAD:PORT) when Ray is not initialised yet.
     admit_mid_round: a node that comes back inside a round is admitted at once (its engines at
         the cluster's version only), as the daemons' admit_mid_round does for engines.
+    router_url: the router the nodes' daemons feed ([router] url): a node that is lost has its
+        engines (its last routable answer) taken out of it here, since no daemon owns them
+        then (cluster/routing.py); `router_kind` and `router_token` as the daemons' [router].
     """
 
     def __init__(self, nodes: list[str] | None = None, *, socket_path: str | Mapping[str, str] | None = None,
@@ -123,7 +127,9 @@ class AsyncClusterClient:
                  unavailable_grace: float = 10.0,
                  retry_for: float = 2.0, discover_interval: float = 2.0, connect_timeout: float = 2.0,
                  agent_max_restarts: int = 3, ray_address: str | None = None,
-                 admit_mid_round: bool = False, clock: Callable[[], float] = time.monotonic):
+                 admit_mid_round: bool = False, router_url: str | None = None,
+                 router_kind: str = "vllm-router", router_token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.wanted = None if nodes is None else list(nodes)
         self.socket_path = socket_path
         self.call_timeout = call_timeout
@@ -147,6 +153,8 @@ class AsyncClusterClient:
         self._shut = False
         self._publishing = 0
         self._overflowed: set[asyncio.Queue] = set()
+        self.router = None if router_url is None else LostNodeRemoval(
+            router_url, kind=router_kind, token=router_token, emit=self._emit)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -214,6 +222,8 @@ class AsyncClusterClient:
             with contextlib.suppress(Exception):
                 ray.kill(node.agent, no_restart=True)
         self._nodes.clear()
+        if self.router is not None:
+            await self.router.aclose()
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -610,7 +620,11 @@ class AsyncClusterClient:
             self._emit(ev)
 
     def _lost(self, node: str, reason: str) -> None:
+        rec = self.view.nodes.get(node)
+        urls = [] if rec is None or rec.state is NodeState.LOST else lost_urls(rec.routable)
         self._change(self.view.node_lost(node, reason), node, ClusterEvent.NODE_LOST, reason)
+        if self.router is not None and urls and not self._shut:
+            self._spawn(self.router.remove(node, urls))  # never awaited by the watchers
 
     def _agent_lost(self, rec: _Node, reason: str, error: BaseException | None = None) -> None:
         rec.dead = True

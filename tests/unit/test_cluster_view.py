@@ -187,3 +187,51 @@ def test_the_agent_relays_the_push_verbs_and_the_blocking_client_has_them():
     assert {"push_begin", "push_end", "pushes"} <= set(VERBS)  # the agent's table
     assert {"push_begin", "push_end", "pushes"} <= set(blocking._VERBS)
     assert all(callable(getattr(AsyncClusterClient, v, None)) for v in blocking._VERBS)
+
+
+def test_a_lost_nodes_last_routable_engines_leave_the_router_once():
+    """AsyncClusterClient._lost with router_url: the URLs of the node's last routable answer are
+    DELETEd from the router (a PROTOCOL STAND-IN for vllm-router's admin API, recording calls;
+    the real binary's removal is tested in tests/daemon/test_router_standin.py); the other
+    node's never, and a second loss of the same node sends nothing."""
+    import asyncio
+    from urllib.parse import unquote
+
+    from aiohttp import web
+
+    from vime.cluster.client import AsyncClusterClient
+
+    async def main() -> list[str]:
+        deleted: list[str] = []
+
+        async def delete(request: web.Request) -> web.Response:
+            deleted.append(unquote(request.match_info["url"]))
+            return web.json_response({"status": "ok"})
+
+        app = web.Application()
+        app.router.add_delete("/workers/{url:.*}", delete)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        client = AsyncClusterClient(router_url=f"http://127.0.0.1:{port}")
+        events: asyncio.Queue = asyncio.Queue()
+        client._subs.add(events)
+        try:
+            for node, ports in (("a", (8000, 8001)), ("b", (9000,))):
+                client.view.node_answered(node, {"epoch": 1, "weight_version": 3, "engines": [
+                    {"name": f"e{i}", "url": f"http://10.0.0.{ord(node)}:{p}/", "weight_version": 3}
+                    for i, p in enumerate(ports)]})
+            client._lost("a", "agent gone")
+            client._lost("a", "agent gone again")
+            await asyncio.gather(*client._tasks)
+            got = [events.get_nowait() for _ in range(events.qsize())]
+            assert [(e["event"], e.get("action"), e.get("node")) for e in got if e["event"] == "router"] == \
+                [("router", "removed", "a")] * 2, got
+        finally:
+            await client.router.aclose()  # type: ignore[union-attr]
+            await runner.cleanup()
+        return deleted
+
+    assert asyncio.run(main()) == ["http://10.0.0.97:8000/", "http://10.0.0.97:8001/"]
