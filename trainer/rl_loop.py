@@ -379,7 +379,8 @@ class RLLoop:
         from vime.cluster import ClusterClient
 
         nodes = a.cluster_nodes.split(",") if a.cluster_nodes else None
-        return ClusterClient(nodes, socket_path=a.socket, min_healthy=a.cluster_min_healthy, ray_address=a.cluster)
+        return ClusterClient(nodes, socket_path=a.socket, min_healthy=a.cluster_min_healthy, ray_address=a.cluster,
+                             router_url=a.cluster_router_url)
 
     def async_client(self) -> Any:
         """The rollout client's view of the fleet (the same agents as open_client's, with --cluster)."""
@@ -722,6 +723,8 @@ def build_parser(prog: str = "python -m vime.trainer.rl_loop", description: str 
                    help="the nodes' Ray addresses (default: every node with the vime_supervisor resource)")
     g.add_argument("--cluster-min-healthy", type=int, default=1, metavar="N",
                    help="rounds start only with N routable engines across the nodes")
+    g.add_argument("--cluster-router-url", metavar="URL", default=None,
+                   help="the router the nodes' daemons feed: a lost node's engines are taken out of it here")
     g.add_argument("--rendezvous-address", metavar="ADDR", default=None,
                    help="this node's address that engines join weight pushes at ($VIME_RENDEZVOUS_ADDRESS; "
                         "default: the address routed towards each engine)")
