@@ -180,9 +180,10 @@ def main() -> None:
         print(f"{name:<30} {med['seconds']:>8.2f} {'-' if name == 'no kill' else f'{lost:.2f}':>7} "
               f"{med['cut']:>8g} {med['before']:>11g} {med['reused']:>7g} {med['regenerated']:>12g}")
     (c, lost_c), (s, lost_s) = summary["kill, continue_partial=True"], summary["kill, continue_partial=False"]
-    print(f"continue / start over: time lost per kill {lost_c:.2f} / {lost_s:.2f} s = "
-          f"{lost_c / lost_s if lost_s > 0 else float('nan'):.2f}; tokens regenerated "
-          f"{c['regenerated']:g} / {s['regenerated']:g}")
+    # A time lost at or below 0 is within the batch's own spread (a loaded host): no ratio then.
+    ratio = f"{lost_c / lost_s:.2f}" if lost_s > 0 else "no ratio: starting over lost no time measurable here"
+    print(f"continue / start over: time lost per kill {lost_c:.2f} / {lost_s:.2f} s = {ratio}; "
+          f"tokens regenerated {c['regenerated']:g} / {s['regenerated']:g}")
     why = sum((r["why"] for n, r in rows if n == "kill, continue_partial=True"), collections.Counter())
     if why:  # with continuation, a token regenerated has a reason: say it
         print("regenerated with continue_partial=True (all repeats), why: "
