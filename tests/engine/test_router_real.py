@@ -43,7 +43,7 @@ from vime.harness.router_proc import RouterProc
 from vime.supervisor.client import SupervisorClient
 from vime.weight_sync.checkpoint import reload_from_checkpoint, save_checkpoint
 
-from test_resync_real import Trainer  # noqa: E402  (the same real trainer: AdamW on the tiny model)
+from test_resync_real import Trainer  # the same real trainer: AdamW steps on the tiny model
 
 pytestmark = pytest.mark.engine
 BOOT = 600  # a bound on waits, not a timing: boots on a loaded 2-core machine take minutes
