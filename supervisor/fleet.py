@@ -263,6 +263,8 @@ class Fleet(Listener):
         log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind)
         self.emit(Event.WEIGHTS_PUBLISHED, version=version, checkpoint=checkpoint, stale=behind, epoch=self.epoch)
         self.bus.weights_published(version)
+        if behind and self.router is not None:
+            await self.router.settle()  # answered once the stale engines are out of the router
         msg = f"version {version} is current"
         return True, msg + (f"; stale (not routable until synced): {', '.join(behind)}" if behind else "")
 

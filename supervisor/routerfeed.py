@@ -68,6 +68,7 @@ class RouterFeed(Listener):
         self.removal_time = Histogram(REMOVAL_BUCKETS)  # left the routable set -> router said removed
         self._wake = asyncio.Event()
         self._pending: set[asyncio.Task[Any]] = set()
+        self._removing: set[asyncio.Task[Any]] = set()  # removals of engines that left the set
 
     # -- the sets --------------------------------------------------------------------------
 
@@ -91,16 +92,28 @@ class RouterFeed(Listener):
         gone = self.desired - new
         self.desired = new
         for url in sorted(gone):
-            self._spawn(self._remove(url, since=self.clock(), why="left the routable set"))
+            task = self._spawn(self._remove(url, since=self.clock(), why="left the routable set"))
+            if task is not None:
+                self._removing.add(task)
+                task.add_done_callback(self._removing.discard)
         self._wake.set()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any] | None:
         if self.cfg.observe_only:
             coro.close()
-            return
+            return None
         task = asyncio.get_running_loop().create_task(coro)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return task
+
+    async def settle(self) -> None:
+        """Wait for the removals under way, at most remove_timeout: a publish is answered once
+        the engines it made STALE are out of the router, so a trainer that sends its next
+        rollout through the router the moment the publish returns never reaches one. A
+        removal still retrying past that goes on in the background."""
+        if self._removing:
+            await asyncio.wait(list(self._removing), timeout=self.cfg.remove_timeout)
 
     # -- calls -----------------------------------------------------------------------------
 

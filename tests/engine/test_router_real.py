@@ -254,9 +254,11 @@ def test_1_publish_stale_engine_out_until_verified(setup):
     count_suspects(stream, load, None)
 
     want = str(version)
-    # The removal's DELETE is sent in the turn that made engine-1 STALE, before the publish is
-    # answered; until the router answers it (within remove_timeout) the router may still list
-    # engine-1 at its old weights. That window, and no other, is allowed.
+    # The removal's DELETE is sent in the turn that made engine-1 STALE, and the publish is
+    # answered once the router has answered it (at most remove_timeout): a trainer that sends
+    # through the router the moment the publish returns never reaches the STALE engine. Before
+    # the router's answer it may still list engine-1 at its old weights; no later listing does.
+    assert removed["ts"] <= replied, (removed["ts"], replied)
     window = [s for s in seen if s.answered > published["ts"] and s.sent < removed["ts"]
               and any(v != want for v in s.versions.values())]
     print(f"publish -> engine-1 removed from the router: {removed['ts'] - published['ts']:.3f}s after the "
