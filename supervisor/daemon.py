@@ -132,8 +132,45 @@ class Supervisor:
             self.notifier.ready(status_line(self.fleet))  # back from RELOADING, as we were
             return
         if not self._stop.is_set():
+            await self._drain_leaving()
             self._reload = True
             self._stop.set()
+
+    def _leaving_on_reload(self) -> list[EngineRunner]:
+        """The engines the next image will stop: no longer in the config, now attached or
+        spawned at another URL, or spawned with another command (model, port, args, env)."""
+        if self.reread is None:
+            return []
+        try:
+            new = self.reread()
+        except ConfigError:
+            return []  # as _moved_dirs: the installed daemon accepted what this image cannot read
+        specs = {spec.name: spec for spec in new.engines}
+        out = []
+        for r in self.fleet.runners.values():
+            spec = specs.get(r.name)
+            if (spec is None or spec.spawned != r.spec.spawned or spec.base_url != r.spec.base_url
+                    or r.spec.spawned and engine_fingerprint(spec, new) != engine_fingerprint(r.spec, self.cfg)):
+                out.append(r)
+        return out
+
+    async def _drain_leaving(self) -> None:
+        """A planned stop, as `supervisorctl stop` is: each engine the next image will stop
+        leaves the router and its requests in flight end (drain_timeout) before the exec. The
+        next image would otherwise stop it with its URL still listed, and a URL no longer in the
+        config is no daemon's to remove."""
+        feed = self.router_feed
+        if feed is None or feed.cfg.observe_only:
+            return
+        leaving = [r for r in self._leaving_on_reload() if r.serving or self.fleet.is_routable(r)]
+        if not leaving:
+            return
+        log.info("supervisor.reload_drains", engines=[r.name for r in leaving],
+                 why="stopped or changed by the new config: out of the router first")
+        session = self.fleet.session if self.fleet.session is not None and not self.fleet.session.closed else None
+        done = await asyncio.gather(*(feed.drain(r, session) for r in leaving), return_exceptions=True)
+        for r, what in zip(leaving, done):
+            log.info("supervisor.reload_drained", engine=r.name, result=str(what))
 
     def _moved_dirs(self) -> str | None:
         """A reload keeps the state and runtime directories: the journal (the round, the version,

@@ -252,3 +252,35 @@ def test_a_daemon_restarted_after_a_kill_never_takes_its_healthy_engines_out(tmp
         assert not [e for e in d2.events if e.get("event") == "router.removed"]
     finally:
         kill_all([x for x in (d2, d) if x is not None])
+
+
+def test_a_reload_that_drops_an_engine_takes_it_out_of_the_router_first(tmp_path, router):
+    """SIGHUP with e1 gone from the config: the old image drains e1 (out of the router) before
+    the exec; the next image stops it, and its URL, no longer any daemon's, is not left listed."""
+    d = None
+    try:
+        d, sock, urls = node(tmp_path, ("e0", "e1"), router.url)
+        wait(lambda: set(router.workers()) == set(urls.values()), what="both listed")
+        cfg = tmp_path / "sup.toml"
+        cfg.write_text(_without_engine(cfg.read_text(), "e1"))
+        mark = d.mark()
+        d.proc.send_signal(signal.SIGHUP)
+        drained = d.wait_for(lambda e: e.get("event") == "supervisor.reload_drains", 30, after=mark)
+        assert drained["engines"] == ["e1"]
+        exec_at = d.wait_for(lambda e: e.get("event") == "supervisor.reexec", 60, after=mark)
+        removed = d.wait_for(lambda e: e.get("event") == "router.removed" and e.get("engine") == "e1", 5, after=mark)
+        assert d.events.index(removed) < d.events.index(exec_at)
+        d.wait_for(lambda e: e.get("event") == "supervisor.started" and e.get("generation") == 1, 60, after=mark)
+        wait(lambda: (s := SupervisorClient(sock).status())["router"]["state"] == "in_sync" and s,
+             what="the next image in sync")
+        assert router.workers() == [urls["e0"]]
+        assert SupervisorClient(sock).status()["router"]["unknown"] == []
+    finally:
+        kill_all([d] if d else [])
+
+
+def _without_engine(toml: str, name: str) -> str:
+    """The config text less the [[engines]] table named `name`."""
+    head, *tables = toml.split("[[engines]]")
+    keep = [t for t in tables if f'name = "{name}"' not in t]
+    return "[[engines]]".join([head, *keep])
