@@ -104,7 +104,9 @@ def _segments(samples: Sequence[dict[str, Any]], key: str, *, warmup_s: float, p
         v = s.get(key)
         if v is None:
             continue
-        seg_key, seg_start = (s.get("daemon_pid"), s.get("daemon_started", start)) if per_daemon else (0, start)
+        # A daemon started before the run (the first one) warms up with the run.
+        seg_key, seg_start = ((s.get("daemon_pid"), max(start, s.get("daemon_started", start))) if per_daemon
+                              else (0, start))
         if s["t"] - seg_start < warmup_s:
             continue
         out.setdefault(seg_key, []).append((s["t"] / 3600.0, float(v)))
