@@ -599,7 +599,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
         if fuzzer is not None:
             fuzzer.stop()
         if sampler is not None:
-            sampler.stop()  # its last sample is of the daemon still running
+            sampler.stop()  # before the daemon stops: no sample of a stopping daemon
             growth_rep = growth.report(
                 sampler.samples, limits=retention_limits(cfg), start=0.0,
                 warmup_s=hours.warmup if hours and hours.warmup is not None
