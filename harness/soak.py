@@ -680,7 +680,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     f["daemon gap restarts (clean, torn)"] = keeper.restarts
     f["seconds"] = round(time.monotonic() - t0)
     if hours is not None:
-        f["hours / fault every / sample every"] = f"{hours.hours:g} h / {hours.fault_every:g} s / {hours.sample_every:g} s"
+        f["pace (h, fault every, sample)"] = f"{hours.hours:g} h, {hours.fault_every:g} s, {hours.sample_every:g} s"
         f["faults by kind"] = dict(sorted(Counter(gap.get(id(x), x.kind) for x in plan).items()))
     result.growth = growth_rep
     (root / "soak.json").write_text(json.dumps({"checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in c.items()},
