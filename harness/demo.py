@@ -55,11 +55,12 @@ def _say(msg: str) -> None:
 
 def demo_config(out: Path, model: Path, *, engines: int = 2, interval: float = 1.0, timeout: float = 2.0,
                 threshold: int = 2, models: dict[str, Path] | None = None, boot: float = BOOT,
-                python: str | None = None, spares: int = 0, **sections: dict) -> Path:
+                python: str | None = None, spares: int = 0, supervisor: dict | None = None,
+                **sections: dict) -> Path:
     """The daemon config the demo (and its tests and the soak) runs: fast probes, engines
     engine-0.. on this host. `models` gives an engine its own model path; `sections` adds
     tables (e.g. restart={...}); `boot` is first_wait; `python` the engines' interpreter;
-    `spares` of the engines are warm spares."""
+    `spares` of the engines are warm spares; `supervisor` more [supervisor] keys."""
     cpus = max(1, os.cpu_count() or 1)
     names = [f"engine-{i}" for i in range(engines)]
     return write_config(
@@ -68,7 +69,8 @@ def demo_config(out: Path, model: Path, *, engines: int = 2, interval: float = 1
                     "min_healthy": 1, "sync_timeout": 60.0, **({"python": python} if python else {}),
                     # A spare kept at the current weights (one more receiver per push) can take a
                     # failed engine's place at once, inside the round.
-                    **({"spares": spares, "spares_sync": "publish", "admit_mid_round": True} if spares else {})},
+                    **({"spares": spares, "spares_sync": "publish", "admit_mid_round": True} if spares else {}),
+                    **(supervisor or {})},
         health_check={"first_wait": boot, "interval": interval, "timeout": timeout,
                       "failure_threshold": threshold},
         **sections,

@@ -3,6 +3,8 @@ fuzzed requests at the control socket all along, and exact figures at the end.
 
     python -m vime.harness.soak --seed 7 --long                   # the long form (every fault kind, twice)
     python -m vime.harness.soak --seed 7                          # the short form CI runs (tests/engine/test_soak_real.py)
+    python -m vime.harness.soak --hours 2 --out soak-2h           # by the clock: a fault every 5 min, the
+                                                                  # daemon sampled every minute (harness/growth.py)
 
 Faults (harness/faults.py): kill -9 of an engine during a round and in a gap, SIGSTOP of an
 EngineCore, an engine that crashes at start (its model path broken, then mended), a push that
@@ -37,16 +39,18 @@ import sys
 import threading
 import time
 import tomllib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vime.harness import faults
+from vime.harness import faults, growth
 from vime.harness.chaos import ChaosHooks, ChaosLoop, build_parser, format_report
 from vime.harness.demo import BOOT, demo_config
-from vime.harness.local_daemon import Daemon, live_pids_in_groups
+from vime.harness.local_daemon import Daemon, live_pids_in_groups, one_call
 from vime.harness.timeline import write_for_run
 from vime.supervisor.client import SupervisorClient
+from vime.supervisor.config import Config
 from vime.supervisor.engine.process import port_is_free
 from vime.trainer.rl_loop import quiet_rollout_log
 from vime.trainer.tiny_model import build_tiny_model
@@ -60,6 +64,17 @@ SHORT = ["kill-gap", "daemon", "disconnect", "crash-start", "poison-reload", "da
 # a restart of every engine, more than CI's budget.
 LONG = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "disconnect", "daemon",
         "daemon-term", "daemon-corrupt", *faults.MID_PUSH]
+
+
+# The long run's kinds (--hours): those that recover without waiting minutes. Left out: the
+# clean and torn-journal daemon restarts (every engine started again: a whole fleet's boot, and
+# a fresh daemon's warm-up each time) and the mid-push faults (each waits out a push's bound or
+# restarts every engine). The daemon's kill -9 stays: its engines are re-adopted in seconds, and
+# the new daemon's own quantities are fitted apart (harness/growth.py).
+HOURS = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "disconnect", "daemon"]
+# The long run's retention, tighter than the defaults so that hours of faults prune logs and
+# post-mortems (the growth report checks every sample against them).
+HOURS_RETENTION = {"log_keep": 3, "log_keep_bytes": 8 << 20, "incidents_keep": 4, "incidents_keep_bytes": 8 << 20}
 
 
 def schedule(kinds: list[str], seed: int, first: int = 2, spacing: int = 2) -> list[faults.Fault]:
@@ -318,10 +333,195 @@ class Fuzzer:
         self._thread.join(15)
 
 
+class HoursLoop(SoakLoop):
+    """The soak by the clock (--hours): a fault `fault_every` seconds after the last one was
+    injected (the first after `fault_every` from the start), its kind the next of a seeded
+    order of `kinds`, shuffled again each time round; the run ends at the first step after
+    `until` (time.time()). A fault due but not yet injected is injected first (postponed ones
+    included); none is made after `until`."""
+
+    def __init__(self, args: argparse.Namespace, *, hooks: Keeper, kinds: list[str], seed: int,
+                 fault_every: float, start: float, until: float, plan: list[faults.Fault]):
+        super().__init__(args, plan=plan, hooks=hooks, gap={})
+        self.kinds, self.rng = kinds, random.Random(seed)
+        self.fault_every, self.start, self.until = fault_every, start, until
+        self.order: list[str] = []
+
+    def due(self, step: int) -> faults.Fault | None:
+        pending = next((f for f in self.plan if f.fired_step is None), None)
+        if pending is not None:
+            return pending
+        last = max((f.injected_at for f in self.plan if f.injected_at is not None), default=self.start)
+        now = time.time()
+        if now >= self.until or now < last + self.fault_every or not self.kinds:
+            return None
+        if not self.order:
+            self.order = list(self.kinds)
+            self.rng.shuffle(self.order)
+        fault = faults.Fault(self.order.pop(0), step)
+        if fault.kind in GAP_RESTARTS:  # run as the "daemon" kind by SoakLoop
+            self.gap[id(fault)], fault.kind = fault.kind, "daemon"
+        self.plan.append(fault)
+        return fault
+
+    def enough(self, step: int) -> bool:
+        return time.time() >= self.until
+
+
+class Sampler:
+    """Every `every` seconds, one line of samples.jsonl: the daemon's RSS, open descriptors,
+    threads and event-loop lag, the journal's size, the log volume, the engines' RSS.
+
+    The daemon has no loop-lag probe: the lag's proxy is the round trip of `GET /v1/status`
+    (the median of three, no retry), which waits for the loop like every request does. The
+    daemon's pid and start come from that answer (`daemon.pid`, `daemon.uptime`), so a
+    restarted daemon is followed and marked (`daemon_restarted`); while it does not answer,
+    the harness's own child is read and the lag is missing."""
+
+    def __init__(self, root: Path, cfg: Path, keeper: Keeper, every: float, plan: list[faults.Fault]):
+        sup = tomllib.loads(cfg.read_text())["supervisor"]
+        self.root, self.keeper, self.every, self.plan = root, keeper, every, plan
+        self.state_dir, self.log_dir = Path(sup["state_dir"]), Path(sup["log_dir"])
+        self.path = root / "samples.jsonl"
+        self.samples: list[dict[str, Any]] = []
+        self.start = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start_now(self) -> "Sampler":
+        self.start = time.time()
+        self.path.write_text("")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        with self.path.open("a") as out:
+            while True:
+                try:
+                    sample = self.take()
+                except Exception as e:  # noqa: BLE001 - a sample lost is a gap, not the run's end
+                    sample = {"t": time.time() - self.start, "error": f"{type(e).__name__}: {e}"}
+                self.samples.append(sample)
+                out.write(json.dumps(sample) + "\n")
+                out.flush()
+                if self._stop.wait(self.every):
+                    return
+
+    def _status(self) -> tuple[dict[str, Any] | None, float | None]:
+        trips, status = [], None
+        for _ in range(3):
+            t0 = time.monotonic()
+            try:
+                code, body = one_call(self.keeper.sock, "GET", "/v1/status", timeout=10)
+            except OSError:
+                continue
+            if code == 200:
+                trips.append(time.monotonic() - t0)
+                status = body
+        return status, (sorted(trips)[len(trips) // 2] * 1000 if trips else None)
+
+    def take(self) -> dict[str, Any]:
+        now = time.time()
+        t = now - self.start
+        status, lag = self._status()
+        prev = next((s for s in reversed(self.samples) if s.get("daemon_pid")), None)
+        if status is not None:
+            pid = status["daemon"]["pid"]
+            started = now - status["daemon"]["uptime"] - self.start
+        else:
+            pid = self.keeper.daemon.proc.pid
+            started = prev["daemon_started"] if prev and prev["daemon_pid"] == pid else t
+        s: dict[str, Any] = {"t": round(t, 2), "daemon_pid": pid, "daemon_started": round(started, 2),
+                             "daemon_restarted": prev is not None and prev["daemon_pid"] != pid,
+                             "daemon_answered": status is not None, "loop_lag_ms": lag,
+                             "faults_injected": sum(f.injected_at is not None for f in list(self.plan))}
+        s.update(proc_sample(pid))
+        engines = [e["pid"] for e in (status or {}).get("engines", []) if e.get("pid")]
+        s["engines_rss"] = group_rss(engines) if status is not None else None
+        journal = self.state_dir / "journal.json"
+        s["journal_bytes"] = journal.stat().st_size if journal.exists() else 0
+        daemon_log = self.root / "daemon.log"
+        s["daemon_log_bytes"] = daemon_log.stat().st_size if daemon_log.exists() else 0
+        s.update(log_dir_sample(self.log_dir))
+        s["log_bytes"] = s["daemon_log_bytes"] + s["engine_logs_bytes"] + s["incidents_bytes"]
+        return s
+
+
+def proc_sample(pid: int) -> dict[str, Any]:
+    """A process's RSS (bytes), open descriptors and threads, from /proc (None if it is gone)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        return {"daemon_rss": int(fields["VmRSS"].split()[0]) * 1024, "daemon_threads": int(fields["Threads"]),
+                "daemon_fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    except (OSError, KeyError, ValueError):
+        return {"daemon_rss": None, "daemon_threads": None, "daemon_fds": None}
+
+
+def group_rss(pgids: list[int]) -> int:
+    """The RSS (bytes) of every process in these process groups (each engine's server and its
+    EngineCore: the daemon starts each engine in a group of its own)."""
+    groups, total, page = set(pgids), 0, os.sysconf("SC_PAGE_SIZE")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+            if int(stat.rpartition(")")[2].split()[2]) in groups:  # pgrp, after the comm
+                total += int(Path(f"/proc/{entry.name}/statm").read_text().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def log_dir_sample(log_dir: Path) -> dict[str, Any]:
+    """The engines' logs (`<engine>.<incarnation>.log`) and post-mortems (`incidents/`): bytes,
+    and what the retention rules bound (files per engine, all but the live log's bytes)."""
+    logs: dict[str, list[tuple[int, int]]] = {}
+    for p in (log_dir.glob("*.log") if log_dir.is_dir() else []):
+        name, _, inc = p.stem.rpartition(".")
+        if inc.isdigit():
+            try:
+                logs.setdefault(name, []).append((int(inc), p.stat().st_size))
+            except OSError:
+                continue
+    incidents = log_dir / "incidents"
+    dirs = [d for d in incidents.iterdir() if d.is_dir()] if incidents.is_dir() else []
+    inc_bytes = 0
+    for d in dirs:
+        for f in d.rglob("*"):
+            try:
+                inc_bytes += f.stat().st_size if f.is_file() else 0
+            except OSError:
+                continue
+    return {"engine_logs_bytes": sum(b for v in logs.values() for _, b in v),
+            "engine_log_files_max": max((len(v) for v in logs.values()), default=0),
+            "engine_old_logs_bytes_max": max((sum(b for _, b in sorted(v)[:-1]) for v in logs.values()), default=0),
+            "incident_dirs": len(dirs), "incidents_bytes": inc_bytes}
+
+
+def retention_limits(cfg: Path) -> dict[str, int]:
+    sup = tomllib.loads(cfg.read_text()).get("supervisor", {})
+    return {k: int(sup.get(k, getattr(Config, k))) for _, k, _ in growth.RETENTION}
+
+
+@dataclass
+class Hours:
+    """The long run's pace (--hours)."""
+    hours: float
+    fault_every: float = 300.0  # seconds
+    sample_every: float = 60.0
+    warmup: float | None = None  # seconds; default growth.warmup_for(the run)
+
+
 @dataclass
 class SoakResult:
     checks: dict[str, tuple[bool, str]] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
+    growth: dict[str, Any] | None = None  # the growth report of a run by the clock (--hours)
 
     @property
     def ok(self) -> bool:
@@ -335,7 +535,9 @@ class SoakResult:
 
 
 def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: int = 2,
-             model: Path | None = None) -> SoakResult:
+             model: Path | None = None, hours: Hours | None = None) -> SoakResult:
+    """The soak. With `hours`, by the clock (HoursLoop, Sampler): `steps` is ignored, and the
+    growth report (harness/growth.py) is written (samples.jsonl, growth.json) and checked."""
     quiet_rollout_log()
     started = time.time()  # daemon.log is appended to: the picture shows this run's part
     root.mkdir(parents=True, exist_ok=True)
@@ -355,18 +557,20 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
         # Probe timeout 3 s: a loaded 2-core machine must not make a busy engine look hung.
         interval=1.0, timeout=3.0, threshold=2,
         # The schedule restarts engines on purpose, every minute or so: not flapping.
-        restart={"start_retries": 5, "backoff_initial": 1.0, "backoff_max": 5.0, "flapping_max_restarts": 1000})
+        restart={"start_retries": 5, "backoff_initial": 1.0, "backoff_max": 5.0, "flapping_max_restarts": 1000},
+        supervisor=HOURS_RETENTION if hours else None)
     ports = {e["name"]: e["port"] for e in tomllib.loads(cfg.read_text())["engines"]}
     keeper = Keeper(root, cfg, links, model, broken)
-    plan = schedule(kinds, seed)
+    plan = schedule(kinds, seed) if hours is None else []
     gap = {}
     for fault in plan:  # the gap restarts run as harness/faults.py's "daemon" kind, by SoakLoop
         if fault.kind in GAP_RESTARTS:
             gap[id(fault)], fault.kind = fault.kind, "daemon"
     steps = max(steps, plan[-1].step + 2 if plan else steps)  # the last fault has rounds after it
     result = SoakResult()
-    fuzzer = None
+    fuzzer = sampler = None
     report = None
+    growth_rep = None
     t0 = time.monotonic()
     try:
         for n in names:
@@ -374,13 +578,33 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
         fuzzer = Fuzzer(keeper.sock, seed, names, keeper).start()
         args = build_parser().parse_args([
             "--model", str(model), "--socket", keeper.sock, "--out", str(root / "out"),
-            "--num-rollout", str(steps), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--fault-wait", str(BOOT), "--final-wait", str(BOOT), "--seed", str(seed)])
-        report = SoakLoop(args, plan=plan, hooks=keeper, gap=gap).run()
+            "--num-rollout", str(steps if hours is None else 10**9), "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "4", "--fault-wait", str(BOOT), "--final-wait", str(BOOT), "--seed", str(seed)])
+        if hours is None:
+            report = SoakLoop(args, plan=plan, hooks=keeper, gap=gap).run()
+        else:
+            sampler = Sampler(root, cfg, keeper, hours.sample_every, plan).start_now()
+            loop = HoursLoop(args, hooks=keeper, kinds=kinds, seed=seed, fault_every=hours.fault_every,
+                             start=sampler.start, until=sampler.start + hours.hours * 3600, plan=plan)
+            report = loop.run()
+            gap = loop.gap
+            # A fault made but not injected when the clock ran out (postponed at the end) is dropped.
+            late = [f for f in plan if f.injected_at is None]
+            plan[:] = [f for f in plan if f.injected_at is not None]
+            if late:
+                print(f"faults due when the run ended, not injected: {[f.kind for f in late]}")
+            steps = len(report.steps)
         print(format_report(report))
     finally:
         if fuzzer is not None:
             fuzzer.stop()
+        if sampler is not None:
+            sampler.stop()  # before the daemon stops: no sample of a stopping daemon
+            growth_rep = growth.report(
+                sampler.samples, limits=retention_limits(cfg), start=0.0,
+                warmup_s=hours.warmup if hours and hours.warmup is not None
+                else growth.warmup_for(sampler.samples[-1]["t"] if sampler.samples else 0.0))
+            (root / "growth.json").write_text(json.dumps(growth_rep, indent=1, default=str))
         pids = keeper.spawned_pids()
         rc = keeper.terminate()
         left = live_pids_in_groups(pids)
@@ -424,6 +648,12 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
             f"{len(keeper.gap_restarts)}/{len(gap)} done; failed: {bad}" if bad or len(keeper.gap_restarts) != len(gap)
             else f"{len(gap)} restarts, exit 0 (clean), no old process left, every engine RUNNING on the trainer's version")
     c["no daemon crash"] = (keeper.crashes == 0, f"{keeper.crashes} unexpected exits")
+    if growth_rep is not None:
+        grew = [f"{r['label']}: {r['verdict']}" for r in growth_rep["quantities"] if not r["ok"]]
+        grew += [f"{r['rule']}: max {r['max seen']} > {r['limit']}" for r in growth_rep["retention"] if not r["ok"]]
+        c["nothing grows beyond its bound (growth.json)"] = (
+            growth_rep["ok"], "; ".join(grew) or f"{len(growth_rep['quantities'])} quantities, "
+                                                f"{growth_rep['samples']} samples; retention kept")
     if fuzzer is not None:
         c["no fuzzed request got a 5xx or no answer"] = (
             fuzzer.sent > 0 and fuzzer.server_errors == 0 and not fuzzer.errors,
@@ -449,6 +679,10 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     f["daemon kills / crashes"] = f"{keeper.killed} / {keeper.crashes}"
     f["daemon gap restarts (clean, torn)"] = keeper.restarts
     f["seconds"] = round(time.monotonic() - t0)
+    if hours is not None:
+        f["pace (h, fault every, sample)"] = f"{hours.hours:g} h, {hours.fault_every:g} s, {hours.sample_every:g} s"
+        f["faults by kind"] = dict(sorted(Counter(gap.get(id(x), x.kind) for x in plan).items()))
+    result.growth = growth_rep
     (root / "soak.json").write_text(json.dumps({"checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in c.items()},
                                                 "figures": f, "faults": [x.as_dict() for x in plan]},
                                                indent=1, default=str))
@@ -462,14 +696,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("soak-run"))
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--steps", type=int, default=None, help="rounds (default: 12 short, 40 long)")
+    ap.add_argument("--model", type=Path, default=None, metavar="DIR",
+                    help="the tiny model (built there if empty; default $VIME_TINY_MODEL_CACHE, else under --out)")
     ap.add_argument("--long", action="store_true", help="every fault kind, twice (else the short CI set)")
     ap.add_argument("--kinds", nargs="*", choices=[*faults.KINDS, *GAP_RESTARTS],
-                    help="the faults to schedule (overrides --long)")
+                    help="the faults to schedule (overrides --long and the --hours set)")
+    g = ap.add_argument_group("the long run, by the clock (harness/growth.py reports and judges it)")
+    g.add_argument("--hours", type=float, default=None, metavar="H",
+                   help=f"run H hours (--steps and --long ignored); faults of the kinds {' '.join(HOURS)}")
+    g.add_argument("--fault-every", type=float, default=5.0, metavar="MIN",
+                   help="minutes from one fault's injection to the next fault (default 5)")
+    g.add_argument("--sample-every", type=float, default=60.0, metavar="S",
+                   help="seconds between samples of the daemon (default 60)")
+    g.add_argument("--warmup", type=float, default=None, metavar="MIN",
+                   help=f"minutes skipped before fitting slopes (default: {growth.WARMUP_S / 60:g}, or the "
+                        f"first {growth.WARMUP_SHARE * 100:.0f}%% of a shorter run)")
     args = ap.parse_args(argv)
-    kinds = args.kinds or (LONG * 2 if args.long else SHORT)
+    if args.hours is not None and (args.hours <= 0 or args.fault_every <= 0 or args.sample_every <= 0):
+        ap.error("--hours, --fault-every and --sample-every must be > 0")
+    hours = None if args.hours is None else Hours(
+        args.hours, args.fault_every * 60, args.sample_every, None if args.warmup is None else args.warmup * 60)
+    kinds = args.kinds or (HOURS if hours else LONG * 2 if args.long else SHORT)
     steps = args.steps or (40 if args.long else 12)
-    result = run_soak(args.out.resolve(), seed=args.seed, steps=steps, kinds=kinds)
+    cache = args.model or os.environ.get("VIME_TINY_MODEL_CACHE")
+    model = build_tiny_model(Path(cache)) if cache else None
+    result = run_soak(args.out.resolve(), seed=args.seed, steps=steps, kinds=kinds, hours=hours, model=model)
     print(result.format())
+    if result.growth is not None:
+        print(growth.format_report(result.growth))
+        print(f"\nsamples: {args.out / 'samples.jsonl'}; report: {args.out / 'growth.json'}")
     return 0 if result.ok else 1
 
 

@@ -278,6 +278,11 @@ class RLLoop:
         """One engine's push of a new version (in a worker thread, under the policy's lock)."""
         return self.pusher.push(engine["url"], tensors, version)
 
+    def enough(self, step: int) -> bool:
+        """After each step: end the run here, as if --num-rollout were reached (a run by the
+        clock: the soak's --hours)."""
+        return False
+
     def after_run(self) -> None:
         """Once the run is over and the event recorder stopped (`recorder.events` complete)."""
 
@@ -493,6 +498,8 @@ class RLLoop:
                     why = await asyncio.to_thread(self.stop_reason)
                     if why:
                         self.report.stopped = f"stopped after step {step}: {why}"
+                        break
+                    if self.enough(step):
                         break
             except EngineFatal as e:
                 self.report.stopped = f"stopped: {e}"
