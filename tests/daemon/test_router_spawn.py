@@ -102,7 +102,7 @@ def node(tmp_path_factory):
 
 
 def test_the_daemon_spawns_the_router_in_its_own_group_and_feeds_it(node):
-    wait(lambda: workers(node.url) == sorted(node.urls.values()), what="both engines listed")
+    wait(lambda: workers(node.url) == sorted(node.urls.values()), 60, "both engines listed")
     proc = node.process()
     assert proc["state"] == "running" and not proc["adopted"] and proc["restarts"] == 0, proc
     st = proc_stat(proc["pid"])
@@ -142,17 +142,21 @@ def test_a_reload_keeps_the_same_router(node):
     mark = d.mark()
     d.proc.send_signal(signal.SIGHUP)
     seen = []
+    deadline = time.monotonic() + 60
     while not [e for e in d.events[mark:] if e.get("event") == "supervisor.started"]:
+        assert time.monotonic() < deadline, "no reload within 60s"
         seen.append(workers(node.url))
         time.sleep(0.05)
-    wait(lambda: c.status()["daemon"]["reloads"] == 1, what="reloaded")
+    wait(lambda: c.status()["daemon"]["reloads"] == 1, 60, what="reloaded")
     proc = node.process()
-    assert proc["pid"] == pid and proc["adopted"], proc
     events = d.events[mark:]
+    assert proc["pid"] == pid and proc["adopted"], (proc, [e for e in events if "router" in e.get("event", "")])
     assert [e.get("after") for e in events if e.get("event") == "router.adopted"] == ["a reload"]
     assert not [e for e in events if e.get("event") in ("router.spawned", "router.exited")]
-    # Served throughout: the router never lost an engine.
-    assert all(s == sorted(node.urls.values()) for s in seen), seen
+    # Served throughout: the router never lost an engine (None: a read slower than 2 s, on a
+    # loaded host, says nothing of the list).
+    listed = [s for s in seen if s is not None]
+    assert listed and all(s == sorted(node.urls.values()) for s in listed), seen
 
 
 def test_a_daemon_killed_and_restarted_adopts_the_router_instead_of_spawning_another(node):
