@@ -66,11 +66,13 @@ class Node:
                                      router={"url": self.url, "spawn": True, "args": args, "period": PERIOD})
         self.sock = str(tmp / "run" / "supervisor.sock")
         self.log = tmp / "logs" / "router.log"
-        self.daemon = self.start()
-        self.routers: set[int] = set()  # every router pid seen, for the teardown
+        self.daemons: list[Daemon] = []  # every daemon started, and
+        self.routers: set[int] = set()  # every router pid seen: for the teardown
+        self.daemon: Daemon  # the one running now (started by the fixture)
 
     def start(self) -> Daemon:
         d = Daemon(self.config)
+        self.daemons.append(d)
         d.wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
         return d
 
@@ -91,10 +93,13 @@ class Node:
 def node(tmp_path_factory):
     n = Node(tmp_path_factory.mktemp("spawn"))
     try:
+        n.daemon = n.start()
         yield n
     finally:
-        n.daemon.kill()
-        for pid in n.routers | set(n.daemon.spawned_pids()):
+        for d in n.daemons:
+            d.kill()
+            n.routers |= {e["pid"] for e in d.events if e.get("event") == "router.spawned"}
+        for pid in n.routers | {p for d in n.daemons for p in d.spawned_pids()}:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
