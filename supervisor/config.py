@@ -13,8 +13,10 @@ import ipaddress
 import math
 import os
 import re
+import shutil
 import socket
 import stat
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +118,13 @@ class EngineSpec:
         return self.served_model_name or self.model or ""
 
 
+# vime's flags for vllm-router: long RL generations trip the circuit breaker on healthy engines.
+ROUTER_ARGS = ("--disable-circuit-breaker", "--request-timeout-secs", "14400")
+# Flags a spawned router's args may not carry: the daemon sets them, or they would put a secret
+# on a command line any local user reads (/proc/PID/cmdline).
+_ROUTER_OWN_FLAGS = ("--host", "--port", "--worker-urls")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """[router]: the router in front of the engines, fed by the daemon (docs/router.md)."""
@@ -135,6 +144,13 @@ class RouterConfig:
     drain_timeout: float = 30.0
     token_file: str = ""
     token: str | None = field(default=None, repr=False)  # read from token_file; never printed
+    # Run the router as a child of the daemon (routerchild.py): its own process group, restarted
+    # with [restart]'s backoff, re-adopted across a daemon restart or reload, stopped last.
+    spawn: bool = False
+    binary: str = "vllm-router"  # on PATH, else beside the daemon's interpreter (a venv's bin)
+    # Its flags besides --host/--port (from url) and --worker-urls (none: the daemon adds them).
+    # Set whole: these are vime's (the breaker off, a 4-hour request timeout).
+    args: tuple[str, ...] = ROUTER_ARGS
 
 
 @dataclass(frozen=True)
@@ -276,6 +292,9 @@ _ROUTER = {
     "timeout": float,
     "remove_timeout": float,
     "drain_timeout": float,
+    "spawn": bool,
+    "binary": str,
+    "args": list,
 }
 _LOG_LEVELS = {"debug", "info", "warning", "error"}
 SPARES_SYNC = ("promotion", "publish")
@@ -548,6 +567,13 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
     for key in ("period", "timeout", "remove_timeout", "drain_timeout"):
         if key in rtr and _finite(rtr[key]) and rtr[key] <= 0:
             problems.append(f"router.{key}: must be a number of seconds > 0, got {rtr[key]:g}")
+    if "args" in rtr:
+        rtr["args"] = _strs("router.args", rtr["args"], problems)
+    if rtr.get("spawn"):
+        _check_spawned_router(rtr, problems, warnings)
+    elif any(k in rtr for k in ("args", "binary")):
+        warnings.append("router.args and router.binary have no effect without router.spawn = true: "
+                        "the daemon drives a router someone else runs")
     token = None
     if rtr.get("token_file"):
         path = rtr["token_file"]
@@ -557,6 +583,72 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
     if len(problems) > n:
         return None
     return RouterConfig(token=token, **rtr)
+
+
+def find_binary(name: str) -> str | None:
+    """The executable `name` names, as the daemon runs it: a path (with a slash) as given;
+    otherwise the one on PATH, else the one beside the daemon's interpreter (a venv's bin,
+    which a unit's PATH lacks). None if there is none."""
+    def executable(path: str) -> bool:
+        return os.path.isfile(path) and os.access(path, os.X_OK)
+
+    if "/" in name:
+        return name if executable(name) else None
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if executable(beside) else None
+
+
+def _check_spawned_router(rtr: dict[str, Any], problems: list[str], warnings: list[str]) -> None:
+    """spawn = true: a binary to run, args that leave the daemon's flags alone, and a url the
+    router can listen on here (plain HTTP, a port, an address of this machine, not every one)."""
+    for flag in (*_ROUTER_OWN_FLAGS, "--api-key"):
+        if any(a == flag or a.startswith(flag + "=") for a in rtr.get("args", ())):
+            problems.append(
+                "router.args: do not pass --api-key: any local user can read a command line (/proc/PID/cmdline); "
+                "vllm-router forwards each client's own Authorization header to the engines (docs/router.md)"
+                if flag == "--api-key" else
+                f"router.args: do not pass {flag}; the daemon sets it"
+                + (" from router.url" if flag != "--worker-urls" else " empty and adds the routable engines"))
+    binary = rtr.get("binary", RouterConfig.binary)
+    if not binary or not binary.isprintable():
+        problems.append(f"router.binary: must name the router's executable, got {binary!r}")
+    elif find_binary(binary) is None:
+        problems.append(
+            f"router.binary: {binary} is not an executable file" if "/" in binary else
+            f"router.binary: {binary} is not on PATH nor beside {sys.executable}; "
+            "pip install 'vime-supervisor[router]', or give the binary's absolute path")
+    url = rtr.get("url")
+    if not isinstance(url, str) or not url:
+        return
+    try:
+        u = urlparse(url)
+        host, port = u.hostname, u.port
+    except ValueError:
+        return  # _check_url said so
+    if u.scheme != "http":
+        problems.append(f"router.url: a spawned router serves plain HTTP: use http://HOST:PORT, got {url!r}")
+    if port is None:
+        problems.append(f"router.url: give the port the spawned router listens on, http://HOST:PORT, got {url!r}")
+    if not host:
+        return
+    if _Hosts.wildcard(host):
+        problems.append(f"router.url: {host} would make the router listen on every address of this machine, and "
+                        "its admin routes take no key: give 127.0.0.1 or a private address of this machine")
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))  # what the router will do, on a port nobody needs
+    except OSError as e:
+        why = ("it is not an address of this machine (ip -brief address)"
+               if getattr(e, "errno", None) == errno.EADDRNOTAVAIL else str(e.strerror or e))
+        problems.append(f"router.url: a spawned router listens on the url's host, and cannot on {host}: {why}")
+        return
+    if rtr.get("observe_only"):
+        warnings.append("router.spawn with router.observe_only: the daemon runs a router it never feeds")
 
 
 def _finite(*values: float) -> bool:

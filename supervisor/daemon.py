@@ -42,12 +42,13 @@ from .engine.process import (
     boot_id, engine_fingerprint, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of,
     proc_stat, reap_child, stop_group_of)
 from .protocol import Event
-from .router import make_router
+from .router import RouterError, make_router
+from .routerchild import STARTUP_BOUND, RouterChild, stop_leftover
 from .routerfeed import RouterFeed
 from .sdnotify import Notifier
 from .states import State
 from .sync import PushCoordinator, SyncCoordinator
-from .tasks import TaskSet
+from .tasks import TaskSet, cancel_and_wait
 
 log = structlog.get_logger("vime.supervisor")
 
@@ -93,6 +94,12 @@ class Supervisor:
         self.tasks = TaskSet("daemon")  # every long-lived task of the daemon
         self.router_feed: RouterFeed | None = None
         self._router_session: aiohttp.ClientSession | None = None
+        self._feed_task: asyncio.Task[None] | None = None
+        # [router] spawn: the router runs as our child, journaled and adopted like an engine.
+        self.router_child: RouterChild | None = None
+        if cfg.router is not None and cfg.router.spawn:
+            self.router_child = RouterChild(cfg, self.fleet.emit, self.journal.mark)
+            self.fleet.router_child = self.router_child
 
     def request_stop(self, why: str) -> None:
         self._stop_wanted = True
@@ -260,7 +267,7 @@ class Supervisor:
                 # image left it.
                 await self._readopted(RELOAD_SETTLE)
             if self.router_feed is not None:
-                self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
+                self._feed_task = self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
             control = ControlServer(self.fleet, self.sync, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None, listener=self.listener,
                                     pushes=self.pushes)
@@ -321,6 +328,19 @@ class Supervisor:
         self.router_feed = RouterFeed(self.fleet, cfg.router, router)
         self.fleet.router = self.router_feed
         self.bus.add_listener(self.router_feed)
+        child = self.router_child
+        if child is not None:  # started now, before the feed's first reconcile
+            async def answers() -> bool:
+                try:
+                    await router.workers(1.0)
+                    return True
+                except RouterError:
+                    return False
+
+            child.answers = answers
+            child.on_up = self.router_feed.refill
+            self.router_feed.child = child
+            child.start(self.tasks)
         log.info("router.feeding", kind=cfg.router.kind, url=cfg.router.url, observe_only=cfg.router.observe_only,
                  prune_unknown=cfg.router.prune_unknown, period=cfg.router.period)
 
@@ -337,12 +357,16 @@ class Supervisor:
         log.info("supervisor.detaching", engines=len(runners), round=self.fleet.round,
                  round_open=self.fleet.round_open, weight_version=self.fleet.current_version)
         await asyncio.gather(*(r.detach() for r in runners))
+        if self.router_child is not None:  # left running: the next image adopts it too
+            await self.router_child.detach()
 
     async def _feed_router(self, feed: RouterFeed) -> None:
         """The router is fed once the engines adopted from the journal (after a reload or a
         crash) have been checked again: healthy ones are never taken out on the way. At most
         as long as a hang takes to judge; past that, what is known is fed."""
         probe = self.cfg.probe
+        if self.router_child is not None and not await self.router_child.answered(STARTUP_BOUND):
+            log.warning("router.not_up", bound=STARTUP_BOUND, action="fed once it answers; supervision goes on")
         await self._readopted(RELOAD_SETTLE + probe.timeout * probe.failure_threshold,
                               then="the router is fed now; they go on being checked")
         await feed.run()
@@ -400,6 +424,12 @@ class Supervisor:
             # Pids and start times name processes of one boot only; without both ids (an
             # older journal) we cannot tell, so nothing is adopted or killed by pid.
             same_boot = here is not None and then == here
+            if data.get("router") is not None:  # [router] spawn: adopted, or stopped if not wanted
+                after = "a reload" if self.generation else "a daemon restart"
+                if self.router_child is not None:
+                    await self.router_child.restore(data["router"], same_boot=same_boot, after=after)
+                else:
+                    await stop_leftover(data["router"], same_boot=same_boot, timeout=self.cfg.stop_timeout)
             if not same_boot and any(e.get("pid") for e in data["engines"].values()):
                 log.warning("journal.other_boot", journal_boot=then, this_boot=here,
                             action="no engine adopted or killed by pid; ours are found by command line and port")
@@ -533,6 +563,13 @@ class Supervisor:
         for r, res in zip(runners, results):
             if isinstance(res, BaseException):
                 log.error("supervisor.stop_failed", engine=r.name, error=repr(res))
+        if self.router_child is not None:
+            # Last: every engine is out of its list and stopped. The feed ends first (it would
+            # only see the router go), once the removals it has in flight are answered.
+            await cancel_and_wait(self._feed_task)
+            if feed is not None:
+                await feed.settle()
+            await self.router_child.stop()
         log.info("supervisor.stopped")
 
 

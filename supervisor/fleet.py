@@ -55,6 +55,8 @@ class Fleet(Listener):
         self.persist: Callable[[], None] = lambda: None
         # The router fed by the daemon (routerfeed.RouterFeed), set by the start-up with [router].
         self.router: Any = None
+        # The router's process when the daemon spawns it (routerchild.RouterChild): journaled.
+        self.router_child: Any = None
         self.session: Any = None  # the daemon's HTTP session to the engines (a drain's /pause)
         # Membership kept incrementally: each engine's part (active, serving, routable) as last
         # counted, the totals, and the routable names (a set, and sorted for the event). A

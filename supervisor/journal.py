@@ -3,7 +3,8 @@
 The current round, the weight version and its checkpoint, the boot it was written in, and
 for each engine its pid (with the process's start time, so a recycled pid is never adopted),
 port, the fingerprint of the config that started it, incarnation, restarts, verified weight
-version, and whether an operator stopped it. Written atomically (temp file, fsync, rename)
+version, and whether an operator stopped it; and the router's pid, start time and config
+fingerprint when the daemon spawns it ([router] spawn). Written atomically (temp file, fsync, rename)
 whenever it changes, coalesced. Killed with -9 and started again, the daemon re-adopts engines
 that still run and knows the current version, so no engine serves stale weights.
 
@@ -57,7 +58,7 @@ def snapshot(fleet: Fleet) -> dict[str, Any]:
             if r.fsm.spawned_at is not None:  # wall clock: a reload goes on counting first_wait from it
                 entry["spawned_at"] = round(time.time() - (r.clock() - r.fsm.spawned_at), 3)
         engines[r.name] = entry
-    return {
+    out = {
         "format": FORMAT,
         "boot_id": _BOOT_ID,
         "daemon_pid": os.getpid(),
@@ -67,6 +68,10 @@ def snapshot(fleet: Fleet) -> dict[str, Any]:
         "checkpoint": fleet.checkpoint,
         "engines": engines,
     }
+    router = fleet.router_child.journal_entry() if fleet.router_child is not None else None
+    if router is not None:  # the spawned router ([router] spawn): adopted as an engine is
+        out["router"] = router
+    return out
 
 
 _BOOT_ID = boot_id()
@@ -108,6 +113,16 @@ def validate(data: Any) -> list[str]:
     _check(ck is None or isinstance(ck, str), "checkpoint", "must be null or a path", ck, p)
     b = data.get("boot_id")
     _check(b is None or isinstance(b, str), "boot_id", "must be null or a string", b, p)
+    router = data.get("router")
+    if router is not None:
+        if not isinstance(router, dict):
+            p.append(f"router: must be an object, got {router!r:.80}")
+        else:
+            _check(_int(router.get("pid"), 1, PID_MAX), "router.pid", f"must be a pid, 1..{PID_MAX}", router.get("pid"), p)
+            _check(_int(router.get("start_time")), "router.start_time", "must be an integer >= 0",
+                   router.get("start_time"), p)
+            for key in ("fingerprint", "log_path"):
+                _check(isinstance(router.get(key), str), f"router.{key}", "must be a string", router.get(key), p)
     engines = data.get("engines")
     if not isinstance(engines, dict):
         p.append(f"engines: must be an object of engine entries, got {engines!r:.80}")

@@ -144,6 +144,9 @@ class Event(StrEnum):
     ROUTER_DRIFT = "router_drift"  # the router's list differs from the routable set in a new way
     ROUTER_STATE = "router_state"  # in_sync, drift or unreachable
     ROUTER_ERROR = "router_error"  # a router call failed (after its retries)
+    # The spawned router's process ([router] spawn): spawned, adopted, not_adopted, start_failed,
+    # exited (with restart_in), stopped.
+    ROUTER_PROCESS = "router_process"
 
 
 # -- routes ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from .config import RouterConfig
 from .events import Listener
 from .states import Transition
+from .tasks import wait_event
 from .metrics import Histogram
 from .protocol import Event
 from .router import Router, RouterError, normalize_url
@@ -36,6 +37,7 @@ from .router.plan import Plan, plan
 if TYPE_CHECKING:
     from .engine.runner import EngineRunner
     from .fleet import Fleet
+    from .routerchild import RouterChild
 
 log = structlog.get_logger("vime.router")
 
@@ -69,6 +71,11 @@ class RouterFeed(Listener):
         self._wake = asyncio.Event()
         self._pending: set[asyncio.Task[Any]] = set()
         self._removing: set[asyncio.Task[Any]] = set()  # removals of engines that left the set
+        self.child: RouterChild | None = None  # the router's process, when the daemon spawns it
+
+    def refill(self) -> None:
+        """The spawned router answers again (restarted empty): reconcile now, not after `period`."""
+        self._wake.set()
 
     # -- the sets --------------------------------------------------------------------------
 
@@ -193,10 +200,7 @@ class RouterFeed(Listener):
         while True:
             self._wake.clear()
             await self.reconcile()
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.cfg.period)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._wake, self.cfg.period)
 
     async def reconcile(self) -> Plan | None:
         """Read the router's list and make it match; None when the router could not be read."""
@@ -321,6 +325,7 @@ class RouterFeed(Listener):
             "unknown": [] if p is None else sorted(u for u in p.unknown if u in listed),
             "error": self.error or self.failing,
             "checked_at": self.checked_at,
+            **({"process": self.child.status()} if self.child is not None else {}),
         }
 
     def families(self) -> Iterator[Metric]:
@@ -342,3 +347,5 @@ class RouterFeed(Listener):
         yield calls
         yield self.removal_time.family("vime_router_removal_seconds",
                                        "From an engine leaving the routable set to the router removing it")
+        if self.child is not None:
+            yield from self.child.families()

@@ -30,6 +30,18 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
             t.exception()
 
 
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Until `event` is set (True) or `timeout` passes (False). Unlike wait_for on Python 3.11,
+    a cancellation that arrives as the event is set is never swallowed: a loop waiting here
+    ends when its task is cancelled (a lost cancel hung the daemon's shutdown)."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
 class TaskSet:
     def __init__(self, owner: str):
         self.owner = owner

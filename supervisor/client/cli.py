@@ -144,6 +144,15 @@ def router_line(router: dict[str, Any]) -> str:
         desc += ", " + "; ".join(diffs)
     if router.get("observe_only"):
         desc += ", observe-only"
+    proc = router.get("process")  # [router] spawn: the daemon runs it
+    if proc:
+        desc += f", spawned pid {proc['pid']} {proc.get('state')}" if proc.get("pid") else f", spawned, {proc.get('state')}"
+        if proc.get("adopted"):
+            desc += " (adopted)"
+        if proc.get("restarts"):
+            desc += f", {proc['restarts']} restart{'s' if proc['restarts'] != 1 else ''}"
+        if proc.get("error") and proc.get("state") != "running":
+            desc += f", {proc['error']}"
     if router.get("error"):
         desc += f", {router['error']}"
     width = max(30, len(f"router:{router.get('kind')}")) + 3

@@ -17,7 +17,7 @@ Inside the daemon (vime.supervisor), five groups, each importing only itself and
     base     states, protocol, errors, config, tasks, logs, events
     engine   supervisor/engine/: runner, adoption, heartbeat, fsm, process, activity, probes, http1, warmup,
              postmortem, retention, view
-    fleet    policy, fleet, sync, metrics, status, journal, routerfeed
+    fleet    policy, fleet, sync, metrics, status, journal, routerfeed, routerchild
     service  daemon, reexec, sdnotify, limits, reap, control, __main__
     client   supervisor/client/ and the supervisorctl entry module (the contract only, above)
 """
@@ -115,7 +115,8 @@ GROUPS = {  # lowest first
     "base": {_D + m for m in ("states", "protocol", "errors", "config", "tasks", "logs", "events")},
     "engine": {_D + "engine"} | {_D + "engine." + m for m in ("runner", "fsm", "process", "activity", "probes", "heartbeat", "adoption",
                                                              "http1", "warmup", "postmortem", "retention", "view")},
-    "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "routerfeed")},
+    "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "routerfeed",
+                                        "routerchild")},
     "service": {"vime.supervisor"} | {_D + m for m in ("daemon", "reexec", "sdnotify", "limits", "reap", "control",
                                                        "__main__")},
 }

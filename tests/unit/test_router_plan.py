@@ -114,7 +114,7 @@ def test_the_flags_alone_turn_the_router_on(base):
     ({"url": "http://h:1", "period": 0}, "router.period: must be a number of seconds > 0"),
     ({"url": "http://h:1", "remove_timeout": -1}, "router.remove_timeout: must be a number of seconds > 0"),
     ({"url": "http://h:1", "worker_type": "a b"}, "router.worker_type: must be a word"),
-    ({"url": "http://h:1", "spawn": True}, "router.spawn: unknown key"),
+    ({"url": "http://h:1", "spawn": "yes"}, "router.spawn: must be true or false"),
     ({"url": "http://h:1/api?x=1#f"}, "router.url: must be the router's root"),
 ])
 def test_bad_router_tables_say_what_to_do(base, table, message):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from vime.supervisor.tasks import TaskSet, cancel_and_wait
+from vime.supervisor.tasks import TaskSet, cancel_and_wait, wait_event
 
 
 async def test_aclose_cancels_and_awaits_every_task_left():
@@ -46,3 +46,24 @@ async def test_cancel_and_wait_takes_none_and_finished_tasks():
     slow = asyncio.ensure_future(asyncio.sleep(3600))
     await cancel_and_wait(slow)
     assert slow.cancelled()
+
+
+async def test_a_loop_on_wait_event_ends_when_cancelled_as_its_event_is_set():
+    # asyncio.wait_for on 3.11 returns the event's result instead of raising when the cancel
+    # and the set come in one turn: such a loop never ended, and a shutdown awaiting it hung.
+    ev = asyncio.Event()
+    woken = []
+
+    async def loop() -> None:
+        while True:
+            woken.append(await wait_event(ev, 10))
+            ev.clear()
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0.01)
+    ev.set()
+    task.cancel()
+    await asyncio.wait({task}, timeout=1)
+    assert task.cancelled()
+    ev.clear()
+    assert await wait_event(ev, 0.01) is False  # a timeout is False, not an error

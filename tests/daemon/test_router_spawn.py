@@ -1,0 +1,208 @@
+"""[router] spawn = true: the daemon runs the real vllm-router (PyPI 0.1.17) as its child, in
+front of PROTOCOL STAND-IN engines (tests/support/standin_group.py; not vLLM).
+
+One node is shared by the tests below, in order: spawned and fed; the router SIGKILLed,
+restarted and re-filled at once with the routable engines and nothing else; a SIGHUP reload
+and a daemon kill -9 + restart that both keep (adopt) the same router process; a shutdown that
+takes the engines out of its list, then stops it last and leaves nothing of its group. The
+router's flags are vime's (harness/router_proc.py: breaker off, a long request timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vime.harness.local_daemon import Daemon, free_port, standin_config, standin_model, standin_python
+from vime.harness.router_proc import VIME_FLAGS
+from vime.supervisor.client import SupervisorClient
+from vime.supervisor.engine.process import live_group_members, proc_stat
+
+from support.standins import STANDIN_GROUP as STANDIN
+
+REPO = Path(__file__).resolve().parents[2]
+# Longer than any wait below: a refill seen within it was woken by the router's return.
+PERIOD = 30.0
+
+
+def wait(pred, timeout: float = 20.0, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.05)
+    return got
+
+
+def workers(url: str) -> list[str] | None:
+    """The router's own list (GET /workers), None while it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+            return sorted(w["url"] for w in json.load(r)["workers"])
+    except OSError:
+        return None
+
+
+class Node:
+    def __init__(self, tmp: Path):
+        python = standin_python(tmp, STANDIN)
+        model = standin_model(tmp / "model")
+        self.ports = {n: free_port() for n in ("e0", "e1")}
+        self.urls = {n: f"http://127.0.0.1:{p}" for n, p in self.ports.items()}
+        self.url = f"http://127.0.0.1:{free_port()}"
+        engines = [{"name": n, "model": str(model), "served_model_name": "tiny", "port": p,
+                    "env": {"STANDIN_MODE_FILE": str(tmp / f"{n}.mode")}} for n, p in self.ports.items()]
+        # vime's flags, with the router's metrics on a port of its own (29000 may be taken).
+        args = [*VIME_FLAGS, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        self.config = standin_config(tmp, python, engines, restart={"backoff_initial": 0.2},
+                                     router={"url": self.url, "spawn": True, "args": args, "period": PERIOD})
+        self.sock = str(tmp / "run" / "supervisor.sock")
+        self.log = tmp / "logs" / "router.log"
+        self.daemons: list[Daemon] = []  # every daemon started, and
+        self.routers: set[int] = set()  # every router pid seen: for the teardown
+        self.daemon: Daemon  # the one running now (started by the fixture)
+
+    def start(self) -> Daemon:
+        d = Daemon(self.config)
+        self.daemons.append(d)
+        d.wait_for(lambda e: e.get("event") == "supervisor.ready", 60)
+        return d
+
+    def client(self) -> SupervisorClient:
+        return SupervisorClient(self.sock)
+
+    def process(self) -> dict:
+        st = self.client().status()["router"]["process"]
+        if st.get("pid"):
+            self.routers.add(st["pid"])
+        return st
+
+    def routable(self) -> list[str]:
+        return sorted(e["url"] for e in self.client().routable_engines()["engines"])
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    n = Node(tmp_path_factory.mktemp("spawn"))
+    try:
+        n.daemon = n.start()
+        yield n
+    finally:
+        for d in n.daemons:
+            d.kill()
+            n.routers |= {e["pid"] for e in d.events if e.get("event") == "router.spawned"}
+        for pid in n.routers | {p for d in n.daemons for p in d.spawned_pids()}:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_the_daemon_spawns_the_router_in_its_own_group_and_feeds_it(node):
+    wait(lambda: workers(node.url) == sorted(node.urls.values()), 60, "both engines listed")
+    proc = node.process()
+    assert proc["state"] == "running" and not proc["adopted"] and proc["restarts"] == 0, proc
+    st = proc_stat(proc["pid"])
+    assert st is not None and st.pgrp == proc["pid"] and os.getsid(proc["pid"]) == proc["pid"]
+    journal = json.loads((node.config.parent / "state" / "journal.json").read_text())
+    assert journal["router"]["pid"] == proc["pid"] and journal["router"]["start_time"] == st.start_time
+    # supervisorctl status shows the router's process.
+    out = subprocess.run([sys.executable, "-m", "vime.supervisor.client.cli", "--socket", node.sock, "status"],
+                         capture_output=True, text=True, timeout=30, cwd=REPO).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("router:vllm-router"))
+    assert "IN_SYNC" in line and f"spawned pid {proc['pid']} running" in line, line
+
+
+def test_a_killed_router_is_restarted_and_refilled_with_exactly_the_routable_engines(node):
+    c = node.client()
+    c.stop("e1")  # not routable: the refilled router must not list it
+    wait(lambda: workers(node.url) == [node.urls["e0"]], what="e1 out")
+    old = node.process()["pid"]
+    mark = node.daemon.mark()
+    os.killpg(old, signal.SIGKILL)
+    killed = time.monotonic()
+    exited = node.daemon.wait_for(lambda e: e.get("event") == "router.exited", 10, after=mark)
+    assert exited["pid"] == old and exited["how"] == "killed by SIGKILL" and exited["restart_in"] == 0
+    # Restarted empty, re-filled at once (the feed is woken; its period is far longer).
+    wait(lambda: workers(node.url) == node.routable() == [node.urls["e0"]], 10, "refilled with e0 alone")
+    assert time.monotonic() - killed < PERIOD / 2
+    new = node.process()
+    assert new["pid"] != old and new["state"] == "running" and new["restarts"] == 1
+    assert "vime_router_restarts_total 1.0" in c.metrics()
+    c.start("e1")
+    wait(lambda: workers(node.url) == node.routable() == sorted(node.urls.values()), 20, "e1 back")
+
+
+def test_a_reload_keeps_the_same_router(node):
+    d, c = node.daemon, node.client()
+    pid = node.process()["pid"]
+    mark = d.mark()
+    d.proc.send_signal(signal.SIGHUP)
+    seen = []
+    deadline = time.monotonic() + 60
+    while not [e for e in d.events[mark:] if e.get("event") == "supervisor.started"]:
+        assert time.monotonic() < deadline, "no reload within 60s"
+        seen.append(workers(node.url))
+        time.sleep(0.05)
+    wait(lambda: c.status()["daemon"]["reloads"] == 1, 60, what="reloaded")
+    proc = node.process()
+    events = d.events[mark:]
+    assert proc["pid"] == pid and proc["adopted"], (proc, [e for e in events if "router" in e.get("event", "")])
+    assert [e.get("after") for e in events if e.get("event") == "router.adopted"] == ["a reload"]
+    assert not [e for e in events if e.get("event") in ("router.spawned", "router.exited")]
+    # Served throughout: the router never lost an engine (None: a read slower than 2 s, on a
+    # loaded host, says nothing of the list).
+    listed = [s for s in seen if s is not None]
+    assert listed and all(s == sorted(node.urls.values()) for s in listed), seen
+
+
+def test_a_daemon_killed_and_restarted_adopts_the_router_instead_of_spawning_another(node):
+    pid = node.process()["pid"]
+    node.daemon.kill()
+    assert proc_stat(pid) is not None  # the router outlives the daemon: its own session
+    node.daemon = node.start()
+    proc = node.process()
+    assert proc["pid"] == pid and proc["adopted"], proc
+    events = node.daemon.events
+    assert [e.get("after") for e in events if e.get("event") == "router.adopted"] == ["a daemon restart"]
+    assert not [e for e in events if e.get("event") == "router.spawned"]
+    wait(lambda: workers(node.url) == sorted(node.urls.values()), what="still listed")
+
+
+def test_shutdown_takes_the_engines_out_then_stops_the_router_last(node):
+    d = node.daemon
+    pid = node.process()["pid"]
+    mark = d.mark()
+    assert d.terminate(60) == 0
+    after = d.events[mark:]
+    events = [e.get("event") for e in after]
+    stopped = events.index("router.stopped")
+    removed = [i for i, e in enumerate(events) if e == "router.removed"]
+    assert {after[i]["engine"] for i in removed} == {"e0", "e1"} and max(removed) < stopped, events
+    assert max(i for i, e in enumerate(events) if e == "engine.transition") < stopped
+    assert not live_group_members(pid)  # (an adopted router is init's to reap)
+    journal = json.loads((node.config.parent / "state" / "journal.json").read_text())
+    assert "router" not in journal
+    # The router's own log: both workers removed before it was told to stop.
+    text = node.log.read_text(errors="replace")
+    term = text.rindex("terminate signal")
+    assert all(text.rfind(f"Removed worker: {u}", 0, term) != -1 for u in node.urls.values()), text[-3000:]
+
+
+def test_a_bad_binary_is_a_clear_check_config_error(tmp_path):
+    model = standin_model(tmp_path / "model")
+    cfg = standin_config(tmp_path, Path(sys.executable), [{"name": "e0", "model": str(model), "port": free_port()}],
+                         router={"url": f"http://127.0.0.1:{free_port()}", "spawn": True,
+                                 "binary": str(tmp_path / "no-such-router")})
+    r = subprocess.run([sys.executable, "-m", "vime.supervisor", "--config", str(cfg), "--check-config"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r
+    assert f"router.binary: {tmp_path / 'no-such-router'} is not an executable file" in r.stderr, r.stderr
