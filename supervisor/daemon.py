@@ -48,7 +48,7 @@ from .routerfeed import RouterFeed
 from .sdnotify import Notifier
 from .states import State
 from .sync import PushCoordinator, SyncCoordinator
-from .tasks import TaskSet, cancel_and_wait
+from .tasks import TaskSet, cancel_and_wait, wait_event
 
 log = structlog.get_logger("vime.supervisor")
 
@@ -536,10 +536,7 @@ class Supervisor:
             # message buys EXTEND_WINDOW more, and one is due before that runs out. A daemon
             # that stops sending (wedged) still fails the start.
             self.notifier.extend_timeout(EXTEND_WINDOW)
-            try:
-                await asyncio.wait_for(change.wait(), EXTEND_WINDOW / 3)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(change, EXTEND_WINDOW / 3)
         self.notifier.ready(status_line(self.fleet))
         log.info("supervisor.ready", status=status_line(self.fleet))
 

@@ -30,7 +30,7 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
             t.exception()
 
 
-async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
     """Until `event` is set (True) or `timeout` passes (False). Unlike wait_for on Python 3.11,
     a cancellation that arrives as the event is set is never swallowed: a loop waiting here
     ends when its task is cancelled (a lost cancel hung the daemon's shutdown)."""

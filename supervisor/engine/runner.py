@@ -45,7 +45,7 @@ from .process import (
 )
 from ..protocol import Event
 from ..states import DAEMON_LIMIT, PROCESS_STATES, Cause, ProbeOutcome, State, Transition, detection_kind
-from ..tasks import TaskSet, cancel_and_wait
+from ..tasks import TaskSet, cancel_and_wait, wait_event
 from .warmup import WarmupFailed, warm_up
 
 S = State
@@ -247,10 +247,7 @@ class EngineRunner:
             left = None if deadline is None else deadline - self.clock()
             if left is not None and left <= 0:
                 return False
-            try:
-                await asyncio.wait_for(self._changed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._changed, left)
         return True
 
     def wake(self) -> None:
@@ -259,10 +256,7 @@ class EngineRunner:
 
     async def _sleep_or_wake(self, seconds: float | None) -> None:
         self._wake.clear()
-        try:
-            await asyncio.wait_for(self._wake.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(self._wake, seconds)
 
     # -- spawned engines -------------------------------------------------------------------
 
