@@ -342,11 +342,18 @@ def _strs(where: str, value: Any, problems: list[str]) -> tuple[str, ...]:
     return tuple(value)
 
 
+def names_flag(arg: str, flag: str) -> bool:
+    """`arg` sets the long option `flag`: itself, `flag=value`, or any prefix argparse would
+    take for it (`--hos` for `--host`, `--api=k` for `--api-key`)."""
+    name = arg.split("=", 1)[0]
+    return len(name) > 2 and name.startswith("--") and flag.startswith(name)
+
+
 def _forbidden_flags(where: str, args: tuple[str, ...], problems: list[str]) -> None:
     for flag in ("--port", "--host", "--model"):
-        if any(a == flag or a.startswith(flag + "=") for a in args):
+        if any(names_flag(a, flag) for a in args):
             problems.append(f"{where}: do not pass {flag}; set the engine's own key instead")
-    if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
+    if any(names_flag(a, "--api-key") for a in args):
         problems.append(f"{where}: do not pass --api-key: any local user can read a command line "
                         "(/proc/PID/cmdline); put the key in a file and set engine_defaults.api_key_file")
 
@@ -605,7 +612,7 @@ def _check_spawned_router(rtr: dict[str, Any], problems: list[str], warnings: li
     """spawn = true: a binary to run, args that leave the daemon's flags alone, and a url the
     router can listen on here (plain HTTP, a port, an address of this machine, not every one)."""
     for flag in (*_ROUTER_OWN_FLAGS, "--api-key"):
-        if any(a == flag or a.startswith(flag + "=") for a in rtr.get("args", ())):
+        if any(names_flag(a, flag) for a in rtr.get("args", ())):
             problems.append(
                 "router.args: do not pass --api-key: any local user can read a command line (/proc/PID/cmdline); "
                 "vllm-router forwards each client's own Authorization header to the engines (docs/router.md)"

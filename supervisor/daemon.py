@@ -98,7 +98,7 @@ class Supervisor:
         # [router] spawn: the router runs as our child, journaled and adopted like an engine.
         self.router_child: RouterChild | None = None
         if cfg.router is not None and cfg.router.spawn:
-            self.router_child = RouterChild(cfg, self.fleet.emit, self.journal.mark)
+            self.router_child = RouterChild(cfg, self.fleet.emit, self.journal.flush)
             self.fleet.router_child = self.router_child
 
     def request_stop(self, why: str) -> None:
@@ -140,6 +140,7 @@ class Supervisor:
             return
         if not self._stop.is_set():
             await self._drain_leaving()
+        if not self._stop.is_set():  # a stop that came during the drain wins: no reload
             self._reload = True
             self._stop.set()
 

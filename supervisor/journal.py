@@ -121,6 +121,8 @@ def validate(data: Any) -> list[str]:
             _check(_int(router.get("pid"), 1, PID_MAX), "router.pid", f"must be a pid, 1..{PID_MAX}", router.get("pid"), p)
             _check(_int(router.get("start_time")), "router.start_time", "must be an integer >= 0",
                    router.get("start_time"), p)
+            _check(_int(router.get("port"), 1, 65535), "router.port", "must be a TCP port, 1..65535",
+                   router.get("port"), p)
             for key in ("fingerprint", "log_path"):
                 _check(isinstance(router.get(key), str), f"router.{key}", "must be a string", router.get(key), p)
     engines = data.get("engines")

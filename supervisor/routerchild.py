@@ -35,8 +35,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from .config import Config, RestartPolicy, RouterConfig, find_binary
 from .engine.fsm import backoff_delay
 from .engine.process import (
-    NOT_INHERITED, EngineProcess, ProcStat, describe_returncode, port_is_free, proc_stat, read_tail,
-    stop_group_of)
+    NOT_INHERITED, EngineProcess, ProcStat, describe_returncode, listening_pids, port_is_free, proc_stat,
+    read_tail, stop_group_of, supervised_elsewhere)
 from .protocol import Event
 from .tasks import TaskSet, cancel_and_wait, wait_event
 
@@ -51,10 +51,11 @@ LOG_ROTATE_BYTES = 64 << 20  # router.log is moved to router.log.1 past this, at
 
 
 def router_command(rcfg: RouterConfig, binary: str) -> list[str]:
-    """The router's command line: --host and --port from url, no workers (the daemon adds the
-    routable engines), then the configured args."""
+    """The router's command line: the configured args, then --host and --port from url and no
+    workers (the daemon adds the routable engines). Ours come last: argparse keeps the last
+    value, so an arg that names one of them anyway (a prefix such as --hos) cannot win."""
     u = urlsplit(rcfg.url)
-    return [binary, "--host", u.hostname or "127.0.0.1", "--port", str(u.port), "--worker-urls", *rcfg.args]
+    return [binary, *rcfg.args, "--host", u.hostname or "127.0.0.1", "--port", str(u.port), "--worker-urls"]
 
 
 def router_fingerprint(rcfg: RouterConfig) -> str:
@@ -87,7 +88,7 @@ class Restarts:
 
 
 def adoption_verdict(entry: dict[str, Any], *, same_boot: bool, fingerprint: str | None,
-                     leader: ProcStat | None) -> tuple[str, str]:
+                     leader: ProcStat | None, listens: bool) -> tuple[str, str]:
     """What to do with the router a journal names: ("adopt", ""); ("gone", why): nothing of it
     can be taken or signalled (not running, its pid now another process's, another boot's
     journal); ("stop", why): it is still that very process, but this config would not start it
@@ -100,6 +101,9 @@ def adoption_verdict(entry: dict[str, Any], *, same_boot: bool, fingerprint: str
         return "gone", "its pid is another process's now (another start time)"
     if leader.pgrp != leader.pid:
         return "gone", "that process no longer leads its own process group: left alone"
+    if not listens:  # a hand-edited journal must never get another program signalled
+        return "gone", f"its process group does not listen on the journal's port {entry.get('port')}: not a router " \
+                       "of ours, left alone"
     if fingerprint is None:
         return "stop", "the config no longer spawns a router"
     if entry.get("fingerprint") != fingerprint:
@@ -108,6 +112,32 @@ def adoption_verdict(entry: dict[str, Any], *, same_boot: bool, fingerprint: str
 
 
 # -- the process ------------------------------------------------------------------------------
+
+
+def looks_like_our_router(st: ProcStat) -> bool:
+    """A router a daemon of ours spawned: our uid, leader of its own session and group (as
+    EngineProcess.spawn makes them), named a router (vllm-router renames itself vllm::router)."""
+    if st.pgrp != st.pid or st.state == "Z":
+        return False
+    try:
+        if os.stat(f"/proc/{st.pid}").st_uid != os.getuid() or os.getsid(st.pid) != st.pid:
+            return False
+    except OSError:
+        return False
+    return "router" in st.comm
+
+
+def group_listens(pgid: int, port: Any) -> bool:
+    """A process of group `pgid` holds a listening socket on `port` (the router's)."""
+    if not isinstance(port, int):
+        return False
+    for pid in listening_pids(port):
+        try:
+            if os.getpgid(pid) == pgid:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 class RouterChild:
@@ -138,13 +168,13 @@ class RouterChild:
         if p is None or p.returncode is not None or p.start_time is None:
             return None
         return {"pid": p.pid, "start_time": p.start_time, "fingerprint": self.fingerprint,
-                "log_path": str(p.log_path)}
+                "port": urlsplit(self.rcfg.url).port, "log_path": str(p.log_path)}
 
     async def restore(self, entry: dict[str, Any], *, same_boot: bool, after: str) -> None:
         """Adopt the router a previous daemon image left (before start())."""
         pid, start_time = int(entry["pid"]), int(entry["start_time"])
         verdict, why = adoption_verdict(entry, same_boot=same_boot, fingerprint=self.fingerprint,
-                                        leader=proc_stat(pid))
+                                        leader=proc_stat(pid), listens=group_listens(pid, entry.get("port")))
         if verdict == "adopt":
             proc = EngineProcess.adopt(pid, start_time, Path(entry.get("log_path") or self.log_path))
             if proc is not None:
@@ -213,9 +243,10 @@ class RouterChild:
         u = urlsplit(self.rcfg.url)
         if binary is None:
             self.error = f"{self.rcfg.binary} is not on PATH nor beside the daemon's interpreter"
-        elif not port_is_free(u.hostname or "127.0.0.1", u.port or 0):
-            self.error = (f"port {u.port} on {u.hostname} is taken: another router (one a daemon started "
-                          "and lost its journal?) or another program; stop it, or change router.url")
+        elif (not port_is_free(u.hostname or "127.0.0.1", u.port or 0)
+              and not (await self._stop_orphan(u.port or 0) and port_is_free(u.hostname or "127.0.0.1", u.port or 0))):
+            self.error = (f"port {u.port} on {u.hostname} is taken by a program that is not a router of ours; "
+                          "stop it, or change router.url")
         else:
             _rotate(self.log_path)
             env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
@@ -225,13 +256,31 @@ class RouterChild:
             except OSError as e:
                 self.error = f"cannot run {binary}: {e.strerror or e}"
             else:
+                self.proc = proc
+                self.persist()  # journaled before anything else: a daemon killed now adopts it
                 log.info("router.spawned", pid=proc.pid, cmd=cmd, log=str(self.log_path))
                 self.emit(Event.ROUTER_PROCESS, action="spawned", pid=proc.pid)
-                self.persist()
                 return proc
         log.error("router.start_failed", error=self.error, router=self.rcfg.url)
         self.emit(Event.ROUTER_PROCESS, action="start_failed", error=self.error)
         return None
+
+    async def _stop_orphan(self, port: int) -> bool:
+        """The port is held by a router of ours that no journal names (a daemon killed as it
+        spawned it, a journal lost): stopped as an orphaned engine is. True if one was."""
+        for pid in listening_pids(port):
+            try:
+                st = proc_stat(os.getpgid(pid))
+            except OSError:
+                continue
+            if st is None or not looks_like_our_router(st) or supervised_elsewhere(st):
+                continue
+            how = await stop_group_of(st.pid, st.start_time, self.cfg.stop_timeout)
+            log.warning("router.orphan_stopped", pid=st.pid, port=port, how=how,
+                        why="a router of ours that no journal names held the port; a fresh one is started")
+            self.emit(Event.ROUTER_PROCESS, action="orphan_stopped", pid=st.pid, how=how)
+            return True
+        return False
 
     async def _until_answered(self, proc: EngineProcess) -> bool:
         """True once the router answers its admin API; False if it exits first, or stays
@@ -305,7 +354,8 @@ async def stop_leftover(entry: dict[str, Any], *, same_boot: bool, timeout: floa
     """A router a previous daemon spawned that this config does not spawn: stopped if it is
     still that very process."""
     pid, start_time = int(entry["pid"]), int(entry["start_time"])
-    verdict, why = adoption_verdict(entry, same_boot=same_boot, fingerprint=None, leader=proc_stat(pid))
+    verdict, why = adoption_verdict(entry, same_boot=same_boot, fingerprint=None, leader=proc_stat(pid),
+                                    listens=group_listens(pid, entry.get("port")))
     if verdict == "stop":
         how = await stop_group_of(pid, start_time, timeout)
         log.warning("router.not_adopted", pid=pid, why=why, action=f"stopped its process group ({how})")

@@ -175,8 +175,12 @@ def named_tensor_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tens
             raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
         # Refused before any engine is contacted: a broadcast would otherwise fail on every
         # receiver at once (then again in its redo) and leave them all to be pushed again.
-        if t.layout is not torch.strided:
-            raise ValueError(f"{name!r} is a {t.layout} tensor; push dense tensors (call .to_dense())")
+        if t.is_nested or t.layout is not torch.strided:
+            raise ValueError(f"{name!r} is a {'nested' if t.is_nested else t.layout} tensor; push dense tensors "
+                             "(call .to_dense(), or unbind a nested one)")
+        if t.is_quantized:
+            raise ValueError(f"{name!r} is quantized: its bytes alone lose its scale and zero point; push "
+                             "t.dequantize(), or the checkpoint's own tensors")
         if t.is_meta:
             raise ValueError(f"{name!r} is on the meta device and holds no data; materialize the "
                              "model's weights before pushing them")

@@ -127,6 +127,41 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def listening_pids(port: int) -> list[int]:
+    """The processes holding a listening TCP socket on `port` (any address; this network
+    namespace's /proc/net/tcp and tcp6, matched to /proc/PID/fd by socket inode). Ours only:
+    another user's fds cannot be read."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{cols[9]}]")
+    out: list[int] = []
+    if not inodes:
+        return out
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{name}/fd/{fd}") in inodes:
+                    out.append(int(name))
+                    break
+            except OSError:
+                continue
+    return out
+
+
 def reap_child(pid: int) -> int | None:
     """The exit of `pid` (as Popen.returncode) if it is our child and has exited, reaping it;
     None if it runs or is not our child."""

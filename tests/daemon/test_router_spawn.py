@@ -177,6 +177,34 @@ def test_a_daemon_killed_and_restarted_adopts_the_router_instead_of_spawning_ano
     wait(lambda: workers(node.url) == sorted(node.urls.values()), what="still listed")
 
 
+def test_a_router_no_journal_names_is_stopped_and_a_journaled_stranger_left_alone(node):
+    """The daemon killed; its journal's router entry then names another program (a hand edit):
+    that program, which does not hold the router's port, is never signalled, and the real
+    router, named by no journal now, is found on the port, stopped and replaced."""
+    pid = node.process()["pid"]
+    node.daemon.kill()
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        path = node.config.parent / "state" / "journal.json"
+        journal = json.loads(path.read_text())
+        st = proc_stat(stranger.pid)
+        assert st is not None
+        journal["router"] = {**journal["router"], "pid": stranger.pid, "start_time": st.start_time}
+        path.write_text(json.dumps(journal))
+        node.daemon = d = node.start()
+        orphan = d.wait_for(lambda e: e.get("event") == "router.orphan_stopped", 60)
+        assert orphan["pid"] == pid and not live_group_members(pid)
+        why = [e["why"] for e in d.events if e.get("event") == "router.not_adopted"]
+        assert why and "does not listen on the journal's port" in why[0], why
+        assert stranger.poll() is None  # never signalled
+        wait(lambda: (p := node.process())["state"] == "running" and p["pid"] != pid and not p["adopted"],
+             60, "a fresh router")
+        wait(lambda: workers(node.url) == sorted(node.urls.values()), 30, "the fresh router refilled")
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
 def test_shutdown_takes_the_engines_out_then_stops_the_router_last(node):
     d = node.daemon
     pid = node.process()["pid"]

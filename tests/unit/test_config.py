@@ -231,6 +231,7 @@ def test_bad_url(url):
     (["--dtype", "float32", "--port=9000"], "--port"),
     (["--host", "0.0.0.0"], "--host"),
     (["--model=/other"], "--model"),
+    (["--ho", "0.0.0.0"], "--host"),  # argparse takes an unambiguous prefix
 ])
 def test_port_host_model_inside_engine_args(model, args, flag):
     assert problems({"engines": [engine("e0", model, 8001, args=args)]}) == [

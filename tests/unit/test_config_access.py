@@ -215,7 +215,7 @@ def test_the_key_is_given_once(tmp_path, model):
     ]
 
 
-@pytest.mark.parametrize("args", [["--api-key", KEY], [f"--api-key={KEY}"]])
+@pytest.mark.parametrize("args", [["--api-key", KEY], [f"--api-key={KEY}"], ["--api-k", KEY]])
 def test_api_key_on_the_command_line_is_refused(model, args):
     msg = ("do not pass --api-key: any local user can read a command line (/proc/PID/cmdline); put the "
            "key in a file and set engine_defaults.api_key_file")

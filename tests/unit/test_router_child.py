@@ -20,11 +20,12 @@ from vime.supervisor.routerchild import Restarts, adoption_verdict, router_comma
 def test_the_command_takes_host_and_port_from_the_url_and_starts_with_no_workers():
     r = RouterConfig(url="http://127.0.0.1:30000")
     assert router_command(r, "/bin/vllm-router") == [
-        "/bin/vllm-router", "--host", "127.0.0.1", "--port", "30000", "--worker-urls", *ROUTER_ARGS]
+        "/bin/vllm-router", *ROUTER_ARGS, "--host", "127.0.0.1", "--port", "30000", "--worker-urls"]
     assert ROUTER_ARGS == ("--disable-circuit-breaker", "--request-timeout-secs", "14400")  # vime's
     mine = RouterConfig(url="http://[::1]:31000", args=("--policy", "round_robin"))
-    assert router_command(mine, "r")[1:6] == ["--host", "::1", "--port", "31000", "--worker-urls"]
-    assert router_command(mine, "r")[6:] == ["--policy", "round_robin"]  # args are set whole
+    assert router_command(mine, "r")[1:3] == ["--policy", "round_robin"]  # args are set whole
+    # Ours last: argparse keeps the last value, so an abbreviation in args (--hos) cannot win.
+    assert router_command(mine, "r")[3:] == ["--host", "::1", "--port", "31000", "--worker-urls"]
 
 
 def test_the_fingerprint_follows_what_would_be_started():
@@ -51,7 +52,7 @@ def stat(pid: int = 4242, start_time: int = 777, pgrp: int | None = None, state:
     return ProcStat(pid, "vllm::router", state, 1, pid if pgrp is None else pgrp, start_time)
 
 
-ENTRY = {"pid": 4242, "start_time": 777, "fingerprint": "f1", "log_path": "/var/log/vime/router.log"}
+ENTRY = {"pid": 4242, "start_time": 777, "fingerprint": "f1", "port": 30000, "log_path": "/var/log/vime/router.log"}
 
 
 @pytest.mark.parametrize("same_boot, fingerprint, leader, verdict, why", [
@@ -61,13 +62,20 @@ ENTRY = {"pid": 4242, "start_time": 777, "fingerprint": "f1", "log_path": "/var/
     (True, "f1", stat(state="Z"), "gone", "no longer running"),
     (True, "f1", stat(start_time=778), "gone", "another process's now"),
     (True, "f1", stat(pgrp=1), "gone", "no longer leads its own process group"),
+    (True, "f1", stat(), "gone-quiet", "does not listen on the journal's port 30000"),
     (True, "f2", stat(), "stop", "started under another config"),
     (True, None, stat(), "stop", "no longer spawns a router"),
 ])
 def test_a_journaled_router_is_adopted_only_if_it_is_still_that_process_of_this_config(
         same_boot, fingerprint, leader, verdict, why):
-    got = adoption_verdict(ENTRY, same_boot=same_boot, fingerprint=fingerprint, leader=leader)
-    assert got[0] == verdict and why in got[1], got
+    # A group that does not hold the journal's port is never adopted nor signalled, whatever
+    # the fingerprint says (a hand-edited journal naming another program).
+    listens = verdict != "gone-quiet"
+    got = adoption_verdict(ENTRY, same_boot=same_boot, fingerprint=fingerprint, leader=leader, listens=listens)
+    assert got[0] == verdict.replace("-quiet", "") and why in got[1], got
+    if listens and verdict != "gone":
+        assert adoption_verdict(ENTRY, same_boot=same_boot, fingerprint=fingerprint, leader=leader,
+                                listens=False)[0] == "gone"
 
 
 def test_the_journal_checks_the_router_entry():
@@ -118,6 +126,10 @@ def test_a_spawned_router_with_defaults(base):
     ({"args": ["--api-key", "k"]}, "router.args: do not pass --api-key: any local user can read a command line"),
     ({"args": ["--port=1"]}, "router.args: do not pass --port; the daemon sets it from router.url"),
     ({"args": ["--worker-urls", "http://x:1"]}, "router.args: do not pass --worker-urls"),
+    # argparse takes any unambiguous prefix of a long flag: so does the check.
+    ({"args": ["--hos", "0.0.0.0"]}, "router.args: do not pass --host; the daemon sets it from router.url"),
+    ({"args": ["--api=s3cret"]}, "router.args: do not pass --api-key"),
+    ({"args": ["--work", "http://x:1"]}, "router.args: do not pass --worker-urls"),
     ({"args": [1]}, "router.args: must be a list of strings"),
     ({"url": "http://0.0.0.0:30000"}, "router.url: 0.0.0.0 would make the router listen on every address"),
     ({"url": "http://192.0.2.1:30000"}, "router.url: a spawned router listens on the url's host, and cannot on 192.0.2.1"),

@@ -187,6 +187,8 @@ def test_plugin_register_is_light_and_idempotent():
     ({"w": torch.eye(3).to_sparse()}, "push dense tensors"),
     ({"w": torch.empty(4, device="meta")}, "meta device"),
     ({}, "no tensors to push"),
+    ({"w": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)}, "quantized"),
+    ({"w": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}, "nested tensor"),
 ])
 def test_a_set_no_engine_could_load_is_refused_before_any_engine_is_contacted(tensors, said):
     # No engine runs at this URL: a refusal that came after a call would say it is unreachable.
