@@ -151,6 +151,9 @@ class RouterConfig:
     # Its flags besides --host/--port (from url) and --worker-urls (none: the daemon adds them).
     # Set whole: these are vime's (the breaker off, a 4-hour request timeout).
     args: tuple[str, ...] = ROUTER_ARGS
+    # A spawned router that answers nothing this long, starting or after it had answered (hung,
+    # SIGSTOPped), is stopped and started again: a process that runs is not one that serves.
+    silent_timeout: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,7 @@ _ROUTER = {
     "spawn": bool,
     "binary": str,
     "args": list,
+    "silent_timeout": float,
 }
 _LOG_LEVELS = {"debug", "info", "warning", "error"}
 SPARES_SYNC = ("promotion", "publish")
@@ -571,15 +575,15 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
         problems.append(f"router.kind: must be one of {', '.join(KINDS)}, got {rtr['kind']!r}")
     if not re.fullmatch(r"[a-z_]{1,32}", rtr.get("worker_type", "regular")):
         problems.append(f"router.worker_type: must be a word such as regular, got {rtr['worker_type']!r}")
-    for key in ("period", "timeout", "remove_timeout", "drain_timeout"):
+    for key in ("period", "timeout", "remove_timeout", "drain_timeout", "silent_timeout"):
         if key in rtr and _finite(rtr[key]) and rtr[key] <= 0:
             problems.append(f"router.{key}: must be a number of seconds > 0, got {rtr[key]:g}")
     if "args" in rtr:
         rtr["args"] = _strs("router.args", rtr["args"], problems)
     if rtr.get("spawn"):
         _check_spawned_router(rtr, problems, warnings)
-    elif any(k in rtr for k in ("args", "binary")):
-        warnings.append("router.args and router.binary have no effect without router.spawn = true: "
+    elif any(k in rtr for k in ("args", "binary", "silent_timeout")):
+        warnings.append("router.args, router.binary and router.silent_timeout have no effect without router.spawn = true: "
                         "the daemon drives a router someone else runs")
     token = None
     if rtr.get("token_file"):

@@ -44,6 +44,7 @@ log = structlog.get_logger("vime.router")
 
 STARTUP_BOUND = 60.0  # a router that has not answered GET /workers by then is stopped: a failed start
 ANSWER_POLL = 0.1  # how often a starting router is asked
+SERVING_POLL = 2.0  # how often a running one is (router.silent_timeout bounds its silence)
 LOG_ROTATE_BYTES = 64 << 20  # router.log is moved to router.log.1 past this, at a spawn
 
 
@@ -221,9 +222,14 @@ class RouterChild:
                 log.info("router.up", pid=proc.pid, url=self.rcfg.url, adopted=self.adopted,
                          action="the feed re-fills it with the routable engines now")
                 self.on_up()
-                await proc.wait()
-            elif proc.returncode is None:  # never answered within STARTUP_BOUND
-                self.error = f"did not answer {self.rcfg.url}/workers within {STARTUP_BOUND:g}s"
+                if not await self._serving(proc):
+                    self.error = (f"answered no GET {self.rcfg.url}/workers for {self.rcfg.silent_timeout:g}s "
+                                  "(router.silent_timeout): stopped, started again")
+                    log.warning("router.silent", pid=proc.pid, silent_timeout=self.rcfg.silent_timeout,
+                                action="stopped and started again")
+                    await proc.stop(self.cfg.stop_timeout)
+            elif proc.returncode is None:  # never answered within its bound
+                self.error = f"did not answer {self.rcfg.url}/workers within {self._startup_bound():g}s"
                 await proc.stop(self.cfg.stop_timeout)
             self.up.clear()
             how = describe_returncode(proc.returncode, adopted=proc.status_unknown)
@@ -282,10 +288,32 @@ class RouterChild:
             return True
         return False
 
+    def _startup_bound(self) -> float:
+        return max(STARTUP_BOUND, self.rcfg.silent_timeout)
+
+    async def _serving(self, proc: EngineProcess) -> bool:
+        """While it runs, asked every SERVING_POLL: True once it exits by itself; False once it
+        has answered nothing for silent_timeout (hung, or SIGSTOPped: /proc shows it running)."""
+        exited = asyncio.ensure_future(proc.wait())
+        silent_since: float | None = None
+        try:
+            while True:
+                await asyncio.wait({exited}, timeout=SERVING_POLL)
+                if exited.done():
+                    return True
+                if await self.answers():
+                    silent_since = None
+                    continue
+                silent_since = self.clock() if silent_since is None else silent_since
+                if self.clock() - silent_since >= self.rcfg.silent_timeout:
+                    return False
+        finally:
+            exited.cancel()
+
     async def _until_answered(self, proc: EngineProcess) -> bool:
         """True once the router answers its admin API; False if it exits first, or stays
-        silent for STARTUP_BOUND."""
-        deadline = self.clock() + STARTUP_BOUND
+        silent for its startup bound (STARTUP_BOUND, or silent_timeout if longer)."""
+        deadline = self.clock() + self._startup_bound()
         exited = asyncio.ensure_future(proc.wait())
         try:
             while True:

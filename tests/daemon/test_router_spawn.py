@@ -3,8 +3,10 @@ front of PROTOCOL STAND-IN engines (tests/support/standin_group.py; not vLLM).
 
 One node is shared by the tests below, in order: spawned and fed; the router SIGKILLed,
 restarted and re-filled at once with the routable engines and nothing else; a SIGHUP reload
-and a daemon kill -9 + restart that both keep (adopt) the same router process; a shutdown that
-takes the engines out of its list, then stops it last and leaves nothing of its group. The
+and a daemon kill -9 + restart that both keep (adopt) the same router process; a journal whose
+router entry names another program (left alone) while the real router, named by none, is
+found on the port and replaced; a SIGSTOPped router restarted past silent_timeout; a shutdown
+that takes the engines out of its list, then stops it last and leaves nothing of its group. The
 router's flags are vime's (harness/router_proc.py: breaker off, a long request timeout).
 """
 
@@ -30,6 +32,7 @@ from support.standins import STANDIN_GROUP as STANDIN
 REPO = Path(__file__).resolve().parents[2]
 # Longer than any wait below: a refill seen within it was woken by the router's return.
 PERIOD = 30.0
+SILENT = 10.0  # router.silent_timeout: long enough that a loaded host's slow answer is not silence
 
 
 def wait(pred, timeout: float = 20.0, what: str = ""):
@@ -63,7 +66,8 @@ class Node:
         # vime's flags, with the router's metrics on a port of its own (29000 may be taken).
         args = [*VIME_FLAGS, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         self.config = standin_config(tmp, python, engines, restart={"backoff_initial": 0.2},
-                                     router={"url": self.url, "spawn": True, "args": args, "period": PERIOD})
+                                     router={"url": self.url, "spawn": True, "args": args, "period": PERIOD,
+                                             "silent_timeout": SILENT})
         self.sock = str(tmp / "run" / "supervisor.sock")
         self.log = tmp / "logs" / "router.log"
         self.daemons: list[Daemon] = []  # every daemon started, and
@@ -203,6 +207,20 @@ def test_a_router_no_journal_names_is_stopped_and_a_journaled_stranger_left_alon
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_router_that_stops_answering_is_restarted_and_refilled(node):
+    """SIGSTOP: the process runs as far as /proc says, and answers nothing. Past
+    router.silent_timeout it is stopped (SIGTERM, then SIGKILL) and started again."""
+    d = node.daemon
+    old = node.process()["pid"]
+    mark = d.mark()
+    os.killpg(old, signal.SIGSTOP)
+    silent = d.wait_for(lambda e: e.get("event") == "router.silent", SILENT + 30, after=mark)
+    assert silent["pid"] == old
+    wait(lambda: (p := node.process())["state"] == "running" and p["pid"] != old, 60, "started again")
+    assert not live_group_members(old)
+    wait(lambda: workers(node.url) == sorted(node.urls.values()), 30, "refilled")
 
 
 def test_shutdown_takes_the_engines_out_then_stops_the_router_last(node):
