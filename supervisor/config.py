@@ -567,10 +567,16 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
                             f"fragment; got {rtr['url']!r}")
     if rtr.get("observe_only") and rtr.get("prune_unknown"):
         warnings.append("router.prune_unknown has no effect with router.observe_only = true: nothing is removed")
-    if _finite(rtr.get("drain_timeout", 30.0)) and rtr.get("drain_timeout", 30.0) > 55:
-        warnings.append(f"router.drain_timeout = {rtr['drain_timeout']:g}s: a planned stop waits this long before "
-                        "SIGTERM; keep it below the unit's TimeoutStopSec (60 s in systemd/vime-supervisor.service) "
-                        "and the client's call timeout (60 s)")
+    drain, remove = rtr.get("drain_timeout", 30.0), rtr.get("remove_timeout", 1.0)
+    if _finite(drain) and _finite(remove) and drain > 0 and remove > 0:
+        # The removal's three attempts (a router down or hung costs each its whole bound, plus
+        # up to 2 s of backoff between them), then the pause.
+        worst = 3 * remove + 4.0 + drain
+        if worst > 55:
+            warnings.append(f"router.drain_timeout = {drain:g}s with remove_timeout = {remove:g}s: a planned stop "
+                            f"may wait up to {worst:g}s before SIGTERM (3 removal attempts against a router that "
+                            "hangs, then the drain); keep it below the unit's TimeoutStopSec (60 s in "
+                            "systemd/vime-supervisor.service) and the client's call timeout (60 s)")
     if rtr.get("kind", "vllm-router") not in KINDS:
         problems.append(f"router.kind: must be one of {', '.join(KINDS)}, got {rtr['kind']!r}")
     if not re.fullmatch(r"[a-z_]{1,32}", rtr.get("worker_type", "regular")):

@@ -265,10 +265,16 @@ class Fleet(Listener):
         log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind)
         self.emit(Event.WEIGHTS_PUBLISHED, version=version, checkpoint=checkpoint, stale=behind, epoch=self.epoch)
         self.bus.weights_published(version)
+        listed: list[str] = []
         if behind and self.router is not None:
-            await self.router.settle()  # answered once the stale engines are out of the router
+            listed = await self.router.settle()  # answered once the stale engines are out of the router
         msg = f"version {version} is current"
-        return True, msg + (f"; stale (not routable until synced): {', '.join(behind)}" if behind else "")
+        if behind:
+            msg += f"; stale (not routable until synced): {', '.join(behind)}"
+        if listed:
+            msg += (f"; the router has not confirmed their removal within remove_timeout "
+                    f"({self.router.cfg.remove_timeout:g}s), still retried: {', '.join(listed)}")
+        return True, msg
 
     # -- engines ---------------------------------------------------------------------------
 

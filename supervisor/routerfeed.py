@@ -70,7 +70,7 @@ class RouterFeed(Listener):
         self.removal_time = Histogram(REMOVAL_BUCKETS)  # left the routable set -> router said removed
         self._wake = asyncio.Event()
         self._pending: set[asyncio.Task[Any]] = set()
-        self._removing: set[asyncio.Task[Any]] = set()  # removals of engines that left the set
+        self._removing: dict[asyncio.Task[Any], str] = {}  # removals of engines that left the set -> URL
         self.child: RouterChild | None = None  # the router's process, when the daemon spawns it
 
     def refill(self) -> None:
@@ -101,8 +101,8 @@ class RouterFeed(Listener):
         for url in sorted(gone):
             task = self._spawn(self._remove(url, since=self.clock(), why="left the routable set"))
             if task is not None:
-                self._removing.add(task)
-                task.add_done_callback(self._removing.discard)
+                self._removing[task] = url
+                task.add_done_callback(lambda t: self._removing.pop(t, None))
         self._wake.set()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any] | None:
@@ -114,13 +114,18 @@ class RouterFeed(Listener):
         task.add_done_callback(self._pending.discard)
         return task
 
-    async def settle(self) -> None:
+    async def settle(self) -> list[str]:
         """Wait for the removals under way, at most remove_timeout: a publish is answered once
         the engines it made STALE are out of the router, so a trainer that sends its next
         rollout through the router the moment the publish returns never reaches one. A
-        removal still retrying past that goes on in the background."""
-        if self._removing:
-            await asyncio.wait(list(self._removing), timeout=self.cfg.remove_timeout)
+        removal still retrying past that goes on in the background. The engines whose removal
+        the router has not confirmed, by name."""
+        if not self._removing:
+            return []
+        own, pending = self.own(), dict(self._removing)
+        await asyncio.wait(list(pending), timeout=self.cfg.remove_timeout)
+        return sorted(own.get(normalize_url(url), url) for task, url in pending.items()
+                      if not task.done() or task.cancelled() or task.exception() is not None or not task.result())
 
     # -- calls -----------------------------------------------------------------------------
 

@@ -220,7 +220,9 @@ def test_a_bad_router_is_reported_and_supervision_goes_on(tmp_path, mode, said):
         d.transition("e0", "RUNNING", 60, after=mark)
         # A publish that leaves e0 STALE waits for its removal at most remove_timeout, then is
         # answered: a router that is down or hangs never holds the trainer's publish.
-        assert "stale" in c.publish_weights(1)["message"]
+        said = c.publish_weights(1)["message"]
+        assert "stale (not routable until synced): e0" in said and \
+            "the router has not confirmed their removal within remove_timeout (0.5s), still retried: e0" in said, said
         metrics = c.metrics()
         assert "vime_router_up 0.0" in metrics and 'vime_router_calls_total{op="list",result="error"}' in metrics
     finally:

@@ -142,6 +142,9 @@ def test_router_settings_that_do_nothing_or_outlast_the_stop_are_warned_about(ba
     assert any("prune_unknown has no effect" in w for w in cfg.warnings), cfg.warnings
     assert any("drain_timeout = 300s" in w and "TimeoutStopSec" in w for w in cfg.warnings), cfg.warnings
     assert not build({**base, "router": {"url": "http://h:1"}}).warnings
+    # Each under the unit's stop timeout alone, but not the removal's attempts and the drain together.
+    both = build({**base, "router": {"url": "http://h:1", "remove_timeout": 10.0, "drain_timeout": 30.0}})
+    assert any("may wait up to 64s before SIGTERM" in w for w in both.warnings), both.warnings
 
 
 class StandinRouter:
