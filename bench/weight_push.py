@@ -393,15 +393,20 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
     from vime.weight_sync.broadcast import FleetSender
     from vime.weight_sync.sender import push_to_many
 
+    from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, plan_update
+
     pairs = synthetic_set(total_mb)
     nb = nbytes(pairs)
+    plan = plan_update([(n, t.dtype, t.shape) for n, t in pairs], bucket, solo_bytes=DEFAULT_SOLO_BYTES)
+    casts = len(plan.buckets) if plan.buckets is not None else len(pairs)
     procs = start_loopbacks(max(ns), links)
     urls = [u for _, u in procs]
     failed = 0
     where = (f"each receiver and the trainer on an EMULATED link of its own ({links.mbit:g} Mbit/s "
              f"each way: network namespaces, veth pairs, tc tbf), one host" if links else
              "stand-in receivers on loopback TCP, one host")
-    print(f"fleet: {nb / MB:.0f} MB ({len(pairs)} tensors, bucket {bucket >> 20} MiB), median of "
+    print(f"fleet: {nb / MB:.0f} MB ({len(pairs)} tensors, bucket {bucket >> 20} MiB: {casts} "
+          f"broadcasts, tensors of {DEFAULT_SOLO_BYTES >> 20} MiB or more alone), median of "
           f"{rounds}, {where}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     print("  cpu bcast / cpu seq: CPU cores busy (trainer + receivers, user + system) during the "
           "timed pushes")
