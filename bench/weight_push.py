@@ -31,14 +31,28 @@ with the survivors' redo.
     python bench/weight_push.py --sizes 4,64 --no-engine
     python bench/weight_push.py --big                 # adds 1024 MB (needs ~4 GB free memory)
     python bench/weight_push.py --fleet 1,2,4,8       # the fleet broadcast (8 receiver processes)
+    python bench/weight_push.py --fleet 1,2,4,8 --link-mbit 100 --fleet-mb 24   # root: emulated links
+
+Emulated links (--link-mbit R, root only): each receiver runs in a network namespace of its own
+(ip netns exec), joined by a veth pair to a bridge (itself in a namespace); the trainer, in the
+root namespace, reaches the bridge over a veth pair of its own. Every veth is shaped to R Mbit/s
+on both ends' egress (tc tbf), so each receiver and the trainer has a link of its own, as one host
+each would; gloo binds to those interfaces (GLOO_SOCKET_IFNAME per process) and the rendezvous
+address is the trainer's end. Pick --fleet-mb so that one transfer takes seconds (24 MB at 100
+Mbit/s: about 2 s): the links, not the CPUs, are then the limit (the table's CPU columns say how
+far from it). The fault rows are not run in this mode. Everything set up (namespaces, veths,
+bridge, qdiscs; names carry this process's pid) is torn down on exit, on a failure, on Ctrl-C
+and on SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,6 +60,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -142,55 +157,282 @@ def start_loopback():
     return start_loopbacks(1)[0]
 
 
-def start_loopbacks(n: int) -> list:
-    """n receiver processes, started together (each imports vLLM)."""
-    # stderr dropped: the fault rows make every survivor log its failed receive's traceback.
-    procs = [subprocess.Popen([sys.executable, "-m", "vime.harness.loopback"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for _ in range(n)]
+def start_loopbacks(n: int, links: "Links | None" = None, first: int = 0) -> list:
+    """n receiver processes, started together (each imports vLLM); with `links`, receiver
+    first+k runs in its network namespace, listening and binding gloo on its link only."""
+    procs, hosts = [], []
+    for k in range(first, first + n):
+        cmd = [sys.executable, "-m", "vime.harness.loopback"]
+        env = None
+        host = "127.0.0.1"
+        if links is not None:
+            host = links.receiver_ip(k)
+            cmd = ["ip", "netns", "exec", links.receiver_ns(k), *cmd, "--host", host]
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": links.receiver_dev(k)}
+        # stderr dropped: the fault rows make every survivor log its failed receive's traceback.
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True))
+        hosts.append(host)
     out = []
-    for p in procs:
+    for p, host in zip(procs, hosts):
         line = p.stdout.readline()
         if not line.startswith("READY"):
             for q in procs:
                 q.kill()
+                q.wait()
             raise RuntimeError(f"loopback receiver failed to start: {line!r}")
-        out.append((p, f"http://127.0.0.1:{int(line.split()[1])}"))
+        out.append((p, f"http://{host}:{int(line.split()[1])}"))
     return out
 
 
+# -- emulated links (--link-mbit) --------------------------------------------------------------
+@dataclass(frozen=True)
+class Links:
+    """The names and addresses of one run's emulated network: every name carries `tag`
+    ("vl<pid>"), so concurrent runs never collide and teardown removes exactly this run's."""
+
+    tag: str
+    subnet: str  # a /24, e.g. "10.231.17.0/24"
+    receivers: int
+    mbit: float
+
+    @classmethod
+    def for_pid(cls, pid: int, receivers: int, mbit: float) -> "Links":
+        if not 1 <= receivers <= 200:
+            raise ValueError(f"1 to 200 receivers, not {receivers}")
+        if mbit <= 0:
+            raise ValueError(f"--link-mbit must be positive, not {mbit}")
+        return cls(f"vl{pid}", f"10.231.{pid % 256}.0/24", receivers, mbit)
+
+    def _ip(self, host: int) -> str:
+        return str(ipaddress.ip_network(self.subnet)[host])
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.tag}br"
+
+    @property
+    def trainer_dev(self) -> str:  # root namespace end, the trainer's address
+        return f"{self.tag}t"
+
+    @property
+    def trainer_peer(self) -> str:  # its other end, on the bridge
+        return f"{self.tag}tb"
+
+    @property
+    def trainer_ip(self) -> str:
+        return self._ip(1)
+
+    def receiver_ns(self, k: int) -> str:
+        return f"{self.tag}r{k}"
+
+    def receiver_dev(self, k: int) -> str:  # inside the receiver's namespace
+        return f"{self.tag}r{k}"
+
+    def receiver_peer(self, k: int) -> str:  # on the bridge
+        return f"{self.tag}r{k}b"
+
+    def receiver_ip(self, k: int) -> str:
+        return self._ip(10 + k)
+
+    def devices(self) -> list[str]:
+        return [self.trainer_dev, self.trainer_peer,
+                *(d for k in range(self.receivers) for d in (self.receiver_dev(k), self.receiver_peer(k)))]
+
+    def namespaces(self) -> list[str]:
+        return [self.bridge_ns, *(self.receiver_ns(k) for k in range(self.receivers))]
+
+
+def shape_cmd(ns: str | None, dev: str, mbit: float) -> list[str]:
+    """tbf on `dev`'s egress: `mbit` Mbit/s; a bucket of 10 ms of rate (64 KiB at least, one
+    GSO packet) and 100 ms of queue, so TCP fills the link without bursts above it."""
+    burst = max(64 << 10, int(mbit * 1e6 / 8 / 100))
+    return ["tc", *(["-n", ns] if ns else []), "qdisc", "add", "dev", dev, "root", "tbf",
+            "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "100ms"]
+
+
+def link_setup_cmds(links: Links) -> list[list[str]]:
+    """The commands that build the network, in order (each must succeed)."""
+    br, plen = links.bridge_ns, ipaddress.ip_network(links.subnet).prefixlen
+    cmds = [["ip", "netns", "add", br],
+            ["ip", "-n", br, "link", "add", "br0", "type", "bridge"],
+            ["ip", "-n", br, "link", "set", "br0", "up"],
+            # the trainer's link: one end in the root namespace, the other on the bridge
+            ["ip", "link", "add", links.trainer_dev, "type", "veth", "peer", "name", links.trainer_peer],
+            ["ip", "link", "set", links.trainer_peer, "netns", br],
+            ["ip", "-n", br, "link", "set", links.trainer_peer, "master", "br0", "up"],
+            ["ip", "addr", "add", f"{links.trainer_ip}/{plen}", "dev", links.trainer_dev],
+            ["ip", "link", "set", links.trainer_dev, "up"],
+            shape_cmd(None, links.trainer_dev, links.mbit),
+            shape_cmd(br, links.trainer_peer, links.mbit)]
+    for k in range(links.receivers):
+        ns, dev, peer = links.receiver_ns(k), links.receiver_dev(k), links.receiver_peer(k)
+        cmds += [["ip", "netns", "add", ns],
+                 ["ip", "-n", ns, "link", "set", "lo", "up"],
+                 ["ip", "link", "add", dev, "type", "veth", "peer", "name", peer],
+                 ["ip", "link", "set", dev, "netns", ns],
+                 ["ip", "link", "set", peer, "netns", br],
+                 ["ip", "-n", br, "link", "set", peer, "master", "br0", "up"],
+                 ["ip", "-n", ns, "addr", "add", f"{links.receiver_ip(k)}/{plen}", "dev", dev],
+                 ["ip", "-n", ns, "link", "set", dev, "up"],
+                 shape_cmd(ns, dev, links.mbit),
+                 shape_cmd(br, peer, links.mbit)]
+    return cmds
+
+
+def link_teardown_cmds(links: Links) -> list[list[str]]:
+    """Removes everything link_setup_cmds may have built, whatever step it stopped at: deleting
+    a namespace deletes its veth ends (and with them their peers and qdiscs); the trainer's end
+    is deleted by name in case its peer never left the root namespace. Errors are expected (a
+    step never reached) and ignored; `link_leftovers` checks the result."""
+    cmds = [["ip", "netns", "del", ns] for ns in reversed(links.namespaces())]
+    cmds += [["ip", "link", "del", d] for d in (links.trainer_dev, links.trainer_peer)]
+    cmds += [["ip", "link", "del", links.receiver_dev(k)] for k in range(links.receivers)]
+    return cmds
+
+
+def link_preflight(euid: int, which=shutil.which) -> str | None:
+    """Why --link-mbit cannot run here, or None."""
+    if euid != 0:
+        return "--link-mbit needs root (it creates network namespaces, veth pairs and tc qdiscs)"
+    missing = [t for t in ("ip", "tc") if which(t) is None]
+    if missing:
+        return f"--link-mbit needs {' and '.join(missing)} (iproute2) on PATH"
+    return None
+
+
+def link_leftovers(links: Links) -> list[str]:
+    """This run's namespaces and root-namespace devices still present."""
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    devs = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    names = {line.split(":")[1].strip().split("@")[0] for line in devs.splitlines() if ":" in line}
+    return ([n for n in links.namespaces() if n in ns]
+            + [d for d in links.devices() if d in names])
+
+
+def link_setup(links: Links) -> None:
+    for cmd in link_setup_cmds(links):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()}")
+
+
+def link_teardown(links: Links) -> list[str]:
+    for cmd in link_teardown_cmds(links):
+        subprocess.run(cmd, capture_output=True)
+    return link_leftovers(links)
+
+
+def subnet_in_use(subnet: str) -> bool:
+    """True when the root namespace already routes into `subnet` (another network's)."""
+    out = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True).stdout
+    ours = ipaddress.ip_network(subnet)
+    for line in out.splitlines():
+        dest = line.split()[0]
+        if dest == "default":
+            continue
+        try:
+            if ipaddress.ip_network(dest, strict=False).overlaps(ours):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+# -- CPU readings ------------------------------------------------------------------------------
+def proc_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by this process and `pids` (other processes)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def host_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of every CPU so far (/proc/stat), whoever used them."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v) - idle, sum(v)
+
+
+@dataclass
+class FleetRow:
+    n: int
+    bcast_s: float
+    seq_s: float
+    bcast_cpu: float = float("nan")  # CPU cores busy (trainer + receivers) during the broadcasts
+    seq_cpu: float = float("nan")
+
+
+FLEET_HDR = (f"{'receivers':>9} {'bcast s':>8} {'seq s':>8} {'seq/bcast':>9} "
+             f"{'bcast(N)/bcast(1)':>17} {'log2(N+1)':>9} {'seq(N)/seq(1)':>13} "
+             f"{'cpu bcast':>9} {'cpu seq':>8}")
+
+
+def fleet_line(row: FleetRow, one: FleetRow | None) -> str:
+    """One table row; the ratios to N=1 need the N=1 row (`one`), '-' without it."""
+    b1 = f"{row.bcast_s / one.bcast_s:.2f}" if one else "-"
+    s1 = f"{row.seq_s / one.seq_s:.2f}" if one else "-"
+    return (f"{row.n:>9} {row.bcast_s:>8.3f} {row.seq_s:>8.3f} {row.seq_s / row.bcast_s:>9.2f} "
+            f"{b1:>17} {math.log2(row.n + 1):>9.2f} {s1:>13} {row.bcast_cpu:>9.2f} {row.seq_cpu:>8.2f}")
+
+
+def fleet_table(rows: list[FleetRow]) -> list[str]:
+    one = next((r for r in rows if r.n == 1), None)
+    return [FLEET_HDR, "-" * len(FLEET_HDR), *(fleet_line(r, one) for r in rows)]
+
+
 # -- fleet -----------------------------------------------------------------------------------
-def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_rdv_s: float) -> int:
+def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_rdv_s: float,
+                links: Links | None = None) -> int:
     from vime.weight_sync.broadcast import FleetSender
     from vime.weight_sync.sender import push_to_many
 
+    from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, plan_update
+
     pairs = synthetic_set(total_mb)
     nb = nbytes(pairs)
-    procs = start_loopbacks(max(ns))
+    plan = plan_update([(n, t.dtype, t.shape) for n, t in pairs], bucket, solo_bytes=DEFAULT_SOLO_BYTES)
+    casts = len(plan.buckets) if plan.buckets is not None else len(pairs)
+    procs = start_loopbacks(max(ns), links)
     urls = [u for _, u in procs]
     failed = 0
-    hdr = (f"{'receivers':>9} {'bcast s':>8} {'seq s':>8} {'seq/bcast':>9} "
-           f"{'bcast(N)/bcast(1)':>17} {'log2(N+1)':>9}")
-    print(f"fleet: {nb / MB:.0f} MB ({len(pairs)} tensors, bucket {bucket >> 20} MiB), median of "
-          f"{rounds}, stand-in receivers on {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print("  " + hdr, flush=True)
-    rows = []
+    where = (f"each receiver and the trainer on an EMULATED link of its own ({links.mbit:g} Mbit/s "
+             f"each way: network namespaces, veth pairs, tc tbf), one host" if links else
+             "stand-in receivers on loopback TCP, one host")
+    print(f"fleet: {nb / MB:.0f} MB ({len(pairs)} tensors, bucket {bucket >> 20} MiB: {casts} "
+          f"broadcasts, tensors of {DEFAULT_SOLO_BYTES >> 20} MiB or more alone), median of "
+          f"{rounds}, {where}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    print("  cpu bcast / cpu seq: CPU cores busy (trainer + receivers, user + system) during the "
+          "timed pushes")
+    print("  " + FLEET_HDR, flush=True)
+    rows: list[FleetRow] = []
+    extra: list[str] = []
+    busy0 = host_busy()
     try:
-        one = None
         for n in ns:
             sub = urls[:n]
+            pids = [p.pid for p, _ in procs[:n]]
             with FleetSender(bucket_bytes=bucket) as fs:
                 fs.push(sub, pairs, "warmup")
                 bc = []
+                c0, w0 = proc_cpu_s(pids), time.perf_counter()
                 for r in range(rounds):
                     t0 = time.perf_counter()
                     res = fs.push(sub, pairs, f"b{r}")
                     bc.append(time.perf_counter() - t0)
                     if not all(x.ok for x in res.values()):
                         raise RuntimeError(f"broadcast into {n} failed: {res}")
+                bcpu = (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0)
             senders: dict = {}
             push_to_many(sub, pairs, "warmup", broadcast=False, senders=senders, bucket_bytes=bucket)
             sq = []
+            c0, w0 = proc_cpu_s(pids), time.perf_counter()
             for r in range(rounds):
                 t0 = time.perf_counter()
                 res = push_to_many(sub, pairs, f"s{r}", broadcast=False, senders=senders,
@@ -198,24 +440,22 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
                 sq.append(time.perf_counter() - t0)
                 if not all(x.ok for x in res.values()):
                     raise RuntimeError(f"sequential push into {n} failed: {res}")
+            scpu = (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0)
             for s in senders.values():
                 s.close()
-            b, q = statistics.median(bc), statistics.median(sq)
-            one = b if n == ns[0] and n == 1 else one
-            rows.append(f"{n:>9} {b:>8.3f} {q:>8.3f} {q / b:>9.2f} "
-                        f"{(f'{b / one:.2f}' if one else '-'):>17} {math.log2(n + 1):>9.2f}")
-            print("  " + rows[-1], flush=True)
+            rows.append(FleetRow(n, statistics.median(bc), statistics.median(sq), bcpu, scpu))
+            print("  " + fleet_table(rows)[-1], flush=True)
         n = max(ns)
-        if n >= 2:
+        if n >= 2 and links is None:
             for sig in ("SIGKILL", "SIGSTOP"):
                 line = fault_row(urls[:n], procs[1][0], sig, pairs, bucket, fault_rdv_s)
-                rows.append(line)
+                extra.append(line)
                 print("  " + line, flush=True)
                 if sig == "SIGSTOP":
                     break  # the last row: no replacement needed
                 procs[1][0].kill()
                 procs[1][0].wait()
-                procs[1] = start_loopbacks(1)[0]
+                procs[1] = start_loopbacks(1, links, first=1)[0]
                 urls[1] = procs[1][1]
     except Exception as e:  # noqa: BLE001
         print(f"  FAILED {type(e).__name__}: {e}"[:400], flush=True)
@@ -228,11 +468,58 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
                 pass
             p.kill()
             p.wait()
-    print("\n" + hdr)
-    print("-" * len(hdr))
-    for row in rows:
-        print(row)
+    busy1 = host_busy()
+    print()
+    if links:
+        print(f"links EMULATED: {links.mbit:g} Mbit/s per receiver and for the trainer, each way "
+              f"(one host; namespaces + veth + tc tbf)")
+    print("\n".join(fleet_table(rows)))
+    for line in extra:
+        print(line)
+    print(f"host CPUs busy over the run (every process on the machine): "
+          f"{(busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]):.0%} of {os.cpu_count()}")
     return failed
+
+
+def fleet_with_links(ns: list[int], total_mb: float, rounds: int, bucket: int, mbit: float) -> int:
+    """fleet_bench over emulated links: builds the network, always tears it down."""
+    why = link_preflight(os.geteuid())
+    if why:
+        print(f"refused: {why}", file=sys.stderr)
+        return 2
+    links = Links.for_pid(os.getpid(), max(ns), mbit)
+    if subnet_in_use(links.subnet):
+        print(f"refused: {links.subnet} is already routed here", file=sys.stderr)
+        return 2
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)  # unwinds through the finally below
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    saved = {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "VIME_RENDEZVOUS_ADDRESS",
+                                            "VIME_PUSH_FLOOR_MBPS")}
+    try:
+        link_setup(links)
+        # The trainer's gloo and rendezvous store on its own link; a floor rate a tenth of the
+        # link's (the default 50 MB/s is above a 100 Mbit/s link and would fail every push).
+        os.environ["GLOO_SOCKET_IFNAME"] = links.trainer_dev
+        os.environ["VIME_RENDEZVOUS_ADDRESS"] = links.trainer_ip
+        os.environ["VIME_PUSH_FLOOR_MBPS"] = f"{mbit / 8 / 10:g}"
+        return fleet_bench(ns, total_mb, rounds, bucket, 0.0, links)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        left = link_teardown(links)
+        signal.signal(signal.SIGTERM, old)
+        if left:
+            print(f"teardown left {left}: remove them with ip netns del / ip link del",
+                  file=sys.stderr)
+        else:
+            print(f"links torn down ({links.tag}*: {len(links.namespaces())} namespaces, "
+                  f"{len(links.devices())} veth ends)")
 
 
 def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float) -> str:
@@ -330,13 +617,21 @@ def main(argv=None) -> None:
     ap.add_argument("--fleet-mb", type=float, default=64.0, help="fleet mode: tensor set size in MB")
     ap.add_argument("--fault-rendezvous-s", type=float, default=5.0,
                     help="fleet mode: the fault rows' rendezvous_s (the fixed part of the bound)")
+    ap.add_argument("--link-mbit", type=float, default=None, metavar="R",
+                    help="fleet mode: each receiver and the trainer on an emulated link of R Mbit/s "
+                         "(root: network namespaces, veth, tc)")
     ap.add_argument("--raw-receiver", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.link_mbit is not None and not args.fleet:
+        ap.error("--link-mbit goes with --fleet")
     if args.raw_receiver:
         port, spec, rounds = args.raw_receiver
         return raw_receiver(int(port), spec, int(rounds))
     if args.fleet:
         ns = sorted({int(x) for x in args.fleet.split(",") if x})
+        if args.link_mbit is not None:
+            sys.exit(fleet_with_links(ns, args.fleet_mb, args.repeat, int(args.bucket_mb * (1 << 20)),
+                                      args.link_mbit))
         sys.exit(fleet_bench(ns, args.fleet_mb, args.repeat, int(args.bucket_mb * (1 << 20)),
                              args.fault_rendezvous_s))
 

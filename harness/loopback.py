@@ -12,6 +12,8 @@ Several of these processes, one per receiver, are the fleet broadcast's stand-in
 what one received (a digest per tensor with --keep) and whether its "model" was touched.
 
     python -m vime.harness.loopback --port 8123 [--keep]   # prints "READY <port>" when listening
+    python -m vime.harness.loopback --host 10.0.0.2         # listen there (a network namespace's
+                                                            # address: bench/weight_push.py --link-mbit)
 
 Needs vLLM importable (for the engine's base class and its stateless group init).
 """
@@ -54,7 +56,7 @@ def make_engine(load_weights):
 class LoopbackEngine:
     """The HTTP server in a background thread. keep=True keeps every received (name, tensor)."""
 
-    def __init__(self, port: int = 0, keep: bool = False):
+    def __init__(self, port: int = 0, keep: bool = False, host: str = "127.0.0.1"):
         self.received: list = []
         self.version = "default"
         self.paused = False
@@ -102,10 +104,10 @@ class LoopbackEngine:
             def do_POST(self):
                 self._handle("POST")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
 
@@ -161,9 +163,10 @@ class LoopbackEngine:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     ap.add_argument("--keep", action="store_true", help="keep what is received (GET /stand_in digests it)")
     args = ap.parse_args(argv)
-    eng = LoopbackEngine(args.port, keep=args.keep)
+    eng = LoopbackEngine(args.port, keep=args.keep, host=args.host)
     print(f"READY {eng.port}", flush=True)
     try:
         threading.Event().wait()

@@ -28,3 +28,79 @@ def test_fleet_short_form_prints_the_table_and_the_fault_rows():
     for sig in ("SIGKILL", "SIGSTOP"):
         line = next(x for x in table if x.startswith(sig))
         assert "survivors at the version 1/1" in line and "faulted one unreachable" in line, line
+
+
+# -- the emulated links' pure parts (no root needed: nothing is run) ---------------------------
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_weight_push", ROOT / "bench" / "weight_push.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # the dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+wp = _bench()
+
+
+def test_link_names_are_tagged_unique_and_fit_the_kernels_limit():
+    links = wp.Links.for_pid(4194304, 8, 100)  # the largest pid Linux hands out
+    devs, nss = links.devices(), links.namespaces()
+    assert len(devs) == len(set(devs)) == 2 + 2 * 8 and len(nss) == len(set(nss)) == 1 + 8
+    assert all(d.startswith("vl4194304") and len(d) <= 15 for d in devs)  # IFNAMSIZ - 1
+    assert all(n.startswith("vl4194304") for n in nss)
+    ips = [links.trainer_ip, *(links.receiver_ip(k) for k in range(8))]
+    assert len(set(ips)) == 9 and ips[0] == "10.231.0.1" and ips[1] == "10.231.0.10"
+    assert wp.Links.for_pid(4194305, 1, 100).subnet != links.subnet  # pids next to each other
+    with pytest.raises(ValueError):
+        wp.Links.for_pid(1, 0, 100)
+    with pytest.raises(ValueError):
+        wp.Links.for_pid(1, 2, 0)
+
+
+def test_setup_shapes_both_ends_of_every_link_and_teardown_removes_every_namespace():
+    links = wp.Links.for_pid(77, 3, 50)
+    setup = wp.link_setup_cmds(links)
+    shaped = {(c[c.index("-n") + 1] if "-n" in c else None, c[c.index("dev") + 1])
+              for c in setup if c[0] == "tc"}
+    ends = {(None, links.trainer_dev), (links.bridge_ns, links.trainer_peer)}
+    for k in range(3):
+        ends |= {(links.receiver_ns(k), links.receiver_dev(k)), (links.bridge_ns, links.receiver_peer(k))}
+    assert shaped == ends  # each link shaped in both directions, nothing else
+    for c in setup:
+        if c[0] == "tc":
+            assert c[-8:-3] == ["root", "tbf", "rate", "50mbit", "burst"]
+    # every receiver's address is set inside its own namespace, the trainer's in the root one
+    addrs = [c for c in setup if "addr" in c]
+    assert ["ip", "addr", "add", "10.231.77.1/24", "dev", links.trainer_dev] in addrs
+    assert ["ip", "-n", links.receiver_ns(2), "addr", "add", "10.231.77.12/24", "dev",
+            links.receiver_dev(2)] in addrs
+    teardown = wp.link_teardown_cmds(links)
+    deleted = {c[3] for c in teardown if c[:3] == ["ip", "netns", "del"]}
+    assert deleted == set(links.namespaces())
+    assert ["ip", "link", "del", links.trainer_dev] in teardown
+    created = {c[c.index("add") + 1] for c in setup if c[:3] == ["ip", "netns", "add"]}
+    assert created <= deleted
+
+
+def test_preflight_refuses_without_root_or_iproute2():
+    assert "root" in wp.link_preflight(1000, which=lambda t: "/sbin/" + t)
+    assert "tc" in wp.link_preflight(0, which=lambda t: None if t == "tc" else "/sbin/ip")
+    assert wp.link_preflight(0, which=lambda t: "/sbin/" + t) is None
+
+
+def test_link_mode_refuses_a_non_root_user_before_building_anything(monkeypatch, capsys):
+    monkeypatch.setattr(wp.os, "geteuid", lambda: 1000)  # the bench's view of who runs it
+    monkeypatch.setattr(wp, "link_setup", lambda links: pytest.fail("built a network"))
+    assert wp.fleet_with_links([1, 2], 1.0, 1, 1 << 20, 100) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_fleet_table_ratios_against_one_receiver():
+    rows = [wp.FleetRow(1, 2.0, 2.0, 0.04, 0.03), wp.FleetRow(8, 8.0, 16.0, 0.1, 0.05)]
+    table = wp.fleet_table(rows)
+    assert table[0] == wp.FLEET_HDR and set(table[1]) == {"-"}
+    eight = table[3].split()
+    assert eight[:7] == ["8", "8.000", "16.000", "2.00", "4.00", "3.17", "8.00"]
+    assert eight[7:] == ["0.10", "0.05"]
+    no_one = wp.fleet_table(rows[1:])[2].split()  # no N=1 row: no ratio to it
+    assert no_one[4] == "-" and no_one[6] == "-"
