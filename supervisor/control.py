@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from .fleet import BadRequest, Conflict, Fleet, check_version
+from .tasks import within
 from .protocol import (
     API,
     DAEMON_LOG_PATH,
@@ -698,7 +699,7 @@ class ControlServer:
                 if request.transport is None or request.transport.is_closing():
                     break
                 try:
-                    ev = await asyncio.wait_for(sub.queue.get(), 1.0)
+                    ev = await within(sub.queue.get(), 1.0)
                 except asyncio.TimeoutError:
                     quiet += 1.0
                     if quiet < 10.0:
@@ -726,7 +727,7 @@ class ControlServer:
         """A reader that takes nothing for STREAM_WRITE_TIMEOUT loses its stream: its connection
         is dropped, which frees its buffers (a blocked write would hold them for ever)."""
         try:
-            await asyncio.wait_for(resp.write(data), STREAM_WRITE_TIMEOUT)
+            await within(resp.write(data), STREAM_WRITE_TIMEOUT)
         except asyncio.TimeoutError:
             log.warning("control.stream_stalled", timeout=STREAM_WRITE_TIMEOUT)
             if request.transport is not None:

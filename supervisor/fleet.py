@@ -22,6 +22,7 @@ import structlog
 from .config import Config
 from .engine.runner import EngineRunner
 from .errors import BadRequest, Conflict
+from .tasks import within
 from .events import EventBus, Listener, Subscription
 from .logs import exit_fields
 from .metrics import FleetStats
@@ -361,7 +362,7 @@ async def validate_checkpoint_off_loop(path: str, reference_model: str | None = 
 
     fut = run_in_thread(validate_checkpoint, path, reference_model, name="validate-checkpoint")
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(fut), CHECKPOINT_READ_TIMEOUT)
+        return await within(asyncio.wrap_future(fut), CHECKPOINT_READ_TIMEOUT)
     except asyncio.TimeoutError:
         raise BadRequest(f"checkpoint {path[:300]} could not be read within {CHECKPOINT_READ_TIMEOUT:g}s; "
                          "check the file system it is on") from None

@@ -34,7 +34,7 @@ from .engine.fsm import vlabel
 from .states import Transition
 from .protocol import Event, to_deadline
 from .states import ACTIVE, Cause, State
-from .tasks import TaskSet
+from .tasks import TaskSet, within
 
 S = State
 log = structlog.get_logger("vime.sync")
@@ -274,7 +274,7 @@ class SyncCoordinator(Listener):
             # the engine is touched. Then the engine's work alone runs under sync_timeout: the
             # reload is async, so no engine waits for a thread with its clock running.
             await validate_checkpoint_off_loop(checkpoint)
-            await asyncio.wait_for(runner.reload_weights(checkpoint, version, self.sync_timeout), self.sync_timeout)
+            await within(runner.reload_weights(checkpoint, version, self.sync_timeout), self.sync_timeout)
         except Exception as e:  # any failure mid-reload leaves meta tensors behind
             if runner.state is S.SYNCING and runner.incarnation == incarnation:
                 self._poisoned(runner, f"reload of {vlabel(version)} from {checkpoint} failed: "

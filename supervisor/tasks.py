@@ -9,7 +9,7 @@ left. `cancel_and_wait` is the one way to end a single task.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine
+from typing import Any, Awaitable, Coroutine, TypeVar
 
 import structlog
 
@@ -28,6 +28,32 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any] | None) -> None:
     for t in live:  # retrieve what they raised, so asyncio does not complain about it later
         if not t.cancelled():
             t.exception()
+
+
+T = TypeVar("T")
+
+
+async def within(aw: Awaitable[T], timeout: float | None) -> T:
+    """asyncio.wait_for without its Python 3.11 flaw: a cancellation of the caller that comes
+    as `aw` completes is never swallowed. (It was: a runner stopping a hung engine went on to
+    restart it after the daemon's shutdown had cancelled it, and the shutdown waited forever.)
+    asyncio.TimeoutError once `timeout` passes (None: no bound); `aw` is then cancelled and
+    awaited, as a caller's cancellation cancels and awaits it too."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller's cancellation is what propagates
+        raise
+    if not done:
+        task.cancel()
+        await asyncio.wait({task})
+        if task.cancelled():
+            raise asyncio.TimeoutError
+    return task.result()
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import structlog
 
+from ..tasks import within
 from . import retention
 from .activity import sample_group
 from .process import read_tail
@@ -81,7 +82,7 @@ async def _capture(runner: EngineView, reason: str, folder: Path, budget: float)
         (folder / "log_tail.txt").write_text(read_tail(runner.log_path, 64 * 1024))
         summary["captured"].append("log_tail.txt")
     try:
-        await asyncio.wait_for(_slow_parts(runner, folder, pids, summary), budget)
+        await within(_slow_parts(runner, folder, pids, summary), budget)
     except asyncio.TimeoutError:
         summary["truncated"] = f"capture stopped after its {budget:g}s budget"
     summary["took"] = round(time.monotonic() - t0, 3)
@@ -108,7 +109,7 @@ async def _slow_parts(runner: EngineView, folder: Path, pids: list[int], summary
             pyspy, "dump", "--nonblocking", "--pid", str(pid),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), 5.0)
+            out, _ = await within(proc.communicate(), 5.0)
         except asyncio.TimeoutError:
             out = b"py-spy timed out after 5s\n"
         finally:  # also when the whole capture's budget runs out: never leave py-spy behind

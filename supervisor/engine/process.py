@@ -22,6 +22,7 @@ from typing import Awaitable, Callable, NamedTuple
 
 import structlog
 
+from ..tasks import within
 from ..config import Config, EngineSpec
 
 log = structlog.get_logger("vime.process")
@@ -502,7 +503,7 @@ class EngineProcess:
             await self.wait()
             return "already gone"
         try:
-            await asyncio.wait_for(self._group_gone(), timeout)
+            await within(self._group_gone(), timeout)
             how = "SIGTERM"
         except asyncio.TimeoutError:
             if on_overdue is not None:
@@ -510,7 +511,7 @@ class EngineProcess:
             self._signal_group(signal.SIGKILL)
             how = f"SIGKILL after {timeout:g}s"
             try:
-                await asyncio.wait_for(self._group_gone(), KILL_WAIT)
+                await within(self._group_gone(), KILL_WAIT)
             except asyncio.TimeoutError:
                 # A member in D state cannot die until its I/O ends: say so and move on (the
                 # next start's port check copes with a holder that lingers).

@@ -45,7 +45,7 @@ from .process import (
 )
 from ..protocol import Event
 from ..states import DAEMON_LIMIT, PROCESS_STATES, Cause, ProbeOutcome, State, Transition, detection_kind
-from ..tasks import TaskSet, cancel_and_wait, wait_event
+from ..tasks import TaskSet, cancel_and_wait, wait_event, within
 from .warmup import WarmupFailed, warm_up
 
 S = State
@@ -834,7 +834,7 @@ class EngineRunner:
         # checks sent in the same instant time out in waves on the daemon's own loop.
         await asyncio.sleep(self.phase)
         try:
-            await asyncio.wait_for(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
+            await within(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
             hold = None if self.adoption.routable else self.policy.hold_reason()
             fsm.became_ready(await self.prober.weight_version(), self.policy.current_version, hold=hold,
                              spare=self._spare())

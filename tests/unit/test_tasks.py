@@ -4,8 +4,11 @@ and closing cancels and awaits whatever is left."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
-from vime.supervisor.tasks import TaskSet, cancel_and_wait, wait_event
+import pytest
+
+from vime.supervisor.tasks import TaskSet, cancel_and_wait, wait_event, within
 
 
 async def test_aclose_cancels_and_awaits_every_task_left():
@@ -67,3 +70,28 @@ async def test_a_loop_on_wait_event_ends_when_cancelled_as_its_event_is_set():
     assert task.cancelled()
     ev.clear()
     assert await wait_event(ev, 0.01) is False  # a timeout is False, not an error
+
+
+async def test_within_never_swallows_a_cancel_that_comes_as_its_awaitable_completes():
+    # The shutdown hang: a runner in proc.stop (wait_for on the group's end) was cancelled by the
+    # daemon's shutdown in the turn the group ended; wait_for returned, the runner restarted
+    # the engine, and the shutdown waited for it forever.
+    async def cancelled_as_it_completes(wait) -> asyncio.Task:
+        fut = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(wait(fut, 10))
+        await asyncio.sleep(0.01)
+        fut.set_result("gone")
+        task.cancel()
+        await asyncio.wait({task}, timeout=1)
+        return task
+
+    assert (await cancelled_as_it_completes(within)).cancelled()
+    if sys.version_info < (3, 12):  # the flaw within() exists for
+        assert (await cancelled_as_it_completes(asyncio.wait_for)).result() == "gone"
+    # Otherwise as wait_for: the result, a timeout (the awaitable cancelled), no bound with None.
+    assert await within(asyncio.sleep(0, "ok"), 1) == "ok"
+    slow = asyncio.ensure_future(asyncio.sleep(3600))
+    with pytest.raises(asyncio.TimeoutError):
+        await within(slow, 0.01)
+    assert slow.cancelled()
+    assert await within(asyncio.sleep(0.01, "late"), None) == "late"
