@@ -352,8 +352,11 @@ def test_sender_killed_mid_broadcast_poisons_engine(engines, tiny_model):
 
     # The engine's pending receive fails on the closed connection at once (not after the 120 s
     # group timeout): its core answers again within seconds, and it is marked poisoned.
+    # One tiny tensor: the engine refuses the push at its first call, before any is sent.
+    import torch
+
     with pytest.raises(PoisonedEngine) as exc:
-        WeightSender(b.url, bucket_bytes=BUCKET, http_timeout=20).push([], 100)
+        WeightSender(b.url, bucket_bytes=BUCKET, http_timeout=20).push({"probe": torch.zeros(1)}, 100)
     assert exc.value.step == "init_weight_transfer_engine"
     cause = str(exc.value.cause)
     # gloo's words for a dead peer: "Connection reset by peer" (SIGKILL) / "closed by peer".
