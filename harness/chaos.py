@@ -10,7 +10,9 @@ was detected, back up and resynced. The hook points it uses:
 
   before_round    pick the fault due at this step and wait (bounded) for a whole fleet;
   generate        the round of an in-round kill gets a long tail (--long-tail): a few requests
-                  far longer than the rest, as RL rollouts have, which the kill cuts mid-stream;
+                  far longer than the rest, as RL rollouts have, which the kill cuts mid-stream
+                  (--long-tail-at gives a step's round the same tail with no fault: the
+                  goodput bench's fault-free baseline does the same work);
   during_round    kill -9 / SIGSTOP / a crash at start / kill -9 of the daemon, once the round
                   has requests in flight (with a long tail: once the victim has streamed
                   --kill-after-tokens of one);
@@ -24,6 +26,9 @@ was detected, back up and resynced. The hook points it uses:
   train_and_push  no agent, and the checkpoint the daemon reloads from is truncated; after a
                   trainer-dies-mid-push, the wait (bounded) for the restarted fleet;
   after_run       each fault's timeline from the recorded events.
+
+The daemon fault (kill -9 of the daemon mid-round) needs hooks that restart it: DaemonKeeper
+(the demo's; `build_parser(KEEPER_KINDS)` takes `--fault daemon@STEP`), or the soak's Keeper.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from vime.harness import faults
+from vime.harness.local_daemon import Daemon
 from vime.supervisor.client import SupervisorClient, SupervisorError
 from vime.trainer import rl_loop
 from vime.trainer.rl_loop import WHOLE_STATES, Report, RLLoop, Rollouts
@@ -57,6 +63,37 @@ class ChaosHooks:
 
     def fix_model(self, engine: str) -> None:
         raise NotImplementedError
+
+
+class DaemonKeeper(ChaosHooks):
+    """Owns a local daemon like systemd would, for the daemon fault (the demo's hooks): kill -9,
+    then the same daemon started again 1 s later (systemd's RestartSec=1). Its engines run on in
+    sessions of their own; the new daemon re-adopts them from its journal. `start` makes one
+    local_daemon.Daemon; every daemon started is kept, so their spawned engines can be stopped."""
+
+    def __init__(self, start: Callable[[], Daemon]) -> None:
+        self._start = start
+        self.daemons = [start()]
+
+    @property
+    def daemon(self) -> Daemon:
+        """The daemon now (the last one started)."""
+        return self.daemons[-1]
+
+    def spawned_pids(self) -> list[int]:
+        return [pid for d in self.daemons for pid in d.spawned_pids()]
+
+    def kill_daemon(self) -> None:
+        old = self.daemon
+        old.killed_by_us = True
+        old.kill()  # SIGKILL, reaped
+        time.sleep(1.0)
+        self.daemons.append(self._start())
+        client = SupervisorClient(self.daemon.sock, connect_timeout=60)
+        try:
+            client.status()  # answering again
+        finally:
+            client.close()
 
 
 @dataclass
@@ -298,7 +335,8 @@ class ChaosLoop(RLLoop):
         return stats, pushed
 
     async def generate(self, step: int, prompts: list[str]):
-        n = min(self.args.long_tail, len(prompts)) if self.fault_now("kill") else 0
+        tail = self.fault_now("kill") is not None or step == self.args.long_tail_at
+        n = min(self.args.long_tail, len(prompts)) if tail else 0
         if not n:
             return await super().generate(step, prompts)
         assert self.rollout is not None
@@ -531,30 +569,40 @@ def format_report(rep: Report) -> str:
 CLI_KINDS = ("kill", "hang", "push", "kill-gap", "poison-reload", "disconnect", *faults.MID_PUSH)
 
 
-def parse_fault(text: str) -> tuple[str, int]:
+# With DaemonKeeper's hooks (the demo's): the daemon killed -9 mid-round and started again.
+KEEPER_KINDS = (*CLI_KINDS, "daemon")
+
+
+def parse_fault(text: str, kinds: tuple[str, ...] = CLI_KINDS) -> tuple[str, int]:
     """KIND@STEP, e.g. kill-mid-push@5: (kind, step)."""
     kind, sep, step = text.rpartition("@")
-    if not sep or kind not in CLI_KINDS or not step.isdigit() or int(step) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: want KIND@STEP, KIND one of {', '.join(CLI_KINDS)}, STEP >= 1")
+    if not sep or kind not in kinds or not step.isdigit() or int(step) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want KIND@STEP, KIND one of {', '.join(kinds)}, STEP >= 1")
     return kind, int(step)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(kinds: tuple[str, ...] = CLI_KINDS) -> argparse.ArgumentParser:
+    """The loop's flags; `kinds` are the fault kinds --fault takes (KEEPER_KINDS where the
+    caller lends DaemonKeeper's hooks)."""
     ap = rl_loop.build_parser(prog="python -m vime.harness.chaos", description=__doc__)
     g = ap.add_argument_group("faults on demand (each waits in the gap until every engine is RUNNING)")
     g.add_argument("--kill-at", type=int, default=0, metavar="STEP", help="kill -9 an engine's server during that round")
     g.add_argument("--hang-at", type=int, default=0, metavar="STEP", help="SIGSTOP an engine's EngineCore during that round")
     g.add_argument("--fail-push-at", type=int, default=0, metavar="STEP", help="fail the push into one engine midway")
-    g.add_argument("--fault", type=parse_fault, action="append", metavar="KIND@STEP",
-                   help="any fault the loop injects alone, by its harness/faults.py name (repeatable): "
-                        f"{', '.join(k for k in faults.KINDS if k in CLI_KINDS)}")
+    g.add_argument("--fault", type=lambda text: parse_fault(text, kinds), action="append", metavar="KIND@STEP",
+                   help="a fault by its harness/faults.py name (repeatable): "
+                        f"{', '.join(k for k in faults.KINDS if k in kinds)}")
     g.add_argument("--fault-delay", type=float, default=2.0,
                    help="longest wait into a round for requests in flight before kill/hang (else postponed)")
     g.add_argument("--fault-wait", type=float, default=300.0, help="longest wait for a whole fleet before a fault")
     g.add_argument("--long-tail", type=int, default=0, metavar="N",
-                   help="in the round of --kill-at, N samples run to --long-tail-tokens (ignore_eos), and the "
-                        "kill waits until one on its engine has streamed --kill-after-tokens: it is cut "
-                        "mid-stream and continued elsewhere")
+                   help="in the round of a kill (--kill-at, --fault kill@STEP), N samples run to "
+                        "--long-tail-tokens (ignore_eos), and the kill waits until one on its engine has streamed "
+                        "--kill-after-tokens: it is cut mid-stream and continued elsewhere (or, with "
+                        "--no-continue-partial, sent again whole)")
+    g.add_argument("--long-tail-at", type=int, default=0, metavar="STEP",
+                   help="give that step's round the --long-tail too, fault or not (a fault-free baseline then "
+                        "does the same work as a run whose kill is at that step)")
     g.add_argument("--long-tail-tokens", type=int, default=200, metavar="T")
     g.add_argument("--kill-after-tokens", type=int, default=16, metavar="K")
     return ap

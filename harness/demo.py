@@ -205,6 +205,8 @@ def _reason(daemon: Daemon, engine: str) -> str:
 
 # Faults after each of which the daemon restarts the engine exactly once.
 ONE_RESTART = ("kill", "hang", "push", "kill-gap", "poison-reload")
+# Faults that restart no engine: the daemon's own kill -9 (its engines run on, re-adopted).
+NO_RESTART = ("daemon",)
 
 
 def judge(report) -> list[str]:
@@ -234,11 +236,13 @@ def judge(report) -> list[str]:
         if e["state"] != "RUNNING" or e.get("weight_version") != report.final_version:
             problems.append(f"{name} ends {e['state']} on v{e.get('weight_version')} (trainer at v{report.final_version})")
     injected = [f for f in report.faults if f.injected_at is not None]
-    if report.engines and all(f.kind in ONE_RESTART for f in injected):
+    if report.engines and all(f.kind in ONE_RESTART + NO_RESTART for f in injected):
         restarts = sum(e.get("restarts") or 0 for e in report.engines.values())
-        if restarts != len(injected):
-            problems.append(f"{restarts} engine restart(s) for {len(injected)} injected fault(s): an engine was "
-                            "stopped that no fault explains (see the incidents in the log folder)")
+        want = sum(f.kind in ONE_RESTART for f in injected)
+        if restarts != want:
+            problems.append(f"{restarts} engine restart(s) for {want} injected engine fault(s) "
+                            f"({len(injected) - want} of the daemon): an engine was stopped that no fault "
+                            "explains, or one was not restarted (see the incidents in the log folder)")
     return problems
 
 
@@ -252,16 +256,28 @@ SHOWS = {
             "probes, taken out of routing and restarted; a spare, if there is one, serves in its place",
     "push": "a weight push failing halfway (the engine holds half a version): reported poisoned, never "
             "routed again on those weights, restarted; a spare, if there is one, serves in its place",
+    "kill-gap": "kill -9 of an engine between rounds: seen as exited, restarted and resynced; the next "
+                "round opens with the engines left, a spare, if there is one, in its place",
+    "daemon": "kill -9 of the daemon mid-round, started again 1 s later: the engines serve on, the new "
+              "daemon re-adopts them from its journal; no engine restarted",
+    "kill-mid-push": "kill -9 of one receiver once half the step's broadcast is sent: the push fails for it "
+                     "within its bound, the survivors are pushed again, it is restarted",
+    "stop-mid-push": "SIGSTOP of one receiver once half the step's broadcast is sent: the collective stalls, "
+                     "the push fails within its bound, the daemon sees it hung and restarts it",
+    "trainer-dies-mid-push": "the trainer's push killed -9 halfway: every receiver is left paused, condemned "
+                             "past the announced push's deadline and restarted, never served half-loaded",
 }
 
 
 def plan_lines(loop_argv: list[str]) -> list[str]:
-    """What each fault of the loop's flags demonstrates, one line each."""
-    from vime.harness.chaos import build_parser
+    """What each fault of the loop's flags demonstrates, one line each, in step order."""
+    from vime.harness.chaos import KEEPER_KINDS, build_parser
+    from vime.harness.faults import WHAT
 
-    a = build_parser().parse_args(["--model", "-", *loop_argv])
-    steps = {"kill": a.kill_at, "hang": a.hang_at, "push": a.fail_push_at}
-    return [f"  step {step:>3}: {SHOWS[kind]}" for kind, step in sorted(steps.items(), key=lambda kv: kv[1]) if step]
+    a = build_parser(KEEPER_KINDS).parse_args(["--model", "-", *loop_argv])
+    plan = [("kill", a.kill_at), ("hang", a.hang_at), ("push", a.fail_push_at), *(a.fault or [])]
+    return [f"  step {step:>3}: {SHOWS.get(kind, WHAT[kind])}"
+            for kind, step in sorted(plan, key=lambda kv: kv[1]) if step]
 
 
 def showcase(report) -> list[str]:
@@ -306,7 +322,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         model: Path | None = None, python: str | None = None, boot: float = BOOT, spares: int = 0) -> int:
     """The demo; its exit status: 0 when everything went as it should, 1 when something went
     wrong (printed), 128 + the signal when SIGINT/SIGTERM stopped it."""
-    from vime.harness.chaos import ChaosLoop, build_parser, format_report
+    from vime.harness.chaos import KEEPER_KINDS, ChaosLoop, DaemonKeeper, build_parser, format_report
     from vime.trainer.rl_loop import quiet_rollout_log
 
     quiet_rollout_log()
@@ -325,7 +341,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
     sig.raising()
     problems: list[str] = []
     signum: int | None = None
-    daemon: Daemon | None = None
+    keeper: DaemonKeeper | None = None  # the daemon now, and each one a daemon fault replaced
     log_file = None
     names = [f"engine-{i}" for i in range(engines)]
     try:
@@ -337,21 +353,22 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         sock = out / "run" / "supervisor.sock"
         _say(f"starting the daemon: python -m vime.supervisor --config {cfg}")
         log_file = open(out / "daemon.log", "w")
-        daemon = Daemon(cfg, tee=log_file, new_session=True)
-        save(daemon_pid=daemon.proc.pid)
-        problems = wait_for_engines(daemon, sock, names, boot, on_tick=lambda: save(engine_pids=daemon.spawned_pids()))
-        save(engine_pids=daemon.spawned_pids())
+        keeper = DaemonKeeper(lambda: Daemon(cfg, tee=log_file, new_session=True))
+        save(daemon_pid=keeper.daemon.proc.pid)
+        problems = wait_for_engines(keeper.daemon, sock, names, boot,
+                                    on_tick=lambda: save(engine_pids=keeper.spawned_pids()))
+        save(engine_pids=keeper.spawned_pids())
         if not problems:
-            args = build_parser().parse_args(["--model", str(model), "--socket", str(sock), "--out", str(out),
+            args = build_parser(KEEPER_KINDS).parse_args(["--model", str(model), "--socket", str(sock), "--out", str(out),
                                               "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.jsonl"),
                                               "--stop-on-fatal", *loop_argv])
             _say("running the RL loop: " + " ".join(loop_argv or ["(defaults)"]))
             _say(f"{engines - spares} engine(s) serve, {spares} warm spare(s); the faults and what each demonstrates:")
             for line in plan_lines(loop_argv):
                 print(line, flush=True)
-            report = ChaosLoop(args).run()
+            report = ChaosLoop(args, hooks=keeper).run()
             sig.raising()  # the loop's own handlers are gone again
-            save(engine_pids=daemon.spawned_pids())
+            save(daemon_pid=keeper.daemon.proc.pid, engine_pids=keeper.spawned_pids())
             print(format_report(report))
             print("\n".join(showcase(report)))
             signum = report.signal
@@ -373,14 +390,14 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         sig.hurrying()
         rc: int | None = None
         left: list[tuple[int, int, str]] = []
-        if daemon is not None:
+        if keeper is not None:
             _say("stopping: SIGTERM to the daemon (it stops every engine; SIGKILL after 30s)")
-            rc, left = daemon.stop_all(30.0, hurry=lambda: sig.hurry, say=_say)
-            save(engine_pids=daemon.spawned_pids())
+            rc, left = keeper.daemon.stop_all(30.0, hurry=lambda: sig.hurry, say=_say, also=keeper.spawned_pids())
+            save(engine_pids=keeper.spawned_pids())
         if log_file is not None:
             log_file.close()
         sig.restore()
-    if daemon is not None:
+    if keeper is not None:
         if rc != 0 and not problems:
             problems.append(f"the daemon's exit status was {rc}")
         if left:

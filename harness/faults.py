@@ -105,6 +105,7 @@ class Fault:
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "what": WHAT[self.kind], "step": self.step, "fired_step": self.fired_step,
                 "engine": self.engine, "pid": self.pid, "incarnation": self.incarnation, "note": self.note,
+                "injected_at": self.injected_at,  # wall clock: the goodput bench matches stops from it
                 "confirmed": self.confirmed,
                 "detected_after_s": self.after(self.detected_at), "detected_as": self.detected_as,
                 "detected_cause": self.detected_cause,

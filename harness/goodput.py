@@ -5,7 +5,7 @@ One `Run` per configuration holds what the run recorded:
 
   events       the daemon's event log (`transition` events with engine, from_state, to_state,
                cause, ts; `round_start` / `round_end`), as harness/faults.py `timeline()` reads it;
-  faults       the injected faults (faults.Fault: kind, engine, injected_at);
+  faults       the injected faults (faults.Fault: kind, engine, fired_step, injected_at);
   rounds       the per-round rollout records (trainer/rl_loop.py StepRecord, or anything with its
                lost and tokens_regenerated);
   started_over the rollout client's per-sample StartOver records (RolloutResult.started_over);
@@ -18,6 +18,9 @@ One `Run` per configuration holds what the run recorded:
 `account(run, fault_free_s)` gives its `Goodput` row; `fault_free_s` is the fault-free run's wall
 time for the same work. The figures:
 
+  faults           injections: a trainer-dies-mid-push condemns every receiver (the chaos loop
+                   records one Fault per receiver, each to match its own stop) but is one
+                   fault; Faults of one kind and step (else one time) are one injection;
   ETTR             fault_free_s / wall_s (1.0: the faults cost nothing);
   useful tok/s     useful_tokens / wall_s;
   tokens lost      output tokens the client read that are in no sample used: the rounds'
@@ -28,10 +31,17 @@ time for the same work. The figures:
                    state, for a failure cause) that match no injected fault: a fault matches the
                    first stop of its engine at or after its injection with the cause
                    faults.DETECTED_AS expects (a kill seen as a hang is a false restart, and the
-                   kill stays unmatched); each fault matches one stop;
+                   kill stays unmatched); each fault matches one stop. The daemon's own kill
+                   (kind "daemon") is no engine stop: it matches none, and the engines it
+                   leaves running are re-adopted, not stopped (STOPPED -> STARTING, cause
+                   restored). The mid-push faults' stops are expected with their own causes
+                   (kill-mid-push exit, stop-mid-push hang, trainer-dies-mid-push paused, on
+                   each receiver);
   reduced strength seconds with fewer engines serving (RUNNING or SUSPECT) than the target,
                    integrated from the transitions between the first round_start and the last
-                   round_end (the gaps included); per injected fault;
+                   round_end (the gaps included); per injected fault. An engine a restarted
+                   daemon re-adopts keeps the state it had (it served on through the
+                   daemon's restart) until the new daemon says otherwise;
   engines run      distinct engines in the transitions (a spare is one more).
 
 The event log must begin before the engines came up: an engine's state is the last transition
@@ -89,7 +99,7 @@ class Goodput:
     wall_s: float
     ettr: float | None                          # None: no fault-free time given
     useful_tps: float
-    faults: int
+    faults: int                                 # injections (injections())
     tokens_lost: int
     rounds: int
     rounds_lost: int
@@ -106,6 +116,12 @@ class Goodput:
     @property
     def reduced_s_per_fault(self) -> float | None:
         return self.reduced_s / self.faults if self.faults else None
+
+
+def injections(faults: Sequence[Fault]) -> int:
+    """Faults injected, one per injection (see the module docstring: a trainer-dies-mid-push's
+    receivers are one)."""
+    return len({(f.kind, f.fired_step if f.fired_step is not None else f.injected_at) for f in faults})
 
 
 def ettr(fault_free_s: float, wall_s: float) -> float:
@@ -176,7 +192,10 @@ def reduced_strength(events: Sequence[Mapping[str, Any]], target: int) -> float:
             if serving() < target:
                 below += min(ts, t1) - last
             last = min(ts, t1)
-        state[str(ev.get("engine"))] = str(ev.get("to_state"))
+        name = str(ev.get("engine"))
+        if ev.get("cause") == Cause.RESTORED and ev.get("to_state") == State.STARTING and name in state:
+            continue  # a restarted daemon re-adopting it: the engine served on (its next transition says)
+        state[name] = str(ev.get("to_state"))
     if last < t1 and serving() < target:
         below += t1 - last
     return below
@@ -190,7 +209,7 @@ def account(run: Run, fault_free_s: float | None = None) -> Goodput:
     engines = {str(ev.get("engine")) for ev in _transitions(run.events)}
     return Goodput(
         name=run.name, wall_s=run.wall_s, ettr=None if fault_free_s is None else ettr(fault_free_s, run.wall_s),
-        useful_tps=run.useful_tokens / run.wall_s if run.wall_s > 0 else 0.0, faults=len(run.faults),
+        useful_tps=run.useful_tokens / run.wall_s if run.wall_s > 0 else 0.0, faults=injections(run.faults),
         tokens_lost=tokens_lost, rounds=len(run.rounds), rounds_lost=len(lost_rounds),
         started_over=len(run.started_over), false_restarts=false,
         reduced_s=reduced_strength(run.events, run.target), engines=len(engines),

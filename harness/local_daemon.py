@@ -196,13 +196,15 @@ class Daemon:
             self.proc.wait(10)
 
     def stop_all(self, timeout: float, *, hurry: Callable[[], bool] = lambda: False,
-                 say: Callable[[str], None] = lambda msg: None) -> tuple[int | None, list[tuple[int, int, str]]]:
+                 say: Callable[[str], None] = lambda msg: None,
+                 also: Iterable[int] = ()) -> tuple[int | None, list[tuple[int, int, str]]]:
         """Stop the daemon and every engine it spawned, bounded: SIGTERM to the daemon (which
         stops its engines' groups), up to `timeout`; then, as a last resort, SIGKILL to the
         daemon and to each engine process group it spawned that still has a live member (by
         the pids of its spawn events, never by name). `hurry()` true skips to the last resort.
-        Returns (the daemon's exit status, None if it had to be killed; what is left)."""
-        groups = set(self.spawned_pids())
+        `also`: more engine groups to check (those a former daemon spawned, that this one
+        re-adopted). Returns (the daemon's exit status, None if it had to be killed; what is left)."""
+        groups = set(self.spawned_pids()) | set(also)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout

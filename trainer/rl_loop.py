@@ -370,7 +370,8 @@ class RLLoop:
     async def connect(self) -> None:
         """The rollout client and the resync agent: what a trainer process holds open."""
         a = self.args
-        self.rollout = RolloutClient(self.async_client(), model=a.served_model_name)
+        self.rollout = RolloutClient(self.async_client(), model=a.served_model_name,
+                                     continue_partial=a.continue_partial)
         await self.rollout.start()
         if not a.debug_rollout_only:
             await asyncio.to_thread(self.start_agent)
@@ -744,6 +745,10 @@ def build_parser(prog: str = "python -m vime.trainer.rl_loop", description: str 
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--target", default=TARGET, help="reward 1 when the sampled text contains this")
+    g.add_argument("--no-continue-partial", dest="continue_partial", action="store_false",
+                   help="a request cut by a fault is sent again whole (slime's behaviour; its streamed tokens "
+                        "are thrown away and generated again), instead of continued from the tokens already "
+                        "streamed (RolloutClient's continue_partial)")
     g = ap.add_argument_group("waits and when to stop early")
     g.add_argument("--sync-wait", type=float, default=60.0, help="longest wait in a gap for engines being synced")
     g.add_argument("--final-wait", type=float, default=300.0, help="longest wait at the end for every engine to be current")

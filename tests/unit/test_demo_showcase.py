@@ -4,7 +4,7 @@ read from the chaos loop's report."""
 from __future__ import annotations
 
 from vime.harness.chaos import ChaosReport, format_faults
-from vime.harness.demo import plan_lines, showcase
+from vime.harness.demo import judge, plan_lines, showcase
 from vime.harness.faults import Fault
 from vime.trainer.rl_loop import StepRecord
 
@@ -54,3 +54,21 @@ def test_a_kill_filled_inside_the_round_says_so_next_to_the_restart_it_spared():
             "round's version, promoted at once; a restart would have cost 58.0s") in text
     assert "warm spare engine-2 promoted, full strength 0.70s after the fault, inside the round" in "\n".join(
         format_faults(rep.faults))
+
+
+def test_the_plan_takes_the_goodput_schedules_faults_by_name():
+    lines = plan_lines(["--fault", "daemon@5", "--fault", "kill@1", "--fault", "trainer-dies-mid-push@24"])
+    assert [ln.split(":")[0].strip() for ln in lines] == ["step   1", "step   5", "step  24"]
+    assert "re-adopts them from its journal" in lines[1] and "never served half-loaded" in lines[2]
+
+
+def test_a_daemon_kill_is_judged_to_restart_no_engine():
+    daemon = Fault("daemon", 5, engine="daemon", fired_step=5, injected_at=200.0, detected_at=202.0,
+                   ready_at=202.0, resynced_at=202.0)
+    engines = {"engine-0": {"state": "RUNNING", "weight_version": 6, "restarts": 1},
+               "engine-1": {"state": "RUNNING", "weight_version": 6, "restarts": 0}}
+    rep = ChaosReport(steps=[_step(n) for n in range(1, 7)], faults=[_kill(detected_cause="exit"), daemon], engines=engines,
+                      final_version=6)
+    assert judge(rep) == []
+    engines["engine-1"]["restarts"] = 1  # a restart neither fault explains
+    assert [p for p in judge(rep) if "2 engine restart(s) for 1 injected engine fault(s)" in p]

@@ -139,6 +139,56 @@ def test_each_fault_matches_one_stop() -> None:
         == (0, [])
 
 
+def test_faults_during_a_push_are_expected_stops_with_their_own_causes() -> None:
+    # Rounds [0,10], [20,30], [40,50], [60,70]; each push in the gap after a round.
+    evs = boot("e0", "e1") + rounds(4, gap=10.0) + [
+        # kill-mid-push of e0 at 12.0: exited, back RUNNING at 18.0 (5.9 s below target)
+        tr(12.1, "e0", R, "EXITED", "exit"), tr(12.2, "e0", "EXITED", "STARTING", "restart"),
+        tr(18.0, "e0", "STARTING", R, "ready"),
+        # stop-mid-push of e1 at 32.0: its hang is one stop (UNHEALTHY at 33.0 to RUNNING at 38.0: 5.0 s)
+        tr(33.0, "e1", R, "UNHEALTHY", "hang"), tr(33.1, "e1", "UNHEALTHY", "STOPPING", "hang"),
+        tr(33.5, "e1", "STOPPING", "EXITED", "hang"), tr(33.6, "e1", "EXITED", "STARTING", "restart"),
+        tr(38.0, "e1", "STARTING", R, "ready"),
+        # the trainer dies mid-push at 52.0: both receivers paused past the deadline, back at 59.0 (4.0 s)
+        *[tr(55.0, e, R, "UNHEALTHY", "paused") for e in ("e0", "e1")],
+        *[tr(55.5, e, "UNHEALTHY", "EXITED", "paused") for e in ("e0", "e1")],
+        *[tr(56.0, e, "EXITED", "STARTING", "restart") for e in ("e0", "e1")],
+        *[tr(59.0, e, "STARTING", R, "ready") for e in ("e0", "e1")]]
+    plan = [Fault("kill-mid-push", 1, "e0", fired_step=1, injected_at=12.0),
+            Fault("stop-mid-push", 2, "e1", fired_step=2, injected_at=32.0),
+            # one Fault per receiver (chaos.py), one injection
+            Fault("trainer-dies-mid-push", 3, "e0", fired_step=3, injected_at=52.0),
+            Fault("trainer-dies-mid-push", 3, "e1", fired_step=3, injected_at=52.0)]
+    row = g.account(run(evs, plan, [Step()] * 4))
+    assert row.faults == 3 and g.injections(plan) == 3
+    assert row.false_restarts == 0 and row.unmatched == []
+    assert row.reduced_s == pytest.approx(5.9 + 5.0 + 4.0)
+    assert row.reduced_s_per_fault == pytest.approx(14.9 / 3)
+    # A receiver of the dead trainer seen as hung: a false restart, and its fault unmatched.
+    wrong = [dict(ev, cause="hang") if ev.get("engine") == "e1" and ev["ts"] >= 55.0 else ev for ev in evs]
+    row = g.account(run(wrong, plan, [Step()] * 4))
+    assert row.false_restarts == 1 and row.unmatched == ["trainer-dies-mid-push@e1"]
+
+
+def test_a_daemon_kill_stops_no_engine() -> None:
+    # The daemon killed at 3.0 in round 0; the next one re-adopts both engines at 4.5.
+    readopt = [tr(4.5, e, "STOPPED", "STARTING", "restored", "re-adopting pid 7 after a daemon restart")
+               for e in ("e0", "e1")]
+    evs = boot("e0", "e1") + rounds(2) + readopt + [tr(4.7, e, "STARTING", R, "ready") for e in ("e0", "e1")]
+    daemon = Fault("daemon", 1, "daemon", fired_step=1, injected_at=3.0)
+    row = g.account(run(evs, [daemon], [Step(), Step()]))
+    assert (row.faults, row.false_restarts, row.unmatched, row.engines) == (1, 0, [], 2)
+    assert row.reduced_s == 0.0  # they served on through the daemon's restart
+    # One that comes back at another version is out of routing until it is RUNNING again.
+    evs = boot("e0", "e1") + rounds(2) + readopt + [
+        tr(4.7, "e0", "STARTING", R, "ready"), tr(4.7, "e1", "STARTING", "STALE", "ready"),
+        tr(7.0, "e1", "STALE", R, "released")]
+    assert g.account(run(evs, [daemon], [Step(), Step()])).reduced_s == pytest.approx(2.3)
+    # An engine stop after it is still a stop: the daemon's kill explains none.
+    evs += [tr(15.0, "e0", R, "EXITED", "exit")]
+    assert g.account(run(evs, [daemon], [Step(), Step()])).false_restarts == 1
+
+
 def test_a_lost_round() -> None:
     steps = [Step(), Step(lost=True, tokens_cut=30, tokens_reused=20, tokens_regenerated=10), Step()]
     # Its 8 returned samples held 80 tokens (the 20 reused among them): all thrown away.
