@@ -36,7 +36,7 @@ from .config import Config, RestartPolicy, RouterConfig, find_binary
 from .engine.fsm import backoff_delay
 from .engine.process import (
     NOT_INHERITED, EngineProcess, ProcStat, describe_returncode, listening_pids, port_is_free, proc_stat,
-    read_tail, stop_group_of, supervised_elsewhere)
+    read_tail, spawned_leader, stop_group_of, supervised_elsewhere)
 from .protocol import Event
 from .tasks import TaskSet, cancel_and_wait, wait_event
 
@@ -116,16 +116,9 @@ def adoption_verdict(entry: dict[str, Any], *, same_boot: bool, fingerprint: str
 
 
 def looks_like_our_router(st: ProcStat) -> bool:
-    """A router a daemon of ours spawned: our uid, leader of its own session and group (as
-    EngineProcess.spawn makes them), named a router (vllm-router renames itself vllm::router)."""
-    if st.pgrp != st.pid or st.state == "Z":
-        return False
-    try:
-        if os.stat(f"/proc/{st.pid}").st_uid != os.getuid() or os.getsid(st.pid) != st.pid:
-            return False
-    except OSError:
-        return False
-    return "router" in st.comm
+    """A router a daemon of ours spawned (spawned_leader), named a router (vllm-router renames
+    itself vllm::router)."""
+    return spawned_leader(st) and "router" in st.comm
 
 
 def group_listens(pgid: int, port: Any) -> bool:

@@ -338,16 +338,21 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def engine_leader_port(st: ProcStat) -> int | None:
-    """The port of `st` if it looks like an engine a daemon of ours spawned: our uid, leader of
-    its own session and process group (as EngineProcess.spawn makes them), with
-    `-m vllm.entrypoints.openai.api_server` and `--port P` on its command line; else None."""
+def spawned_leader(st: ProcStat) -> bool:
+    """`st` could be a process EngineProcess.spawn made: alive, not us, our uid, leader of its
+    own session and process group."""
     if st.pgrp != st.pid or st.state == "Z" or st.pid == os.getpid():
-        return None
+        return False
     try:
-        if os.stat(f"/proc/{st.pid}").st_uid != os.getuid() or os.getsid(st.pid) != st.pid:
-            return None
+        return os.stat(f"/proc/{st.pid}").st_uid == os.getuid() and os.getsid(st.pid) == st.pid
     except OSError:
+        return False
+
+
+def engine_leader_port(st: ProcStat) -> int | None:
+    """The port of `st` if it looks like an engine a daemon of ours spawned (spawned_leader),
+    with `-m vllm.entrypoints.openai.api_server` and `--port P` on its command line; else None."""
+    if not spawned_leader(st):
         return None
     argv = _cmdline(st.pid)
     if not any(a == "-m" and b == ENGINE_MODULE for a, b in zip(argv, argv[1:])):

@@ -27,6 +27,7 @@ from vime.harness.router_proc import VIME_FLAGS
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.engine.process import live_group_members, proc_stat
 
+from support.polling import wait_until
 from support.standins import STANDIN_GROUP as STANDIN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,11 +37,7 @@ SILENT = 10.0  # router.silent_timeout: long enough that a loaded host's slow an
 
 
 def wait(pred, timeout: float = 20.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while not (got := pred()):
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.05)
-    return got
+    return wait_until(pred, timeout, what, interval=0.05)
 
 
 def workers(url: str) -> list[str] | None:

@@ -24,17 +24,14 @@ from vime.cluster.routing import LostNodeRemoval, lost_urls
 from vime.harness.router_proc import RouterProc
 from vime.supervisor.client import SupervisorClient
 
+from support.polling import wait_until
 from support.standins import STANDIN_GROUP as STANDIN
 
 PERIOD = 0.5  # drift repair, short for the test
 
 
 def wait(pred, timeout: float = 20.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while not (got := pred()):
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.05)
-    return got
+    return wait_until(pred, timeout, what, interval=0.05)
 
 
 def node(tmp: Path, names: tuple[str, ...], router_url: str, **router) -> tuple[Daemon, str, dict[str, str]]:
