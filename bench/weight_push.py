@@ -19,10 +19,11 @@ What is measured, per tensor set (all on this machine, loopback TCP, CPU only):
 Each figure is the median of --repeat rounds; MB = 1e6 bytes.
 
 Fleet mode (--fleet 1,2,4,8) pushes one --fleet-mb tensor set into N stand-in receivers (the
-loopback processes above, one per receiver), for each N: the broadcast (FleetSender, one group,
-staged receive) and, in the same run, the sequential push (push_to_many(broadcast=False): one
-WeightSender group per receiver, one after the other), their ratio, and broadcast(N) /
-broadcast(1) beside log2(N+1) (gloo's binomial tree). Then one receiver of the largest N is
+loopback processes above, one per receiver), for each N and in the same run: FleetSender's chain
+(one group, staged receive, each bucket relayed rank to rank in chunks: the default), the same
+over gloo's binomial-tree broadcast (topology="tree"), and the sequential push
+(push_to_many(broadcast=False): one WeightSender group per receiver, one after the other), each
+against its own N = 1 figure, beside log2(N+1). Then one receiver of the largest N is
 SIGKILLed, and once SIGSTOPped, after bucket 1 of a push: the time from the fault to the push's
 failure against its bound (the deadline, rendezvous_s + bytes / floor rate), and the whole push
 with the survivors' redo.
@@ -363,23 +364,27 @@ def host_busy() -> tuple[float, float]:
 @dataclass
 class FleetRow:
     n: int
-    bcast_s: float
-    seq_s: float
-    bcast_cpu: float = float("nan")  # CPU cores busy (trainer + receivers) during the broadcasts
+    chain_s: float  # FleetSender's default: each bucket relayed rank to rank in chunks
+    tree_s: float  # gloo's binomial-tree broadcast (topology="tree")
+    seq_s: float  # one WeightSender group per receiver, one after the other
+    chain_cpu: float = float("nan")  # CPU cores busy (trainer + receivers) during the pushes
+    tree_cpu: float = float("nan")
     seq_cpu: float = float("nan")
 
 
-FLEET_HDR = (f"{'receivers':>9} {'bcast s':>8} {'seq s':>8} {'seq/bcast':>9} "
-             f"{'bcast(N)/bcast(1)':>17} {'log2(N+1)':>9} {'seq(N)/seq(1)':>13} "
-             f"{'cpu bcast':>9} {'cpu seq':>8}")
+FLEET_HDR = (f"{'receivers':>9} {'chain s':>8} {'tree s':>8} {'seq s':>8} "
+             f"{'chain(N)/chain(1)':>17} {'tree(N)/tree(1)':>15} {'log2(N+1)':>9} "
+             f"{'seq(N)/seq(1)':>13} {'seq/chain':>9} {'cpu chain':>9} {'cpu tree':>8} {'cpu seq':>7}")
 
 
 def fleet_line(row: FleetRow, one: FleetRow | None) -> str:
     """One table row; the ratios to N=1 need the N=1 row (`one`), '-' without it."""
-    b1 = f"{row.bcast_s / one.bcast_s:.2f}" if one else "-"
+    c1 = f"{row.chain_s / one.chain_s:.2f}" if one else "-"
+    t1 = f"{row.tree_s / one.tree_s:.2f}" if one else "-"
     s1 = f"{row.seq_s / one.seq_s:.2f}" if one else "-"
-    return (f"{row.n:>9} {row.bcast_s:>8.3f} {row.seq_s:>8.3f} {row.seq_s / row.bcast_s:>9.2f} "
-            f"{b1:>17} {math.log2(row.n + 1):>9.2f} {s1:>13} {row.bcast_cpu:>9.2f} {row.seq_cpu:>8.2f}")
+    return (f"{row.n:>9} {row.chain_s:>8.3f} {row.tree_s:>8.3f} {row.seq_s:>8.3f} {c1:>17} {t1:>15} "
+            f"{math.log2(row.n + 1):>9.2f} {s1:>13} {row.seq_s / row.chain_s:>9.2f} "
+            f"{row.chain_cpu:>9.2f} {row.tree_cpu:>8.2f} {row.seq_cpu:>7.2f}")
 
 
 def fleet_table(rows: list[FleetRow]) -> list[str]:
@@ -389,7 +394,7 @@ def fleet_table(rows: list[FleetRow]) -> list[str]:
 
 # -- fleet -----------------------------------------------------------------------------------
 def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_rdv_s: float,
-                links: Links | None = None) -> int:
+                links: Links | None = None, chunk: int | None = None) -> int:
     from vime.weight_sync.broadcast import FleetSender
     from vime.weight_sync.sender import push_to_many
 
@@ -408,7 +413,13 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
     print(f"fleet: {nb / MB:.0f} MB ({len(pairs)} tensors, bucket {bucket >> 20} MiB: {casts} "
           f"broadcasts, tensors of {DEFAULT_SOLO_BYTES >> 20} MiB or more alone), median of "
           f"{rounds}, {where}, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print("  cpu bcast / cpu seq: CPU cores busy (trainer + receivers, user + system) during the "
+    from vime.weight_sync.packing import DEFAULT_CHUNK_BYTES
+
+    chunk = chunk or DEFAULT_CHUNK_BYTES
+    print(f"  chain: FleetSender's default (each bucket relayed rank to rank in {chunk / (1 << 20):g} MiB "
+          "chunks); tree: "
+          "gloo's binomial-tree broadcast; seq: one group per receiver, one after the other")
+    print("  cpu chain / tree / seq: CPU cores busy (trainer + receivers, user + system) during the "
           "timed pushes")
     print("  " + FLEET_HDR, flush=True)
     rows: list[FleetRow] = []
@@ -418,17 +429,20 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
         for n in ns:
             sub = urls[:n]
             pids = [p.pid for p, _ in procs[:n]]
-            with FleetSender(bucket_bytes=bucket) as fs:
-                fs.push(sub, pairs, "warmup")
-                bc = []
-                c0, w0 = proc_cpu_s(pids), time.perf_counter()
-                for r in range(rounds):
-                    t0 = time.perf_counter()
-                    res = fs.push(sub, pairs, f"b{r}")
-                    bc.append(time.perf_counter() - t0)
-                    if not all(x.ok for x in res.values()):
-                        raise RuntimeError(f"broadcast into {n} failed: {res}")
-                bcpu = (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0)
+            timed: dict[str, tuple[float, float]] = {}
+            for topology in ("chain", "tree"):
+                with FleetSender(bucket_bytes=bucket, topology=topology, chunk_bytes=chunk) as fs:
+                    fs.push(sub, pairs, "warmup")
+                    bc = []
+                    c0, w0 = proc_cpu_s(pids), time.perf_counter()
+                    for r in range(rounds):
+                        t0 = time.perf_counter()
+                        res = fs.push(sub, pairs, f"{topology}{r}")
+                        bc.append(time.perf_counter() - t0)
+                        if not all(x.ok for x in res.values()):
+                            raise RuntimeError(f"{topology} broadcast into {n} failed: {res}")
+                    timed[topology] = (statistics.median(bc),
+                                       (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0))
             senders: dict = {}
             push_to_many(sub, pairs, "warmup", broadcast=False, senders=senders, bucket_bytes=bucket)
             sq = []
@@ -443,7 +457,8 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
             scpu = (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0)
             for s in senders.values():
                 s.close()
-            rows.append(FleetRow(n, statistics.median(bc), statistics.median(sq), bcpu, scpu))
+            rows.append(FleetRow(n, timed["chain"][0], timed["tree"][0], statistics.median(sq),
+                                 timed["chain"][1], timed["tree"][1], scpu))
             print("  " + fleet_table(rows)[-1], flush=True)
         n = max(ns)
         if n >= 2 and links is None:
@@ -481,7 +496,8 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
     return failed
 
 
-def fleet_with_links(ns: list[int], total_mb: float, rounds: int, bucket: int, mbit: float) -> int:
+def fleet_with_links(ns: list[int], total_mb: float, rounds: int, bucket: int, mbit: float,
+                     chunk: int | None = None) -> int:
     """fleet_bench over emulated links: builds the network, always tears it down."""
     why = link_preflight(os.geteuid())
     if why:
@@ -505,7 +521,7 @@ def fleet_with_links(ns: list[int], total_mb: float, rounds: int, bucket: int, m
         os.environ["GLOO_SOCKET_IFNAME"] = links.trainer_dev
         os.environ["VIME_RENDEZVOUS_ADDRESS"] = links.trainer_ip
         os.environ["VIME_PUSH_FLOOR_MBPS"] = f"{mbit / 8 / 10:g}"
-        return fleet_bench(ns, total_mb, rounds, bucket, 0.0, links)
+        return fleet_bench(ns, total_mb, rounds, bucket, 0.0, links, chunk)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -610,6 +626,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", default="4,64,256,512", help="tensor set sizes in MB")
     ap.add_argument("--big", action="store_true", help="also 1024 MB")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--chunk-mb", type=float, default=None,
+                    help="fleet mode: the chain's chunk in MiB (default: FleetSender's, 1)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-engine", action="store_true", help="skip the real-engine row")
     ap.add_argument("--fleet", default=None, metavar="N,N,...",
@@ -629,11 +647,12 @@ def main(argv=None) -> None:
         return raw_receiver(int(port), spec, int(rounds))
     if args.fleet:
         ns = sorted({int(x) for x in args.fleet.split(",") if x})
+        chunk = int(args.chunk_mb * (1 << 20)) if args.chunk_mb else None
         if args.link_mbit is not None:
             sys.exit(fleet_with_links(ns, args.fleet_mb, args.repeat, int(args.bucket_mb * (1 << 20)),
-                                      args.link_mbit))
+                                      args.link_mbit, chunk))
         sys.exit(fleet_bench(ns, args.fleet_mb, args.repeat, int(args.bucket_mb * (1 << 20)),
-                             args.fault_rendezvous_s))
+                             args.fault_rendezvous_s, chunk=chunk))
 
     bucket = int(args.bucket_mb * (1 << 20))
     sizes = [float(s) for s in args.sizes.split(",") if s] + ([1024.0] if args.big else [])

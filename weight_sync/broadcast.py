@@ -1,14 +1,17 @@
-"""Trainer side: push one version into a fleet of engines over ONE group (one broadcast per bucket).
+"""Trainer side: push one version into a fleet of engines over ONE group (a chain through every engine).
 
 `FleetSender` is `WeightSender`'s fleet path. The trainer is rank 0 and hosts the TCPStore;
 engine k joins with ``rank_offset = 1 + sum of the earlier engines' world sizes`` and
-``world_size = 1 + sum of all``. gloo's broadcast is a binomial tree (receivers forward to
-receivers) whose every rank sends to all its children at once: where links are the limit, a push
-into N engines costs about ceil(log2(N+1)) transfers on the trainer's link plus the tree's depth
-(4.53 at N = 8 over emulated 100 Mbit/s links, against 7.92 for N pushes; docs/benchmarks.md). The group
-is built once and reused; it is rebuilt only when the set of receiver URLs changes (or after a
-failure, which always drops it: a stale group must never block a push). WeightSender's
-per-engine group stays the path for the resync of one restarted engine.
+``world_size = 1 + sum of all``. Each bucket goes down a chain (``topology="chain"``, the
+default): the trainer sends it to rank 1 in ``chunk_bytes`` pieces and every rank forwards each
+piece to the next as it arrives (packing.ChainRelay), so every link carries it once and a push into N
+engines costs about one transfer plus N - 1 chunks (into one receiving rank: a plain
+broadcast, one op per bucket rather than per chunk). gloo's own broadcast (``topology="tree"``) is
+a binomial tree whose every rank sends to all its children at once: the trainer's link carries
+ceil(log2(N+1)) copies (docs/benchmarks.md has both, measured). The group is built once and
+reused; it is rebuilt only when the set of receiver URLs changes (or after a failure, which
+always drops it: a stale group must never block a push). WeightSender's per-engine group stays
+the path for the resync of one restarted engine.
 
 A push (every HTTP call to the N engines in parallel threads, never one after the other)::
 
@@ -26,7 +29,7 @@ Bounded by the bytes moved: ``deadline_s = rendezvous_s + bytes / floor rate``
 30 s) bounds the transfer phase, each collective on both sides (update_info.timeout_s) and the
 /update_weights calls. On a failure the trainer destroys its end of the group (closing its
 sockets fails its direct peers' receives at once); an engine stalled behind a stopped peer in the
-tree fails on its own per-receive timeout, so the engines' answers are awaited one more deadline
+chain (or tree) fails on its own per-receive timeout, so the engines' answers are awaited one more deadline
 at most, then the calls still open are cut (their sockets shut); an engine that does not answer
 GET /health then (stopped, gone) is cut at once. Every thread is joined or ends
 with its call; none outlives a push by more than its socket timeout.
@@ -58,7 +61,15 @@ from typing import Any
 
 from vime.weight_sync._http import HttpFailure, auth_headers, decode_body, run_in_thread
 from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
-from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, UpdatePlan, iter_buckets, plan_update
+from vime.weight_sync.packing import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_SOLO_BYTES,
+    TOPOLOGIES,
+    UpdatePlan,
+    ChainRelay,
+    iter_buckets,
+    plan_update,
+)
 from vime.weight_sync.sender import (
     DEFAULT_BUCKET_BYTES,
     ENV_RENDEZVOUS,
@@ -166,7 +177,8 @@ class FleetSender:
                  transfer_timeout: float | None = None, floor_mbps: float | None = None,
                  rendezvous_s: float | None = None, pause_mode: str | None = "abort",
                  progress: Progress | None = None, announce: Announce | None = None,
-                 on_done: OnDone | None = None, reuse_group: bool = True):
+                 on_done: OnDone | None = None, reuse_group: bool = True,
+                 topology: str = "chain", chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if backend == "nccl":
             raise NotImplementedError(
                 "FleetSender(backend='nccl') is not implemented (no GPU here to test it): push "
@@ -174,6 +186,10 @@ class FleetSender:
                 "WeightSender(url, backend='nccl')")
         if backend != "gloo":
             raise ValueError(f"backend must be 'gloo', not {backend!r}")
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, not {topology!r}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
         if pause_mode not in (None, "abort", "keep"):
             raise ValueError(f"pause_mode must be abort|keep|None, not {pause_mode!r}")
         self.master_address = master_address
@@ -185,10 +201,14 @@ class FleetSender:
         self.pause_mode = pause_mode
         self.progress, self.announce, self.on_done = progress, announce, on_done
         self.reuse_group = reuse_group
+        self.topology, self.chunk_bytes = topology, chunk_bytes
         self.group_inits = 0  # group rendezvous over this sender's life
         self._pg: Any = None
         self._store: Any = None
         self._members: tuple[str, ...] = ()  # the URLs the live group was built for, in rank order
+        # After a failed rendezvous the engines that joined keep waiting in theirs (their /init
+        # timeout_s, one deadline) and answer nothing else meanwhile: the next build waits that out.
+        self._joining_until = 0.0
 
     # -- plumbing ---------------------------------------------------------------------------
     def deadline_for(self, nbytes: int) -> float:
@@ -255,7 +275,8 @@ class FleetSender:
         import torch.distributed as dist
 
         self._drop_group()
-        sizes = self._each(urls, "GET", "/get_world_size", timeout=self.http_timeout)
+        busy = max(0.0, self._joining_until - time.monotonic())
+        sizes = self._each(urls, "GET", "/get_world_size", timeout=self.http_timeout + busy)
         members, world = [], 1
         offsets: dict[str, int] = {}
         ranks: dict[str, range] = {}
@@ -312,6 +333,7 @@ class FleetSender:
             # The group cannot form without them (its constructor gives up after rdv); the
             # others loaded nothing: intact, and in the redo's group if there is one.
             why = make_pg.exception() if make_pg.done() else TimeoutError("rendezvous timed out")
+            self._joining_until = time.monotonic() + deadline + GRACE_S
             for u in members:
                 if u not in failed:
                     results[u].status = "intact"
@@ -442,14 +464,23 @@ class FleetSender:
         buckets (one more thread). True when every member loaded every byte."""
         n_buckets = len(plan.buckets) if plan.buckets is not None else len(pairs)
         op_timeout = timedelta(seconds=deadline)
+        # One receiving rank: a chain of one is a plain send, which gloo's broadcast makes in one
+        # op per bucket instead of one per chunk (measured: 0.13 s against 0.42 s for 63 MB).
+        topology = self.topology if self._pg is not None and self._pg.size() > 2 else "tree"
 
         def broadcasts():
             pending: Any = None  # bucket i+1 is packed while bucket i is on the wire
             work: Any = None
+            chain = (ChainRelay(self.chunk_bytes, send=self._send_first, timeout=op_timeout)
+                     if topology == "chain" else None)
             try:
                 for i, buf in enumerate(iter_buckets(plan, (t for _, t in pairs))):
                     if self._pg is None:
                         raise WeightSyncError("fleet group dropped during the transfer")
+                    if chain is not None:  # every chunk to rank 1, which relays it
+                        chain.add(buf)
+                        self._note("bucket_sent", index=i, of=n_buckets)
+                        continue
                     work = self._pg.broadcast(buf, 0, op_timeout)  # no local ref to the group
                     if pending is not None:
                         pending[1].wait()
@@ -459,13 +490,16 @@ class FleetSender:
                 if pending is not None:
                     pending[1].wait()
                     self._note("bucket_sent", index=pending[0], of=n_buckets)
+                if chain is not None:
+                    chain.drain()
             except BaseException as e:
                 # The future keeps the exception: no frame of it may keep a Work (and through
                 # it the group) alive, or destroying the group would not close its sockets.
-                pending = work = None
+                pending = work = chain = None
                 raise _detached(e) from None
 
-        info = {**plan.update_info(), "staged": True, "timeout_s": deadline}
+        info = {**plan.update_info(), "staged": True, "timeout_s": deadline,
+                "topology": topology, "chunk_bytes": self.chunk_bytes}
         calls = {u: _Call(u, "POST", "/update_weights", body={"update_info": info},
                           timeout=deadline + GRACE_S) for u in members}
         futs = {u: run_in_thread(c.run, name="fleet-update-http") for u, c in calls.items()}
@@ -517,6 +551,11 @@ class FleetSender:
         if loaded:
             self._finish(loaded, results[loaded[0]].version, deadline, results)
         return False
+
+    def _send_first(self, view):
+        if self._pg is None:
+            raise WeightSyncError("fleet group dropped during the transfer")
+        return self._pg.send([view], 1, 0)
 
     def _finish(self, urls: list[str], version: str, deadline: float,
                 results: dict[str, PushResult]) -> None:

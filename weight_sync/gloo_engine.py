@@ -14,6 +14,9 @@ vLLM's own HTTP routes then drive it exactly as they drive the built-in ``nccl``
   ``model.load_weights`` them. Without ``buckets``: one broadcast per tensor (the NCCL engine's
   unpacked wire format). With ``buckets``: one broadcast per bucket of a flat uint8 buffer (see
   vime.weight_sync.packing). ``timeout_s`` bounds each receive (default: the group's timeout).
+  ``"topology": "chain"`` (the fleet push): instead of gloo's tree broadcast, each bucket arrives
+  from the previous rank in ``chunk_bytes`` pieces and is forwarded to the next rank as it
+  arrives (packing.ChainRelay), so every link carries it once.
 
   Streaming (default): ``initialize_layerwise_reload(model)`` (parameters to meta), then each
   bucket is loaded as it arrives; any failure poisons. Staged (``"staged": true``, the fleet
@@ -49,7 +52,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from vime.weight_sync.packing import DEFAULT_BUCKET_ALIGN, receive_update
+from vime.weight_sync.packing import (
+    DEFAULT_BUCKET_ALIGN,
+    DEFAULT_CHUNK_BYTES,
+    TOPOLOGIES,
+    ChainRelay,
+    receive_update,
+)
 
 logger = init_logger("vllm.plugins.vime_gloo_weight_transfer")  # under "vllm": gets its handlers
 
@@ -95,6 +104,8 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     bucket_nbytes: list[int] | None = None
     bucket_align: int = DEFAULT_BUCKET_ALIGN
     staged: bool = False  # receive everything before touching the model (see the module doc)
+    topology: str = "tree"  # "chain": relay each bucket to the next rank, chunk by chunk
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the chain's pipelining unit
     timeout_s: float | None = None  # per receive; the sender derives it from the bytes moved
 
     def __post_init__(self) -> None:
@@ -107,6 +118,23 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 raise ValueError(f"buckets {self.buckets[:8]}... do not partition {n} tensors")
             if self.bucket_nbytes is not None and len(self.bucket_nbytes) != len(self.buckets):
                 raise ValueError("bucket_nbytes and buckets lengths differ")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, not {self.topology!r}")
+        if self.chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, not {self.chunk_bytes}")
+
+
+def _mtp_guard():
+    """vLLM's disable_mtp_completeness_check (a no-op context where vLLM has none). Its import
+    pulls in the model loader: seconds in a process that has no model (the stand-in), so the
+    engine resolves it when it is built, not in a rendezvous or a receive others wait on."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+    except ImportError:  # pragma: no cover - older/newer vLLM
+        from contextlib import nullcontext as disable_mtp_completeness_check
+    return disable_mtp_completeness_check
 
 
 class GlooWeightTransferEngine(
@@ -124,6 +152,9 @@ class GlooWeightTransferEngine(
         self._in_session = False
         self._reload_begun = False  # the model was touched in this session
         self._op_timeout: timedelta | None = None  # per receive, from update_info.timeout_s
+        self._rank = 0  # ours in the group, and its size (the chain's neighbours)
+        self._world = 0
+        self._mtp_guard = _mtp_guard()  # imported now, not while a sender waits on us
 
     # -- reload (a model-free stand-in overrides these two) ----------------------------------
     def _begin_reload(self) -> None:
@@ -152,6 +183,7 @@ class GlooWeightTransferEngine(
         self.group = stateless_init_torch_distributed_process_group(
             init_info.master_address, init_info.master_port, rank, init_info.world_size,
             backend="gloo", timeout=self.timeout)
+        self._rank, self._world = rank, init_info.world_size
         logger.info("gloo weight transfer: joined %s:%d as rank %d/%d in %.3fs",
                     init_info.master_address, init_info.master_port, rank,
                     init_info.world_size, time.monotonic() - t0)
@@ -214,38 +246,52 @@ class GlooWeightTransferEngine(
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         self._check_ready()
-        try:
-            from vllm.model_executor.model_loader.mtp_validation import (
-                disable_mtp_completeness_check,
-            )
-        except ImportError:  # pragma: no cover - older/newer vLLM
-            from contextlib import nullcontext as disable_mtp_completeness_check
-
+        disable_mtp_completeness_check = self._mtp_guard
         self._op_timeout = (timedelta(seconds=float(update_info.timeout_s))
                             if update_info.timeout_s else self.timeout)
         t0 = time.monotonic()
         staged: list = []
+        post, chain = self._broadcast, None
+        if update_info.topology == "chain":
+            chain = ChainRelay(update_info.chunk_bytes, recv=self._recv_prev,
+                               send=self._send_next if self._rank + 1 < self._world else None,
+                               timeout=self._op_timeout)
+            post = chain.add
         with disable_mtp_completeness_check():
             if update_info.staged:
-                n = receive_update(self._broadcast, asdict(update_info), staged.append)
+                n = receive_update(post, asdict(update_info), staged.append)
+                if chain is not None:
+                    chain.drain()  # the next rank has every byte too
                 t1 = time.monotonic()
                 self._begin_reload_once()
                 while staged:  # drop each bucket once loaded (the reload may keep its views)
                     self.model.load_weights(staged.pop(0))
             else:
                 self._begin_reload_once()
-                n = receive_update(self._broadcast, asdict(update_info), self.model.load_weights)
+                n = receive_update(post, asdict(update_info), self.model.load_weights)
+                if chain is not None:
+                    chain.drain()
                 t1 = time.monotonic()
         dt = time.monotonic() - t0
         logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)%s",
                     len(update_info.names), n / 1e6, dt, n / 1e6 / max(dt, 1e-9),
                     f", staged: received in {t1 - t0:.3f}s" if update_info.staged else "")
 
-    def _broadcast(self, buf: torch.Tensor):
-        # Reads self.group each time and keeps no reference in this frame (see receive_update).
+    # The three posts below read self.group each time and keep no reference to it in their
+    # frames (see receive_update): a dropped group must be destroyable mid-transfer.
+    def _live_group(self):
         if self.group is None:
             raise RuntimeError(f"{NOT_INITIALIZED} (group dropped during the transfer)")
-        return self.group.broadcast(buf, 0, self._op_timeout or self.timeout)
+        return self.group
+
+    def _broadcast(self, buf: torch.Tensor):
+        return self._live_group().broadcast(buf, 0, self._op_timeout or self.timeout)
+
+    def _recv_prev(self, view: torch.Tensor):
+        return self._live_group().recv([view], self._rank - 1, 0)
+
+    def _send_next(self, view: torch.Tensor):
+        return self._live_group().send([view], self._rank + 1, 0)
 
     def finish_weight_update(self) -> None:
         if self.poisoned is not None:

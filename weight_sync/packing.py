@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 DEFAULT_BUCKET_ALIGN = 16
+# The chain's pipelining unit: a hop delays the rest of the chain by one chunk's time, so a push
+# into N receivers costs about (bytes + (N - 1) * chunk) / link rate.
+DEFAULT_CHUNK_BYTES = 1 << 20
+RELAY_WINDOW = 8  # sends in flight per relay (chunks are views: this bounds work, not memory)
+RECV_AHEAD = 4  # receives posted ahead of the chunk awaited
+TOPOLOGIES = ("chain", "tree")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -217,3 +223,90 @@ def receive_update(broadcast, update_info: dict, load_weights) -> int:
         load_weights(unpack_bucket(buf, names[sl], dtypes[sl], shapes[sl], align))
         del buf, work
     return sum(totals)
+
+
+def chunk_bounds(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of a buffer of nbytes (none for an empty buffer)."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, not {chunk}")
+    return [(a, min(a + chunk, nbytes)) for a in range(0, nbytes, chunk)]
+
+
+class ChainRelay:
+    """The buffers of one push through one link of a chain broadcast, pipelined by chunks.
+
+    The trainer (rank 0) sends each chunk to rank 1; rank r receives each chunk from r - 1 and,
+    unless it is the last, forwards it to r + 1 as soon as it arrived, while the next ones arrive.
+    Every link then carries the push once, so a push into N receivers costs about one transfer
+    plus N - 1 chunks, where gloo's binomial-tree broadcast sends ceil(log2(N + 1)) copies down
+    the trainer's link.
+
+    `recv(view)` / `send(view)` post an asynchronous receive / send of a contiguous view and
+    return its Work; `timeout` (a timedelta) bounds each wait. The chunks of every buffer `add`ed
+    form one sequence: receives are posted RECV_AHEAD chunks ahead in that order (gloo matches a
+    peer's sends to our receives in posting order), across buffers, so the sender never waits on
+    us to post one; at most RELAY_WINDOW sends are in flight. `add` returns a Work for the buffer
+    (waited: every chunk of it arrived and was forwarded); `drain` waits out the last sends.
+    """
+
+    def __init__(self, chunk: int, recv=None, send=None, timeout=None) -> None:
+        if chunk <= 0:
+            raise ValueError(f"chunk must be positive, not {chunk}")
+        self.chunk, self._recv, self._send, self._timeout = chunk, recv, send, timeout
+        self._chunks: list = []  # views, in order; None once forwarded
+        self._posted: list = []  # receive Works, for chunks [_done, _done + len)
+        self._done = 0  # chunks arrived (and their forwards posted)
+        self._sends: list = []
+
+    def _wait(self, work) -> None:
+        if self._timeout is None:
+            work.wait()
+        else:
+            work.wait(self._timeout)
+
+    def add(self, buf: torch.Tensor) -> "_Through":
+        flat = buf.reshape(-1)
+        for a, b in chunk_bounds(flat.numel(), self.chunk):
+            self._chunks.append(flat[a:b])
+        self._post_ahead()
+        if self._recv is None:  # the source: nothing to wait for before sending
+            self._through(len(self._chunks))
+        return _Through(self, len(self._chunks))
+
+    def _post_ahead(self) -> None:
+        if self._recv is None:
+            return
+        while (len(self._posted) < RECV_AHEAD
+               and self._done + len(self._posted) < len(self._chunks)):
+            self._posted.append(self._recv(self._chunks[self._done + len(self._posted)]))
+
+    def _through(self, end: int) -> None:
+        """Every chunk before `end` arrived and its forward posted."""
+        while self._done < end:
+            if self._recv is not None:
+                self._wait(self._posted.pop(0))
+            view, self._chunks[self._done] = self._chunks[self._done], None
+            self._done += 1
+            self._post_ahead()
+            if self._send is not None:
+                self._sends.append(self._send(view))
+                if len(self._sends) > RELAY_WINDOW:
+                    self._wait(self._sends.pop(0))
+
+    def drain(self) -> None:
+        """Every chunk added arrived and was forwarded, every send completed."""
+        self._through(len(self._chunks))
+        while self._sends:
+            self._wait(self._sends.pop(0))
+
+
+class _Through:
+    """The Work `ChainRelay.add` returns: waited, its buffer arrived and was forwarded."""
+
+    def __init__(self, relay: ChainRelay, end: int) -> None:
+        self._relay, self._end = relay, end
+
+    def wait(self, timeout=None) -> bool:
+        self._relay._through(self._end)
+        return True
+

@@ -22,9 +22,9 @@ def test_fleet_short_form_prints_the_table_and_the_fault_rows():
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     table = out.stdout.split("\n\n")[-1].splitlines()
-    assert table[0].split()[:3] == ["receivers", "bcast", "s"]
+    assert table[0].split()[:5] == ["receivers", "chain", "s", "tree", "s"]
     rows = {line.split()[0]: line.split() for line in table[2:] if line[:1].isdigit() or line.lstrip()[:1].isdigit()}
-    assert set(rows) == {"1", "2"} and float(rows["2"][5]) == pytest.approx(1.58, abs=0.01)
+    assert set(rows) == {"1", "2"} and float(rows["2"][6]) == pytest.approx(1.58, abs=0.01)
     for sig in ("SIGKILL", "SIGSTOP"):
         line = next(x for x in table if x.startswith(sig))
         assert "survivors at the version 1/1" in line and "faulted one unreachable" in line, line
@@ -96,11 +96,12 @@ def test_link_mode_refuses_a_non_root_user_before_building_anything(monkeypatch,
 
 
 def test_fleet_table_ratios_against_one_receiver():
-    rows = [wp.FleetRow(1, 2.0, 2.0, 0.04, 0.03), wp.FleetRow(8, 8.0, 16.0, 0.1, 0.05)]
+    rows = [wp.FleetRow(1, 2.0, 2.0, 2.0, 0.04, 0.05, 0.03),
+            wp.FleetRow(8, 2.5, 8.0, 16.0, 0.1, 0.2, 0.05)]
     table = wp.fleet_table(rows)
     assert table[0] == wp.FLEET_HDR and set(table[1]) == {"-"}
     eight = table[3].split()
-    assert eight[:7] == ["8", "8.000", "16.000", "2.00", "4.00", "3.17", "8.00"]
-    assert eight[7:] == ["0.10", "0.05"]
+    assert eight[:9] == ["8", "2.500", "8.000", "16.000", "1.25", "4.00", "3.17", "8.00", "6.40"]
+    assert eight[9:] == ["0.10", "0.20", "0.05"]
     no_one = wp.fleet_table(rows[1:])[2].split()  # no N=1 row: no ratio to it
-    assert no_one[4] == "-" and no_one[6] == "-"
+    assert no_one[4] == no_one[5] == no_one[7] == "-"
