@@ -410,15 +410,30 @@ class ChaosLoop(RLLoop):
             fault.confirmed = True  # a request was mid-stream on it
             self._inject(fault, step, "during the round (a long request mid-stream)", engines)
             return
+        core, snapshot = None, None
+        if fault.kind == "hang":
+            # The EngineCore is looked up first (a daemon call and a /proc scan): done between
+            # seeing a request in flight and the SIGSTOP, they let a short round end first and
+            # the hang land in the gap. The stop then goes from this thread, at once.
+            snapshot = [dict(e) for e in await asyncio.to_thread(self.view.engines)]
+            pid = next((e.get("pid") for e in snapshot if e["name"] == fault.engine), None)
+            try:
+                core = await asyncio.to_thread(faults.engine_core_pid, pid) if isinstance(pid, int) else None
+            except LookupError:  # _inject looks again and reports it as before
+                core = None
         await self._in_flight(gather, None if fault.kind in faults.NO_ENGINE else fault.engine)
         if gather.done():  # the round finished first: try again at the next step
             fault.engine = None
             fault.note = f"round of step {step} ended before the injection; postponed"
             return
         fault.confirmed = True  # injected with the round's requests in flight
-        await asyncio.to_thread(self._inject, fault, step, "during the round")
+        if core is not None:
+            self._inject(fault, step, "during the round", snapshot, core)
+        else:
+            await asyncio.to_thread(self._inject, fault, step, "during the round")
 
-    def _inject(self, fault: faults.Fault, step: int, when: str, engines: list[dict[str, Any]] | None = None) -> None:
+    def _inject(self, fault: faults.Fault, step: int, when: str, engines: list[dict[str, Any]] | None = None,
+                core: int | None = None) -> None:
         engines = [dict(e) for e in self.view.engines()] if engines is None else engines
         fault.fired_step, fault.injected_at = step, time.time()
         if fault.kind == "daemon":
@@ -430,7 +445,7 @@ class ChaosLoop(RLLoop):
         fault.pid, fault.incarnation = eng.get("pid"), eng.get("incarnation")
         assert fault.engine is not None and fault.pid is not None  # a spawned engine of the fleet
         if fault.kind == "hang":
-            core = faults.hang_core(fault.pid)
+            core = faults.hang_core(fault.pid, core)
             fault.note = f"EngineCore pid {core}"
             self.log(f"FAULT SIGSTOP {fault.engine}'s EngineCore (pid {core}) {when} of step {step}")
             return

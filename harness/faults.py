@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from vime.harness.local_daemon import child_pids
+from vime.supervisor.engine.process import proc_stat
 from vime.supervisor.protocol import Cause, Event, State
 
 MID_PUSH = ("kill-mid-push", "stop-mid-push", "trainer-dies-mid-push")  # during the step's broadcast
@@ -142,10 +143,13 @@ def engine_core_pid(server_pid: int) -> int:
     return cores[0]
 
 
-def hang_core(server_pid: int) -> int:
-    core = engine_core_pid(server_pid)
-    os.kill(core, signal.SIGSTOP)
-    return core
+def hang_core(server_pid: int, core: int | None = None) -> int:
+    """SIGSTOP of an engine's EngineCore (core: its pid, when already looked up; looked up
+    again unless it is still that server's child, so a reused pid is never stopped)."""
+    st = proc_stat(core) if core is not None else None  # one file: cheap just before a signal
+    pid = st.pid if st is not None and st.ppid == server_pid else engine_core_pid(server_pid)
+    os.kill(pid, signal.SIGSTOP)
+    return pid
 
 
 def kill_group(pid: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,24 @@ def world(tiny_model, tmp_path_factory):
         pids = set(daemon.spawned_pids())
         assert daemon.terminate(60) == 0
         assert live_pids_in_groups(pids) == []
+
+
+def daemon_log(daemon: Daemon, t0: float | None, t1: float | None, pad: float = 2.0) -> list[str]:
+    """The daemon's own log lines (its structlog events) from t0 - pad to t1 + pad: what a
+    failed timing assertion needs to be read from CI's output alone."""
+    if t0 is None:
+        return []
+    end = (t1 or t0 + 60) + pad
+    out = []
+    for ev in list(daemon.events):
+        try:
+            ts = datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (KeyError, ValueError, AttributeError):
+            continue
+        if t0 - pad <= ts <= end and not str(ev.get("event", "")).startswith("probe"):
+            rest = {k: v for k, v in ev.items() if k not in ("timestamp", "event", "level", "logger")}
+            out.append(f"{ts - t0:+.2f} {ev.get('event')} {json.dumps(rest, default=str)[:300]}")
+    return out
 
 
 def loop_args(root: Path, sock: str | None, model: Path, *extra: str):
@@ -83,7 +102,8 @@ def test_faults_are_detected_and_every_engine_ends_on_the_trainers_version(world
     # the hang, in the gap for the failed push (it happens there); the failed engine came back
     # as the spare (never routed on base weights).
     for f in rep.faults:
-        assert f.spare is not None and f.filled_in_round() == (f.kind != "push"), f.as_dict()
+        assert f.spare is not None and f.filled_in_round() == (f.kind != "push"), \
+            (f.as_dict(), daemon_log(world[1], f.injected_at, f.resynced_at))
         assert f.resync_reason.startswith("back as the spare"), f.as_dict()
     # The kill cut the long tail mid-stream: continued from the streamed tokens, none generated twice.
     assert sum(s.continued for s in rep.steps) >= 1 and sum(s.tokens_reused for s in rep.steps) > 0
