@@ -39,6 +39,7 @@ from vime.harness.local_daemon import Daemon, write_config  # noqa: E402
 from vime.supervisor.limits import nofile_needed  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+MIN_TICKS = 20  # below this a ratio is quantization: 1 tick against 2 reads as 0.5
 PER_PROCESS = 256  # stand-ins per helper process (each an aiohttp app on its own port)
 # Descriptors of this bench beside the daemon's own need: its client, the log pipe, the
 # stand-in helpers' pipes (each helper has the same limit and uses about 3 per stand-in).
@@ -164,7 +165,7 @@ def run(n: int, seconds: float, interval: float, timeout: float, tmp: Path, clie
     probes = sum(e["probes"] for e in after["engines"]) - sum(e["probes"] for e in before["engines"])
     failed = sum(e["probe_failures"] for e in after["engines"]) - sum(e["probe_failures"] for e in before["engines"])
     late = sum(e["late_probes"] for e in after["engines"]) - sum(e["late_probes"] for e in before["engines"])
-    return {"n": n, "cpu": 100 * (c1 - c0) / (t1 - t0), "rss": rss, "probes": probes,
+    return {"n": n, "cpu": 100 * (c1 - c0) / (t1 - t0), "ticks": round((c1 - c0) * TICK), "rss": rss, "probes": probes,
             "expected": n * seconds / interval, "failed": failed, "late": late, "up": up}
 
 
@@ -204,17 +205,25 @@ def main() -> None:
     print(f"{'engines':>8} {'cpu % core':>10} {'aiohttp %':>10} {'ratio':>6} {'rss MiB':>8} {'probes':>8} "
           f"{'expected':>9} {'failed':>7} {'late':>5} {'up s':>6}")
     nan = float("nan")
+    coarse = False
     for n, pair in rows:
         r, b = pair.get("lean"), pair.get("aiohttp")
         if r is None:
             print(f"{n:>8} {'FAILED':>10} " + (f"{b['cpu']:10.1f}" if b else f"{'FAILED':>10}"))
             continue
         bcpu = b["cpu"] if b else nan
-        ratio = r["cpu"] / bcpu if b and bcpu > 0 else nan
-        print(f"{n:>8} {r['cpu']:10.1f} {bcpu:10.1f} {ratio:6.2f} {r['rss']:8.0f} {r['probes']:8d} "
+        # /proc counts CPU in clock ticks (10 ms): a ratio of a few ticks is noise, not a figure
+        if b and min(r["ticks"], b["ticks"]) >= MIN_TICKS:
+            ratio = f"{r['cpu'] / bcpu:6.2f}"
+        else:
+            ratio, coarse = f"{'-':>6}", coarse or bool(b)
+        print(f"{n:>8} {r['cpu']:10.1f} {bcpu:10.1f} {ratio} {r['rss']:8.0f} {r['probes']:8d} "
               f"{r['expected']:9.0f} {r['failed']:7d} {r['late']:5d} {r['up']:6.1f}")
     print("(baseline: the same daemon and fleet with its probes over aiohttp's client, VIME_PROBE_HTTP=aiohttp; "
           "up s: start to every engine routable)")
+    if coarse:
+        print(f"(ratio -: under {MIN_TICKS} clock ticks of CPU ({1000 / TICK:g} ms each) in the window; "
+              "a longer --seconds measures it)")
     for (n, kind), why in failed.items():
         print(f"FAILED {n} engines, {kind} probes: {why}")
     if failed:

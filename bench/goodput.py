@@ -58,7 +58,8 @@ Flags:
                    kept and printed);
   --model DIR      the tiny model (built there if empty; default $VIME_TINY_MODEL_CACHE, else
                    in --runs);
-  --timeout S      longest one configuration may run (default 2700; --quick 1200);
+  --timeout S      longest one configuration may run (default 2700; --quick 1200); past it the
+                   demo gets SIGTERM (it stops its daemon and engines), SIGKILL 120 s later;
   --out PATH       the rows as JSON (default goodput.json);
   --read DIR       run nothing: read the run folders a former bench left in DIR (its --runs)
                    and print their table again (a former bench's "faults" folder is today's
@@ -288,15 +289,28 @@ def _say(msg: str) -> None:
     print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+# The demo's own stop: its loop's round, then the daemon's SIGTERM (SIGKILL after 30 s), with room.
+STOP_GRACE = 120.0
+
+
 def run_config(cfg: Config, run_dir: Path, model: Path, loop: list[str], timeout: float) -> tuple[DirRun, str | None]:
     """One configuration's demo run, its output in run_dir.log; its Run, and the demo's
     problems (None when it reported none)."""
     argv = demo_argv(cfg, run_dir, model, loop)
     _say(f"{cfg.name}: {' '.join(argv[1:])}")
     with open(run_dir.with_suffix(".log"), "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         try:
-            rc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # SIGTERM, as a user's Ctrl-C: the demo ends its round and stops its daemon, which stops
+            # every engine (a SIGKILL would leave the daemon, in a session of its own, running them).
+            proc.terminate()
+            try:
+                proc.wait(timeout=STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             raise TimeoutError(f"the demo ran past --timeout {timeout:g}s (its output: {out.name})") from None
     return read_dir(run_dir, cfg.target, cfg.name), _problems(run_dir, rc)
 

@@ -59,7 +59,9 @@ from vime.trainer.tiny_model import build_tiny_model
 # kind): a clean one, and one with the journal torn after a kill -9.
 GAP_RESTARTS = {"daemon-term": "SIGTERM then start (clean restart)",
                 "daemon-corrupt": "kill -9, journal torn, then start"}
-SHORT = ["kill-gap", "daemon", "disconnect", "crash-start", "poison-reload", "daemon-term", "daemon-corrupt"]
+# The short form CI runs: the faults no other engine test makes. An engine's kill -9 (in a
+# round, in a gap) and its resync are tests/engine's (engines, resync, rl_loop); each costs a boot.
+SHORT = ["daemon", "disconnect", "crash-start", "poison-reload", "daemon-term", "daemon-corrupt"]
 # The mid-push faults (faults.MID_PUSH) run in the long form only: each costs a push's bound or
 # a restart of every engine, more than CI's budget.
 LONG = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "disconnect", "daemon",

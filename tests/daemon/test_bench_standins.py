@@ -33,9 +33,13 @@ def test_fleet_scale_short_form(tmp_path):
     for n in (8,):  # printed as each fleet is measured, then in the table
         assert f"measured {n} engines, lean probes" in out and f"measured {n} engines, aiohttp probes" in out
     table = out[out.index("fleet scale: one daemon"):].splitlines()
-    rows = {int(r.split()[0]): numbers(r) for r in table if r.split() and r.split()[0].isdigit()}
+    rows = {int(r.split()[0]): r.split() for r in table if r.split() and r.split()[0].isdigit()}
     assert set(rows) == {8}
-    for n, (_, cpu, base, _ratio, rss, probes, expected, failed, late, up) in rows.items():
+    for n, row in rows.items():
+        # a 1 s window holds a few clock ticks of the daemon's CPU: the bench prints no ratio of those
+        assert ((row[3] == "-" and "(ratio -: under" in out)
+                or (row[3] != "-" and math.isfinite(float(row[3])))), row
+        _, cpu, base, rss, probes, expected, failed, late, up = numbers(" ".join(row[:3] + row[4:]))
         assert cpu >= 0 and base >= 0 and rss > 0 and up > 0
         assert expected == n and probes > 0 and failed >= 0 and late >= 0
 

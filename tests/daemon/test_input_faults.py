@@ -370,7 +370,7 @@ def test_fault7_reload_timeout_starts_when_the_engine_is_asked(tmp_path):
 
 
 def test_fault7_reload_failure_reason_is_never_empty(tmp_path):
-    engines = AttachedStandIns(1, reload_s=30)  # never within sync_timeout
+    engines = AttachedStandIns(1, reload_s=6)  # never within sync_timeout (1 s)
     d = start_daemon(tmp_path / "d", engines.engines(), supervisor={"sync_timeout": 1.0, "min_healthy": 0})
     try:
         wait_until(lambda: all_running(d.sock, None), 30, "stand-in RUNNING")

@@ -1,5 +1,5 @@
 """The chaos soak, short form: the RL loop on two real engines under the daemon while a seeded
-schedule kills an engine in a round gap, kills the daemon (restarted as systemd would),
+schedule kills the daemon (restarted as systemd would),
 restarts the daemon cleanly (SIGTERM, then start) and after a torn journal (kill -9, journal
 corrupted, then start) in round gaps, disconnects the trainer mid-round, crashes an engine at
 start and poisons a checkpoint reload, with fuzzed requests at the control socket all along. Every check of harness/soak.py
