@@ -34,7 +34,7 @@ from .engine.fsm import vlabel
 from .states import Transition
 from .protocol import Event, to_deadline
 from .states import ACTIVE, Cause, State
-from .tasks import TaskSet, within
+from .tasks import TaskSet, sleep_until, within
 
 S = State
 log = structlog.get_logger("vime.sync")
@@ -487,7 +487,7 @@ class PushCoordinator(Listener):
         return {**fields, "late": now >= push.deadline, "engines": list(push.engines)}
 
     async def _expire(self, push: Push) -> None:
-        await asyncio.sleep(max(0.0, push.expires - self.book.clock()))
+        await sleep_until(push.expires, self.book.clock)
         self._timers.pop(push.id, None)
         for gone in self.book.expired():
             # Not cleared from the receivers: one still paused past the deadline is condemned

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import pytest
 
-from vime.supervisor.tasks import TaskSet, cancel_and_wait, wait_event, within
+from vime.supervisor.tasks import TaskSet, cancel_and_wait, sleep_until, wait_event, within
 
 
 async def test_aclose_cancels_and_awaits_every_task_left():
@@ -95,3 +96,45 @@ async def test_within_never_swallows_a_cancel_that_comes_as_its_awaitable_comple
         await within(slow, 0.01)
     assert slow.cancelled()
     assert await within(asyncio.sleep(0.01, "late"), None) == "late"
+
+
+async def test_sleep_until_waits_out_a_loop_whose_time_is_stale():
+    # The loop's timers run on the loop's own time, which may lag the clock a deadline is read
+    # on (uvloop caches it per iteration): one asyncio.sleep(when - clock()) then ends early.
+    # Stand-in: the clock's first two reads (the deadline, the first delay) are 50 ms ahead.
+    loop = asyncio.get_running_loop()
+
+    def stale_for_two_reads():
+        reads = 0
+
+        def clock() -> float:
+            nonlocal reads
+            reads += 1
+            return loop.time() + (0.05 if reads <= 2 else 0.0)
+        return clock
+
+    clock = stale_for_two_reads()
+    when = clock() + 0.1
+    await asyncio.sleep(when - clock())
+    assert clock() < when  # what one sleep does: ends about 50 ms early
+
+    clock = stale_for_two_reads()
+    when = clock() + 0.1
+    await sleep_until(when, clock)
+    assert clock() >= when
+
+
+def test_sleep_until_is_never_early_on_uvloop():
+    import random
+
+    import uvloop
+
+    async def early_ones() -> int:
+        early = 0
+        for _ in range(200):
+            target = time.monotonic() + random.uniform(0.001, 0.01)
+            await sleep_until(target, time.monotonic)
+            early += time.monotonic() < target
+        return early
+
+    assert uvloop.run(early_ones()) == 0
