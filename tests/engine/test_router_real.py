@@ -152,6 +152,14 @@ class Poller:
             self.seen.append(Sample(t, answered, versions))
             time.sleep(0.05)
 
+    def wait(self, after: float, n: int = 5, timeout: float = 60) -> None:
+        """Until n polls sent after `after` (time.time()) are in: on a loaded host one poll
+        can take seconds (two 2 s /weight_info bounds), so a fixed sleep may see none."""
+        deadline = time.monotonic() + timeout
+        while sum(s.sent > after for s in self.seen) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} polls in {timeout}s: {self.seen[-3:]}"
+            time.sleep(0.05)
+
     def stop(self) -> list[Sample]:
         self._stop.set()
         self.thread.join(10)
@@ -249,7 +257,7 @@ def test_1_publish_stale_engine_out_until_verified(setup):
     while urls["engine-1"] not in router.workers():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(2)
+    poller.wait(after=time.time())
     done, seen = load.stop(), poller.stop()
     count_suspects(stream, load, None)
 
@@ -309,7 +317,7 @@ def test_2_killed_engine_out_at_once_back_only_when_verified(setup):
     while victim not in router.workers():
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(2)
+    poller.wait(after=max(time.time(), running["ts"] + 0.5))
     done, seen = load.stop(), poller.stop()
     count_suspects(stream, load, "engine-1")
 
