@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient
-from vime.harness.local_daemon import Daemon, ENGINE_ARGS, EventStream, free_port
+from vime.harness.local_daemon import Daemon, ENGINE_ARGS, EventStream, child_pids, free_port
 from vime.trainer.dumps import Sample, batch_differences, build_training_batch, load_rollout, save_rollout
 from vime.trainer.rollout import (ABORT, DIED, MALFORMED, OK, REFUSED, NoEngineAvailable, RolloutClient,
                                   RolloutRequestError)
@@ -367,10 +367,11 @@ async def test_version_pushed_mid_batch_cut_requests_start_over_and_say_so(fleet
     version (B, relabelled: the same weights), says why, and returns once; its tokens all come
     from after the change.
 
-    The abort comes when the daemon's reload reaches A, after the publish returns; A takes no
-    new request once it is stale, so what it holds then must outlast that: the whole batch is
-    in flight at once (48 on A, ~6 waves of 8). Which requests were cut is read from what A was
-    streaming at the publish, not from a count taken earlier."""
+    The abort comes when the daemon's reload reaches A, after the publish returns. On a loaded
+    host A once finished its whole share between the test's last look and that abort (CI: the
+    abort cut nothing), so A's EngineCore is SIGSTOPped from the test's last look until the
+    publish has returned: what A streams then is still held when the abort lands. Which requests
+    were cut is read from what A was streaming at the publish, not from a count taken earlier."""
     f = fleet
     d = f.daemon
     sup = SupervisorClient(f.socket)
@@ -381,10 +382,17 @@ async def test_version_pushed_mid_batch_cut_requests_start_over_and_say_so(fleet
         batch = asyncio.create_task(client.gather(prompts, concurrency=FAULT_BATCH, **GREEDY))
         await until_engine_holds(f, "A", 8, batch)
         await until_tokens_read(client, "A", 4, 8, batch)
-        mark = d.mark()
-        read_on_a = tokens_read_on(client, "A")  # no await from here to the publish
-        t_publish = time.time()
-        answer = await asyncio.to_thread(sup.publish_weights, 1, str(f.model))
+        (core,) = child_pids(d.last_pid("A"), "VLLM::EngineCor")
+        os.kill(core, signal.SIGSTOP)  # A makes no progress until the publish has returned
+        try:
+            held = await asyncio.to_thread(requests_held, f.url["A"])
+            assert held > 0, "A had answered its whole share before it was frozen"
+            mark = d.mark()
+            read_on_a = tokens_read_on(client, "A")  # no await from here to the publish
+            t_publish = time.time()
+            answer = await asyncio.to_thread(sup.publish_weights, 1, str(f.model))
+        finally:
+            os.kill(core, signal.SIGCONT)
         results = await asyncio.wait_for(batch, 180)
         await asyncio.to_thread(d.transition, "A", "RUNNING", 120, after=mark)  # reloaded, verified
         await until(lambda: sorted((e.name, e.weight_version) for e in client.engines) == [("A", 1), ("B", 1)], 30)
