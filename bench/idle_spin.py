@@ -60,14 +60,11 @@ def one(model: Path, out: Path, spin: str | None, interval: float, core: str, id
     env = {"VLLM_CPU_OMP_THREADS_BIND": core}
     if spin is not None:
         env[SPIN_ENV] = spin
-    saved = dict(ld.ENGINE_ENV)
-    ld.ENGINE_ENV.clear()
-    ld.ENGINE_ENV.update({k: v for k, v in saved.items() if k != SPIN_ENV}, **env)
-    shell = os.environ.pop(SPIN_ENV, None)  # bare_engine passes the caller's environment on: not this
+    env = {**{k: v for k, v in ld.ENGINE_ENV.items() if k != SPIN_ENV}, **env}
     row: dict = {"spin": "vLLM (1 s)" if spin is None else f"{spin} s"}
     procs = []
     try:
-        a, url_a = ld.bare_engine(model, out / f"A-{spin}.log")
+        a, url_a = ld.bare_engine(model, out / f"A-{spin}.log", engine_env=env)
         procs.append(a)
         if not wait_healthy(url_a, boot_timeout):
             return {**row, "error": f"engine A did not boot alone within {boot_timeout:g}s: {out}/A-{spin}.log"}
@@ -92,7 +89,7 @@ def one(model: Path, out: Path, spin: str | None, interval: float, core: str, id
         after = sample_group(a.pid)
         idle = cpu_seconds(before, after) / (after.at - before.at)
         t_b = time.monotonic()
-        b, url_b = ld.bare_engine(model, out / f"B-{spin}.log")
+        b, url_b = ld.bare_engine(model, out / f"B-{spin}.log", engine_env=env)
         procs.append(b)
         boot_b = time.monotonic() - t_b if wait_healthy(url_b, boot_timeout) else None
         stop.set()
@@ -103,10 +100,6 @@ def one(model: Path, out: Path, spin: str | None, interval: float, core: str, id
         return {**row, "a_idle_cpu": idle, "probe_p50_ms": lat[len(lat) // 2] * 1e3, "probe_max_ms": lat[-1] * 1e3,
                 "b_boot_s": boot_b}
     finally:
-        if shell is not None:
-            os.environ[SPIN_ENV] = shell
-        ld.ENGINE_ENV.clear()
-        ld.ENGINE_ENV.update(saved)
         for p in procs:
             try:
                 os.killpg(p.pid, signal.SIGKILL)

