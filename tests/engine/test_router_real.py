@@ -10,12 +10,13 @@ One daemon, one router and two boots for the module, in order:
    published. engine-1 goes STALE and leaves the router at once; the daemon reloads it from the
    checkpoint, verifies it, and only then does the router list it again. GET /workers polled
    every 50 ms with every listed worker's /weight_info: once the router has answered the
-   removal, every listed worker is at v1.
+   removal, no listed worker answers another version (one busy past the poll's 2 s bound
+   answers nothing, which says nothing of its weights).
 2. kill -9 of engine-1 under load: once the daemon has removed it, every request sent succeeds
    (none is routed to it); the failures are requests in flight when it died. While it restarts
    it registers itself with the router (as vime's engines do): the daemon takes it out, and the
    router lists it again only once the daemon lists it RUNNING (synced from the checkpoint and
-   verified at v1): from then on every listed worker answers /weight_info at v1.
+   verified at v1): from then on both are listed and none answers /weight_info at another version.
 3. SIGSTOP of engine-0's EngineCore (its /health stays 200): once the hang is detected and it is
    removed, no request reaches it: every request sent after succeeds.
 4. `stop engine-1` drains: out of the router, its request in flight finishes, then it stops.
@@ -31,6 +32,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any, Callable, NamedTuple
 
@@ -47,6 +49,11 @@ from test_resync_real import Trainer  # the same real trainer: AdamW steps on th
 
 pytestmark = pytest.mark.engine
 BOOT = 600  # a bound on waits, not a timing: boots on a loaded 2-core machine take minutes
+# The daemon's bound on a boot, well below BOOT: a restart that never answers is the daemon's to
+# stop and start again inside the test's waits. Seen here: engine-1's new API server, moved by
+# MKL's core count (torch's import pins the process to each CPU in turn) onto the core where
+# engine-0's worker served the load, got 0.26 s of CPU in 8 minutes and never logged a line.
+FIRST_WAIT = 240.0
 PERIOD = 1.0
 REMOVE_TIMEOUT = 1.0  # [router] remove_timeout: a removal's DELETE is answered within it
 # Roles and contents, then the assistant's cue: enough for vLLM's chat route on the tiny model.
@@ -119,10 +126,19 @@ def summary(done: list[Req]) -> str:
             f"aborted {sum(r.ok and r.detail == 'abort' for r in done)}")
 
 
+# A listed engine busy with the load may not answer /weight_info within the poll's bound: that
+# says nothing of its weights. A refused connection (a dead engine listed) or any other version does.
+BUSY = "no answer: timed out"
+
+
 class Sample(NamedTuple):
     sent: float  # GET /workers sent
     answered: float  # and answered: the listing held at some instant between the two
-    versions: dict  # listed URL -> its /weight_info weight_version (read after the listing)
+    versions: dict  # listed URL -> its /weight_info weight_version (read after the listing), or why none
+
+    def off(self, want: str) -> dict:
+        """The listed workers known not to serve `want`: another version, or no engine there."""
+        return {u: v for u, v in self.versions.items() if v not in (want, BUSY)}
 
 
 class Poller:
@@ -147,16 +163,21 @@ class Poller:
                 try:
                     with urllib.request.urlopen(url + "/weight_info", timeout=2) as r:
                         versions[url] = json.load(r).get("weight_version")
+                except TimeoutError:
+                    versions[url] = BUSY
+                except urllib.error.URLError as e:
+                    versions[url] = BUSY if isinstance(e.reason, TimeoutError) else f"no answer: {e!r}"[:80]
                 except Exception as e:  # noqa: BLE001 - recorded as the answer
                     versions[url] = f"no answer: {e!r}"[:80]
             self.seen.append(Sample(t, answered, versions))
             time.sleep(0.05)
 
     def wait(self, after: float, n: int = 5, timeout: float = 60) -> None:
-        """Until n polls sent after `after` (time.time()) are in: on a loaded host one poll
-        can take seconds (two 2 s /weight_info bounds), so a fixed sleep may see none."""
+        """Until n polls sent after `after` (time.time()) are in, each with every listed worker's
+        answer: on a loaded host one poll can take seconds (two 2 s /weight_info bounds), so a
+        fixed sleep may see none."""
         deadline = time.monotonic() + timeout
-        while sum(s.sent > after for s in self.seen) < n:
+        while sum(s.sent > after and BUSY not in s.versions.values() for s in self.seen) < n:
             assert self.thread.is_alive(), "the poller thread ended"
             assert time.monotonic() < deadline, f"fewer than {n} polls in {timeout}s: {self.seen[-3:]}"
             time.sleep(0.05)
@@ -178,7 +199,7 @@ def setup(tiny_model, tmp_path_factory):
         root / "supervisor.toml",
         supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 5.0,
                     "sync_timeout": 60.0},
-        health_check={"first_wait": float(BOOT), "interval": 1.0, "timeout": 3.0, "failure_threshold": 2},
+        health_check={"first_wait": FIRST_WAIT, "interval": 1.0, "timeout": 3.0, "failure_threshold": 2},
         engine_defaults={"args": [*ENGINE_ARGS, "--chat-template", str(template)], "env": ENGINE_ENV},
         router={"url": router.url, "period": PERIOD, "remove_timeout": REMOVE_TIMEOUT, "drain_timeout": 60.0},
         # One core each: with vLLM's "auto" binding both take core 0, and a restart's worker
@@ -268,15 +289,14 @@ def test_1_publish_stale_engine_out_until_verified(setup):
     # through the router the moment the publish returns never reaches the STALE engine. Before
     # the router's answer it may still list engine-1 at its old weights; no later listing does.
     assert removed["ts"] <= replied, (removed["ts"], replied)
-    window = [s for s in seen if s.answered > published["ts"] and s.sent < removed["ts"]
-              and any(v != want for v in s.versions.values())]
+    window = [s for s in seen if s.answered > published["ts"] and s.sent < removed["ts"] and s.off(want)]
     print(f"publish -> engine-1 removed from the router: {removed['ts'] - published['ts']:.3f}s after the "
           f"publish, {removed['ts'] - replied:+.3f}s from its reply ({len(window)} listings at the old version "
           f"in that window); -> RUNNING at v{version}: {running['ts'] - published['ts']:.2f}s; {summary(done)}")
     assert removed["ts"] - published["ts"] < REMOVE_TIMEOUT
     after = [s for s in seen if s.sent > removed["ts"]]
-    assert after and all(v == want for s in after for v in s.versions.values()), \
-        [s for s in after if any(v != want for v in s.versions.values())][:3]
+    assert after and not [s for s in after if s.off(want)], [s for s in after if s.off(want)][:3]
+    assert any(s.versions and set(s.versions.values()) == {want} for s in after), after[-5:]
     # engine-1 rejoined only once verified (RUNNING): no listing of it between its removal and then.
     assert not [s for s in seen if removed["ts"] < s.sent and s.answered < running["ts"]
                 and urls["engine-1"] in s.versions]
@@ -338,9 +358,12 @@ def test_2_killed_engine_out_at_once_back_only_when_verified(setup):
     # registered itself, until the daemon took it out (one period and a call's bound).
     for s in registered:
         assert registered_at - 0.5 <= s.sent <= registered_at + PERIOD + 2.0, (s, registered_at)
-    # After RUNNING every listed worker answers /weight_info at the published version.
-    after = [s.versions for s in seen if s.sent > running["ts"] + 0.5]
-    assert after and all(v == {u: want for u in urls.values()} for v in after[-5:]), (want, after[-5:])
+    # After RUNNING both engines are listed, and no listed worker answers /weight_info at
+    # another version (one busy past the poll's bound may not answer at all).
+    after = [s for s in seen if s.sent > running["ts"] + 0.5]
+    assert after and all(set(s.versions) == set(urls.values()) for s in after[-5:]), (want, after[-5:])
+    assert not [s for s in after if s.off(want)], (want, [s for s in after if s.off(want)][:3])
+    assert any(s.versions == {u: want for u in urls.values()} for s in after), (want, after[-5:])
 
 
 def test_3_hung_engine_core_out_once_detected(setup):
