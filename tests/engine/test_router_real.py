@@ -146,6 +146,7 @@ class Poller:
 
     def __init__(self, router: RouterProc):
         self.router, self.seen = router, []
+        self.failed: list[str] = []  # polls whose GET /workers failed: they say nothing of membership
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -155,8 +156,10 @@ class Poller:
             t = time.time()
             try:
                 listed = self.router.workers()
-            except Exception:  # noqa: BLE001 - a poll that fails lists nothing; the thread goes on
-                listed = []
+            except Exception as e:  # noqa: BLE001 - no listing is no sample (not an empty list); go on
+                self.failed.append(f"{t:.3f}: {e!r}"[:120])
+                time.sleep(0.05)
+                continue
             answered = time.time()
             versions = {}
             for url in listed:
@@ -179,7 +182,8 @@ class Poller:
         deadline = time.monotonic() + timeout
         while sum(s.sent > after and BUSY not in s.versions.values() for s in self.seen) < n:
             assert self.thread.is_alive(), "the poller thread ended"
-            assert time.monotonic() < deadline, f"fewer than {n} polls in {timeout}s: {self.seen[-3:]}"
+            assert time.monotonic() < deadline, \
+                f"fewer than {n} polls in {timeout}s: {self.seen[-3:]}; failed: {self.failed[-3:]}"
             time.sleep(0.05)
 
     def stop(self) -> list[Sample]:
