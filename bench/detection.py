@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from vime.supervisor.engine.probes import PROGRESS_WINDOW  # noqa: E402
 from vime.harness.faults import engine_core_pid  # noqa: E402
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, bare_engine, free_port, write_config  # noqa: E402
+from vime.harness.local_daemon import (  # noqa: E402
+    ENGINE_ARGS, ENGINE_ENV, Daemon, bare_engine, free_port, wait_healthy, write_config)
 from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
 
 INTERVAL, TIMEOUT, THRESHOLD = 1.0, 2.0, 2
@@ -78,13 +79,8 @@ def bare_hang_watch(model: Path, tmp: Path, watch: float) -> tuple[float, int | 
     proc, base = bare_engine(model, tmp / "bare.log")
     url = f"{base}/health"
     try:
-        deadline = time.time() + BOOT
-        while time.time() < deadline:
-            try:
-                with urllib.request.urlopen(url, timeout=TIMEOUT):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        if not wait_healthy(base, BOOT, proc):
+            return 0.0, None
         os.kill(engine_core_pid(proc.pid), signal.SIGSTOP)
         t0, polls = time.time(), 0
         while time.time() - t0 < watch:

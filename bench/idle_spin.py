@@ -35,17 +35,6 @@ from vime.trainer.tiny_model import build_tiny_model
 from vime.weight_sync.vllm_plugin import SPIN_ENV
 
 
-def wait_healthy(url: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).read()
-            return True
-        except OSError:
-            time.sleep(0.2)
-    return False
-
-
 def probe(url: str) -> float:
     body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 1}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -66,7 +55,7 @@ def one(model: Path, out: Path, spin: str | None, interval: float, core: str, id
     try:
         a, url_a = ld.bare_engine(model, out / f"A-{spin}.log", engine_env=env)
         procs.append(a)
-        if not wait_healthy(url_a, boot_timeout):
+        if not ld.wait_healthy(url_a, boot_timeout, a):
             return {**row, "error": f"engine A did not boot alone within {boot_timeout:g}s: {out}/A-{spin}.log"}
         lat: list[float] = []
         failed: list[str] = []
@@ -91,7 +80,7 @@ def one(model: Path, out: Path, spin: str | None, interval: float, core: str, id
         t_b = time.monotonic()
         b, url_b = ld.bare_engine(model, out / f"B-{spin}.log", engine_env=env)
         procs.append(b)
-        boot_b = time.monotonic() - t_b if wait_healthy(url_b, boot_timeout) else None
+        boot_b = time.monotonic() - t_b if ld.wait_healthy(url_b, boot_timeout, b) else None
         stop.set()
         beat.join(30)
         if failed or not lat:

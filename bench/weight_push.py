@@ -60,7 +60,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,7 +68,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port  # noqa: E402
+from vime.harness.local_daemon import bare_engine, free_port, wait_healthy  # noqa: E402
 from vime.weight_sync.sender import WeightSender  # noqa: E402
 
 MB = 1e6
@@ -588,26 +587,11 @@ def resync_time(urls, pairs, bucket: int) -> float:
 
 
 def start_engine(model_dir: Path, log: Path):
-    port = free_port()
-    env = {**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}
-    p = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS,
-         "--weight-transfer-config", '{"backend":"gloo"}'],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"engine exited; see {log}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return p, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"engine not ready; see {log}")
+    p, url = bare_engine(model_dir, log, "--weight-transfer-config", '{"backend":"gloo"}')
+    if not wait_healthy(url, 300, p):
+        stop_group(p)
+        raise RuntimeError(f"engine {'exited' if p.poll() is not None else 'not ready in 300 s'}; see {log}")
+    return p, url
 
 
 def stop_group(p) -> None:

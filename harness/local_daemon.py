@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import tomllib
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -263,6 +264,21 @@ def bare_engine(model: Path, log_path: Path, *extra: str,
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None, *,
+                 interval: float = 0.2, call_timeout: float = 2.0) -> bool:
+    """Poll `url`/health until it answers 200 (True), or `timeout` s pass or `proc` (the
+    engine's process, if given) exits (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=call_timeout) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(interval)
+    return False
 
 
 def standin_python(folder: Path, script: Path) -> Path:
