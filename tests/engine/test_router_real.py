@@ -16,7 +16,8 @@ One daemon, one router and two boots for the module, in order:
    (none is routed to it); the failures are requests in flight when it died. While it restarts
    it registers itself with the router (as vime's engines do): the daemon takes it out, and the
    router lists it again only once the daemon lists it RUNNING (synced from the checkpoint and
-   verified at v1): from then on both are listed and none answers /weight_info at another version.
+   verified at v1): from then on none answers /weight_info at another version, and the last polls
+   list both.
 3. SIGSTOP of engine-0's EngineCore (its /health stays 200): once the hang is detected and it is
    removed, no request reaches it: every request sent after succeeds.
 4. `stop engine-1` drains: out of the router, its request in flight finishes, then it stops.
@@ -183,7 +184,7 @@ class Poller:
         while sum(s.sent > after and BUSY not in s.versions.values() for s in self.seen) < n:
             assert self.thread.is_alive(), "the poller thread ended"
             assert time.monotonic() < deadline, \
-                f"fewer than {n} polls in {timeout}s: {self.seen[-3:]}; failed: {self.failed[-3:]}"
+                f"fewer than {n} polls answered in full in {timeout}s: {self.seen[-3:]}; failed: {self.failed[-3:]}"
             time.sleep(0.05)
 
     def stop(self) -> list[Sample]:
