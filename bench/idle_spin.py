@@ -46,10 +46,9 @@ def probe(url: str) -> float:
 def one(model: Path, out: Path, spin: str | None, interval: float, core: str, idle_s: float,
         boot_timeout: float) -> dict:
     """One row; a row whose engine A never booted or whose probes failed says so (`error`)."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": core}
+    env = {**{k: v for k, v in ld.ENGINE_ENV.items() if k != SPIN_ENV}, "VLLM_CPU_OMP_THREADS_BIND": core}
     if spin is not None:
         env[SPIN_ENV] = spin
-    env = {**{k: v for k, v in ld.ENGINE_ENV.items() if k != SPIN_ENV}, **env}
     row: dict = {"spin": "vLLM (1 s)" if spin is None else f"{spin} s"}
     procs = []
     try:
