@@ -488,8 +488,8 @@ class Supervisor:
 
     async def _stop_orphans(self, keep: set[int]) -> None:
         """Engines of ours that no journal accounts for (a corrupt or lost journal, another
-        boot's): leaders of their own session, running our engine module on a port this config
-        spawns on. They would hold the port and outlive us: stop them."""
+        boot's): group leaders a daemon of ours spawned, running our engine module on a port
+        this config spawns on. They would hold the port and outlive us: stop them."""
         ports = {s.port: s.name for s in self.cfg.engines if s.spawned and s.port is not None}
         found = [(pid, st, port) for pid, st, port in find_engine_leaders(set(ports)) if pid not in keep]
         hows = await asyncio.gather(*(stop_group_of(pid, st, self.cfg.stop_timeout) for pid, st, _ in found))

@@ -1,13 +1,15 @@
 """The router as a child of the daemon ([router] spawn = true), run like an engine.
 
-It leads a process group of its own (start_new_session), is started before the feed's first
-reconcile, restarted when it dies (at once if it had answered, else with [restart]'s backoff,
-doubling per start in a row that never answered), and the feed is woken the moment it answers
-again, so it is re-filled with the routable engines at once. Its pid, start time and the
-fingerprint of the config that started it are in the journal: a restarted or reloaded daemon
-adopts it only if that pid is still that very process (same /proc start time, still leading
-its group) and this config would start the same router; one that is ours but not wanted is
-stopped. On the daemon's shutdown it is stopped last, after the engines left its list.
+It leads a session and process group of its own (vllm-router rewrites its environment, so
+leading its session is what marks it ours; engines stay in the daemon's), is started before the
+feed's first reconcile, restarted when it dies (at once if it had answered, else with
+[restart]'s backoff, doubling per start in a row that never answered), and the feed is woken
+the moment it answers again, so it is re-filled with the routable engines at once. Its pid,
+start time and the fingerprint of the config that started it are in the journal: a restarted or
+reloaded daemon adopts it only if that pid is still that very process (same /proc start time,
+still leading its group) and this config would start the same router; one that is ours but not
+wanted is stopped. On the daemon's shutdown it is stopped last, after the engines left its
+list.
 
 The decisions (the command, the backoff, the adoption verdict) are pure functions apart from
 the process I/O (RouterChild), so that they are unit-tested alone.
@@ -251,7 +253,7 @@ class RouterChild:
             env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
             cmd = router_command(self.rcfg, binary)
             try:
-                proc = await EngineProcess.spawn(cmd, env, self.log_path)
+                proc = await EngineProcess.spawn(cmd, env, self.log_path, own_session=True)
             except OSError as e:
                 self.error = f"cannot run {binary}: {e.strerror or e}"
             else:

@@ -1,8 +1,17 @@
-"""Engine processes: spawn in a session of their own, see exits at once, stop the whole group.
+"""Engine processes: spawn in a group of their own, see exits at once, stop the whole group.
 
 vLLM's server forks `VLLM::EngineCore` and `VLLM::Worker` children that share one title
 across every instance, so we never kill by name: each server leads its own process group
-(start_new_session) and every signal goes to that group.
+and every signal goes to that group.
+
+The group stays in the daemon's session (setpgid, as supervisord does; not setsid). With the
+kernel's autogroup scheduling (sched_autogroup_enabled, on by default) every session is a
+scheduling group of its own, and a process in another session pinned to a core where a loaded
+engine's Worker runs got 0.00 s of CPU in 10 s here (6.07 s when both share a session;
+`bench/session_starvation.py`): a restarted engine's boot could starve for minutes beside a
+busy one. The cost: an engine group left orphaned with a stopped member (its daemon killed
+while an EngineCore is SIGSTOPped) gets the kernel's SIGHUP and SIGCONT, and ends (vLLM
+sets no SIGHUP handler); the restarted daemon finds it gone and starts it again.
 """
 
 from __future__ import annotations
@@ -338,13 +347,30 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+# In the environment of every process EngineProcess.spawn starts. A process group leader is any
+# shell job: this mark is what tells a daemon with no journal for a process that one of ours
+# started it (spawned_leader), so that a server started by hand on our port is left alone.
+SPAWN_MARK = "VIME_SUPERVISOR_SPAWNED"
+
+
+def _marked(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{SPAWN_MARK}=1".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def spawned_leader(st: ProcStat) -> bool:
     """`st` could be a process EngineProcess.spawn made: alive, not us, our uid, leader of its
-    own session and process group."""
-    if st.pgrp != st.pid or st.state == "Z" or st.pid == os.getpid():
+    own process group, and marked (SPAWN_MARK), or leading its own session (as older daemons
+    started engines)."""
+    if st.pgrp != st.pid or st.state == "Z" or st.pid == os.getpid() or st.pgrp == os.getpgrp():
         return False
     try:
-        return os.stat(f"/proc/{st.pid}").st_uid == os.getuid() and os.getsid(st.pid) == st.pid
+        if os.stat(f"/proc/{st.pid}").st_uid != os.getuid():
+            return False
+        return _marked(st.pid) or os.getsid(st.pid) == st.pid
     except OSError:
         return False
 
@@ -421,13 +447,28 @@ class EngineProcess:
         return self.proc is None and self._status is None
 
     @classmethod
-    async def spawn(cls, cmd: list[str], env: dict[str, str], log_path: Path) -> "EngineProcess":
+    async def spawn(cls, cmd: list[str], env: dict[str, str], log_path: Path, *,
+                    own_session: bool = False) -> "EngineProcess":
+        """Its own process group (pgid == pid), in our session (above), or in a session of its
+        own if `own_session` (the router: it rewrites its environment, SPAWN_MARK with it, so
+        leading its session is what marks it ours)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             proc = await asyncio.create_subprocess_exec(
-                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True,  # its own session and process group: pgid == pid
+                *cmd, env={**env, SPAWN_MARK: "1"}, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                # uvloop takes no process_group; setpgrp is one system call in the child.
+                **({"start_new_session": True} if own_session else {"preexec_fn": os.setpgrp}),
             )
+        # The spawn returns after the exec, so the group is final: one that is not its own
+        # could never be signalled (every stop goes to the group), so it is not kept.
+        try:
+            own = os.getpgid(proc.pid) == proc.pid
+        except ProcessLookupError:
+            own = True  # already gone: its exit is seen as any other
+        if not own:
+            proc.kill()
+            await proc.wait()
+            raise OSError(f"{cmd[0]} did not start in a process group of its own (preexec_fn not run)")
         return cls(proc.pid, log_path, proc)
 
     @classmethod

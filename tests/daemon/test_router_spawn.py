@@ -112,7 +112,13 @@ def test_the_daemon_spawns_the_router_in_its_own_group_and_feeds_it(node):
     proc = node.process()
     assert proc["state"] == "running" and not proc["adopted"] and proc["restarts"] == 0, proc
     st = proc_stat(proc["pid"])
+    # Its own session (what marks it ours); the engines lead their own groups in the daemon's
+    # session (one scheduling autogroup with it).
     assert st is not None and st.pgrp == proc["pid"] and os.getsid(proc["pid"]) == proc["pid"]
+    session = os.getsid(node.daemon.proc.pid)
+    for e in node.client().status()["engines"]:
+        engine = proc_stat(e["pid"]) if e["pid"] else None
+        assert engine is not None and engine.pgrp == e["pid"] and os.getsid(e["pid"]) == session, e
     journal = json.loads((node.config.parent / "state" / "journal.json").read_text())
     assert journal["router"]["pid"] == proc["pid"] and journal["router"]["start_time"] == st.start_time
     # supervisorctl status shows the router's process.

@@ -79,7 +79,8 @@ def test_unit_keeps_what_the_daemon_relies_on():
                        "StateDirectory": "vime-supervisor", "User": "vime-supervisor",
                        "Group": "vime-supervisor", "ExecReload": "/bin/kill -HUP $MAINPID",
                        "DevicePolicy": "closed", "CapabilityBoundingSet": "",
-                       "RestartPreventExitStatus": "2"}.items():  # 2: a config error, never looped on
+                       "RestartPreventExitStatus": "2",  # 2: a config error, never looped on
+                       "CPUWeight": "100"}.items():  # one scheduling group: no per-session autogroups
         assert s.get(key) == [value], (key, s.get(key))
     assert "WatchdogSec" in s and int(s["LimitNOFILE"][0]) >= limits.nofile_needed(1000)
     assert any("-m vime.supervisor.reap --config" in v for v in s["ExecStopPost"])
@@ -155,7 +156,7 @@ def test_sysusers_accepts_the_file(tmp_path):
 # -- the reaper (ExecStopPost=) -------------------------------------------------------------
 
 # Stands in for `python -m vllm.entrypoints.openai.api_server ... --port P`: the daemon spawns
-# it as it spawns vLLM (its own session, the engine module on its command line), and it forks
+# it as it spawns vLLM (its own process group, the engine module on its command line), and it forks
 # a child into its process group as vLLM's EngineCore is. Tests only; not vLLM.
 FAKE_PYTHON = f"""#!{sys.executable}
 import asyncio, subprocess, sys
