@@ -304,7 +304,7 @@ def run_config(cfg: Config, run_dir: Path, model: Path, loop: list[str], timeout
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             # SIGTERM, as a user's Ctrl-C: the demo ends its round and stops its daemon, which stops
-            # every engine (a SIGKILL would leave the daemon, in a session of its own, running them).
+            # every engine (a SIGKILL would leave the daemon, in a process group of its own, running them).
             proc.terminate()
             try:
                 proc.wait(timeout=STOP_GRACE)

@@ -68,8 +68,9 @@ class ChaosHooks:
 class DaemonKeeper(ChaosHooks):
     """Owns a local daemon like systemd would, for the daemon fault (the demo's hooks): kill -9,
     then the same daemon started again 1 s later (systemd's RestartSec=1). Its engines run on in
-    sessions of their own; the new daemon re-adopts them from its journal. `start` makes one
-    local_daemon.Daemon; every daemon started is kept, so their spawned engines can be stopped."""
+    process groups of their own; the new daemon re-adopts them from its journal. `start` makes
+    one local_daemon.Daemon; every daemon started is kept, so their spawned engines can be
+    stopped."""
 
     def __init__(self, start: Callable[[], Daemon]) -> None:
         self._start = start

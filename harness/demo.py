@@ -23,8 +23,8 @@ goes FATAL, the daemon exits, a round is lost or a fault is not recovered from, 
 WHAT WENT WRONG and exits 1. Ctrl-C or SIGTERM stop the loop (its round ended), then the daemon
 (SIGTERM: it stops its engines), then, as a last resort, SIGKILL to the daemon and to the
 engines' process groups it spawned (by pid, never by name); exit status 128 + the signal. The
-daemon runs in its own session, so a Ctrl-C at the terminal reaches only the demo, which stops
-things in that order. demo.json records the pids (the demo's, the daemon's, the engines').
+daemon runs in its own process group, so a Ctrl-C at the terminal reaches only the demo, which
+stops things in that order. demo.json records the pids (the demo's, the daemon's, the engines').
 Everything (config, daemon log, engine logs, incidents, trace.json, summary.json, dumps, and
 timeline.png: the picture of the run, failed or not) stays in --out. Any flag of
 `python -m vime.harness.chaos` after `--` goes to the loop.
@@ -353,7 +353,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         sock = out / "run" / "supervisor.sock"
         _say(f"starting the daemon: python -m vime.supervisor --config {cfg}")
         log_file = open(out / "daemon.log", "w")
-        keeper = DaemonKeeper(lambda: Daemon(cfg, tee=log_file, new_session=True))
+        keeper = DaemonKeeper(lambda: Daemon(cfg, tee=log_file, own_group=True))
         save(daemon_pid=keeper.daemon.proc.pid)
         problems = wait_for_engines(keeper.daemon, sock, names, boot,
                                     on_tick=lambda: save(engine_pids=keeper.spawned_pids()))

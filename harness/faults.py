@@ -153,7 +153,7 @@ def hang_core(server_pid: int, core: int | None = None) -> int:
 
 
 def kill_group(pid: int) -> None:
-    """kill -9 of an engine's whole process group (the daemon starts each in its own session):
+    """kill -9 of an engine's whole process group (the daemon starts each in its own group):
     the EngineCore goes with its server, so its sockets in a collective close at once."""
     os.killpg(pid, signal.SIGKILL)
 

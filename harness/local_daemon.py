@@ -98,12 +98,13 @@ def one_call(socket_path: str, method: str, path: str, timeout: float = 60.0) ->
 class Daemon:
     """`python -m vime.supervisor --config FILE` as a child; its stderr parsed line by line.
 
-    new_session: start it in a session (and process group) of its own, so that a Ctrl-C at the
-    terminal reaches only the caller, which then stops it in order (the demo does).
+    own_group: start it in a process group of its own (in the caller's session, as it starts
+    its engines), so that a Ctrl-C at the terminal reaches only the caller, which then stops it
+    in order (the demo does).
     launcher: a command that execs its arguments (the daemon's command line), run in front."""
 
     def __init__(self, config: Path, *extra: str, env: dict[str, str] | None = None, tee=None,
-                 new_session: bool = False, launcher: tuple[str, ...] = ()):
+                 own_group: bool = False, launcher: tuple[str, ...] = ()):
         self.config = config
         self.tee = tee  # a text file that gets every line too
         self.killed_by_us = False  # set by a harness that kills it on purpose (not a crash)
@@ -112,8 +113,8 @@ class Daemon:
         self._cv = threading.Condition()
         self.proc = subprocess.Popen(
             [*launcher, sys.executable, "-m", "vime.supervisor", "--config", str(config), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-            start_new_session=new_session,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})}, process_group=0 if own_group else None,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -249,19 +250,22 @@ def child_pids(pid: int, comm_prefix: str) -> list[int]:
     return [st.pid for st in all_procs() if st.ppid == pid and st.comm.startswith(comm_prefix)]
 
 
-def bare_engine(model: Path, log_path: Path, *extra: str,
-                engine_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """A vLLM server with no supervisor (the benchmarks' baseline), in its own session so that
-    os.killpg(proc.pid, ...) stops it whole; (process, base URL). `engine_env`: the engine's
-    variables over the caller's environment (default ENGINE_ENV); VIME_VLLM_IDLE_SPIN_S comes
-    from it only, never from the caller's."""
+def bare_engine(model: Path, log_path: Path, *extra: str, engine_env: dict[str, str] | None = None,
+                new_session: bool = True) -> tuple[subprocess.Popen, str]:
+    """A vLLM server with no supervisor (the benchmarks' baseline), leading its own process group
+    so that os.killpg(proc.pid, ...) stops it whole; (process, base URL). In a session of its own
+    unless `new_session` is False (then in ours, as the daemon starts engines: see
+    vime.supervisor.engine.process). `engine_env`: the engine's variables over the caller's
+    environment (default ENGINE_ENV); VIME_VLLM_IDLE_SPIN_S comes from it only, never from the
+    caller's."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS, *extra]
     inherited = {k: v for k, v in os.environ.items() if k != SPIN_ENV}
     env = {**inherited, **(ENGINE_ENV if engine_env is None else engine_env), "VLLM_SERVER_DEV_MODE": "1"}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=new_session,
+                                process_group=None if new_session else 0)
     return proc, f"http://127.0.0.1:{port}"
 
 

@@ -57,7 +57,7 @@ class Node:
     def start_daemon(self, timeout: float = 30.0) -> Daemon:
         """The node's daemon; its log goes to <root>/daemon.log too (every start appends)."""
         tee = open(self.root / "daemon.log", "a")  # noqa: SIM115 - kept open for the daemon's life
-        self.daemon = Daemon(self.config, new_session=True, tee=tee)
+        self.daemon = Daemon(self.config, own_group=True, tee=tee)
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.sock):
             assert self.daemon.proc.poll() is None, "daemon exited:\n" + "\n".join(self.daemon.raw[-30:])

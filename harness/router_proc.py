@@ -44,7 +44,10 @@ class RouterProc:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [router_binary(), "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *VIME_FLAGS,
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port), *self.extra], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port), *self.extra],
+            # Its own group in our session: one scheduling autogroup with the daemon and the
+            # engines (vime.supervisor.engine.process says why).
+            stdout=log, stderr=subprocess.STDOUT, process_group=0,
             env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")})
         log.close()
         deadline = time.monotonic() + timeout

@@ -25,7 +25,7 @@ def test_the_keeper_kills_the_daemon_mid_round_and_the_next_one_readopts_its_eng
     model = model_dir(tmp_path / "model")
     cfg = standin_config(tmp_path, fake, [spawned(n, model, free_port()) for n in ("e0", "e1")])
     log = open(tmp_path / "daemon.log", "w")
-    keeper = DaemonKeeper(lambda: Daemon(cfg, tee=log, new_session=True))
+    keeper = DaemonKeeper(lambda: Daemon(cfg, tee=log, own_group=True))
     first = keeper.daemon
     try:
         first.wait_for(lambda e: e.get("event") == "supervisor.ready", 60)

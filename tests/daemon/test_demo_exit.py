@@ -185,7 +185,7 @@ def test_signal_to_the_demo_while_engines_boot_leaves_no_process(tmp_path, sig):
 def booting_daemon(tiny_model, tmp_path):
     """A real daemon whose two engines boot for ever (stand-ins); the loop never gets one."""
     cfg = demo_config(tmp_path, tiny_model, python=script(tmp_path, "boot.sh", BOOTING))
-    daemon = Daemon(cfg, new_session=True)
+    daemon = Daemon(cfg, own_group=True)
     try:
         for name in ("engine-0", "engine-1"):
             daemon.transition(name, "STARTING", 30)
@@ -275,7 +275,7 @@ def test_loop_stops_when_an_engine_goes_fatal(tiny_model, tmp_path):
     """With --stop-on-fatal (the demo's), a wait for a whole fleet ends as soon as an engine is
     FATAL, with its reason, instead of lasting its bound (--fault-wait 300 s)."""
     cfg = demo_config(tmp_path, tiny_model, python=script(tmp_path, "broken.sh", BROKEN))
-    daemon = Daemon(cfg, new_session=True)
+    daemon = Daemon(cfg, own_group=True)
     sock = str(tmp_path / "run" / "supervisor.sock")
     try:
         daemon.transition("engine-0", "STARTING", 30)

@@ -53,7 +53,7 @@ class Engine:
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
              *ENGINE_ARGS, "--weight-transfer-config", '{"backend":"gloo"}'],
-            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, process_group=0)
 
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -76,7 +76,7 @@ class Engine:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-        # Children that outlived the server (its process group is its session: start_new_session).
+        # Children that outlived the server (its process group: process_group=0).
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
