@@ -7,7 +7,7 @@ and every signal goes to that group.
 The group stays in the daemon's session (setpgid, as supervisord does; not setsid). With the
 kernel's autogroup scheduling (sched_autogroup_enabled, on by default) every session is a
 scheduling group of its own, and a process in another session pinned to a core where a loaded
-engine's Worker runs got 0.00 s of CPU in 10 s here (6.07 s when both share a session;
+engine's Worker runs got 0.00 s of CPU in 10 s here (6.04 s when both share a session;
 `bench/session_starvation.py`): a restarted engine's boot could starve for minutes beside a
 busy one. The cost: an engine group left orphaned with a stopped member (its daemon killed
 while an EngineCore is SIGSTOPped) gets the kernel's SIGHUP and SIGCONT, and ends (vLLM
