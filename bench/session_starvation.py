@@ -33,6 +33,8 @@ import urllib.request
 from pathlib import Path
 
 from vime.harness import local_daemon as ld
+from vime.supervisor.engine.activity import TICK
+from vime.supervisor.engine.process import proc_stat
 from vime.trainer.tiny_model import build_tiny_model
 
 
@@ -42,8 +44,9 @@ def loop_cpu(core: str, seconds: float) -> float:
     p = subprocess.Popen(["taskset", "-c", core, sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(seconds)
-        fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        st = proc_stat(p.pid)
+        assert st is not None, "the busy loop is gone"
+        return st.cpu_ticks * TICK
     finally:
         p.kill()
         p.wait()

@@ -363,14 +363,14 @@ def _marked(pid: int) -> bool:
 
 def spawned_leader(st: ProcStat) -> bool:
     """`st` could be a process EngineProcess.spawn made: alive, not us, our uid, leader of its
-    own process group, and marked (SPAWN_MARK), or leading its own session (as older daemons
-    started engines)."""
+    own process group, and leading its own session (the router; engines of older daemons) or
+    marked (SPAWN_MARK)."""
     if st.pgrp != st.pid or st.state == "Z" or st.pid == os.getpid() or st.pgrp == os.getpgrp():
         return False
     try:
         if os.stat(f"/proc/{st.pid}").st_uid != os.getuid():
             return False
-        return _marked(st.pid) or os.getsid(st.pid) == st.pid
+        return os.getsid(st.pid) == st.pid or _marked(st.pid)  # a system call before a file read
     except OSError:
         return False
 

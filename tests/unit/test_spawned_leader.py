@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +36,7 @@ def test_a_group_leader_is_ours_only_if_marked_or_leading_its_session(marked, ho
     p = sleeper(marked=marked, how=how)
     try:
         deadline = time.monotonic() + 10
-        while (st := proc_stat(p.pid)) is None or b"-m" not in open(f"/proc/{p.pid}/cmdline", "rb").read():
+        while (st := proc_stat(p.pid)) is None or b"-m" not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
             assert time.monotonic() < deadline, "the sleeper did not start"
             time.sleep(0.02)
         assert engine_leader_port(st) == (PORT if ours else None)
