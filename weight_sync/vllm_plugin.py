@@ -27,12 +27,12 @@ import functools
 import os
 import sys
 
+from vime.weight_sync.idle_spin import MAX_SPIN_S, SPIN_ENV, spin_seconds  # noqa: F401 (MAX_SPIN_S: named here too)
+
 ENGINE_MODULE = "vime.weight_sync.gloo_engine"
 ENGINE_CLASS = "GlooWeightTransferEngine"
 BACKEND_NAMES = ("gloo", "vime_gloo")
 
-
-SPIN_ENV = "VIME_VLLM_IDLE_SPIN_S"
 
 
 def register() -> None:
@@ -53,26 +53,6 @@ def register() -> None:
             WeightTransferEngineFactory.register_engine(name, ENGINE_MODULE, ENGINE_CLASS)
         except ValueError:  # registered concurrently: fine
             pass
-
-
-MAX_SPIN_S = 1.0  # vLLM's own: a bound above it would spin longer, not less
-
-
-def spin_seconds(value: str) -> float | None:
-    """VIME_VLLM_IDLE_SPIN_S's value: None when empty; ValueError unless plain ASCII seconds
-    from 0 to 1."""
-    value = value.strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value) if value.isascii() else -1.0
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= MAX_SPIN_S:  # NaN fails too
-        shown = value if len(value) <= 40 else value[:40] + "..."
-        raise ValueError(f"{SPIN_ENV}={shown!r}: give the seconds vLLM's queues spin before they sleep, "
-                         f"a number from 0 to {MAX_SPIN_S:g} (vLLM's own), or leave it unset")
-    return seconds
 
 
 def bound_idle_spin() -> float | None:
