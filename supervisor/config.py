@@ -2,6 +2,11 @@
 
 Every problem is collected and reported as one line (`ConfigError.problems`), so an operator
 fixes a bad file in one pass. See systemd/vime-supervisor.example.toml for every key.
+
+What can be set is declared once, in settings.py (each key's type, default, bounds, flag, help
+and docs text on its field); the key tables, the flags, the simple bounds and
+docs/configuration.md's table (`python -m vime.supervisor.config --write-docs`) are read from
+there. The rules across keys, and those that look outside the file, are written out here.
 """
 
 from __future__ import annotations
@@ -18,61 +23,19 @@ import socket
 import stat
 import sys
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from vime.weight_sync.vllm_plugin import SPIN_ENV, spin_seconds  # read by our plugin in each engine
+from vime.weight_sync.idle_spin import SPIN_ENV, spin_seconds  # read by our plugin in each engine
+
+from . import knobs
+# The settings are the config's names too: the engine modules and the tests import them from here.
+from .settings import (MAX_REQUESTS, PROGRESS_WINDOW, RESTART_LOAD, ROUTER_ARGS, SECTIONS, SETTINGS, SPARES_SYNC,
+                       Config, EngineDefaults, EngineSpec, ProbePolicy, RestartPolicy, RouterConfig, WarmupPolicy)
 
 # sockaddr_un.sun_path is 108 bytes, the terminating NUL included.
 MAX_SOCKET_PATH = 107
-
-
-# The per-engine policies the config builds: here, at the base, so that the config need not
-# import the engine modules that read them (fsm.py, warmup.py).
-@dataclass(frozen=True)
-class ProbePolicy:
-    """Kubernetes probe terms; slime's --rollout-health-check-* for the first three."""
-
-    first_wait: float = 300.0  # startup budget of each incarnation
-    interval: float = 10.0  # periodSeconds
-    timeout: float = 5.0  # timeoutSeconds, per probe
-    failure_threshold: int = 3  # consecutive failures -> UNHEALTHY
-    success_threshold: int = 1  # consecutive successes to clear SUSPECT
-    # A late probe is excused while the engine's processes burn CPU (a first-use compile, a
-    # long prefill); busy cannot excuse it for ever: on GPU a collective that never completes
-    # spins a core too. Far above a compile of a new shape (seconds here, tens of seconds on
-    # GPU), well below vLLM's own VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300).
-    max_busy: float = 120.0
-    # A paused engine (a weight push holds generation) is excused up to this long: the
-    # config's sync_timeout, past which the push has failed anyway.
-    max_paused: float = 300.0
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    start_retries: int = 3  # consecutive failed starts before FATAL (supervisord's startretries)
-    backoff_initial: float = 1.0  # seconds before the 2nd attempt; doubles per failure
-    backoff_max: float = 60.0
-    flapping_window: float = 600.0  # seconds
-    flapping_max_restarts: int = 5  # restarts inside the window -> FATAL (systemd StartLimitBurst)
-
-
-@dataclass(frozen=True)
-class WarmupPolicy:
-    """The defaults mirror a rollout batch: concurrent sampled requests with logprobs."""
-
-    requests: int = 8  # sent at once; 0 turns the warm-up off
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    logprobs: int = 1  # completions' logprobs=N; 0 asks for none
-    prompt: str = "The quick brown fox"
-
-
-# More at once than any engine batches is no warm-up, only load (and memory in the daemon).
-MAX_REQUESTS = 256
 
 
 class ConfigError(Exception):
@@ -91,220 +54,15 @@ def _one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    name: str
-    # Spawned engines: model directory and port. Attached engines: url only.
-    model: str | None = None
-    port: int | None = None
-    host: str = "127.0.0.1"
-    served_model_name: str | None = None
-    args: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    url: str | None = None
-
-    @property
-    def spawned(self) -> bool:
-        return self.url is None
-
-    @property
-    def base_url(self) -> str:
-        if self.url:
-            return self.url.rstrip("/")
-        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
-        return f"http://{host}:{self.port}"
-
-    @property
-    def model_name(self) -> str:
-        """The name requests must use (vLLM defaults it to the model path)."""
-        return self.served_model_name or self.model or ""
-
-
-# vime's flags for vllm-router: long RL generations trip the circuit breaker on healthy engines.
-ROUTER_ARGS = ("--disable-circuit-breaker", "--request-timeout-secs", "14400")
 # Flags a spawned router's args may not carry: the daemon sets them, or they would put a secret
 # on a command line any local user reads (/proc/PID/cmdline).
 _ROUTER_OWN_FLAGS = ("--host", "--port", "--worker-urls")
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """[router]: the router in front of the engines, fed by the daemon (docs/router.md)."""
-
-    url: str
-    kind: str = "vllm-router"
-    worker_type: str = "regular"  # vllm-router's worker_type of every engine we add
-    # Report the drift, change nothing: to try the daemon beside a router that others feed.
-    observe_only: bool = False
-    # Remove workers no daemon of ours owns (another node's daemon owns its own: leave off there).
-    prune_unknown: bool = False
-    period: float = 2.0  # drift repair: the router's list is read this often besides every change
-    timeout: float = 5.0  # one GET or POST /workers (POST blocks until the worker answers /health)
-    remove_timeout: float = 1.0  # one DELETE: an engine leaving the routable set is out within it
-    # A planned stop (operator stop/restart/retire, the daemon's shutdown): the engine leaves the
-    # router, then vLLM's POST /pause?mode=wait lets its requests in flight end, at most this long.
-    drain_timeout: float = 30.0
-    token_file: str = ""
-    token: str | None = field(default=None, repr=False)  # read from token_file; never printed
-    # Run the router as a child of the daemon (routerchild.py): its own process group, restarted
-    # with [restart]'s backoff, re-adopted across a daemon restart or reload, stopped last.
-    spawn: bool = False
-    binary: str = "vllm-router"  # on PATH, else beside the daemon's interpreter (a venv's bin)
-    # Its flags besides --host/--port (from url) and --worker-urls (none: the daemon adds them).
-    # Set whole: these are vime's (the breaker off, a 4-hour request timeout).
-    args: tuple[str, ...] = ROUTER_ARGS
-    # A spawned router that answers nothing this long, starting or after it had answered (hung,
-    # SIGSTOPped), is stopped and started again: a process that runs is not one that serves.
-    silent_timeout: float = 60.0
-
-
-@dataclass(frozen=True)
-class Config:
-    engines: tuple[EngineSpec, ...]
-    probe: ProbePolicy = ProbePolicy()
-    restart: RestartPolicy = RestartPolicy()
-    use_fault_tolerance: bool = True
-    stop_timeout: float = 10.0  # SIGTERM -> SIGKILL (supervisord's stopwaitsecs)
-    min_healthy: int = 1
-    restart_immediately: bool = False  # boot a dead engine during the round, route it after
-    # Full strength inside the round: a current spare takes a failed engine's place at once,
-    # and an engine verified at the current version (a restart reloaded from the published
-    # checkpoint, a held one) joins at once, instead of in the next gap. Version-safe: nothing
-    # at another version is routable. Off: membership grows only in gaps (slime's rule).
-    admit_mid_round: bool = False
-    # Warm spares: this many engines beyond the routing target (engines - spares) are kept
-    # booted and verified in STANDBY, and one takes a failed engine's place in the next gap.
-    spares: int = 0
-    # When a spare gets the current weights: "promotion" (synced when it takes a place: no
-    # cost while nothing fails) or "publish" (synced in every gap after a publish, like a
-    # serving engine: one more receiver per push, a promotion without a sync).
-    spares_sync: str = "promotion"
-    # How a restarted engine gets its weights: "model" (read from disk, as at its first start)
-    # or "dummy" (vLLM's dummy weights when the trainer's agent is connected to push every
-    # tensor: no checkpoint read; a normal restart when no push can come).
-    restart_load: str = "model"
-    runtime_dir: str = "/run/vime-supervisor"
-    log_dir: str = "/var/log/vime-supervisor"
-    state_dir: str = "/var/lib/vime-supervisor"  # the journal (systemd's StateDirectory=)
-    # Retention, so that a week of restarts cannot fill log_dir (0: no limit). Each engine keeps
-    # its newest log_keep logs within log_keep_bytes, oldest incarnation removed first, the live
-    # one never; the incident folders, all engines together, likewise, the newest never.
-    log_keep: int = 10
-    log_keep_bytes: int = 1 << 30
-    incidents_keep: int = 100
-    incidents_keep_bytes: int = 256 << 20
-    # Each engine's compiler caches, <engine_cache_dir>/<engine>/<model digest>/; "" is
-    # <state_dir>/engine-cache. Engines of the same name and model on the same host may share it.
-    engine_cache_dir: str = ""
-    log_level: str = "info"
-    python: str = ""  # interpreter for `-m vllm.entrypoints.openai.api_server`; "" = ours
-    engine_env: dict[str, str] = field(default_factory=dict)  # for every spawned engine
-    engine_args: tuple[str, ...] = ()  # for every spawned engine, before its own args
-    allowed_uids: tuple[int, ...] = ()  # control socket peers besides our own uid
-    socket_group: str = ""  # group owning the socket (mode 0660), so its members can connect
-    sync_timeout: float = 300.0  # a push or reload not verified by then poisons the engine
-    # Prometheus' GET /metrics over TCP: "127.0.0.1:9464"; "" for none. Loopback only, unless
-    # metrics_allow_remote: the metrics name every engine and its URL.
-    metrics_address: str = ""
-    metrics_allow_remote: bool = False
-    warmup: WarmupPolicy = WarmupPolicy()  # sent to each new incarnation before it is RUNNING
-    # The engines' API key (engine_defaults.api_key_file): spawned engines get it as VLLM_API_KEY
-    # in their environment, never on argv; the daemon sends it to every engine. Never printed.
-    api_key: str | None = field(default=None, repr=False)
-    router: RouterConfig | None = None  # [router]; None: the daemon feeds no router
-    # What is accepted but probably not meant: printed by --check-config, logged at start.
-    warnings: tuple[str, ...] = field(default=(), compare=False)
-
-    @property
-    def socket_path(self) -> str:
-        return os.path.join(self.runtime_dir, "supervisor.sock")
-
-    @property
-    def engine_headers(self) -> dict[str, str]:
-        """Headers for every request of the daemon's to an engine."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-
 # Table -> {key: type}. Everything else in the file is an error.
-_TOP = {"supervisor", "health_check", "restart", "warmup", "engine_defaults", "engines", "router"}
-_SUPERVISOR = {
-    "use_fault_tolerance": bool,
-    "stop_timeout": float,
-    "min_healthy": int,
-    "restart_immediately": bool,
-    "admit_mid_round": bool,
-    "spares": int,
-    "spares_sync": str,
-    "restart_load": str,
-    "runtime_dir": str,
-    "log_dir": str,
-    "state_dir": str,
-    "log_keep": int,
-    "log_keep_bytes": int,
-    "incidents_keep": int,
-    "incidents_keep_bytes": int,
-    "engine_cache_dir": str,
-    "log_level": str,
-    "python": str,
-    "allowed_uids": list,
-    "socket_group": str,
-    "sync_timeout": float,
-    "metrics_address": str,
-    "metrics_allow_remote": bool,
-}
-_HEALTH = {
-    "first_wait": float,
-    "interval": float,
-    "timeout": float,
-    "failure_threshold": int,
-    "success_threshold": int,
-    "max_busy": float,
-}
-_WARMUP = {
-    "requests": int,
-    "max_tokens": int,
-    "temperature": float,
-    "top_p": float,
-    "logprobs": int,
-    "prompt": str,
-}
-_RESTART = {
-    "start_retries": int,
-    "backoff_initial": float,
-    "backoff_max": float,
-    "flapping_window": float,
-    "flapping_max_restarts": int,
-}
-_DEFAULTS = {"env": dict, "args": list, "host": str, "api_key_file": str, "allow_wildcard_bind": bool}
-_ENGINE = {
-    "name": str,
-    "model": str,
-    "port": int,
-    "host": str,
-    "served_model_name": str,
-    "args": list,
-    "env": dict,
-    "url": str,
-}
-_ROUTER = {
-    "kind": str,
-    "url": str,
-    "token_file": str,
-    "worker_type": str,
-    "observe_only": bool,
-    "prune_unknown": bool,
-    "period": float,
-    "timeout": float,
-    "remove_timeout": float,
-    "drain_timeout": float,
-    "spawn": bool,
-    "binary": str,
-    "args": list,
-    "silent_timeout": float,
-}
-_LOG_LEVELS = {"debug", "info", "warning", "error"}
-SPARES_SYNC = ("promotion", "publish")
-RESTART_LOAD = ("model", "dummy")
+_TOP = set(SECTIONS)
+_SUPERVISOR, _HEALTH, _WARMUP, _RESTART, _ROUTER, _DEFAULTS, _ENGINE = (
+    knobs.schema(SETTINGS[name]) for name in SECTIONS)
+# flag dest -> (section, key). slime's names where they exist.
+_FLAG_KEYS = {s.dest: (s.section, s.key) for declared in SETTINGS.values() for s in declared if s.dest}
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
@@ -439,72 +197,93 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_dir: str | None = None) -> Config:
     """Validate a parsed TOML document (plus flag overrides); raise ConfigError with every problem."""
     problems: list[str] = []
+    warnings: list[str] = []
+    tables, router_given = _read_tables(raw, overrides or {}, problems)
+    sup = tables["supervisor"]
+    probe, warmup, rpolicy = _policies(tables, problems, warnings)
+    sup_bad = _check_supervisor(sup, problems, warnings)
+    uids = _allowed_uids(sup.pop("allowed_uids", []), problems)
+    engine_env, engine_args, api_key, engines = _engine_tables(raw, tables["engine_defaults"], base_dir, problems,
+                                                               warnings)
+    _check_counts(sup, sup_bad, engines, problems)
+    router = _router(tables["router"], base_dir, problems, warnings) if router_given else None
+    if problems:
+        raise ConfigError(problems)
+    return Config(
+        engines=tuple(engines),
+        probe=probe,
+        restart=rpolicy,
+        allowed_uids=uids,
+        engine_env=engine_env,
+        engine_args=engine_args,
+        warmup=warmup,
+        api_key=api_key,
+        warnings=tuple(_one_line(w) for w in warnings),
+        router=router,
+        **sup,
+    )
+
+
+def _read_tables(raw: dict[str, Any], overrides: dict[str, Any],
+                 problems: list[str]) -> tuple[dict[str, dict[str, Any]], bool]:
+    """Each table's well-typed keys, the flags over them, every float finite; and whether there
+    is a [router] (a table in the file, or --router-* flags)."""
     for key in raw:
         if key not in _TOP:
             problems.append(f"{key}: unknown key (known: {', '.join(sorted(_TOP))})")
-    sup = _check_table("supervisor", raw.get("supervisor", {}), _SUPERVISOR, problems)
-    health = _check_table("health_check", raw.get("health_check", {}), _HEALTH, problems)
-    restart = _check_table("restart", raw.get("restart", {}), _RESTART, problems)
-    defaults = _check_table("engine_defaults", raw.get("engine_defaults", {}), _DEFAULTS, problems)
-    warm = _check_table("warmup", raw.get("warmup", {}), _WARMUP, problems)
-    rtr = _check_table("router", raw.get("router", {}), _ROUTER, problems)
+    tables = {name: _check_table(name, raw.get(name, {}), knobs.schema(SETTINGS[name]), problems)
+              for name in ("supervisor", "health_check", "restart", "engine_defaults", "warmup", "router")}
     router_given = "router" in raw
-    for section, key, value in _apply_overrides(overrides or {}):
-        {"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm,
-         "router": rtr}[section][key] = value
+    for section, key, value in _apply_overrides(overrides):
+        tables[section][key] = value
         router_given |= section == "router"
-
     # NaN passes every `<= 0` test and inf never fires: refused first, and each rule below
     # judges only finite values, so a non-finite one is reported once.
-    _check_finite({"supervisor": sup, "health_check": health, "restart": restart, "warmup": warm,
-                   "router": rtr}, problems)
-    warnings: list[str] = []
+    _check_finite({name: tables[name] for name in ("supervisor", "health_check", "restart", "warmup", "router")},
+                  problems)
+    return tables, router_given
+
+
+def _policies(tables: dict[str, dict[str, Any]], problems: list[str],
+              warnings: list[str]) -> tuple[ProbePolicy, WarmupPolicy, RestartPolicy]:
+    """[warmup], [health_check] and [restart]: each key's bounds, then the rules across keys."""
+    knobs.check(SETTINGS["warmup"], tables["warmup"], problems)
+    knobs.check(SETTINGS["health_check"], tables["health_check"], problems)
     # A paused engine is excused for as long as a weight push may take.
-    probe = ProbePolicy(**health, max_paused=sup.get("sync_timeout", Config.sync_timeout))
-    warmup = WarmupPolicy(**warm)
-    # Bounded: each request is held in the daemon while it runs (vLLM's own logprobs cap is 20).
-    for key, low, high in (("requests", 0, MAX_REQUESTS), ("max_tokens", 1, 4096), ("logprobs", 0, 20)):
-        if not low <= getattr(warmup, key) <= high:
-            problems.append(f"warmup.{key}: must be in {low}..{high}, got {getattr(warmup, key)}")
-    if _finite(warmup.temperature) and warmup.temperature < 0:
-        problems.append(f"warmup.temperature: must be >= 0, got {warmup.temperature:g}")
-    if _finite(warmup.top_p) and not 0 < warmup.top_p <= 1:
-        problems.append(f"warmup.top_p: must be in (0, 1], got {warmup.top_p:g}")
-    if _finite(probe.max_busy) and probe.max_busy <= 0:
-        problems.append(f"health_check.max_busy: must be a number of seconds > 0, got {probe.max_busy:g}")
-    rpolicy = RestartPolicy(**restart)
+    probe = ProbePolicy(**tables["health_check"],
+                        max_paused=tables["supervisor"].get("sync_timeout", Config.sync_timeout))
     _check_probe(probe, problems, warnings)
-    if rpolicy.start_retries < 1:
-        problems.append(f"restart.start_retries: must be >= 1, got {rpolicy.start_retries}")
-    if rpolicy.flapping_max_restarts < 1:
-        problems.append(f"restart.flapping_max_restarts: must be >= 1, got {rpolicy.flapping_max_restarts}")
-    for key in ("backoff_initial", "backoff_max", "flapping_window"):
-        if _finite(getattr(rpolicy, key)) and getattr(rpolicy, key) < 0:
-            problems.append(f"restart.{key}: must be >= 0, got {getattr(rpolicy, key):g}")
+    knobs.check(SETTINGS["restart"], tables["restart"], problems)
+    rpolicy = RestartPolicy(**tables["restart"])
     if _finite(rpolicy.backoff_max, rpolicy.backoff_initial) and rpolicy.backoff_max < rpolicy.backoff_initial:
         problems.append("restart.backoff_max: must be >= backoff_initial")
+    return probe, WarmupPolicy(**tables["warmup"]), rpolicy
+
+
+def _check_supervisor(sup: dict[str, Any], problems: list[str], warnings: list[str]) -> set[str]:
+    """[supervisor]'s directories, metrics address and each key's bounds; the keys out of bounds."""
     _check_startup(sup, problems)
     _check_metrics_address(sup, problems, warnings)
-    if _finite(sup.get("stop_timeout", 1.0)) and sup.get("stop_timeout", 1.0) <= 0:
-        problems.append(f"supervisor.stop_timeout: must be > 0, got {sup['stop_timeout']:g}")
-    for key in ("log_keep", "log_keep_bytes", "incidents_keep", "incidents_keep_bytes"):
-        if sup.get(key, 0) < 0:
-            problems.append(f"supervisor.{key}: must be >= 0 (0: no limit), got {sup[key]}")
-    if sup.get("log_level", "info") not in _LOG_LEVELS:
-        problems.append(f"supervisor.log_level: must be one of {', '.join(sorted(_LOG_LEVELS))}, got {sup['log_level']!r}")
-    uids = sup.pop("allowed_uids", [])
+    return knobs.check(SETTINGS["supervisor"], sup, problems)
+
+
+def _allowed_uids(uids: Any, problems: list[str]) -> tuple[int, ...]:
     if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in uids):
         problems.append("supervisor.allowed_uids: must be a list of non-negative integers")
-        uids = []
+        return ()
+    return tuple(uids)
 
+
+def _engine_tables(raw: dict[str, Any], defaults: dict[str, Any], base_dir: str | None, problems: list[str],
+                   warnings: list[str]) -> tuple[dict[str, str], tuple[str, ...], str | None, list[EngineSpec]]:
+    """[engine_defaults] and [[engines]]: the engines' environment, arguments, API key and specs."""
     # Spawned engines inherit the daemon's own environment (a unit's Environment=) under theirs.
     _env("the daemon's environment", {k: v for k, v in os.environ.items() if k == SPIN_ENV}, problems)
     engine_env = _env("engine_defaults.env", defaults.get("env", {}), problems)
     engine_args = _strs("engine_defaults.args", defaults.get("args", []), problems)
     _forbidden_flags("engine_defaults.args", engine_args, problems)
-    wildcard_ok = defaults.get("allow_wildcard_bind", False)
-    hosts = _Hosts(wildcard_ok)
-    default_host = defaults.get("host", EngineSpec.host)
+    hosts = _Hosts(defaults.get("allow_wildcard_bind", EngineDefaults.allow_wildcard_bind))
+    default_host = defaults.get("host", EngineDefaults.host)
     hosts.check("engine_defaults.host", default_host, problems)
     api_key = None
     if "api_key_file" in defaults:
@@ -516,44 +295,23 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
             if "VLLM_API_KEY" in env:
                 problems.append(f"{where}: VLLM_API_KEY and engine_defaults.api_key_file both give the "
                                 "engines' key; keep one (the file: it stays out of the config)")
-    min_healthy = sup.get("min_healthy", 1)
-    if min_healthy < 0:
-        problems.append(f"supervisor.min_healthy: must be >= 0, got {min_healthy}")
-    elif engines and min_healthy > len(engines):
+    return engine_env, engine_args, api_key, engines
+
+
+def _check_counts(sup: dict[str, Any], bad: set[str], engines: list[EngineSpec], problems: list[str]) -> None:
+    """min_healthy and spares against the engines configured (each already >= 0 unless in `bad`)."""
+    min_healthy = sup.get("min_healthy", Config.min_healthy)
+    if "min_healthy" not in bad and engines and min_healthy > len(engines):
         problems.append(f"supervisor.min_healthy: {min_healthy} is more than the {len(engines)} configured engines")
-    spares = sup.get("spares", 0)
-    if spares < 0:
-        problems.append(f"supervisor.spares: must be >= 0, got {spares}")
-    elif spares and spares >= len(engines):
+    spares = sup.get("spares", Config.spares)
+    if "spares" in bad or not spares:
+        return
+    if spares >= len(engines):
         problems.append(f"supervisor.spares: {spares} spare(s) leave none of the {len(engines)} configured "
                         "engines to serve; configure more engines than spares")
-    elif spares and engines and min_healthy > len(engines) - spares:
+    elif engines and min_healthy > len(engines) - spares:
         problems.append(f"supervisor.min_healthy: {min_healthy} is more than the {len(engines) - spares} engines "
                         f"that serve ({len(engines)} configured, {spares} spare(s))")
-    if sup.get("restart_load", "model") not in RESTART_LOAD:
-        problems.append(f"supervisor.restart_load: must be one of {', '.join(RESTART_LOAD)}, "
-                        f"got {sup['restart_load']!r}")
-    if sup.get("spares_sync", "promotion") not in SPARES_SYNC:
-        problems.append(f"supervisor.spares_sync: must be one of {', '.join(SPARES_SYNC)}, "
-                        f"got {sup['spares_sync']!r}")
-
-    router = _router(rtr, base_dir, problems, warnings) if router_given else None
-
-    if problems:
-        raise ConfigError(problems)
-    return Config(
-        engines=tuple(engines),
-        probe=probe,
-        restart=rpolicy,
-        allowed_uids=tuple(uids),
-        engine_env=engine_env,
-        engine_args=engine_args,
-        warmup=warmup,
-        api_key=api_key,
-        warnings=tuple(_one_line(w) for w in warnings),
-        router=router,
-        **sup,
-    )
 
 
 def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
@@ -589,9 +347,7 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
         problems.append(f"router.kind: must be one of {', '.join(KINDS)}, got {rtr['kind']!r}")
     if not re.fullmatch(r"[a-z_]{1,32}", rtr.get("worker_type", "regular")):
         problems.append(f"router.worker_type: must be a word such as regular, got {rtr['worker_type']!r}")
-    for key in ("period", "timeout", "remove_timeout", "drain_timeout", "silent_timeout"):
-        if key in rtr and _finite(rtr[key]) and rtr[key] <= 0:
-            problems.append(f"router.{key}: must be a number of seconds > 0, got {rtr[key]:g}")
+    knobs.check(SETTINGS["router"], rtr, problems)
     if "args" in rtr:
         rtr["args"] = _strs("router.args", rtr["args"], problems)
     if rtr.get("spawn"):
@@ -681,18 +437,9 @@ def _finite(*values: float) -> bool:
 
 
 def _check_probe(probe: ProbePolicy, problems: list[str], warnings: list[str]) -> None:
-    """The heartbeat's timings. slime's own settings pass: first_wait = 0 (no grace period)
-    and one failed probe that stops the engine (failure_threshold 1, interval 10, timeout 5);
-    what they cost is a warning, not an error."""
-    for key in ("interval", "timeout"):
-        value = getattr(probe, key)
-        if _finite(value) and value <= 0:
-            problems.append(f"health_check.{key}: must be > 0, got {value:g}")
-    if _finite(probe.first_wait) and probe.first_wait < 0:
-        problems.append(f"health_check.first_wait: must be >= 0 (0: no startup deadline), got {probe.first_wait:g}")
-    for key in ("failure_threshold", "success_threshold"):
-        if getattr(probe, key) < 1:
-            problems.append(f"health_check.{key}: must be >= 1, got {getattr(probe, key)}")
+    """The heartbeat's timings together (each key's own bounds are its knob's). slime's own
+    settings pass: first_wait = 0 (no grace period) and one failed probe that stops the engine
+    (failure_threshold 1, interval 10, timeout 5); what they cost is a warning, not an error."""
     if not _finite(probe.interval, probe.timeout, probe.first_wait) or probe.timeout <= 0 or probe.interval <= 0:
         return
     if probe.first_wait == 0:
@@ -702,7 +449,7 @@ def _check_probe(probe: ProbePolicy, problems: list[str], warnings: list[str]) -
     elif probe.timeout >= probe.first_wait:
         problems.append(f"health_check: timeout ({probe.timeout:g}s) must be less than first_wait ({probe.first_wait:g}s)")
     if probe.failure_threshold >= 1 and probe.interval >= probe.timeout * probe.failure_threshold:
-        bound = probe.interval + probe.failure_threshold * (probe.timeout + 0.5)
+        bound = probe.hang_bound()
         warnings.append(
             f"health_check: interval ({probe.interval:g}s) is not less than timeout x failure_threshold "
             f"({probe.timeout:g}s x {probe.failure_threshold}): the wait between heartbeats, not the probes, "
@@ -716,10 +463,6 @@ def _check_finite(sections: dict[str, dict[str, Any]], problems: list[str]) -> N
         for key, value in table.items():
             if isinstance(value, float) and not math.isfinite(value):
                 problems.append(f"{name}.{key}: must be a finite number, got {value}")
-    sync_timeout = sections["supervisor"].get("sync_timeout", 1.0)
-    if math.isfinite(sync_timeout) and sync_timeout <= 0:
-        problems.append(f"supervisor.sync_timeout: must be > 0 seconds, got {sync_timeout:g}; a push "
-                        "or reload gets this long before the engine counts as poisoned")
 
 
 def parse_metrics_address(text: str) -> tuple[str, int]:
@@ -1045,41 +788,10 @@ def _read_secret(where: str, path: str, problems: list[str], warnings: list[str]
 
 # --- command-line flags ------------------------------------------------------------------
 
-# flag dest -> (section, key). slime's names where they exist.
-_FLAG_KEYS = {
-    "use_fault_tolerance": ("supervisor", "use_fault_tolerance"),
-    "rollout_health_check_first_wait": ("health_check", "first_wait"),
-    "rollout_health_check_interval": ("health_check", "interval"),
-    "rollout_health_check_timeout": ("health_check", "timeout"),
-    "rollout_health_check_failure_threshold": ("health_check", "failure_threshold"),
-    "rollout_health_check_success_threshold": ("health_check", "success_threshold"),
-    "rollout_health_check_max_busy": ("health_check", "max_busy"),
-    "warmup_requests": ("warmup", "requests"),
-    "stop_timeout": ("supervisor", "stop_timeout"),
-    "start_retries": ("restart", "start_retries"),
-    "backoff_initial": ("restart", "backoff_initial"),
-    "backoff_max": ("restart", "backoff_max"),
-    "flapping_window": ("restart", "flapping_window"),
-    "flapping_max_restarts": ("restart", "flapping_max_restarts"),
-    "min_healthy": ("supervisor", "min_healthy"),
-    "restart_immediately": ("supervisor", "restart_immediately"),
-    "admit_mid_round": ("supervisor", "admit_mid_round"),
-    "spares": ("supervisor", "spares"),
-    "spares_sync": ("supervisor", "spares_sync"),
-    "restart_load": ("supervisor", "restart_load"),
-    "runtime_dir": ("supervisor", "runtime_dir"),
-    "log_dir": ("supervisor", "log_dir"),
-    "state_dir": ("supervisor", "state_dir"),
-    "log_keep": ("supervisor", "log_keep"),
-    "log_keep_bytes": ("supervisor", "log_keep_bytes"),
-    "incidents_keep": ("supervisor", "incidents_keep"),
-    "incidents_keep_bytes": ("supervisor", "incidents_keep_bytes"),
-    "engine_cache_dir": ("supervisor", "engine_cache_dir"),
-    "log_level": ("supervisor", "log_level"),
-    "metrics_address": ("supervisor", "metrics_address"),
-    "router_url": ("router", "url"),
-    "router_observe_only": ("router", "observe_only"),
-    "router_prune_unknown": ("router", "prune_unknown"),
+# The flags' groups in --help, each holding the flags of its tables.
+_FLAG_GROUPS = {
+    "fault tolerance (override the config file)": ("supervisor", "health_check", "warmup", "restart"),
+    "router (override the config file's [router] table)": ("router",),
 }
 
 
@@ -1091,80 +803,66 @@ def _apply_overrides(overrides: dict[str, Any]):
 
 
 def add_flags(ap: argparse.ArgumentParser) -> None:
-    d = ProbePolicy()
-    r = RestartPolicy()
-    g = ap.add_argument_group("fault tolerance (override the config file)")
-    g.add_argument("--use-fault-tolerance", action=argparse.BooleanOptionalAction, default=None,
-                   help="probe engines and restart dead ones (default: on)")
-    g.add_argument("--rollout-health-check-first-wait", type=float, metavar="S",
-                   help=f"startup budget of each engine incarnation (default {d.first_wait:g})")
-    g.add_argument("--rollout-health-check-interval", type=float, metavar="S",
-                   help=f"seconds between probes of one engine (default {d.interval:g})")
-    g.add_argument("--rollout-health-check-timeout", type=float, metavar="S",
-                   help=f"timeout of one probe (default {d.timeout:g})")
-    g.add_argument("--rollout-health-check-failure-threshold", type=int, metavar="N",
-                   help=f"consecutive failures that make an engine UNHEALTHY (default {d.failure_threshold})")
-    g.add_argument("--rollout-health-check-success-threshold", type=int, metavar="N",
-                   help=f"consecutive successes that clear SUSPECT (default {d.success_threshold})")
-    g.add_argument("--rollout-health-check-max-busy", type=float, metavar="S",
-                   help="longest a late probe is excused while the engine's processes burn CPU with no "
-                        f"token counted (default {d.max_busy:g})")
-    g.add_argument("--warmup-requests", type=int, metavar="N",
-                   help=f"concurrent warm-up requests before an incarnation is RUNNING; 0: none "
-                        f"(default {WarmupPolicy().requests})")
-    g.add_argument("--stop-timeout", type=float, metavar="S", help="SIGTERM to SIGKILL (default 10)")
-    g.add_argument("--start-retries", type=int, metavar="N",
-                   help=f"consecutive failed starts before FATAL (default {r.start_retries})")
-    g.add_argument("--backoff-initial", type=float, metavar="S", help=f"default {r.backoff_initial:g}")
-    g.add_argument("--backoff-max", type=float, metavar="S", help=f"default {r.backoff_max:g}")
-    g.add_argument("--flapping-window", type=float, metavar="S", help=f"default {r.flapping_window:g}")
-    g.add_argument("--flapping-max-restarts", type=int, metavar="N",
-                   help=f"restarts inside the window before FATAL (default {r.flapping_max_restarts})")
-    g.add_argument("--min-healthy", type=int, metavar="N", help="routable engines below which the trainer is told")
-    g.add_argument("--restart-immediately", action=argparse.BooleanOptionalAction, default=None,
-                   help="boot a dead engine during the round (routed after the gap, or at once with "
-                        "--admit-mid-round once verified at the current version)")
-    g.add_argument("--admit-mid-round", action=argparse.BooleanOptionalAction, default=None,
-                   help="fill a failed engine's place inside the round: a current spare at once, an engine "
-                        "verified at the current version as soon as it is (default off: in the gap)")
-    g.add_argument("--spares", type=int, metavar="K",
-                   help="warm spares: K engines beyond the routing target kept in STANDBY, promoted in "
-                        "the gap after a failure (default 0)")
-    g.add_argument("--spares-sync", choices=SPARES_SYNC,
-                   help="when spares get new weights: at promotion (default) or after every publish")
-    g.add_argument("--restart-load", choices=RESTART_LOAD,
-                   help="a restarted engine's weights: read the model (default), or dummy weights when the "
-                        "trainer's agent is connected to push them")
-    g.add_argument("--runtime-dir", help="holds the control socket (default /run/vime-supervisor)")
-    g.add_argument("--log-dir", help="engine logs, one file per incarnation")
-    g.add_argument("--state-dir", help="the journal that lets a restarted daemon lose nothing")
-    g.add_argument("--log-keep", type=int, metavar="N",
-                   help=f"each engine's newest N logs are kept, the live one always; 0: no limit "
-                        f"(default {Config.log_keep})")
-    g.add_argument("--log-keep-bytes", type=int, metavar="BYTES",
-                   help=f"each engine's logs within BYTES, oldest removed first; 0: no limit "
-                        f"(default {Config.log_keep_bytes})")
-    g.add_argument("--incidents-keep", type=int, metavar="N",
-                   help=f"the newest N incident folders are kept; 0: no limit (default {Config.incidents_keep})")
-    g.add_argument("--incidents-keep-bytes", type=int, metavar="BYTES",
-                   help=f"the incident folders within BYTES, oldest removed first; 0: no limit "
-                        f"(default {Config.incidents_keep_bytes})")
-    g.add_argument("--engine-cache-dir", help="the engines' compiler caches, kept across restarts "
-                                              "(default <state_dir>/engine-cache)")
-    g.add_argument("--log-level", help="debug, info, warning, error")
-    g.add_argument("--metrics-address", metavar="HOST:PORT",
-                   help="serve Prometheus' GET /metrics over TCP here, e.g. 127.0.0.1:9464 (loopback only "
-                        "unless supervisor.metrics_allow_remote; default: none)")
-    g = ap.add_argument_group("router (override the config file's [router] table)")
-    g.add_argument("--router-url", metavar="URL",
-                   help="feed the router (vllm-router) at URL with the routable engines, e.g. http://127.0.0.1:30000")
-    g.add_argument("--router-observe-only", action=argparse.BooleanOptionalAction, default=None,
-                   help="report how the router's list differs from the routable set; change nothing")
-    g.add_argument("--router-prune-unknown", action=argparse.BooleanOptionalAction, default=None,
-                   help="remove router workers that are not this daemon's engines (default: report them)")
+    """A flag for each setting that declares one, in its table's group (slime's names where they
+    exist). Each defaults to None: only a flag given overrides the file."""
+    for title, sections in _FLAG_GROUPS.items():
+        group = ap.add_argument_group(title)
+        for name in sections:
+            for setting in SETTINGS[name]:
+                if setting.knob.flag:
+                    knobs.add_flag(group, setting)
 
 
 def load(path: str, args: argparse.Namespace | None = None) -> Config:
     raw = load_file(path)
     overrides = {k: getattr(args, k, None) for k in _FLAG_KEYS} if args else {}
     return build(raw, overrides, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+# --- docs/configuration.md ---------------------------------------------------------------
+
+DOCS_BEGIN = "<!-- the table below is generated: python -m vime.supervisor.config --write-docs -->"
+DOCS_END = "<!-- end of the generated table -->"
+# The daemon's own flags (daemon.parse_args), above the settings; test_docs checks them too.
+_DAEMON_ROWS = (
+    "| | `-c`, `--config FILE` | `$VIME_SUPERVISOR_CONFIG`, else `/etc/vime-supervisor/config.toml` | the TOML "
+    "config file |",
+    "| | `--check-config` | | validate the config (and the open-file limit, the runtime directory) and exit: 0 "
+    "when it would start, 2 with one line per problem |",
+)
+
+
+def docs_table() -> str:
+    """The "Every key and flag" table of docs/configuration.md, from the declarations."""
+    rows = ["| key | flag | default | meaning |", "|---|---|---|---|", *_DAEMON_ROWS]
+    for name, declared in SETTINGS.items():
+        table = f"[[{name}]]" if name == "engines" else f"[{name}]"
+        rows += [knobs.table_row(s, f"{table} {s.key}") for s in declared]
+    return "\n".join(rows)
+
+
+def docs_with_table(page: str) -> str:
+    """`page` with the text between DOCS_BEGIN and DOCS_END replaced by docs_table()."""
+    head, begin, rest = page.partition(DOCS_BEGIN)
+    _, end, tail = rest.partition(DOCS_END)
+    if not begin or not end:
+        raise ValueError(f"the page has no {DOCS_BEGIN!r} ... {DOCS_END!r} section")
+    return f"{head}{DOCS_BEGIN}\n{docs_table()}\n{DOCS_END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vime.supervisor.config",
+                                 description="Print the settings' table of docs/configuration.md, or write it there.")
+    ap.add_argument("--write-docs", metavar="PAGE", nargs="?", const="docs/configuration.md",
+                    help="replace the generated table in PAGE (default docs/configuration.md)")
+    args = ap.parse_args(argv)
+    if args.write_docs is None:
+        print(docs_table())
+        return 0
+    page = Path(args.write_docs)
+    page.write_text(docs_with_table(page.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,7 @@ ships every package folder.
 
 Inside the daemon (vime.supervisor), five groups, each importing only itself and those below:
 
-    base     states, protocol, errors, config, tasks, logs, events
+    base     states, protocol, errors, knobs, settings, config, tasks, logs, events
     engine   supervisor/engine/: runner, adoption, heartbeat, fsm, process, activity, probes, http1, warmup,
              postmortem, retention, view
     fleet    policy, fleet, sync, metrics, status, journal, routerfeed, routerchild
@@ -112,7 +112,8 @@ ALLOWED = {
 
 _D = "vime.supervisor."
 GROUPS = {  # lowest first
-    "base": {_D + m for m in ("states", "protocol", "errors", "config", "tasks", "logs", "events")},
+    "base": {_D + m for m in ("states", "protocol", "errors", "knobs", "settings", "config", "tasks", "logs",
+                              "events")},
     "engine": {_D + "engine"} | {_D + "engine." + m for m in ("runner", "fsm", "process", "activity", "probes", "heartbeat", "adoption",
                                                              "http1", "warmup", "postmortem", "retention", "view")},
     "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "routerfeed",
