@@ -368,7 +368,7 @@ class Supervisor:
         probe = self.cfg.probe
         if self.router_child is not None and not await self.router_child.answered(STARTUP_BOUND):
             log.warning("router.not_up", bound=STARTUP_BOUND, action="fed once it answers; supervision goes on")
-        await self._readopted(RELOAD_SETTLE + probe.timeout * probe.failure_threshold,
+        await self._readopted(RELOAD_SETTLE + probe.hang_bound(probing_now=True),
                               then="the router is fed now; they go on being checked")
         await feed.run()
 

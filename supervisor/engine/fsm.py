@@ -103,8 +103,8 @@ class EngineFSM:
 
     def limit_bound(self) -> float:
         """How long an unbroken run of probes the daemon could not make keeps a serving engine
-        routable: as long as a hang takes to confirm (interval + timeout x failure_threshold)."""
-        return self.probe.interval + self.probe.timeout * self.probe.failure_threshold
+        routable: as long as a hang takes to confirm (ProbePolicy.hang_bound)."""
+        return self.probe.hang_bound()
 
     def uptime(self) -> float | None:
         return None if self.ready_at is None else self.clock() - self.ready_at

@@ -216,22 +216,22 @@ def test_a_probe_the_daemon_could_not_make_is_never_held_against_the_engine():
 
 def test_an_engine_the_daemon_cannot_probe_leaves_routing_after_a_hangs_worth_unblamed():
     """Probes the daemon could not make (EMFILE) keep a serving engine routable only as long as
-    a hang takes to confirm (interval + timeout x threshold: 10 + 5 x 3 = 25 s here). Then it
+    a hang takes to confirm (ProbePolicy.hang_bound: 10 + 3 x (5 + 0.5) = 26.5 s here). Then it
     is UNHEALTHY with cause daemon_limit: out of routing, no stop asked (no restart, no hang
     detection); the next probe made decides: an answer brings it back, failures are a hang."""
     no_fd = ProbeOutcome(False, "generate: the daemon is out of descriptors", kind=DAEMON_LIMIT)
     fsm, clock, seen = running()
-    assert fsm.limit_bound() == 25.0
-    for t in (11.0, 21.0, 31.0, 35.9):  # 24.9 s since the first: still routable
+    assert fsm.limit_bound() == fsm.probe.hang_bound() == 26.5
+    for t in (11.0, 21.0, 31.0, 37.4):  # 26.4 s since the first: still routable
         clock.now = t
         assert fsm.probe_result(no_fd) is False
     assert fsm.state is S.RUNNING and fsm.routable and not seen
-    clock.now = 36.0
+    clock.now = 38.0
     assert fsm.probe_result(no_fd) is False  # never a stop
     assert edges(seen) == [(S.RUNNING, S.UNHEALTHY)] and seen[0].cause is Cause.DAEMON_LIMIT
     assert detection_kind(seen[0]) is None  # not in vime_detections_total: not the engine's
     assert not fsm.routable and fsm.unobserved and fsm.consecutive_failures == 0
-    assert fsm.reason.startswith("unobserved: the daemon could not probe it for 25s")
+    assert fsm.reason.startswith("unobserved: the daemon could not probe it for 27s")
     clock.now = 100.0
     assert fsm.probe_result(no_fd) is False and len(seen) == 1  # still out, still not blamed
     # A probe made and answered: back (the runner calls recovered, as for an attached engine).
@@ -258,13 +258,13 @@ def test_an_engine_out_for_the_daemons_limit_then_busy_too_long_is_the_engines_h
     no_fd = ProbeOutcome(False, "generate: the daemon is out of descriptors", kind=DAEMON_LIMIT)
     busy = ProbeOutcome(True, "busy: probe late (>2s), no tokens", excuse="busy")
     fsm, clock, seen = running(probe=ProbePolicy(interval=1, timeout=2, failure_threshold=2, max_busy=5))
-    for t in (11.0, 13.0, 16.0):
+    for t in (11.0, 13.0, 17.0):  # the bound: 1 + 2 x (2 + 0.5) = 6 s
         clock.now = t
         assert fsm.probe_result(no_fd) is False
     assert fsm.state is S.UNHEALTHY and fsm.cause is Cause.DAEMON_LIMIT
-    clock.now = 17.0
+    clock.now = 18.0
     assert fsm.probe_result(busy) is False  # busy: no answer yet on its weights, still out
-    clock.now = 23.0
+    clock.now = 24.0
     assert fsm.probe_result(busy) is True
     assert fsm.cause is Cause.BUSY and fsm.reason.startswith("hung: busy for 6s")
     assert edges(seen) == [(S.RUNNING, S.UNHEALTHY)]
