@@ -31,7 +31,7 @@ from vime.weight_sync.idle_spin import SPIN_ENV, spin_seconds  # read by our plu
 
 from . import knobs
 # The settings are the config's names too: the engine modules and the tests import them from here.
-from .settings import (MAX_REQUESTS, PROGRESS_WINDOW, RESTART_LOAD, ROUTER_ARGS, SECTIONS, SETTINGS, SPARES_SYNC,
+from .settings import (MAX_REQUESTS, RESTART_LOAD, ROUTER_ARGS, SECTIONS, SETTINGS, SPARES_SYNC,
                        Config, EngineDefaults, EngineSpec, ProbePolicy, RestartPolicy, RouterConfig, WarmupPolicy)
 
 # sockaddr_un.sun_path is 108 bytes, the terminating NUL included.
@@ -57,10 +57,11 @@ def _one_line(text: str) -> str:
 # Flags a spawned router's args may not carry: the daemon sets them, or they would put a secret
 # on a command line any local user reads (/proc/PID/cmdline).
 _ROUTER_OWN_FLAGS = ("--host", "--port", "--worker-urls")
-# Table -> {key: type}. Everything else in the file is an error.
-_TOP = set(SECTIONS)
-_SUPERVISOR, _HEALTH, _WARMUP, _RESTART, _ROUTER, _DEFAULTS, _ENGINE = (
-    knobs.schema(SETTINGS[name]) for name in SECTIONS)
+# Table -> {key: TOML type}. Everything else in the file is an error.
+_SCHEMAS = {name: knobs.schema(declared) for name, declared in SETTINGS.items()}
+_TOP = set(_SCHEMAS)
+_SUPERVISOR, _HEALTH, _WARMUP, _RESTART = (_SCHEMAS[n] for n in ("supervisor", "health_check", "warmup", "restart"))
+_ROUTER, _DEFAULTS, _ENGINE = (_SCHEMAS[n] for n in ("router", "engine_defaults", "engines"))
 # flag dest -> (section, key). slime's names where they exist.
 _FLAG_KEYS = {s.dest: (s.section, s.key) for declared in SETTINGS.values() for s in declared if s.dest}
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -231,7 +232,7 @@ def _read_tables(raw: dict[str, Any], overrides: dict[str, Any],
     for key in raw:
         if key not in _TOP:
             problems.append(f"{key}: unknown key (known: {', '.join(sorted(_TOP))})")
-    tables = {name: _check_table(name, raw.get(name, {}), knobs.schema(SETTINGS[name]), problems)
+    tables = {name: _check_table(name, raw.get(name, {}), _SCHEMAS[name], problems)
               for name in ("supervisor", "health_check", "restart", "engine_defaults", "warmup", "router")}
     router_given = "router" in raw
     for section, key, value in _apply_overrides(overrides):

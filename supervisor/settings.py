@@ -110,7 +110,6 @@ class WarmupPolicy:
     prompt: str = knob("The quick brown fox", doc="the warm-up's prompt")
 
 
-
 @dataclass(frozen=True)
 class EngineSpec:
     """[[engines]]: spawned engines have a model directory and a port, attached ones a url."""

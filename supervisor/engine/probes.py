@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from .activity import GroupSample, busy, describe, sample_group
-from ..config import PROGRESS_WINDOW
+from ..settings import PROGRESS_WINDOW
 from ..states import DAEMON_LIMIT, ProbeOutcome
 from .http1 import Http1Client, HttpProtocolError, read_bounded
 
@@ -38,7 +38,7 @@ _PROMPT_TOKENS = re.compile(r"^vllm:prompt_tokens_total(?:\{[^}\n]*\})?[ \t]+([0
 _RUNNING = re.compile(r"^vllm:num_requests_running(?:\{[^}\n]*\})?[ \t]+([0-9.eE+-]+)", re.M)
 # One engine's /metrics is tens of KB (its histograms); more is not read, and not judged.
 MAX_METRICS = 4 << 20
-# A late probe is judged on readings taken now, PROGRESS_WINDOW apart (in config.py, part of the
+# A late probe is judged on readings taken now, PROGRESS_WINDOW apart (in settings.py, part of the
 # hang bound): /metrics twice (a decoding engine moves its counters within a few steps) and the
 # group's CPU time (50 clock ticks of one core: enough resolution to tell 10% of a core from a
 # stopped group's <1%).

@@ -16,6 +16,7 @@ from vime.supervisor import config as config_mod
 from vime.supervisor import knobs
 from vime.supervisor.config import SECTIONS, SETTINGS, ConfigError, ProbePolicy, build
 from vime.supervisor.engine.fsm import EngineFSM
+from vime.supervisor.settings import PROGRESS_WINDOW
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [ROOT / "supervisor" / name for name in ("config.py", "settings.py")]
@@ -238,7 +239,7 @@ def test_one_hang_bound(policy):
     """interval + failure_threshold x (timeout + the late-probe judgement), used by the FSM and
     said by the config's warning."""
     assert policy.hang_bound() == policy.interval + policy.failure_threshold * (
-        policy.timeout + config_mod.PROGRESS_WINDOW)
+        policy.timeout + PROGRESS_WINDOW)
     assert policy.hang_bound(probing_now=True) == policy.hang_bound() - policy.interval
     assert EngineFSM("e", policy, config_mod.RestartPolicy(), clock=lambda: 0.0).limit_bound() == policy.hang_bound()
     warnings: list[str] = []
