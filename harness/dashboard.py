@@ -262,7 +262,7 @@ def draw(series: Mapping[str, Sequence[tuple[str, Sequence[tuple[float, float]]]
         ax.set_xlabel("seconds", fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985) if title else None)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -46,6 +46,7 @@ JOB = "vime-supervisor"
 RATE = "5s"  # $__rate_interval at a 1 s scrape (Grafana: 4 x the scrape interval, at least)
 # Series Prometheus makes itself, not the daemon: read from Prometheus, not the scrape.
 PROMETHEUS_OWN = {"up"}
+HOLD = 3.0  # seconds a faulty engine is kept from coming back: several scrapes see it down
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="the prometheus server is not installed (Debian: apt-get install prometheus)")
@@ -149,13 +150,17 @@ def test_dashboard_and_rules_against_a_live_daemon_through_a_kill_and_a_hang(tmp
         time.sleep(3)
         marks = []
 
-        # kill -9 of a serving engine: below min_healthy until it is back.
+        # kill -9 of a serving engine: below min_healthy until it is back. Its restart is held
+        # (its /health silent) for HOLD seconds: a stand-in restarts in under a scrape interval.
         serving = [e for e in client.status()["engines"] if e["state"] == "RUNNING"]
         victim = serving[0]
         mark = d.mark()
+        modes[victim["name"]].write_text("silent")
         marks.append((time.time(), f"kill -9 {victim['name']}"))
         os.killpg(victim["pid"], signal.SIGKILL)
         d.transition(victim["name"], "EXITED", 20, after=mark)
+        time.sleep(HOLD)
+        modes[victim["name"]].write_text("ok")
         wait_until(lambda: len(client.routable_engines()["engines"]) == 2, 40, "both routable after the kill",
                    interval=0.2)
         time.sleep(3)
@@ -169,6 +174,8 @@ def test_dashboard_and_rules_against_a_live_daemon_through_a_kill_and_a_hang(tmp
         marks.append((time.time(), f"hang {hung['name']}"))
         os.kill(core, signal.SIGSTOP)
         d.transition(hung["name"], "UNHEALTHY", 30, after=mark)
+        modes[hung["name"]].write_text("silent")  # its restart held, as above
+        time.sleep(HOLD)
         modes[hung["name"]].write_text("ok")
         wait_until(lambda: len(client.routable_engines()["engines"]) == 2, 40, "both routable after the hang",
                    interval=0.2)
