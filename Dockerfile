@@ -14,6 +14,7 @@ COPY trainer ./trainer
 COPY weight_sync ./weight_sync
 COPY harness ./harness
 COPY cluster ./cluster
+COPY deploy ./deploy
 # Ours imports as vime.*, beside supervisord (which vLLM pulls in). Both wheels write
 # bin/supervisorctl and pip leaves it to the last installed: the --no-deps --force-reinstall
 # makes it ours, a dispatcher that hands supervisord's invocations to supervisord's

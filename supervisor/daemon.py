@@ -46,6 +46,7 @@ from .router import RouterError, make_router
 from .routerchild import STARTUP_BOUND, RouterChild, stop_leftover
 from .routerfeed import RouterFeed
 from .sdnotify import Notifier
+from .selfwatch import SelfWatch
 from .states import State
 from .sync import PushCoordinator, SyncCoordinator
 from .tasks import TaskSet, cancel_and_wait, wait_event
@@ -85,6 +86,7 @@ class Supervisor:
         for listener in (self.stats, self.fleet, self.sync, self.pushes):
             self.bus.add_listener(listener)
         self.notifier = Notifier()
+        self.selfwatch = SelfWatch(self.notifier.watchdog_interval)  # loop lag, watchdog lateness, started
         self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json")
         self.fleet.persist = self.journal.flush
         self._stop = asyncio.Event()
@@ -259,6 +261,7 @@ class Supervisor:
             self.tasks.spawn(self._follow_fleet(), name="follow-fleet")
             if self.notifier.watchdog_interval:
                 self.tasks.spawn(self._watchdog(self.notifier.watchdog_interval), name="sd-watchdog")
+            self.tasks.spawn(self.selfwatch.loop.run(), name="loop-lag")
             for runner in self.fleet.runners.values():
                 if not runner.retired:
                     runner.start(self.tasks)
@@ -273,7 +276,7 @@ class Supervisor:
                                     socket_group=cfg.socket_group or None, listener=self.listener,
                                     pushes=self.pushes)
             self.listener = None  # the control server's now
-            metrics = MetricsServer(self.fleet, cfg.metrics_address)  # "": none
+            metrics = MetricsServer(self.fleet, cfg.metrics_address, self.selfwatch)  # "": none
             try:
                 await control.start()
                 await metrics.start()
@@ -538,6 +541,7 @@ class Supervisor:
             # that stops sending (wedged) still fails the start.
             self.notifier.extend_timeout(EXTEND_WINDOW)
             await wait_event(change, EXTEND_WINDOW / 3)
+        self.selfwatch.started = True
         self.notifier.ready(status_line(self.fleet))
         log.info("supervisor.ready", status=status_line(self.fleet))
 
@@ -545,7 +549,7 @@ class Supervisor:
         # From the event loop itself: if the loop is wedged, systemd stops hearing from us.
         while True:
             self.notifier.watchdog()
-            await asyncio.sleep(interval)
+            await self.selfwatch.watchdog.sleep(interval)  # how late the next ping goes out
 
     async def shutdown(self) -> None:
         """Stop every engine in parallel, bounded: stop_timeout covers SIGTERM->SIGKILL."""

@@ -9,14 +9,16 @@ have is there from the start at 0, so the first detection is an increase() like 
 
 `MetricsServer` serves GET /metrics over loopback TCP for Prometheus (config
 `metrics_address`): the same families as the control socket's /v1/metrics, plus the
-daemon's own process_* and python_* (prometheus_client's collectors).
+daemon's own process_* and python_* (prometheus_client's collectors) and what it knows of
+itself (selfwatch.py: loop lag, watchdog lateness). The same listener answers the probe
+endpoints Kubernetes asks (/livez, /readyz, /startupz: healthz.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-from typing import Iterator, Protocol
+from typing import Awaitable, Callable, Iterator, Protocol
 
 import structlog
 from aiohttp import web
@@ -24,6 +26,7 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from . import healthz
 from .config import parse_metrics_address
 from .engine.runner import EngineRunner
 from .events import EventBus, Listener
@@ -238,6 +241,13 @@ class FleetCollector:
                                 value=1 if policy.below_floor else 0)
         yield CounterMetricFamily("vime_floor_breaches", "Times the fleet fell below min_healthy",
                                   value=policy.floor_breaches)
+        yield GaugeMetricFamily("vime_min_healthy", "The floor of routable engines (min_healthy)",
+                                value=policy.min_healthy)
+        # Warm spares: the configured ones are the engines beyond the routing target.
+        spares = len(runners) - policy.target if policy.target is not None else 0
+        yield GaugeMetricFamily("vime_spares", "Warm spares configured (spares)", value=max(0, spares))
+        yield GaugeMetricFamily("vime_spares_ready", "Spares up, verified and ready to be promoted (STANDBY)",
+                                value=sum(1 for r in runners if r.fsm.state is State.STANDBY))
         router = getattr(fleet, "router", None)
         if router is not None:
             yield from router.families()
@@ -257,16 +267,35 @@ for _collector in (ProcessCollector, PlatformCollector, GCCollector):
 METRICS_ROUTE = "/metrics"
 
 
+class SelfReadings(Protocol):
+    """What the daemon knows of itself (selfwatch.SelfWatch)."""
+
+    started: bool
+
+    def loop_lag_max(self) -> float: ...
+
+    def families(self) -> Iterator[Metric]: ...
+
+
+class _SelfCollector:
+    def __init__(self, readings: SelfReadings):
+        self.readings = readings
+
+    def collect(self) -> Iterator[Metric]:
+        return self.readings.families()
+
+
 class MetricsServer:
     """GET /metrics over TCP at `address` (config metrics_address, "127.0.0.1:9464"; "" for
-    none), for Prometheus. A listener that cannot bind is logged and left out: supervision
-    never waits on the metrics. Scrapes never block the event loop: the fleet's families are
-    read on it (its state belongs to the loop) from memory, the process' (/proc reads) on a
-    worker thread."""
+    none), for Prometheus, and the probe endpoints (healthz.py) for Kubernetes' kubelet. A
+    listener that cannot bind is logged and left out: supervision never waits on the metrics.
+    Scrapes never block the event loop: the fleet's families are read on it (its state belongs
+    to the loop) from memory, the process' (/proc reads) on a worker thread."""
 
-    def __init__(self, fleet: FleetReadings, address: str):
+    def __init__(self, fleet: FleetReadings, address: str, itself: SelfReadings | None = None):
         self.fleet = fleet
         self.address = address
+        self.itself = itself
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> bool:
@@ -275,6 +304,10 @@ class MetricsServer:
         host, port = parse_metrics_address(self.address)
         app = web.Application()
         app.router.add_get(METRICS_ROUTE, self._metrics)
+        if self.itself is not None:
+            for path, handler in ((healthz.LIVEZ, self._livez), (healthz.READYZ, self._readyz),
+                                  (healthz.STARTUPZ, self._startupz)):
+                app.router.add_get(path, _answer(handler))
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await runner.setup()
         try:
@@ -298,5 +331,33 @@ class MetricsServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         fleet = render(self.fleet)
+        if self.itself is not None:
+            fleet += generate_latest(_self_registry(self.itself))
         process = await asyncio.to_thread(generate_latest, _PROCESS)
         return web.Response(body=process + fleet, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
+    # The probes: answered from memory on the loop, so an answer proves the loop runs.
+    def _livez(self) -> tuple[bool, str]:
+        assert self.itself is not None
+        return healthz.live(self.itself.loop_lag_max())
+
+    def _startupz(self) -> tuple[bool, str]:
+        assert self.itself is not None
+        return healthz.startup(self.itself.started)
+
+    def _readyz(self) -> tuple[bool, str]:
+        assert self.itself is not None
+        return healthz.ready(self.itself.started, len(self.fleet.routable()), self.fleet.policy.min_healthy)
+
+
+def _self_registry(itself: SelfReadings) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SelfCollector(itself))
+    return registry
+
+
+def _answer(verdict: Callable[[], tuple[bool, str]]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(request: web.Request) -> web.Response:
+        ok, text = verdict()
+        return web.Response(status=200 if ok else 503, text=text + "\n")
+    return handler

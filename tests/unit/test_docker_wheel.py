@@ -56,3 +56,7 @@ def test_the_wheel_builds_from_exactly_the_dockerfiles_files(tmp_path):
                 for p in (ROOT / "src" / "vime").rglob("*.py") if "__pycache__" not in p.parts}
     assert expected and expected <= names, sorted(expected - names)
     assert "vime/supervisor/py.typed" in names and "vime/supervisor/client/py.typed" in names
+    # the operators' files (deploy/): alert rules, dashboard, manifests
+    deploy = {"vime/" + str(p.relative_to(ROOT)) for p in (ROOT / "deploy").rglob("*")
+              if p.suffix in (".yml", ".yaml", ".json")}
+    assert "vime/deploy/prometheus/vime-alerts.yml" in deploy and deploy <= names, sorted(deploy - names)

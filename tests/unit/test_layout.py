@@ -17,7 +17,7 @@ Inside the daemon (vime.supervisor), five groups, each importing only itself and
     base     states, protocol, errors, knobs, settings, config, tasks, logs, events
     engine   supervisor/engine/: runner, adoption, heartbeat, fsm, process, activity, probes, http1, warmup,
              postmortem, retention, view
-    fleet    policy, fleet, sync, metrics, status, journal, routerfeed, routerchild
+    fleet    policy, fleet, sync, metrics, status, journal, routerfeed, routerchild, selfwatch, healthz
     service  daemon, reexec, sdnotify, limits, reap, control, __main__
     client   supervisor/client/ and the supervisorctl entry module (the contract only, above)
 """
@@ -117,7 +117,7 @@ GROUPS = {  # lowest first
     "engine": {_D + "engine"} | {_D + "engine." + m for m in ("runner", "fsm", "process", "activity", "probes", "heartbeat", "adoption",
                                                              "http1", "warmup", "postmortem", "retention", "view")},
     "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "routerfeed",
-                                        "routerchild")},
+                                        "routerchild", "selfwatch", "healthz")},
     "service": {"vime.supervisor"} | {_D + m for m in ("daemon", "reexec", "sdnotify", "limits", "reap", "control",
                                                        "__main__")},
 }
