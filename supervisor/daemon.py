@@ -42,9 +42,9 @@ from .engine.process import (
     boot_id, engine_fingerprint, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of,
     proc_stat, reap_child, stop_group_of)
 from .protocol import Event
-from .router import RouterError, make_router
-from .routerchild import STARTUP_BOUND, RouterChild, stop_leftover
-from .routerfeed import RouterFeed
+from .router.child import STARTUP_BOUND, RouterChild, stop_leftover
+from .router.feed import RouterFeed
+from .router.link import RouterLink
 from .sdnotify import Notifier
 from .states import State
 from .sync import PushCoordinator, SyncCoordinator
@@ -74,7 +74,11 @@ class Supervisor:
                                   admit_mid_round=cfg.admit_mid_round, strength=len(cfg.engines) - cfg.spares,
                                   target=len(cfg.engines) - cfg.spares if cfg.spares else None)
         self.stats = FleetStats(self.bus)
-        self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)
+        # [router]: its one owner (the feed, the spawned child, the session to its admin API),
+        # handed to the fleet, the journal, status and the metrics.
+        self.router = (RouterLink(cfg, self.bus.emit, lambda: self.journal.flush())
+                       if cfg.router is not None else None)
+        self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats, router=self.router)
         self.fleet.reloads = generation
         self.sync = SyncCoordinator(self.fleet, cfg.sync_timeout)
         self.pushes = PushCoordinator(self.fleet, grace=cfg.probe.interval + cfg.probe.timeout)
@@ -85,21 +89,23 @@ class Supervisor:
         for listener in (self.stats, self.fleet, self.sync, self.pushes):
             self.bus.add_listener(listener)
         self.notifier = Notifier()
-        self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json")
+        self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json", router=self.router)
         self.fleet.persist = self.journal.flush
         self._stop = asyncio.Event()
         self._reload = False  # set once a reload's checks passed: the stop detaches instead
         self._stop_wanted = False  # a stop asked for (SIGTERM): wins over a reload
         self._reloading: asyncio.Task[None] | None = None
         self.tasks = TaskSet("daemon")  # every long-lived task of the daemon
-        self.router_feed: RouterFeed | None = None
-        self._router_session: aiohttp.ClientSession | None = None
         self._feed_task: asyncio.Task[None] | None = None
-        # [router] spawn: the router runs as our child, journaled and adopted like an engine.
-        self.router_child: RouterChild | None = None
-        if cfg.router is not None and cfg.router.spawn:
-            self.router_child = RouterChild(cfg, self.fleet.emit, self.journal.flush)
-            self.fleet.router_child = self.router_child
+
+    @property
+    def router_feed(self) -> RouterFeed | None:
+        return self.router.feed if self.router is not None else None
+
+    @property
+    def router_child(self) -> RouterChild | None:
+        """[router] spawn: the router runs as our child, journaled and adopted like an engine."""
+        return self.router.child if self.router is not None else None
 
     def request_stop(self, why: str) -> None:
         self._stop_wanted = True
@@ -167,16 +173,15 @@ class Supervisor:
         leaves the router and its requests in flight end (drain_timeout) before the exec. The
         next image would otherwise stop it with its URL still listed, and a URL no longer in the
         config is no daemon's to remove."""
-        feed = self.router_feed
-        if feed is None or feed.cfg.observe_only:
+        link = self.router
+        if link is None or not link.drains():
             return
         leaving = [r for r in self._leaving_on_reload() if r.serving or self.fleet.is_routable(r)]
         if not leaving:
             return
         log.info("supervisor.reload_drains", engines=[r.name for r in leaving],
                  why="stopped or changed by the new config: out of the router first")
-        session = self.fleet.session if self.fleet.session is not None and not self.fleet.session.closed else None
-        done = await asyncio.gather(*(feed.drain(r, session) for r in leaving), return_exceptions=True)
+        done = await asyncio.gather(*(link.drain(r) for r in leaving), return_exceptions=True)
         for r, what in zip(leaving, done):
             log.info("supervisor.reload_drained", engine=r.name, result=str(what))
 
@@ -252,9 +257,8 @@ class Supervisor:
                     runner.may_load_dummy = lambda: self.sync.agents > 0 and self.policy.current_version is not None
                 self.fleet.runners[spec.name] = runner
             await self._restore()
-            self.fleet.session = session
-            if cfg.router is not None:
-                self._start_router(cfg)
+            if self.router is not None:
+                self.router.start(self.fleet, self.bus, session, self.tasks)
             self.journal.start(self.tasks)
             self.tasks.spawn(self._follow_fleet(), name="follow-fleet")
             if self.notifier.watchdog_interval:
@@ -271,9 +275,9 @@ class Supervisor:
                 self._feed_task = self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
             control = ControlServer(self.fleet, self.sync, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None, listener=self.listener,
-                                    pushes=self.pushes)
+                                    pushes=self.pushes, router=self.router)
             self.listener = None  # the control server's now
-            metrics = MetricsServer(self.fleet, cfg.metrics_address)  # "": none
+            metrics = MetricsServer(self.fleet, cfg.metrics_address, self.router)  # "": none
             try:
                 await control.start()
                 await metrics.start()
@@ -303,7 +307,8 @@ class Supervisor:
                 await self.pushes.close()
                 await self.journal.close()
                 await self.tasks.aclose()
-                await self._stop_router()
+                if self.router is not None:
+                    await self.router.close()
                 self.notifier.close()
         if self._reload:
             # From here a stop stays pending (blocked) and reaches the next image's handler:
@@ -319,38 +324,6 @@ class Supervisor:
             self.listener = None
         return self._reload
 
-    def _start_router(self, cfg: Config) -> None:
-        """[router]: the feed follows the routable set from the first change on. Its own
-        session: the engines' API key is not the router's token."""
-        assert cfg.router is not None
-        self._router_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8))
-        router = make_router(cfg.router.kind, cfg.router.url, self._router_session,
-                             worker_type=cfg.router.worker_type, token=cfg.router.token)
-        self.router_feed = RouterFeed(self.fleet, cfg.router, router)
-        self.fleet.router = self.router_feed
-        self.bus.add_listener(self.router_feed)
-        child = self.router_child
-        if child is not None:  # started now, before the feed's first reconcile
-            async def answers() -> bool:
-                try:
-                    await router.workers(1.0)
-                    return True
-                except RouterError:
-                    return False
-
-            child.answers = answers
-            child.on_up = self.router_feed.refill
-            self.router_feed.child = child
-            child.start(self.tasks)
-        log.info("router.feeding", kind=cfg.router.kind, url=cfg.router.url, observe_only=cfg.router.observe_only,
-                 prune_unknown=cfg.router.prune_unknown, period=cfg.router.period)
-
-    async def _stop_router(self) -> None:
-        if self.router_feed is not None:
-            await self.router_feed.close()
-        if self._router_session is not None:
-            await self._router_session.close()
-
     async def detach(self) -> None:
         """A reload: end supervision of every engine, leaving its process running; the
         journal's last write (in run()) names each one for the next image to adopt."""
@@ -358,8 +331,8 @@ class Supervisor:
         log.info("supervisor.detaching", engines=len(runners), round=self.fleet.round,
                  round_open=self.fleet.round_open, weight_version=self.fleet.current_version)
         await asyncio.gather(*(r.detach() for r in runners))
-        if self.router_child is not None:  # left running: the next image adopts it too
-            await self.router_child.detach()
+        if self.router is not None:  # a spawned router is left running: the next image adopts it too
+            await self.router.detach()
 
     async def _feed_router(self, feed: RouterFeed) -> None:
         """The router is fed once the engines adopted from the journal (after a reload or a
@@ -551,23 +524,20 @@ class Supervisor:
         """Stop every engine in parallel, bounded: stop_timeout covers SIGTERM->SIGKILL."""
         runners = list(self.fleet.runners.values())
         log.info("supervisor.stopping", engines=len(runners))
-        feed = self.router_feed
-        if feed is not None and self._router_session is not None and not self._router_session.closed:
+        link = self.router
+        if link is not None and link.open():
             # A planned stop: every engine out of the router, its requests end
-            session = self.fleet.session if self.fleet.session is not None and not self.fleet.session.closed else None
-            await asyncio.gather(*(feed.drain(r, session) for r in runners
+            await asyncio.gather(*(link.drain(r) for r in runners
                                    if r.serving or self.fleet.is_routable(r)), return_exceptions=True)
         results = await asyncio.gather(*(r.shutdown() for r in runners), return_exceptions=True)
         for r, res in zip(runners, results):
             if isinstance(res, BaseException):
                 log.error("supervisor.stop_failed", engine=r.name, error=repr(res))
-        if self.router_child is not None:
+        if link is not None and link.child is not None:
             # Last: every engine is out of its list and stopped. The feed ends first (it would
             # only see the router go), once the removals it has in flight are answered.
             await cancel_and_wait(self._feed_task)
-            if feed is not None:
-                await feed.settle()
-            await self.router_child.stop()
+            await link.stop()
         log.info("supervisor.stopped")
 
 

@@ -159,9 +159,16 @@ class FleetReadings(Protocol):
     def routable(self) -> list[EngineRunner]: ...
 
 
+class RouterReadings(Protocol):
+    """What a scrape reads of the router (router.link.RouterLink), handed in by the daemon."""
+
+    def families(self) -> Iterator[Metric]: ...
+
+
 class FleetCollector:
-    def __init__(self, fleet: FleetReadings):
+    def __init__(self, fleet: FleetReadings, router: RouterReadings | None = None):
         self.fleet = fleet
+        self.router = router
 
     def collect(self) -> Iterator[Metric]:
         fleet, policy, stats = self.fleet, self.fleet.policy, self.fleet.stats
@@ -238,14 +245,13 @@ class FleetCollector:
                                 value=1 if policy.below_floor else 0)
         yield CounterMetricFamily("vime_floor_breaches", "Times the fleet fell below min_healthy",
                                   value=policy.floor_breaches)
-        router = getattr(fleet, "router", None)
-        if router is not None:
-            yield from router.families()
+        if self.router is not None:
+            yield from self.router.families()
 
 
-def render(fleet: FleetReadings) -> bytes:
+def render(fleet: FleetReadings, router: RouterReadings | None = None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(fleet))
+    registry.register(FleetCollector(fleet, router))
     return generate_latest(registry)
 
 
@@ -264,8 +270,9 @@ class MetricsServer:
     read on it (its state belongs to the loop) from memory, the process' (/proc reads) on a
     worker thread."""
 
-    def __init__(self, fleet: FleetReadings, address: str):
+    def __init__(self, fleet: FleetReadings, address: str, router: RouterReadings | None = None):
         self.fleet = fleet
+        self.router = router
         self.address = address
         self._runner: web.AppRunner | None = None
 
@@ -297,6 +304,6 @@ class MetricsServer:
             self._runner = None
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        fleet = render(self.fleet)
+        fleet = render(self.fleet, self.router)
         process = await asyncio.to_thread(generate_latest, _PROCESS)
         return web.Response(body=process + fleet, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

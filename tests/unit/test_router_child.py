@@ -1,4 +1,4 @@
-"""The spawned router's pure parts (supervisor/routerchild.py): its command line, when it is
+"""The spawned router's pure parts (supervisor/router/child.py): its command line, when it is
 started again, whether a journal's router is adopted; and the [router] spawn keys' checks."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from vime.supervisor.client.cli import router_line
 from vime.supervisor.config import ROUTER_ARGS, ConfigError, RestartPolicy, RouterConfig, build, find_binary
 from vime.supervisor.engine.process import ProcStat
 from vime.supervisor.journal import validate
-from vime.supervisor.routerchild import Restarts, adoption_verdict, router_command, router_fingerprint
+from vime.supervisor.router.child import Restarts, adoption_verdict, router_command, router_fingerprint
 
 
 def test_the_command_takes_host_and_port_from_the_url_and_starts_with_no_workers():

@@ -34,13 +34,13 @@ from urllib.parse import urlsplit
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .config import Config, RestartPolicy, RouterConfig, find_binary
-from .engine.fsm import backoff_delay
-from .engine.process import (
+from ..config import Config, RestartPolicy, RouterConfig, find_binary
+from ..engine.fsm import backoff_delay
+from ..engine.process import (
     NOT_INHERITED, EngineProcess, ProcStat, describe_returncode, listening_pids, port_is_free, proc_stat,
     read_tail, spawned_leader, stop_group_of, supervised_elsewhere)
-from .protocol import Event
-from .tasks import TaskSet, cancel_and_wait, wait_event
+from ..protocol import Event
+from ..tasks import TaskSet, cancel_and_wait, wait_event
 
 log = structlog.get_logger("vime.router")
 
