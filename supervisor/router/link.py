@@ -20,14 +20,14 @@ from ..events import EventBus
 from ..tasks import TaskSet
 from . import make_router
 from .base import RouterError
-from .child import STARTUP_BOUND, RouterChild
+from .child import RouterChild
 from .feed import RouterFeed
 
 if TYPE_CHECKING:
     from ..engine.runner import EngineRunner
     from ..fleet import Fleet
 
-__all__ = ["RouterLink", "STARTUP_BOUND"]
+__all__ = ["RouterLink"]
 
 log = structlog.get_logger("vime.router")
 

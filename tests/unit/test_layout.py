@@ -18,12 +18,13 @@ Inside the daemon (vime.supervisor), five groups, each importing only itself and
     base     states, protocol, errors, config, tasks, logs, events
     engine   supervisor/engine/: runner, adoption, heartbeat, fsm, process, activity, probes, http1, warmup,
              postmortem, retention, view
-    fleet    policy, fleet, sync, metrics, status, journal, router/feed, router/child, router/link
+    fleet    policy, fleet, sync, metrics, status, journal, restore, router/feed, router/child, router/link
     service  daemon, reexec, sdnotify, limits, reap, control, __main__
     client   supervisor/client/ and the supervisorctl entry module (the contract only, above)
 
 Seams are typed: an attribute annotated `Any` that another module assigns (the router, the
-fleet's sender) is wiring no checker sees; it takes a Protocol or a class instead.
+fleet's sender) is wiring no checker sees; it takes a Protocol or a class instead. And "is this
+pid ours?" has one answer, in engine/adoption.py, for every child (engines and the router).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ GROUPS = {  # lowest first
     "base": {_D + m for m in ("states", "protocol", "errors", "config", "tasks", "logs", "events")},
     "engine": {_D + "engine"} | {_D + "engine." + m for m in ("runner", "fsm", "process", "activity", "probes", "heartbeat", "adoption",
                                                              "http1", "warmup", "postmortem", "retention", "view")},
-    "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal")} | ROUTER_DAEMON,
+    "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "restore")} | ROUTER_DAEMON,
     "service": {"vime.supervisor"} | {_D + m for m in ("daemon", "reexec", "sdnotify", "limits", "reap", "control",
                                                        "__main__")},
 }
@@ -329,3 +330,51 @@ def test_no_seam_into_the_daemon_or_the_trainer_is_typed_any():
     judged = {n for n in MODULES if group(n) in GROUPS or layer(n) == "trainer"}
     found = untyped_seams({name: path.read_text() for name, path in MODULES.items()}, GRAPH, judged)
     assert not found, f"type these attributes (a Protocol or a class), not Any: {found}"
+
+
+# -- one adoption verdict -----------------------------------------------------------------------
+
+ADOPTION = "vime.supervisor.engine.adoption"
+
+
+def ownership_checks(tree: ast.Module) -> list[str]:
+    """Where `tree` answers "is this pid ours?" itself: it reads a process's environment
+    (/proc/PID/environ: SPAWN_MARK), asks for its session (os.getsid), takes over a pid through
+    a pidfd (os.pidfd_open), or compares a process's group with its own pid (`st.pgrp != st.pid`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith("/environ"):
+            found.append(f"line {node.lineno}: reads {node.value!r}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
+                and node.attr in ("getsid", "pidfd_open"):
+            found.append(f"line {node.lineno}: os.{node.attr}")
+        elif isinstance(node, ast.Compare) and len(node.comparators) == 1:
+            sides = [node.left, node.comparators[0]]
+            if all(isinstance(x, ast.Attribute) for x in sides):
+                attrs = {x.attr for x in sides if isinstance(x, ast.Attribute)}
+                bases = {ast.dump(x.value) for x in sides if isinstance(x, ast.Attribute)}
+                if attrs == {"pgrp", "pid"} and len(bases) == 1:
+                    found.append(f"line {node.lineno}: compares a process's group with its pid")
+    return found
+
+
+def test_an_ownership_check_outside_the_verdict_is_found():
+    # The rule below must be able to fail: each pattern it forbids, as routerchild.py,
+    # process.py and daemon.py held them.
+    src = ("def f(st, pid):\n"
+           "    if st.pgrp != st.pid:\n        return False\n"
+           "    open(f'/proc/{pid}/environ', 'rb')\n"
+           "    return os.getsid(pid) == pid or os.pidfd_open(pid)\n")
+    assert len(ownership_checks(ast.parse(src))) == 4
+    assert ownership_checks(ast.parse("def g(st, pgid):\n    return st.pgrp == pgid\n")) == []  # membership
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("vime.supervisor")))
+def test_is_this_pid_ours_is_answered_in_one_module(name):
+    """Engines and the spawned router are adopted, stopped or left alone by one verdict
+    (engine/adoption.py): no other module of the daemon answers it its own way."""
+    if name == ADOPTION:
+        assert ownership_checks(ast.parse(MODULES[name].read_text())), "the verdict's checks moved: update this rule"
+        return
+    found = ownership_checks(ast.parse(MODULES[name].read_text()))
+    assert not found, f"{name} decides whether a process is ours: use engine/adoption.py's verdict ({found})"
