@@ -1,6 +1,6 @@
 """A lost node's engines out of the router, from the cluster side.
 
-Each node's daemon feeds the router its own engines (supervisor/routerfeed.py) and never
+Each node's daemon feeds the router its own engines (supervisor/router/feed.py) and never
 touches another node's: to every other daemon they are someone else's URLs. A node that is
 lost (its daemon or its whole host gone) cannot take its engines out, so the process that marks
 it lost does: the trainer's `AsyncClusterClient`, given `router_url`. The URLs removed are the

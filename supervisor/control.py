@@ -56,6 +56,7 @@ from .protocol import (
 )
 from .engine.process import read_tail
 from .engine.runner import EngineRunner
+from .router.link import RouterLink
 from .status import fleet_status, routable_view
 
 log = structlog.get_logger("vime.control")
@@ -191,12 +192,14 @@ class PushVerbs(Protocol):
 
 class ControlServer:
     def __init__(self, fleet: Fleet, sync: ResyncVerbs, path: str, *, allowed_uids: tuple[int, ...] = (), socket_group: str | None = None,
-                 listener: socket.socket | None = None, pushes: PushVerbs | None = None):
+                 listener: socket.socket | None = None, pushes: PushVerbs | None = None,
+                 router: RouterLink | None = None):
         """listener: the listening socket a reload handed over (checked by reexec.take_listener),
         served on instead of binding a new one."""
         self.fleet = fleet
         self.sync = sync  # the weight-push verbs (begin, end, the agent's stream)
         self.pushes = pushes  # the trainer's announced pushes into many engines
+        self.router = router  # with [router]: shown in status and the metrics
         self.path = path
         self.allowed = {os.getuid(), *allowed_uids}
         self.socket_group = socket_group
@@ -507,7 +510,7 @@ class ControlServer:
             self.app.router.add_route(method, path, handlers[method, path])
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(fleet_status(self.fleet))
+        return web.json_response(fleet_status(self.fleet, self.router))
 
     async def routable(self, request: web.Request) -> web.Response:
         return web.json_response(routable_view(self.fleet))
@@ -742,4 +745,4 @@ class ControlServer:
     async def metrics(self, request: web.Request) -> web.Response:
         from .metrics import render
 
-        return web.Response(body=render(self.fleet), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=render(self.fleet, self.router), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})

@@ -1,9 +1,11 @@
 """The daemon: `vime-supervisor --config FILE [flags]` (or `python -m vime.supervisor`).
 
 `Supervisor` is the composition root: it builds the fleet's policy, the event bus, the
-statistics, the fleet, the engines' runners and the sync coordinator, wires the listeners of
-the bus (statistics, then fleet, then sync: a detection is on the stream before its
-transition), and owns every long-lived task in one `TaskSet`, closed in one place.
+statistics, the router's owner (router/link.py, handed to the fleet, the journal, status and the
+metrics), the fleet, the engines' runners and the sync coordinator, wires the listeners of the
+bus (statistics, then fleet, then sync: a detection is on the stream before its transition),
+has what a previous daemon left adopted or stopped (restore.py), and owns every long-lived task
+in one `TaskSet`, closed in one place.
 """
 
 from __future__ import annotations
@@ -35,16 +37,15 @@ from .engine.runner import EngineRunner
 from .events import EventBus
 from .fleet import Fleet
 from .engine.fsm import vlabel
-from .journal import JournalError, JournalWriter
+from .journal import JournalWriter
 from .metrics import FleetStats, MetricsServer
 from .policy import FleetPolicy
-from .engine.process import (
-    boot_id, engine_fingerprint, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of,
-    proc_stat, reap_child, stop_group_of)
+from .engine.process import engine_fingerprint
 from .protocol import Event
-from .router import RouterError, make_router
-from .routerchild import STARTUP_BOUND, RouterChild, stop_leftover
-from .routerfeed import RouterFeed
+from .restore import restore
+from .router.child import STARTUP_BOUND, RouterChild
+from .router.feed import RouterFeed
+from .router.link import RouterLink
 from .sdnotify import Notifier
 from .selfwatch import SelfWatch
 from .states import State
@@ -75,7 +76,11 @@ class Supervisor:
                                   admit_mid_round=cfg.admit_mid_round, strength=len(cfg.engines) - cfg.spares,
                                   target=len(cfg.engines) - cfg.spares if cfg.spares else None)
         self.stats = FleetStats(self.bus)
-        self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats)
+        # [router]: its one owner (the feed, the spawned child, the session to its admin API),
+        # handed to the fleet, the journal, status and the metrics.
+        self.router = (RouterLink(cfg, self.bus.emit, lambda: self.journal.flush())
+                       if cfg.router is not None else None)
+        self.fleet = Fleet(cfg, policy=self.policy, bus=self.bus, stats=self.stats, router=self.router)
         self.fleet.reloads = generation
         self.sync = SyncCoordinator(self.fleet, cfg.sync_timeout)
         self.pushes = PushCoordinator(self.fleet, grace=cfg.probe.interval + cfg.probe.timeout)
@@ -87,21 +92,23 @@ class Supervisor:
             self.bus.add_listener(listener)
         self.notifier = Notifier()
         self.selfwatch = SelfWatch(self.notifier.watchdog_interval)  # loop lag, watchdog lateness, started
-        self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json")
+        self.journal = JournalWriter(self.fleet, Path(cfg.state_dir) / "journal.json", router=self.router)
         self.fleet.persist = self.journal.flush
         self._stop = asyncio.Event()
         self._reload = False  # set once a reload's checks passed: the stop detaches instead
         self._stop_wanted = False  # a stop asked for (SIGTERM): wins over a reload
         self._reloading: asyncio.Task[None] | None = None
         self.tasks = TaskSet("daemon")  # every long-lived task of the daemon
-        self.router_feed: RouterFeed | None = None
-        self._router_session: aiohttp.ClientSession | None = None
         self._feed_task: asyncio.Task[None] | None = None
-        # [router] spawn: the router runs as our child, journaled and adopted like an engine.
-        self.router_child: RouterChild | None = None
-        if cfg.router is not None and cfg.router.spawn:
-            self.router_child = RouterChild(cfg, self.fleet.emit, self.journal.flush)
-            self.fleet.router_child = self.router_child
+
+    @property
+    def router_feed(self) -> RouterFeed | None:
+        return self.router.feed if self.router is not None else None
+
+    @property
+    def router_child(self) -> RouterChild | None:
+        """[router] spawn: the router runs as our child, journaled and adopted like an engine."""
+        return self.router.child if self.router is not None else None
 
     def request_stop(self, why: str) -> None:
         self._stop_wanted = True
@@ -169,16 +176,15 @@ class Supervisor:
         leaves the router and its requests in flight end (drain_timeout) before the exec. The
         next image would otherwise stop it with its URL still listed, and a URL no longer in the
         config is no daemon's to remove."""
-        feed = self.router_feed
-        if feed is None or feed.cfg.observe_only:
+        link = self.router
+        if link is None or not link.drains():
             return
         leaving = [r for r in self._leaving_on_reload() if r.serving or self.fleet.is_routable(r)]
         if not leaving:
             return
         log.info("supervisor.reload_drains", engines=[r.name for r in leaving],
                  why="stopped or changed by the new config: out of the router first")
-        session = self.fleet.session if self.fleet.session is not None and not self.fleet.session.closed else None
-        done = await asyncio.gather(*(feed.drain(r, session) for r in leaving), return_exceptions=True)
+        done = await asyncio.gather(*(link.drain(r) for r in leaving), return_exceptions=True)
         for r, what in zip(leaving, done):
             log.info("supervisor.reload_drained", engine=r.name, result=str(what))
 
@@ -232,11 +238,7 @@ class Supervisor:
         """Supervise until stopped. True: the engines were detached for a reload, and the caller
         execs the daemon again; False: they were stopped."""
         cfg = self.cfg
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
-        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
-        reexec.release_signals()  # what a reload held across its exec is delivered now
+        self._take_signals()
         os.makedirs(cfg.log_dir, exist_ok=True)
         os.makedirs(cfg.runtime_dir, exist_ok=True)
         # One session for every probe. No total cap (the fleet can be large); per engine a few
@@ -244,39 +246,13 @@ class Supervisor:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=4)
         # The engines' API key on every request (vLLM 0.32 asks for it on /v1 only; harmless elsewhere).
         async with aiohttp.ClientSession(connector=connector, headers=cfg.engine_headers) as session:
-            n = len(cfg.engines)
-            for i, spec in enumerate(cfg.engines):
-                # Spread probes over the interval instead of firing them all at once.
-                runner = EngineRunner(spec, cfg, self.policy, self.bus, session, phase=cfg.probe.interval * i / n,
-                                      persist=self.journal.flush)
-                if cfg.restart_load == "dummy":
-                    # Only with someone to push every tensor, into a version that can be verified.
-                    runner.may_load_dummy = lambda: self.sync.agents > 0 and self.policy.current_version is not None
-                self.fleet.runners[spec.name] = runner
-            await self._restore()
-            self.fleet.session = session
-            if cfg.router is not None:
-                self._start_router(cfg)
-            self.journal.start(self.tasks)
-            self.tasks.spawn(self._follow_fleet(), name="follow-fleet")
-            if self.notifier.watchdog_interval:
-                self.tasks.spawn(self._watchdog(self.notifier.watchdog_interval), name="sd-watchdog")
-            self.tasks.spawn(self.selfwatch.loop.run(), name="loop-lag")
-            for runner in self.fleet.runners.values():
-                if not runner.retired:
-                    runner.start(self.tasks)
-            if self.generation:
-                # After a reload the socket is served once the adopted engines are checked
-                # again, so a call (waiting in its backlog) sees the fleet as the previous
-                # image left it.
-                await self._readopted(RELOAD_SETTLE)
-            if self.router_feed is not None:
-                self._feed_task = self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
+            self._add_runners(session)
+            await self._start_supervision(session)
             control = ControlServer(self.fleet, self.sync, cfg.socket_path, allowed_uids=cfg.allowed_uids,
                                     socket_group=cfg.socket_group or None, listener=self.listener,
-                                    pushes=self.pushes)
+                                    pushes=self.pushes, router=self.router)
             self.listener = None  # the control server's now
-            metrics = MetricsServer(self.fleet, cfg.metrics_address, self.selfwatch)  # "": none
+            metrics = MetricsServer(self.fleet, cfg.metrics_address, self.router, self.selfwatch)  # "": none
             try:
                 await control.start()
                 await metrics.start()
@@ -286,28 +262,9 @@ class Supervisor:
                          timeout=cfg.probe.timeout, failure_threshold=cfg.probe.failure_threshold,
                          first_wait=cfg.probe.first_wait)
                 self.tasks.spawn(self._ready_when_checked(), name="sd-ready")
-                await self._stop.wait()
-                if self._reload and not self._stop_wanted:
-                    await self.detach()
-                if not self._reload or self._stop_wanted:
-                    # A stop wins over a reload, even one that came while detaching: the
-                    # engines are still ours to stop, not to hand over.
-                    self._reload = False
-                    self.notifier.stopping()
-                    await self.shutdown()
+                await self._until_stopped()
             finally:
-                # In this order: engines are stopped (above), the socket closes (for a reload it
-                # stops accepting and stays listening), syncs end, the journal's last write,
-                # then whatever task is left.
-                await control.stop(keep_listening=self._reload and reexec.socket_handover_enabled())
-                self.listener, self.listener_file = control.listener, control.listener_file
-                await metrics.stop()
-                await self.sync.close()
-                await self.pushes.close()
-                await self.journal.close()
-                await self.tasks.aclose()
-                await self._stop_router()
-                self.notifier.close()
+                await self._close(control, metrics)
         if self._reload:
             # From here a stop stays pending (blocked) and reaches the next image's handler:
             # past this loop nobody would run ours (uvloop's would swallow it). One that came
@@ -322,37 +279,72 @@ class Supervisor:
             self.listener = None
         return self._reload
 
-    def _start_router(self, cfg: Config) -> None:
-        """[router]: the feed follows the routable set from the first change on. Its own
-        session: the engines' API key is not the router's token."""
-        assert cfg.router is not None
-        self._router_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8))
-        router = make_router(cfg.router.kind, cfg.router.url, self._router_session,
-                             worker_type=cfg.router.worker_type, token=cfg.router.token)
-        self.router_feed = RouterFeed(self.fleet, cfg.router, router)
-        self.fleet.router = self.router_feed
-        self.bus.add_listener(self.router_feed)
-        child = self.router_child
-        if child is not None:  # started now, before the feed's first reconcile
-            async def answers() -> bool:
-                try:
-                    await router.workers(1.0)
-                    return True
-                except RouterError:
-                    return False
+    def _take_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        reexec.release_signals()  # what a reload held across its exec is delivered now
 
-            child.answers = answers
-            child.on_up = self.router_feed.refill
-            self.router_feed.child = child
-            child.start(self.tasks)
-        log.info("router.feeding", kind=cfg.router.kind, url=cfg.router.url, observe_only=cfg.router.observe_only,
-                 prune_unknown=cfg.router.prune_unknown, period=cfg.router.period)
+    def _add_runners(self, session: aiohttp.ClientSession) -> None:
+        cfg = self.cfg
+        n = len(cfg.engines)
+        for i, spec in enumerate(cfg.engines):
+            # Spread probes over the interval instead of firing them all at once.
+            runner = EngineRunner(spec, cfg, self.policy, self.bus, session, phase=cfg.probe.interval * i / n,
+                                  persist=self.journal.flush)
+            if cfg.restart_load == "dummy":
+                # Only with someone to push every tensor, into a version that can be verified.
+                runner.may_load_dummy = lambda: self.sync.agents > 0 and self.policy.current_version is not None
+            self.fleet.runners[spec.name] = runner
 
-    async def _stop_router(self) -> None:
+    async def _start_supervision(self, session: aiohttp.ClientSession) -> None:
+        """What a previous daemon left is adopted or stopped, then every task starts: the
+        journal, STATUS=, the watchdog, the engines, the router."""
+        await restore(self.fleet, self.cfg, self.journal.path, generation=self.generation, router=self.router)
+        if self.router is not None:
+            self.router.start(self.fleet, self.bus, session, self.tasks)
+        self.journal.start(self.tasks)
+        self.tasks.spawn(self._follow_fleet(), name="follow-fleet")
+        if self.notifier.watchdog_interval:
+            self.tasks.spawn(self._watchdog(self.notifier.watchdog_interval), name="sd-watchdog")
+        self.tasks.spawn(self.selfwatch.loop.run(), name="loop-lag")
+        for runner in self.fleet.runners.values():
+            if not runner.retired:
+                runner.start(self.tasks)
+        if self.generation:
+            # After a reload the socket is served once the adopted engines are checked
+            # again, so a call (waiting in its backlog) sees the fleet as the previous
+            # image left it.
+            await self._readopted(RELOAD_SETTLE)
         if self.router_feed is not None:
-            await self.router_feed.close()
-        if self._router_session is not None:
-            await self._router_session.close()
+            self._feed_task = self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
+
+    async def _until_stopped(self) -> None:
+        await self._stop.wait()
+        if self._reload and not self._stop_wanted:
+            await self.detach()
+        if not self._reload or self._stop_wanted:
+            # A stop wins over a reload, even one that came while detaching: the
+            # engines are still ours to stop, not to hand over.
+            self._reload = False
+            self.notifier.stopping()
+            await self.shutdown()
+
+    async def _close(self, control: ControlServer, metrics: MetricsServer) -> None:
+        # In this order: engines are stopped (above), the socket closes (for a reload it
+        # stops accepting and stays listening), syncs end, the journal's last write,
+        # then whatever task is left.
+        await control.stop(keep_listening=self._reload and reexec.socket_handover_enabled())
+        self.listener, self.listener_file = control.listener, control.listener_file
+        await metrics.stop()
+        await self.sync.close()
+        await self.pushes.close()
+        await self.journal.close()
+        await self.tasks.aclose()
+        if self.router is not None:
+            await self.router.close()
+        self.notifier.close()
 
     async def detach(self) -> None:
         """A reload: end supervision of every engine, leaving its process running; the
@@ -361,8 +353,8 @@ class Supervisor:
         log.info("supervisor.detaching", engines=len(runners), round=self.fleet.round,
                  round_open=self.fleet.round_open, weight_version=self.fleet.current_version)
         await asyncio.gather(*(r.detach() for r in runners))
-        if self.router_child is not None:  # left running: the next image adopts it too
-            await self.router_child.detach()
+        if self.router is not None:  # a spawned router is left running: the next image adopts it too
+            await self.router.detach()
 
     async def _feed_router(self, feed: RouterFeed) -> None:
         """The router is fed once the engines adopted from the journal (after a reload or a
@@ -394,112 +386,6 @@ class Supervisor:
             finally:
                 for w in waits:
                     w.cancel()
-
-    async def _restore(self) -> None:
-        """Pick up where a previous daemon left off: round, version, engines still running.
-
-        Nothing is left unsupervised: an engine process of ours is adopted (same boot, same
-        process, same config) or stopped, whether the journal names it (not adopted, no longer
-        configured, now attached) or cannot (the journal was unreadable, or of another boot):
-        then our engines are found by their command line and configured port.
-        """
-        path = self.journal.path
-        try:
-            data = journal_mod.load(path)
-        except JournalError as e:
-            bad = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-            try:
-                os.replace(path, bad)
-                moved = str(bad)
-            except OSError as err:  # kept where it is; the first write replaces it
-                moved = f"not moved ({err})"
-            log.error("journal.unusable", error=str(e), moved_to=moved, action="clean start",
-                      engines="ours still running on configured ports are found and stopped")
-            data = None
-        else:
-            if data is None:
-                log.info("journal.none", path=str(path), action="clean start")
-        fleet = self.fleet
-        adopted, gone, killed = [], [], []
-        if data is not None:
-            fleet.restore(round_number=data.get("round"), round_open=bool(data.get("round_open")),
-                          version=data.get("weight_version"), checkpoint=data.get("checkpoint"))
-            here, then = boot_id(), data.get("boot_id")
-            # Pids and start times name processes of one boot only; without both ids (an
-            # older journal) we cannot tell, so nothing is adopted or killed by pid.
-            same_boot = here is not None and then == here
-            if data.get("router") is not None:  # [router] spawn: adopted, or stopped if not wanted
-                after = "a reload" if self.generation else "a daemon restart"
-                if self.router_child is not None:
-                    await self.router_child.restore(data["router"], same_boot=same_boot, after=after)
-                else:
-                    await stop_leftover(data["router"], same_boot=same_boot, timeout=self.cfg.stop_timeout)
-            if not same_boot and any(e.get("pid") for e in data["engines"].values()):
-                log.warning("journal.other_boot", journal_boot=then, this_boot=here,
-                            action="no engine adopted or killed by pid; ours are found by command line and port")
-            for name, entry in data["engines"].items():
-                runner = fleet.runners.get(name)
-                if runner is not None:
-                    # A reload changes nothing an operator must decide: FATAL stays FATAL unless
-                    # its config changed (a restart of the daemon gives it a fresh start).
-                    fatal = (entry.get("state") == State.FATAL.value and self.generation > 0 and runner.spec.spawned
-                             and entry.get("fingerprint") == engine_fingerprint(runner.spec, runner.cfg))
-                    runner.restore(incarnation=int(entry.get("incarnation", 0)),
-                                   restarts=int(entry.get("restarts", 0)), retired=bool(entry.get("retired")),
-                                   operator_stopped=(entry.get("state") == State.STOPPED.value
-                                                     and bool(entry.get("operator_stopped"))),
-                                   routable=entry.get("state") in (State.RUNNING.value, State.SUSPECT.value),
-                                   fatal=_carried(entry.get("reason") or "FATAL") if fatal else None)
-                if not entry.get("pid") or not same_boot:
-                    continue
-                pid, start_time = int(entry["pid"]), int(entry["start_time"])
-                leader = proc_stat(pid)
-                if (leader is not None and leader.state != "Z" and leader.start_time == start_time
-                        and engine_leader_port(leader) != entry.get("port")):
-                    # A live process that is not an engine of ours on the journal's port (a
-                    # hand-edited or foreign journal): never adopted, never signalled.
-                    log.warning("journal.not_ours", engine=name, pid=pid, port=entry.get("port"),
-                                action="left alone: not an engine server of ours on that port")
-                    continue
-                if runner is not None and runner.spec.spawned:
-                    if runner.adopt(entry, "a reload" if self.generation else "a daemon restart"):
-                        adopted.append(name)
-                        continue
-                    gone.append(name)
-                else:  # what this config would not have started: stop it, and say so
-                    why = "no longer in the config" if runner is None else "now attached by url, no longer spawned"
-                    if group_members_of(pid, start_time):
-                        log.warning("journal.not_adopted", engine=name, pid=pid, why=why,
-                                    action="killed its process group")
-                        fleet.emit(Event.NOT_ADOPTED, engine=name, pid=pid, why=why)
-                kill_group_of(pid, start_time)  # its leftovers, if any
-                killed.append((pid, start_time))
-        await self._await_gone(killed)
-        await self._stop_orphans({r.adoption.proc.pid for r in fleet.runners.values() if r.adoption.proc is not None})
-        log.info("journal.restored", round=fleet.round, round_open=fleet.round_open,
-                 weight_version=fleet.current_version, adopted=adopted, gone=gone)
-
-    async def _await_gone(self, groups: list[tuple[int, int]]) -> None:
-        """Groups just sent SIGKILL: wait (bounded) until they are gone, so the orphan scan
-        does not see them again and a new spawn finds the port free. A leader that is our
-        child (after a reload) is reaped, not left a zombie."""
-        deadline = time.monotonic() + 5.0
-        while any(group_members_of(p, t) for p, t in groups) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for pid, _ in groups:
-            reap_child(pid)
-
-    async def _stop_orphans(self, keep: set[int]) -> None:
-        """Engines of ours that no journal accounts for (a corrupt or lost journal, another
-        boot's): group leaders a daemon of ours spawned, running our engine module on a port
-        this config spawns on. They would hold the port and outlive us: stop them."""
-        ports = {s.port: s.name for s in self.cfg.engines if s.spawned and s.port is not None}
-        found = [(pid, st, port) for pid, st, port in find_engine_leaders(set(ports)) if pid not in keep]
-        hows = await asyncio.gather(*(stop_group_of(pid, st, self.cfg.stop_timeout) for pid, st, _ in found))
-        for (pid, _st, port), how in zip(found, hows):
-            log.warning("journal.orphan_stopped", pid=pid, port=port, engine=ports[port], how=how,
-                        why="an engine process of ours on a configured port that the journal does not name")
-            self.fleet.emit(Event.ORPHAN_STOPPED, pid=pid, port=port, engine=ports[port], how=how)
 
     async def _follow_fleet(self) -> None:
         """Every fleet change: the journal and systemd's STATUS= follow."""
@@ -555,28 +441,21 @@ class Supervisor:
         """Stop every engine in parallel, bounded: stop_timeout covers SIGTERM->SIGKILL."""
         runners = list(self.fleet.runners.values())
         log.info("supervisor.stopping", engines=len(runners))
-        feed = self.router_feed
-        if feed is not None and self._router_session is not None and not self._router_session.closed:
+        link = self.router
+        if link is not None and link.open():
             # A planned stop: every engine out of the router, its requests end
-            session = self.fleet.session if self.fleet.session is not None and not self.fleet.session.closed else None
-            await asyncio.gather(*(feed.drain(r, session) for r in runners
+            await asyncio.gather(*(link.drain(r) for r in runners
                                    if r.serving or self.fleet.is_routable(r)), return_exceptions=True)
         results = await asyncio.gather(*(r.shutdown() for r in runners), return_exceptions=True)
         for r, res in zip(runners, results):
             if isinstance(res, BaseException):
                 log.error("supervisor.stop_failed", engine=r.name, error=repr(res))
-        if self.router_child is not None:
+        if link is not None and link.child is not None:
             # Last: every engine is out of its list and stopped. The feed ends first (it would
             # only see the router go), once the removals it has in flight are answered.
             await cancel_and_wait(self._feed_task)
-            if feed is not None:
-                await feed.settle()
-            await self.router_child.stop()
+            await link.stop()
         log.info("supervisor.stopped")
-
-
-def _carried(reason: str, note: str = " (FATAL before a reload)") -> str:
-    return reason if reason.endswith(note) else reason + note
 
 
 def status_line(fleet: Fleet) -> str:
@@ -651,40 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     early_hup: list[int] = []
     signal.signal(signal.SIGHUP, lambda signum, frame: early_hup.append(signum))
     args = parse_args(argv)
-    try:
-        cfg = config_mod.load(args.config, args)
-    except ConfigReadError as e:  # no file to judge: its one line says why
-        print(f"vime-supervisor: config error: {e.problems[0]}", file=sys.stderr)
-        return 2
-    except ConfigError as e:
-        for message in e.problems:
-            print(f"vime-supervisor: config error: {message}", file=sys.stderr)
-        print(f"vime-supervisor: {len(e.problems)} problem(s) in {args.config}; nothing was started",
-              file=sys.stderr)
+    cfg = load_config(args)
+    if cfg is None:
         return 2
     if args.check_config:
-        for warning in cfg.warnings:
-            print(f"vime-supervisor: config warning: {warning}", file=sys.stderr)
-        # The open-file limit against the fleet: the hard one caps what start-up can raise
-        # the soft one to (an error), the soft one is what this shell would start with.
-        (n, attached), warm = limits.fleet_counts(cfg.engines), cfg.warmup.requests
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        problem = limits.nofile_problem(n, hard, hard=True, warmup_requests=warm, attached=attached)
-        held = reexec.reload_held(os.environ.get(reexec.RELOAD_CHECK_ENV))
-        if problem and limits.nofile_needed(n, warm, attached=attached) <= held:
-            # A reload's check: the new image re-adopts the running fleet and starts under this
-            # limit (as any daemon with engines to adopt does); a config that needs no more than
-            # the running one goes ahead. One that needs more is refused, as a fresh start is.
-            print(f"vime-supervisor: config warning: {problem}; a reload re-adopts the running engines "
-                  "and goes ahead", file=sys.stderr)
-        elif problem:
-            print(f"vime-supervisor: config error: {problem}", file=sys.stderr)
-            return 2
-        problem = limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)
-        if problem:
-            print(f"vime-supervisor: config warning: {problem}", file=sys.stderr)
-        print(f"{args.config}: ok, {len(cfg.engines)} engine(s)")
-        return 0
+        return check_config(args, cfg)
     try:
         locks = acquire_locks(cfg, handover.locks if handover else None)
     except LockError as e:
@@ -693,60 +543,115 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(cfg.log_level)
     for warning in cfg.warnings:
         log.warning("config.warning", config=args.config, warning=warning)
+    if not open_files_allow_start(cfg, handover):
+        for fd in locks:
+            os.close(fd)
+        return 2
+    try:
+        return supervise(cfg, args, handover, locks, early_hup)
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def load_config(args: argparse.Namespace) -> Config | None:
+    """The config, or None once its problems are printed (exit 2)."""
+    try:
+        return config_mod.load(args.config, args)
+    except ConfigReadError as e:  # no file to judge: its one line says why
+        print(f"vime-supervisor: config error: {e.problems[0]}", file=sys.stderr)
+        return None
+    except ConfigError as e:
+        for message in e.problems:
+            print(f"vime-supervisor: config error: {message}", file=sys.stderr)
+        print(f"vime-supervisor: {len(e.problems)} problem(s) in {args.config}; nothing was started",
+              file=sys.stderr)
+        return None
+
+
+def check_config(args: argparse.Namespace, cfg: Config) -> int:
+    """--check-config: 0 if the config is good, 2 if not (each problem printed)."""
+    for warning in cfg.warnings:
+        print(f"vime-supervisor: config warning: {warning}", file=sys.stderr)
+    # The open-file limit against the fleet: the hard one caps what start-up can raise
+    # the soft one to (an error), the soft one is what this shell would start with.
+    (n, attached), warm = limits.fleet_counts(cfg.engines), cfg.warmup.requests
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    problem = limits.nofile_problem(n, hard, hard=True, warmup_requests=warm, attached=attached)
+    held = reexec.reload_held(os.environ.get(reexec.RELOAD_CHECK_ENV))
+    if problem and limits.nofile_needed(n, warm, attached=attached) <= held:
+        # A reload's check: the new image re-adopts the running fleet and starts under this
+        # limit (as any daemon with engines to adopt does); a config that needs no more than
+        # the running one goes ahead. One that needs more is refused, as a fresh start is.
+        print(f"vime-supervisor: config warning: {problem}; a reload re-adopts the running engines "
+              "and goes ahead", file=sys.stderr)
+    elif problem:
+        print(f"vime-supervisor: config error: {problem}", file=sys.stderr)
+        return 2
+    problem = limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)
+    if problem:
+        print(f"vime-supervisor: config warning: {problem}", file=sys.stderr)
+    print(f"{args.config}: ok, {len(cfg.engines)} engine(s)")
+    return 0
+
+
+def open_files_allow_start(cfg: Config, handover: reexec.Handover | None) -> bool:
+    """Raise the open-file limit for the fleet; False if it is too low to start at all (nothing
+    runs yet: --check-config's error, exit 2, no restart loop)."""
     soft, hard = limits.raise_nofile()  # about one descriptor per engine, more while they warm up
     (n, attached), warm = limits.fleet_counts(cfg.engines), cfg.warmup.requests
     need = limits.nofile_needed(n, warm, attached=attached)
     log.info("limits.nofile", soft=soft, hard=hard, needed=need, engines=len(cfg.engines))
     adopting = journal_mod.engines_to_adopt(Path(cfg.state_dir) / "journal.json")
     may_start, short = limits.start_problem(n, hard, warmup_requests=warm, attached=attached, adopting=adopting)
-    if not may_start and handover is None:  # nothing runs yet: --check-config's error, exit 2 (no restart loop)
+    if not may_start and handover is None:
         log.error("limits.nofile_refused", problem=short)
         print(f"vime-supervisor: config error: {short}; nothing was started", file=sys.stderr)
-        for fd in locks:
-            os.close(fd)
-        return 2
+        return False
     short = short or limits.nofile_problem(n, soft, warmup_requests=warm, attached=attached)
     if short:
         log.error("limits.nofile_low", problem=short)
+    return True
+
+
+def supervise(cfg: Config, args: argparse.Namespace, handover: reexec.Handover | None, locks: list[int],
+              early_hup: list[int]) -> int:
+    """Run the daemon; after each run that ends in a reload, exec the new image (or, if the
+    exec fails, adopt the engines again in this process)."""
     generation = handover.generation if handover else 0
     listener = handover.listener if handover else None
     if handover and handover.listener_refused:
         log.warning("control.handover_refused", why=handover.listener_refused, action="binding a fresh socket")
     kept: list[Supervisor] = []
-    try:
-        while True:
-            sup = Supervisor(cfg, generation=generation, reread=lambda: config_mod.load(args.config, args),
-                             listening=listener)
-            listener = None
-            if early_hup:
-                log.warning("supervisor.reload_ignored", why="SIGHUP before the daemon was up")
-                early_hup.clear()
-            if not uvloop.run(sup.run()):
-                return 0
-            argv_now = reexec.daemon_argv()
-            log.info("supervisor.reexec", argv=argv_now, generation=generation + 1)
-            listener, named = sup.listener, None
-            if listener is not None:
-                try:
-                    named = reexec.socket_identity(listener, cfg.socket_path, sup.listener_file)
-                except OSError as e:  # its file is gone or replaced: the next image binds a fresh one
-                    log.warning("control.not_handed_over", socket=cfg.socket_path, why=str(e))
-                    listener.close()
-                    listener = None
+    while True:
+        sup = Supervisor(cfg, generation=generation, reread=lambda: config_mod.load(args.config, args),
+                         listening=listener)
+        listener = None
+        if early_hup:
+            log.warning("supervisor.reload_ignored", why="SIGHUP before the daemon was up")
+            early_hup.clear()
+        if not uvloop.run(sup.run()):
+            return 0
+        argv_now = reexec.daemon_argv()
+        log.info("supervisor.reexec", argv=argv_now, generation=generation + 1)
+        listener, named = sup.listener, None
+        if listener is not None:
             try:
-                reexec.execute(argv_now, generation + 1, locks, named)  # returns only if it failed
-            except OSError as e:
-                # The engines run on, detached and journaled: this process adopts them again,
-                # with the code it already has (nothing of the old image is dropped: kept),
-                # serving on the socket it kept listening.
-                log.error("supervisor.reload_failed", error=str(e), argv=argv_now,
-                          action="re-adopting the engines with the daemon already running")
-                kept.append(sup)
-                generation += 1
-    finally:
-        for fd in locks:
-            os.close(fd)
-
+                named = reexec.socket_identity(listener, cfg.socket_path, sup.listener_file)
+            except OSError as e:  # its file is gone or replaced: the next image binds a fresh one
+                log.warning("control.not_handed_over", socket=cfg.socket_path, why=str(e))
+                listener.close()
+                listener = None
+        try:
+            reexec.execute(argv_now, generation + 1, locks, named)  # returns only if it failed
+        except OSError as e:
+            # The engines run on, detached and journaled: this process adopts them again,
+            # with the code it already has (nothing of the old image is dropped: kept),
+            # serving on the socket it kept listening.
+            log.error("supervisor.reload_failed", error=str(e), argv=argv_now,
+                      action="re-adopting the engines with the daemon already running")
+            kept.append(sup)
+            generation += 1
 
 if __name__ == "__main__":
     sys.exit(main())

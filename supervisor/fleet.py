@@ -15,7 +15,7 @@ import bisect
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import structlog
 
@@ -30,15 +30,37 @@ from .policy import FleetPolicy
 from .protocol import Event
 from .states import ACTIVE, DAEMON_LIMIT, ProbeOutcome, State, Transition, detection_kind
 
-__all__ = ["Fleet", "BadRequest", "Conflict", "check_version", "validate_checkpoint",
+__all__ = ["Fleet", "RouterGate", "BadRequest", "Conflict", "check_version", "validate_checkpoint",
            "validate_checkpoint_off_loop", "MAX_VERSION"]
 
 log = structlog.get_logger("vime.fleet")
 
 
+class RouterGate(Protocol):
+    """What the fleet asks of the router in front of the engines (router.link.RouterLink is
+    the one the daemon hands in), as a runner asks the policy through RestartGate."""
+
+    @property
+    def remove_timeout(self) -> float: ...
+
+    def drains(self) -> bool:
+        """A planned stop takes an engine out of the router first (a feed runs, not observe-only)."""
+        ...
+
+    async def settle(self) -> list[str]:
+        """The engines whose removal from the router is still unconfirmed, once the removals
+        under way are answered (at most remove_timeout)."""
+        ...
+
+    async def drain(self, runner: EngineRunner) -> str: ...
+
+    def release(self, runner: EngineRunner) -> None: ...
+
+
 class Fleet(Listener):
     def __init__(self, cfg: Config, *, policy: FleetPolicy | None = None, bus: EventBus | None = None,
-                 stats: FleetStats | None = None, clock: Callable[[], float] = time.monotonic):
+                 stats: FleetStats | None = None, router: RouterGate | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.clock = clock
         self.policy = policy or FleetPolicy(min_healthy=cfg.min_healthy,
@@ -54,11 +76,7 @@ class Fleet(Listener):
         # Called after a change the trainer was told about (round, version, a new pid): the
         # daemon's journal is written before the answer, so a kill -9 right after loses nothing.
         self.persist: Callable[[], None] = lambda: None
-        # The router fed by the daemon (routerfeed.RouterFeed), set by the start-up with [router].
-        self.router: Any = None
-        # The router's process when the daemon spawns it (routerchild.RouterChild): journaled.
-        self.router_child: Any = None
-        self.session: Any = None  # the daemon's HTTP session to the engines (a drain's /pause)
+        self.router = router  # with [router]: the router the daemon feeds (a planned stop drains through it)
         # Membership kept incrementally: each engine's part (active, serving, routable) as last
         # counted, the totals, and the routable names (a set, and sorted for the event). A
         # transition recounts its own engine only: recounting the whole fleet on each one was
@@ -272,9 +290,9 @@ class Fleet(Listener):
         msg = f"version {version} is current"
         if behind:
             msg += f"; stale (not routable until synced): {', '.join(behind)}"
-        if listed:
+        if listed and self.router is not None:
             msg += (f"; the router has not confirmed their removal within remove_timeout "
-                    f"({self.router.cfg.remove_timeout:g}s), still retried: {', '.join(listed)}")
+                    f"({self.router.remove_timeout:g}s), still retried: {', '.join(listed)}")
         return True, msg
 
     # -- engines ---------------------------------------------------------------------------
@@ -282,9 +300,9 @@ class Fleet(Listener):
     async def _drain(self, runner: EngineRunner) -> str:
         """With a router: out of it first, then the engine's requests in flight end (bounded).
         Observe-only changes nothing: the engine stays listed, so it is not paused either."""
-        if self.router is None or self.router.cfg.observe_only or not (runner.serving or self.is_routable(runner)):
+        if self.router is None or not self.router.drains() or not (runner.serving or self.is_routable(runner)):
             return ""
-        return f" ({await self.router.drain(runner, self.session)})"
+        return f" ({await self.router.drain(runner)})"
 
     def report_failure(self, runner: EngineRunner, detail: str, poisoned: bool = False,
                        incarnation: int | None = None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import structlog
 
 from .fleet import Fleet
 from .engine.process import boot_id, engine_fingerprint
+from .router.link import RouterLink
 from .states import State
 from .tasks import TaskSet, cancel_and_wait
 
@@ -36,7 +37,7 @@ class JournalError(Exception):
     pass
 
 
-def snapshot(fleet: Fleet) -> dict[str, Any]:
+def snapshot(fleet: Fleet, router: RouterLink | None = None) -> dict[str, Any]:
     engines = {}
     for r in fleet.runners.values():
         proc = r.proc
@@ -68,9 +69,9 @@ def snapshot(fleet: Fleet) -> dict[str, Any]:
         "checkpoint": fleet.checkpoint,
         "engines": engines,
     }
-    router = fleet.router_child.journal_entry() if fleet.router_child is not None else None
-    if router is not None:  # the spawned router ([router] spawn): adopted as an engine is
-        out["router"] = router
+    spawned = router.journal_entry() if router is not None else None
+    if spawned is not None:  # the spawned router ([router] spawn): adopted as an engine is
+        out["router"] = spawned
     return out
 
 
@@ -208,8 +209,9 @@ def engines_to_adopt(path: Path) -> int:
 class JournalWriter:
     """Writes the journal when the fleet changed, at most every `min_interval` seconds."""
 
-    def __init__(self, fleet: Fleet, path: Path, min_interval: float = 0.1):
+    def __init__(self, fleet: Fleet, path: Path, min_interval: float = 0.1, *, router: RouterLink | None = None):
         self.fleet = fleet
+        self.router = router  # with [router]: its spawned process is journaled too
         self.path = path
         self.min_interval = min_interval
         self._dirty = asyncio.Event()
@@ -233,7 +235,7 @@ class JournalWriter:
 
     def flush(self) -> None:
         try:
-            write_atomic(self.path, snapshot(self.fleet))
+            write_atomic(self.path, snapshot(self.fleet, self.router))
             self.writes += 1
         except OSError as e:  # a full disk must not take the daemon down; say so loudly
             log.error("journal.write_failed", path=str(self.path), error=str(e))

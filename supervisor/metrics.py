@@ -162,9 +162,16 @@ class FleetReadings(Protocol):
     def routable(self) -> list[EngineRunner]: ...
 
 
+class RouterReadings(Protocol):
+    """What a scrape reads of the router (router.link.RouterLink), handed in by the daemon."""
+
+    def families(self) -> Iterator[Metric]: ...
+
+
 class FleetCollector:
-    def __init__(self, fleet: FleetReadings):
+    def __init__(self, fleet: FleetReadings, router: RouterReadings | None = None):
         self.fleet = fleet
+        self.router = router
 
     def collect(self) -> Iterator[Metric]:
         fleet, policy, stats = self.fleet, self.fleet.policy, self.fleet.stats
@@ -248,14 +255,13 @@ class FleetCollector:
         yield GaugeMetricFamily("vime_spares", "Warm spares configured (spares)", value=max(0, spares))
         yield GaugeMetricFamily("vime_spares_ready", "Spares up, verified and ready to be promoted (STANDBY)",
                                 value=sum(1 for r in runners if r.fsm.state is State.STANDBY))
-        router = getattr(fleet, "router", None)
-        if router is not None:
-            yield from router.families()
+        if self.router is not None:
+            yield from self.router.families()
 
 
-def render(fleet: FleetReadings) -> bytes:
+def render(fleet: FleetReadings, router: RouterReadings | None = None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(fleet))
+    registry.register(FleetCollector(fleet, router))
     return generate_latest(registry)
 
 
@@ -292,8 +298,10 @@ class MetricsServer:
     Scrapes never block the event loop: the fleet's families are read on it (its state belongs
     to the loop) from memory, the process' (/proc reads) on a worker thread."""
 
-    def __init__(self, fleet: FleetReadings, address: str, itself: SelfReadings | None = None):
+    def __init__(self, fleet: FleetReadings, address: str, router: RouterReadings | None = None,
+                 itself: SelfReadings | None = None):
         self.fleet = fleet
+        self.router = router
         self.address = address
         self.itself = itself
         self._runner: web.AppRunner | None = None
@@ -330,7 +338,7 @@ class MetricsServer:
             self._runner = None
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        fleet = render(self.fleet)
+        fleet = render(self.fleet, self.router)
         if self.itself is not None:
             fleet += generate_latest(_self_registry(self.itself))
         process = await asyncio.to_thread(generate_latest, _PROCESS)

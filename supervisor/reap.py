@@ -6,7 +6,7 @@ by the daemon systemd restarts. The cost: when a stop overruns TimeoutStopSec, s
 SIGKILLs the daemon alone and its engines run on with nobody to supervise them (holding GPU
 memory and their ports). This stops them, and only them: engines the journal names (same pid
 and start time, leading their group, our engine server on the journal's port) and engine
-servers of ours on a configured port (process.find_engine_leaders), each group with SIGTERM,
+servers of ours on a configured port (adoption.find_engine_leaders), each group with SIGTERM,
 then SIGKILL after stop_timeout (at once after a stop that already timed out).
 
 When, from systemd's $SERVICE_RESULT (systemd.exec(5)); the rule matches Restart=on-failure:
@@ -42,9 +42,8 @@ from . import config as config_mod
 from . import journal as journal_mod
 from . import logs
 from .config import Config, ConfigError
-from .engine.process import (
-    KILL_WAIT, boot_id, engine_leader_port, find_engine_leaders, group_members_of, kill_group_of, proc_stat,
-    stop_group_of)
+from .engine.adoption import LEAVE, find_engine_leaders, judge_engine
+from .engine.process import KILL_WAIT, boot_id, group_members_of, kill_group_of, stop_group_of
 
 log = structlog.get_logger("vime.reap")
 
@@ -135,9 +134,7 @@ def journal_groups(state_dir: Path) -> list[tuple[str, int, int, int | None]]:
         if not e.get("pid"):
             continue
         pid, start_time, port = int(e["pid"]), int(e["start_time"]), e.get("port")
-        leader = proc_stat(pid)
-        if (leader is not None and leader.state != "Z" and leader.start_time == start_time
-                and engine_leader_port(leader) != port):
+        if judge_engine(e, same_boot=True, unwanted=None).action == LEAVE:
             log.warning("reap.not_ours", engine=name, pid=pid, port=port,
                         action="left alone: not an engine server of ours on that port")
             continue

@@ -7,6 +7,7 @@ from importlib import metadata
 
 from .engine.runner import EngineRunner
 from .fleet import Fleet
+from .router.link import RouterLink
 from .protocol import EngineStatus, FleetStatus, Routable, RoutableEngine
 
 
@@ -54,7 +55,7 @@ def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
     }
 
 
-def fleet_status(fleet: Fleet) -> FleetStatus:
+def fleet_status(fleet: Fleet, router: RouterLink | None = None) -> FleetStatus:
     engines = [engine_status(fleet, r) for r in fleet.runners.values()]
     out: FleetStatus = {
         "engines": engines,
@@ -71,8 +72,9 @@ def fleet_status(fleet: Fleet) -> FleetStatus:
         "daemon": {"pid": fleet.pid, "uptime": round(time.time() - fleet.started_at, 1), "version": VERSION,
                    "reloads": fleet.reloads},
     }
-    if fleet.router is not None:
-        out["router"] = fleet.router.status()
+    shown = router.status() if router is not None else None
+    if shown is not None:
+        out["router"] = shown
     return out
 
 

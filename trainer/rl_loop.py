@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
 from vime.supervisor.protocol import RUNNING_STATES, EngineStatus, State
@@ -33,6 +33,9 @@ from vime.trainer.resync_agent import ResyncAgent, ResyncRecord
 from vime.trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
 from vime.trainer.rollout import RolloutClient, RolloutResult
 from vime.trainer.trace import DaemonEventRecorder, Tracer
+
+if TYPE_CHECKING:  # imported where it is used: it needs torch
+    from vime.weight_sync.broadcast import FleetSender
 
 WHOLE_STATES = frozenset(s.value for s in RUNNING_STATES)  # RUNNING, SUSPECT
 
@@ -157,7 +160,7 @@ class Pusher:
         self.backend = backend
         self.master_address = master_address
         self.senders: dict[str, Any] = {}
-        self.fleet: Any = None  # vime.weight_sync.broadcast.FleetSender, made on first use
+        self.fleet: FleetSender | None = None  # one broadcast group into many engines, made on first use
 
     def push(self, url: str, tensors, version: int) -> str:
         """One version into one engine: "ok", "poisoned: ..." (it holds half a version) or

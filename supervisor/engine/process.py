@@ -339,7 +339,8 @@ async def stop_group_of(pid: int, start_time: int, timeout: float) -> str:
     return f"{how}; {len(left)} member(s) still alive after {KILL_WAIT:g}s (D state?)"
 
 
-def _cmdline(pid: int) -> list[str]:
+def cmdline(pid: int) -> list[str]:
+    """The argv /proc shows for `pid` (empty once it is gone, or not ours to read)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().decode("utf-8", "replace").split("\0")
@@ -347,66 +348,10 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-# In the environment of every process EngineProcess.spawn starts. A process group leader is any
+# In the environment of every process ChildProcess.spawn starts. A process group leader is any
 # shell job: this mark is what tells a daemon with no journal for a process that one of ours
-# started it (spawned_leader), so that a server started by hand on our port is left alone.
+# started it (adoption.spawned_leader), so that a server started by hand on our port is left alone.
 SPAWN_MARK = "VIME_SUPERVISOR_SPAWNED"
-
-
-def _marked(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"{SPAWN_MARK}=1".encode() in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def spawned_leader(st: ProcStat) -> bool:
-    """`st` could be a process EngineProcess.spawn made: alive, not us, our uid, leader of its
-    own process group, and leading its own session (the router; engines of older daemons) or
-    marked (SPAWN_MARK)."""
-    if st.pgrp != st.pid or st.state == "Z" or st.pid == os.getpid() or st.pgrp == os.getpgrp():
-        return False
-    try:
-        if os.stat(f"/proc/{st.pid}").st_uid != os.getuid():
-            return False
-        return os.getsid(st.pid) == st.pid or _marked(st.pid)  # a system call before a file read
-    except OSError:
-        return False
-
-
-def engine_leader_port(st: ProcStat) -> int | None:
-    """The port of `st` if it looks like an engine a daemon of ours spawned (spawned_leader),
-    with `-m vllm.entrypoints.openai.api_server` and `--port P` on its command line; else None."""
-    if not spawned_leader(st):
-        return None
-    argv = _cmdline(st.pid)
-    if not any(a == "-m" and b == ENGINE_MODULE for a, b in zip(argv, argv[1:])):
-        return None
-    port = next((b for a, b in zip(argv, argv[1:]) if a == "--port"), None)
-    return int(port) if port is not None and port.isdigit() else None
-
-
-def supervised_elsewhere(st: ProcStat) -> bool:
-    """Its parent is a live supervisor daemon other than us: that daemon's engine (an orphan's
-    parent is init or a subreaper)."""
-    if st.ppid in (0, 1, os.getpid()):
-        return False
-    argv = _cmdline(st.ppid)
-    return (any(a == "-m" and b in ("supervisor", "vime.supervisor") for a, b in zip(argv, argv[1:]))
-            or any(os.path.basename(a) == "vime-supervisor" for a in argv[:2]))
-
-
-def find_engine_leaders(ports: set[int]) -> list[tuple[int, int, int]]:
-    """(pid, start_time, port) of engine leaders of ours (engine_leader_port) on one of
-    `ports` that no other live daemon supervises. For when no journal can say which pids
-    they are."""
-    found = []
-    for st in all_procs():
-        port = engine_leader_port(st)
-        if port in ports and not supervised_elsewhere(st):
-            found.append((st.pid, st.start_time, port))
-    return found
 
 
 def process_start_time(pid: int) -> int | None:
@@ -416,8 +361,9 @@ def process_start_time(pid: int) -> int | None:
     return None if st is None or st.state == "Z" else st.start_time
 
 
-class EngineProcess:
-    """One incarnation of an engine: spawned by us, or adopted from a previous daemon."""
+class ChildProcess:
+    """One process the daemon supervises, an engine's incarnation or the spawned router:
+    spawned by us, or adopted from a previous daemon (adoption.take_over)."""
 
     def __init__(self, pid: int, log_path: Path, proc: asyncio.subprocess.Process | None = None):
         self.pid = pid
@@ -448,7 +394,7 @@ class EngineProcess:
 
     @classmethod
     async def spawn(cls, cmd: list[str], env: dict[str, str], log_path: Path, *,
-                    own_session: bool = False) -> "EngineProcess":
+                    own_session: bool = False) -> "ChildProcess":
         """Its own process group (pgid == pid), in our session (above), or in a session of its
         own if `own_session` (the router: it rewrites its environment, SPAWN_MARK with it, so
         leading its session is what marks it ours)."""
@@ -472,28 +418,13 @@ class EngineProcess:
         return cls(proc.pid, log_path, proc)
 
     @classmethod
-    def adopt(cls, pid: int, start_time: int, log_path: Path) -> "EngineProcess | None":
-        """Take over an engine a previous daemon spawned, if pid is still that very process
-        (same start time) and still leads its own group. Its exit is seen through a pidfd.
+    def watch(cls, pid: int, fd: int, log_path: Path) -> "ChildProcess":
+        """A process a previous daemon spawned, taken over through its pidfd `fd` (opened and
+        checked by adoption.take_over): its exit is seen when the pidfd is readable.
 
-        After a reload (an exec in place) the engine is still our child: it is reaped here,
-        and its exit status is known. A previous daemon's re-parented engine is not ours to
-        reap (ChildProcessError) and its status stays unknown."""
-        if reap_child(pid) is not None:  # died during the exec: our zombie, now reaped
-            return None
-        # The pidfd first, then the checks: the pidfd pins the process, so the checks cannot
-        # pass for one process and the pidfd name another that reused the number in between.
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            return None
-        try:
-            if process_start_time(pid) != start_time or os.getpgid(pid) != pid:
-                os.close(fd)
-                return None
-        except OSError:
-            os.close(fd)
-            return None
+        After a reload (an exec in place) it is still our child: it is reaped then, and its
+        exit status is known. A previous daemon's re-parented process is not ours to reap
+        (ChildProcessError) and its status stays unknown."""
         self = cls(pid, log_path)
         loop = asyncio.get_running_loop()
         exited = self._exited = loop.create_future()
@@ -523,7 +454,7 @@ class EngineProcess:
         """Returns when the server process exits (the child watcher or a pidfd, no polling)."""
         if self.proc is not None:
             return await self.proc.wait()
-        assert self._exited is not None  # no child: adopt() made the pidfd's future
+        assert self._exited is not None  # no child: watch() made the pidfd's future
         return await asyncio.shield(self._exited)
 
     def _signal_group(self, sig: int) -> bool:

@@ -31,14 +31,12 @@ from .fsm import EngineFSM, PushWindow, vlabel
 from .heartbeat import HeartbeatSchedule
 from .probes import Prober
 from .process import (
-    EngineProcess,
+    ChildProcess,
     classify_failure,
     describe_returncode,
     engine_command,
     engine_env,
-    engine_fingerprint,
     make_engine_caches,
-    kill_group_of,
     port_is_free,
     process_start_time,
     read_tail,
@@ -89,7 +87,7 @@ class EngineRunner:
         # Set (and replaced) at every transition and whenever the process is let go: what
         # stop() waits on instead of polling.
         self._changed = asyncio.Event()
-        self._proc: EngineProcess | None = None
+        self._proc: ChildProcess | None = None
         self.prober = Prober(session, spec.base_url, spec.model_name, cfg.probe.timeout,
                              group=lambda: self.proc.pid if self.proc is not None else None,
                              api_key=cfg.api_key or api_key(cfg.engine_args + spec.args,
@@ -131,11 +129,11 @@ class EngineRunner:
         return self.proc.pid if self.proc and self.proc.returncode is None else None
 
     @property
-    def proc(self) -> EngineProcess | None:
+    def proc(self) -> ChildProcess | None:
         return self._proc
 
     @proc.setter
-    def proc(self, proc: EngineProcess | None) -> None:
+    def proc(self, proc: ChildProcess | None) -> None:
         self._proc = proc
         self._poke()
 
@@ -260,43 +258,16 @@ class EngineRunner:
 
     # -- spawned engines -------------------------------------------------------------------
 
-    def adopt(self, entry: dict, after: str = "a daemon restart") -> bool:
-        """Take over this engine's process from a previous daemon's journal, if it is still
-        the same process, started by this very config (same fingerprint: model, port, args,
-        env), and was in a state worth keeping. A process that is ours but not worth keeping
-        (retired, another config, hung, mid-sync, being stopped) is killed instead of left to
-        hold its port and memory, and the log says why. Call before start(), and only with a
-        journal of this boot."""
-        try:
-            pid, start_time = int(entry["pid"]), int(entry["start_time"])
-            proc = EngineProcess.adopt(pid, start_time, Path(entry["log_path"]))
-        except (KeyError, TypeError, ValueError):
-            return False
-        if proc is None:
-            return False
-        state = entry.get("state")
-        why = None
-        if self.retired:
-            why = "retired"
-        elif entry.get("fingerprint") != engine_fingerprint(self.spec, self.cfg):
-            why = ("started under another config (its model, port, args or env differ from this one's)"
-                   if entry.get("fingerprint") else "no config fingerprint in the journal (an older daemon's)")
-        elif state not in (S.RUNNING.value, S.SUSPECT.value, S.STALE.value, S.STARTING.value, S.STANDBY.value):
-            why = f"it was {state}, not a state worth keeping"
-        if why is not None:
-            proc.forget()
-            kill_group_of(pid, start_time)
-            log.warning("journal.not_adopted", engine=self.name, pid=pid, state=state, why=why,
-                        port=entry.get("port"), action="killed its process group; a fresh one is started")
-            self.bus.emit(Event.NOT_ADOPTED, engine=self.name, pid=pid, why=why)
-            return False
+    def adopt(self, proc: ChildProcess, entry: dict, after: str = "a daemon restart") -> None:
+        """Take over this engine's process from a previous daemon's journal `entry`: `proc`,
+        judged ours and wanted (adoption.verdict) and taken over (adoption.take_over), in a
+        state worth keeping. Call before start()."""
         spawned_at = entry.get("spawned_at")
-        self.adoption = Adoption.of(proc, str(state), after=after,  # a kept state's value, checked above
+        self.adoption = Adoption.of(proc, str(entry.get("state")), after=after,  # a kept state's value
                                     age=max(0.0, time.time() - spawned_at) if spawned_at else 0.0,
                                     spares=self.policy.target is not None)
         self.fsm.incarnation = max(0, int(entry.get("incarnation", 1)) - 1)
         self.fsm.restarts = int(entry.get("restarts", 0))
-        return True
 
     async def _run_spawned(self) -> None:
         fsm = self.fsm
@@ -347,40 +318,9 @@ class EngineRunner:
         fsm = self.fsm
         self._stop_reason = None  # a stop that raced the last incarnation's end is spent
         self.probe_history.clear()
-        adopted = self.adoption.take()
-        if adopted is not None:
-            self.proc = adopted
-            self.log_path = adopted.log_path
-            self.dummy_weights = False  # not known across a daemon restart: its version says what it holds
-            log.info("engine.adopted", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation)
-        else:
-            try:
-                await self._wait_port_free()
-                self.log_path = Path(self.cfg.log_dir) / f"{self.name}.{fsm.incarnation}.log"
-                # restart_load = "dummy": a restart skips reading the checkpoint when the trainer's
-                # agent will push every tensor anyway (STALE until that push is verified).
-                self.dummy_weights = (fsm.incarnation > 1 and not self._read_weights_next
-                                      and self.may_load_dummy())
-                self._read_weights_next = False
-                cmd = engine_command(self.spec, self.cfg) + (["--load-format", "dummy"] if self.dummy_weights else [])
-                env = engine_env(self.spec, self.cfg)
-                if (problem := make_engine_caches(self.spec, self.cfg, env)) is not None:
-                    raise StartFailed(problem, permanent=True)
-                self.proc = await EngineProcess.spawn(cmd, env, self.log_path)
-            except StartFailed as e:
-                fsm.start_failed(e.error, permanent=e.permanent)
-                return
-            except OSError as e:
-                fsm.start_failed(f"spawn failed: {e}")
-                return
-            self.persist()  # the pid is on disk before anything else can happen
-            log.info("engine.spawned", engine=self.name, pid=self.proc.pid, incarnation=fsm.incarnation,
-                     log=str(self.log_path), load="dummy" if self.dummy_weights else "model")
-            # A new log is open: this engine's oldest beyond log_keep(_bytes) go, never this one
-            # (an OSError is logged there, never raised into supervision).
-            await asyncio.to_thread(retention.prune_logs, self.cfg.log_dir, self.name, self.log_path,
-                                    retention.log_rule(self.cfg))
-        proc = self.proc
+        proc = await self._take_process()
+        if proc is None:  # the start failed (fsm says why)
+            return
         exited = asyncio.ensure_future(proc.wait())
         warm = not proc.adopted or self.adoption.unwarmed
         self.adoption.unwarmed = False
@@ -413,8 +353,55 @@ class EngineRunner:
             self._stop_reason = self.proc = None
             exited.cancel()
             return
+        await self._start_failed(proc, exited, not_ready)
+        exited.cancel()
+        self.proc = None
+
+    async def _take_process(self) -> ChildProcess | None:
+        """This incarnation's process: the one adopted from a previous daemon, or a new one
+        spawned (its pid journaled at once). None if the spawn failed (fsm.start_failed)."""
+        fsm = self.fsm
+        adopted = self.adoption.take()
+        if adopted is not None:
+            self.proc = adopted
+            self.log_path = adopted.log_path
+            self.dummy_weights = False  # not known across a daemon restart: its version says what it holds
+            log.info("engine.adopted", engine=self.name, pid=adopted.pid, incarnation=fsm.incarnation)
+            return adopted
+        try:
+            await self._wait_port_free()
+            self.log_path = Path(self.cfg.log_dir) / f"{self.name}.{fsm.incarnation}.log"
+            # restart_load = "dummy": a restart skips reading the checkpoint when the trainer's
+            # agent will push every tensor anyway (STALE until that push is verified).
+            self.dummy_weights = (fsm.incarnation > 1 and not self._read_weights_next
+                                  and self.may_load_dummy())
+            self._read_weights_next = False
+            cmd = engine_command(self.spec, self.cfg) + (["--load-format", "dummy"] if self.dummy_weights else [])
+            env = engine_env(self.spec, self.cfg)
+            if (problem := make_engine_caches(self.spec, self.cfg, env)) is not None:
+                raise StartFailed(problem, permanent=True)
+            proc = self.proc = await ChildProcess.spawn(cmd, env, self.log_path)
+        except StartFailed as e:
+            fsm.start_failed(e.error, permanent=e.permanent)
+            return None
+        except OSError as e:
+            fsm.start_failed(f"spawn failed: {e}")
+            return None
+        self.persist()  # the pid is on disk before anything else can happen
+        log.info("engine.spawned", engine=self.name, pid=proc.pid, incarnation=fsm.incarnation,
+                 log=str(self.log_path), load="dummy" if self.dummy_weights else "model")
+        # A new log is open: this engine's oldest beyond log_keep(_bytes) go, never this one
+        # (an OSError is logged there, never raised into supervision).
+        await asyncio.to_thread(retention.prune_logs, self.cfg.log_dir, self.name, self.log_path,
+                                retention.log_rule(self.cfg))
+        return proc
+
+    async def _start_failed(self, proc: ChildProcess, exited: asyncio.Future, not_ready: BaseException | None) -> None:
+        """A start that did not become ready: it exited, its readiness check or warm-up failed,
+        or first_wait ran out (then stopped, with a post-mortem first)."""
+        fsm = self.fsm
         if exited.done():
-            permanent, summary = classify_failure(read_tail(self.log_path), self.spec.model)
+            permanent, summary = classify_failure(read_tail(proc.log_path), self.spec.model)
             how = describe_returncode(proc.returncode, proc.status_unknown)
             await self._stop_process(proc)  # leftover children of the group
             # Only an exit of its own says something about the config: one killed by a
@@ -436,10 +423,8 @@ class EngineRunner:
             fsm.stopping(why, Cause.SLOW_START)
             how = await self._stop_process(proc)
             fsm.start_failed(f"{why}; stopped ({how})", cause=Cause.SLOW_START)
-        exited.cancel()
-        self.proc = None
 
-    async def _activity(self, proc: EngineProcess) -> str:
+    async def _activity(self, proc: ChildProcess) -> str:
         try:
             return (await asyncio.to_thread(sample_group, proc.pid)).describe()
         except OSError as e:
@@ -453,7 +438,7 @@ class EngineRunner:
         except Exception as e:
             log.error("postmortem.failed", engine=self.name, error=repr(e))
 
-    async def _stop_process(self, proc: EngineProcess, timeout: float | None = None) -> str:
+    async def _stop_process(self, proc: ChildProcess, timeout: float | None = None) -> str:
         """Stop the group; a group that outlives SIGTERM's grace gets a post-mortem first."""
         grace = self.cfg.stop_timeout if timeout is None else timeout
 
@@ -464,7 +449,7 @@ class EngineRunner:
 
         return await proc.stop(grace, on_overdue=overdue)
 
-    async def _supervise(self, proc: EngineProcess, exited: asyncio.Future) -> None:
+    async def _supervise(self, proc: ChildProcess, exited: asyncio.Future) -> None:
         """Heartbeat until the process exits, the probes condemn it, or a stop is asked for."""
         fsm = self.fsm
         self._stop_now.clear()

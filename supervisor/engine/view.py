@@ -14,7 +14,7 @@ from ..config import Config, EngineSpec
 from .fsm import EngineFSM
 from ..states import ProbeOutcome
 from .probes import Prober
-from .process import EngineProcess
+from .process import ChildProcess
 from ..states import State
 
 
@@ -34,7 +34,7 @@ class EngineView(Protocol):
     def pid(self) -> int | None: ...
 
     @property
-    def proc(self) -> EngineProcess | None: ...
+    def proc(self) -> ChildProcess | None: ...
 
     @property
     def state(self) -> State: ...

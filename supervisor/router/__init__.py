@@ -2,8 +2,10 @@
 need to drive it, and nothing of the daemon's. A small adapter interface (`Router`), URL
 normalization, the pure membership diff (plan.py) and one module per router kind.
 
-Imports nothing of ours: the daemon (supervisor/routerfeed.py) and the cluster side both may
-import it (tests/unit/test_layout.py holds the rule).
+The adapters import nothing of ours: the daemon and the cluster side both may import them
+(tests/unit/test_layout.py holds the rule). Beside them, the daemon's side of the router, which
+this package does not import: the feed (feed.py), the spawned router (child.py) and their one
+owner (link.py).
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ import pytest
 
 from vime.supervisor.config import Config, EngineSpec
 from vime.supervisor.daemon import Supervisor
-from vime.supervisor.config import RestartPolicy
+from vime.supervisor.config import RestartPolicy, RouterConfig
 from vime.supervisor.engine.fsm import IllegalTransition
 from vime.supervisor.engine.runner import EngineRunner
 from vime.supervisor.events import EventBus
 from vime.supervisor.fleet import Fleet
 from vime.supervisor.policy import FleetPolicy
+from vime.supervisor.router.link import RouterLink
 from vime.supervisor.states import ACTIVE, Cause, ProbeOutcome, State
 
 
@@ -222,3 +223,20 @@ async def test_engines_coming_up_cost_the_fleet_a_constant_each(tmp_path):
     assert checked <= 3 * n  # 2 transitions per engine, and the routable() above
     memberships = [e for e in drain(sub) if e["event"] == "membership"]
     assert [len(e["routable"]) for e in memberships] == list(range(1, n + 1))
+
+
+@pytest.mark.parametrize("spawn", [False, True])
+async def test_the_routers_one_owner_is_built_at_the_root_and_handed_down(tmp_path, spawn):
+    """[router]: one RouterLink, handed to the fleet (its RouterGate) and the journal; before
+    it starts (no feed yet) it drains nothing, settles nothing and shows nothing, as no router."""
+    cfg = Config(engines=(EngineSpec("e0", url="http://127.0.0.1:1"),), state_dir=str(tmp_path),
+                 log_dir=str(tmp_path), runtime_dir=str(tmp_path), min_healthy=0,
+                 router=RouterConfig(url="http://127.0.0.1:9", spawn=spawn))
+    sup = Supervisor(cfg)
+    link = sup.router
+    assert isinstance(link, RouterLink) and sup.fleet.router is link and sup.journal.router is link
+    assert (link.child is not None) is spawn and sup.router_child is link.child
+    assert not link.drains() and await link.settle() == [] and link.status() is None
+    assert link.journal_entry() is None and list(link.families()) == []
+    assert Supervisor(Config(engines=cfg.engines, state_dir=str(tmp_path), log_dir=str(tmp_path),
+                             runtime_dir=str(tmp_path))).fleet.router is None

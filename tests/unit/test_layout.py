@@ -5,7 +5,8 @@ ships every package folder.
     states    <- nothing of ours
     protocol  <- states
     client    <- protocol, states
-    router    <- nothing of ours (supervisor/router/: the router adapters, for daemon and cluster)
+    router    <- nothing of ours (supervisor/router/'s adapters: __init__, base, plan, vllm_router;
+                 for daemon and cluster; its feed, child and link are the daemon's)
     daemon    <- protocol, states, weight_sync, router   (never client, trainer or harness)
     trainer   <- client, protocol, states, weight_sync, cluster (rl_loop --cluster)
     cluster   <- client, protocol, states, router   (Ray; the daemon never imports it or Ray)
@@ -17,9 +18,14 @@ Inside the daemon (vime.supervisor), five groups, each importing only itself and
     base     states, protocol, errors, knobs, settings, config, tasks, logs, events
     engine   supervisor/engine/: runner, adoption, heartbeat, fsm, process, activity, probes, http1, warmup,
              postmortem, retention, view
-    fleet    policy, fleet, sync, metrics, status, journal, routerfeed, routerchild, selfwatch, healthz
+    fleet    policy, fleet, sync, metrics, status, journal, restore, selfwatch, healthz, router/feed,
+             router/child, router/link
     service  daemon, reexec, sdnotify, limits, reap, control, __main__
     client   supervisor/client/ and the supervisorctl entry module (the contract only, above)
+
+Seams are typed: an attribute annotated `Any` that another module assigns (the router, the
+fleet's sender) is wiring no checker sees; it takes a Protocol or a class instead. And "is this
+pid ours?" has one answer, in engine/adoption.py, for every child (engines and the router).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ FOLDERS = {"supervisor": "vime.supervisor", "trainer": "vime.trainer",
 CLIENT_SIDE = ("vime.supervisor.client", "vime.supervisor.supervisorctl")
 CONTRACT = ("vime.supervisor.protocol", "vime.supervisor.states")
 ROUTER = "vime.supervisor.router"  # the adapters: a layer of their own inside the daemon's folder
+# The daemon's side of the router, beside its adapters: in the fleet group, not the router layer.
+ROUTER_DAEMON = {ROUTER + "." + m for m in ("feed", "child", "link")}
 
 
 def module_name(path: Path) -> str:
@@ -92,6 +100,8 @@ def layer(name: str) -> str:
         return name.rpartition(".")[2]
     if name.startswith(CLIENT_SIDE):
         return "client"
+    if name in ROUTER_DAEMON:
+        return "daemon"
     if name == ROUTER or name.startswith(ROUTER + "."):
         return "router"
     return name.split(".")[1].replace("supervisor", "daemon")
@@ -116,8 +126,8 @@ GROUPS = {  # lowest first
                               "events")},
     "engine": {_D + "engine"} | {_D + "engine." + m for m in ("runner", "fsm", "process", "activity", "probes", "heartbeat", "adoption",
                                                              "http1", "warmup", "postmortem", "retention", "view")},
-    "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "routerfeed",
-                                        "routerchild", "selfwatch", "healthz")},
+    "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "restore", "selfwatch",
+                                "healthz")} | ROUTER_DAEMON,
     "service": {"vime.supervisor"} | {_D + m for m in ("daemon", "reexec", "sdnotify", "limits", "reap", "control",
                                                        "__main__")},
 }
@@ -154,9 +164,9 @@ def test_the_walk_sees_the_modules_it_judges():
             "vime.trainer.rollout", "vime.weight_sync.sender", "vime.harness.demo"} <= MODULES.keys()
     assert "vime.supervisor.engine.fsm" in GRAPH["vime.supervisor.engine.runner"]
     assert any("vime.supervisor.client" in GRAPH[n] for n in GRAPH if n.startswith("vime.trainer."))
-    assert layer("vime.supervisor.router.plan") == "router" and layer("vime.supervisor.routerfeed") == "daemon"
+    assert layer("vime.supervisor.router.plan") == "router" and layer("vime.supervisor.router.feed") == "daemon"
     assert group("vime.supervisor.client.cli") == "client" and group("vime.supervisor.engine.fsm") == "engine"
-    assert "vime.supervisor.router.plan" in GRAPH["vime.supervisor.routerfeed"]
+    assert "vime.supervisor.router.plan" in GRAPH["vime.supervisor.router.feed"]
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -235,3 +245,139 @@ def test_every_module_imports_with_only_src_on_the_path():
     r = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd="/")
     assert r.returncode == 0, r.stdout + r.stderr
     assert int(r.stdout.split()[0]) > len(names), r.stdout  # it did import them
+
+
+# -- typed seams --------------------------------------------------------------------------------
+
+
+def _is_any(annotation: ast.expr | None) -> bool:
+    """`Any`, `typing.Any`, `Any | None`, `Optional[Any]` (or any of them quoted)."""
+    if annotation is None:
+        return False
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return False
+    if isinstance(annotation, ast.Name):
+        return annotation.id == "Any"
+    if isinstance(annotation, ast.Attribute):
+        return annotation.attr == "Any"
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        sides = (annotation.left, annotation.right)
+        return any(_is_any(x) for x in sides) and all(
+            _is_any(x) or isinstance(x, ast.Constant) and x.value is None for x in sides)
+    if isinstance(annotation, ast.Subscript) and getattr(annotation.value, "id", None) == "Optional":
+        return _is_any(annotation.slice)
+    return False
+
+
+def any_attributes(tree: ast.Module) -> dict[str, str]:
+    """attribute -> class, for the attributes a class of `tree` annotates `Any`: in its body
+    (`x: Any`) or in a method (`self.x: Any = None`)."""
+    out: dict[str, str] = {}
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if not isinstance(node, ast.AnnAssign) or not _is_any(node.annotation):
+                continue
+            t = node.target
+            if isinstance(t, ast.Name) and node in cls.body:
+                out[t.id] = cls.name
+            elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                out[t.attr] = cls.name
+    return out
+
+
+def assigned_attributes(tree: ast.Module) -> set[str]:
+    """Attributes `tree` assigns on an object other than its own `self` (`fleet.router = ...`)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        for t in targets:
+            for sub in ast.walk(t):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
+                        and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")):
+                    out.add(sub.attr)
+    return out
+
+
+def untyped_seams(sources: dict[str, str], graph: dict[str, set[str]], judged: set[str]) -> list[str]:
+    """`module.Class.attr <- other` for each attribute a class of a `judged` module annotates
+    `Any` that another module importing it assigns (matched by name: a false match is fixed
+    by typing the attribute)."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    declared = {name: any_attributes(trees[name]) for name in judged}
+    assigned = {name: assigned_attributes(tree) for name, tree in trees.items()}
+    return sorted(f"{name}.{cls}.{attr} <- {other}"
+                  for name, attrs in declared.items() for attr, cls in attrs.items()
+                  for other in trees if name in graph.get(other, ()) and attr in assigned[other])
+
+
+def test_an_any_attribute_assigned_from_another_module_is_found():
+    # The rule below must be able to fail: the pattern it forbids, in two small modules.
+    owner = "from typing import Any\nclass Fleet:\n    def __init__(self):\n        self.router: Any = None\n"
+    wiring = "def wire(fleet, feed):\n    fleet.router = feed\n"
+    graph = {"a": set(), "b": {"a"}}
+    assert untyped_seams({"a": owner, "b": wiring}, graph, {"a"}) == ["a.Fleet.router <- b"]
+    typed = owner.replace("router: Any", "router: 'RouterGate | None'")
+    assert untyped_seams({"a": typed, "b": wiring}, graph, {"a"}) == []
+    own_self = "def f(self):\n    self.router = 1\n"  # another class's attribute of that name
+    assert untyped_seams({"a": owner, "b": own_self}, graph, {"a"}) == []
+
+
+def test_no_seam_into_the_daemon_or_the_trainer_is_typed_any():
+    """What one module wires into another's object is typed (a Protocol, as RestartGate and
+    RouterGate, or a class): an `Any` slot set from outside is wiring mypy cannot see. Judged:
+    the daemon's groups and the trainer (the example loop), against every module of ours."""
+    judged = {n for n in MODULES if group(n) in GROUPS or layer(n) == "trainer"}
+    found = untyped_seams({name: path.read_text() for name, path in MODULES.items()}, GRAPH, judged)
+    assert not found, f"type these attributes (a Protocol or a class), not Any: {found}"
+
+
+# -- one adoption verdict -----------------------------------------------------------------------
+
+ADOPTION = "vime.supervisor.engine.adoption"
+
+
+def ownership_checks(tree: ast.Module) -> list[str]:
+    """Where `tree` answers "is this pid ours?" itself: it reads a process's environment
+    (/proc/PID/environ: SPAWN_MARK), asks for its session (os.getsid), takes over a pid through
+    a pidfd (os.pidfd_open), or compares a process's group with its own pid (`st.pgrp != st.pid`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith("/environ"):
+            found.append(f"line {node.lineno}: reads {node.value!r}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
+                and node.attr in ("getsid", "pidfd_open"):
+            found.append(f"line {node.lineno}: os.{node.attr}")
+        elif isinstance(node, ast.Compare) and len(node.comparators) == 1:
+            sides = [node.left, node.comparators[0]]
+            if all(isinstance(x, ast.Attribute) for x in sides):
+                attrs = {x.attr for x in sides if isinstance(x, ast.Attribute)}
+                bases = {ast.dump(x.value) for x in sides if isinstance(x, ast.Attribute)}
+                if attrs == {"pgrp", "pid"} and len(bases) == 1:
+                    found.append(f"line {node.lineno}: compares a process's group with its pid")
+    return found
+
+
+def test_an_ownership_check_outside_the_verdict_is_found():
+    # The rule below must be able to fail: each pattern it forbids, as routerchild.py,
+    # process.py and daemon.py held them.
+    src = ("def f(st, pid):\n"
+           "    if st.pgrp != st.pid:\n        return False\n"
+           "    open(f'/proc/{pid}/environ', 'rb')\n"
+           "    return os.getsid(pid) == pid or os.pidfd_open(pid)\n")
+    assert len(ownership_checks(ast.parse(src))) == 4
+    assert ownership_checks(ast.parse("def g(st, pgid):\n    return st.pgrp == pgid\n")) == []  # membership
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("vime.supervisor")))
+def test_is_this_pid_ours_is_answered_in_one_module(name):
+    """Engines and the spawned router are adopted, stopped or left alone by one verdict
+    (engine/adoption.py): no other module of the daemon answers it its own way."""
+    if name == ADOPTION:
+        assert ownership_checks(ast.parse(MODULES[name].read_text())), "the verdict's checks moved: update this rule"
+        return
+    found = ownership_checks(ast.parse(MODULES[name].read_text()))
+    assert not found, f"{name} decides whether a process is ours: use engine/adoption.py's verdict ({found})"

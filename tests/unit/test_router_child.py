@@ -1,5 +1,6 @@
-"""The spawned router's pure parts (supervisor/routerchild.py): its command line, when it is
-started again, whether a journal's router is adopted; and the [router] spawn keys' checks."""
+"""The spawned router's pure parts (supervisor/router/child.py): its command line, when it is
+started again, whether a journal's router is adopted (the one verdict of engine/adoption.py);
+and the [router] spawn keys' checks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from vime.supervisor.client.cli import router_line
 from vime.supervisor.config import ROUTER_ARGS, ConfigError, RestartPolicy, RouterConfig, build, find_binary
 from vime.supervisor.engine.process import ProcStat
 from vime.supervisor.journal import validate
-from vime.supervisor.routerchild import Restarts, adoption_verdict, router_command, router_fingerprint
+from vime.supervisor.engine.adoption import ADOPT, GONE, LEAVE, STOP, router_unwanted, verdict
+from vime.supervisor.router.child import Restarts, router_command, router_fingerprint
 
 
 def test_the_command_takes_host_and_port_from_the_url_and_starts_with_no_workers():
@@ -55,27 +57,30 @@ def stat(pid: int = 4242, start_time: int = 777, pgrp: int | None = None, state:
 ENTRY = {"pid": 4242, "start_time": 777, "fingerprint": "f1", "port": 30000, "log_path": "/var/log/vime/router.log"}
 
 
-@pytest.mark.parametrize("same_boot, fingerprint, leader, verdict, why", [
-    (True, "f1", stat(), "adopt", ""),
-    (False, "f1", stat(), "gone", "another boot"),
-    (True, "f1", None, "gone", "no longer running"),
-    (True, "f1", stat(state="Z"), "gone", "no longer running"),
-    (True, "f1", stat(start_time=778), "gone", "another process's now"),
-    (True, "f1", stat(pgrp=1), "gone", "no longer leads its own process group"),
-    (True, "f1", stat(), "gone-quiet", "does not listen on the journal's port 30000"),
-    (True, "f2", stat(), "stop", "started under another config"),
-    (True, None, stat(), "stop", "no longer spawns a router"),
+QUIET = "its process group does not listen on the journal's port 30000"
+
+
+@pytest.mark.parametrize("same_boot, fingerprint, leader, alien, action, why", [
+    (True, "f1", stat(), None, ADOPT, ""),
+    (False, "f1", stat(), None, LEAVE, "another boot"),
+    (True, "f1", None, None, GONE, "no longer running"),
+    (True, "f1", stat(state="Z"), None, GONE, "no longer running"),
+    (True, "f1", stat(start_time=778), None, GONE, "another process's now"),
+    (True, "f1", stat(pgrp=1), None, LEAVE, "no longer leads its own process group"),
+    (True, "f1", stat(), QUIET, LEAVE, QUIET),
+    (True, "f2", stat(), None, STOP, "started under another config"),
+    (True, None, stat(), None, STOP, "no longer spawns a router"),
 ])
 def test_a_journaled_router_is_adopted_only_if_it_is_still_that_process_of_this_config(
-        same_boot, fingerprint, leader, verdict, why):
-    # A group that does not hold the journal's port is never adopted nor signalled, whatever
-    # the fingerprint says (a hand-edited journal naming another program).
-    listens = verdict != "gone-quiet"
-    got = adoption_verdict(ENTRY, same_boot=same_boot, fingerprint=fingerprint, leader=leader, listens=listens)
-    assert got[0] == verdict.replace("-quiet", "") and why in got[1], got
-    if listens and verdict != "gone":
-        assert adoption_verdict(ENTRY, same_boot=same_boot, fingerprint=fingerprint, leader=leader,
-                                listens=False)[0] == "gone"
+        same_boot, fingerprint, leader, alien, action, why):
+    # A group that is not the router's (it does not hold the journal's port) is never adopted
+    # nor signalled, whatever the fingerprint says (a hand-edited journal naming another program).
+    got = verdict(ENTRY["start_time"], same_boot=same_boot, leader=leader, alien=alien,
+                  unwanted=router_unwanted(ENTRY, fingerprint))
+    assert got.action == action and why in got.why, got
+    if alien is None and action in (ADOPT, STOP):
+        assert verdict(ENTRY["start_time"], same_boot=same_boot, leader=leader, alien=QUIET,
+                       unwanted=router_unwanted(ENTRY, fingerprint)).action == LEAVE
 
 
 def test_the_journal_checks_the_router_entry():

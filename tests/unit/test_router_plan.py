@@ -18,7 +18,7 @@ from vime.supervisor.config import Config, ConfigError, EngineSpec, RouterConfig
 from vime.supervisor.daemon import Supervisor, parse_args
 from vime.supervisor.engine.runner import EngineRunner
 from vime.supervisor.router import make_router, normalize_url
-from vime.supervisor.routerfeed import RouterFeed
+from vime.supervisor.router.feed import RouterFeed
 from vime.supervisor.router.plan import plan
 
 A, B, C = "http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"

@@ -1,5 +1,6 @@
-"""Which live processes a daemon with no journal for them takes for its own (spawned_leader,
-engine_leader_port): real processes whose command line names the engine module and a port."""
+"""Which live processes a daemon takes for its own (engine/adoption.py): with no journal for
+them (spawned_leader, engine_leader_port), real processes whose command line names the engine
+module and a port; and whether a configured engine a journal names is still wanted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from vime.supervisor.engine.process import ENGINE_MODULE, SPAWN_MARK, engine_leader_port, proc_stat
+from vime.supervisor.engine.adoption import engine_leader_port, engine_unwanted
+from vime.supervisor.engine.process import ENGINE_MODULE, SPAWN_MARK, proc_stat
 
 PORT = 4321
 
@@ -27,7 +29,7 @@ def sleeper(*, marked: bool, how: str) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("marked, how, ours", [
-    (True, "group", True),  # as EngineProcess.spawn starts one
+    (True, "group", True),  # as ChildProcess.spawn starts one
     (False, "group", False),  # a server started by hand from a shell: a job leads its own group
     (False, "session", True),  # as older daemons started engines (setsid)
     (True, "ours", False),  # marked, but in our own process group: not a group leader
@@ -43,3 +45,19 @@ def test_a_group_leader_is_ours_only_if_marked_or_leading_its_session(marked, ho
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize("configured, spawned, retired, entry, why", [
+    (True, True, False, {"fingerprint": "f1", "state": "RUNNING"}, None),
+    (True, True, False, {"fingerprint": "f1", "state": "STANDBY"}, None),
+    (False, False, False, {"fingerprint": "f1", "state": "RUNNING"}, "no longer in the config"),
+    (True, False, False, {"state": "RUNNING"}, "now attached by url, no longer spawned"),
+    (True, True, True, {"fingerprint": "f1", "state": "RUNNING"}, "retired"),
+    (True, True, False, {"fingerprint": "f2", "state": "RUNNING"}, "started under another config"),
+    (True, True, False, {"state": "RUNNING"}, "no config fingerprint in the journal"),
+    (True, True, False, {"fingerprint": "f1", "state": "UNHEALTHY"}, "it was UNHEALTHY, not a state worth keeping"),
+])
+def test_a_journaled_engine_is_wanted_only_as_this_config_would_start_and_keep_it(
+        configured, spawned, retired, entry, why):
+    got = engine_unwanted(entry, configured=configured, spawned=spawned, retired=retired, fingerprint="f1")
+    assert got == why if why is None else got is not None and got.startswith(why), got

@@ -25,19 +25,18 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from .config import RouterConfig
-from .events import Listener
-from .states import Transition
-from .tasks import wait_event
-from .metrics import Histogram
-from .protocol import Event
-from .router import Router, RouterError, normalize_url
-from .router.plan import Plan, plan
+from ..config import RouterConfig
+from ..events import Listener
+from ..states import Transition
+from ..tasks import wait_event
+from ..metrics import Histogram
+from ..protocol import Event
+from .base import Router, RouterError, normalize_url
+from .plan import Plan, plan
 
 if TYPE_CHECKING:
-    from .engine.runner import EngineRunner
-    from .fleet import Fleet
-    from .routerchild import RouterChild
+    from ..engine.runner import EngineRunner
+    from ..fleet import Fleet
 
 log = structlog.get_logger("vime.router")
 
@@ -71,7 +70,6 @@ class RouterFeed(Listener):
         self._wake = asyncio.Event()
         self._pending: set[asyncio.Task[Any]] = set()
         self._removing: dict[asyncio.Task[Any], str] = {}  # removals of engines that left the set -> URL
-        self.child: RouterChild | None = None  # the router's process, when the daemon spawns it
 
     def refill(self) -> None:
         """The spawned router answers again (restarted empty): reconcile now, not after `period`."""
@@ -330,7 +328,6 @@ class RouterFeed(Listener):
             "unknown": [] if p is None else sorted(u for u in p.unknown if u in listed),
             "error": self.error or self.failing,
             "checked_at": self.checked_at,
-            **({"process": self.child.status()} if self.child is not None else {}),
         }
 
     def families(self) -> Iterator[Metric]:
@@ -352,5 +349,3 @@ class RouterFeed(Listener):
         yield calls
         yield self.removal_time.family("vime_router_removal_seconds",
                                        "From an engine leaving the routable set to the router removing it")
-        if self.child is not None:
-            yield from self.child.families()

@@ -11,8 +11,10 @@ still leading its group) and this config would start the same router; one that i
 wanted is stopped. On the daemon's shutdown it is stopped last, after the engines left its
 list.
 
-The decisions (the command, the backoff, the adoption verdict) are pure functions apart from
-the process I/O (RouterChild), so that they are unit-tested alone.
+The decisions (the command, the backoff) are pure functions apart from the process I/O
+(RouterChild), so that they are unit-tested alone; whether a journal's router is ours to adopt
+is the engines' one verdict (engine/adoption.py). It runs as a process.ChildProcess, as an
+engine's incarnation does.
 
 The engines' API key is not given to it: vllm-router 0.1.17 reads no key from its environment,
 has only a command-line flag (--api-key, refused in router.args), and forwards each client's
@@ -34,13 +36,12 @@ from urllib.parse import urlsplit
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .config import Config, RestartPolicy, RouterConfig, find_binary
-from .engine.fsm import backoff_delay
-from .engine.process import (
-    NOT_INHERITED, EngineProcess, ProcStat, describe_returncode, listening_pids, port_is_free, proc_stat,
-    read_tail, spawned_leader, stop_group_of, supervised_elsewhere)
-from .protocol import Event
-from .tasks import TaskSet, cancel_and_wait, wait_event
+from ..config import Config, RestartPolicy, RouterConfig, find_binary
+from ..engine.fsm import backoff_delay
+from ..engine.adoption import ADOPT, STOP, judge_router, router_of_ours_on, router_unwanted, take_over
+from ..engine.process import NOT_INHERITED, ChildProcess, describe_returncode, port_is_free, read_tail, stop_group_of
+from ..protocol import Event
+from ..tasks import TaskSet, cancel_and_wait, wait_event
 
 log = structlog.get_logger("vime.router")
 
@@ -90,50 +91,7 @@ class Restarts:
         return backoff_delay(self.failures, self.policy, self.rng)
 
 
-def adoption_verdict(entry: dict[str, Any], *, same_boot: bool, fingerprint: str | None,
-                     leader: ProcStat | None, listens: bool) -> tuple[str, str]:
-    """What to do with the router a journal names: ("adopt", ""); ("gone", why): nothing of it
-    can be taken or signalled (not running, its pid now another process's, another boot's
-    journal); ("stop", why): it is still that very process, but this config would not start it
-    (`fingerprint` None: the config spawns no router)."""
-    if not same_boot:
-        return "gone", "the journal is of another boot: its pid names nothing now"
-    if leader is None or leader.state == "Z":
-        return "gone", "it is no longer running"
-    if leader.start_time != entry.get("start_time"):
-        return "gone", "its pid is another process's now (another start time)"
-    if leader.pgrp != leader.pid:
-        return "gone", "that process no longer leads its own process group: left alone"
-    if not listens:  # a hand-edited journal must never get another program signalled
-        return "gone", f"its process group does not listen on the journal's port {entry.get('port')}: not a router " \
-                       "of ours, left alone"
-    if fingerprint is None:
-        return "stop", "the config no longer spawns a router"
-    if entry.get("fingerprint") != fingerprint:
-        return "stop", "started under another config (its url, binary or args differ from this one's)"
-    return "adopt", ""
-
-
 # -- the process ------------------------------------------------------------------------------
-
-
-def looks_like_our_router(st: ProcStat) -> bool:
-    """A router a daemon of ours spawned (spawned_leader), named a router (vllm-router renames
-    itself vllm::router)."""
-    return spawned_leader(st) and "router" in st.comm
-
-
-def group_listens(pgid: int, port: Any) -> bool:
-    """A process of group `pgid` holds a listening socket on `port` (the router's)."""
-    if not isinstance(port, int):
-        return False
-    for pid in listening_pids(port):
-        try:
-            if os.getpgid(pid) == pgid:
-                return True
-        except OSError:
-            continue
-    return False
 
 
 class RouterChild:
@@ -147,7 +105,7 @@ class RouterChild:
         self.fingerprint = router_fingerprint(self.rcfg)
         self.restarts = Restarts(cfg.restart)
         self.log_path = Path(cfg.log_dir) / "router.log"
-        self.proc: EngineProcess | None = None
+        self.proc: ChildProcess | None = None
         self.state = "starting"  # starting, running, backoff, stopping, stopped
         self.adopted = False  # the running process is a previous daemon image's
         self.error: str | None = None  # why the last start failed, until one answers
@@ -169,17 +127,16 @@ class RouterChild:
     async def restore(self, entry: dict[str, Any], *, same_boot: bool, after: str) -> None:
         """Adopt the router a previous daemon image left (before start())."""
         pid, start_time = int(entry["pid"]), int(entry["start_time"])
-        verdict, why = adoption_verdict(entry, same_boot=same_boot, fingerprint=self.fingerprint,
-                                        leader=proc_stat(pid), listens=group_listens(pid, entry.get("port")))
-        if verdict == "adopt":
-            proc = EngineProcess.adopt(pid, start_time, Path(entry.get("log_path") or self.log_path))
+        verdict, why = judge_router(entry, same_boot=same_boot, unwanted=router_unwanted(entry, self.fingerprint))
+        if verdict == ADOPT:
+            proc = take_over(pid, start_time, Path(entry.get("log_path") or self.log_path))
             if proc is not None:
                 self.proc, self.adopted = proc, True
                 log.info("router.adopted", pid=pid, after=after, url=self.rcfg.url)
                 self.emit(Event.ROUTER_PROCESS, action="adopted", pid=pid, after=after)
                 return
             why = "it ended as it was being adopted"
-        if verdict == "stop":
+        if verdict == STOP:
             how = await stop_group_of(pid, start_time, self.cfg.stop_timeout)
             log.warning("router.not_adopted", pid=pid, why=why, action=f"stopped its process group ({how}); "
                         "a fresh one is started")
@@ -239,7 +196,7 @@ class RouterChild:
             self.emit(Event.ROUTER_PROCESS, action="exited", pid=proc.pid, how=how, restart_in=round(delay, 3),
                       error=self.error)
 
-    async def _spawn(self) -> EngineProcess | None:
+    async def _spawn(self) -> ChildProcess | None:
         binary = find_binary(self.rcfg.binary)
         u = urlsplit(self.rcfg.url)
         if binary is None:
@@ -253,7 +210,7 @@ class RouterChild:
             env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
             cmd = router_command(self.rcfg, binary)
             try:
-                proc = await EngineProcess.spawn(cmd, env, self.log_path, own_session=True)
+                proc = await ChildProcess.spawn(cmd, env, self.log_path, own_session=True)
             except OSError as e:
                 self.error = f"cannot run {binary}: {e.strerror or e}"
             else:
@@ -269,24 +226,19 @@ class RouterChild:
     async def _stop_orphan(self, port: int) -> bool:
         """The port is held by a router of ours that no journal names (a daemon killed as it
         spawned it, a journal lost): stopped as an orphaned engine is. True if one was."""
-        for pid in listening_pids(port):
-            try:
-                st = proc_stat(os.getpgid(pid))
-            except OSError:
-                continue
-            if st is None or not looks_like_our_router(st) or supervised_elsewhere(st):
-                continue
-            how = await stop_group_of(st.pid, st.start_time, self.cfg.stop_timeout)
-            log.warning("router.orphan_stopped", pid=st.pid, port=port, how=how,
-                        why="a router of ours that no journal names held the port; a fresh one is started")
-            self.emit(Event.ROUTER_PROCESS, action="orphan_stopped", pid=st.pid, how=how)
-            return True
-        return False
+        st = router_of_ours_on(port)
+        if st is None:
+            return False
+        how = await stop_group_of(st.pid, st.start_time, self.cfg.stop_timeout)
+        log.warning("router.orphan_stopped", pid=st.pid, port=port, how=how,
+                    why="a router of ours that no journal names held the port; a fresh one is started")
+        self.emit(Event.ROUTER_PROCESS, action="orphan_stopped", pid=st.pid, how=how)
+        return True
 
     def _startup_bound(self) -> float:
         return max(STARTUP_BOUND, self.rcfg.silent_timeout)
 
-    async def _serving(self, proc: EngineProcess) -> bool:
+    async def _serving(self, proc: ChildProcess) -> bool:
         """While it runs, asked every SERVING_POLL: True once it exits by itself; False once it
         has answered nothing for silent_timeout (hung, or SIGSTOPped: /proc shows it running)."""
         exited = asyncio.ensure_future(proc.wait())
@@ -305,7 +257,7 @@ class RouterChild:
         finally:
             exited.cancel()
 
-    async def _until_answered(self, proc: EngineProcess) -> bool:
+    async def _until_answered(self, proc: ChildProcess) -> bool:
         """True once the router answers its admin API; False if it exits first, or stays
         silent for its startup bound (STARTUP_BOUND, or silent_timeout if longer)."""
         deadline = self.clock() + self._startup_bound()
@@ -377,8 +329,7 @@ async def stop_leftover(entry: dict[str, Any], *, same_boot: bool, timeout: floa
     """A router a previous daemon spawned that this config does not spawn: stopped if it is
     still that very process."""
     pid, start_time = int(entry["pid"]), int(entry["start_time"])
-    verdict, why = adoption_verdict(entry, same_boot=same_boot, fingerprint=None, leader=proc_stat(pid),
-                                    listens=group_listens(pid, entry.get("port")))
-    if verdict == "stop":
+    verdict, why = judge_router(entry, same_boot=same_boot, unwanted=router_unwanted(entry, None))
+    if verdict == STOP:
         how = await stop_group_of(pid, start_time, timeout)
         log.warning("router.not_adopted", pid=pid, why=why, action=f"stopped its process group ({how})")
