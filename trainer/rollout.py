@@ -87,15 +87,15 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from vime.supervisor.protocol import Event
 
-from .continuation import (Continuation, Split, StartOver, _answer_tokens, _Answer, _Partial,
-                           continuation_blocker, continuation_sampling, continuation_seed)
+from .continuation import Continuation, continuation_blocker, continuation_sampling, continuation_seed
+from .rollout_types import Answer, Engine, Partial, RolloutStats, Split, StartOver, answer_tokens
 
 __all__ = [
     "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine", "Split", "StartOver", "Progress",
@@ -201,47 +201,6 @@ class RolloutResult:
     def tokens_before_fault(self) -> int:
         """Output tokens that attempts which then failed had streamed: reused + regenerated."""
         return self.tokens_reused + self.tokens_regenerated
-
-
-@dataclass
-class RolloutStats:
-    """Counters of this client (for tests and traces). `requests` logical requests were
-    started; each ends in exactly one of `succeeded` / `failed`."""
-
-    requests: int = 0
-    sent: int = 0            # attempts sent (or tried to send)
-    retried: int = 0         # attempts after a logical request's first
-    succeeded: int = 0
-    failed: int = 0
-    aborted: int = 0         # attempts answered with finish_reason "abort"
-    attempt_failures: int = 0  # attempts that refused/died/timed out/5xx
-    reported: int = 0        # failure reports the daemon answered
-    reports_coalesced: int = 0
-    report_errors: int = 0   # failure reports that did not reach the daemon
-    refreshes: int = 0
-    refresh_errors: int = 0
-    # Continuation (see the module docstring). tokens_before_fault: output tokens streamed by
-    # attempts that then failed; tokens_reused: of those, kept in a returned sample;
-    # tokens_regenerated: thrown away when a request started over (so generated again). For
-    # requests that all returned, tokens_before_fault == tokens_reused + tokens_regenerated;
-    # the tokens of a request that raised count in the first only.
-    tokens_before_fault: int = 0
-    tokens_reused: int = 0
-    tokens_regenerated: int = 0
-    continued: int = 0       # attempts sent as continuations
-    started_over: int = 0    # partial outputs thrown away (each a StartOver on the result)
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
-class Engine:
-    name: str
-    url: str
-    model: str | None = None
-    weight_version: Any = None
-    incarnation: int | None = None  # which process of it the routable list named
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -426,7 +385,7 @@ class RolloutClient(Continuation):
         self._session: Any = None
         self._tasks: set[asyncio.Task] = set()
         self._report_tasks: set[asyncio.Task] = set()
-        self._progress: dict[str, tuple[str, _Answer, int]] = {}  # request id -> (engine, answer, prefix)
+        self._progress: dict[str, tuple[str, Answer, int]] = {}  # request id -> (engine, answer, prefix)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -536,7 +495,7 @@ class RolloutClient(Continuation):
         """Requests with an attempt in flight: request id -> Progress (engine, output tokens
         received so far, the continued prefix's share of them). Read-only, a snapshot: what
         this client has read from the streams, not what the engines have generated."""
-        return {rid: Progress(name, prefix + _answer_tokens(answer), prefix)
+        return {rid: Progress(name, prefix + answer_tokens(answer), prefix)
                 for rid, (name, answer, prefix) in list(self._progress.items())}
 
     def pick(self, exclude: Iterable[str] = (), avoid: Iterable[str] = ()) -> Engine | None:
@@ -635,7 +594,7 @@ class RolloutClient(Continuation):
         failed: set[str] = set()
         aborted: set[str] = set()
         sent = time.time()
-        state = _Partial()
+        state = Partial()
         state.blocker = continuation_blocker(sampling, chat)
         limit = sampling.get("max_completion_tokens") if chat else None
         state.limit = sampling.get("max_tokens") if limit is None else limit
@@ -677,7 +636,7 @@ class RolloutClient(Continuation):
         return result
 
     async def _choose(self, rid: str, failed: set[str], aborted: set[str], attempts: list[Attempt],
-                      state: _Partial) -> Engine:
+                      state: Partial) -> Engine:
         why = None
         if state.token_ids:
             engine, why = await self._continuation_engine(failed, aborted, state)
@@ -704,7 +663,7 @@ class RolloutClient(Continuation):
 
     async def _attempt(self, engine: Engine, path: str, payload: dict[str, Any], sampling: dict[str, Any],
                        chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
-                       sent: float, state: _Partial) -> RolloutResult:
+                       sent: float, state: Partial) -> RolloutResult:
         import aiohttp
         from aiohttp.http_exceptions import HttpProcessingError
 
@@ -718,7 +677,7 @@ class RolloutClient(Continuation):
         self.stats.sent += 1
         self._outstanding[engine.name] += 1
         attempt_sent = time.time()
-        answer = _Answer()
+        answer = Answer()
         prefix = len(state)
         self._progress[rid] = (engine.name, answer, prefix)
         try:
@@ -822,7 +781,7 @@ class RolloutClient(Continuation):
             built = await self._sample_text(engine, state, answer.finish_reason == "stop")
             if built is None:  # rare: /detokenize answered at the split, and no engine answers it now
                 attempts.append(Attempt(engine.name, NO_TEXT))
-                self.stats.tokens_before_fault += _answer_tokens(answer)
+                self.stats.tokens_before_fault += answer_tokens(answer)
                 self._start_over(rid, state, "the text across a split inside a character could not be built: "
                                              "no engine answered /detokenize", engine=engine.name)
                 aborted.add(engine.name)
