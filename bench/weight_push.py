@@ -394,8 +394,7 @@ def fleet_table(rows: list[FleetRow]) -> list[str]:
 # -- fleet -----------------------------------------------------------------------------------
 def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_rdv_s: float,
                 links: Links | None = None, chunk: int | None = None) -> int:
-    from vime.weight_sync.broadcast import FleetSender
-    from vime.weight_sync.sender import push_to_many
+    from vime.weight_sync.broadcast import FleetSender, push_to_many
 
     from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, plan_update
 
@@ -573,7 +572,7 @@ def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float) -> str:
 def resync_time(urls, pairs, bucket: int) -> float:
     """The other way to bring the survivors to the version: one resync each, over a new
     per-engine group (what the daemon's restart path does for one engine), in turn."""
-    from vime.weight_sync.sender import push_to_many
+    from vime.weight_sync.broadcast import push_to_many
 
     senders: dict = {}
     t0 = time.monotonic()
