@@ -402,67 +402,21 @@ class FleetSender:
                   results: dict[str, PushResult]) -> bool:
         """/update_weights into every member (a thread each) beside the broadcasts of the
         buckets (one more thread). True when every member loaded every byte."""
-        n_buckets = len(plan.buckets) if plan.buckets is not None else len(pairs)
-        op_timeout = timedelta(seconds=deadline)
         # One receiving rank: a chain of one is a plain send, which gloo's broadcast makes in one
         # op per bucket instead of one per chunk (measured: 0.13 s against 0.42 s for 63 MB).
         topology = self.topology if self._pg is not None and self._pg.size() > 2 else "tree"
-
-        def broadcasts():
-            pending: Any = None  # bucket i+1 is packed while bucket i is on the wire
-            work: Any = None
-            chain = (ChainRelay(self.chunk_bytes, send=self._send_first, timeout=op_timeout)
-                     if topology == "chain" else None)
-            try:
-                for i, buf in enumerate(iter_buckets(plan, (t for _, t in pairs))):
-                    if self._pg is None:
-                        raise WeightSyncError("fleet group dropped during the transfer")
-                    if chain is not None:  # every chunk to rank 1, which relays it
-                        chain.add(buf)
-                        self._note("bucket_sent", index=i, of=n_buckets)
-                        continue
-                    work = self._pg.broadcast(buf, 0, op_timeout)  # no local ref to the group
-                    if pending is not None:
-                        pending[1].wait()
-                        self._note("bucket_sent", index=pending[0], of=n_buckets)
-                    pending = (i, work)
-                    del work
-                if pending is not None:
-                    pending[1].wait()
-                    self._note("bucket_sent", index=pending[0], of=n_buckets)
-                if chain is not None:
-                    chain.drain()
-            except BaseException as e:
-                # The future keeps the exception: no frame of it may keep a Work (and through
-                # it the group) alive, or destroying the group would not close its sockets.
-                pending = work = chain = None
-                raise detached(e) from None
-
         info = {**plan.update_info(), "staged": True, "timeout_s": deadline,
                 "topology": topology, "chunk_bytes": self.chunk_bytes}
         calls = {u: Call(u, "POST", "/update_weights", body={"update_info": info},
-                          timeout=deadline + GRACE_S) for u in members}
+                         timeout=deadline + GRACE_S) for u in members}
         futs = {u: run_in_thread(c.run, name="fleet-update-http") for u, c in calls.items()}
-        send = run_in_thread(broadcasts, name="fleet-broadcast")
+        send = run_in_thread(self._send_buckets, plan, pairs, topology, timedelta(seconds=deadline),
+                             name="fleet-broadcast")
         all_futs = [send, *futs.values()]
         done, _ = cf.wait(all_futs, timeout=deadline, return_when=cf.FIRST_EXCEPTION)
         failed = any(f.exception() is not None for f in done) or len(done) < len(all_futs)
         if failed:
-            cause = (send.exception() if send.done() else None) or TimeoutError(
-                f"the broadcast did not complete within its deadline {deadline:.1f}s")
-            self._note("transfer_failed", cause=repr(cause))
-            # Destroy our end now: our direct peers' receives fail at once; one stalled behind a
-            # stopped peer fails on its per-receive timeout (one deadline), so wait that long.
-            self._drop_group()
-            # An engine that does not even answer /health (vLLM serves it beside a transfer)
-            # is stopped or gone: cut its call now rather than wait out one more deadline.
-            pending = [u for u, f in futs.items() if not f.done()]
-            if pending:
-                probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, PROBE_S))
-                for u in pending:
-                    if isinstance(probes[u], HttpFailure):
-                        calls[u].cancel()
-            cf.wait(all_futs, timeout=deadline + GRACE_S)
+            self._cut_the_transfer(send, calls, futs, deadline)
         answers = {u: self._settle(calls[u], f) for u, f in futs.items()}
         try:
             send.exception(timeout=GRACE_S)  # a destroyed group fails its pending send
@@ -470,6 +424,66 @@ class FleetSender:
             pass
         if not failed:
             return True
+        self._after_a_failed_transfer(members, answers, deadline, results)
+        return False
+
+    def _send_buckets(self, plan: UpdatePlan, pairs, topology: str, op_timeout: timedelta) -> None:
+        """The trainer's side of the transfer (its own thread): every bucket down the chain to
+        rank 1, or broadcast to the group (gloo's tree)."""
+        n_buckets = len(plan.buckets) if plan.buckets is not None else len(pairs)
+        pending: Any = None  # bucket i+1 is packed while bucket i is on the wire
+        work: Any = None
+        chain = (ChainRelay(self.chunk_bytes, send=self._send_first, timeout=op_timeout)
+                 if topology == "chain" else None)
+        try:
+            for i, buf in enumerate(iter_buckets(plan, (t for _, t in pairs))):
+                if self._pg is None:
+                    raise WeightSyncError("fleet group dropped during the transfer")
+                if chain is not None:  # every chunk to rank 1, which relays it
+                    chain.add(buf)
+                    self._note("bucket_sent", index=i, of=n_buckets)
+                    continue
+                work = self._pg.broadcast(buf, 0, op_timeout)  # no local ref to the group
+                if pending is not None:
+                    pending[1].wait()
+                    self._note("bucket_sent", index=pending[0], of=n_buckets)
+                pending = (i, work)
+                del work
+            if pending is not None:
+                pending[1].wait()
+                self._note("bucket_sent", index=pending[0], of=n_buckets)
+            if chain is not None:
+                chain.drain()
+        except BaseException as e:
+            # The future keeps the exception: no frame of it may keep a Work (and through
+            # it the group) alive, or destroying the group would not close its sockets.
+            pending = work = chain = None
+            raise detached(e) from None
+
+    def _cut_the_transfer(self, send: cf.Future, calls: dict[str, Call], futs: dict[str, cf.Future],
+                          deadline: float) -> None:
+        """The transfer failed (or ran out of time): destroy our end of the group, cut the calls
+        of the engines that are gone, and give the others one more deadline to answer."""
+        cause = (send.exception() if send.done() else None) or TimeoutError(
+            f"the broadcast did not complete within its deadline {deadline:.1f}s")
+        self._note("transfer_failed", cause=repr(cause))
+        # Destroy our end now: our direct peers' receives fail at once; one stalled behind a
+        # stopped peer fails on its per-receive timeout (one deadline), so wait that long.
+        self._drop_group()
+        # An engine that does not even answer /health (vLLM serves it beside a transfer)
+        # is stopped or gone: cut its call now rather than wait out one more deadline.
+        pending = [u for u, f in futs.items() if not f.done()]
+        if pending:
+            probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, PROBE_S))
+            for u in pending:
+                if isinstance(probes[u], HttpFailure):
+                    calls[u].cancel()
+        cf.wait([send, *futs.values()], timeout=deadline + GRACE_S)
+
+    def _after_a_failed_transfer(self, members: list[str], answers: dict[str, Any], deadline: float,
+                                 results: dict[str, PushResult]) -> None:
+        """Each member's status from its /update_weights answer: loaded (finished and kept),
+        intact (resumed on its old weights), poisoned or unreachable."""
         loaded, intact = [], []
         for u in members:
             got = answers[u]
@@ -490,7 +504,6 @@ class FleetSender:
         self._resume(intact, results)
         if loaded:
             self._finish(loaded, results[loaded[0]].version, deadline, results)
-        return False
 
     def _send_first(self, view):
         if self._pg is None:
