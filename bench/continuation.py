@@ -92,7 +92,7 @@ async def one_trial(sock: str, items: list[tuple[str, int]], *, kill: bool, cont
             "why": +why}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--long", type=int, default=4, help="long requests in the batch")
@@ -106,10 +106,22 @@ def main() -> None:
             sys.exit(f"--{name.replace('_', '-')} must be at least 1")
     if args.kill_after >= args.long_tokens:
         sys.exit("--kill-after must be below --long-tokens (the kill must come mid-stream)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     items = batch(args.long, args.short, args.long_tokens, args.short_tokens)
     logging.getLogger("vime.rollout").setLevel(logging.ERROR)  # one line per re-send: the table counts them
+    rows, failed = run_trials(args, items)
+    report(args, rows, failed)
 
+
+def run_trials(args: argparse.Namespace, items: list[tuple[str, int]]) -> tuple[list[tuple[str, dict]], str | None]:
+    """Two engines under a daemon; a warm-up, then per repeat a trial without a kill and one
+    with a kill each way (continue_partial True / False). The rows, and why it stopped early."""
     rows: list[tuple[str, dict]] = []
+    failed = None
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         model = build_tiny_model(tmp / "model")
@@ -125,7 +137,6 @@ def main() -> None:
         sock = str(tmp / "run" / "supervisor.sock")
         sup = SupervisorClient(sock)
         rnd = 0
-        failed = None
         try:
             for n in ENGINES:
                 d.transition(n, "RUNNING", BOOT)
@@ -156,7 +167,11 @@ def main() -> None:
             print(f"  FAILED: {failed}", flush=True)
         finally:
             d.terminate(60)
+    return rows, failed
 
+
+def report(args: argparse.Namespace, rows: list[tuple[str, dict]], failed: str | None) -> None:
+    """The table of the whole repeats (medians); exits 1 when a trial failed."""
     # Only whole repeats (no kill, and a kill each way) make a row of the table.
     whole = {rep for rep in {r["repeat"] for _, r in rows} if sum(r["repeat"] == rep for _, r in rows) == 3}
     rows = [(n, r) for n, r in rows if r["repeat"] in whole]

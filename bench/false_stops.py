@@ -24,14 +24,12 @@ the probes); with the default warm-up it happens while the engines are STARTING.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +41,7 @@ from vime.harness.faults import engine_core_pid  # noqa: E402
 from vime.harness.local_daemon import (  # noqa: E402
     ENGINE_ARGS, ENGINE_ENV, Daemon, free_port, write_config)
 from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
+from completion import complete  # noqa: E402  (bench/ is on sys.path when run)
 
 INTERVAL, TIMEOUT, THRESHOLD = 1.0, 2.0, 2
 BOOT = 600.0
@@ -50,12 +49,9 @@ HANG_BOUND = INTERVAL + THRESHOLD * (TIMEOUT + PROGRESS_WINDOW) + 1.0
 
 
 def sampled(url: str, max_tokens: int, out: list) -> None:
-    body = json.dumps({"model": "tiny", "prompt": "one two three", "max_tokens": max_tokens, "ignore_eos": True,
-                       "temperature": 1.0, "logprobs": 1}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out.append(json.loads(r.read())["choices"][0]["finish_reason"])
+        answer = complete(url, "one two three", max_tokens, timeout=600, ignore_eos=True, temperature=1.0, logprobs=1)
+        out.append(answer["choices"][0]["finish_reason"])
     except Exception as e:
         out.append(repr(e))
 

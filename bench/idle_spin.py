@@ -27,20 +27,18 @@ import signal
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from vime.harness import local_daemon as ld
 from vime.supervisor.engine.activity import cpu_seconds, sample_group
 from vime.trainer.tiny_model import build_tiny_model
 from vime.weight_sync.vllm_plugin import SPIN_ENV
+from completion import complete  # bench/ is on sys.path when run
 
 
 def probe(url: str) -> float:
-    body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 1}).encode()
-    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     t = time.perf_counter()
-    urllib.request.urlopen(req, timeout=30).read()
+    complete(url, "a", 1, timeout=30)
     return time.perf_counter() - t
 
 

@@ -26,7 +26,6 @@ pushes it, publishes it, and runs the resync agent.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -35,7 +34,6 @@ import statistics
 import tempfile
 import sys
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -50,17 +48,15 @@ from vime.harness.local_daemon import (  # noqa: E402
 from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
 from vime.weight_sync.checkpoint import save_checkpoint  # noqa: E402
 from vime.weight_sync.sender import WeightSender  # noqa: E402
+from completion import complete  # noqa: E402  (bench/ is on sys.path when run)
 
 
 
 def first_completion(url: str, deadline: float) -> float:
-    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
     while time.monotonic() < deadline:
         try:
-            req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=5) as r:
-                if r.status == 200:
-                    return time.monotonic()
+            complete(url, "hi", 1, timeout=5)  # any answer but 2xx raises
+            return time.monotonic()
         except OSError:
             time.sleep(0.2)
     raise TimeoutError(url)

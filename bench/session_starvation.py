@@ -29,13 +29,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from vime.harness import local_daemon as ld
 from vime.supervisor.engine.activity import TICK
 from vime.supervisor.engine.process import proc_stat
 from vime.trainer.tiny_model import build_tiny_model
+from completion import complete  # bench/ is on sys.path when run
 
 
 def loop_cpu(core: str, seconds: float) -> float:
@@ -81,13 +81,11 @@ def one(name: str, model: Path, out: Path, args: argparse.Namespace) -> dict:
     try:
         if not ld.wait_healthy(url, args.boot_timeout, proc):
             return {**row, "error": f"the engine did not boot within {args.boot_timeout:g}s: {out}"}
-        body = json.dumps({"model": "tiny", "prompt": "hello there", "max_tokens": 64}).encode()
 
         def client() -> None:
             while not stop.is_set():
                 try:
-                    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-                    urllib.request.urlopen(req, timeout=120).read()
+                    complete(url, "hello there", 64, timeout=120)
                     done[0] += 1
                 except OSError as e:
                     failed.append(repr(e))

@@ -394,9 +394,6 @@ def fleet_table(rows: list[FleetRow]) -> list[str]:
 # -- fleet -----------------------------------------------------------------------------------
 def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_rdv_s: float,
                 links: Links | None = None, chunk: int | None = None) -> int:
-    from vime.weight_sync.broadcast import FleetSender
-    from vime.weight_sync.sender import push_to_many
-
     from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, plan_update
 
     pairs = synthetic_set(total_mb)
@@ -428,49 +425,13 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
         for n in ns:
             sub = urls[:n]
             pids = [p.pid for p, _ in procs[:n]]
-            timed: dict[str, tuple[float, float]] = {}
-            for topology in ("chain", "tree"):
-                with FleetSender(bucket_bytes=bucket, topology=topology, chunk_bytes=chunk) as fs:
-                    fs.push(sub, pairs, "warmup")
-                    bc = []
-                    c0, w0 = proc_cpu_s(pids), time.perf_counter()
-                    for r in range(rounds):
-                        t0 = time.perf_counter()
-                        res = fs.push(sub, pairs, f"{topology}{r}")
-                        bc.append(time.perf_counter() - t0)
-                        if not all(x.ok for x in res.values()):
-                            raise RuntimeError(f"{topology} broadcast into {n} failed: {res}")
-                    timed[topology] = (statistics.median(bc),
-                                       (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0))
-            senders: dict = {}
-            push_to_many(sub, pairs, "warmup", broadcast=False, senders=senders, bucket_bytes=bucket)
-            sq = []
-            c0, w0 = proc_cpu_s(pids), time.perf_counter()
-            for r in range(rounds):
-                t0 = time.perf_counter()
-                res = push_to_many(sub, pairs, f"s{r}", broadcast=False, senders=senders,
-                                   bucket_bytes=bucket)
-                sq.append(time.perf_counter() - t0)
-                if not all(x.ok for x in res.values()):
-                    raise RuntimeError(f"sequential push into {n} failed: {res}")
-            scpu = (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0)
-            for s in senders.values():
-                s.close()
-            rows.append(FleetRow(n, timed["chain"][0], timed["tree"][0], statistics.median(sq),
-                                 timed["chain"][1], timed["tree"][1], scpu))
+            chain, tree = (fleet_push(sub, pids, pairs, bucket, chunk, rounds, topology)
+                           for topology in ("chain", "tree"))
+            seq, seq_cpu = sequential_push(sub, pids, pairs, bucket, rounds)
+            rows.append(FleetRow(n, chain[0], tree[0], seq, chain[1], tree[1], seq_cpu))
             print("  " + fleet_table(rows)[-1], flush=True)
-        n = max(ns)
-        if n >= 2 and links is None:
-            for sig in ("SIGKILL", "SIGSTOP"):
-                line = fault_row(urls[:n], procs[1][0], sig, pairs, bucket, fault_rdv_s)
-                extra.append(line)
-                print("  " + line, flush=True)
-                if sig == "SIGSTOP":
-                    break  # the last row: no replacement needed
-                procs[1][0].kill()
-                procs[1][0].wait()
-                procs[1] = start_loopbacks(1, links, first=1)[0]
-                urls[1] = procs[1][1]
+        if max(ns) >= 2 and links is None:
+            fault_rows(procs, urls[:max(ns)], pairs, bucket, fault_rdv_s, extra)
     except Exception as e:  # noqa: BLE001
         print(f"  FAILED {type(e).__name__}: {e}"[:400], flush=True)
         failed = 1
@@ -493,6 +454,60 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
     print(f"host CPUs busy over the run (every process on the machine): "
           f"{(busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]):.0%} of {os.cpu_count()}")
     return failed
+
+
+def fleet_push(urls: list[str], pids: list[int], pairs, bucket: int, chunk: int, rounds: int,
+               topology: str) -> tuple[float, float]:
+    """FleetSender's push into `urls` over `topology`, after one untimed: the median seconds
+    of `rounds`, and the receivers' CPU cores busy meanwhile."""
+    from vime.weight_sync.broadcast import FleetSender
+
+    with FleetSender(bucket_bytes=bucket, topology=topology, chunk_bytes=chunk) as fs:
+        fs.push(urls, pairs, "warmup")
+        took = []
+        c0, w0 = proc_cpu_s(pids), time.perf_counter()
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            res = fs.push(urls, pairs, f"{topology}{r}")
+            took.append(time.perf_counter() - t0)
+            if not all(x.ok for x in res.values()):
+                raise RuntimeError(f"{topology} broadcast into {len(urls)} failed: {res}")
+        return statistics.median(took), (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0)
+
+
+def sequential_push(urls: list[str], pids: list[int], pairs, bucket: int, rounds: int) -> tuple[float, float]:
+    """The same into one receiver after the other, one group each (push_to_many(broadcast=False))."""
+    from vime.weight_sync.broadcast import push_to_many
+
+    senders: dict = {}
+    push_to_many(urls, pairs, "warmup", broadcast=False, senders=senders, bucket_bytes=bucket)
+    took = []
+    c0, w0 = proc_cpu_s(pids), time.perf_counter()
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        res = push_to_many(urls, pairs, f"s{r}", broadcast=False, senders=senders, bucket_bytes=bucket)
+        took.append(time.perf_counter() - t0)
+        if not all(x.ok for x in res.values()):
+            raise RuntimeError(f"sequential push into {len(urls)} failed: {res}")
+    cpu = (proc_cpu_s(pids) - c0) / (time.perf_counter() - w0)
+    for sender in senders.values():
+        sender.close()
+    return statistics.median(took), cpu
+
+
+def fault_rows(procs: list, urls: list[str], pairs, bucket: int, fault_rdv_s: float, lines: list[str]) -> None:
+    """A push into `urls` while receiver 1 is killed, then while it is stopped (a fresh one in
+    between): one line each into `lines`, printed as it comes."""
+    for sig in ("SIGKILL", "SIGSTOP"):
+        line = fault_row(urls, procs[1][0], sig, pairs, bucket, fault_rdv_s)
+        lines.append(line)
+        print("  " + line, flush=True)
+        if sig == "SIGSTOP":
+            break  # the last row: no replacement needed
+        procs[1][0].kill()
+        procs[1][0].wait()
+        procs[1] = start_loopbacks(1, None, first=1)[0]
+        urls[1] = procs[1][1]
 
 
 def fleet_with_links(ns: list[int], total_mb: float, rounds: int, bucket: int, mbit: float,
@@ -573,7 +588,7 @@ def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float) -> str:
 def resync_time(urls, pairs, bucket: int) -> float:
     """The other way to bring the survivors to the version: one resync each, over a new
     per-engine group (what the daemon's restart path does for one engine), in turn."""
-    from vime.weight_sync.sender import push_to_many
+    from vime.weight_sync.broadcast import push_to_many
 
     senders: dict = {}
     t0 = time.monotonic()
@@ -606,7 +621,19 @@ def stop_group(p) -> None:
             pass
 
 
-def main(argv=None) -> None:
+PUSH_HDR = (f"{'tensor set':<11} {'receiver':<12} {'tensors':>7} {'bcasts':>6} {'MB':>8} "
+            f"{'raw s':>8} {'raw MB/s':>9} {'push s':>8} {'push MB/s':>9} {'xfer MB/s':>9} "
+            f"{'push/raw':>8}")
+
+
+def push_line(label, recv, nt, nb, b, raw, tot, xf) -> str:
+    """One row of the push-vs-raw table (PUSH_HDR)."""
+    return (f"{label:<11} {recv:<12} {nt:>7} {nb:>6} {b / MB:>8.1f} {raw:>8.3f} "
+            f"{b / MB / raw:>9.0f} {tot:>8.3f} {b / MB / tot:>9.0f} {b / MB / xf:>9.0f} "
+            f"{raw / tot:>8.2f}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="4,64,256,512", help="tensor set sizes in MB")
     ap.add_argument("--big", action="store_true", help="also 1024 MB")
@@ -627,6 +654,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.link_mbit is not None and not args.fleet:
         ap.error("--link-mbit goes with --fleet")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.raw_receiver:
         port, spec, rounds = args.raw_receiver
         return raw_receiver(int(port), spec, int(rounds))
@@ -638,7 +670,12 @@ def main(argv=None) -> None:
                                       args.link_mbit, chunk))
         sys.exit(fleet_bench(ns, args.fleet_mb, args.repeat, int(args.bucket_mb * (1 << 20)),
                              args.fault_rendezvous_s, chunk=chunk))
+    push_vs_raw(args)
 
+
+def push_vs_raw(args: argparse.Namespace) -> None:
+    """The push into one receiver against a raw gloo broadcast of the same bytes, per tensor
+    set, into the loopback stand-in and (unless --no-engine) a real engine; exits 1 on a failure."""
     bucket = int(args.bucket_mb * (1 << 20))
     sizes = [float(s) for s in args.sizes.split(",") if s] + ([1024.0] if args.big else [])
 
@@ -650,16 +687,9 @@ def main(argv=None) -> None:
     tiny = list(load_file(tiny_dir / "model.safetensors").items())
     sets = [("tiny model", tiny)] + [(f"{s:g} MB", synthetic_set(s)) for s in sizes]
 
-    hdr = (f"{'tensor set':<11} {'receiver':<12} {'tensors':>7} {'bcasts':>6} {'MB':>8} "
-           f"{'raw s':>8} {'raw MB/s':>9} {'push s':>8} {'push MB/s':>9} {'xfer MB/s':>9} "
-           f"{'push/raw':>8}")
-
-    def line(label, recv, nt, nb, b, raw, tot, xf) -> str:
-        return (f"{label:<11} {recv:<12} {nt:>7} {nb:>6} {b / MB:>8.1f} {raw:>8.3f} "
-                f"{b / MB / raw:>9.0f} {tot:>8.3f} {b / MB / tot:>9.0f} {b / MB / xf:>9.0f} "
-                f"{raw / tot:>8.2f}")
-
-    rows, failed = [], []
+    hdr = PUSH_HDR
+    rows: list[tuple] = []
+    failed: list[str] = []
 
     def measure(label: str, recv: str, url: str, pairs) -> None:
         """One row, printed as soon as it is measured; a failure is printed and costs only it."""
@@ -671,7 +701,7 @@ def main(argv=None) -> None:
             print(f"  FAILED {failed[-1]}", flush=True)
             return
         rows.append((label, recv, len(pairs), nb, nbytes(pairs), raw, statistics.median(tot), statistics.median(xf)))
-        print("  " + line(*rows[-1]), flush=True)
+        print("  " + push_line(*rows[-1]), flush=True)
 
     print("  " + hdr, flush=True)
     lb, lb_url = start_loopback()
@@ -702,7 +732,7 @@ def main(argv=None) -> None:
     print(hdr)
     print("-" * len(hdr))
     for row in rows:
-        print(line(*row))
+        print(push_line(*row))
     print("push/raw = throughput ratio (raw time / push time); >1 means the push is faster.")
     for why in failed:
         print(f"FAILED {why}")

@@ -21,10 +21,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from vime.supervisor.protocol import Role
 
-from .client import AsyncClusterClient
-
-_VERBS = ("status", "routable_engines", "start_round", "end_round", "publish_weights", "restart", "stop",
-          "start", "retire", "report_failure", "sync_begin", "sync_end", "push_begin", "push_end", "pushes", "engine_log", "incidents", "metrics")
+from .client import CLUSTER_VERBS, AsyncClusterClient
 _END = object()
 
 
@@ -65,7 +62,7 @@ class ClusterClient:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __getattr__(self, name: str) -> Any:
-        if name in _VERBS:
+        if name in CLUSTER_VERBS:
             verb = getattr(self._client, name)
 
             @functools.wraps(verb)
@@ -159,7 +156,7 @@ class _AsyncFacade:
         self._owner = owner
 
     def __getattr__(self, name: str) -> Any:
-        if name not in _VERBS:
+        if name not in CLUSTER_VERBS:
             raise AttributeError(name)
         verb = getattr(self._owner._client, name)
 

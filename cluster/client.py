@@ -25,6 +25,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Mapping
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential, wait_random
 
+from vime.supervisor.client import VERBS
 from vime.supervisor.client import errors as client_errors
 from vime.supervisor.client.errors import ConflictError, DaemonUnreachable, SupervisorError
 from vime.supervisor.protocol import Event, Role
@@ -34,7 +35,18 @@ from .routing import LostNodeRemoval, lost_urls
 from .view import (Change, ClusterEvent, ClusterPush, ClusterView, NodeState, by_node, floor_events, membership_event,
                    merge_push_end, merge_pushes, push_ids, qualify, qualify_answer, split, split_failed)
 
-__all__ = ["AsyncClusterClient", "NodeUnavailable", "ClusterBelowFloor", "NODE_RESOURCE"]
+__all__ = ["AsyncClusterClient", "NodeUnavailable", "ClusterBelowFloor", "NODE_RESOURCE", "CLUSTER_VERBS",
+           "NOT_CLUSTERED"]
+
+# The control socket's verbs (the local client's table, VERBS) that the cluster does not offer,
+# and why; every other verb of the table is a method of AsyncClusterClient with the local
+# client's arguments (a test holds it to that), so a verb added to the table is offered here
+# or named here.
+NOT_CLUSTERED = {
+    "signal": "a signal goes to one process on one node: use that node's SupervisorClient",
+    "daemon_log": "each node's daemon has its own log: use that node's SupervisorClient",
+}
+CLUSTER_VERBS = tuple(v for v in VERBS if v not in NOT_CLUSTERED)
 
 # The custom resource that marks the Ray nodes running a daemon, when `nodes` is not given:
 #   ray start --address HEAD:6379 --resources '{"vime_supervisor": 1}'

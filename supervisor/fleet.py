@@ -376,7 +376,7 @@ CHECKPOINT_READ_TIMEOUT = 60.0
 
 
 async def validate_checkpoint_off_loop(path: str, reference_model: str | None = None) -> str:
-    from vime.weight_sync._http import run_in_thread
+    from vime.weight_sync.engine_http import run_in_thread
 
     fut = run_in_thread(validate_checkpoint, path, reference_model, name="validate-checkpoint")
     try:

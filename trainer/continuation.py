@@ -11,39 +11,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-if TYPE_CHECKING:
-    from .rollout import Engine, RolloutStats
+from .rollout_types import Answer, Engine, Partial, RolloutStats, Split, StartOver, answer_tokens
 
 log = logging.getLogger("vime.rollout")  # the client's logger: one stream for a request's story
-
-
-class Split(NamedTuple):
-    """One piece of a sample: output tokens [offset, offset + tokens) came from `engine`, listed
-    at `weight_version` when the attempt was routed; `outcome` is how that attempt ended (OK
-    for the last piece; DIED, ABORT, ... for a piece that was continued). `seed` is the seed
-    the piece was sampled with (a continued seeded request gets a derived one: see
-    continuation_seed)."""
-
-    engine: str
-    weight_version: Any
-    offset: int
-    tokens: int
-    outcome: str
-    seed: int | None = None
-    dropped: int = 0  # tokens received after `tokens`, thrown away (a split inside a character, no /detokenize)
-
-
-class StartOver(NamedTuple):
-    """Output tokens received, then thrown away: the request started over from its prompt
-    (`tokens` of them, the last piece from `engine` at `weight_version`), and why."""
-
-    engine: str
-    weight_version: Any
-    tokens: int
-    reason: str
 
 
 # -- continuation: the pure parts ------------------------------------------------------------
@@ -125,105 +97,6 @@ def continuation_sampling(sampling: Mapping[str, Any], received: int, chat: bool
     return out
 
 
-class _Partial:
-    """A logical request's output so far: the pieces kept from failed attempts (the prefix a
-    continuation carries) and the partial outputs thrown away.
-
-    Its text: `text` holds segments, each a streamed string or a window (lo, hi, head, tail)
-    of output tokens whose text is built from their ids (_window_text), and covers output tokens
-    [0, synced) exactly; `synced` is a point after which vLLM's detokenizer and ours agree
-    (a whole character ends there). Tokens past it (a split inside a character) are kept;
-    their text comes from the next piece's stream once it is known whole, the gap from ids."""
-
-    def __init__(self) -> None:
-        self.prompt_token_ids: list[int] | None = None
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] | None = None
-        self.text: list[str | tuple[int, int, str, str]] = []
-        self.synced = 0
-        self.head = ""  # text streamed after `synced` (the start of the gap's text, if it is one)
-        self.silent: set[int] = set()  # output tokens streamed in chunks without text (held back, or skipped)
-        self.piece: tuple[int, list[str], list[tuple[int, int, bool, bool]]] | None = None  # the last piece, unfolded
-        self.splits: list[Split] = []
-        self.started_over: list[StartOver] = []
-        self.version: Any = None      # the listed weight version the prefix was made on
-        self.published: Any = None    # the daemon's published version when its first piece was routed
-        # Of the logical request, set once:
-        self.blocker: str | None = None   # why its sampling cannot be continued (continuation_blocker)
-        self.limit: int | None = None     # its max_tokens
-        self.want_logprobs = False
-        self.keep_stop = False            # include_stop_str_in_output: a stop token's text is in the output
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-
-def _answer_tokens(answer: "_Answer") -> int:
-    """Output tokens an attempt streamed (text chunks when the engine sent no token ids)."""
-    return len(answer.token_ids) if answer.token_ids is not None else sum(1 for t in answer.text if t)
-
-
-class _Answer:
-    """One streamed completion being assembled."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.token_ids: list[int] | None = None
-        self.prompt_token_ids: list[int] | None = None
-        self.logprobs: list[float] | None = None
-        self.finish_reason: str | None = None
-        self.usage_tokens: int | None = None
-        self.first_token: float | None = None
-        self.done = False
-        # After each chunk with token ids: (tokens, text pieces, whole, has text): whole when
-        # that chunk held one token and text, so the text streamed so far covers every token
-        # (vLLM holds back the bytes of a character split across tokens; a chunk of several
-        # tokens may end holding some back).
-        self.bounds: list[tuple[int, int, bool, bool]] = []
-        self.silent: list[int] = []  # tokens streamed in chunks without text
-
-    def add(self, chunk: dict[str, Any], chat: bool) -> None:
-        usage = chunk.get("usage")
-        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-            self.usage_tokens = int(usage["completion_tokens"])
-        if chunk.get("prompt_token_ids") is not None:  # chat: on the first chunk
-            self.prompt_token_ids = list(chunk["prompt_token_ids"])
-        for choice in chunk.get("choices") or ():
-            if chat:
-                text = (choice.get("delta") or {}).get("content") or ""
-            else:
-                text = choice.get("text") or ""
-            ids = choice.get("token_ids")
-            if not isinstance(text, str) or not (ids is None or isinstance(ids, list)):
-                raise TypeError(f"text {type(text).__name__}, token_ids {type(ids).__name__}")
-            if choice.get("prompt_token_ids") is not None:  # completions: on the first chunk
-                self.prompt_token_ids = list(choice["prompt_token_ids"])
-            if text or ids:
-                if self.first_token is None:
-                    self.first_token = time.time()
-                self.text.append(text)
-            if ids is not None:
-                if self.token_ids is None:
-                    self.token_ids = []
-                self.token_ids.extend(ids)
-            lp = choice.get("logprobs")
-            if isinstance(lp, dict):
-                if chat:
-                    values = [c.get("logprob") for c in lp.get("content") or ()]
-                else:
-                    values = list(lp.get("token_logprobs") or ())
-                if self.logprobs is None:
-                    self.logprobs = []
-                self.logprobs.extend(values)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
-            if ids:
-                assert self.token_ids is not None  # extended with ids above
-                self.bounds.append((len(self.token_ids), len(self.text), len(ids) == 1 and bool(text), bool(text)))
-                if not text:
-                    self.silent.extend(range(len(self.token_ids) - len(ids), len(self.token_ids)))
-
-
 class Continuation:
     """The continuation half of RolloutClient: choosing an engine to continue on, keeping a
     failed attempt's output as a piece, starting over, and the sample's text across pieces."""
@@ -242,7 +115,7 @@ class Continuation:
 
         def pick(self, exclude: Any = (), avoid: Any = ()) -> Engine | None: ...
 
-    async def _continuation_engine(self, failed: set[str], aborted: set[str], state: _Partial
+    async def _continuation_engine(self, failed: set[str], aborted: set[str], state: Partial
                                    ) -> tuple[Engine | None, str]:
         """An engine to continue `state` on (listed at the weight version its tokens were made
         on, while the daemon's published version is unchanged), or None and why not. The
@@ -261,7 +134,7 @@ class Continuation:
         return None, (f"no routable engine left at weight version {state.version!r} that the tokens were made "
                       f"on (listed: {listed}; failed this request: {', '.join(sorted(failed)) or 'none'})")
 
-    def _start_over(self, rid: str, state: _Partial, why: str, *, engine: str | None = None,
+    def _start_over(self, rid: str, state: Partial, why: str, *, engine: str | None = None,
                     version: Any = None, extra: int = 0) -> None:
         """Throw the partial output away: the next attempt starts from the prompt."""
         tokens = len(state) + extra
@@ -275,7 +148,7 @@ class Continuation:
         state.splits, state.version, state.published = [], None, None
         state.synced, state.head, state.silent, state.piece = 0, "", set(), None
 
-    async def _split_between_characters(self, rid: str, engine: Engine, state: _Partial) -> None:
+    async def _split_between_characters(self, rid: str, engine: Engine, state: Partial) -> None:
         """Before a continuation: fold the last piece's text in, and if the prefix ends inside
         a character (vLLM holds back the text of a token that ends inside a multi-byte
         character, and its detokenizer, primed with a prompt that ends inside one, streams the
@@ -316,14 +189,14 @@ class Continuation:
     # -- the sample's text across splits ---------------------------------------------------
 
     @staticmethod
-    def _context(state: _Partial, at: int) -> list[int]:
+    def _context(state: Partial, at: int) -> list[int]:
         """The ids just before output token `at` (a point where a whole character ends): decoded
         with a window and subtracted, they give the window's text as it reads in place (a
         SentencePiece tokenizer drops the leading space of a decode's first token)."""
         ids = (state.prompt_token_ids or []) + state.token_ids[:at]
         return ids[max(0, len(ids) - 8):]
 
-    async def _whole(self, engine: Engine, state: _Partial, at: int, streamed: str) -> bool:
+    async def _whole(self, engine: Engine, state: Partial, at: int, streamed: str) -> bool:
         """Whether vLLM's text of output tokens [state.synced, at) ends on a whole character:
         their decode does, and unless the last token's own text is part of a character, the
         stream's text (`streamed`) ends with it too (a special token at the end, which the
@@ -334,7 +207,7 @@ class Continuation:
         last = await self._detokenize(engine, state.token_ids[at - 1:at])
         return last is not None and ("\ufffd" in last or streamed.endswith(last))
 
-    async def _fold(self, engine: Engine, state: _Partial, start: int, texts: list[str],
+    async def _fold(self, engine: Engine, state: Partial, start: int, texts: list[str],
                     bounds: list[tuple[int, int, bool, bool]], *, final: bool) -> None:
         """Fold one piece's streamed text (`texts`, chunk ends `bounds`, absolute tokens; the
         piece's tokens begin at `start` and are already in state.token_ids) into the sample's.
@@ -378,7 +251,7 @@ class Continuation:
                 return
         state.head = "".join(texts[from_text:])
 
-    async def _sample_text(self, engine: Engine, state: _Partial, stop_token: bool) -> str | None:
+    async def _sample_text(self, engine: Engine, state: Partial, stop_token: bool) -> str | None:
         """The sample's text: its streamed segments, and each window of ids between them
         decoded (_window_text) by `engine`, else by another listed engine; None if none
         answers. `stop_token`: the last token ended the request as a stop token (EOS), which
@@ -397,7 +270,7 @@ class Continuation:
             out.append(text)
         return "".join(out)
 
-    async def _window_text(self, engine: Engine, state: _Partial, lo: int, hi: int, head: str, tail: str,
+    async def _window_text(self, engine: Engine, state: Partial, lo: int, hi: int, head: str, tail: str,
                            *, stop_token: bool) -> str | None:
         """The text vLLM streams for output tokens [lo, hi) (a whole character ends at lo, and
         at hi unless it is the end), from their ids: the engine's /detokenize of the ids before
@@ -479,11 +352,11 @@ class Continuation:
         text = data.get("prompt") if isinstance(data, dict) else None
         return text if isinstance(text, str) else None
 
-    def _keep(self, rid: str, state: _Partial, engine: Engine, published: Any, answer: _Answer,
+    def _keep(self, rid: str, state: Partial, engine: Engine, published: Any, answer: Answer,
               outcome: str, seed: Any) -> None:
         """After a failed attempt: keep what it streamed as the next piece of the sample, or
         throw the whole partial output away (and say why)."""
-        n = _answer_tokens(answer)
+        n = answer_tokens(answer)
         if n == 0:
             return
         self.stats.tokens_before_fault += n
@@ -516,7 +389,7 @@ class Continuation:
             state.logprobs = (state.logprobs or []) + list(answer.logprobs)
 
     @staticmethod
-    def _piece(state: _Partial, answer: _Answer) -> tuple[int, list[str], list[tuple[int, int, bool, bool]]]:
+    def _piece(state: Partial, answer: Answer) -> tuple[int, list[str], list[tuple[int, int, bool, bool]]]:
         """An answer as a piece of the sample (its tokens not yet added): where it starts, its
         streamed text, its chunk ends in the sample's token count."""
         start = len(state)

@@ -87,15 +87,15 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from vime.supervisor.protocol import Event
 
-from .continuation import (Continuation, Split, StartOver, _answer_tokens, _Answer, _Partial,
-                           continuation_blocker, continuation_sampling, continuation_seed)
+from .continuation import Continuation, continuation_blocker, continuation_sampling, continuation_seed
+from .rollout_types import Answer, Engine, Partial, RolloutStats, Split, StartOver, answer_tokens
 
 __all__ = [
     "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine", "Split", "StartOver", "Progress",
@@ -201,47 +201,6 @@ class RolloutResult:
     def tokens_before_fault(self) -> int:
         """Output tokens that attempts which then failed had streamed: reused + regenerated."""
         return self.tokens_reused + self.tokens_regenerated
-
-
-@dataclass
-class RolloutStats:
-    """Counters of this client (for tests and traces). `requests` logical requests were
-    started; each ends in exactly one of `succeeded` / `failed`."""
-
-    requests: int = 0
-    sent: int = 0            # attempts sent (or tried to send)
-    retried: int = 0         # attempts after a logical request's first
-    succeeded: int = 0
-    failed: int = 0
-    aborted: int = 0         # attempts answered with finish_reason "abort"
-    attempt_failures: int = 0  # attempts that refused/died/timed out/5xx
-    reported: int = 0        # failure reports the daemon answered
-    reports_coalesced: int = 0
-    report_errors: int = 0   # failure reports that did not reach the daemon
-    refreshes: int = 0
-    refresh_errors: int = 0
-    # Continuation (see the module docstring). tokens_before_fault: output tokens streamed by
-    # attempts that then failed; tokens_reused: of those, kept in a returned sample;
-    # tokens_regenerated: thrown away when a request started over (so generated again). For
-    # requests that all returned, tokens_before_fault == tokens_reused + tokens_regenerated;
-    # the tokens of a request that raised count in the first only.
-    tokens_before_fault: int = 0
-    tokens_reused: int = 0
-    tokens_regenerated: int = 0
-    continued: int = 0       # attempts sent as continuations
-    started_over: int = 0    # partial outputs thrown away (each a StartOver on the result)
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
-class Engine:
-    name: str
-    url: str
-    model: str | None = None
-    weight_version: Any = None
-    incarnation: int | None = None  # which process of it the routable list named
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -357,6 +316,54 @@ def _error_message(body: bytes) -> str:
     return str(data)[:500]
 
 
+def _refusal(engine: Engine, status: int, message: str, rid: str, attempts: list[Attempt]) -> Exception:
+    """What an answer other than 200 raises: RolloutRequestError for a 4xx (not retried; the
+    attempt noted), else _Retry."""
+    outcome = classify_status(status)
+    if outcome == BAD_REQUEST:
+        attempts.append(Attempt(engine.name, BAD_REQUEST))
+        return RolloutRequestError(f"{engine.name} refused request {rid} with HTTP {status}: {message}",
+                                   status=status, engine=engine.name, request_id=rid, attempts=attempts)
+    return _Retry(outcome, f"HTTP {status} from {engine.name}: {message}")
+
+
+def _take_chunk(engine: Engine, data: bytes, rid: str, attempts: list[Attempt], answer: Answer, chat: bool) -> None:
+    """One streamed chunk (a data: line's JSON) into `answer`; a chunk that is not JSON, not an
+    object, of the wrong shape or an error is a _Retry (a 4xx error: RolloutRequestError)."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise _Retry(MALFORMED, f"{engine.name} sent a chunk that is not JSON: {data[:200]!r}") from None
+    if not isinstance(chunk, dict):
+        raise _Retry(MALFORMED, f"{engine.name} sent a chunk that is not an object: {data[:200]!r}")
+    if "error" in chunk:
+        message = _error_message(data)
+        code = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
+        if isinstance(code, int) and 400 <= code < 500 and code != 429:
+            attempts.append(Attempt(engine.name, BAD_REQUEST))
+            raise RolloutRequestError(f"{engine.name} refused request {rid} mid-stream ({code}): {message}",
+                                      status=code, engine=engine.name, request_id=rid, attempts=attempts)
+        raise _Retry(SERVER_ERROR, f"{engine.name} sent an error mid-stream: {message}")
+    try:
+        answer.add(chunk, chat)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+        raise _Retry(MALFORMED, f"{engine.name} sent a chunk of the wrong shape "
+                                f"({type(e).__name__}: {e}): {data[:200]!r}") from None
+
+
+def _check_end(engine: Engine, answer: Answer) -> None:
+    """A stream that ended without a finish reason, or with "abort", is a _Retry."""
+    if answer.finish_reason is None and answer.done:
+        # vLLM (0.32) drops the "abort" chunk of a request aborted before its first
+        # token (an empty chunk) and ends the stream cleanly: usage, then [DONE].
+        raise _Retry(ABORT, f"{engine.name} ended the stream without a finish reason "
+                            f"after {len(answer.token_ids or answer.text)} token(s) (aborted while queued)")
+    if answer.finish_reason is None:
+        raise _Retry(DIED, f"{engine.name}'s stream ended without a finish reason or [DONE]")
+    if answer.finish_reason == "abort":
+        raise _Retry(ABORT, f"{engine.name} aborted the request (paused)")
+
+
 # -- the client -----------------------------------------------------------------------------
 
 
@@ -426,7 +433,7 @@ class RolloutClient(Continuation):
         self._session: Any = None
         self._tasks: set[asyncio.Task] = set()
         self._report_tasks: set[asyncio.Task] = set()
-        self._progress: dict[str, tuple[str, _Answer, int]] = {}  # request id -> (engine, answer, prefix)
+        self._progress: dict[str, tuple[str, Answer, int]] = {}  # request id -> (engine, answer, prefix)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -536,7 +543,7 @@ class RolloutClient(Continuation):
         """Requests with an attempt in flight: request id -> Progress (engine, output tokens
         received so far, the continued prefix's share of them). Read-only, a snapshot: what
         this client has read from the streams, not what the engines have generated."""
-        return {rid: Progress(name, prefix + _answer_tokens(answer), prefix)
+        return {rid: Progress(name, prefix + answer_tokens(answer), prefix)
                 for rid, (name, answer, prefix) in list(self._progress.items())}
 
     def pick(self, exclude: Iterable[str] = (), avoid: Iterable[str] = ()) -> Engine | None:
@@ -635,7 +642,7 @@ class RolloutClient(Continuation):
         failed: set[str] = set()
         aborted: set[str] = set()
         sent = time.time()
-        state = _Partial()
+        state = Partial()
         state.blocker = continuation_blocker(sampling, chat)
         limit = sampling.get("max_completion_tokens") if chat else None
         state.limit = sampling.get("max_tokens") if limit is None else limit
@@ -677,7 +684,7 @@ class RolloutClient(Continuation):
         return result
 
     async def _choose(self, rid: str, failed: set[str], aborted: set[str], attempts: list[Attempt],
-                      state: _Partial) -> Engine:
+                      state: Partial) -> Engine:
         why = None
         if state.token_ids:
             engine, why = await self._continuation_engine(failed, aborted, state)
@@ -704,142 +711,133 @@ class RolloutClient(Continuation):
 
     async def _attempt(self, engine: Engine, path: str, payload: dict[str, Any], sampling: dict[str, Any],
                        chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
-                       sent: float, state: _Partial) -> RolloutResult:
-        import aiohttp
-        from aiohttp.http_exceptions import HttpProcessingError
+                       sent: float, state: Partial) -> RolloutResult:
+        """One attempt of request `rid` on `engine`: its answer as the sample (with the pieces
+        kept in `state`), or _Retry after noting the failure (the engine into `failed` or
+        `aborted`, its tokens kept in `state`); RolloutError when it must not be retried."""
+        body = self._body(engine, payload, sampling)
+        epoch, published = self.epoch, self.weight_version
+        self.stats.sent += 1
+        self._outstanding[engine.name] += 1
+        attempt_sent = time.time()
+        answer = Answer()
+        prefix = len(state)
+        self._progress[rid] = (engine.name, answer, prefix)
+        try:
+            await self._stream(engine, f"{engine.url}{path}", body, rid, attempts, answer, chat)
+            _check_end(engine, answer)
+        except _Retry as r:
+            self._attempt_over(engine, rid)
+            await self._attempt_failed(engine, r, rid, attempts, state, published, answer, sampling.get("seed"),
+                                       failed, aborted)
+            raise
+        except BaseException:
+            self._attempt_over(engine, rid)
+            raise
+        self._attempt_over(engine, rid)
+        finished = time.time()
+        n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
+        text, token_ids, logprobs, prompt_ids = await self._joined(engine, rid, answer, state, attempts, aborted)
+        attempts.append(Attempt(engine.name, OK))
+        return RolloutResult(
+            request_id=rid, text=text, finish_reason=answer.finish_reason or "",
+            engine=engine.name, url=engine.url, token_ids=token_ids, logprobs=logprobs, prompt_token_ids=prompt_ids,
+            n_tokens=prefix + n, attempts=list(attempts), sent=sent, attempt_sent=attempt_sent,
+            first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=engine.weight_version,
+            splits=state.splits + [Split(engine.name, engine.weight_version, prefix, n, OK, sampling.get("seed"))],
+            started_over=list(state.started_over))
 
+    def _body(self, engine: Engine, payload: dict[str, Any], sampling: dict[str, Any]) -> dict[str, Any]:
+        """An attempt's request body: streamed, with usage and (by default) token ids."""
         body: dict[str, Any] = {"model": self.model or engine.model, **payload}
         if self.return_token_ids:
             body["return_token_ids"] = True
         body.update(sampling)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True, **(sampling.get("stream_options") or {})}
-        epoch, published = self.epoch, self.weight_version
-        self.stats.sent += 1
-        self._outstanding[engine.name] += 1
-        attempt_sent = time.time()
-        answer = _Answer()
-        prefix = len(state)
-        self._progress[rid] = (engine.name, answer, prefix)
+        return body
+
+    async def _stream(self, engine: Engine, url: str, body: dict[str, Any], rid: str, attempts: list[Attempt],
+                      answer: Answer, chat: bool) -> None:
+        """POST the attempt and read its stream into `answer`. Whatever the engine or the HTTP
+        layer does wrong is a _Retry; a refusal (4xx) or a line over max_line_bytes is a
+        RolloutError, never retried."""
+        import aiohttp
+        from aiohttp.http_exceptions import HttpProcessingError
+
         try:
-            try:
-                async with self._session.post(f"{engine.url}{path}", json=body,
-                                              headers={"X-Request-Id": f"{rid}-{len(attempts)}",
-                                                       **self._auth}) as resp:
-                    if resp.status != 200:
-                        outcome = classify_status(resp.status)
-                        message = _error_message(await resp.read())
-                        if outcome == BAD_REQUEST:
-                            attempts.append(Attempt(engine.name, BAD_REQUEST))
-                            raise RolloutRequestError(
-                                f"{engine.name} refused request {rid} with HTTP {resp.status}: {message}",
-                                status=resp.status, engine=engine.name, request_id=rid, attempts=attempts)
-                        raise _Retry(outcome, f"HTTP {resp.status} from {engine.name}: {message}")
-                    async with contextlib.aclosing(_sse_lines(resp.content, self.max_line_bytes)) as lines:
-                        async for raw in lines:
-                            line = raw.strip()
-                            if not line.startswith(b"data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == b"[DONE]":
-                                answer.done = True
-                                break
-                            try:
-                                chunk = json.loads(data)
-                            except ValueError:
-                                raise _Retry(MALFORMED, f"{engine.name} sent a chunk that is not JSON: "
-                                                        f"{data[:200]!r}") from None
-                            if not isinstance(chunk, dict):
-                                raise _Retry(MALFORMED, f"{engine.name} sent a chunk that is not an object: "
-                                                        f"{data[:200]!r}")
-                            if "error" in chunk:
-                                message = _error_message(data)
-                                code = chunk["error"].get("code") if isinstance(chunk["error"], dict) else None
-                                if isinstance(code, int) and 400 <= code < 500 and code != 429:
-                                    attempts.append(Attempt(engine.name, BAD_REQUEST))
-                                    raise RolloutRequestError(
-                                        f"{engine.name} refused request {rid} mid-stream ({code}): {message}",
-                                        status=code, engine=engine.name, request_id=rid, attempts=attempts)
-                                raise _Retry(SERVER_ERROR, f"{engine.name} sent an error mid-stream: {message}")
-                            try:
-                                answer.add(chunk, chat)
-                            except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
-                                raise _Retry(MALFORMED, f"{engine.name} sent a chunk of the wrong shape "
-                                                        f"({type(e).__name__}: {e}): {data[:200]!r}") from None
-            except _LineTooLong as e:
-                attempts.append(Attempt(engine.name, TOO_LARGE))
-                raise RolloutResponseTooLarge(
-                    f"{engine.name} streamed a line over {self.max_line_bytes} bytes ({e.size}+ bytes read) for "
-                    f"request {rid}; not re-sent: raise RolloutClient(max_line_bytes=...) if answers this "
-                    f"large are expected", engine=engine.name, limit=self.max_line_bytes, request_id=rid,
-                    attempts=attempts) from None
-            except aiohttp.ClientConnectorError as e:
-                raise _Retry(REFUSED, f"cannot connect to {engine.name} at {engine.url}: {e.os_error or e}") from None
-            except asyncio.TimeoutError:
-                raise _Retry(TIMEOUT, f"{engine.name} did not answer within {self.request_timeout:g}s") from None
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
-                raise _Retry(DIED, f"{engine.name} dropped the connection: {type(e).__name__}: {e}") from None
-            except (aiohttp.ClientError, HttpProcessingError) as e:
-                # Anything else the HTTP layer raises (a response it cannot parse, ...) is this
-                # attempt's failure, never an exception that escapes gather() for the batch.
-                raise _Retry(MALFORMED, f"{engine.name} sent a response that cannot be read: "
-                                        f"{type(e).__name__}: {e}"[:500]) from None
-            if answer.finish_reason is None and answer.done:
-                # vLLM (0.32) drops the "abort" chunk of a request aborted before its first
-                # token (an empty chunk) and ends the stream cleanly: usage, then [DONE].
-                raise _Retry(ABORT, f"{engine.name} ended the stream without a finish reason "
-                                    f"after {len(answer.token_ids or answer.text)} token(s) (aborted while queued)")
-            if answer.finish_reason is None:
-                raise _Retry(DIED, f"{engine.name}'s stream ended without a finish reason or [DONE]")
-            if answer.finish_reason == "abort":
-                raise _Retry(ABORT, f"{engine.name} aborted the request (paused)")
-        except _Retry as r:
-            self._outstanding[engine.name] -= 1
-            self._progress.pop(rid, None)
-            attempts.append(Attempt(engine.name, r.outcome))
-            self._keep(rid, state, engine, published, answer, r.outcome, sampling.get("seed"))
-            self._on_failure(engine, r, rid)
-            if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded
-                aborted.add(engine.name)
-            else:
-                failed.add(engine.name)
-            await self.refresh()  # the epoch may have changed
-            raise
-        except BaseException:
-            self._outstanding[engine.name] -= 1
-            self._progress.pop(rid, None)
-            raise
+            async with self._session.post(url, json=body, headers={"X-Request-Id": f"{rid}-{len(attempts)}",
+                                                                   **self._auth}) as resp:
+                if resp.status != 200:
+                    raise _refusal(engine, resp.status, _error_message(await resp.read()), rid, attempts)
+                async with contextlib.aclosing(_sse_lines(resp.content, self.max_line_bytes)) as lines:
+                    async for raw in lines:
+                        line = raw.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            answer.done = True
+                            break
+                        _take_chunk(engine, data, rid, attempts, answer, chat)
+        except _LineTooLong as e:
+            attempts.append(Attempt(engine.name, TOO_LARGE))
+            raise RolloutResponseTooLarge(
+                f"{engine.name} streamed a line over {self.max_line_bytes} bytes ({e.size}+ bytes read) for "
+                f"request {rid}; not re-sent: raise RolloutClient(max_line_bytes=...) if answers this "
+                f"large are expected", engine=engine.name, limit=self.max_line_bytes, request_id=rid,
+                attempts=attempts) from None
+        except aiohttp.ClientConnectorError as e:
+            raise _Retry(REFUSED, f"cannot connect to {engine.name} at {engine.url}: {e.os_error or e}") from None
+        except asyncio.TimeoutError:
+            raise _Retry(TIMEOUT, f"{engine.name} did not answer within {self.request_timeout:g}s") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as e:
+            raise _Retry(DIED, f"{engine.name} dropped the connection: {type(e).__name__}: {e}") from None
+        except (aiohttp.ClientError, HttpProcessingError) as e:
+            # Anything else the HTTP layer raises (a response it cannot parse, ...) is this
+            # attempt's failure, never an exception that escapes gather() for the batch.
+            raise _Retry(MALFORMED, f"{engine.name} sent a response that cannot be read: "
+                                    f"{type(e).__name__}: {e}"[:500]) from None
+
+    def _attempt_over(self, engine: Engine, rid: str) -> None:
         self._outstanding[engine.name] -= 1
         self._progress.pop(rid, None)
-        finished = time.time()
-        n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
-        token_ids, logprobs, prompt_ids = answer.token_ids, answer.logprobs, answer.prompt_token_ids
-        text = "".join(answer.text)
-        if prefix:  # one sample: the kept pieces, then this answer (whose prompt carried them)
-            piece = self._piece(state, answer)
-            state.token_ids.extend(answer.token_ids or [])
-            await self._fold(engine, state, *piece, final=True)
-            built = await self._sample_text(engine, state, answer.finish_reason == "stop")
-            if built is None:  # rare: /detokenize answered at the split, and no engine answers it now
-                attempts.append(Attempt(engine.name, NO_TEXT))
-                self.stats.tokens_before_fault += _answer_tokens(answer)
-                self._start_over(rid, state, "the text across a split inside a character could not be built: "
-                                             "no engine answered /detokenize", engine=engine.name)
-                aborted.add(engine.name)
-                raise _Retry(NO_TEXT, f"no engine answered /detokenize for request {rid}'s text")
-            text = built
-            token_ids = list(state.token_ids)
-            logprobs = None if state.logprobs is None or answer.logprobs is None else state.logprobs + answer.logprobs
-            prompt_ids = state.prompt_token_ids
-            self.stats.tokens_reused += prefix
-        attempts.append(Attempt(engine.name, OK))
-        return RolloutResult(
-            request_id=rid, text=text, finish_reason=answer.finish_reason,
-            engine=engine.name, url=engine.url, token_ids=token_ids, logprobs=logprobs, prompt_token_ids=prompt_ids,
-            n_tokens=prefix + n, attempts=list(attempts), sent=sent, attempt_sent=attempt_sent,
-            first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=engine.weight_version,
-            splits=state.splits + [Split(engine.name, engine.weight_version, prefix, n, OK, sampling.get("seed"))],
-            started_over=list(state.started_over))
+
+    async def _attempt_failed(self, engine: Engine, r: _Retry, rid: str, attempts: list[Attempt], state: Partial,
+                              published: Any, answer: Answer, seed: int | None, failed: set[str],
+                              aborted: set[str]) -> None:
+        """Note a failed attempt: its tokens kept (or thrown away) in `state`, the failure
+        reported, the engine excluded (or a last resort), the membership read again."""
+        attempts.append(Attempt(engine.name, r.outcome))
+        self._keep(rid, state, engine, published, answer, r.outcome, seed)
+        self._on_failure(engine, r, rid)
+        if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded
+            aborted.add(engine.name)
+        else:
+            failed.add(engine.name)
+        await self.refresh()  # the epoch may have changed
+
+    async def _joined(self, engine: Engine, rid: str, answer: Answer, state: Partial, attempts: list[Attempt],
+                      aborted: set[str]) -> tuple[str, list[int] | None, list[float] | None, list[int] | None]:
+        """The sample's text, token ids, logprobs and prompt ids: the answer's own, or with kept
+        pieces, those pieces then this answer (whose prompt carried them) as one sample."""
+        prefix = len(state)
+        if not prefix:
+            return "".join(answer.text), answer.token_ids, answer.logprobs, answer.prompt_token_ids
+        piece = self._piece(state, answer)
+        state.token_ids.extend(answer.token_ids or [])
+        await self._fold(engine, state, *piece, final=True)
+        built = await self._sample_text(engine, state, answer.finish_reason == "stop")
+        if built is None:  # rare: /detokenize answered at the split, and no engine answers it now
+            attempts.append(Attempt(engine.name, NO_TEXT))
+            self.stats.tokens_before_fault += answer_tokens(answer)
+            self._start_over(rid, state, "the text across a split inside a character could not be built: "
+                                         "no engine answered /detokenize", engine=engine.name)
+            aborted.add(engine.name)
+            raise _Retry(NO_TEXT, f"no engine answered /detokenize for request {rid}'s text")
+        logprobs = None if state.logprobs is None or answer.logprobs is None else state.logprobs + answer.logprobs
+        self.stats.tokens_reused += prefix
+        return built, list(state.token_ids), logprobs, state.prompt_token_ids
 
     def _on_failure(self, engine: Engine, r: _Retry, rid: str) -> None:
         self._cool_until[engine.name] = time.monotonic() + self.cooldown

@@ -1,9 +1,9 @@
 """Move weights from a trainer into running vLLM engines.
 
 * `vime.weight_sync.sender` (trainer side, pure torch): `WeightSender` (one engine),
-  `push_to_many`, `push_deadline`.
+  `push_deadline`.
 * `vime.weight_sync.broadcast` (trainer side, pure torch): `FleetSender` (one group, one
-  broadcast per version into every engine).
+  broadcast per version into every engine), `push_to_many`.
 * `vime.weight_sync.gloo_engine` + `vime.weight_sync.vllm_plugin` (engine side): the "gloo" backend for
   vLLM's weight-transfer routes, registered by a ``vllm.general_plugins`` entry point.
 * `vime.weight_sync.checkpoint` (disk path): `save_checkpoint`, `validate_checkpoint`,
@@ -17,9 +17,9 @@ from vime.weight_sync.errors import CheckpointError, PoisonedEngine, WeightSyncE
 
 _LAZY = {
     "WeightSender": "vime.weight_sync.sender",
-    "PushResult": "vime.weight_sync.sender",
-    "push_to_many": "vime.weight_sync.sender",
-    "push_deadline": "vime.weight_sync.sender",
+    "PushResult": "vime.weight_sync.push",
+    "push_to_many": "vime.weight_sync.broadcast",
+    "push_deadline": "vime.weight_sync.push",
     "FleetSender": "vime.weight_sync.broadcast",
     "save_checkpoint": "vime.weight_sync.checkpoint",
     "validate_checkpoint": "vime.weight_sync.checkpoint",

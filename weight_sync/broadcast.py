@@ -48,18 +48,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import gc
-import http.client
-import json
 import os
-import socket
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from vime.weight_sync._http import HttpFailure, auth_headers, decode_body, run_in_thread
+from vime.weight_sync.engine_http import Call, HttpFailure, run_in_thread
 from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
 from vime.weight_sync.packing import (
     DEFAULT_CHUNK_BYTES,
@@ -70,85 +66,29 @@ from vime.weight_sync.packing import (
     iter_buckets,
     plan_update,
 )
-from vime.weight_sync.sender import (
+from vime.weight_sync.push import (
     DEFAULT_BUCKET_BYTES,
     ENV_RENDEZVOUS,
+    NOT_INITIALIZED,
+    NOT_LOADED,
+    POISONED,
     NamedTensors,
     Progress,
     PushResult,
-    _detached,
-    _free_port,
-    _local_address_towards,
-    _tcp_uri,
+    detached,
+    free_port,
+    local_address_towards,
     named_tensor_list,
     push_deadline,
+    tcp_uri,
 )
-
-# gloo_engine's markers, kept in sync by hand (importing it would import vLLM).
-_NOT_INITIALIZED = "gloo weight transfer not initialized"
-_POISONED = "gloo weight transfer poisoned"
-_NOT_LOADED = "gloo weight transfer not loaded"
+from vime.weight_sync.sender import WeightSender
 
 Announce = Callable[[list[str], int, float], None]
 OnDone = Callable[[dict[str, PushResult]], None]
 
 GRACE_S = 5.0  # on top of a deadline, for the HTTP answer that follows the last byte
 PROBE_S = 2.0  # after a failed collective: an engine silent on /health this long is cut
-
-
-class _Call:
-    """One HTTP call another thread can cut short (`cancel` shuts its socket down), so that a
-    call to a stopped engine never outlives the push that made it."""
-
-    def __init__(self, base_url: str, method: str, path: str, *, body: Any = None,
-                 params: dict | None = None, timeout: float):
-        self.url = base_url
-        self.method, self.path, self.body, self.params, self.timeout = method, path, body, params, timeout
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._cancelled = False
-
-    def run(self) -> Any:
-        u = urllib.parse.urlsplit(self.url)
-        path = self.path + ("?" + urllib.parse.urlencode(self.params) if self.params else "")
-        data = None if self.body is None else json.dumps(self.body).encode()
-        headers = {**({"Content-Type": "application/json"} if data else {}), **auth_headers()}
-        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=self.timeout)
-        try:
-            try:
-                conn.connect()
-            except ConnectionRefusedError as e:
-                raise HttpFailure(self.method, self.path, cause=e, delivered=False) from None
-            with self._lock:
-                self._sock = conn.sock
-                cancelled = self._cancelled
-            if cancelled:
-                raise HttpFailure(self.method, self.path, cause=TimeoutError("cut: push over"),
-                                  delivered=False)
-            conn.request(self.method, path, body=data, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-        except HttpFailure:
-            raise
-        except (OSError, http.client.HTTPException) as e:
-            cause: BaseException = TimeoutError("cut: push over") if self._cancelled else e
-            raise HttpFailure(self.method, self.path, cause=cause) from None
-        finally:
-            conn.close()
-        if resp.status >= 400:
-            raise HttpFailure(self.method, self.path, status=resp.status,
-                              body=raw.decode("utf-8", "replace"))
-        return decode_body(raw)
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-            sock = self._sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked reading the answer
-            except OSError:
-                pass
 
 
 def push_bound(deadline: float, redo: bool) -> float:
@@ -229,13 +169,13 @@ class FleetSender:
               ) -> dict[str, Any]:
         """The same call to every URL at once (a thread each); url -> answer or HttpFailure.
         Waits `wait` (default timeout + GRACE_S) at most, then cuts the calls still open."""
-        calls = {u: _Call(u, method, path, body=body, params=params, timeout=timeout) for u in urls}
+        calls = {u: Call(u, method, path, body=body, params=params, timeout=timeout) for u in urls}
         futs = {u: run_in_thread(c.run, name=f"fleet-{path.strip('/')}") for u, c in calls.items()}
         cf.wait(list(futs.values()), timeout=timeout + GRACE_S if wait is None else wait)
         return {u: self._settle(calls[u], f) for u, f in futs.items()}
 
     @staticmethod
-    def _settle(call: _Call, fut: cf.Future, join: float = 2.0) -> Any:
+    def _settle(call: Call, fut: cf.Future, join: float = 2.0) -> Any:
         if not fut.done():
             call.cancel()
             try:  # its socket is shut: the thread ends now
@@ -295,13 +235,13 @@ class FleetSender:
             return []
         host = urllib.parse.urlsplit(members[0]).hostname or "127.0.0.1"
         addr = (self.master_address or os.environ.get(ENV_RENDEZVOUS, "").strip()
-                or _local_address_towards(host))
-        port = self.master_port or _free_port(addr if addr != "0.0.0.0" else "")
+                or local_address_towards(host))
+        port = self.master_port or free_port(addr if addr != "0.0.0.0" else "")
         rdv = timedelta(seconds=push_deadline(0, self.floor_mbps, self.rendezvous_s))
         store = dist.TCPStore(addr, port, world, is_master=True, timeout=rdv, wait_for_workers=False)
-        prefix = dist.PrefixStore(_tcp_uri(addr, port), store)
+        prefix = dist.PrefixStore(tcp_uri(addr, port), store)
         make_pg = run_in_thread(dist.ProcessGroupGloo, prefix, 0, world, rdv, name="fleet-init-pg")
-        calls = {u: _Call(u, "POST", "/init_weight_transfer_engine", timeout=self.http_timeout + rdv.total_seconds(),
+        calls = {u: Call(u, "POST", "/init_weight_transfer_engine", timeout=self.http_timeout + rdv.total_seconds(),
                           body={"init_info": {"master_address": addr, "master_port": port,
                                               "rank_offset": offsets[u], "world_size": world,
                                               "timeout_s": deadline}}) for u in members}
@@ -314,7 +254,7 @@ class FleetSender:
             # other's /init in the collective, so all were cut alike. Nothing was paused or
             # touched yet, so the ones that did join are intact (the redo's group), whether
             # their call was cut or they gave up on the rendezvous themselves (a 500).
-            cut = [u for u in failed if _POISONED not in answers[u].body]
+            cut = [u for u in failed if POISONED not in answers[u].body]
             joined = _joined_ranks(prefix, world)
             if joined is not None:
                 absent = {u for u in cut if not set(ranks[u]) <= joined}
@@ -324,7 +264,7 @@ class FleetSender:
             failed = [u for u in failed if u not in cut or u in absent]
         for u in failed:
             e = answers[u]
-            results[u].status = "poisoned" if _POISONED in e.body else "unreachable"
+            results[u].status = "poisoned" if POISONED in e.body else "unreachable"
             results[u].error = (PoisonedEngine(u, "init_weight_transfer_engine", e)
                                 if results[u].status == "poisoned" else
                                 WeightSyncError(f"{u}: /init_weight_transfer_engine failed: {e}",
@@ -422,7 +362,7 @@ class FleetSender:
                 started.append(u)
             elif got.status is None:
                 fail(u, "unreachable", "start_weight_update", got)
-            elif _NOT_INITIALIZED in got.body:  # restarted: lost the group, model untouched
+            elif NOT_INITIALIZED in got.body:  # restarted: lost the group, model untouched
                 fail(u, "intact", "start_weight_update", got)
             else:
                 fail(u, "poisoned", "start_weight_update", got)
@@ -462,67 +402,21 @@ class FleetSender:
                   results: dict[str, PushResult]) -> bool:
         """/update_weights into every member (a thread each) beside the broadcasts of the
         buckets (one more thread). True when every member loaded every byte."""
-        n_buckets = len(plan.buckets) if plan.buckets is not None else len(pairs)
-        op_timeout = timedelta(seconds=deadline)
         # One receiving rank: a chain of one is a plain send, which gloo's broadcast makes in one
         # op per bucket instead of one per chunk (measured: 0.13 s against 0.42 s for 63 MB).
         topology = self.topology if self._pg is not None and self._pg.size() > 2 else "tree"
-
-        def broadcasts():
-            pending: Any = None  # bucket i+1 is packed while bucket i is on the wire
-            work: Any = None
-            chain = (ChainRelay(self.chunk_bytes, send=self._send_first, timeout=op_timeout)
-                     if topology == "chain" else None)
-            try:
-                for i, buf in enumerate(iter_buckets(plan, (t for _, t in pairs))):
-                    if self._pg is None:
-                        raise WeightSyncError("fleet group dropped during the transfer")
-                    if chain is not None:  # every chunk to rank 1, which relays it
-                        chain.add(buf)
-                        self._note("bucket_sent", index=i, of=n_buckets)
-                        continue
-                    work = self._pg.broadcast(buf, 0, op_timeout)  # no local ref to the group
-                    if pending is not None:
-                        pending[1].wait()
-                        self._note("bucket_sent", index=pending[0], of=n_buckets)
-                    pending = (i, work)
-                    del work
-                if pending is not None:
-                    pending[1].wait()
-                    self._note("bucket_sent", index=pending[0], of=n_buckets)
-                if chain is not None:
-                    chain.drain()
-            except BaseException as e:
-                # The future keeps the exception: no frame of it may keep a Work (and through
-                # it the group) alive, or destroying the group would not close its sockets.
-                pending = work = chain = None
-                raise _detached(e) from None
-
         info = {**plan.update_info(), "staged": True, "timeout_s": deadline,
                 "topology": topology, "chunk_bytes": self.chunk_bytes}
-        calls = {u: _Call(u, "POST", "/update_weights", body={"update_info": info},
-                          timeout=deadline + GRACE_S) for u in members}
+        calls = {u: Call(u, "POST", "/update_weights", body={"update_info": info},
+                         timeout=deadline + GRACE_S) for u in members}
         futs = {u: run_in_thread(c.run, name="fleet-update-http") for u, c in calls.items()}
-        send = run_in_thread(broadcasts, name="fleet-broadcast")
+        send = run_in_thread(self._send_buckets, plan, pairs, topology, timedelta(seconds=deadline),
+                             name="fleet-broadcast")
         all_futs = [send, *futs.values()]
         done, _ = cf.wait(all_futs, timeout=deadline, return_when=cf.FIRST_EXCEPTION)
         failed = any(f.exception() is not None for f in done) or len(done) < len(all_futs)
         if failed:
-            cause = (send.exception() if send.done() else None) or TimeoutError(
-                f"the broadcast did not complete within its deadline {deadline:.1f}s")
-            self._note("transfer_failed", cause=repr(cause))
-            # Destroy our end now: our direct peers' receives fail at once; one stalled behind a
-            # stopped peer fails on its per-receive timeout (one deadline), so wait that long.
-            self._drop_group()
-            # An engine that does not even answer /health (vLLM serves it beside a transfer)
-            # is stopped or gone: cut its call now rather than wait out one more deadline.
-            pending = [u for u, f in futs.items() if not f.done()]
-            if pending:
-                probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, PROBE_S))
-                for u in pending:
-                    if isinstance(probes[u], HttpFailure):
-                        calls[u].cancel()
-            cf.wait(all_futs, timeout=deadline + GRACE_S)
+            self._cut_the_transfer(send, calls, futs, deadline)
         answers = {u: self._settle(calls[u], f) for u, f in futs.items()}
         try:
             send.exception(timeout=GRACE_S)  # a destroyed group fails its pending send
@@ -530,6 +424,66 @@ class FleetSender:
             pass
         if not failed:
             return True
+        self._after_a_failed_transfer(members, answers, deadline, results)
+        return False
+
+    def _send_buckets(self, plan: UpdatePlan, pairs, topology: str, op_timeout: timedelta) -> None:
+        """The trainer's side of the transfer (its own thread): every bucket down the chain to
+        rank 1, or broadcast to the group (gloo's tree)."""
+        n_buckets = len(plan.buckets) if plan.buckets is not None else len(pairs)
+        pending: Any = None  # bucket i+1 is packed while bucket i is on the wire
+        work: Any = None
+        chain = (ChainRelay(self.chunk_bytes, send=self._send_first, timeout=op_timeout)
+                 if topology == "chain" else None)
+        try:
+            for i, buf in enumerate(iter_buckets(plan, (t for _, t in pairs))):
+                if self._pg is None:
+                    raise WeightSyncError("fleet group dropped during the transfer")
+                if chain is not None:  # every chunk to rank 1, which relays it
+                    chain.add(buf)
+                    self._note("bucket_sent", index=i, of=n_buckets)
+                    continue
+                work = self._pg.broadcast(buf, 0, op_timeout)  # no local ref to the group
+                if pending is not None:
+                    pending[1].wait()
+                    self._note("bucket_sent", index=pending[0], of=n_buckets)
+                pending = (i, work)
+                del work
+            if pending is not None:
+                pending[1].wait()
+                self._note("bucket_sent", index=pending[0], of=n_buckets)
+            if chain is not None:
+                chain.drain()
+        except BaseException as e:
+            # The future keeps the exception: no frame of it may keep a Work (and through
+            # it the group) alive, or destroying the group would not close its sockets.
+            pending = work = chain = None
+            raise detached(e) from None
+
+    def _cut_the_transfer(self, send: cf.Future, calls: dict[str, Call], futs: dict[str, cf.Future],
+                          deadline: float) -> None:
+        """The transfer failed (or ran out of time): destroy our end of the group, cut the calls
+        of the engines that are gone, and give the others one more deadline to answer."""
+        cause = (send.exception() if send.done() else None) or TimeoutError(
+            f"the broadcast did not complete within its deadline {deadline:.1f}s")
+        self._note("transfer_failed", cause=repr(cause))
+        # Destroy our end now: our direct peers' receives fail at once; one stalled behind a
+        # stopped peer fails on its per-receive timeout (one deadline), so wait that long.
+        self._drop_group()
+        # An engine that does not even answer /health (vLLM serves it beside a transfer)
+        # is stopped or gone: cut its call now rather than wait out one more deadline.
+        pending = [u for u, f in futs.items() if not f.done()]
+        if pending:
+            probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, PROBE_S))
+            for u in pending:
+                if isinstance(probes[u], HttpFailure):
+                    calls[u].cancel()
+        cf.wait([send, *futs.values()], timeout=deadline + GRACE_S)
+
+    def _after_a_failed_transfer(self, members: list[str], answers: dict[str, Any], deadline: float,
+                                 results: dict[str, PushResult]) -> None:
+        """Each member's status from its /update_weights answer: loaded (finished and kept),
+        intact (resumed on its old weights), poisoned or unreachable."""
         loaded, intact = [], []
         for u in members:
             got = answers[u]
@@ -539,18 +493,17 @@ class FleetSender:
                 results[u].status = "unreachable"
                 results[u].error = WeightSyncError(f"{u}: /update_weights: {got}", url=u,
                                                    step="update_weights")
-            elif _NOT_LOADED in got.body:
+            elif NOT_LOADED in got.body:
                 intact.append(u)
                 results[u].status = "intact"
                 results[u].error = WeightSyncError(f"{u}: not loaded (weights intact): {got}",
                                                    url=u, step="update_weights")
             else:
                 results[u].status = "poisoned"
-                results[u].error = PoisonedEngine(u, "update_weights", _detached(got))
+                results[u].error = PoisonedEngine(u, "update_weights", detached(got))
         self._resume(intact, results)
         if loaded:
             self._finish(loaded, results[loaded[0]].version, deadline, results)
-        return False
 
     def _send_first(self, view):
         if self._pg is None:
@@ -596,4 +549,48 @@ class FleetSender:
         self.close()
 
 
-__all__ = ["FleetSender", "push_deadline"]
+def push_to_many(urls: Iterable[str], named_tensors: NamedTensors, version: int | str, *,
+                 senders: dict[str, WeightSender] | None = None, broadcast: bool = True,
+                 fleet: Any = None, **sender_kwargs) -> dict[str, PushResult]:
+    """Push one version into several engines. Never raises for an engine's failure: each result
+    has ok/error (error.poisoned says the engine must be restarted).
+
+    broadcast=True (the default, gloo): one FleetSender broadcast into all of them; pass
+    `fleet` (a FleetSender) to keep its group across versions, else it is closed after the push.
+    broadcast=False (and backend="nccl"): one after the other, each over its own group; pass a
+    `senders` dict (url -> WeightSender, filled in as needed) to keep those groups.
+    """
+    if broadcast and sender_kwargs.get("backend", "gloo") == "gloo":
+        kw = {k: v for k, v in sender_kwargs.items() if k not in ("reuse_group", "backend")}
+        own_fleet = fleet is None
+        fs = FleetSender(**kw) if fleet is None else fleet
+        try:
+            return fs.push(urls, named_tensors, version)
+        finally:
+            if own_fleet:
+                fs.close()
+    pairs = named_tensor_list(named_tensors)
+    results: dict[str, PushResult] = {}
+    own = senders is None
+    senders = {} if senders is None else senders
+    for url in urls:
+        sender = senders.get(url)
+        if sender is None:
+            sender = senders[url] = WeightSender(url, **sender_kwargs)
+        t0 = time.monotonic()
+        try:
+            results[url] = sender.push(pairs, version)
+        except WeightSyncError as e:
+            results[url] = PushResult(url=url, version=str(version), ok=False,
+                                      seconds=time.monotonic() - t0, error=e)
+        except Exception as e:  # noqa: BLE001 - e.g. a bad tensor: report it per engine
+            results[url] = PushResult(url=url, version=str(version), ok=False,
+                                      seconds=time.monotonic() - t0,
+                                      error=WeightSyncError(f"{url}: {e!r}", url=url))
+        finally:
+            if own:
+                sender.close()
+    return results
+
+
+__all__ = ["FleetSender", "push_to_many", "push_bound", "push_deadline"]

@@ -21,9 +21,10 @@ import struct
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Generator
+from typing import Any, NamedTuple
 
-from vime.weight_sync._http import HttpFailure, decode_body, http_json
+from vime.weight_sync.engine_http import HttpFailure, decode_body, http_json
 from vime.weight_sync.errors import CheckpointError, PoisonedEngine, WeightSyncError
 
 # Files a tokenizer may consist of (copied when the tokenizer is given as a directory).
@@ -279,6 +280,50 @@ def _compare_configs(cfg: dict, ref: dict, d: Path, where: str = "") -> None:
             _compare_configs(sub_cfg if isinstance(sub_cfg, dict) else {}, ref[sub], d, f"{where}{sub}.")
 
 
+class _Request(NamedTuple):
+    step: str
+    method: str
+    route: str
+    timeout: float
+    body: Any = None
+    params: dict | None = None
+
+
+def _reload_plan(url: str, path: Path, version: str, pause_mode: str | None, http_timeout: float,
+                 reload_timeout: float) -> Generator[_Request, Any, None]:
+    """A reload's calls, in order, and what each failure means: yields each request, is sent its
+    answer or thrown its HttpFailure. The one implementation of the reload; the sync and the
+    async function below only carry its calls (urllib in a thread, aiohttp on a loop)."""
+    if pause_mode is not None:
+        try:
+            yield _Request("pause", "POST", "/pause", reload_timeout if pause_mode == "wait" else http_timeout,
+                           params={"mode": pause_mode})
+        except HttpFailure as e:
+            raise WeightSyncError(f"{url}: /pause failed: {e}", url=url, step="pause") from e
+    try:
+        yield _Request("reload_weights", "POST", "/collective_rpc", reload_timeout + 10, body={
+            "method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": reload_timeout})
+    except HttpFailure as e:
+        raise _reload_failed(url, e) from e
+    try:
+        yield _Request("update_weight_version", "POST", "/update_weight_version", http_timeout,
+                       body={"new_version": version})
+        if pause_mode is not None:
+            yield _Request("resume", "POST", "/resume", http_timeout)
+        got = yield _Request("weight_info", "GET", "/weight_info", http_timeout)
+    except HttpFailure as e:
+        raise WeightSyncError(f"{url}: checkpoint loaded but {e}", url=url, step=e.path) from e
+    _check_reloaded(url, got, version)
+
+
+def _next(plan: Generator[_Request, Any, None], answer: Any, error: HttpFailure | None) -> _Request | None:
+    """The plan's next request after `answer` (or `error`); None when it is done."""
+    try:
+        return plan.throw(error) if error is not None else plan.send(answer)
+    except StopIteration:
+        return None
+
+
 def reload_from_checkpoint(url: str, ckpt_dir: str | os.PathLike, version: int | str, *,
                            expect_config: Any = None, pause_mode: str | None = "abort",
                            http_timeout: float = 30.0, reload_timeout: float = 600.0) -> dict:
@@ -293,40 +338,20 @@ def reload_from_checkpoint(url: str, ckpt_dir: str | os.PathLike, version: int |
     Note (vLLM 0.32): reload_weights re-points the engine's model config at this directory.
     """
     url = url.rstrip("/")
-    version = str(version)
     path = Path(ckpt_dir).resolve()  # the engine resolves relative paths against its own cwd
-    steps: dict[str, float] = {}
-
-    def call(step: str, method: str, route: str, timeout: float = http_timeout, **kw):
-        t0 = time.monotonic()
-        try:
-            return http_json(url, method, route, timeout=timeout, **kw)
-        finally:
-            steps[step] = time.monotonic() - t0
-
     t0 = time.monotonic()
     validate_checkpoint(path, expect_config)
-    steps["validate"] = time.monotonic() - t0
-    if pause_mode is not None:
+    steps: dict[str, float] = {"validate": time.monotonic() - t0}
+    plan = _reload_plan(url, path, str(version), pause_mode, http_timeout, reload_timeout)
+    answer: Any = None
+    error: HttpFailure | None = None
+    while (req := _next(plan, answer, error)) is not None:
+        answer, error, t0 = None, None, time.monotonic()
         try:
-            call("pause", "POST", "/pause", params={"mode": pause_mode},
-                 timeout=reload_timeout if pause_mode == "wait" else http_timeout)
+            answer = http_json(url, req.method, req.route, body=req.body, params=req.params, timeout=req.timeout)
         except HttpFailure as e:
-            raise WeightSyncError(f"{url}: /pause failed: {e}", url=url, step="pause") from e
-    try:
-        call("reload_weights", "POST", "/collective_rpc", timeout=reload_timeout + 10, body={
-            "method": "reload_weights", "kwargs": {"weights_path": str(path)},
-            "timeout": reload_timeout})
-    except HttpFailure as e:
-        raise _reload_failed(url, e) from e
-    try:
-        call("update_weight_version", "POST", "/update_weight_version", body={"new_version": version})
-        if pause_mode is not None:
-            call("resume", "POST", "/resume")
-        got = call("weight_info", "GET", "/weight_info")
-    except HttpFailure as e:
-        raise WeightSyncError(f"{url}: checkpoint loaded but {e}", url=url, step=e.path) from e
-    _check_reloaded(url, got, version)
+            error = e
+        steps[req.step] = time.monotonic() - t0
     return steps
 
 
@@ -356,46 +381,30 @@ async def reload_from_checkpoint_async(session, url: str, ckpt_dir: str | os.Pat
     import aiohttp
 
     url = url.rstrip("/")
-    version = str(version)
-    path = Path(ckpt_dir).resolve()
     steps: dict[str, float] = {}
 
-    async def call(step: str, method: str, route: str, timeout: float = http_timeout, **kw):
-        t0 = time.monotonic()
+    async def call(req: _Request) -> Any:
         try:
-            async with session.request(method, url + route, timeout=aiohttp.ClientTimeout(total=timeout),
-                                       **kw) as resp:
+            async with session.request(req.method, url + req.route, json=req.body, params=req.params,
+                                       timeout=aiohttp.ClientTimeout(total=req.timeout)) as resp:
                 raw = await resp.read()
-                if resp.status >= 400:
-                    raise HttpFailure(method, route, status=resp.status, body=raw.decode("utf-8", "replace"))
-                return decode_body(raw)
-        except HttpFailure:
-            raise
         except aiohttp.ClientConnectorError as e:  # never reached the engine
-            raise HttpFailure(method, route, cause=e, delivered=False) from None
+            raise HttpFailure(req.method, req.route, cause=e, delivered=False) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise HttpFailure(method, route, cause=e if str(e) else TimeoutError(f"no answer within {timeout:g}s")
-                              ) from None
-        finally:
-            steps[step] = time.monotonic() - t0
+            raise HttpFailure(req.method, req.route,
+                              cause=e if str(e) else TimeoutError(f"no answer within {req.timeout:g}s")) from None
+        if resp.status >= 400:
+            raise HttpFailure(req.method, req.route, status=resp.status, body=raw.decode("utf-8", "replace"))
+        return decode_body(raw)
 
-    if pause_mode is not None:
+    plan = _reload_plan(url, Path(ckpt_dir).resolve(), str(version), pause_mode, http_timeout, reload_timeout)
+    answer: Any = None
+    error: HttpFailure | None = None
+    while (req := _next(plan, answer, error)) is not None:
+        answer, error, t0 = None, None, time.monotonic()
         try:
-            await call("pause", "POST", "/pause", params={"mode": pause_mode},
-                       timeout=reload_timeout if pause_mode == "wait" else http_timeout)
+            answer = await call(req)
         except HttpFailure as e:
-            raise WeightSyncError(f"{url}: /pause failed: {e}", url=url, step="pause") from e
-    try:
-        await call("reload_weights", "POST", "/collective_rpc", timeout=reload_timeout + 10, json={
-            "method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": reload_timeout})
-    except HttpFailure as e:
-        raise _reload_failed(url, e) from e
-    try:
-        await call("update_weight_version", "POST", "/update_weight_version", json={"new_version": version})
-        if pause_mode is not None:
-            await call("resume", "POST", "/resume")
-        got = await call("weight_info", "GET", "/weight_info")
-    except HttpFailure as e:
-        raise WeightSyncError(f"{url}: checkpoint loaded but {e}", url=url, step=e.path) from e
-    _check_reloaded(url, got, version)
+            error = e
+        steps[req.step] = time.monotonic() - t0
     return steps

@@ -1,6 +1,6 @@
 """Trainer side: push a model's weights into running vLLM engines over vLLM's weight-transfer API.
 
-Pure torch + the standard library (urllib): a trainer needs no vLLM for the "gloo" backend.
+Pure torch + the standard library (http.client): a trainer needs no vLLM for the "gloo" backend.
 
 One `WeightSender` drives ONE engine URL over its own small process group: the trainer is rank 0
 and hosts the rendezvous (`TCPStore` master; keys go through ``PrefixStore("tcp://HOST:PORT")``
@@ -57,60 +57,37 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import gc
-import ipaddress
 import os
-import socket
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 
-from vime.weight_sync._http import HttpFailure, http_json as _http, run_in_thread as _run_in_thread
+from vime.weight_sync.engine_http import HttpFailure, http_json, run_in_thread
 from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
 from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, iter_buckets, plan_update
-
-DEFAULT_BUCKET_BYTES = 64 << 20
-
-# A push's deadline: rendezvous_s + bytes / floor rate. The floor is a rate no healthy link
-# falls under (loopback gloo moves ~1 GB/s, a 10 GbE link ~1 GB/s): far under it means stuck.
-ENV_FLOOR_MBPS = "VIME_PUSH_FLOOR_MBPS"
-ENV_RENDEZVOUS_S = "VIME_PUSH_RENDEZVOUS_S"
-DEFAULT_FLOOR_MBPS = 50.0
-DEFAULT_RENDEZVOUS_S = 30.0
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"${name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"${name}={raw!r} must be > 0")
-    return value
-
-
-def push_deadline(nbytes: int, floor_mbps: float | None = None,
-                  rendezvous_s: float | None = None) -> float:
-    """Seconds a push of nbytes may take: rendezvous_s + nbytes / floor rate (MB = 1e6 bytes).
-    Unset arguments come from $VIME_PUSH_FLOOR_MBPS / $VIME_PUSH_RENDEZVOUS_S, else 50 / 30."""
-    floor = floor_mbps if floor_mbps is not None else _env_float(ENV_FLOOR_MBPS, DEFAULT_FLOOR_MBPS)
-    fixed = rendezvous_s if rendezvous_s is not None else _env_float(ENV_RENDEZVOUS_S, DEFAULT_RENDEZVOUS_S)
-    return fixed + nbytes / (floor * 1e6)
-
-# Messages raised by vime.weight_sync.gloo_engine before it touches the model (kept in sync by hand:
-# importing gloo_engine would import vLLM).
-_ENGINE_NOT_INITIALIZED = "gloo weight transfer not initialized"
-_ENGINE_POISONED = "gloo weight transfer poisoned"
-
-NamedTensors: TypeAlias = Iterable[tuple[str, torch.Tensor]] | torch.nn.Module | Mapping[str, torch.Tensor]
-Progress = Callable[[str, dict], None]
+from vime.weight_sync.push import (  # noqa: F401 - the names users import from here too
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_FLOOR_MBPS,
+    DEFAULT_RENDEZVOUS_S,
+    ENV_FLOOR_MBPS,
+    ENV_RENDEZVOUS,
+    ENV_RENDEZVOUS_S,
+    NOT_INITIALIZED,
+    POISONED,
+    NamedTensors,
+    Progress,
+    PushResult,
+    detached,
+    free_port,
+    local_address_towards,
+    named_tensor_list,
+    push_deadline,
+    tcp_uri,
+)
 
 
 def _wait_all(futures: list[cf.Future], timeout: float, what: str) -> None:
@@ -121,104 +98,6 @@ def _wait_all(futures: list[cf.Future], timeout: float, what: str) -> None:
             raise err
     if pending:
         raise TimeoutError(f"{what} did not complete within {timeout:.0f}s")
-
-
-ENV_RENDEZVOUS = "VIME_RENDEZVOUS_ADDRESS"
-
-
-def _detached(e: BaseException) -> BaseException:
-    """e without its traceback (whose frames could keep the process group alive)."""
-    e.__traceback__ = None
-    e.__context__ = None
-    return e
-
-
-def _local_address_towards(host: str) -> str:
-    """The address of this machine that `host` can reach us on (loopback for a local engine)."""
-    try:
-        if ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
-            return "127.0.0.1"
-    except (OSError, ValueError):
-        pass
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # no packet is sent for UDP connect
-        return s.getsockname()[0]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _tcp_uri(host: str, port: int) -> str:  # == vllm.utils.network_utils.get_tcp_uri
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            return f"tcp://[{host}]:{port}"
-    except ValueError:
-        pass
-    return f"tcp://{host}:{port}"
-
-
-def named_tensor_list(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
-    """(name, detached tensor) pairs from a Module (named_parameters), a mapping or an iterable.
-    References only: nothing is copied here."""
-    if isinstance(named_tensors, torch.nn.Module):
-        items = named_tensors.named_parameters()
-    elif isinstance(named_tensors, Mapping):
-        items = named_tensors.items()
-    else:
-        items = named_tensors
-    out = []
-    for name, t in items:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
-        # Refused before any engine is contacted: a broadcast would otherwise fail on every
-        # receiver at once (then again in its redo) and leave them all to be pushed again.
-        if t.is_nested or t.layout is not torch.strided:
-            raise ValueError(f"{name!r} is a {'nested' if t.is_nested else t.layout} tensor; push dense tensors "
-                             "(call .to_dense(), or unbind a nested one)")
-        if t.is_quantized:
-            raise ValueError(f"{name!r} is quantized: its bytes alone lose its scale and zero point; push "
-                             "t.dequantize(), or the checkpoint's own tensors")
-        if t.is_meta:
-            raise ValueError(f"{name!r} is on the meta device and holds no data; materialize the "
-                             "model's weights before pushing them")
-        out.append((str(name), t.detach()))
-    if not out:
-        raise ValueError("no tensors to push: pass the model's named parameters or a name -> tensor mapping")
-    names = [n for n, _ in out]
-    if len(set(names)) != len(names):
-        raise ValueError("duplicate tensor names in the push")
-    return out
-
-
-@dataclass
-class PushResult:
-    url: str
-    version: str
-    ok: bool = False
-    seconds: float = 0.0
-    bytes: int = 0
-    tensors: int = 0
-    buckets: int = 0
-    group_inits: int = 0  # rendezvous done by this push (0: the group was reused)
-    steps: dict[str, float] = field(default_factory=dict)  # seconds per step
-    error: BaseException | None = None
-    # Fleet pushes (FleetSender) only: "ok", "intact" (not loaded, old weights, resumed: safe to
-    # push again), "poisoned" (half-loaded: restart it) or "unreachable" (died, stopped, timed
-    # out); redone: it got the version in the second broadcast, over the survivors.
-    status: str = ""
-    redone: bool = False
-    deadline_s: float = 0.0
-
-    @property
-    def poisoned(self) -> bool:
-        return isinstance(self.error, PoisonedEngine)
-
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / self.seconds if self.seconds else 0.0
 
 
 class WeightSender:
@@ -242,7 +121,7 @@ class WeightSender:
         # address of the trainer's node that every engine's node can reach), else the address
         # this machine routes towards the engine from.
         self.master_address = (master_address or os.environ.get(ENV_RENDEZVOUS, "").strip()
-                               or _local_address_towards(host))
+                               or local_address_towards(host))
         self.master_port = master_port
         self.bucket_bytes = bucket_bytes
         self.solo_bytes = solo_bytes
@@ -263,7 +142,7 @@ class WeightSender:
 
     # -- plumbing ---------------------------------------------------------------------------
     def _call(self, method: str, path: str, *, timeout: float | None = None, **kw) -> Any:
-        return _http(self.url, method, path, timeout=timeout or self.http_timeout, **kw)
+        return http_json(self.url, method, path, timeout=timeout or self.http_timeout, **kw)
 
     def _note(self, step: str, **info) -> None:
         if self.progress is not None:
@@ -285,7 +164,7 @@ class WeightSender:
             return self._init_nccl(ws)
         import torch.distributed as dist
 
-        port = self.master_port or _free_port(self.master_address if self.master_address != "0.0.0.0" else "")
+        port = self.master_port or free_port(self.master_address if self.master_address != "0.0.0.0" else "")
         timeout = timedelta(seconds=self.transfer_timeout)
         init_info = {"master_address": self.master_address, "master_port": port,
                      "rank_offset": 1, "world_size": ws, "timeout_s": self.transfer_timeout}
@@ -295,14 +174,14 @@ class WeightSender:
         except Exception as e:  # noqa: BLE001
             raise WeightSyncError(f"cannot host the rendezvous on {self.master_address}:{port}: {e}",
                                   url=self.url, step="init_weight_transfer_engine") from e
-        prefix = dist.PrefixStore(_tcp_uri(self.master_address, port), store)
-        init_http = _run_in_thread(self._call, "POST", "/init_weight_transfer_engine",
+        prefix = dist.PrefixStore(tcp_uri(self.master_address, port), store)
+        init_http = run_in_thread(self._call, "POST", "/init_weight_transfer_engine",
                                    body={"init_info": init_info}, name="wsync-init-http")
-        make_pg = _run_in_thread(dist.ProcessGroupGloo, prefix, 0, ws, timeout, name="wsync-init-pg")
+        make_pg = run_in_thread(dist.ProcessGroupGloo, prefix, 0, ws, timeout, name="wsync-init-pg")
         try:
             _wait_all([init_http, make_pg], self.http_timeout + 30, "the group rendezvous")
         except BaseException as e:
-            if isinstance(e, HttpFailure) and _ENGINE_POISONED in e.body:
+            if isinstance(e, HttpFailure) and POISONED in e.body:
                 raise PoisonedEngine(self.url, "init_weight_transfer_engine", e) from e
             # The engine never loaded anything: its weights are intact.
             raise WeightSyncError(f"{self.url}: /init_weight_transfer_engine failed: {e}",
@@ -324,7 +203,7 @@ class WeightSender:
         trainer_init = resolve_trainer_init(getattr(weight_transfer, "WeightTransferTrainerFactory", None),
                                             NCCLTrainerWeightTransferEngine,
                                             getattr(vllm, "__version__", "?"))
-        port = self.master_port or _free_port("")
+        port = self.master_port or free_port("")
         self._nccl_client = _NcclClient(self)
         self._nccl_source = _DeferredSource()
         try:
@@ -456,10 +335,10 @@ class WeightSender:
                 if not e.delivered:
                     raise WeightSyncError(f"{self.url}: engine unreachable: {e}", url=self.url,
                                           step="start_weight_update") from e
-                if e.status is not None and _ENGINE_POISONED in e.body:
+                if e.status is not None and POISONED in e.body:
                     self._drop_group()
                     raise PoisonedEngine(self.url, "start_weight_update", e) from e
-                if e.status is not None and _ENGINE_NOT_INITIALIZED in e.body:
+                if e.status is not None and NOT_INITIALIZED in e.body:
                     # Refused before the model was touched (e.g. the engine was restarted).
                     if attempt == 2:
                         raise WeightSyncError(f"{self.url}: {e}", url=self.url,
@@ -493,17 +372,17 @@ class WeightSender:
             if pending is not None:
                 self._finish_send(*pending, n_buckets)
 
-        update = _run_in_thread(self._call, "POST", "/update_weights",
+        update = run_in_thread(self._call, "POST", "/update_weights",
                                 body={"update_info": {**plan.update_info(),
                                                       "timeout_s": self.transfer_timeout}},
                                 timeout=self.transfer_timeout, name="wsync-update-http")
-        send = _run_in_thread(broadcasts, name="wsync-broadcast")
+        send = run_in_thread(broadcasts, name="wsync-broadcast")
         try:
             _wait_all([update, send], self.transfer_timeout + 5, "the transfer")
         except BaseException as e:
             # Drop (destroy) our end so the engine's pending receive fails now; never reuse it.
             self._drop_group()
-            raise PoisonedEngine(self.url, "update_weights", _detached(e)) from None
+            raise PoisonedEngine(self.url, "update_weights", detached(e)) from None
 
     def _finish_send(self, i: int, buf: torch.Tensor, work, n_buckets: int) -> None:
         work.wait()
@@ -596,49 +475,3 @@ class _DeferredSource:
             "__iter__": lambda _self: iter(list(outer.pairs)),
         })
         return cls()
-
-
-def push_to_many(urls: Iterable[str], named_tensors: NamedTensors, version: int | str, *,
-                 senders: dict[str, WeightSender] | None = None, broadcast: bool = True,
-                 fleet: Any = None, **sender_kwargs) -> dict[str, PushResult]:
-    """Push one version into several engines. Never raises for an engine's failure: each result
-    has ok/error (error.poisoned says the engine must be restarted).
-
-    broadcast=True (the default, gloo): one FleetSender broadcast into all of them; pass
-    `fleet` (a FleetSender) to keep its group across versions, else it is closed after the push.
-    broadcast=False (and backend="nccl"): one after the other, each over its own group; pass a
-    `senders` dict (url -> WeightSender, filled in as needed) to keep those groups.
-    """
-    if broadcast and sender_kwargs.get("backend", "gloo") == "gloo":
-        from vime.weight_sync.broadcast import FleetSender
-
-        kw = {k: v for k, v in sender_kwargs.items() if k not in ("reuse_group", "backend")}
-        own_fleet = fleet is None
-        fs = FleetSender(**kw) if fleet is None else fleet
-        try:
-            return fs.push(urls, named_tensors, version)
-        finally:
-            if own_fleet:
-                fs.close()
-    pairs = named_tensor_list(named_tensors)
-    results: dict[str, PushResult] = {}
-    own = senders is None
-    senders = {} if senders is None else senders
-    for url in urls:
-        sender = senders.get(url)
-        if sender is None:
-            sender = senders[url] = WeightSender(url, **sender_kwargs)
-        t0 = time.monotonic()
-        try:
-            results[url] = sender.push(pairs, version)
-        except WeightSyncError as e:
-            results[url] = PushResult(url=url, version=str(version), ok=False,
-                                      seconds=time.monotonic() - t0, error=e)
-        except Exception as e:  # noqa: BLE001 - e.g. a bad tensor: report it per engine
-            results[url] = PushResult(url=url, version=str(version), ok=False,
-                                      seconds=time.monotonic() - t0,
-                                      error=WeightSyncError(f"{url}: {e!r}", url=url))
-        finally:
-            if own:
-                sender.close()
-    return results

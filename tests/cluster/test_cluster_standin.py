@@ -7,6 +7,7 @@ path with real vLLM engines is tests/cluster/test_cluster_real.py.
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import threading
@@ -15,9 +16,11 @@ import time
 import pytest
 import ray
 
-from vime.cluster import ClusterBelowFloor, ClusterClient, NodeUnavailable
+from vime.cluster import AsyncClusterClient, ClusterBelowFloor, ClusterClient, NodeUnavailable
+from vime.cluster.client import CLUSTER_VERBS, NOT_CLUSTERED
 from vime.harness.ray_nodes import cleanup, node_address, standin_config
-from vime.supervisor.client import BadRequest, ConflictError, SupervisorClient, SupervisorError, UnknownEngine
+from vime.supervisor.client import VERBS, BadRequest, ConflictError, SupervisorClient, SupervisorError, UnknownEngine
+from vime.supervisor.client.calls import Verbs
 
 from support.polling import wait_until
 
@@ -25,6 +28,24 @@ pytestmark = pytest.mark.cluster
 
 A, B = node_address(0), node_address(1)  # 127.0.0.2, 127.0.0.3
 ENGINES = ["e0", "e1"]
+
+
+def test_the_cluster_offers_each_verb_of_the_table_with_its_arguments():
+    """The verb list is the local client's table: each verb is a coroutine of the cluster client
+    with the same parameters, or named in NOT_CLUSTERED; the blocking facade offers the same."""
+    assert set(CLUSTER_VERBS) | set(NOT_CLUSTERED) == set(VERBS) and set(NOT_CLUSTERED) <= set(VERBS)
+    for verb in CLUSTER_VERBS:
+        method = getattr(AsyncClusterClient, verb, None)
+        assert method is not None and inspect.iscoroutinefunction(method), f"AsyncClusterClient lacks {verb}"
+        assert (list(inspect.signature(method).parameters)[1:]
+                == list(getattr(Verbs, verb).signature.parameters)), verb
+    for verb in NOT_CLUSTERED:
+        assert not hasattr(AsyncClusterClient, verb)
+    facade = object.__new__(ClusterClient)
+    facade._client = object.__new__(AsyncClusterClient)
+    with pytest.raises(AttributeError):
+        facade.daemon_log
+    assert callable(facade.push_end)
 
 
 class Recorder:

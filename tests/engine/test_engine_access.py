@@ -21,7 +21,7 @@ import pytest
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port, live_pids_in_groups, write_config
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient
 from vime.trainer.rollout import OK, RolloutClient, RolloutRequestError
-from vime.weight_sync._http import http_json
+from vime.weight_sync.engine_http import http_json
 
 from support.polling import wait_until
 from support.real_engines import EngineDaemon, stop_leaving_nothing

@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def recovery():
     spec = importlib.util.spec_from_file_location("bench_recovery", ROOT / "bench" / "recovery.py")
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT / "bench"))  # as when run: its sibling modules import
+        spec.loader.exec_module(mod)
     return mod
 
 

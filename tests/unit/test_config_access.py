@@ -12,7 +12,7 @@ import pytest
 
 from vime.supervisor.config import ConfigError, build, load
 from vime.supervisor.engine.process import engine_command, engine_env, engine_fingerprint
-from vime.weight_sync._http import http_json
+from vime.weight_sync.engine_http import http_json
 
 KEY = "s3cr3t-Key_0123456789"
 
@@ -224,7 +224,7 @@ def test_api_key_on_the_command_line_is_refused(model, args):
         f"engine_defaults.args: {msg}"]
 
 
-# -- the header our stdlib helper sends (weight_sync/_http.py) ------------------------------
+# -- the header our stdlib helper sends (weight_sync/engine_http.py) ------------------------------
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):

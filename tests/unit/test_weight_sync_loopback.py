@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
+from vime.weight_sync.broadcast import push_to_many
 from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
 from vime.weight_sync.packing import iter_buckets, plan_update, unpack_bucket
-from vime.weight_sync.sender import WeightSender, push_to_many
+from vime.weight_sync.sender import WeightSender
 
 
 def mixed_tensors():

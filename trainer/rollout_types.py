@@ -1,0 +1,177 @@
+"""What the rollout client (rollout.py) and its continuation half (continuation.py) share: the
+engines they route to, the client's counters, and what a sample is built of (its pieces, the
+outputs thrown away, the request's output so far, one streamed answer)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+__all__ = ["Engine", "RolloutStats", "Split", "StartOver", "Partial", "Answer", "answer_tokens"]
+
+
+@dataclass
+class RolloutStats:
+    """Counters of this client (for tests and traces). `requests` logical requests were
+    started; each ends in exactly one of `succeeded` / `failed`."""
+
+    requests: int = 0
+    sent: int = 0            # attempts sent (or tried to send)
+    retried: int = 0         # attempts after a logical request's first
+    succeeded: int = 0
+    failed: int = 0
+    aborted: int = 0         # attempts answered with finish_reason "abort"
+    attempt_failures: int = 0  # attempts that refused/died/timed out/5xx
+    reported: int = 0        # failure reports the daemon answered
+    reports_coalesced: int = 0
+    report_errors: int = 0   # failure reports that did not reach the daemon
+    refreshes: int = 0
+    refresh_errors: int = 0
+    # Continuation (see the module docstring). tokens_before_fault: output tokens streamed by
+    # attempts that then failed; tokens_reused: of those, kept in a returned sample;
+    # tokens_regenerated: thrown away when a request started over (so generated again). For
+    # requests that all returned, tokens_before_fault == tokens_reused + tokens_regenerated;
+    # the tokens of a request that raised count in the first only.
+    tokens_before_fault: int = 0
+    tokens_reused: int = 0
+    tokens_regenerated: int = 0
+    continued: int = 0       # attempts sent as continuations
+    started_over: int = 0    # partial outputs thrown away (each a StartOver on the result)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class Engine:
+    name: str
+    url: str
+    model: str | None = None
+    weight_version: Any = None
+    incarnation: int | None = None  # which process of it the routable list named
+
+
+class Split(NamedTuple):
+    """One piece of a sample: output tokens [offset, offset + tokens) came from `engine`, listed
+    at `weight_version` when the attempt was routed; `outcome` is how that attempt ended (OK
+    for the last piece; DIED, ABORT, ... for a piece that was continued). `seed` is the seed
+    the piece was sampled with (a continued seeded request gets a derived one: see
+    continuation_seed)."""
+
+    engine: str
+    weight_version: Any
+    offset: int
+    tokens: int
+    outcome: str
+    seed: int | None = None
+    dropped: int = 0  # tokens received after `tokens`, thrown away (a split inside a character, no /detokenize)
+
+
+class StartOver(NamedTuple):
+    """Output tokens received, then thrown away: the request started over from its prompt
+    (`tokens` of them, the last piece from `engine` at `weight_version`), and why."""
+
+    engine: str
+    weight_version: Any
+    tokens: int
+    reason: str
+
+
+class Partial:
+    """A logical request's output so far: the pieces kept from failed attempts (the prefix a
+    continuation carries) and the partial outputs thrown away.
+
+    Its text: `text` holds segments, each a streamed string or a window (lo, hi, head, tail)
+    of output tokens whose text is built from their ids (_window_text), and covers output tokens
+    [0, synced) exactly; `synced` is a point after which vLLM's detokenizer and ours agree
+    (a whole character ends there). Tokens past it (a split inside a character) are kept;
+    their text comes from the next piece's stream once it is known whole, the gap from ids."""
+
+    def __init__(self) -> None:
+        self.prompt_token_ids: list[int] | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] | None = None
+        self.text: list[str | tuple[int, int, str, str]] = []
+        self.synced = 0
+        self.head = ""  # text streamed after `synced` (the start of the gap's text, if it is one)
+        self.silent: set[int] = set()  # output tokens streamed in chunks without text (held back, or skipped)
+        self.piece: tuple[int, list[str], list[tuple[int, int, bool, bool]]] | None = None  # the last piece, unfolded
+        self.splits: list[Split] = []
+        self.started_over: list[StartOver] = []
+        self.version: Any = None      # the listed weight version the prefix was made on
+        self.published: Any = None    # the daemon's published version when its first piece was routed
+        # Of the logical request, set once:
+        self.blocker: str | None = None   # why its sampling cannot be continued (continuation_blocker)
+        self.limit: int | None = None     # its max_tokens
+        self.want_logprobs = False
+        self.keep_stop = False            # include_stop_str_in_output: a stop token's text is in the output
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class Answer:
+    """One streamed completion being assembled."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.logprobs: list[float] | None = None
+        self.finish_reason: str | None = None
+        self.usage_tokens: int | None = None
+        self.first_token: float | None = None
+        self.done = False
+        # After each chunk with token ids: (tokens, text pieces, whole, has text): whole when
+        # that chunk held one token and text, so the text streamed so far covers every token
+        # (vLLM holds back the bytes of a character split across tokens; a chunk of several
+        # tokens may end holding some back).
+        self.bounds: list[tuple[int, int, bool, bool]] = []
+        self.silent: list[int] = []  # tokens streamed in chunks without text
+
+    def add(self, chunk: dict[str, Any], chat: bool) -> None:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            self.usage_tokens = int(usage["completion_tokens"])
+        if chunk.get("prompt_token_ids") is not None:  # chat: on the first chunk
+            self.prompt_token_ids = list(chunk["prompt_token_ids"])
+        for choice in chunk.get("choices") or ():
+            if chat:
+                text = (choice.get("delta") or {}).get("content") or ""
+            else:
+                text = choice.get("text") or ""
+            ids = choice.get("token_ids")
+            if not isinstance(text, str) or not (ids is None or isinstance(ids, list)):
+                raise TypeError(f"text {type(text).__name__}, token_ids {type(ids).__name__}")
+            if choice.get("prompt_token_ids") is not None:  # completions: on the first chunk
+                self.prompt_token_ids = list(choice["prompt_token_ids"])
+            if text or ids:
+                if self.first_token is None:
+                    self.first_token = time.time()
+                self.text.append(text)
+            if ids is not None:
+                if self.token_ids is None:
+                    self.token_ids = []
+                self.token_ids.extend(ids)
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict):
+                if chat:
+                    values = [c.get("logprob") for c in lp.get("content") or ()]
+                else:
+                    values = list(lp.get("token_logprobs") or ())
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(values)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+            if ids:
+                assert self.token_ids is not None  # extended with ids above
+                self.bounds.append((len(self.token_ids), len(self.text), len(ids) == 1 and bool(text), bool(text)))
+                if not text:
+                    self.silent.extend(range(len(self.token_ids) - len(ids), len(self.token_ids)))
+
+
+def answer_tokens(answer: Answer) -> int:
+    """Output tokens an attempt streamed (text chunks when the engine sent no token ids)."""
+    return len(answer.token_ids) if answer.token_ids is not None else sum(1 for t in answer.text if t)
