@@ -55,7 +55,8 @@ def test_a_child_stopped():
 def session(folder: Path, source: str) -> subprocess.CompletedProcess:
     folder.mkdir()
     (folder / "test_tiny.py").write_text(textwrap.dedent(source))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "VIME_TEST_LEAK_GRACE_S": "0.5"}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "support.leaks", "-p", "no:cacheprovider",
          "--basetemp", str(folder / "tmp"), "test_tiny.py"],
