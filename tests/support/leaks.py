@@ -2,9 +2,10 @@
 every fixture is torn down, kills what this session started and is still alive, and fails
 the run with a list of them.
 
-Ours, and only ours (a process the user started outside the session is never taken):
+Ours, and only ours (a process started outside the session is none of these):
 - a descendant of this pytest process;
-- a process with SESSION_ENV=<this session's token> in its environment: exported at the
+- a process with SESSION_ENV=<this session's token: pytest's pid and start time> in its
+  environment (another session's, an outer one's included, has another token): exported at the
   session's start, so every daemon, engine and helper inherits it, even one re-parented to
   init after its parent was killed;
 - a process whose stdout or stderr is a file under this session's basetemp: vllm-router
