@@ -327,7 +327,9 @@ def row_dict(row: Goodput, base: Goodput | None, notes: list[str]) -> dict[str, 
             "versus_fault_free": versus(row, base) if base is not None else None, "notes": notes}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], int, dict[str, int], float]:
+    """The command line: (its flags, the configurations chosen, steps, fault steps, timeout);
+    a bad one exits with argparse's message."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None)
@@ -346,7 +348,50 @@ def main(argv: list[str] | None = None) -> int:
     steps = a.steps or steps
     if any(s > steps for s in at.values()):
         ap.error(f"--steps {steps} is before a fault's step ({at}): it would not be injected")
-    timeout = a.timeout or (1200.0 if a.quick else 2700.0)
+    return a, chosen, steps, at, a.timeout or (1200.0 if a.quick else 2700.0)
+
+
+class _Rows:
+    """The rows measured so far, printed as each comes, and the document written at the end."""
+
+    def __init__(self, doc: dict[str, Any]):
+        self.doc = doc
+        self.rows: list[Goodput] = []
+        self.base: Goodput | None = None
+        self.base_worked: float | None = None  # the fault-free wall less its gap waits
+        self.header = False
+
+    def failed(self, cfg: Config, e: Exception) -> None:
+        err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        self.doc["errors"][cfg.name] = err
+        _say(f"{cfg.name}: FAILED: {err}")
+
+    def add(self, key: str, cfg: Config, got: DirRun, problems: str | None, row: Goodput, loop: list[str]) -> None:
+        if key == "fault-free":
+            self.base = row = account(got.run, got.run.wall_s)
+        self.rows.append(row)
+        notes = got.notes + ([f"demo: {problems}"] if problems else [])
+        # The chaos loop injects each fault on a whole fleet: the wait for it is the harness's.
+        worked = row.wall_s - got.gap_wait_s
+        if key == "fault-free":
+            self.base_worked = worked
+        ettr_worked = self.base_worked / worked if self.base_worked is not None and worked > 0 else None
+        notes.append(f"{got.gap_wait_s:.1f} s of the wall waited in gaps before a round (the fault harness "
+                     f"waits for a whole fleet); without them {worked:.1f} s"
+                     + (f", ETTR {ettr_worked:.2f}" if ettr_worked is not None else ""))
+        self.doc["rows"].append({**row_dict(row, self.base, notes), "gap_wait_s": got.gap_wait_s,
+                                 "ettr_without_gap_waits": ettr_worked, "config": {**asdict(cfg), "loop": loop}})
+        lines = table([row], self.base)
+        if not self.header:
+            print("\n".join(lines[:2]), flush=True)
+            self.header = True
+        print("\n".join(lines[2:]), flush=True)
+        for n in notes:
+            print(f"  {cfg.name}: {n}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, chosen, steps, at, timeout = _parse(argv)
     runs = (a.read or a.runs or Path(tempfile.mkdtemp(prefix="goodput-"))).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     model = Path("-")
@@ -358,13 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     _say(f"reading the run folders in {runs}" if a.read is not None
          else f"runs in {runs}; {steps} steps, seed {a.seed}, faults at {at}")
-    rows: list[Goodput] = []
-    doc: dict[str, Any] = {"command": " ".join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)]),
-                           "steps": steps, "seed": a.seed, "fault_steps": at, "runs": str(runs),
-                           "rows": [], "errors": {}}
-    base: Goodput | None = None
-    base_worked: float | None = None  # the fault-free wall less its gap waits
-    header = False
+    out = _Rows({"command": " ".join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)]),
+                 "steps": steps, "seed": a.seed, "fault_steps": at, "runs": str(runs), "rows": [], "errors": {}})
     for key in chosen:
         cfg = CONFIGS[key]
         run_dir = runs / key
@@ -376,37 +416,16 @@ def main(argv: list[str] | None = None) -> int:
                 got, problems = read_dir(run_dir, cfg.target, cfg.name), _problems(run_dir, 0)
             else:
                 got, problems = run_config(cfg, run_dir, model, loop, timeout)
-            row = account(got.run, base.wall_s if base is not None else None)
+            row = account(got.run, out.base.wall_s if out.base is not None else None)
         except Exception as e:  # noqa: BLE001 - a bench reports and goes on
-            err = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            doc["errors"][cfg.name] = err
-            _say(f"{cfg.name}: FAILED: {err}")
+            out.failed(cfg, e)
             continue
-        if key == "fault-free":
-            base = row = account(got.run, got.run.wall_s)
-        rows.append(row)
-        notes = got.notes + ([f"demo: {problems}"] if problems else [])
-        # The chaos loop injects each fault on a whole fleet: the wait for it is the harness's.
-        worked = row.wall_s - got.gap_wait_s
-        if key == "fault-free":
-            base_worked = worked
-        ettr_worked = base_worked / worked if base_worked is not None and worked > 0 else None
-        notes.append(f"{got.gap_wait_s:.1f} s of the wall waited in gaps before a round (the fault harness "
-                     f"waits for a whole fleet); without them {worked:.1f} s"
-                     + (f", ETTR {ettr_worked:.2f}" if ettr_worked is not None else ""))
-        doc["rows"].append({**row_dict(row, base, notes), "gap_wait_s": got.gap_wait_s,
-                            "ettr_without_gap_waits": ettr_worked, "config": {**asdict(cfg), "loop": loop}})
-        lines = table([row], base)
-        if not header:
-            print("\n".join(lines[:2]), flush=True)
-            header = True
-        print("\n".join(lines[2:]), flush=True)
-        for n in notes:
-            print(f"  {cfg.name}: {n}", flush=True)
+        out.add(key, cfg, got, problems, row, loop)
+    doc = out.doc
     wall = time.monotonic() - t_start
     doc["wall_s"] = wall
     print()
-    for line in table(rows, base):
+    for line in table(out.rows, out.base):
         print(line)
     for name, err in doc["errors"].items():
         print(f"{name}: FAILED: {err}")

@@ -40,10 +40,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, write_config
 from vime.harness.timeline import write_for_run
 from vime.trainer.tiny_model import build_tiny_model
+
+if TYPE_CHECKING:  # imported in run(): the RL loop's modules load only when the demo runs
+    from vime.harness.chaos import ChaosReport, DaemonKeeper
 
 BOOT = 300.0
 UP = ("RUNNING", "STANDBY")  # serving, or a warm spare
@@ -318,25 +322,76 @@ def showcase(report) -> list[str]:
     return lines
 
 
+class _Record:
+    """demo.json: the pids (the demo's, the daemon's, the engines'), then the verdict;
+    rewritten whole at each change, so a watcher never reads half of it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data: dict = {"demo_pid": os.getpid(), "daemon_pid": None, "engine_pids": []}
+        self.save()
+
+    def save(self, **more) -> None:
+        self.data.update(more)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+
+def _supervisorctl_status(sock: Path) -> None:
+    env = {**os.environ, "VIME_SUPERVISOR_SOCKET": str(sock)}
+    print("\n$ supervisorctl status")
+    try:
+        st = subprocess.run([str(Path(sys.executable).parent / "supervisorctl"), "status"], env=env,
+                            capture_output=True, text=True, timeout=30)
+        print(st.stdout + st.stderr, end="")
+    except subprocess.TimeoutExpired:
+        print("(no answer within 30s)")
+
+
+def _run_loop(keeper: DaemonKeeper, model: Path, sock: Path, out: Path, loop_argv: list[str], *,
+              engines: int, spares: int, sig: _Signals, record: _Record) -> ChaosReport:
+    """The RL loop under its faults; its report and what it showed, printed."""
+    from vime.harness.chaos import KEEPER_KINDS, ChaosLoop, build_parser, format_report
+
+    args = build_parser(KEEPER_KINDS).parse_args(["--model", str(model), "--socket", str(sock), "--out", str(out),
+                                                  "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.jsonl"),
+                                                  "--stop-on-fatal", *loop_argv])
+    _say("running the RL loop: " + " ".join(loop_argv or ["(defaults)"]))
+    _say(f"{engines - spares} engine(s) serve, {spares} warm spare(s); the faults and what each demonstrates:")
+    for line in plan_lines(loop_argv):
+        print(line, flush=True)
+    report = ChaosLoop(args, hooks=keeper).run()
+    sig.raising()  # the loop's own handlers are gone again
+    record.save(daemon_pid=keeper.daemon.proc.pid, engine_pids=keeper.spawned_pids())
+    print(format_report(report))
+    print("\n".join(showcase(report)))
+    return report
+
+
+def _exit_status(problems: list[str], signum: int | None) -> int:
+    """0 when nothing went wrong, else 128 + the signal that stopped it, else 1; said."""
+    status = 0 if not problems else 128 + signum if signum is not None else 1
+    if problems:
+        print("\nWHAT WENT WRONG")
+        for p in problems:
+            print(f"  - {p}")
+        print(f"demo exit status {status}")
+    else:
+        print("\nall good: every fault detected and recovered from, no round lost; demo exit status 0")
+    return status
+
+
 def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeout: float, threshold: int,
         model: Path | None = None, python: str | None = None, boot: float = BOOT, spares: int = 0) -> int:
     """The demo; its exit status: 0 when everything went as it should, 1 when something went
     wrong (printed), 128 + the signal when SIGINT/SIGTERM stopped it."""
-    from vime.harness.chaos import KEEPER_KINDS, ChaosLoop, DaemonKeeper, build_parser, format_report
+    from vime.harness.chaos import DaemonKeeper
     from vime.trainer.rl_loop import quiet_rollout_log
 
     quiet_rollout_log()
     out.mkdir(parents=True, exist_ok=True)
-    record: dict = {"demo_pid": os.getpid(), "daemon_pid": None, "engine_pids": []}
-    record_path = out / "demo.json"
-
-    def save(**more) -> None:
-        record.update(more)
-        tmp = record_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, record_path)
-
-    save()
+    record = _Record(out / "demo.json")
     sig = _Signals()
     sig.raising()
     problems: list[str] = []
@@ -354,33 +409,16 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         _say(f"starting the daemon: python -m vime.supervisor --config {cfg}")
         log_file = open(out / "daemon.log", "w")
         keeper = DaemonKeeper(lambda: Daemon(cfg, tee=log_file, own_group=True))
-        save(daemon_pid=keeper.daemon.proc.pid)
+        record.save(daemon_pid=keeper.daemon.proc.pid)
         problems = wait_for_engines(keeper.daemon, sock, names, boot,
-                                    on_tick=lambda: save(engine_pids=keeper.spawned_pids()))
-        save(engine_pids=keeper.spawned_pids())
+                                    on_tick=lambda: record.save(engine_pids=keeper.spawned_pids()))
+        record.save(engine_pids=keeper.spawned_pids())
         if not problems:
-            args = build_parser(KEEPER_KINDS).parse_args(["--model", str(model), "--socket", str(sock), "--out", str(out),
-                                              "--save-debug-rollout-data", str(out / "dumps" / "{rollout_id}.jsonl"),
-                                              "--stop-on-fatal", *loop_argv])
-            _say("running the RL loop: " + " ".join(loop_argv or ["(defaults)"]))
-            _say(f"{engines - spares} engine(s) serve, {spares} warm spare(s); the faults and what each demonstrates:")
-            for line in plan_lines(loop_argv):
-                print(line, flush=True)
-            report = ChaosLoop(args, hooks=keeper).run()
-            sig.raising()  # the loop's own handlers are gone again
-            save(daemon_pid=keeper.daemon.proc.pid, engine_pids=keeper.spawned_pids())
-            print(format_report(report))
-            print("\n".join(showcase(report)))
+            report = _run_loop(keeper, model, sock, out, loop_argv, engines=engines, spares=spares,
+                               sig=sig, record=record)
             signum = report.signal
             problems = judge(report)
-            env = {**os.environ, "VIME_SUPERVISOR_SOCKET": str(sock)}
-            print("\n$ supervisorctl status")
-            try:
-                st = subprocess.run([str(Path(sys.executable).parent / "supervisorctl"), "status"], env=env,
-                                    capture_output=True, text=True, timeout=30)
-                print(st.stdout + st.stderr, end="")
-            except subprocess.TimeoutExpired:
-                print("(no answer within 30s)")
+            _supervisorctl_status(sock)
     except Interrupted as e:
         signum = e.signum
         problems.append(f"interrupted by {e}")
@@ -393,7 +431,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         if keeper is not None:
             _say("stopping: SIGTERM to the daemon (it stops every engine; SIGKILL after 30s)")
             rc, left = keeper.daemon.stop_all(30.0, hurry=lambda: sig.hurry, say=_say, also=keeper.spawned_pids())
-            save(engine_pids=keeper.spawned_pids())
+            record.save(engine_pids=keeper.spawned_pids())
         if log_file is not None:
             log_file.close()
         sig.restore()
@@ -404,15 +442,8 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
             problems.append(f"{len(left)} engine process(es) outlived the daemon and were killed")
         print(f"\ndaemon exit status {rc}; engine processes left {len(left)}")
     print(f"config, daemon log, engine logs, trace.json (Perfetto), summary.json, dumps: {out}")
-    status = 0 if not problems else 128 + signum if signum is not None else 1
-    if problems:
-        print("\nWHAT WENT WRONG")
-        for p in problems:
-            print(f"  - {p}")
-        print(f"demo exit status {status}")
-    else:
-        print("\nall good: every fault detected and recovered from, no round lost; demo exit status 0")
-    save(ok=not problems, problems=problems, daemon_exit=rc, processes_left=len(left), exit_status=status)
+    status = _exit_status(problems, signum)
+    record.save(ok=not problems, problems=problems, daemon_exit=rc, processes_left=len(left), exit_status=status)
     write_for_run(out, say=_say)  # the picture of the run, failed or not
     return status
 

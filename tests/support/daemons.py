@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from vime.harness.local_daemon import Daemon
+from vime.harness.local_daemon import Daemon, kill_all
 
 
 def start_answering(cfg: Path, status: Callable[[str], Any], timeout: float = 30) -> Daemon:
@@ -29,11 +29,12 @@ def start_answering(cfg: Path, status: Callable[[str], Any], timeout: float = 30
 
 
 def stop_removing_run_dir(d: Daemon, timeout: float) -> None:
-    """SIGTERM (SIGKILL past `timeout` s), then remove its runtime_dir (a short one under /tmp)."""
+    """SIGTERM (past `timeout` s, SIGKILL to it and to its engines' groups), then remove its
+    runtime_dir (a short one under /tmp)."""
     try:
         d.terminate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        d.kill()
+        kill_all([d])
     shutil.rmtree(d.run_dir, ignore_errors=True)
 
 

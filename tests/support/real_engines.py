@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
-from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, live_pids_in_groups, write_config
+from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, Daemon, kill_all, live_pids_in_groups, write_config
 from vime.weight_sync.checkpoint import save_checkpoint
 
 BOOT = 240  # a generous bound on one engine boot on a loaded 2-core CI machine
@@ -40,10 +41,16 @@ def real_config(root: Path, engines: list[dict], *, supervisor: dict | None = No
 
 def stop_leaving_nothing(d: Daemon, timeout: float = 60) -> list[tuple[int, int, str]]:
     """Stop the daemon (SIGTERM, which stops its engines), then SIGKILL any process of its
-    engines' groups that outlived it: those processes, which a test asserts are none."""
-    pids = set(d.spawned_pids())
-    d.terminate(timeout)
-    leftovers = live_pids_in_groups(pids)
+    engines' groups that outlived it: those processes, which a test asserts are none. Its
+    engines are read once it has exited (one it restarted while stopping is among them); one
+    that does not exit within `timeout` s is killed with its engines (kill_all) and the
+    TimeoutExpired goes up."""
+    try:
+        d.terminate(timeout)
+    except subprocess.TimeoutExpired:
+        kill_all([d])
+        raise
+    leftovers = live_pids_in_groups(set(d.spawned_pids()))
     for pid, _, _ in leftovers:
         os.kill(pid, signal.SIGKILL)
     return leftovers
