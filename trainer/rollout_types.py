@@ -99,8 +99,8 @@ class Partial:
         self.piece: tuple[int, list[str], list[tuple[int, int, bool, bool]]] | None = None  # the last piece, unfolded
         self.splits: list[Split] = []
         self.started_over: list[StartOver] = []
-        self.version: Any = None      # the listed weight version the prefix was made on
-        self.published: Any = None    # the daemon's published version when its first piece was routed
+        self.version: int | str | None = None    # the listed weight version the prefix was made on
+        self.published: int | None = None        # the daemon's published version when its first piece was routed
         # Of the logical request, set once:
         self.blocker: str | None = None   # why its sampling cannot be continued (continuation_blocker)
         self.limit: int | None = None     # its max_tokens
