@@ -595,6 +595,10 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
     if "args" in rtr:
         rtr["args"] = _strs("router.args", rtr["args"], problems)
     if rtr.get("spawn"):
+        if rtr.get("kind") == "smg":  # SMG's binary and flags, unless given
+            from .router.smg import SPAWN_ARGS
+            rtr.setdefault("binary", "smg")
+            rtr.setdefault("args", SPAWN_ARGS)
         _check_spawned_router(rtr, problems, warnings)
     elif any(k in rtr for k in ("args", "binary", "silent_timeout")):
         warnings.append("router.args, router.binary and router.silent_timeout have no effect without router.spawn = true: "
