@@ -47,11 +47,17 @@ def test_a_spawned_smg_runs_smg_launch_with_smgs_flags(base):
     assert router_command(v, "vllm-router")[1] != "launch"
 
 
-def test_a_spawned_smgs_args_are_checked_as_vllm_routers(base):
+@pytest.mark.parametrize("args, message", [
+    (["--worker-urls", "http://x:1"], "router.args: do not pass --worker-urls"),
+    # SMG's admin keys would be on a command line any local user reads.
+    (["--control-plane-api-keys", "k:n:admin:s3cret"], "router.args: do not pass --control-plane-api-keys: any local"),
+    (["--control-plane-api=k:n:admin:s3cret"], "router.args: do not pass --control-plane-api-keys"),
+])
+def test_a_spawned_smgs_args_are_checked(base, args, message):
     with pytest.raises(ConfigError) as ei:
         build({**base, "router": {"url": f"http://127.0.0.1:{free_port()}", "kind": "smg", "spawn": True,
-                                  "args": ["--worker-urls", "http://x:1"]}})
-    assert any(p.startswith("router.args: do not pass --worker-urls") for p in ei.value.problems)
+                                  "args": args}})
+    assert any(p.startswith(message) and "s3cret" not in p for p in ei.value.problems), ei.value.problems
 
 
 async def test_the_daemon_builds_the_smg_adapter():
