@@ -173,3 +173,39 @@ async def test_not_a_router_and_a_bad_token_are_not_retried(tmp_path, session, w
     finally:
         r.kill()
 
+
+
+async def test_a_router_error_status_is_transient_a_refusal_is_not(session):
+    """A STAND-IN for SMG's admin API answering what the real one answers only when broken: a
+    5xx or 429 (worth retrying), a 400 (not)."""
+    answers = {"GET": 503, "POST": 400, "DELETE": 429}
+
+    async def any_route(request: web.Request) -> web.Response:
+        status = answers[request.method]
+        if request.method == "DELETE":
+            return web.json_response({"error": "slow down"}, status=status)
+        if request.method == "GET" and request.path == "/workers" and answers["GET"] == 200:
+            return web.json_response({"workers": [{"id": "00000000-0000-0000-0000-000000000001",
+                                                   "url": "http://127.0.0.1:1", "status": "ready"}]})
+        return web.json_response({"error": f"answered {status}"}, status=status)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", any_route)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        smg = SmgRouter(f"http://127.0.0.1:{port}", session)
+        with pytest.raises(RouterError) as ei:
+            await smg.workers(TIMEOUT)
+        assert ei.value.transient and "503" in str(ei.value)
+        with pytest.raises(RouterError) as ei:
+            await smg.add("http://127.0.0.1:1", TIMEOUT)
+        assert not ei.value.transient and "400: answered 400" in str(ei.value)
+        answers["GET"] = 200
+        with pytest.raises(RouterError) as ei:
+            await smg.remove("http://127.0.0.1:1", TIMEOUT)
+        assert ei.value.transient and "429" in str(ei.value)
+    finally:
+        await runner.cleanup()
