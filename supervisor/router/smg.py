@@ -30,7 +30,8 @@ from .base import RouterError, normalize_url
 # A spawned SMG's flags (router.args when unset; `smg launch` and --host/--port/--worker-urls are
 # the daemon's): vime's breaker-off and 4-hour request timeout as for vllm-router; its metrics
 # (per-worker series named by address) on loopback, not every interface; a pending add that
-# cannot be cancelled gives up after 30 s, not SMG's 30 minutes.
+# cannot be cancelled gives up within a minute (SMG ended one 60 s after it was sent, with 30),
+# not SMG's 30 minutes.
 SPAWN_ARGS = ("--disable-circuit-breaker", "--request-timeout-secs", "14400", "--prometheus-host", "127.0.0.1",
               "--worker-startup-timeout-secs", "30")
 POLL = 0.02  # how often a queued add or removal is looked at, within the call's bound
