@@ -85,7 +85,13 @@ class Poller:
                 self.failed.append(f"{t:.3f}: {e!r}"[:120])
             time.sleep(0.05)
 
-    def stop(self) -> list[Sample]:
+    def stop(self, after: float = 0.0, timeout: float = 30) -> list[Sample]:
+        """The samples, once one sent after `after` (time.time()) is in: on a loaded host a
+        poll can lag the test's own reads."""
+        deadline = time.monotonic() + timeout
+        while not (self.seen and self.seen[-1].sent > after):
+            assert self.thread.is_alive() and time.monotonic() < deadline, (self.seen[-3:], self.failed[-3:])
+            time.sleep(0.05)
         self._stop.set()
         self.thread.join(10)
         return self.seen
@@ -195,7 +201,7 @@ def test_1_publish_stale_engine_out_until_verified(setup):
     running = running_after(stream, "engine-1", asked, 120)
     assert running["reason"] == f"weights v{version}, verified"
     wait_listed(setup.url, set(urls.values()))
-    seen = poller.stop()
+    seen = poller.stop(after=time.time())
     print(f"smg: publish -> engine-1 out {removed['ts'] - asked:.3f}s after the call "
           f"({removed['ts'] - replied:+.3f}s from its reply); RUNNING at v{version} {running['ts'] - asked:.2f}s")
     # Out before the publish is answered, and not listed again until verified.
@@ -218,7 +224,7 @@ def test_2_killed_engine_out_at_once_back_only_when_verified(setup):
     removed = removed_after(stream, "engine-1", killed_at, 30)
     running = running_after(stream, "engine-1", killed_at, BOOT)
     wait_listed(setup.url, set(urls.values()))
-    seen = poller.stop()
+    seen = poller.stop(after=time.time())
     took = removed["ts"] - killed_at
     print(f"smg: kill -> out of SMG {took:.3f}s; -> RUNNING at v{want} {running['ts'] - killed_at:.1f}s "
           f"({running['reason']})")
