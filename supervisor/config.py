@@ -352,6 +352,10 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
     if "args" in rtr:
         rtr["args"] = _strs("router.args", rtr["args"], problems)
     if rtr.get("spawn"):
+        if rtr.get("kind") == "smg":  # SMG's binary and flags, unless given
+            from .router.smg import SPAWN_ARGS
+            rtr.setdefault("binary", "smg")
+            rtr.setdefault("args", SPAWN_ARGS)
         _check_spawned_router(rtr, problems, warnings)
     elif any(k in rtr for k in ("args", "binary", "silent_timeout")):
         warnings.append("router.args, router.binary and router.silent_timeout have no effect without router.spawn = true: "
@@ -386,12 +390,14 @@ def find_binary(name: str) -> str | None:
 def _check_spawned_router(rtr: dict[str, Any], problems: list[str], warnings: list[str]) -> None:
     """spawn = true: a binary to run, args that leave the daemon's flags alone, and a url the
     router can listen on here (plain HTTP, a port, an address of this machine, not every one)."""
-    for flag in (*_ROUTER_OWN_FLAGS, "--api-key"):
+    secrets = ("--api-key", "--control-plane-api-keys")  # the latter SMG's admin keys
+    for flag in (*_ROUTER_OWN_FLAGS, *secrets):
         if any(names_flag(a, flag) for a in rtr.get("args", ())):
             problems.append(
-                "router.args: do not pass --api-key: any local user can read a command line (/proc/PID/cmdline); "
-                "vllm-router forwards each client's own Authorization header to the engines (docs/router.md)"
-                if flag == "--api-key" else
+                f"router.args: do not pass {flag}: any local user can read a command line (/proc/PID/cmdline); "
+                "vllm-router forwards each client's own Authorization header to the engines, and an SMG with admin "
+                "keys is one you run yourself (spawn = false; docs/router.md)"
+                if flag in secrets else
                 f"router.args: do not pass {flag}; the daemon sets it"
                 + (" from router.url" if flag != "--worker-urls" else " empty and adds the routable engines"))
     binary = rtr.get("binary", RouterConfig.binary)

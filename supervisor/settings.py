@@ -181,7 +181,7 @@ class RouterConfig:
         help="feed the router (vllm-router) at URL with the routable engines, e.g. http://127.0.0.1:30000",
         doc="the router's admin API (vllm-router), e.g. `http://127.0.0.1:30000`; with the table present the "
             "daemon keeps the router's worker list equal to its routable set ([Behind a router](router.md))")
-    kind: str = knob("vllm-router", doc="the router's admin API: `vllm-router` (0.1.17, the `router` extra)")
+    kind: str = knob("vllm-router", doc="the router's admin API: `vllm-router` (0.1.17) or `smg` (SMG 1.13.0; sglang-router 0.3.2 answers the same routes); both in the `router` extra")
     worker_type: str = knob(  # vllm-router's worker_type of every engine we add
         "regular", doc="the `worker_type` of every engine the daemon adds")
     # Report the drift, change nothing: to try the daemon beside a router that others feed.

@@ -59,7 +59,8 @@ def router_command(rcfg: RouterConfig, binary: str) -> list[str]:
     workers (the daemon adds the routable engines). Ours come last: argparse keeps the last
     value, so an arg that names one of them anyway (a prefix such as --hos) cannot win."""
     u = urlsplit(rcfg.url)
-    return [binary, *rcfg.args, "--host", u.hostname or "127.0.0.1", "--port", str(u.port), "--worker-urls"]
+    sub = ["launch"] if rcfg.kind == "smg" else []  # `smg launch`: the router alone
+    return [binary, *sub, *rcfg.args, "--host", u.hostname or "127.0.0.1", "--port", str(u.port), "--worker-urls"]
 
 
 def router_fingerprint(rcfg: RouterConfig) -> str:
