@@ -1,34 +1,14 @@
 """The chaos loop: the example RL loop (trainer/rl_loop.py) with faults injected at its hook
-points, on the real engine processes (harness/faults.py). The demo and the soak run it.
+points, on the real engine processes (harness/faults.py). The demo, the soak and the goodput
+bench run it (docs/testing.md, docs/getting-started.md).
 
     python -m vime.harness.chaos --model DIR --socket PATH --kill-at 3 --hang-at 12 --fail-push-at 21
-    python -m vime.harness.chaos --model DIR --socket PATH --fault kill-mid-push@4 --fault trainer-dies-mid-push@9
+    python -m vime.harness.chaos --model DIR --socket PATH --fault kill-mid-push@4
 
 Each fault waits, in the round gap, until every engine is RUNNING on the trainer's version, so
-it is measured on a whole fleet; `faults.timeline` then reads from the daemon's events when it
-was detected, back up and resynced. The hook points it uses:
-
-  before_round    pick the fault due at this step and wait (bounded) for a whole fleet;
-  generate        the round of an in-round kill gets a long tail (--long-tail): a few requests
-                  far longer than the rest, as RL rollouts have, which the kill cuts mid-stream
-                  (--long-tail-at gives a step's round the same tail with no fault: the
-                  goodput bench's fault-free baseline does the same work);
-  during_round    kill -9 / SIGSTOP / a crash at start / kill -9 of the daemon, once the round
-                  has requests in flight (with a long tail: once the victim has streamed
-                  --kill-after-tokens of one);
-  rollout_round   the trainer disconnects mid-round, comes back, ends the round, runs it again;
-  after_round     kill -9 in the round gap;
-  push_all        the push into one engine fails after half its buckets (poisoned; its own
-                  streamed push, push_into), the others get the step's broadcast; or, once
-                  half the broadcast's buckets are sent, one receiver is killed -9 or
-                  SIGSTOPped (kill-mid-push, stop-mid-push), or the broadcast runs in a child
-                  process that is killed -9 (trainer-dies-mid-push);
-  train_and_push  no agent, and the checkpoint the daemon reloads from is truncated; after a
-                  trainer-dies-mid-push, the wait (bounded) for the restarted fleet;
-  after_run       each fault's timeline from the recorded events.
-
-The daemon fault (kill -9 of the daemon mid-round) needs hooks that restart it: DaemonKeeper
-(the demo's; `build_parser(KEEPER_KINDS)` takes `--fault daemon@STEP`), or the soak's Keeper.
+it is measured on a whole fleet; `faults.timeline` then reads when it was detected, back up and
+resynced. The daemon fault needs hooks that restart it: DaemonKeeper (the demo's) or the soak's
+Keeper.
 """
 
 from __future__ import annotations

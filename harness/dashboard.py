@@ -1,17 +1,13 @@
-"""The Grafana dashboard the project ships (deploy/grafana/vime-dashboard.json), its panels'
-queries, and a picture of them drawn from a real Prometheus (docs/dashboard.png).
-
-The JSON is generated from PANELS, a small table of titles and PromQL, so a reviewer reads the
-queries here and not in 1,000 lines of Grafana's schema. (grafana-foundation-sdk was weighed:
-for fifteen time-series panels it adds a dependency and no check that PANELS lacks; what
-proves the dashboard is tests/daemon/test_dashboard_live.py, against a live daemon's scrape.)
+"""The Grafana dashboard the project ships (deploy/grafana/vime-dashboard.json), generated from
+PANELS, a small table of titles and PromQL, so a reviewer reads the queries here and not in
+Grafana's schema; and its picture drawn from a real Prometheus (docs/dashboard.png,
+docs/operations.md).
 
     python -m vime.harness.dashboard           write deploy/grafana/vime-dashboard.json
     python -m vime.harness.dashboard --check   exit 1 if the file differs from PANELS
 
-Every query filters on the dashboard's `job` and `instance` variables; `$__rate_interval` is
-Grafana's. No query hides a missing series behind a fallback (`or vector(0)`): a misspelt
-metric shows as "No data", and the live test fails.
+No query hides a missing series behind a fallback: a misspelt metric shows "No data", and
+tests/daemon/test_dashboard_live.py fails.
 """
 
 from __future__ import annotations

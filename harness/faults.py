@@ -1,33 +1,10 @@
 """Faults on demand for the chaos loop, and what the daemon's event stream says happened next.
 
-Three faults at steps the user picks (harness/chaos.py flags, which the demo passes):
-
-  kill   kill -9 of an engine's API server while the round's requests are in flight;
-  hang   SIGSTOP of an engine's VLLM::EngineCore during the round (its /health still says 200);
-  push   the weight push into one engine fails after half its buckets (between vLLM's
-         start_weight_update and finish_weight_update: the engine is poisoned).
-
-and, for the chaos soak (harness/soak.py, which lends the loop the hooks they need):
-
-  kill-gap       kill -9 of an engine between rounds;
-  crash-start    kill -9 with the engine's model broken: the restart crashes, then it is mended;
-  poison-reload  no trainer agent, and the checkpoint the daemon reloads from is truncated;
-  disconnect     the trainer drops every connection mid-round and comes back;
-  daemon         kill -9 of the daemon mid-round, restarted as systemd would.
-
-and, during the step's broadcast into every engine (weight_sync.broadcast.FleetSender), once
-half its buckets are on the wire (its "bucket_sent" progress):
-
-  kill-mid-push          kill -9 of one receiver's process group;
-  stop-mid-push          SIGSTOP of one receiver's process group (server and EngineCore: the
-                         collective stalls and /health goes unanswered);
-  trainer-dies-mid-push  the push runs in a child process (`python -m vime.harness.faults push`),
-                         announced by the loop, which kills the child -9 and never ends the
-                         announcement: every receiver is left paused mid-session.
-
-They act on real processes (pids from the daemon's status) and need the engines on this host.
-`timeline()` reads the daemon's events after the injection: when the fault was detected, when
-the engine was back (ready), and when it was RUNNING again on verified current weights. It reads
+The kinds (kill, hang, push; the soak's kill-gap, crash-start, poison-reload, disconnect,
+daemon; and kill-mid-push, stop-mid-push, trainer-dies-mid-push inside a broadcast) are
+described in docs/testing.md. They act on real processes (pids from the daemon's status) on
+this host. `timeline()` reads, from the daemon's events after an injection, when the fault was
+detected, when the engine was back and when it was RUNNING on verified current weights; it reads
 each transition's structured `cause`, never its reason (which is for people).
 """
 

@@ -1,52 +1,11 @@
-"""Goodput under faults: the figures RL teams compare, from what a run records.
+"""Goodput under faults: the figures RL teams compare (ETTR, useful tokens per second, tokens
+lost, rounds lost, false restarts, seconds at reduced strength), from what a run records.
 
-Pure accounting, no engines (bench/goodput.py drives real ones and hands its records here).
-One `Run` per configuration holds what the run recorded:
-
-  events       the daemon's event log (`transition` events with engine, from_state, to_state,
-               cause, ts; `round_start` / `round_end`), as harness/faults.py `timeline()` reads it;
-  faults       the injected faults (faults.Fault: kind, engine, fired_step, injected_at);
-  rounds       the per-round rollout records (trainer/rl_loop.py StepRecord, or anything with its
-               lost and tokens_regenerated);
-  started_over the rollout client's per-sample StartOver records (RolloutResult.started_over);
-  useful_tokens output tokens in samples returned at the right version and used;
-  discarded_tokens output tokens of samples returned but not used (a lost round's, or at the
-               wrong version): the bench sums their n_tokens (a continued sample's reused
-               pieces are in it);
-  target       serving engines wanted; wall_s the run's wall time.
-
-`account(run, fault_free_s)` gives its `Goodput` row; `fault_free_s` is the fault-free run's wall
-time for the same work. The figures:
-
-  faults           injections: a trainer-dies-mid-push condemns every receiver (the chaos loop
-                   records one Fault per receiver, each to match its own stop) but is one
-                   fault; Faults of one kind and step (else one time) are one injection;
-  ETTR             fault_free_s / wall_s (1.0: the faults cost nothing);
-  useful tok/s     useful_tokens / wall_s;
-  tokens lost      output tokens the client read that are in no sample used: the rounds'
-                   tokens_regenerated (partial outputs thrown away, StartOver's among them) plus
-                   discarded_tokens; per injected fault;
-  rounds lost      rounds recorded as lost;
-  false restarts   stops (an engine taken down: UNHEALTHY, STOPPING or EXITED from a serving
-                   state, for a failure cause) that match no injected fault: a fault matches the
-                   first stop of its engine at or after its injection with the cause
-                   faults.DETECTED_AS expects (a kill seen as a hang is a false restart, and the
-                   kill stays unmatched); each fault matches one stop. The daemon's own kill
-                   (kind "daemon") is no engine stop: it matches none, and the engines it
-                   leaves running are re-adopted, not stopped (STOPPED -> STARTING, cause
-                   restored). The mid-push faults' stops are expected with their own causes
-                   (kill-mid-push exit, stop-mid-push hang, trainer-dies-mid-push paused, on
-                   each receiver);
-  reduced strength seconds with fewer engines serving (RUNNING or SUSPECT) than the target,
-                   integrated from the transitions between the first round_start and the last
-                   round_end (the gaps included); per injected fault. An engine a restarted
-                   daemon re-adopts keeps the state it had (it served on through the
-                   daemon's restart) until the new daemon says otherwise;
-  engines run      distinct engines in the transitions (a spare is one more).
-
-The event log must begin before the engines came up: an engine's state is the last transition
-seen for it. `table()` prints the rows as bench/*.py do; `versus()` divides a row's figures by the
-fault-free baseline's.
+Pure accounting, no engines: bench/goodput.py drives real ones and hands its records here as a
+`Run`; `account(run, fault_free_s)` gives its `Goodput` row, `table()` prints the rows and
+`versus()` divides a row by the fault-free baseline's. How each figure is counted is in
+docs/benchmarks.md (Goodput under faults). The event log must begin before the engines came up:
+an engine's state is the last transition seen for it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""The long soak's growth report (`python -m vime.harness.soak --hours H`): from the samples the
-soak took every minute, does any of the daemon's resources grow?
+"""The long soak's growth report: from the samples the soak took every minute, does any of the
+daemon's resources grow? (docs/testing.md, The long run.)
 
-Per quantity: the least-squares slope per hour over the samples after a warm-up, its standard
-error, and the slopes of the first and the second half (a leak grows in both; a step at one
-fault does not). A quantity of the daemon's own process (RSS, descriptors, threads, loop lag)
-starts again with each daemon incarnation (a daemon fault restarts it): it is fitted with one
-slope over all incarnations and an intercept of each, the warm-up skipped after each start.
-The engines' logs and post-mortems are checked against the retention rules exactly (counts and
-bytes, at every sample), not by a slope: they grow until retention prunes them.
-
-The bounds are here, in the code, fixed before any run. A quantity fails when its slope is above
-its bound and more than twice its standard error above zero (growth, not noise). Pure: no I/O
-but `load_samples`; tests/unit/test_growth.py feeds it synthetic series.
+Per quantity, a least-squares slope per hour after a warm-up, its standard error, and the
+slopes of each half (a leak grows in both; a step at one fault does not); the daemon's own
+quantities get an intercept per daemon incarnation. Logs and post-mortems are checked against
+the retention rules exactly. The bounds are fixed here, before any run: a quantity fails when
+its slope is above its bound and more than twice its standard error above zero. Pure but
+`load_samples`.
 """
 
 from __future__ import annotations

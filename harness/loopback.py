@@ -1,21 +1,12 @@
 """A model-free receiver speaking vLLM's weight-transfer HTTP routes, for benchmarks and tests.
 
-It runs the real `vime.weight_sync.gloo_engine.GlooWeightTransferEngine` (the same group join, the
-same wire parsing, the same `receive_update` loop as inside a vLLM worker) behind a tiny
-stdlib HTTP server, but with NO vLLM model: ``load_weights`` either discards the tensors or
-keeps them for inspection, and vLLM's layerwise reload is replaced by counters (there is no
-model to move to meta and back). What it measures is therefore the sender + transport +
-receive-and-unpack path, not vLLM's weight loading.
+It runs the real `vime.weight_sync.gloo_engine.GlooWeightTransferEngine` (the same group join,
+wire parsing and `receive_update` loop as inside a vLLM worker) behind a small stdlib HTTP
+server with no model: it measures the sender, the transport and the receive path, not vLLM's
+weight loading. Several are the fleet broadcast's stand-in receivers (docs/benchmarks.md);
+`GET /stand_in` tells what one received. Needs vLLM importable.
 
-Several of these processes, one per receiver, are the fleet broadcast's stand-in receivers
-(tests/unit/test_weight_sync_fleet.py, bench/weight_push.py --fleet); ``GET /stand_in`` tells
-what one received (a digest per tensor with --keep) and whether its "model" was touched.
-
-    python -m vime.harness.loopback --port 8123 [--keep]   # prints "READY <port>" when listening
-    python -m vime.harness.loopback --host 10.0.0.2         # listen there (a network namespace's
-                                                            # address: bench/weight_push.py --link-mbit)
-
-Needs vLLM importable (for the engine's base class and its stateless group init).
+    python -m vime.harness.loopback --port 8123 [--keep] [--host ADDR]   # prints "READY <port>"
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""The picture of a run: timeline.png, one lane per engine, drawn from what the run recorded.
+"""The picture of a run: timeline.png, one lane per engine, drawn from what the run recorded
+(daemon.log, else trace.json; summary.json or soak.json for the faults and the outcome).
 
     python -m vime.harness.timeline RUN_DIR             # (re)draws RUN_DIR/timeline.png
 
-The demo and the soak draw it at their end, also when the run failed. What it reads in RUN_DIR
-(and RUN_DIR/out, where the soak's loop writes):
-
-  daemon.log     the daemon's JSON log: every transition with its cause, rounds, publications,
-                 syncs, and each daemon's start and stop (the whole run, engine boots included);
-  trace.json     the event stream the trainer recorded (read only when there is no daemon.log);
-  summary.json   the loop's faults and steps (soak.json's faults when it is missing);
-  demo.json / soak.json   the outcome, for the title.
-
-Two parts. `build()` turns events (the stream's vocabulary, supervisor/protocol.py) into a
-`Timeline`: state intervals per engine, the daemons' lifetimes, rounds, publications, and marks
-for faults, detections and versions reached; times in seconds from the run's start. It is pure.
-`draw()` imports matplotlib (the `timeline` extra; Agg canvas, no display) and writes the PNG.
+`build()` turns events into a `Timeline` (pure); `draw()` imports matplotlib (the `timeline`
+extra) and writes the PNG. The demo and the soak draw it at their end, failed or not
+(docs/testing.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The daemon's journal: what a restarted daemon needs so that nothing is lost.
-
-The current round, the weight version and its checkpoint, the boot it was written in, and
-for each engine its pid (with the process's start time, so a recycled pid is never adopted),
-port, the fingerprint of the config that started it, incarnation, restarts, verified weight
-version, and whether an operator stopped it; and the router's pid, start time and config
-fingerprint when the daemon spawns it ([router] spawn). Written atomically (temp file, fsync, rename)
-whenever it changes, coalesced. Killed with -9 and started again, the daemon re-adopts engines
-that still run and knows the current version, so no engine serves stale weights.
+"""The daemon's journal: what a restarted daemon needs so that nothing is lost (the round, the
+weight version and its checkpoint, each engine's process and verified version, the spawned
+router), written atomically whenever it changes (docs/operations.md).
 
 A journal is untrusted input: `load` checks it against the schema below, and one that does
 not fit is moved aside by the daemon, never half-used.

@@ -1,27 +1,11 @@
-"""The daemon's open-file limit: raised to the hard limit at start, checked against the fleet.
+"""The daemon's open-file limit: raised to the hard limit at start (`raise_nofile`), and checked
+against what the fleet needs (`nofile_needed`, `nofile_problem`, what --check-config says).
 
-Every engine costs the daemon descriptors: the heartbeat's kept connection, aiohttp's pool
-beside it (health, /metrics, the version check: up to 4 per engine, daemon.py's connector),
-a one-off connection while a probe is still in flight, the warm-up's concurrent requests
-while a new incarnation starts, a pidfd for an adopted engine. With the soft limit many
-distributions still default to (1024; 256 in some containers) and a few hundred engines,
-connects fail with EMFILE and no engine reaches RUNNING. So `raise_nofile` lifts the soft
-limit to the hard one at start (safe: the daemon and uvloop use epoll, never select(), and
-vLLM raises its own soft limit anyway), and `nofile_problem` says, in one line, what to
-raise when even the hard limit is below what the engine count needs.
-
-Measured with a daemon supervising stand-in engines (harness/standin_engine.py), its
-/proc/PID/fd counted every 20 ms from start to 8 s after READY=1 (bench/descriptors.py): 18
-with one engine; attached engines 2 each (50: 116, 200: 417); spawned engines 2 each once
-running and about 10 each while they all warm up at once (warm-up requests 8; 50 engines:
-peak 516). The estimate below is an upper bound of that: spawned engines at their warm-up's
-worst, with room for late probes and adopted engines' pidfds; attached engines, which the
-daemon never starts nor warms up, at what they hold plus one late probe's read.
-
-A fresh daemon whose hard limit is below the estimate refuses to start (what --check-config
-says, exit status 2); one with engines to adopt (a journal that names live pids) starts and
-logs the problem instead: refusing would orphan them. An EMFILE while probing is the daemon's
-own shortage, never held against the engine (probes.py: kind "daemon_limit").
+Every engine costs descriptors (the heartbeat's connection, aiohttp's pool beside it, a late
+probe's, the warm-up's requests, an adopted engine's pidfd); at a soft limit of 1024 a few
+hundred engines fail to connect. The estimate is an upper bound of what bench/descriptors.py
+measured; the rules (refused fresh start, exit 2; started anyway with engines to adopt) and the
+figures are in docs/deployment.md and docs/benchmarks.md.
 """
 
 from __future__ import annotations

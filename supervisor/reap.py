@@ -1,28 +1,12 @@
 """`python -m vime.supervisor.reap --config FILE`: the unit's ExecStopPost=, which stops the
-engines a daemon left behind when systemd will not start it again.
+engines a daemon left behind when systemd will not start it again (docs/deployment.md).
 
-The unit has KillMode=process so that engines outlive a daemon that crashed, to be re-adopted
-by the daemon systemd restarts. The cost: when a stop overruns TimeoutStopSec, systemd
-SIGKILLs the daemon alone and its engines run on with nobody to supervise them (holding GPU
-memory and their ports). This stops them, and only them: engines the journal names (same pid
-and start time, leading their group, our engine server on the journal's port) and engine
-servers of ours on a configured port (adoption.find_engine_leaders), each group with SIGTERM,
-then SIGKILL after stop_timeout (at once after a stop that already timed out).
-
-When, from systemd's $SERVICE_RESULT (systemd.exec(5)); the rule matches Restart=on-failure:
-
-    success   the daemon ended cleanly (a stop, or exit 0 / SIGHUP / SIGINT / SIGTERM /
-              SIGPIPE): on-failure does not restart it. Reaped (normally nothing is left).
-    timeout   systemd sent SIGTERM because a start or stop ran out of time, and SIGKILL if
-              the daemon overran TimeoutStopSec: the daemon was stopping its engines when it
-              died. Reaped.
-    other     exit-code, signal, core-dump, watchdog, oom-kill, protocol, resources: a crash
-              that on-failure restarts, and the new daemon re-adopts the engines. Left alone.
-    unset     not run by systemd: nothing is done unless --force.
-
-A daemon that still runs with the same directories (it holds their supervisor.lock) is never
-reaped from. Every outcome is one log line per group; the exit status is always 0, so a
-failing reaper never masks the unit's own result.
+The unit's KillMode=process lets engines outlive a crashed daemon, to be re-adopted by the one
+systemd restarts; when a stop overruns TimeoutStopSec, though, systemd kills the daemon alone.
+This stops those engines, and only ours (the journal's, checked as adoption would, and our
+engine servers on a configured port), each group with SIGTERM then SIGKILL, when
+$SERVICE_RESULT says systemd will not restart the daemon (success, timeout; unset: only with
+--force). Never while a daemon holds the directories' lock; the exit status is always 0.
 """
 
 from __future__ import annotations

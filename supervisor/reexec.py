@@ -1,21 +1,12 @@
-"""Reload in place: SIGHUP re-executes the daemon with no engine restart.
+"""Reload in place: SIGHUP re-executes the daemon with no engine restart (docs/operations.md,
+Reload in place).
 
-`systemctl reload` (ExecReload= sends SIGHUP) or `kill -HUP PID`: the daemon checks that the
-installed daemon will start (`--check-config` run by the same interpreter and argv, so an
-upgrade that cannot even import is caught here), lets syncs in flight end, detaches from its
-engines without stopping them, writes its journal, and execs itself. The pid stays (systemd's
-MainPID, the engines' parent); the new image is whatever is installed now, and it re-adopts
-every engine from the journal as after a kill -9, keeping the round and the weight version.
-
-The lock files (one daemon per runtime and state directory) are handed over open across the
-exec, so no second daemon can take them in between: their fds and the pid they were meant for
-travel in $VIME_SUPERVISOR_HANDOVER, which the new image reads and removes.
-
-So does the listening control socket: the old image stops accepting (calls made from then on
-wait in the socket's backlog), ends what it had accepted, and execs; the new image checks the
-descriptor is that socket and serves on it, so a call made during a reload is answered by the
-new image instead of refused. A descriptor that fails the check is not used: the new image
-binds afresh, as a daemon started from nothing does.
+The daemon checks the installed daemon will start (--check-config by the same interpreter and
+argv), lets syncs end, detaches from its engines, writes its journal and execs itself; the new
+image re-adopts every engine from the journal. The lock files and the listening control socket
+are handed over open across the exec ($VIME_SUPERVISOR_HANDOVER), so no second daemon takes
+the locks in between and a call made during the reload waits in the backlog instead of being
+refused; a descriptor that fails the new image's check is not used.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Continuing a request from its partial output: what the rollout client (rollout.py) does
-when an engine fails mid-answer. The output tokens received so far become the prompt's tail on
-another engine at the same weight version, and the sample's text is stitched across the split.
+"""Continuing a request from its partial output, when an engine fails mid-answer: the output
+tokens received become the prompt's tail on another engine at the same weight version, and the
+sample's text is stitched across the split (docs/rollout.md).
 
 The pure parts (which sampling parameters can be continued, and how they change) are
 functions here; the rest is `Continuation`, the half of RolloutClient that builds the sample

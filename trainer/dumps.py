@@ -1,63 +1,8 @@
-"""Debug rollout dumps (slime's `--save-debug-rollout-data` convention) and the training batch.
+"""Debug rollout dumps (slime's `--save-debug-rollout-data` convention) and the training batch
+built from them: `save_rollout`, `load_rollout`, `build_training_batch`.
 
-Every round's samples can be written to a file named by a template with `{rollout_id}`:
-
-    from vime.trainer.dumps import Sample, save_rollout, load_rollout, build_training_batch
-    path = save_rollout("dumps/rollout_{rollout_id}.jsonl", 412, samples, weight_version=118)
-    dump = load_rollout(path)                  # RolloutDump: .samples, .rollout_id, .weight_version
-    batch = build_training_batch(dump.samples) # what the RL step trains on
-
-and a replay of the dump gives the same training batch, tensor for tensor:
-`build_training_batch(load_rollout(p).samples)` equals `build_training_batch(samples)`.
-
-File format (version 2; version 1 files load too): UTF-8 JSON lines, written atomically (a temporary file in the same
-directory, then rename), so a crash never leaves a half-written dump under the final name.
-
-    line 1      the header, one JSON object:
-                {"format": "vime-rollout-dump", "version": 2, "rollout_id": 412,
-                 "weight_version": 118, "created": 1718000000.123 (time.time()),
-                 "created_iso": "2024-06-10T06:13:20.123000+00:00", "num_samples": 64,
-                 "meta": {...every other keyword given to save_rollout...}}
-    lines 2..   one JSON object per sample, in order, exactly `num_samples` of them:
-                {"prompt": str, "response": str, "prompt_token_ids": [int], "output_token_ids": [int],
-                 "logprobs": [float] | null (one per output token), "reward": float | null,
-                 "engine": str | null, "finish_reason": str | null, "attempts": int,
-                 "timings": {"sent": s, "attempt_sent": s, "first_token": s, "finished": s}
-                            (epoch seconds; those the result had),
-                 "weight_version": int | str | null, "group": str | null, "metadata": {...},
-                 "splits": [{"engine", "weight_version", "offset", "tokens", "outcome", "seed", "dropped"}],
-                 "started_over": [{"engine", "weight_version", "tokens", "reason"}]}
-
-                splits: the sample's pieces (RolloutResult.splits): output tokens
-                [offset, offset + tokens) came from that engine at that weight version; more
-                than one when a request cut by a fault was continued from its streamed
-                tokens (the last piece's outcome is "ok"; "dropped": tokens received after
-                the piece's end, thrown away to split between characters). started_over: partial outputs
-                thrown away before it, and why. Both are [] when not recorded (version 1
-                files have neither: they load with []).
-
-It is greppable on purpose (`grep -c . dumps/rollout_412.jsonl` is num_samples + 1;
-`jq -c 'select(.reward == 0) | .response' ...`). Floats are written by Python's json (shortest
-repr, so they read back bit-identical); a non-finite logprob is written as `-Infinity`/`NaN`,
-which Python's json (and jq) read, strict JSON parsers do not.
-
-load_rollout checks, with messages that name the file and the line: that the file exists
-(FileNotFoundError), that line 1 is a header of this format and version, that every line parses
-(a cut-off last line is reported as truncated), and that there are exactly `num_samples` sample
-lines (fewer: truncated). Content errors are DumpFormatError (a ValueError).
-
-The training batch (build_training_batch) is a dict of torch tensors, B samples, L = the longest
-prompt + output:
-
-    input_ids       int64   [B, L]  prompt ids then output ids, right-padded with pad_id
-    attention_mask  int64   [B, L]  1 on real tokens
-    loss_mask       int64   [B, L]  1 on output tokens only
-    old_logprobs    float32 [B, L]  the engine's logprob of each output token, at that token's
-                                    position (0 elsewhere)
-    rewards         float32 [B]
-    advantages      float32 [B]     reward - mean reward of the sample's group (GRPO baseline);
-                                    the group is `sample.group`, or the prompt when that is None
-    prompt_lengths, response_lengths  int64 [B]
+A replayed dump gives the same batch, tensor for tensor. The file format, what `load_rollout`
+rejects, and the batch's tensors are in docs/rollout.md (Debug rollout dumps).
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@ current weights into the one restarted engine the daemon names (docs/weights.md)
 
     agent = ResyncAgent(SupervisorClient(), lambda: (published_version, model.named_parameters()),
                         lock=trainer_lock).start()
-    ...
-    agent.stop()
 """
 
 from __future__ import annotations

@@ -1,79 +1,12 @@
-"""The trainer's rollout client: OpenAI-compatible requests to the engines the daemon routes to.
-
-    from vime.supervisor.client import AsyncSupervisorClient
-    from vime.trainer.rollout import RolloutClient
+"""The trainer's rollout client, `RolloutClient`: OpenAI-compatible requests to the engines the
+daemon routes to, each re-sent elsewhere when its engine fails, continued from the tokens it
+already streamed, and answered exactly once or raised as a `RolloutError`.
 
     async with RolloutClient(AsyncSupervisorClient()) as rollout:
-        r = await rollout.complete("the quick brown", max_tokens=64, temperature=1.0)
-        r.text, r.token_ids, r.finish_reason, r.engine, r.attempts
-        results = await rollout.gather(prompts, max_tokens=64)          # bounded concurrency
-        r = await rollout.chat([{"role": "user", "content": "hi"}], max_tokens=32)
+        results = await rollout.gather(prompts, max_tokens=64)
 
-Membership. The routable engines and the membership epoch come from the daemon
-(`routable_engines()`). They are read again after every failed attempt, every
-`refresh_interval` seconds, and whenever the daemon's event stream announces a membership
-change (a background task follows `events()`; `follow_events=False` turns it off).
-
-Routing. Each attempt goes to the routable engine with the fewest requests outstanding from
-this client (ties: round robin), never to an engine that already failed this request. An
-engine that just aborted a request (paused for a weight sync) or failed one is a last resort
-for every request for `cooldown` seconds.
-
-Failures. An attempt whose engine refused the connection, dropped it (died), timed out,
-answered 5xx, sent a malformed stream (a line that is not JSON, a chunk of the wrong shape,
-broken HTTP), or whose stream ended without a finish reason, is re-sent to another engine
-(tenacity: `stop_after_attempt(max_attempts)`, `wait_random_exponential`), and reported to the
-daemon (`report_failure`, best effort: in the background, never raising; reports for one engine
-are coalesced to one per `cooldown`, so a burst of requests failing together on one engine
-counts once toward its failure threshold). An attempt that answered 200 with finish_reason
-"abort" was cut by a pause (`POST /pause?mode=abort`, a weight sync): the request is re-sent
-(continued from its partial output, see below), preferably to another engine, else to the same one (vLLM
-queues requests while paused); an abort is not reported. vLLM drops the abort chunk of a
-request aborted before its first token and ends that stream cleanly ([DONE] without a finish
-reason): that is an abort too, while a stream cut without [DONE] is a death. A 4xx (a bad request) is not retried:
-`RolloutRequestError`. A streamed line longer than `max_line_bytes` (64 MiB by default) is
-not retried nor reported either (every engine would send the same answer to the same
-request): `RolloutResponseTooLarge`. When no routable engine is left that has not failed this
-request: `NoEngineAvailable`. After `max_attempts`: `RolloutFailed`. All are `RolloutError`;
-whatever an engine answers, nothing else is raised for it.
-
-Continuation (`continue_partial=True`, the default): when an attempt fails after tokens were
-streamed (died, 5xx, timed out, malformed, or aborted by a pause), the next attempt does not
-generate them again. It is a /v1/completions request whose `prompt` is the prompt's token ids
-(vLLM sends them on the first chunk; a chat request's rendered prompt, so a chat continues as a
-completion on token ids) plus the output token ids received so far, with `max_tokens` (and
-`min_tokens`) reduced by what was received and the same sampling parameters (see
-`continuation_sampling` for what each one becomes). The answer is ONE sample: token ids, text
-and logprobs concatenated, and `RolloutResult.splits` records each piece (engine, weight
-version, token offset, token count, how its attempt ended). It goes only to an engine listed
-at the weight version the received tokens were made on, and only while the daemon's published
-version is the one they were made under; else (no such engine routable, the version changed,
-a parameter that cannot be continued faithfully: stop strings, output penalties, structured
-output; no token ids) the request starts over from its prompt, and `RolloutResult.started_over`
-says why and how many tokens were thrown away. Every token received is kept, even when the
-split falls inside a multi-byte character (vLLM holds back the text of a token that ends
-inside one, and its detokenizer, primed with a prompt that ends inside one, streams the whole
-prompt's text again): the text across such a split is built from the token ids with the
-engine's POST /detokenize (vLLM's streamed text is that decode with special tokens skipped and
-an unfinished character at the end left out; `_window_text`). Only an engine whose /detokenize
-does not answer has the prefix cut back to its last whole character (`Split.dropped`,
-regenerated). `RolloutStats` counts tokens received before a
-fault, reused, and regenerated (thrown away, so generated again). `continue_partial=False`
-starts every failed request over (the tokens count as regenerated). `progress()` is a
-read-only view of what each request in flight has received.
-
-Exactly once: a logical request returns one `RolloutResult` or raises; partial and aborted
-outputs are never returned (a continued sample is one result: its pieces are never returned
-alone). Attempts use their own connections (no pooled keep-alive socket
-is reused), so a dropped connection always means the engine dropped that attempt.
-
-Streaming: every attempt is sent with `"stream": true` (server-sent events), so the result has
-the time of the first token; `"return_token_ids": true` (vLLM >= 0.10, checked on 0.32) gives
-the generated token ids; pass `logprobs=N` (completions) or `logprobs=True` (chat) for the
-sampled tokens' logprobs. Times are wall-clock (`time.time()`). The stream is split into
-lines here, not by aiohttp's `readline` (its 512 KiB line limit raised `LineTooLong` for long
-prompts: vLLM's first chunk carries every prompt token id, about 8 bytes each, so a prompt of
-~65k tokens made one line over the limit).
+The continuation's half is continuation.py, the types both use rollout_types.py; how routing,
+re-sending and continuation behave is docs/rollout.md.
 """
 
 from __future__ import annotations

@@ -1,52 +1,8 @@
-"""Traces of a training job's rollouts and of the supervisor daemon, in one Chrome trace file.
+"""Traces of a training job's rollouts and of the daemon, in one Chrome trace-event file
+(Perfetto opens it): `Tracer`, `DaemonEventRecorder` (the daemon's events, in a thread), and
+`long_tail_summary` / `format_summary` (each round's latency percentiles and slowest requests).
 
-    from vime.trainer.trace import Tracer, DaemonEventRecorder, long_tail_summary, format_summary
-    tracer = Tracer()
-    with DaemonEventRecorder(SupervisorClient(), tracer):        # the daemon's events, in a thread
-        with tracer.round(412):                                  # a round span
-            for r in results:                                    # rollout results, dicts or objects
-                tracer.add_request(r)
-        with tracer.span("train step 412"):
-            ...
-    tracer.write("trace.json")          # open in https://ui.perfetto.dev or chrome://tracing
-    print(format_summary(tracer.summaries()))                    # the long tail of each round
-
-The file is the Chrome trace-event JSON format: {"traceEvents": [...], "displayTimeUnit": "ms",
-"otherData": {"origin_unix_s": ...}}. ts and dur are integer microseconds since origin_unix_s
-(the earliest time in the trace). Two processes:
-
-  pid 1 "trainer"                  tid "rounds": one "X" span per round (start to end);
-                                   tid "requests <engine>" per engine: one "X" span per request
-                                   (first send to finished) with children: for a re-sent
-                                   request one span per attempt when the attempts carry their
-                                   own times, else (RolloutResult: only attempt_sent) one span
-                                   for the earlier attempts and one for the answering attempt;
-                                   inside the answering attempt (or the request)
-                                   "queue+prefill" (its send to first token) and "decode"
-                                   (first token to finished); args carry tokens, attempts,
-                                   attempt_outcomes ("engine-0: refused", ...), finish_reason,
-                                   round, latency_s, ttft_s;
-                                   tid "<track>" for spans added with span()/add_span().
-  pid 2 "vime-supervisor daemon"   tid "fleet": "i" instants for events without an engine
-                                   (round_start/end, membership, floor_breach, weights_published,
-                                   hello, reconnected);
-                                   tid "<engine>" per engine: "i" instants for its events
-                                   (transition "STARTING -> EXITED", detection, sync_request,
-                                   sync_verified, sync_failed, failure_reported, retired) and "X"
-                                   spans of the states it was in, from its transitions.
-
-"X" spans on one track never overlap partially (concurrent requests on one engine go to extra
-lanes, "requests <engine> [2]", ...), which is what the viewers need to draw them. "M"
-metadata events name every process and thread and order them.
-
-Times are wall-clock seconds (time.time(), as the daemon's events carry). A time below 1e9 is
-taken as a monotonic clock reading (time.monotonic()/perf_counter() on Linux) and converted
-with the offset measured when the Tracer was made.
-
-long_tail_summary(results) gives one round's latency percentiles (latency: first send to
-finished, re-sends included; ttft: the answering attempt's send to its first token; linear
-interpolation between order statistics, as numpy's default), the slowest N requests and their
-engines, and per-engine numbers; format_summary() makes a text table of it; save_summary() writes it.
+The tracks and what each span carries are in docs/rollout.md (Traces).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""The client of the supervisor's control socket (HTTP/JSON over a Unix socket).
+"""The client of the supervisor's control socket (HTTP/JSON over a Unix socket): `SupervisorClient`
+(blocking) and `AsyncSupervisorClient` (asyncio), the same verbs from one table (calls.py),
+and their typed errors (docs/control-socket.md).
 
-    from vime.supervisor.client import SupervisorClient          # plain code, no event loop
-    sup = SupervisorClient()                                     # $VIME_SUPERVISOR_SOCKET or the default
-    with sup.round(412):                                         # starts round 412, ends it (also on error)
+    sup = SupervisorClient()                 # $VIME_SUPERVISOR_SOCKET or the default
+    with sup.round(412):
         urls = [e["url"] for e in sup.routable_engines()["engines"]]
-    sup.publish_weights(413, "/ckpt/step-413")
-
-    from vime.supervisor.client import AsyncSupervisorClient     # asyncio trainers (aiohttp)
-    async with AsyncSupervisorClient().round(412):
-        ...
-
-Both clients take their verbs from one table (calls.Verbs). Each call has its own connection;
-one that cannot connect is retried for `connect_timeout`, then raises DaemonUnreachable; one
-dropped after it was sent is resent only when the verb is idempotent, else ConnectionLost.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""supervisorctl for vime-supervisor: status, engine actions and logs over the control socket.
+"""supervisorctl for vime-supervisor: status, engine actions and logs over the control socket,
+with supervisord 4.3's names, output and exit statuses (docs/supervisorctl.md).
 
     supervisorctl [--socket PATH] status [NAME|all|GLOB ...] [--json]
-    supervisorctl start|restart [--no-wait] NAME|all|GLOB ...
-    supervisorctl stop|retire NAME|all|GLOB ...
-    supervisorctl signal SIG NAME|all|GLOB ...
-    supervisorctl pid [NAME|all|GLOB ...]
-    supervisorctl tail [-f] [-BYTES] NAME [stdout|stderr]
-    supervisorctl maintail [-f] [-BYTES]
-    supervisorctl avail | version | incidents | pushes
-
-Names, output and exit statuses follow supervisord 4.3's supervisorctl. A NAME may be `all`,
-`NAME:*` (each engine is a group of one, as a supervisord program with one process), or a shell
-glob (`engine-*`); `all` and patterns take only the engines the verb applies to (`stop all`
-skips attached and stopped ones), as supervisord's `all` and `group:*` do.
-
-Exit statuses: `status` 3 when a listed engine is STOPPED, EXITED or FATAL (supervisord's
-STOPPED_STATES), else 0; 4 for an unknown NAME. Other verbs: 0 ok, 1 refused or no such name, 2 usage, 7 an engine that
-is not running (a start that failed, `signal`/`pid` of an engine with no process). 4 whenever
-the daemon cannot be reached or refuses us. The socket is --socket, else $VIME_SUPERVISOR_SOCKET,
-else /run/vime-supervisor/supervisor.sock.
+    supervisorctl start|restart|stop|retire|signal SIG|pid NAME|all|GLOB ...
+    supervisorctl tail [-f] [-BYTES] NAME [stdout|stderr] | maintail | avail | version | incidents | pushes
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
-"""`supervisorctl`: ours (vime.supervisor.client.cli), or supervisord's when the invocation is aimed at it.
+"""`supervisorctl`: ours (vime.supervisor.client.cli), or supervisord's when the invocation is
+aimed at it (vLLM pulls in supervisord, whose wheel ships a `supervisorctl` too);
+`vime-supervisorctl` is always ours.
 
-vLLM pulls in supervisord (PyPI "supervisor"), whose wheel ships a `supervisorctl` too. Our
-`supervisorctl` is this dispatcher; `vime-supervisorctl` is always ours (vime.supervisor.client.cli:main).
-The first rule that applies decides:
-
-1. $VIME_SUPERVISORCTL=vime or =supervisord: that one, whatever the arguments.
-2. supervisord is not installed: ours.
-3. An option only supervisord's has, before the action: -c/--configuration, -u/--username,
-   -p/--password, -i/--interactive, -r/--history_file, -?, or -s/--serverurl with a URL
-   (unix:///..., http://...): supervisord's. Ours has -s/--socket PATH, a plain path.
-4. An option of ours (-s PATH, --socket, --connect-timeout, --timeout) or -h/--help: ours.
-5. An action ours does not have (reread, update, add, remove, reload, shutdown, clear, fg, help, ...) while a
-   supervisord config file exists where supervisord's supervisorctl looks for one: supervisord's.
-6. Our control socket is there (-s PATH, else $VIME_SUPERVISOR_SOCKET, else
-   /run/vime-supervisor/supervisor.sock exists; a restarting or crashed daemon's socket counts, so
-   ours says what is wrong with it): ours.
-7. A supervisord config file exists in supervisord's search list: supervisord's.
-8. Otherwise ours.
-
-Handing over runs supervisord's `supervisor.supervisorctl.main(args)` in this process, so its
-output and exit statuses are its own.
-
-    python -m vime.supervisor.supervisorctl [ARGS...]
+The rules, first match wins, are in docs/supervisorctl.md (beside supervisord): an explicit
+$VIME_SUPERVISORCTL, supervisord's own options or actions, our options, our control socket,
+a supervisord config file. Handing over runs supervisord's `supervisor.supervisorctl.main(args)`
+in this process, so its output and exit statuses are its own.
 """
 
 from __future__ import annotations

@@ -2,15 +2,11 @@
 spawned router), and what a previous daemon image left of one engine.
 
 A process a journal names is adopted only if it is still that very process (same boot, same
-/proc start time), still leads its own process group, is a process of ours serving the
-journal's port, and this config would start it the same way (`verdict`, pure). A process no
-journal names is taken for ours only if a daemon of ours spawned it (`spawned_leader`: a group
-leader that leads its own session, or carries SPAWN_MARK in its environment). The facts are
-read from /proc here (`judge_engine`, `judge_router`, `take_over`); nothing else in the daemon
-reads them for this question (tests/unit/test_layout.py holds the rule).
-
-`Adoption` is what the runner reads while an adopted engine is checked again, so a spare stays
-a spare and a serving engine keeps serving.
+/proc start time), leads its own group, serves the journal's port, and this config would start
+it the same way (`verdict`, pure); one no journal names only if a daemon of ours spawned it
+(`spawned_leader`). The /proc facts are read here (`judge_engine`, `judge_router`, `take_over`)
+and nowhere else for this question (tests/unit/test_layout.py). `Adoption` is what the runner
+reads while an adopted engine is checked again. Docs: docs/operations.md.
 """
 
 from __future__ import annotations

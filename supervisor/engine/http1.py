@@ -1,21 +1,12 @@
 """A minimal HTTP/1.1 client for the heartbeat: one kept-alive connection to one engine.
 
-Every healthy heartbeat is one POST /v1/completions. aiohttp's client spends about 0.3 ms of
-CPU on each request (its request/response objects, connector bookkeeping, timers, header
-multidicts), which at 1024 engines probed once a second is a third of a core spent on
-nothing but probing. The probe needs very little of HTTP: send one small JSON body on a
-connection we keep open, read one small answer. That is what this does, on asyncio streams.
-
-What it handles: Content-Length and chunked bodies, bodies ended by the server closing the
-connection, `Connection: close`, a kept-alive connection the server closed while idle (the
-request is retried once on a fresh connection), answers too large to be a probe's (capped).
-What it does not: TLS, redirects, proxies, compression (we never send Accept-Encoding),
-request pipelining. Errors come out as three kinds, for the prober to name:
-
-- the connection could not be made: the OSError from connecting (ConnectionRefusedError...);
-- no complete answer within the timeout: asyncio.TimeoutError;
-- anything wrong after connecting (the server hung up mid-answer, reset us, answered
-  something that is not HTTP/1.x, answered too much): HttpProtocolError.
+Every healthy heartbeat is one POST /v1/completions, and aiohttp's client spends about 0.3 ms
+of CPU on each (a third of a core at 1024 engines a second; docs/concepts.md). This sends one
+small JSON body and reads one small answer on asyncio streams: Content-Length, chunked and
+close-delimited bodies, a kept connection closed while idle (retried once), an answer capped at
+a probe's size; no TLS, redirects, proxies, compression or pipelining. Errors are three kinds
+for the prober: the connect's OSError, asyncio.TimeoutError, and HttpProtocolError for anything
+wrong after connecting.
 """
 
 from __future__ import annotations

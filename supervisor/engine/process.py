@@ -1,17 +1,11 @@
-"""Engine processes: spawn in a group of their own, see exits at once, stop the whole group.
+"""Engine processes: spawn in a group of their own, see exits at once (a pidfd), stop the whole
+group; `ChildProcess` serves the spawned router too.
 
-vLLM's server forks `VLLM::EngineCore` and `VLLM::Worker` children that share one title
-across every instance, so we never kill by name: each server leads its own process group
-and every signal goes to that group.
-
-The group stays in the daemon's session (setpgid, as supervisord does; not setsid). With the
-kernel's autogroup scheduling (sched_autogroup_enabled, on by default) every session is a
-scheduling group of its own, and a process in another session pinned to a core where a loaded
-engine's Worker runs got 0.00 s of CPU in 10 s here (6.04 s when both share a session;
-`bench/session_starvation.py`): a restarted engine's boot could starve for minutes beside a
-busy one. The cost: an engine group left orphaned with a stopped member (its daemon killed
-while an EngineCore is SIGSTOPped) gets the kernel's SIGHUP and SIGCONT, and ends (vLLM
-sets no SIGHUP handler); the restarted daemon finds it gone and starts it again.
+vLLM's server forks `VLLM::EngineCore` and `VLLM::Worker` children that share one title across
+every instance, so nothing is killed by name: each server leads its own process group and every
+signal goes to that group. The group stays in the daemon's session (setpgid, as supervisord
+does): across sessions the kernel's autogroups starved a restarted engine's boot beside a busy
+one (docs/deployment.md, bench/session_starvation.py).
 """
 
 from __future__ import annotations

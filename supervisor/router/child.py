@@ -1,24 +1,13 @@
-"""The router as a child of the daemon ([router] spawn = true), run like an engine.
+"""The router as a child of the daemon ([router] spawn = true), run like an engine
+(docs/router.md).
 
-It leads a session and process group of its own (vllm-router rewrites its environment, so
-leading its session is what marks it ours; engines stay in the daemon's), is started before the
-feed's first reconcile, restarted when it dies (at once if it had answered, else with
-[restart]'s backoff, doubling per start in a row that never answered), and the feed is woken
-the moment it answers again, so it is re-filled with the routable engines at once. Its pid,
-start time and the fingerprint of the config that started it are in the journal: a restarted or
-reloaded daemon adopts it only if that pid is still that very process (same /proc start time,
-still leading its group) and this config would start the same router; one that is ours but not
-wanted is stopped. On the daemon's shutdown it is stopped last, after the engines left its
-list.
-
-The decisions (the command, the backoff) are pure functions apart from the process I/O
-(RouterChild), so that they are unit-tested alone; whether a journal's router is ours to adopt
-is the engines' one verdict (engine/adoption.py). It runs as a process.ChildProcess, as an
-engine's incarnation does.
-
-The engines' API key is not given to it: vllm-router 0.1.17 reads no key from its environment,
-has only a command-line flag (--api-key, refused in router.args), and forwards each client's
-own Authorization header to the engine it routes to.
+It leads a session of its own (vllm-router rewrites its environment, so leading its session is
+what marks it ours), starts before the feed's first reconcile, is restarted when it dies (at
+once if it had answered, else with [restart]'s backoff), refills the feed the moment it answers
+again, is journaled and adopted by engine/adoption.py's one verdict, and stops last. The
+decisions (the command, the backoff) are pure functions; `RouterChild` does the process I/O
+through process.ChildProcess, as an engine's incarnation does. The engines' API key is not
+given to it (vllm-router forwards each client's own Authorization header).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""SMG's admin API (sgl-model-gateway, PyPI smg 1.13.0; sglang-router 0.3.2, its predecessor,
-answers the same routes): GET /workers, POST /workers {"url", "worker_type"},
-GET /workers/{id}, DELETE /workers/{id} (by the id SMG gave the worker, not by URL).
+"""SMG's admin API (sgl-model-gateway, PyPI smg 1.13.0; sglang-router 0.3.2 answers the same
+routes): GET /workers, POST /workers, GET /workers/{id}, DELETE /workers/{id} (by SMG's id).
 
-Both writes are queued jobs: POST and DELETE answer 202 at once and the router acts later.
-Each call here waits, within its one bounded attempt, for the router to have acted:
-- an add returns once GET /workers/{id} says `ready` (SMG) or the job ended and the worker is
-  listed healthy (sglang-router, which has no `status`); a job that failed or a worker still
-  pending at the bound is a transient error. A pending add cannot be cancelled: a DELETE does
-  not find a worker that is not yet listed, and the add completes whenever the URL answers
-  (up to SMG's --worker-startup-timeout-secs). The feed's list watch removes it then.
-- a removal finds the URL's ids in the list, DELETEs each, and returns once each is gone or
-  `draining`: SMG first marks it Draining (its policies stop selecting it) and drops it
-  after a settle time (5 s); sglang-router drops it at once.
-`workers()` leaves out the draining ones: SMG routes nothing more to them.
+Both writes are queued jobs (202 at once); each call here waits, within its one bounded
+attempt, for the router to have acted: an add until the worker is ready (or listed healthy), a
+removal until each of the URL's ids is gone or draining. A pending add cannot be cancelled; the
+feed's list watch removes it once it lands. `workers()` leaves out draining workers. The
+details are in docs/router.md.
 """
 
 from __future__ import annotations
