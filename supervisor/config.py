@@ -1,12 +1,10 @@
-"""Configuration: a TOML file, then command-line flags over it, validated before anything starts.
+"""Configuration: a TOML file, then command-line flags over it, validated before anything starts
+(docs/configuration.md; every key in systemd/vime-supervisor.example.toml).
 
-Every problem is collected and reported as one line (`ConfigError.problems`), so an operator
-fixes a bad file in one pass. See systemd/vime-supervisor.example.toml for every key.
-
-What can be set is declared once, in settings.py (each key's type, default, bounds, flag, help
-and docs text on its field); the key tables, the flags, the simple bounds and
-docs/configuration.md's table (`python -m vime.supervisor.config --write-docs`) are read from
-there. The rules across keys, and those that look outside the file, are written out here.
+What can be set is declared once, in settings.py; the key tables, the flags, the simple bounds
+and the docs' table (`python -m vime.supervisor.config --write-docs`) are read from there. The
+rules across keys, and those that look outside the file, are written out here. Every problem is
+collected into one report (`ConfigError.problems`), so a bad file is fixed in one pass.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The daemon: `vime-supervisor --config FILE [flags]` (or `python -m vime.supervisor`).
 
-`Supervisor` is the composition root: it builds the fleet's policy, the event bus, the
-statistics, the router's owner (router/link.py, handed to the fleet, the journal, status and the
-metrics), the fleet, the engines' runners and the sync coordinator, wires the listeners of the
-bus (statistics, then fleet, then sync: a detection is on the stream before its transition),
-has what a previous daemon left adopted or stopped (restore.py), and owns every long-lived task
-in one `TaskSet`, closed in one place.
+`Supervisor` is the composition root: it builds every part, hands each what it needs, wires the
+bus's listeners in order and owns every long-lived task in one `TaskSet`. Its object graph is
+in docs/architecture.md (checked by tests/unit/test_architecture_doc.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""The daemon's event bus: what happened, told to readers of the control socket's stream and
-to the components inside the daemon.
+"""The daemon's event bus: what happened, told to readers of the control socket's stream and to
+the components inside the daemon (the events: docs/operations.md).
 
-Two kinds of reader:
-- `Subscription`s (the control socket's event streams, the daemon's journal follower) get
-  every emitted event as a dict on a bounded queue; a reader that falls too far behind loses
-  its stream (`lost`), never our memory.
-- `Listener`s (the statistics, the fleet, the sync coordinator), wired at start-up in order,
-  are called synchronously on every engine transition, heartbeat, routing change, round
-  boundary and publication: one caller (the bus) instead of components calling each other.
+`Subscription`s (the socket's event streams, the journal follower) get every event as a dict on
+a bounded queue; one that falls too far behind loses its stream, never our memory. `Listener`s
+(the statistics, the fleet, the sync and push coordinators, the router feed), wired at start-up
+in order, are called synchronously on every engine transition, heartbeat, routing change, round
+boundary and publication: one caller instead of components calling each other.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""Structured logs: one JSON object per line on stderr.
+"""Structured logs: one JSON object per line on stderr, stdlib logging's (aiohttp, asyncio)
+included.
 
-Libraries that use stdlib logging (aiohttp, asyncio) are rendered the same way, so the
-stream stays one JSON object per line even when they report an error.
-
-Under systemd (stderr connected to the journal, as JOURNAL_STREAM says) each line starts with
-its sd-daemon priority, `<3>` error, `<4>` warning, `<6>` info, `<7>` debug: journald strips it
-and files the line at that PRIORITY, so `journalctl -p warning` shows warnings and errors.
-Anywhere else the lines are plain JSON.
+Under systemd (JOURNAL_STREAM) each line starts with its sd-daemon priority (`<3>` error to
+`<7>` debug), which journald strips and files the line under, so `journalctl -p warning` works
+(docs/operations.md).
 """
 
 from __future__ import annotations

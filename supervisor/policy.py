@@ -1,11 +1,8 @@
-"""The fleet's decisions, pure: no I/O, no engines, an injected clock.
+"""The fleet's decisions, pure: no I/O, no engines, an injected clock (docs/concepts.md).
 
-Rounds (one open at a time, numbers only grow), the published weight version (only grows; one
-checkpoint per version), whether a dead engine may restart now (only in a round gap, unless
-restart_immediately), why a ready engine is held out of routing (a round is open, unless
-admit_mid_round: then an engine at the current version joins at once), who is
-routable, the membership epoch (it moves whenever the routable set changes) and the
-min_healthy floor (armed once the fleet first reached it). `Fleet` (fleet.py) carries the
+Rounds, the published weight version, whether a dead engine may restart now, why a ready
+engine is held out of routing, who is routable, the membership epoch (it moves whenever the
+routable set changes), the min_healthy floor and the spares. `Fleet` (fleet.py) carries the
 decisions out: it logs, emits events and calls the engines' runners.
 """
 

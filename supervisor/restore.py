@@ -1,10 +1,9 @@
 """Pick up where a previous daemon left off: the round, the weight version, and every child
 process it left running (engines and the spawned router), each adopted or stopped.
 
-Nothing is left unsupervised: a process of ours is adopted (same boot, same process, same
-config: engine/adoption.py's one verdict) or stopped, whether the journal names it (not
-adopted, no longer configured, now attached) or cannot (the journal was unreadable, or of
-another boot): then our engines are found by their command line and configured port.
+Nothing is left unsupervised: a process of ours is adopted (engine/adoption.py's one verdict) or
+stopped, whether the journal names it or cannot (unreadable, or of another boot: then our
+engines are found by their command line and configured port). Docs: docs/operations.md.
 """
 
 from __future__ import annotations

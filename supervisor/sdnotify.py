@@ -1,10 +1,8 @@
-"""systemd's notify protocol (sd_notify(3)), in the few lines it takes.
+"""systemd's notify protocol (sd_notify(3)), in the few lines it takes (docs/deployment.md).
 
-READY=1 once the control socket listens and the first start of every engine has concluded;
-STATUS= on every fleet change; WATCHDOG=1 from the event loop at half of WATCHDOG_USEC;
-STOPPING=1 at shutdown; EXTEND_TIMEOUT_USEC= while first starts run past TimeoutStartSec;
-RELOADING=1 before a re-exec (READY=1 again after). Nothing at all when NOTIFY_SOCKET is unset
-(not under systemd).
+READY=1 once the control socket listens and every engine's first start has concluded; STATUS=
+on every fleet change; WATCHDOG=1; STOPPING=1; EXTEND_TIMEOUT_USEC= while first starts run long;
+RELOADING=1 before a re-exec. Nothing at all when NOTIFY_SOCKET is unset.
 """
 
 from __future__ import annotations

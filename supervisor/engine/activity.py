@@ -1,11 +1,9 @@
-"""What an engine's processes are doing, as the operating system sees it (Linux /proc).
+"""What an engine's processes are doing, as Linux's /proc sees it: busy or hung when a probe is
+late (docs/concepts.md).
 
-vLLM's counters move only when an engine step ends. One step can take seconds with no counter
-moving: a first-use compile (torch inductor runs the C++ compiler), a long prefill, a large
-batch. The process group's CPU time tells that busy engine from a hung one: measured here, a
-compiling Worker burns ~97% of a core while a SIGSTOPped EngineCore's group burns under 1%
-(3-4 clock ticks in 5 s). A member in state T is stopped: hung whatever else it shows.
-
+vLLM's counters move only when an engine step ends, and one step (a first-use compile, a long
+prefill) can take seconds. The process group's CPU time tells the two apart: a compiling Worker
+burns ~97% of a core, a SIGSTOPped EngineCore's group under 1%; a member in state T is hung.
 Reading is I/O (`sample_group`); judging two samples is pure (`cpu_seconds`, `busy`).
 """
 

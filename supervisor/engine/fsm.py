@@ -1,11 +1,10 @@
-"""The pure per-engine state machine: no I/O, no sleeping, an injected clock.
+"""The pure per-engine state machine: no I/O, no sleeping, an injected clock (docs/concepts.md).
 
-The runner (supervisor/engine/runner.py) feeds it what it saw (spawned, ready, a probe result, the
-process exited) and carries out what it decides (stop now, back off for d seconds, give up).
-Every state change is one Transition handed to `on_transition`: the runner passes it to the
-event bus (events.py), where the fleet makes it one structured log event and one event on the
-control socket's stream. Each carries a structured `cause` (states.Cause) for machines beside
-its `reason` for people. Only the runner calls the inputs below.
+The runner (engine/runner.py) feeds it what it saw (spawned, ready, a probe result, the process
+exited) and carries out what it decides (stop now, back off for d seconds, give up). Every state
+change is one Transition, with a structured `cause` (states.Cause) beside its `reason` for
+people, handed to `on_transition`: the runner passes it to the event bus. Only the runner calls
+the inputs below.
 """
 
 from __future__ import annotations

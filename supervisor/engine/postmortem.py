@@ -1,12 +1,11 @@
-"""Post-mortem before a kill: what a hung engine looked like, saved before it is stopped.
+"""Post-mortem before a kill: what an engine looked like, saved before it is stopped
+(docs/operations.md).
 
-For an engine about to be stopped as unhealthy (or poisoned), whose start ran out of first_wait,
-or whose stop outlived stop_timeout, one folder per incident under `<log_dir>/incidents/`: why
-(incident.json, with this incarnation's probe history and each process's state and CPU time),
-the tail of its log, a
-`/metrics` snapshot if it still answers, and a `py-spy dump` of each of its processes when
-py-spy is installed. The whole capture is bounded in time: a wedged engine must not stall
-the daemon, and the stop follows right after.
+For an engine about to be stopped as unhealthy or poisoned, whose start ran out of first_wait,
+or whose stop outlived stop_timeout: one folder under `<log_dir>/incidents/` with incident.json
+(why, its probe history, each process's state and CPU time), its log's tail, a `/metrics`
+snapshot and a `py-spy dump` of each process when py-spy is installed. Bounded in time: a
+wedged engine must not stall the daemon.
 """
 
 from __future__ import annotations

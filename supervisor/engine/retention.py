@@ -1,11 +1,9 @@
 """Retention: engine logs (one file per incarnation) and incident folders must not fill the disk
-over a week-long job.
+over a week-long job (docs/operations.md).
 
-Each has a rule, a count and a byte total (0: no limit), applied oldest first: an engine's logs
-when it opens a new incarnation's log (per engine, never the live incarnation's), the incident
-folders when one is written (all engines together, never the one just written nor one still being
-written). `to_remove` is the rule, pure; `prune_logs` and `prune_incidents` read the disk, apply
-it and log what they could not remove, never raising into supervision.
+Each has a rule, a count and a byte total (0: no limit), applied oldest first, never to the live
+incarnation's log nor the incident just written. `to_remove` is the rule, pure; `prune_logs` and
+`prune_incidents` read the disk, apply it and log what they could not remove, never raising.
 """
 
 from __future__ import annotations

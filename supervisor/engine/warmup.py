@@ -1,10 +1,9 @@
 """The warm-up: a new incarnation's first work goes down the rollout's own sampling path.
 
-vLLM compiles on first use (on CPU, torch inductor compiles the sampler the first time a
-batch samples with temperature and logprobs; on GPU, torch.compile of new shapes). Left to the
-first rollout batch, that compile runs inside a round, for seconds with no counter moving.
-Sent while the engine is still STARTING (inside first_wait), it happens outside the rounds, and
-a warm-up that fails is a failed start with the engine's own error in the reason.
+vLLM compiles on first use (on CPU, the sampler the first time a batch samples with
+temperature and logprobs). Sent while the engine is still STARTING, that compile happens
+outside the rounds, and a warm-up that fails is a failed start with the engine's own error in
+the reason (docs/concepts.md; measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations

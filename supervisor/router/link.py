@@ -1,5 +1,5 @@
 """The router's one owner in the daemon ([router]): the feed (feed.py), the spawned router
-(child.py, with router.spawn) and the HTTP session to the router's admin API.
+(child.py, with router.spawn) and the HTTP session to the router's admin API (docs/router.md).
 
 Built at the composition root (daemon.py) and handed, typed, to whoever needs it: the fleet
 asks it to settle and drain (fleet.RouterGate), the journal records its child, status and the

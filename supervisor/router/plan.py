@@ -1,8 +1,8 @@
 """The membership diff, pure: what the router should gain and lose to match the daemon.
 
 The daemon owns only its own engines' URLs. A URL in the router that is neither desired nor
-the daemon's is `unknown`: another daemon's (one per node feeds the same router), an
-operator's hand edit, or a stray; it is reported as drift and removed only when pruning is on.
+the daemon's is `unknown` (another node's daemon, an operator's edit, a stray): reported as
+drift, removed only when pruning is on (docs/router.md).
 """
 
 from __future__ import annotations
