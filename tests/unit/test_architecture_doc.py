@@ -98,10 +98,13 @@ def built(here: str, cls: str) -> tuple[set[tuple[str, str, str]], set[tuple[str
     attrs: set[tuple[str, str, str]] = set()
     assigned: set[int] = set()
     for node in ast.walk(klass):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
         for target in targets:
-            value = node.value  # type: ignore[union-attr]
             if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
                     and target.value.id == "self" and (c := made(value))):
                 attrs.add((target.attr, c, ours[c]))
