@@ -5,7 +5,7 @@ ships every package folder.
     states    <- nothing of ours
     protocol  <- states
     client    <- protocol, states
-    router    <- nothing of ours (supervisor/router/'s adapters: __init__, base, plan, vllm_router;
+    router    <- nothing of ours (supervisor/router/'s adapters: __init__, base, plan, vllm_router, smg;
                  for daemon and cluster; its feed, child and link are the daemon's)
     daemon    <- protocol, states, weight_sync, router   (never client, trainer or harness)
     trainer   <- client, protocol, states, weight_sync, cluster (rl_loop --cluster)
