@@ -147,9 +147,10 @@ async def test_prefill_is_paid_per_prompt_token_so_a_continuation_pays_its_recom
 
 
 async def test_the_first_batch_is_slow_and_moves_no_counter_meanwhile():
-    e = engine(first_batch_s=0.6)
+    e = engine(first_batch_s=1.5)
     async with Running(e) as s:
         first = asyncio.ensure_future(s.post("/v1/completions", req("hi", 1)))
+        await until(lambda: e.compiling, 1.0)
         await asyncio.sleep(0.3)
         _, metrics = await s.get("/metrics")
         assert "vllm:generation_tokens_total{engine=\"0\",model_name=\"tiny\"} 0.0" in metrics
@@ -157,7 +158,7 @@ async def test_the_first_batch_is_slow_and_moves_no_counter_meanwhile():
         await first
         t0 = time.monotonic()
         await s.post("/v1/completions", req("hi", 1))
-        assert time.monotonic() - t0 < 0.3
+        assert time.monotonic() - t0 < 1.0  # the compile is paid once
 
 
 # -- tokens: deterministic, so a continuation can be checked token-equal ----------------------------
