@@ -9,7 +9,7 @@ from __future__ import annotations
 if __package__:
     from .emulated_engine import free_port_range, main, make_app, serve
 else:  # run as a script: its folder is on sys.path
-    from emulated_engine import free_port_range, main, make_app, serve  # type: ignore[no-redef]
+    from emulated_engine import free_port_range, main, make_app, serve  # type: ignore[no-redef,import-not-found]
 
 __all__ = ["free_port_range", "make_app", "serve"]
 

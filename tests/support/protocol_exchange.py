@@ -6,9 +6,11 @@ engine (harness/emulated_engine.py) and compares.
 (recursively), lists the set of their elements' shapes, scalars their type (int and float are
 both "number": a logprob of 0 may be sent as an integer). A stream becomes the run-length-
 collapsed list of its chunks' shapes (one token or four, "token chunk" appears once), ending
-in "[DONE]" when the server sent it. Behaviour the rollout client relies on is recorded beside
-the shapes as plain values (a request sent while paused is still open after a while; an
-aborted stream's finish reason), so a drift in either fails the comparison.
+in "[DONE]" when the server sent it; each chunk is first split into one-token chunks
+(`unmerge`), since vLLM merges the tokens that piled up while its API server was behind.
+Behaviour the rollout client relies on is recorded beside the shapes as plain values (a request
+sent while paused is still open after a while; an aborted stream's finish reason), so a drift
+in either fails the comparison.
 """
 
 from __future__ import annotations
@@ -49,6 +51,37 @@ def shape(x: Any, key: str = "") -> Any:
     if x is None:
         return "null"
     return type(x).__name__
+
+
+def unmerge(chunk: dict) -> list[dict]:
+    """A streamed chunk carrying n tokens as n one-token chunks. vLLM merges the outputs that
+    piled up while its API server was behind (a loaded machine): one chunk then carries several
+    tokens, or the first and the last at once. Split, the stream's shape no longer depends on
+    timing: the prompt's ids on the first piece, the finish reason (and a chat's stop_reason,
+    the final chunk's system_fingerprint) on the last."""
+    choices = chunk.get("choices") or []
+    ids = choices[0].get("token_ids") if len(choices) == 1 else None
+    if not isinstance(ids, list) or len(ids) <= 1:
+        return [chunk]
+    c = choices[0]
+    chat = "delta" in c
+    pieces = []
+    for i in range(len(ids)):
+        first, last = i == 0, i == len(ids) - 1
+        p = dict(c, token_ids=[ids[i]])
+        if isinstance(c.get("logprobs"), dict):
+            p["logprobs"] = {k: (v[i:i + 1] if isinstance(v, list) else v) for k, v in c["logprobs"].items()}
+        if not first and "prompt_token_ids" in p:
+            p["prompt_token_ids"] = None
+        if not last:
+            p["finish_reason"] = None
+            if chat:
+                p.pop("stop_reason", None)
+        piece = dict(chunk, choices=[p])
+        if not last:
+            piece.pop("system_fingerprint", None)
+        pieces.append(piece)
+    return pieces
 
 
 def collapse(seq: list[Any]) -> list[Any]:
@@ -104,8 +137,7 @@ class Exchange:
                 chunk = json.loads(line.removeprefix("data: "))
                 chunks.append(chunk)
                 self.raw.setdefault(f"{path} stream", []).append(chunk)
-                # A chunk's role in the stream: first (prompt ids), token, final (finish), usage.
-                shapes.append(shape(chunk))
+                shapes.extend(shape(piece) for piece in unmerge(chunk))
                 if on_first is not None and len(chunks) == at:
                     await on_first()
         return collapse(shapes), chunks
@@ -137,8 +169,9 @@ class Exchange:
             prompt_ids = chunks[0]["choices"][0]["prompt_token_ids"]
             self.results["tokenize_matches_prompt_ids"] = tok["tokens"] == prompt_ids
             self.results["stream_ids"], _ = await self.stream(s, {**self.completion(2), "prompt": prompt_ids + ids[:2]})
+            # One token: without token ids a chunk that vLLM merged cannot be told apart (unmerge).
             self.results["stream_plain"], _ = await self.stream(s, {"model": self.model, "prompt": PROMPT,
-                                                                   "max_tokens": 2})
+                                                                   "max_tokens": 1})
             await self.chat(s)
             await self.pauses(s)
             await self.weights(s)

@@ -21,7 +21,7 @@ from vime.harness import emulated_engine as em
 from vime.harness.local_daemon import free_port
 
 from support.polling import until, wait_until
-from support.protocol_exchange import drift
+from support.protocol_exchange import collapse, drift, shape, unmerge
 
 FAST = {"boot_s": 0, "first_batch_s": 0, "step_base_s": 0.01, "step_per_seq_s": 0.0, "prefill_token_s": 0.0}
 
@@ -304,7 +304,8 @@ async def test_a_reload_costs_the_model_bytes_and_a_bad_path_poisons(tmp_path):
     e = em.EmulatedEngine(exit_on_death=False, params={**FAST, "reload_bytes_per_s": 1e9, "model_bytes": 3e8})
     async with Running(e) as s:
         t0 = time.monotonic()
-        code, got = await s.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}})
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+        code, got = await s.post("/collective_rpc", rpc)
         assert code == 200 and got == {"results": [None]} and time.monotonic() - t0 >= 0.28
         code, _ = await s.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/nope"}})
         assert code == 500 and (await s.get("/health"))[0] == 200
@@ -358,8 +359,9 @@ async def test_timed_faults_and_reject_logprobs():
 
 
 def spawn(*args: str, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, em.__file__, "--port", str(port), "--param", "boot_s=0", "--param", "first_batch_s=0",
-                             "--time-scale", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, em.__file__, "--port", str(port), "--param", "boot_s=0",
+                             "--param", "first_batch_s=0", "--time-scale", "1", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
 
 
@@ -455,7 +457,8 @@ def test_kill_9_of_the_server_takes_its_core_child_with_it():
 
 
 def test_drift_names_a_dropped_key_a_changed_status_and_an_extra_metric():
-    real = {"completion": {"status": 200, "body": {"choices": ["list", {"text": "str", "token_ids": ["list", "number"]}]}},
+    choice = {"text": "str", "token_ids": ["list", "number"]}
+    real = {"completion": {"status": 200, "body": {"choices": ["list", choice]}},
             "stream": [["status", 200], {"choices": ["list"]}, "[DONE]"],
             "metric_names": ["vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:num_requests_running",
                              "vllm:num_requests_waiting"], "metric_types": {"vllm:generation_tokens_total": "counter"}}
@@ -468,3 +471,19 @@ def test_drift_names_a_dropped_key_a_changed_status_and_an_extra_metric():
     found = "\n".join(drift(real, mutated))
     assert "completion.body.choices[1].token_ids: sent by vLLM, not by the emulator" in found
     assert "stream:" in found and "vllm:made_up" in found and "emulator says gauge" in found
+
+
+def test_a_chunk_vllm_merged_has_the_shape_of_the_chunks_it_merged():
+    head = {"id": "c", "object": "text_completion", "created": 1, "model": "tiny"}
+
+    def chunk(ids, first, end, lp=True):
+        c = {"index": 0, "text": "x" * len(ids), "finish_reason": end, "stop_reason": None,
+             "prompt_token_ids": [1, 2] if first else None, "token_ids": ids,
+             "logprobs": {"text_offset": [0] * len(ids), "token_logprobs": [-1.0] * len(ids),
+                          "tokens": ["x"] * len(ids), "top_logprobs": [{"x": -1.0}] * len(ids)} if lp else None}
+        return {**head, "choices": [c]}
+    separate = [chunk([5], True, None), chunk([6], False, None), chunk([7], False, "length")]
+    merged = [chunk([5, 6, 7], True, "length")]
+    as_sent = [shape(c) for c in separate]
+    assert collapse([shape(p) for c in merged for p in unmerge(c)]) == collapse(as_sent)
+    assert collapse([shape(c) for c in merged]) != collapse(as_sent)  # what unmerge is for
