@@ -244,7 +244,11 @@ class EmulatedEngine:
     # -- the engine core ----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._core_loop())
+        loop = asyncio.get_running_loop()
+        self._loop_task = loop.create_task(self._core_loop())
+        if self.core_pid is not None:  # the core child's death is seen at once (vLLM's engine-core monitor);
+            # a thread waits on it (uvloop keeps SIGCHLD for itself)
+            loop.run_in_executor(None, os.waitpid, self.core_pid, 0).add_done_callback(lambda _: self._reaped())
         self.ready_at = time.monotonic()
         for kind, after in self.timed_faults:
             asyncio.get_running_loop().call_later(after * self.scale, self.add_fault, kind)
@@ -267,16 +271,21 @@ class EmulatedEngine:
             self.die("the engine core exited unexpectedly")
         return self._core_state == "T"
 
+    def _reaped(self) -> None:
+        self._core_state = "X"
+        self.die("the engine core exited unexpectedly")
+
     def _blocked(self) -> bool:
         return self.dead or self.hung or self.paused == "keep" or self._core_stopped()
 
     async def _core_loop(self) -> None:
         budget, last = 0.0, time.monotonic()
         while True:
-            if self._blocked() or not (self.running or self._admissible()):
+            work = bool(self.running or self._admissible())
+            if self._blocked() or not work:
                 self._wake.clear()
-                if self.core_pid is not None and not self.dead:
-                    try:  # a stopped core child is polled, not awaited
+                if work and self.core_pid is not None and not self.dead and not self.hung and self.paused != "keep":
+                    try:  # stalled by a stopped core child: polled (nothing signals its SIGCONT)
                         await asyncio.wait_for(self._wake.wait(), 0.1)
                     except asyncio.TimeoutError:
                         pass
@@ -1024,7 +1033,7 @@ def _core_child(burn: mmap.mmap, parent: int, mode_file: str | None, pid_file: s
             while time.monotonic() < end:
                 pass
         else:
-            time.sleep(0.05)
+            time.sleep(0.2)  # idle: a few wake-ups a second (a fleet of hundreds idles here)
     os._exit(0)
 
 
