@@ -59,10 +59,10 @@ class AttachedStandIns:
         self._runners: list[web.AppRunner] = []
         # Time scale 1 with every duration 0 but the reload's: model_bytes at 1 GB/s = reload_s.
         zero = {k: 0.0 for k in ("boot_s", "first_batch_s", "step_base_s", "step_per_seq_s", "prefill_token_s")}
-        self.engines_ = [emulated_engine.EmulatedEngine(
+        self.emulated = [emulated_engine.EmulatedEngine(
             time_scale=1.0, exit_on_death=False,
             params={**zero, "model_bytes": max(reload_s, 1e-9) * 1e9, "reload_bytes_per_s": 1e9}) for _ in range(n)]
-        for i, e in enumerate(self.engines_):
+        for i, e in enumerate(self.emulated):
             e.on_reload = lambda t0, t1, i=i: self.reloads.append((i, t0, t1))
         ready = threading.Event()
         threading.Thread(target=self._run, args=(ready,), daemon=True).start()
@@ -70,14 +70,14 @@ class AttachedStandIns:
 
     @property
     def versions(self) -> list[str]:
-        return [e.label for e in self.engines_]
+        return [e.label for e in self.emulated]
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
 
         async def up():
             for i, port in enumerate(self.ports):
-                runner = web.AppRunner(self.engines_[i].app(), access_log=None)
+                runner = web.AppRunner(self.emulated[i].app(), access_log=None)
                 await runner.setup()
                 for _ in range(5):  # a port free when picked may be taken since (other tests)
                     try:
@@ -86,7 +86,7 @@ class AttachedStandIns:
                     except OSError:
                         self.ports[i] = free_port()
                 self._runners.append(runner)
-                self.engines_[i].start()
+                self.emulated[i].start()
 
         self.loop.run_until_complete(up())
         ready.set()
