@@ -128,7 +128,7 @@ async def test_decode_steps_follow_the_batch_and_the_capacity_and_the_time_scale
         w.cancel()
     assert all(code == 200 and a["choices"][0]["finish_reason"] == "length" for code, a in answers)
     assert peak == 2
-    assert 0.45 <= took <= 1.0, took  # 20 steps x 0.025 s
+    assert 0.45 <= took <= 2.0, took  # 20 steps x 0.025 s (the upper bound: a loaded CI machine)
     assert e.generation_tokens == 40
 
 
@@ -263,7 +263,7 @@ async def test_a_push_costs_its_bytes_at_the_bandwidth_and_sets_the_version():
         code, _ = await s.post("/update_weights", {"update_info": {"names": ["w"], "dtype_names": ["bfloat16"],
                                                                    "shapes": [[500_000_000]]}})
         took = time.monotonic() - t0
-        assert code == 200 and 0.4 <= took <= 0.9, took  # 1 GB at 1 GB/s x 0.5
+        assert code == 200 and 0.45 <= took <= 2.0, took  # 1 GB at 1 GB/s x 0.5
         assert (await s.post("/finish_weight_update", {"weight_version": "9"}))[0] == 200
         assert json.loads((await s.get("/weight_info"))[1]) == {"weight_version": "9"}
         assert e.identity == "9"
@@ -278,7 +278,7 @@ async def test_a_push_that_fails_midway_poisons_and_the_next_generation_kills_th
         t0 = time.monotonic()
         code, err = await s.post("/update_weights", {"update_info": {}})
         assert code == 500 and "poisoned" in err["error"]["message"]
-        assert 0.15 <= time.monotonic() - t0 <= 0.35
+        assert 0.18 <= time.monotonic() - t0 <= 1.0  # half of 0.4 s
         assert (await s.get("/health"))[0] == 200  # looks healthy
         assert (await s.post("/start_weight_update"))[0] == 500  # refuses a new session
         code, err = await s.post("/v1/completions", req("hi", 1))
@@ -396,7 +396,7 @@ def test_boot_time_crash_at_start_and_a_boot_that_never_ends(tmp_path):
         with pytest.raises(OSError):  # the port is not bound while it boots (vLLM: refused)
             get(f"http://127.0.0.1:{port}/health", 0.5)
         assert p.stdout is not None and b"ready" in p.stdout.readline()
-        assert 0.9 <= time.monotonic() - t0 <= 2.5  # boot_s 2 x 0.5
+        assert 0.9 <= time.monotonic() - t0 <= 6.0  # boot_s 2 x 0.5, plus a loaded machine's start-up
         assert get(f"http://127.0.0.1:{port}/health") == 200
         assert crash.wait(10) == 1
         assert crash.stderr is not None and b"crashed at start" in crash.stderr.read()
