@@ -15,6 +15,10 @@ process group. A mode file (env STANDIN_MODE_FILE, re-read at every request) say
     deaf        as ok, and SIGTERM is ignored by the whole group (a stop that outlives it)
     reject      completions with logprobs answer 400 (a warm-up the engine refuses)
     version=X   as ok, /weight_info answers weight_version X (an engine's untrusted answer)
+    weights_down  as ok, /weight_info answers 503 (a route that cannot be read now)
+
+With STANDIN_CONNECTION_CLOSE=1 every answer closes its connection (each probe opens a new one:
+what a daemon out of descriptors cannot do).
 """
 
 from __future__ import annotations
@@ -94,12 +98,20 @@ async def main() -> None:
 
     async def weight_info(_):
         m = mode()
+        if m == "weights_down":
+            return web.json_response({"error": "unavailable (stand-in)"}, status=503)
         return web.json_response({"weight_version": m[len("version="):] if m.startswith("version=") else "default"})
 
     async def is_paused(_):
         return web.json_response({"is_paused": mode() == "paused"})
 
-    app = web.Application()
+    @web.middleware
+    async def closing(request, handler):
+        resp = await handler(request)
+        resp.force_close()
+        return resp
+
+    app = web.Application(middlewares=[closing] if os.environ.get("STANDIN_CONNECTION_CLOSE") == "1" else [])
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)
