@@ -17,12 +17,13 @@ class RouterError(Exception):
     """A router call that failed. `transient`: worth retrying (refused, reset, timed out, a 5xx);
     otherwise the router said no in a way a retry will not change (a 4xx: bad token, wrong URL).
     `answered`: the router sent an answer (a status); False when it was not reached or did not
-    answer in time."""
+    answer in time; an adapter that does not say is taken to have had no answer when the error is
+    transient (the feed then reports the router as not answering: the side that says more)."""
 
-    def __init__(self, message: str, *, transient: bool, answered: bool = True):
+    def __init__(self, message: str, *, transient: bool, answered: bool | None = None):
         super().__init__(message)
         self.transient = transient
-        self.answered = answered
+        self.answered = (not transient) if answered is None else answered
 
 
 class Router(Protocol):

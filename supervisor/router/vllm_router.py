@@ -52,7 +52,7 @@ class VllmRouter:
             raise RouterError(f"{where}: {status}: the router refused our token; check router.token_file",
                               transient=False)
         if status >= 500 or status == 429:
-            raise RouterError(f"{where}: {status}: {_said(data)}", transient=True)
+            raise RouterError(f"{where}: {status}: {_said(data)}", transient=True, answered=True)
         return status, data
 
     async def workers(self, timeout: float) -> list[str]:
