@@ -16,7 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from vime.harness.local_daemon import Daemon, free_port, kill_all, standin_config, standin_model, standin_python
+from vime.harness.local_daemon import (
+    Daemon, EventStream, free_port, kill_all, standin_config, standin_model, standin_python)
 from vime.supervisor.client import SupervisorClient
 
 from support.polling import wait_until
@@ -147,6 +148,8 @@ def test_a_self_registration_under_any_spelling_is_ours_and_out_within_the_watch
 
         # The router stops answering: logged and evented at the first failed attempt (each
         # attempt costs timeout, 0.5 s), with what holds meanwhile, before every attempt failed.
+        stream = EventStream(str(tmp_path / "run" / "supervisor.sock"))
+        wait_until(lambda: stream.of("hello"), 10, "the event stream open")
         mark = d.mark()
         router.hang = True
         first = d.wait_for(lambda e: e.get("event") == "router.not_answering", 10, after=mark)
@@ -154,6 +157,8 @@ def test_a_self_registration_under_any_spelling_is_ours_and_out_within_the_watch
         assert "still probed" in first["keeps"] and "cannot change" in first["cannot"], first
         failed = d.wait_for(lambda e: e.get("event") == "router.call_failed", 10, after=mark)
         assert d.events.index(first) < d.events.index(failed)
+        ev = wait_until(lambda: stream.of("router_error", final=False), 5, "router_error at the first attempt")[0]
+        assert ev["attempt"] == 1 and ev["keeps"] == first["keeps"] and ev["cannot"] == first["cannot"], ev
     finally:
         router.hang = False
         kill_all([d] if d else [])
