@@ -189,7 +189,8 @@ class RouterFeed(Listener):
                 log.warning("router.call_failed", op=op, error=str(e), transient=e.transient,
                             router=self.router.url, action="supervision goes on; retried on the next change "
                                                            f"or within {self.cfg.period:g}s")
-                self.fleet.emit(Event.ROUTER_ERROR, op=op, error=str(e), router=self.router.url)
+                self.fleet.emit(Event.ROUTER_ERROR, op=op, error=str(e), router=self.router.url, attempt=tries,
+                                final=True)
             self.error, self.failing = str(e), None
             raise
         self.calls[(op, "ok")] += 1
@@ -299,7 +300,7 @@ class RouterFeed(Listener):
         out = self._listed_out(listed)
         if not out:
             return []
-        results = await asyncio.gather(*(self._remove(u, why="listed while not routable") for u in out))
+        results = await asyncio.gather(*(self._remove(u, why="not routable") for u in out))
         return [u for u, ok in zip(out, results) if ok]
 
     async def reconcile(self) -> Plan | None:

@@ -134,7 +134,7 @@ def test_a_self_registration_under_any_spelling_is_ours_and_out_within_the_watch
             assert lasted <= BOUND, (url, lasted, BOUND)
             assert max(listed_stretches(samples, url), default=0.0) <= BOUND
         assert router.workers() == [urls["e1"]]
-        removed = [e for e in d.events if e.get("event") == "router.removed" and e.get("why") == "listed while not routable"]
+        removed = [e for e in d.events if e.get("event") == "router.removed" and e.get("why") == "not routable"]
         assert {e["url"] for e in removed} == set(spellings) and {e["engine"] for e in removed} == {"e0"}, removed
         assert c.status()["router"]["unknown"] == []
 
