@@ -16,7 +16,10 @@ without pause (client timeout `--client-timeout` s, no client retry).
   under its own load.
 
 Per trial one fault on one engine: `kill -9` of its API server's process group, or SIGSTOP of
-its EngineCore (its /health stays 200).
+its EngineCore (its /health stays 200). `--repeats` trials per cell (3 by default); the summary
+gives, per router kind, fault and feed, the median "out" over them and its spread (min to max).
+The router-alone cells wait for the router's own checker (minutes at its defaults): each trial
+there is capped at `--alone-cap` s (90 by default), and one never out counts as "> cap".
 
 out s: from the fault to the first `GET /workers` (polled every `--poll` s) in which the router
   no longer offers the engine: absent from the list, or listed with `is_healthy: false` (the
@@ -34,7 +37,7 @@ routable -> listed ms: after the daemon-fed trials the engine restarts; from its
 throughput: the same load (`--threads`, one engine per thread in turn when direct) for
   `--seconds` s through the router and straight to the engines, alternated `--repeats` times.
 
-    python bench/router.py [--repeats 1] [--cap 300] [--model DIR]
+    python bench/router.py [--repeats 3] [--cap 300] [--alone-cap 90] [--model DIR]
 """
 
 from __future__ import annotations
@@ -168,6 +171,8 @@ class Trial:
     after: int  # of which surely after "out"
     detected: float | None = None  # daemon-fed: the daemon's detection, s after the fault
     removed: float | None = None  # daemon-fed: its `router` "removed" event, s after the fault
+    cap: float | None = None  # this trial's cap when not the run's (the router-alone cells)
+    kind: str = "vllm-router"  # the router kind
 
 
 @dataclass
@@ -189,8 +194,9 @@ def table(res: Results) -> list[str]:
              f"{'longest s':>9} {'sends to it':>11} {'sent after':>10}"]
     fed = {(t.fault, t.repeat): t.out for t in res.trials if t.feed == FEEDS[0]}
     for t in sorted(res.trials, key=lambda t: (FAULTS.index(t.fault), t.repeat, FEEDS.index(t.feed))):
-        ratio = "1.0" if t.feed == FEEDS[0] and t.out else fmt_ratio(t.out, fed.get((t.fault, t.repeat)), cap)
-        lines.append(f"{t.fault:>8} {t.feed:>24} {t.repeat + 1:>3} {fmt_out(t.out, cap):>18} {ratio:>6} "
+        tcap = t.cap or cap
+        ratio = "1.0" if t.feed == FEEDS[0] and t.out else fmt_ratio(t.out, fed.get((t.fault, t.repeat)), tcap)
+        lines.append(f"{t.fault:>8} {t.feed:>24} {t.repeat + 1:>3} {fmt_out(t.out, tcap):>18} {ratio:>6} "
                      f"{f'{t.failed}/{t.requests}':>10} {t.longest:9.2f} {t.sends:11d} {t.after:10d}")
     fed_rows = [t for t in res.trials if t.feed == FEEDS[0]]
     if fed_rows:
@@ -199,6 +205,7 @@ def table(res: Results) -> list[str]:
         for t in fed_rows:
             lines.append(f"{t.fault:>8} run {t.repeat + 1}: detected {say(t.detected, cap)}, removed "
                          f"{say(t.removed, cap)}, out {say(t.out, cap)}")
+    lines += medians(res)
     if res.listed_ms:
         ok = "yes" if max(res.listed_ms) < 100 else "no"
         lines.append(f"routable at the current version -> in the router's list: "
@@ -211,6 +218,34 @@ def table(res: Results) -> list[str]:
             lines.append(f"{i + 1:>10} {a:13.1f} {b:13.1f} {b / a:14.2f}")
         lines.append(f"{'median':>10} {d:13.1f} {r:13.1f} {r / d:14.2f}")
     lines += [f"FAILED {f}" for f in res.failures]
+    return lines
+
+
+def medians(res: Results) -> list[str]:
+    """Per router kind, fault and feed, over its trials: the median "out" and its spread (min
+    to max), failed requests in all. A trial never out counts as its cap: a median or a maximum
+    that is one reads "> CAP"."""
+    cells: dict[tuple[str, str, str], list[Trial]] = {}
+    for t in res.trials:
+        cells.setdefault((t.kind, t.fault, t.feed), []).append(t)
+    if not cells:
+        return []
+    lines = ["\"out\" over the trials of each cell: median and spread (min to max; a trial never out counts "
+             "as its cap)",
+             f"{'kind':>12} {'fault':>8} {'feed':>24} {'trials':>6} {'median out s':>14} {'spread s':>22} "
+             f"{'failed':>10}"]
+    for (kind, fault, feed), ts in sorted(cells.items(), key=lambda kv: (kv[0][0], FAULTS.index(kv[0][1]),
+                                                                        FEEDS.index(kv[0][2]))):
+        caps = [t.cap or res.cap for t in ts]
+        outs = [math.inf if t.out is None else t.out for t in ts]
+
+        def fmt(x: float) -> str:
+            return f"> {max(caps):g}" if math.isinf(x) else f"{x:.3f}"
+
+        med = statistics.median(outs)
+        failed, n = sum(t.failed for t in ts), sum(t.requests for t in ts)
+        lines.append(f"{kind:>12} {fault:>8} {feed:>24} {len(ts):>6} {fmt(med):>14} "
+                     f"{fmt(min(outs)) + ' to ' + fmt(max(outs)):>22} {f'{failed}/{n}':>10}")
     return lines
 
 
@@ -323,9 +358,10 @@ def config(tmp: Path, model: Path, *, router: RouterProc | None) -> Path:
 
 
 def measure(res: Results, args, routers: list[tuple[str, RouterProc]], d: Daemon, victim: str, url: str,
-            kind: str, rep: int) -> tuple[float, list[Poller]]:
-    """One fault under load through every router at once; the fault's wall time and the
-    pollers, still polling (the caller stops them: the daemon-fed trial goes on to the restart)."""
+            kind: str, rep: int, cap: float) -> tuple[float, list[Poller]]:
+    """One fault under load through every router at once, waiting at most `cap` s for every
+    router to stop offering the engine; the fault's wall time and the pollers, still polling
+    (the caller stops them: the daemon-fed trial goes on to the restart)."""
     loads = [Load([r.url], args.threads, args.client_timeout) for _, r in routers]
     pollers = [Poller(r, args.poll) for _, r in routers]
     logs_from = [r.log_path.stat().st_size for _, r in routers]
@@ -333,12 +369,12 @@ def measure(res: Results, args, routers: list[tuple[str, RouterProc]], d: Daemon
     t_fault = time.time()
     stopped = fault(kind, d, victim)
     try:
-        wait(lambda: all(first_out(p.samples, url, t_fault) is not None for p in pollers), args.cap,
+        wait(lambda: all(first_out(p.samples, url, t_fault) is not None for p in pollers), cap,
              what="every router out")
     except TimeoutError:
         pass
     outs = [first_out(p.samples, url, t_fault) for p in pollers]
-    last = max((o for o in outs if o is not None), default=t_fault + args.cap)
+    last = max((o for o in outs if o is not None), default=t_fault + cap)
     time.sleep(max(0.0, last + SETTLE - time.time()))
     try:
         for (feed, router), load, poller, start, t_out in zip(routers, loads, pollers, logs_from, outs):
@@ -346,11 +382,11 @@ def measure(res: Results, args, routers: list[tuple[str, RouterProc]], d: Daemon
             with open(router.log_path, "rb") as f:
                 f.seek(start)
                 stamps = failed_sends(f.read().decode("utf-8", "replace"), url)
-            n, failed, longest = window(done, t_fault, t_out, args.cap)
+            n, failed, longest = window(done, t_fault, t_out, cap)
             t = Trial(kind, feed, rep, None if t_out is None else t_out - t_fault, n, failed, longest,
-                      len(stamps), sent_after(stamps, t_out))
+                      len(stamps), sent_after(stamps, t_out), cap=None if cap == res.cap else cap)
             res.trials.append(t)
-            print(f"  {kind}, {feed}, run {rep + 1}: out {say(t.out, args.cap)}; failed {failed}/{n}; "
+            print(f"  {kind}, {feed}, run {rep + 1}: out {say(t.out, cap)}; failed {failed}/{n}; "
                   f"longest {longest:.2f} s; failed sends to it in the router's log {t.sends}, "
                   f"surely after out {t.after}", flush=True)
     finally:
@@ -384,7 +420,7 @@ def fed_phase(res: Results, args, tmp: Path, model: Path) -> None:
         for rep in range(args.repeats):
             for kind, victim in zip(FAULTS, ("engine-1", "engine-0")):
                 url = urls[victim]
-                t_fault, (poller,) = measure(res, args, [(FEEDS[0], router)], d, victim, url, kind, rep)
+                t_fault, (poller,) = measure(res, args, [(FEEDS[0], router)], d, victim, url, kind, rep, args.cap)
                 samples = poller.samples
                 trial = res.trials[-1]
                 trial.detected, trial.removed = daemon_times(list(stream.events), victim, t_fault)
@@ -435,7 +471,7 @@ def alone_phase(res: Results, args, tmp: Path, model: Path) -> None:
         for rep in range(args.repeats):
             for kind, victim in zip(FAULTS, ("engine-1", "engine-0")):
                 mark = d.mark()
-                for p in measure(res, args, routers, d, victim, urls[victim], kind, rep)[1]:
+                for p in measure(res, args, routers, d, victim, urls[victim], kind, rep, args.alone_cap)[1]:
                     p.stop()
                 if rep == args.repeats - 1 and kind == FAULTS[-1]:
                     break
@@ -460,8 +496,10 @@ def alone_phase(res: Results, args, tmp: Path, model: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="trials per cell (fault x feed)")
     ap.add_argument("--cap", type=float, default=300.0, help="seconds a fault may stay unnoticed")
+    ap.add_argument("--alone-cap", type=float, default=90.0,
+                    help="the same for the router-alone cells, which wait for the router's own checker")
     ap.add_argument("--model", type=Path, default=None,
                     help="the tiny model's folder (built there if empty; default: $VIME_TINY_MODEL_CACHE or a temp dir)")
     ap.add_argument("--threads", type=int, default=3, help="load threads per router")
@@ -469,8 +507,8 @@ def main() -> None:
     ap.add_argument("--poll", type=float, default=0.01, help="seconds between GET /workers")
     ap.add_argument("--seconds", type=float, default=5.0, help="each throughput measurement")
     args = ap.parse_args()
-    if args.repeats < 1 or args.cap <= 0 or args.threads < 1:
-        sys.exit("--repeats and --threads must be at least 1, --cap above 0")
+    if args.repeats < 1 or args.cap <= 0 or args.alone_cap <= 0 or args.threads < 1:
+        sys.exit("--repeats and --threads must be at least 1, --cap and --alone-cap above 0")
     t_start = time.monotonic()
     res = Results(cap=args.cap)
     with tempfile.TemporaryDirectory() as t:

@@ -31,7 +31,7 @@ from vime.supervisor.client.errors import ConflictError, DaemonUnreachable, Supe
 from vime.supervisor.protocol import Event, Role
 
 from .agent import NodeAgent
-from .routing import LostNodeRemoval, lost_urls
+from .routing import ATTEMPTS, LostNodeRemoval, lost_urls
 from .view import (Change, ClusterEvent, ClusterPush, ClusterView, NodeState, by_node, floor_events, membership_event,
                    merge_push_end, merge_pushes, push_ids, qualify, qualify_answer, split, split_failed)
 
@@ -340,7 +340,27 @@ class AsyncClusterClient:
             await self._read_nodes("weights_published", (int(version), ckpt))
         finally:
             self._publishing -= 1
+        await self._unacknowledged_out(int(version), [n for n, a in answers.items() if isinstance(a, BaseException)])
         return {"version": int(version), "checkpoint": ckpt, "nodes": self._per_node(answers)}
+
+    async def _unacknowledged_out(self, version: int, nodes: list[str]) -> None:
+        """A node that did not take the publish judges by the version before: a shared router
+        must not route to its engines, verified at that one. Their URLs (its last routable
+        answer; none of them at `version`) are removed, waited for at most the removal's
+        timeout (each outcome is a `router` event); its daemon, once it has the version, adds
+        back those it verifies. A lost node's engines went already (_lost)."""
+        if self.router is None or self._shut:
+            return
+        tasks = []
+        for node in nodes:
+            rec = self.view.nodes.get(node)
+            if rec is None or rec.weight_version == version:
+                continue  # it has the version already (an earlier publish it did take)
+            urls = lost_urls(e for e in rec.routable if e.get("weight_version") != version)
+            if urls:
+                tasks.append(self._spawn(self.router.remove(node, urls, f"it has not acknowledged version {version}")))
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.router.timeout * ATTEMPTS)
 
     async def restart(self, name: str) -> dict[str, Any]:
         return await self._engine_call("restart", name, idempotent=False)

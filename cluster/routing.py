@@ -1,4 +1,5 @@
-"""A lost node's engines out of the router, from the cluster side.
+"""A lost node's engines out of the router, from the cluster side; and a node's that has not
+acknowledged the current version.
 
 Each node's daemon feeds the router its own engines (supervisor/router/feed.py) and never
 touches another node's: to every other daemon they are someone else's URLs. A node that is
@@ -10,6 +11,11 @@ One bounded attempt per URL, retried with jittered backoff on transient errors o
 awaited by the client's watchers (a router that is down costs the trainer nothing but a log
 line). If the node's daemon is in fact alive (only its Ray agent was lost), its own feed adds
 its routable engines back within its period: the daemon's evidence about its engines wins.
+
+A publish that a node did not acknowledge (its daemon unreachable or not answering in time)
+leaves that node's daemon judging by the version before: its engines, verified at that one,
+are taken out of the router by the publisher at once (the URLs of the node's last routable
+answer), and the publish waits for it at most `timeout`.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ class LostNodeRemoval:
         self.emit = emit or (lambda ev: None)
         self._session: aiohttp.ClientSession | None = None
 
-    async def remove(self, node: str, urls: list[str]) -> dict[str, str]:
+    async def remove(self, node: str, urls: list[str], why: str = "its node is lost") -> dict[str, str]:
         """url -> "removed" or the error; never raises for the router's failure."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession()
@@ -67,9 +73,9 @@ class LostNodeRemoval:
                 out[url] = "removed"
             except RouterError as e:
                 out[url] = str(e)
-                log.warning("router removal of lost node %s's engine %s failed: %s", node, url, e)
+                log.warning("router removal of node %s's engine %s (%s) failed: %s", node, url, why, e)
             self.emit({"event": "router", "action": "removed" if out[url] == "removed" else "remove_failed",
-                       "node": node, "url": url, "why": "its node is lost",
+                       "node": node, "url": url, "why": why,
                        **({} if out[url] == "removed" else {"error": out[url]})})
         return out
 

@@ -44,7 +44,10 @@ Emulated ones, by `--fault` at start or POST /emulator/fault {"fault": ...} at a
 `--mode-file PATH` (the test stand-ins' mode file, re-read at every request) switches modes at
 run time: ok, busy (completions wait while the core child burns CPU: a compile), hang,
 paused (completions wait, /is_paused true), silent (/health never answers), deaf (SIGTERM
-ignored by the group), reject (logprobs 400), version=X (/weight_info answers X).
+ignored by the group), reject (logprobs 400), version=X (/weight_info answers X), weights_down
+(/weight_info answers 503: a route that cannot be read now). With STANDIN_CONNECTION_CLOSE=1
+every answer closes its connection (each probe opens a new one: what a daemon out of
+descriptors cannot do).
 
     python harness/emulated_engine.py --model DIR --port 8000 --time-scale 0.1
     python harness/emulated_engine.py --base-port 20000 --count 256     # protocol-only, one process
@@ -459,7 +462,8 @@ class EmulatedEngine:
     # -- the application --------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+        closing = [_closing] if os.environ.get("STANDIN_CONNECTION_CLOSE") == "1" else []
+        app = web.Application(middlewares=[_errors, *closing], client_max_size=1 << 30)
         r = app.router
         r.add_get("/health", self.h_health)
         r.add_get("/ping", self.h_health)
@@ -750,6 +754,8 @@ class EmulatedEngine:
     async def h_weight_info(self, _: web.Request) -> web.Response:
         await self._core_rpc()
         m = self.mode()
+        if m == "weights_down":
+            return web.json_response({"error": "unavailable (emulated: mode weights_down)"}, status=503)
         if m.startswith("version="):
             return web.json_response({"weight_version": m[len("version="):]})
         if self.version_file is not None:
@@ -996,6 +1002,13 @@ async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse
         return web.json_response({"detail": "Not Found"}, status=404)
     except web.HTTPMethodNotAllowed:
         return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+@web.middleware
+async def _closing(request: web.Request, handler: Callable) -> web.StreamResponse:
+    resp = await handler(request)
+    resp.force_close()
+    return resp
 
 
 # -- processes ------------------------------------------------------------------------------------

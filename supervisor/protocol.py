@@ -143,7 +143,7 @@ class Event(StrEnum):
     ROUTER = "router"  # an engine added to or removed from the router ([router])
     ROUTER_DRIFT = "router_drift"  # the router's list differs from the routable set in a new way
     ROUTER_STATE = "router_state"  # in_sync, drift or unreachable
-    ROUTER_ERROR = "router_error"  # a router call failed (after its retries)
+    ROUTER_ERROR = "router_error"  # a router call failed: final, after its retries; or its first unanswered attempt
     # The spawned router's process ([router] spawn): spawned, adopted, not_adopted, start_failed,
     # exited (with restart_in), stopped.
     ROUTER_PROCESS = "router_process"

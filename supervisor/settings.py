@@ -199,6 +199,13 @@ class RouterConfig:
     period: float = knob(  # drift repair: the router's list is read this often besides every change
         2.0, bound=_SECONDS,
         doc="seconds between reads of the router's list to repair drift, besides every membership change")
+    # Between two reconciles: one GET /workers every `watch` s; an engine of ours listed while not
+    # routable (it registered itself, or a POST the router finished after ours timed out) goes.
+    watch: float = knob(
+        1.0, bound=_SECONDS,
+        doc="seconds between reads of the router's list between two reconciles: an engine of this daemon's "
+            "listed while not routable (registered by itself, or added by a `POST` the router finished after "
+            "the daemon's call timed out) is removed at once; one `GET /workers` each")
     timeout: float = knob(  # one GET or POST /workers (POST blocks until the worker answers /health)
         5.0, bound=_SECONDS, doc="one GET or POST `/workers` (a POST waits for the worker's `/health`)")
     remove_timeout: float = knob(  # one DELETE: an engine leaving the routable set is out within it

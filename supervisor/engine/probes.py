@@ -64,6 +64,23 @@ _VERSION = re.compile(r"[0-9]{1,19}")
 
 
 @dataclass(frozen=True)
+class WeightRead:
+    """What one read of /weight_info found. `readable` False: no answer could be read (not
+    reached, timed out, the daemon out of descriptors, a 5xx, a body that is not JSON), so
+    `version` says nothing. Readable with `version` None: the engine holds its base weights
+    ("default") or does not serve the route (a 4xx)."""
+
+    readable: bool
+    version: int | str | None = None
+    detail: str = ""
+
+    def or_remembered(self, remembered: int | str | None) -> int | str | None:
+        """The version of a process that never stopped while it was not read: what it says
+        when it says it (base weights included), what it had when it cannot be read."""
+        return self.version if self.readable else remembered
+
+
+@dataclass(frozen=True)
 class Progress:
     generation_tokens: float
     requests_running: float
@@ -266,19 +283,29 @@ class Prober:
 
     async def weight_version(self) -> int | str | None:
         """The engine's weight version from vLLM's /weight_info (dev mode), as ours: None for
-        the base weights ("default", never set) or when the route is not served; our
-        published versions are integers, so digits become an int."""
+        the base weights ("default", never set), when the route is not served, and when it
+        cannot be read (never the current version); our published versions are integers, so
+        digits become an int. read_weight_version tells those apart."""
+        return (await self.read_weight_version()).version
+
+    async def read_weight_version(self) -> WeightRead:
+        url = f"{self.base_url}/weight_info"
         try:
-            async with self.session.get(
-                f"{self.base_url}/weight_info", headers=self.auth, timeout=aiohttp.ClientTimeout(total=self.timeout)
-            ) as r:
+            async with self.session.get(url, headers=self.auth,
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                if r.status >= 500 or r.status == 429:
+                    return WeightRead(False, detail=f"/weight_info answered {r.status}")
                 if r.status != 200:
-                    return None
-                body = await r.json()
-                raw = body.get("weight_version") if isinstance(body, dict) else None
-        except Exception:  # unreadable: treated as unknown, so never as the current version
-            return None
-        return parse_version(raw)
+                    return WeightRead(True, detail=f"/weight_info answered {r.status}: not served")
+                body = await r.json(content_type=None)
+        except asyncio.TimeoutError:
+            return WeightRead(False, detail=f"/weight_info: no answer within {self.timeout:g}s")
+        except aiohttp.ClientConnectorError as e:
+            return WeightRead(False, detail=f"/weight_info: {e.os_error or e}")
+        except Exception as e:  # an answer that cannot be read says nothing of the weights
+            return WeightRead(False, detail=f"/weight_info: {type(e).__name__}: {e}")
+        raw = body.get("weight_version") if isinstance(body, dict) else None
+        return WeightRead(True, parse_version(raw), detail=f"/weight_info says {raw!r}"[:120])
 
 
 def parse_version(raw: object) -> int | str | None:

@@ -501,18 +501,22 @@ class EngineRunner:
             started = schedule.begin()
             if self.fsm.probed or self.fsm.unobserved:
                 outcome = await self._probe_once(started)
-                if not outcome.ok and self.server_gone():
+                if not outcome.ok and outcome.kind != DAEMON_LIMIT and self.server_gone():
                     # Refused because the server died: its exit is seen (and named) by the wait
-                    # on the process in a moment; this is not a hang.
+                    # on the process in a moment; this is not a hang. (Out of descriptors, /proc
+                    # cannot be read either: that says nothing of the server.)
                     await asyncio.Future()
                 if self.fsm.unobserved and outcome.ok and outcome.excuse is None:
                     # Out of routing only because the daemon could not probe it: back, as an
                     # attached engine that answers again (held until the gap inside a round).
                     # The process never stopped, so its weights are the ones it had: a read
-                    # that fails (None, as for base weights) must not cost it a resync.
-                    version = await self.prober.weight_version()
-                    if version is None:
-                        version = self.fsm.weight_version
+                    # that fails must not cost it a resync. One that answers is believed, base
+                    # weights included (then it is STALE, not routable at the remembered version).
+                    read = await self.prober.read_weight_version()
+                    version = read.or_remembered(self.fsm.weight_version)
+                    if not read.readable:
+                        log.info("engine.weight_version_kept", engine=self.name, version=version,
+                                 why=f"{read.detail}; the process never stopped, so it holds what it had")
                     self.fsm.recovered(version, self.policy.current_version,
                                        hold=self.policy.hold_reason(), spare=self._spare())
                 elif self.fsm.probe_result(outcome):

@@ -1,18 +1,29 @@
-"""The adapter interface every router kind implements, its error, and URL normalization."""
+"""The adapter interface every router kind implements, its error, URL normalization, and the
+host resolution that tells another spelling of one address (`localhost`, `127.0.0.1`, a
+hostname) for the same worker."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import asyncio
+import ipaddress
+import socket
+import time
+from collections import OrderedDict
+from typing import Callable, Iterable, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 
 class RouterError(Exception):
     """A router call that failed. `transient`: worth retrying (refused, reset, timed out, a 5xx);
-    otherwise the router said no in a way a retry will not change (a 4xx: bad token, wrong URL)."""
+    otherwise the router said no in a way a retry will not change (a 4xx: bad token, wrong URL).
+    `answered`: the router sent an answer (a status); False when it was not reached or did not
+    answer in time; an adapter that does not say is taken to have had no answer when the error is
+    transient (the feed then reports the router as not answering: the side that says more)."""
 
-    def __init__(self, message: str, *, transient: bool):
+    def __init__(self, message: str, *, transient: bool, answered: bool | None = None):
         super().__init__(message)
         self.transient = transient
+        self.answered = (not transient) if answered is None else answered
 
 
 class Router(Protocol):
@@ -54,3 +65,82 @@ def normalize_url(url: str) -> str:
         netloc += f":{port}"
     path = u.path.rstrip("/")
     return urlunsplit((scheme, netloc, path, "", ""))
+
+
+def _literal(host: str) -> str | None:
+    """An IP literal in one spelling (an IPv4-mapped IPv6 address as IPv4); None for a name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+class HostResolver:
+    """Hosts to their addresses, each host resolved once (off the event loop, through
+    `loop.getaddrinfo`) and cached: at most `bound` hosts, least recently used out first; a
+    name that does not resolve is kept as itself for `retry_after` seconds, then asked again.
+    Concurrent asks for one host share one lookup; one lookup waits at most `timeout`."""
+
+    def __init__(self, *, bound: int = 1024, retry_after: float = 30.0, timeout: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.bound, self.retry_after, self.timeout, self.clock = bound, retry_after, timeout, clock
+        self._cache: OrderedDict[str, tuple[frozenset[str], float | None]] = OrderedDict()  # host -> (addrs, expiry)
+        self._inflight: dict[str, asyncio.Future[frozenset[str]]] = {}
+        self.lookups = 0  # getaddrinfo calls made (tests: once per host)
+
+    async def addresses(self, host: str) -> frozenset[str]:
+        lit = _literal(host)
+        if lit is not None:
+            return frozenset({lit})
+        hit = self._cache.get(host)
+        if hit is not None and (hit[1] is None or hit[1] > self.clock()):
+            self._cache.move_to_end(host)
+            return hit[0]
+        fut = self._inflight.get(host)
+        if fut is None:
+            fut = asyncio.ensure_future(self._lookup(host))
+            self._inflight[host] = fut
+            fut.add_done_callback(lambda _f: self._inflight.pop(host, None))
+        return await asyncio.shield(fut)
+
+    async def _lookup(self, host: str) -> frozenset[str]:
+        self.lookups += 1
+        try:
+            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
+                host, None, type=socket.SOCK_STREAM), self.timeout)
+            found = frozenset(a for a in (_literal(str(i[4][0])) for i in infos) if a is not None)
+        except (OSError, asyncio.TimeoutError, UnicodeError):
+            found = frozenset()
+        addrs, expiry = (found, None) if found else (frozenset({host}), self.clock() + self.retry_after)
+        self._cache[host] = (addrs, expiry)
+        self._cache.move_to_end(host)
+        while len(self._cache) > self.bound:
+            self._cache.popitem(last=False)
+        return addrs
+
+    async def same_workers(self, listed: Iterable[str], ours: Iterable[str]) -> dict[str, str]:
+        """Normalized listed URL -> our normalized URL it names under another host spelling
+        (same scheme, port and path, a host address in common). Listed URLs spelled as ours are
+        left out; nothing is resolved when every listed URL is."""
+        mine = {normalize_url(u) for u in ours}
+        others = {normalize_url(u) for u in listed} - mine
+        if not others:
+            return {}
+        hosts = {urlsplit(u).hostname or "" for u in mine | others}
+        addrs = dict(zip(hosts, await asyncio.gather(*(self.addresses(h) for h in hosts))))
+        index: dict[tuple[str, str, int | None, str], str] = {}
+        for u in sorted(mine):
+            s = urlsplit(u)
+            for a in addrs[s.hostname or ""]:
+                index.setdefault((s.scheme, a, s.port, s.path), u)
+        out: dict[str, str] = {}
+        for u in others:
+            s = urlsplit(u)
+            for a in sorted(addrs[s.hostname or ""]):
+                if (s.scheme, a, s.port, s.path) in index:
+                    out[u] = index[(s.scheme, a, s.port, s.path)]
+                    break
+        return out

@@ -1,11 +1,15 @@
 """The router follows the daemon: its worker list is kept equal to the routable set.
 
-A reconcile loop (one task): the desired set is the daemon's routable engines (RUNNING or
-SUSPECT at the current weight version, verified), less those being drained; the actual set is
-the router's own list. Their diff (router/plan.py, pure) is applied on every membership change
-and every `period` (drift repair: a router restarted empty, a hand edit, an engine that
-registered itself at boot). Only this daemon's engines' URLs are added or removed; others are
-reported as drift, and removed only with `prune_unknown`.
+A reconcile loop (one task): the desired set is the daemon's routable engines (the fleet's one
+rule, Fleet.is_routable: RUNNING or SUSPECT at the current weight version, verified), less
+those being drained; the actual set is the router's own list. Their diff (router/plan.py, pure)
+is applied on every membership change and every `period` (drift repair: a router restarted
+empty, a hand edit). Between two, the list is read every `watch` seconds (one GET), and an
+engine of ours listed while not routable (one that registered itself, an add the router
+finished after our call timed out) is removed at once. Only this daemon's engines' URLs are
+added or removed; others are reported as drift, and removed only with `prune_unknown`. A listed
+URL is ours under any spelling of its host (`localhost`, `127.0.0.1`, a hostname: each host
+resolved once, cached, router/base.HostResolver).
 
 An engine that leaves the routable set is removed at once, outside the loop: its DELETE is sent
 in the same event-loop turn that recomputed the set, bounded by `remove_timeout`, retried with
@@ -31,7 +35,7 @@ from ..states import Transition
 from ..tasks import wait_event
 from ..metrics import Histogram
 from ..protocol import Event
-from .base import Router, RouterError, normalize_url
+from .base import HostResolver, Router, RouterError, normalize_url
 from .plan import Plan, plan
 
 if TYPE_CHECKING:
@@ -43,6 +47,12 @@ log = structlog.get_logger("vime.router")
 ATTEMPTS = 3  # per call: the first and two retries on transient errors
 REMOVAL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 OPS = ("list", "add", "remove")
+# What the daemon keeps true while the router does not answer, and what it cannot (logged and
+# evented at the first failed attempt).
+UNANSWERED_KEEPS = ("engines are still probed, stopped and restarted; the routable set, status and metrics "
+                    "stay exact; each removal is retried until the router answers")
+UNANSWERED_CANNOT = ("the router's list cannot change: an engine that left the routable set stays listed "
+                     "(and routed to), one that joined gets no traffic, until the router answers")
 
 
 class Superseded(Exception):
@@ -70,6 +80,9 @@ class RouterFeed(Listener):
         self._wake = asyncio.Event()
         self._pending: set[asyncio.Task[Any]] = set()
         self._removing: dict[asyncio.Task[Any], str] = {}  # removals of engines that left the set -> URL
+        self.resolver = HostResolver()
+        self.same: dict[str, str] = {}  # listed URL (normalized) -> ours it names under another host spelling
+        self.unanswered = False  # an attempt failed and no call has succeeded since (told once)
 
     def refill(self) -> None:
         """The spawned router answers again (restarted empty): reconcile now, not after `period`."""
@@ -84,6 +97,25 @@ class RouterFeed(Listener):
     def _desired_now(self) -> frozenset[str]:
         return frozenset(normalize_url(r.spec.base_url) for r in self.fleet.routable()) - self.held
 
+    def _key(self, listed_url: str) -> str:
+        """A listed URL as the engine of ours it names (normalized), under any host spelling."""
+        n = normalize_url(listed_url)
+        return self.same.get(n, n)
+
+    async def _read(self) -> tuple[list[str], dict[str, str]]:
+        """The router's list (RouterError if it could not be read), and which of its URLs name
+        an engine of ours under another host spelling."""
+        listed = await self._call("list")
+        self.checked_at = time.time()
+        self.same = await self.resolver.same_workers(listed, self.own())
+        return listed, self.same
+
+    def _listed_out(self, listed: list[str]) -> list[str]:
+        """Listed spellings of our engines that are not desired now (the routing rule's verdict
+        as of this turn)."""
+        own = self.own()
+        return [u for u in listed if self._key(u) in own and self._key(u) not in self.desired]
+
     # -- told by the bus -------------------------------------------------------------------
 
     def on_membership(self, routable: frozenset[str]) -> None:
@@ -96,11 +128,14 @@ class RouterFeed(Listener):
         new = self._desired_now()
         gone = self.desired - new
         self.desired = new
-        for url in sorted(gone):
-            task = self._spawn(self._remove(url, since=self.clock(), why="left the routable set"))
-            if task is not None:
-                self._removing[task] = url
-                task.add_done_callback(lambda t: self._removing.pop(t, None))
+        for key in sorted(gone):
+            # Ours as spelled, and any other spelling of it the router listed at the last read.
+            spellings = [key] + sorted(u for u in self.listed or () if self._key(u) == key and normalize_url(u) != key)
+            for url in spellings:
+                task = self._spawn(self._remove(url, since=self.clock(), why="left the routable set"))
+                if task is not None:
+                    self._removing[task] = url
+                    task.add_done_callback(lambda t: self._removing.pop(t, None))
         self._wake.set()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any] | None:
@@ -122,7 +157,7 @@ class RouterFeed(Listener):
             return []
         own, pending = self.own(), dict(self._removing)
         await asyncio.wait(list(pending), timeout=self.cfg.remove_timeout)
-        return sorted(own.get(normalize_url(url), url) for task, url in pending.items()
+        return sorted(own.get(self._key(url), url) for task, url in pending.items()
                       if not task.done() or task.cancelled() or task.exception() is not None or not task.result())
 
     # -- calls -----------------------------------------------------------------------------
@@ -136,39 +171,61 @@ class RouterFeed(Listener):
         methods: dict[str, Callable[..., Any]] = {"list": self.router.workers, "add": self.router.add,
                                                   "remove": self.router.remove}
         method = methods[op]
+        tries = 0
         try:
             async for attempt in AsyncRetrying(retry=retry_if_exception(_transient), reraise=True,
                                                stop=stop_after_attempt(ATTEMPTS),
                                                wait=wait_random_exponential(multiplier=0.1, max=2.0),
-                                               before_sleep=self._attempt_failed):
+                                               before_sleep=lambda st: self._attempt_failed(op, st)):
                 with attempt:
                     if still is not None and not still():
                         raise Superseded(f"{op} {' '.join(map(str, args))}")
+                    tries += 1
                     result = await method(*args, timeout)
         except RouterError as e:
             self.calls[(op, "error")] += 1
+            self._unanswered(op, e, attempt=tries)
             if self.error != str(e):
                 log.warning("router.call_failed", op=op, error=str(e), transient=e.transient,
                             router=self.router.url, action="supervision goes on; retried on the next change "
                                                            f"or within {self.cfg.period:g}s")
-                self.fleet.emit(Event.ROUTER_ERROR, op=op, error=str(e), router=self.router.url)
+                self.fleet.emit(Event.ROUTER_ERROR, op=op, error=str(e), router=self.router.url, attempt=tries,
+                                final=True)
             self.error, self.failing = str(e), None
             raise
         self.calls[(op, "ok")] += 1
         self.error = self.failing = None
+        if self.unanswered:
+            self.unanswered = False
+            log.info("router.answering", op=op, router=self.router.url)
         return result
 
-    def _attempt_failed(self, state: Any) -> None:
+    def _attempt_failed(self, op: str, state: Any) -> None:
         """An attempt failed and another follows: shown at once (status, vime_router_up), not
         only once every attempt has (a hung router costs each attempt its whole timeout)."""
         if state.outcome is not None and state.outcome.failed:
-            self.failing = str(state.outcome.exception())
+            e = state.outcome.exception()
+            self.failing = str(e)
+            if isinstance(e, RouterError):
+                self._unanswered(op, e, attempt=state.attempt_number)
+
+    def _unanswered(self, op: str, e: RouterError, attempt: int) -> None:
+        """The first attempt the router did not answer (refused, reset, timed out) since it last
+        did: logged and evented now, with what holds meanwhile, not once every attempt of a call
+        has failed (a hung router costs each attempt its whole timeout)."""
+        if self.unanswered or e.answered:
+            return
+        self.unanswered = True
+        log.warning("router.not_answering", op=op, error=str(e), attempt=attempt, router=self.router.url,
+                    keeps=UNANSWERED_KEEPS, cannot=UNANSWERED_CANNOT)
+        self.fleet.emit(Event.ROUTER_ERROR, op=op, error=str(e), router=self.router.url, attempt=attempt,
+                        final=False, keeps=UNANSWERED_KEEPS, cannot=UNANSWERED_CANNOT)
 
     def _meant_out(self, url: str) -> Callable[[], bool]:
-        return lambda: normalize_url(url) not in self.desired
+        return lambda: self._key(url) not in self.desired
 
     async def _remove(self, url: str, *, since: float | None = None, why: str) -> bool:
-        engine = self.own().get(normalize_url(url))
+        engine = self.own().get(self._key(url))
         try:
             await self._call("remove", url, still=self._meant_out(url))
         except RouterError:
@@ -185,10 +242,18 @@ class RouterFeed(Listener):
         return True
 
     async def _add(self, url: str) -> bool:
-        engine = self.own().get(normalize_url(url))
+        engine = self.own().get(self._key(url))
         try:
-            await self._call("add", url)
-        except RouterError:
+            # Each attempt only while it is routable: a retry never lists one that left meanwhile.
+            await self._call("add", url, still=lambda: normalize_url(url) in self.desired)
+        except Superseded:
+            return False
+        except RouterError as e:
+            if e.transient:
+                # vllm-router's POST waits for the worker's /health: the router may have added
+                # it all the same, or add it later. Read its list now; one that lands later is
+                # the watch's (within `watch`).
+                await self._out_if_listed(url)
             return False
         if normalize_url(url) not in self.desired:  # it left while the POST ran: out again
             await self._remove(url, why="left the routable set while it was being added")
@@ -197,27 +262,59 @@ class RouterFeed(Listener):
         self.fleet.emit(Event.ROUTER, action="added", engine=engine, url=url, why="routable at the current version")
         return True
 
+    async def _out_if_listed(self, url: str) -> None:
+        """After an add that failed: if the router lists it while it is not routable, out."""
+        try:
+            listed, _ = await self._read()
+        except RouterError:
+            return
+        key = normalize_url(url)
+        gone = [u for u in listed if self._key(u) == key and key not in self.desired]
+        await asyncio.gather(*(self._remove(u, why="listed after an add that failed, not routable") for u in gone))
+
     # -- the loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
             self._wake.clear()
             await self.reconcile()
-            await wait_event(self._wake, self.cfg.period)
+            # Until the next reconcile (woken, or `period`): the list watched every `watch`.
+            until = self.clock() + self.cfg.period
+            while (left := until - self.clock()) > 0:
+                if await wait_event(self._wake, min(self.cfg.watch, left)):
+                    break
+                if self.clock() < until:
+                    await self.watch_once()
+
+    async def watch_once(self) -> list[str]:
+        """One read of the router's list; engines of ours listed while not routable (registered
+        by themselves, or added by a POST the router finished late) are removed now. The
+        removed spellings."""
+        if self.cfg.observe_only:
+            return []
+        self.desired = self._desired_now()
+        try:
+            listed, _ = await self._read()
+        except RouterError:
+            return []
+        out = self._listed_out(listed)
+        if not out:
+            return []
+        results = await asyncio.gather(*(self._remove(u, why="not routable") for u in out))
+        return [u for u, ok in zip(out, results) if ok]
 
     async def reconcile(self) -> Plan | None:
         """Read the router's list and make it match; None when the router could not be read."""
         self.desired = self._desired_now()
         try:
-            listed = await self._call("list")
+            listed, same = await self._read()
         except RouterError:
             self._set_state("unreachable")
             return None
-        self.checked_at = time.time()
         own = self.own()
         # Desired URLs are sent as the engines' own base URLs.
         by_norm = {normalize_url(r.spec.base_url): r.spec.base_url for r in self.fleet.runners.values()}
-        p = plan([by_norm[u] for u in self.desired], listed, own, prune_unknown=self.cfg.prune_unknown)
+        p = plan([by_norm[u] for u in self.desired], listed, own, prune_unknown=self.cfg.prune_unknown, same=same)
         if self.last is None or set(p.unknown) != set(self.last.unknown):
             if p.unknown:
                 log.warning("router.unknown_workers", urls=list(p.unknown), router=self.router.url,
@@ -229,7 +326,7 @@ class RouterFeed(Listener):
         now = set(listed)
         if not self.cfg.observe_only:
             adds = [self._add(u) for u in p.add]
-            removes = [self._remove(u, why="not routable" if normalize_url(u) in own else "unknown: pruned")
+            removes = [self._remove(u, why="not routable" if self._key(u) in own else "unknown: pruned")
                        for u in p.remove]
             results = await asyncio.gather(*adds, *removes)
             for u, ok in zip(p.add, results[:len(adds)]):
@@ -239,7 +336,7 @@ class RouterFeed(Listener):
                 if ok:
                     now.discard(u)
         self.listed = tuple(sorted(now))
-        after = plan([by_norm[u] for u in self.desired], now, own, prune_unknown=self.cfg.prune_unknown)
+        after = plan([by_norm[u] for u in self.desired], now, own, prune_unknown=self.cfg.prune_unknown, same=same)
         self._set_state("in_sync" if after.in_sync else "drift")
         return p
 
@@ -259,15 +356,17 @@ class RouterFeed(Listener):
         url = normalize_url(runner.spec.base_url)
         self.held.add(url)
         self._changed()
+        said = "removed from the router"  # what the router answered, reported as such
         if not self.cfg.observe_only:
             try:
                 await self._call("remove", runner.spec.base_url, still=self._meant_out(runner.spec.base_url))
             except RouterError as e:
+                said = f"not removed from the router ({e}); retried in the background"
                 log.warning("router.drain_not_removed", engine=runner.name, error=str(e))
             except Superseded:  # released before the removal went out: it serves on
-                pass
+                said = "left in the router: routable again before the removal was sent"
         if session is None or not runner.spec.spawned or runner.pid is None:
-            return "removed from the router"  # an attached engine is not ours to pause
+            return said  # an attached engine is not ours to pause
         started = self.clock()
         why = ""
         try:
@@ -288,7 +387,7 @@ class RouterFeed(Listener):
         took = self.clock() - started
         log.info("router.drained", engine=runner.name, drained=ok, seconds=round(took, 3),
                  drain_timeout=self.cfg.drain_timeout, why=why or None)
-        return f"drained in {took:.1f}s" if ok else f"not drained: {why}, after {took:.1f}s"
+        return f"{said}; " + (f"drained in {took:.1f}s" if ok else f"not drained: {why}, after {took:.1f}s")
 
     async def _resume(self, runner: EngineRunner, session: aiohttp.ClientSession) -> None:
         try:
@@ -320,11 +419,11 @@ class RouterFeed(Listener):
             "state": self.state,
             "observe_only": self.cfg.observe_only,
             "workers": len(listed),
-            "ours": sorted(own[normalize_url(u)] for u in listed if normalize_url(u) in own),
+            "ours": sorted(own[self._key(u)] for u in listed if self._key(u) in own),
             "missing": [] if p is None else sorted(own.get(normalize_url(u), u) for u in p.add
-                                                   if normalize_url(u) not in {normalize_url(x) for x in listed}),
-            "extra": sorted(own[normalize_url(u)] for u in listed
-                            if normalize_url(u) in own and normalize_url(u) not in self.desired),
+                                                   if normalize_url(u) not in {self._key(x) for x in listed}),
+            "extra": sorted(own[self._key(u)] for u in listed
+                            if self._key(u) in own and self._key(u) not in self.desired),
             "unknown": [] if p is None else sorted(u for u in p.unknown if u in listed),
             "error": self.error or self.failing,
             "checked_at": self.checked_at,

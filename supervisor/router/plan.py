@@ -8,7 +8,7 @@ drift, removed only when pruning is on (docs/router.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from .base import normalize_url
 
@@ -26,18 +26,22 @@ class Plan:
 
 
 def plan(desired: Iterable[str], listed: Iterable[str], own: Iterable[str], *,
-         prune_unknown: bool = False) -> Plan:
+         prune_unknown: bool = False, same: Mapping[str, str] | None = None) -> Plan:
     """`desired`: our URLs that may take traffic now; `listed`: the router's workers; `own`:
-    every URL of ours (desired or not). URLs are compared normalized; the plan names each URL
-    as the router spells it when removing, as we do when adding."""
+    every URL of ours (desired or not). URLs are compared normalized, and `same` maps a listed
+    URL (normalized) to ours that it names under another host spelling (HostResolver). The plan
+    names each URL as the router spells it when removing (every spelling of an engine that is
+    out), as we do when adding."""
+    same = same or {}
     want = {normalize_url(u): u for u in desired}
     mine = {normalize_url(u) for u in own} | set(want)
-    have: dict[str, str] = {}
+    have: dict[str, list[str]] = {}
     for u in listed:
-        have.setdefault(normalize_url(u), u)
+        n = normalize_url(u)
+        have.setdefault(same.get(n, n), []).append(u)
     add = tuple(sorted(want[n] for n in want.keys() - have.keys()))
     extra = sorted(n for n in have.keys() - want.keys())
-    ours = tuple(have[n] for n in extra if n in mine)
-    unknown = tuple(have[n] for n in extra if n not in mine)
+    ours = tuple(u for n in extra if n in mine for u in have[n])
+    unknown = tuple(u for n in extra if n not in mine for u in have[n])
     remove = ours + unknown if prune_unknown else ours
     return Plan(add=add, remove=remove, unknown=unknown)

@@ -38,12 +38,12 @@ class VllmRouter:
                 text = await resp.text(errors="replace")
                 status = resp.status
         except asyncio.TimeoutError:
-            raise RouterError(f"{where}: no answer within {timeout:g}s", transient=True) from None
+            raise RouterError(f"{where}: no answer within {timeout:g}s", transient=True, answered=False) from None
         except aiohttp.InvalidURL:
             raise RouterError(f"{where}: not a valid URL; set router.url to http://HOST:PORT", transient=False) from None
         except (aiohttp.ClientError, OSError) as e:
             raise RouterError(f"{where}: {e or type(e).__name__}; is the router running at {self.url}?",
-                              transient=True) from None
+                              transient=True, answered=False) from None
         try:
             data = json.loads(text) if text else None
         except ValueError:
@@ -52,7 +52,7 @@ class VllmRouter:
             raise RouterError(f"{where}: {status}: the router refused our token; check router.token_file",
                               transient=False)
         if status >= 500 or status == 429:
-            raise RouterError(f"{where}: {status}: {_said(data)}", transient=True)
+            raise RouterError(f"{where}: {status}: {_said(data)}", transient=True, answered=True)
         return status, data
 
     async def workers(self, timeout: float) -> list[str]:

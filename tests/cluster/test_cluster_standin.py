@@ -23,6 +23,7 @@ from vime.supervisor.client import VERBS, BadRequest, ConflictError, SupervisorC
 from vime.supervisor.client.calls import Verbs
 
 from support.polling import wait_until
+from support.standin_router import StandinRouter
 
 pytestmark = pytest.mark.cluster
 
@@ -299,3 +300,38 @@ def test_below_the_cluster_floor_a_round_does_not_start(fleet):
     wait_until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four again")
     assert sup.start_round(10)["open"]
     sup.end_round(10)
+
+
+def test_a_node_that_misses_a_publish_has_its_engines_taken_out_of_a_shared_router(fleet):
+    """B's daemon is stopped (SIGSTOP: alive, answering nothing) while the next version is
+    published: it goes on judging by the version before, so a router the nodes share must not
+    route to its engines. The publisher takes them out before the publish returns; A's, which
+    took the version, stay. (The router is a PROTOCOL STAND-IN, tests/support/standin_router.py,
+    listing the four engines as the nodes' daemons would have added them.)"""
+    sup, nodes, rec, _ = fleet
+    view = wait_until(lambda: (v := sup.routable_engines()) and len(v["engines"]) == 4 and v, 30, "four routable")
+    version = max([view["weight_version"] or 0] + [e["weight_version"] or 0 for e in view["engines"]]) + 1
+    urls = {n: {e["url"] for e in view["engines"] if e["node"] == n} for n in (A, B)}
+    router = StandinRouter()
+    for url in urls[A] | urls[B]:
+        router.add(url)
+    a, b = nodes
+    for m in [*a.modes.values(), *b.modes.values()]:
+        m.write_text(f"version={version}")  # what a sync would have made them
+    publisher = ClusterClient([A, B], socket_path={n.address: n.sock for n in nodes}, router_url=router.url,
+                              call_timeout=2.0)
+    try:
+        publisher.routable_engines()  # each node's routable list, as a trainer's client has it
+        os.kill(b.daemon.proc.pid, signal.SIGSTOP)
+        try:
+            out = publisher.publish_weights(version)
+        finally:
+            os.kill(b.daemon.proc.pid, signal.SIGCONT)
+        assert "error" in out["nodes"][B] and "error" not in out["nodes"][A], out
+        assert set(router.workers()) == urls[A], router.workers()
+    finally:
+        publisher.shutdown()
+        router.close()
+    # B takes the version from the fleet's client; its engines are routable again.
+    sup.publish_weights(version)
+    wait_until(lambda: len(sup.routable_engines()["engines"]) == 4, 30, "four again")

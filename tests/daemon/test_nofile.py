@@ -148,3 +148,57 @@ def test_a_daemon_with_engines_to_adopt_starts_under_a_low_hard_limit(tmp_path):
             second.send_signal(signal.SIGKILL)
             second.wait(10)
         kill_all([first], groups)
+
+
+def starve(pid: int, hard: int) -> None:
+    """The running process gets no new descriptor: a new one takes the lowest free number, and
+    is refused at or above the soft limit, so the soft limit is set to the lowest free number
+    (again while descriptors closing meanwhile, a control connection's, free lower ones)."""
+    for _ in range(10):
+        held = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (min(set(range(len(held) + 1)) - held), hard))
+        time.sleep(0.05)
+
+
+def test_an_engine_unobserved_for_want_of_descriptors_keeps_its_version_only_when_it_cannot_be_read(tmp_path):
+    """A spawned engine (a PROTOCOL STAND-IN that closes every connection, so each probe needs a
+    new descriptor) serves at v1; the running daemon's soft limit is lowered to what it holds
+    (prlimit): its probes fail for want of descriptors, and past the hang bound the engine is
+    UNHEALTHY (daemon_limit), out of routing. With descriptors again, the probe answers and
+    /weight_info decides: unreadable (503), the process never stopped, so it is back RUNNING at
+    the version it had; readable and at base weights, it is STALE, not routable at v1."""
+    python = standin_python(tmp_path, STANDIN)
+    mode = tmp_path / "mode"
+    mode.write_text("version=1")
+    engines = [{"name": "s0", "model": str(standin_model(tmp_path / "model")), "port": free_port(),
+                "env": {"STANDIN_MODE_FILE": str(mode), "STANDIN_CONNECTION_CLOSE": "1"}}]
+    cfg = standin_config(tmp_path, python, engines, warmup={"requests": 0})
+    d = Daemon(cfg)
+    try:
+        d.transition("s0", "RUNNING", 60)
+        from vime.supervisor.client import SupervisorClient
+        with SupervisorClient(str(tmp_path / "run" / "supervisor.sock")) as c:
+            c.publish_weights(1)
+            assert [e["name"] for e in c.routable_engines()["engines"]] == ["s0"]
+        soft, hard = resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)
+        for weights, back_to, version in (("weights_down", "RUNNING", 1), ("ok", "STALE", None)):
+            mark = d.mark()
+            starve(d.proc.pid, hard)
+            try:
+                out = d.transition("s0", "UNHEALTHY", 30, after=mark)
+                assert out["cause"] == "daemon_limit", out
+                mode.write_text(weights)
+            finally:
+                resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
+            back = d.transition("s0", back_to, 30, after=mark)
+            with SupervisorClient(str(tmp_path / "run" / "supervisor.sock")) as c:
+                [s0] = [e for e in c.status()["engines"] if e["name"] == "s0"]
+                assert (s0["state"], s0["weight_version"]) == (back_to, version), (s0, back)
+                routable = [e["name"] for e in c.routable_engines()["engines"]]
+            assert routable == (["s0"] if back_to == "RUNNING" else []), routable
+            mode.write_text("version=1")
+            if back_to == "RUNNING":
+                kept = d.wait_for(lambda e: e.get("event") == "engine.weight_version_kept", 5, after=mark)
+                assert "503" in kept["why"], kept
+    finally:
+        kill_all([d])

@@ -16,6 +16,10 @@ STANDIN_MODE_FILE, re-read at every request) says how it acts:
     deaf        as ok, and SIGTERM is ignored by the whole group (a stop that outlives it)
     reject      completions with logprobs answer 400 (a warm-up the engine refuses)
     version=X   as ok, /weight_info answers weight_version X (an engine's untrusted answer)
+    weights_down  as ok, /weight_info answers 503 (a route that cannot be read now)
+
+With STANDIN_CONNECTION_CLOSE=1 every answer closes its connection (each probe opens a new one:
+what a daemon out of descriptors cannot do).
 """
 
 import sys

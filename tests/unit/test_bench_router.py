@@ -130,3 +130,25 @@ def test_daemon_times_from_its_event_stream(br):
     det, rem = br.daemon_times(events, "engine-1", 10.0)
     assert (round(det, 3), round(rem, 3)) == (0.02, 0.05)
     assert br.daemon_times(events[:1], "engine-1", 10.0) == (None, None)
+
+
+def test_medians_and_spreads_per_kind_fault_and_feed(br):
+    """Three trials per cell: the median "out", its spread, a capped trial counted as the cap."""
+    T = br.Trial
+    res = br.Results(cap=300.0)
+    res.trials = [T("kill -9", br.FEEDS[0], r, out, 30, f, 0.2, 0, 0) for r, (out, f) in
+                  enumerate([(0.9, 1), (0.5, 0), (1.2, 2)])]
+    res.trials += [T("kill -9", br.FEEDS[1], r, out, 30, 5, 9.0, 3, 0, cap=90.0) for r, out in
+                   enumerate([None, 60.0, None])]
+    res.trials += [T("SIGSTOP", br.FEEDS[2], r, out, 30, 0, 1.0, 0, 0, cap=90.0, kind="smg") for r, out in
+                   enumerate([3.0, 2.0, 4.0])]
+    lines = br.medians(res)
+    fed = next(x for x in lines if "daemon feeds the router" in x)
+    assert fed.split()[-5:] == ["0.900", "0.500", "to", "1.200", "3/90"], fed
+    alone = next(x for x in lines if "router alone, defaults" in x)
+    assert "> 90" in alone.split("60.000")[0] and alone.endswith("15/90"), alone  # median capped
+    assert "60.000 to > 90" in alone, alone
+    smg = next(x for x in lines if " smg " in x)
+    assert "3.000" in smg and "2.000 to 4.000" in smg, smg
+    assert any("over the trials of each cell: median and spread" in x for x in br.table(res))
+    assert br.medians(br.Results(cap=1.0)) == []
