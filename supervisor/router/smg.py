@@ -46,7 +46,7 @@ class SmgRouter:
         where = f"{method} {self.url}{path}"
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RouterError(f"{where}: not sent, the call's bound ran out", transient=True)
+            raise RouterError(f"{where}: not sent, the call's bound ran out", transient=True, answered=False)
         try:
             async with self.session.request(method, self.url + path, json=body, headers=self.headers,
                                             timeout=aiohttp.ClientTimeout(total=left),
@@ -54,12 +54,12 @@ class SmgRouter:
                 text = await resp.text(errors="replace")
                 status = resp.status
         except asyncio.TimeoutError:
-            raise RouterError(f"{where}: no answer within the call's bound", transient=True) from None
+            raise RouterError(f"{where}: no answer within the call's bound", transient=True, answered=False) from None
         except aiohttp.InvalidURL:
             raise RouterError(f"{where}: not a valid URL; set router.url to http://HOST:PORT", transient=False) from None
         except (aiohttp.ClientError, OSError) as e:
             raise RouterError(f"{where}: {e or type(e).__name__}; is the router running at {self.url}?",
-                              transient=True) from None
+                              transient=True, answered=False) from None
         try:
             data = json.loads(text) if text else None
         except ValueError:
@@ -68,7 +68,7 @@ class SmgRouter:
             raise RouterError(f"{where}: {status}: the router refused our token; check router.token_file "
                               "(an admin key of SMG's --control-plane-api-keys)", transient=False)
         if status >= 500 or status == 429:
-            raise RouterError(f"{where}: {status}: {_said(data)}", transient=True)
+            raise RouterError(f"{where}: {status}: {_said(data)}", transient=True, answered=True)
         return status, data
 
     async def _list(self, deadline: float) -> list[dict[str, Any]]:
@@ -94,7 +94,7 @@ class SmgRouter:
         while True:
             status, data = await self._call("GET", f"/workers/{worker_id}", deadline)
             if status == 404:
-                raise RouterError(f"{where}: the router dropped the worker before it was ready", transient=True)
+                raise RouterError(f"{where}: the router dropped the worker before it was ready", transient=True, answered=True)
             if status != 200 or not isinstance(data, dict):
                 raise RouterError(f"GET {self.url}/workers/{worker_id}: {status}: {_said(data)}", transient=False)
             state, job = data.get("status"), data.get("job_status") or {}
@@ -103,12 +103,12 @@ class SmgRouter:
             if state is None and job.get("status") not in _QUEUED and data.get("is_healthy"):
                 return  # sglang-router: no status; the job ended with the worker listed healthy
             if state == "draining":
-                raise RouterError(f"{where}: being removed (draining); added again once it is gone", transient=True)
+                raise RouterError(f"{where}: being removed (draining); added again once it is gone", transient=True, answered=True)
             if job.get("job_type") == "AddWorker" and job.get("status") == "failed" and state in (None, "pending"):
-                raise RouterError(f"{where}: the router's add failed: {job.get('message')}", transient=True)
+                raise RouterError(f"{where}: the router's add failed: {job.get('message')}", transient=True, answered=True)
             if time.monotonic() + POLL >= deadline:
                 raise RouterError(f"{where}: queued, not ready within {timeout:g}s (status {state or job.get('status')})",
-                                  transient=True)
+                                  transient=True, answered=True)
             await asyncio.sleep(POLL)
 
     async def remove(self, worker: str, timeout: float) -> None:
@@ -128,7 +128,7 @@ class SmgRouter:
                 if status == 404 or (isinstance(data, dict) and data.get("status") == "draining"):
                     break
                 if time.monotonic() + POLL >= deadline:
-                    raise RouterError(f"{where}: queued, still routable after {timeout:g}s", transient=True)
+                    raise RouterError(f"{where}: queued, still routable after {timeout:g}s", transient=True, answered=True)
                 await asyncio.sleep(POLL)
 
 
