@@ -9,13 +9,16 @@ import os
 import socket
 import struct
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import tenacity
 from tenacity import stop_after_delay, wait_exponential, wait_random
 from tenacity.stop import stop_base
 
 from vime.supervisor.protocol import Event, ReconnectedEvent, default_socket_path
+
+if TYPE_CHECKING:
+    import aiohttp
 
 from .errors import (
     ClientCode,
@@ -108,7 +111,7 @@ class Stream:
 
     def __init__(self) -> None:
         self.closed = False
-        self.handle: Any = None  # the socket (blocking) or the aiohttp response (asyncio)
+        self.handle: socket.socket | aiohttp.ClientResponse | None = None  # blocking: the socket; asyncio: the response
 
 
 def reconnected(path: str, reason: str) -> ReconnectedEvent:

@@ -86,7 +86,7 @@ class SupervisorClient(ClientSettings, Verbs):
         for stream in list(self._streams):
             stream.closed = True
             sock = stream.handle
-            if sock is not None:
+            if isinstance(sock, socket.socket):
                 try:
                     sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in recv
                 except OSError:

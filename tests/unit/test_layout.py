@@ -329,8 +329,8 @@ def test_an_any_attribute_assigned_from_another_module_is_found():
 def test_no_seam_into_the_daemon_or_the_trainer_is_typed_any():
     """What one module wires into another's object is typed (a Protocol, as RestartGate and
     RouterGate, or a class): an `Any` slot set from outside is wiring mypy cannot see. Judged:
-    the daemon's groups and the trainer (the example loop), against every module of ours."""
-    judged = {n for n in MODULES if group(n) in GROUPS or layer(n) == "trainer"}
+    the daemon's groups, its client and the trainer (the example loop), against every module of ours."""
+    judged = {n for n in MODULES if group(n) in GROUPS or layer(n) in ("trainer", "client")}
     found = untyped_seams({name: path.read_text() for name, path in MODULES.items()}, GRAPH, judged)
     assert not found, f"type these attributes (a Protocol or a class), not Any: {found}"
 
