@@ -17,6 +17,7 @@ How each figure is counted is in docs/benchmarks.md ("The emulated fleet's accou
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -120,14 +121,44 @@ class Ledger:
         return self.capacity_lost_s / self.failures if self.failures else None
 
 
+def _struck(injections: Sequence[Injection]) -> dict[str, list[float]]:
+    """Each engine's injection times, sorted."""
+    out: dict[str, list[float]] = {}
+    for i in injections:
+        for e in i.engines:
+            out.setdefault(e, []).append(i.at)
+    for ts in out.values():
+        ts.sort()
+    return out
+
+
+def _first_cut(s: Serving, times: Sequence[float]) -> float | None:
+    """The first injection time strictly inside the interval, if any."""
+    k = bisect.bisect_right(times, s.start)
+    if k < len(times) and (s.end is None or times[k] < s.end):
+        return times[k]
+    return None
+
+
 def truncated(serving: Iterable[Serving], injections: Sequence[Injection]) -> list[Serving]:
     """The intervals with each one cut at the first injection that struck its engine inside it."""
+    struck = _struck(injections)
     out = []
     for s in serving:
-        cuts = [i.at for i in injections if s.engine in i.engines and s.start < i.at
-                and (s.end is None or i.at < s.end)]
-        out.append(Serving(s.engine, s.start, min(cuts)) if cuts else s)
+        cut = _first_cut(s, struck.get(s.engine, ()))
+        out.append(s if cut is None else Serving(s.engine, s.start, cut))
     return out
+
+
+def _serving_at(intervals: Sequence[Serving], times: Sequence[float], t: float) -> bool:
+    """Whether the engine of `intervals` served up to `t`, no injection before `t` having cut it
+    (an interval the bench saw end at `t` itself was serving up to it)."""
+    for s in intervals:
+        if s.start <= t and (s.end is None or t <= s.end):
+            cut = _first_cut(s, times)
+            if cut is None or cut >= t:
+                return True
+    return False
 
 
 def _steps(intervals: Sequence[Serving], t0: float, t1: float) -> list[tuple[float, int]]:
@@ -148,19 +179,18 @@ def _steps(intervals: Sequence[Serving], t0: float, t1: float) -> list[tuple[flo
     return out
 
 
-def _count_at(steps: Sequence[tuple[float, int]], t: float) -> int:
-    n = 0
-    for ts, c in steps:
-        if ts > t:
-            break
-        n = c
-    return n
+def _count_at(steps: Sequence[tuple[float, int]], times: Sequence[float], t: float) -> int:
+    k = bisect.bisect_right(times, t)
+    return steps[k - 1][1] if k else 0
 
 
-def _first_at_target(steps: Sequence[tuple[float, int]], t: float, target: int) -> float | None:
-    if _count_at(steps, t) >= target:
+def _first_at_target(steps: Sequence[tuple[float, int]], times: Sequence[float], t: float,
+                     target: int) -> float | None:
+    """The first moment at or after `t` with at least `target` engines serving."""
+    if _count_at(steps, times, t) >= target:
         return t
-    return next((ts for ts, c in steps if ts > t and c >= target), None)
+    k = bisect.bisect_right(times, t)
+    return next((ts for ts, c in steps[k:] if c >= target), None)
 
 
 def _below(steps: Sequence[tuple[float, int]], t0: float, t1: float, target: int) -> float:
@@ -179,16 +209,23 @@ def false_restarts(record: RunRecord) -> tuple[list[Restart], list[str]]:
     starts: dict[str, list[float]] = {}
     for s in record.serving:
         starts.setdefault(s.engine, []).append(s.start)
+    for v in starts.values():
+        v.sort()
+    by_engine: dict[str, list[tuple[float, int]]] = {}
+    for k, i in enumerate(record.injections):
+        for e in i.engines:
+            by_engine.setdefault(e, []).append((i.at, k))
     answered: set[tuple[int, str]] = set()
     false = []
     for r in sorted(record.restarts, key=lambda r: r.at):
-        backing = [(k, i) for k, i in enumerate(record.injections)
-                   if r.engine in i.engines and i.at - TOLERANCE_S <= r.at
-                   and not any(i.at < s < r.at for s in starts.get(r.engine, ()))]
+        st = starts.get(r.engine, [])
+        # Backed by injections after the engine's last serving start before the restart.
+        k = bisect.bisect_left(st, r.at)
+        since = st[k - 1] if k else float("-inf")
+        backing = [n for at, n in by_engine.get(r.engine, ()) if since <= at and at - TOLERANCE_S <= r.at]
         if not backing:
             false.append(r)
-        for k, _ in backing:
-            answered.add((k, r.engine))
+        answered.update((n, r.engine) for n in backing)
     unanswered = [f"{i.kind}@{e}" for k, i in enumerate(record.injections) for e in i.engines
                   if (k, e) not in answered]
     return false, unanswered
@@ -205,15 +242,15 @@ def account(record: RunRecord, fault_free_s: float | None = None) -> Ledger:
     wall = t1 - t0
     injections = sorted(record.injections, key=lambda i: i.at)
     steps = _steps(truncated(record.serving, injections), t0, t1)
-    ready = _first_at_target(steps, t0, record.target)
-    # Down at the injection: cut by an earlier injection, or not serving at all. An interval the
-    # bench saw end at the injection itself was serving up to it.
-    on_down = 0
-    for k, i in enumerate(injections):
-        before = truncated(record.serving, injections[:k])
-        if i.engines and all(not any(s.engine == e and s.start <= i.at and (s.end is None or i.at <= s.end)
-                                     for s in before) for e in i.engines):
-            on_down += 1
+    times = [t for t, _ in steps]
+    ready = _first_at_target(steps, times, t0, record.target)
+    # Down at the injection: cut by an earlier injection, or not serving at all.
+    struck = _struck(injections)
+    per_engine: dict[str, list[Serving]] = {}
+    for s in record.serving:
+        per_engine.setdefault(s.engine, []).append(s)
+    on_down = sum(1 for i in injections if i.engines and not any(
+        _serving_at(per_engine.get(e, []), struck.get(e, []), i.at) for e in i.engines))
     false, unanswered = false_restarts(record)
     exhausted = sum(1 for i in injections if record.spares > 0 and i.engines
                     and _ready_spares(record, i.at) < len(i.engines))
@@ -222,7 +259,7 @@ def account(record: RunRecord, fault_free_s: float | None = None) -> Ledger:
         ettr=None if fault_free_s is None else fault_free_s / wall,
         useful_tps=(record.tokens_generated - record.tokens_discarded) / wall,
         time_to_start_s=None if ready is None else ready - t0,
-        recover_s=tuple(None if (b := _first_at_target(steps, i.at, record.target)) is None else b - i.at
+        recover_s=tuple(None if (b := _first_at_target(steps, times, i.at, record.target)) is None else b - i.at
                         for i in injections),
         failures=len(injections), on_down=on_down,
         capacity_lost_s=_below(steps, t0 if ready is None else ready, t1, record.target),

@@ -131,3 +131,48 @@ def test_a_record_that_makes_no_sense_is_refused() -> None:
         record(end=0.0)
     with pytest.raises(ValueError, match="ends .* before it starts"):
         record(serving=[Serving("a", 10.0, 5.0)])
+
+
+def test_a_day_of_the_stress_rate_on_64_engines_is_counted_exactly_in_under_two_seconds() -> None:
+    # The clock's schedule feeds the ledger: each struck engine restarted 1 s after its fault and
+    # serving again 100 s after it (a later fault inside that window extends it). Every restart
+    # is backed, no figure is negative, and capacity lost is each engine's union of down windows.
+    import time
+
+    from vime.harness.fault_clock import STRESS_MTBF_S, FaultClock
+    day = 24 * 3600.0
+    faults = FaultClock(seed=11, engines=64, duration_s=day, mtbf_s=STRESS_MTBF_S).schedule()
+    assert len(faults) > 1000
+    down_until: dict[int, float] = {}
+    serving, restarts, injections = [], [], []
+    up_from = {e: 0.0 for e in range(64)}
+    for f in faults:
+        injections.append(Injection(f.at_s, f.kind, tuple(f"e{e}" for e in f.engines)))
+        for e in f.engines:
+            if f.at_s >= down_until.get(e, 0.0):        # serving until now
+                serving.append(Serving(f"e{e}", up_from[e], f.at_s))
+            restarts.append(Restart(f.at_s + 1.0, f"e{e}", "exit"))
+            down_until[e] = f.at_s + 100.0
+            up_from[e] = down_until[e]
+    serving += [Serving(f"e{e}", up_from[e]) for e in range(64) if up_from[e] < day]
+    rec = record(target=64, end=day, injections=injections, serving=serving, restarts=restarts)
+    t = time.perf_counter()
+    g = account(rec)
+    assert time.perf_counter() - t < 2.0
+    struck = sum(len(f.engines) for f in faults)
+    assert g.failures == len(faults) and g.false_restarts == 0 and g.unanswered == []
+    windows: dict[int, list[float]] = {}
+    for f in faults:
+        for e in f.engines:
+            windows.setdefault(e, []).append(f.at_s)
+    union = 0.0
+    for ats in windows.values():
+        end = float("-inf")
+        for a in ats:                   # sorted: the schedule is in time order
+            b = min(a + 100.0, day)
+            union += b - max(a, end) if b > end else 0.0
+            end = max(end, b)
+    assert g.time_to_start_s == 0.0 and g.capacity_lost_s == pytest.approx(union)
+    assert union < 100.0 * struck
+    assert g.on_down > 0        # at this rate some fault lands on an engine still down
+    assert all(r is None or r >= 0 for r in g.recover_s)
