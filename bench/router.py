@@ -43,8 +43,8 @@ throughput: the same load (`--threads`, one engine per thread in turn when direc
 from __future__ import annotations
 
 import argparse
+import asyncio
 import calendar
-import json
 import math
 import os
 import re
@@ -54,17 +54,18 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 
 from vime.harness.local_daemon import (  # noqa: E402
     ENGINE_ARGS, ENGINE_ENV, Daemon, EventStream, child_pids, free_port, write_config)
 from vime.harness.router_proc import RouterProc  # noqa: E402
+from vime.supervisor.router import RouterError  # noqa: E402
+from vime.supervisor.router.vllm_router import VllmRouter, parse_listing  # noqa: E402
 from vime.supervisor.client import SupervisorClient  # noqa: E402
 from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
 
@@ -83,7 +84,7 @@ Request = tuple[float, float, bool, str]  # (sent, ended, ok, error)
 
 def parse_workers(body: dict) -> dict[str, bool]:
     """GET /workers's answer as {url: is_healthy} (a worker with no flag counts as healthy)."""
-    return {w["url"].rstrip("/"): bool(w.get("is_healthy", True)) for w in body.get("workers", [])}
+    return {url.rstrip("/"): healthy for url, healthy in parse_listing(body).items()}
 
 
 def first_out(samples: list[Sample], url: str, t_fault: float) -> float | None:
@@ -293,14 +294,18 @@ class Poller:
         self.thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                with urllib.request.urlopen(self.router.url + "/workers", timeout=2) as r:
-                    seen = parse_workers(json.load(r))
-                self.samples.append((time.time(), seen))
-            except (OSError, ValueError):
-                pass
-            time.sleep(self.every)
+        asyncio.run(self._poll())
+
+    async def _poll(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            router = VllmRouter(self.router.url, session)
+            while not self._stop.is_set():
+                try:
+                    seen = {url.rstrip("/"): ok for url, ok in (await router.listing(2)).items()}
+                    self.samples.append((time.time(), seen))
+                except RouterError:
+                    pass
+                await asyncio.sleep(self.every)
 
     def stop(self) -> list[Sample]:
         self._stop.set()
@@ -309,11 +314,7 @@ class Poller:
 
 
 def remove_worker(router: RouterProc, url: str) -> None:
-    req = urllib.request.Request(f"{router.url}/workers/{urllib.parse.quote(url, safe='')}", method="DELETE")
-    try:
-        urllib.request.urlopen(req, timeout=10).close()
-    except urllib.error.HTTPError:
-        pass  # not listed
+    router.remove(url)  # one the router does not have is not an error
 
 
 def wait(pred, timeout: float, every: float = 0.05, what: str = "condition") -> None:

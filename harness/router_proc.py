@@ -8,15 +8,23 @@ reaches both engines of a test whatever the prompts. Its own health checker keep
 
 from __future__ import annotations
 
-import json
+import asyncio
+import concurrent.futures
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
+
+import aiohttp
+
+from vime.supervisor.router import RouterError
+from vime.supervisor.router.vllm_router import VllmRouter
+
+T = TypeVar("T")
 
 VIME_FLAGS = ("--disable-circuit-breaker", "--request-timeout-secs", "14400", "--policy", "round_robin")
 
@@ -55,24 +63,38 @@ class RouterProc:
             try:
                 self.workers()
                 return self
-            except OSError:
+            except RouterError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"vllm-router did not start; see {self.log_path}") from None
                 time.sleep(0.1)
 
-    def workers(self) -> list[str]:
-        with urllib.request.urlopen(self.url + "/workers", timeout=5) as r:
-            return [w["url"] for w in json.load(r)["workers"]]
-
-    def add(self, worker: str, timeout: float = 10.0) -> int:
-        req = urllib.request.Request(self.url + "/workers", method="POST",
-                                     data=json.dumps({"url": worker, "worker_type": "regular"}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    # The admin calls go through the daemon's own adapter (one /workers client for the daemon,
+    # the harness and the bench), run to completion from synchronous code.
+    def admin(self, call: Callable[[VllmRouter], Awaitable[T]]) -> T:
+        async def run() -> T:
+            async with aiohttp.ClientSession() as session:
+                return await call(VllmRouter(self.url, session))
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(run())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from a coroutine: a loop of its own
+            return pool.submit(asyncio.run, run()).result()
+
+    def workers(self, timeout: float = 5.0) -> list[str]:
+        return self.admin(lambda r: r.workers(timeout))
+
+    def listing(self, timeout: float = 5.0) -> dict[str, bool]:
+        """{url: is_healthy} as the router lists them."""
+        return self.admin(lambda r: r.listing(timeout))
+
+    def add(self, worker: str, timeout: float = 10.0) -> None:
+        """POST /workers (blocks until the worker answers /health); RouterError if refused."""
+        self.admin(lambda r: r.add(worker, timeout))
+
+    def remove(self, worker: str, timeout: float = 10.0) -> None:
+        """DELETE /workers/URL; one the router does not have is not an error."""
+        self.admin(lambda r: r.remove(worker, timeout))
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -56,16 +56,16 @@ class VllmRouter:
         return status, data
 
     async def workers(self, timeout: float) -> list[str]:
+        return list(await self.listing(timeout))
+
+    async def listing(self, timeout: float) -> dict[str, bool]:
+        """GET /workers as {url as listed: is_healthy} (the router alone marks a worker it finds
+        unhealthy, it does not remove it; a worker with no flag counts as healthy)."""
         status, data = await self._call("GET", "/workers", timeout)
         if status != 200 or not isinstance(data, dict) or not isinstance(data.get("workers"), list):
             raise RouterError(f"GET {self.url}/workers: {status}: not vllm-router's worker list ({_said(data)}); "
                               "check router.url and router.kind", transient=False)
-        out = []
-        for w in data["workers"]:
-            url = w.get("url") if isinstance(w, dict) else w
-            if isinstance(url, str):
-                out.append(url)
-        return out
+        return parse_listing(data)
 
     async def add(self, worker: str, timeout: float) -> None:
         status, data = await self._call("POST", "/workers", timeout,
@@ -81,6 +81,17 @@ class VllmRouter:
         if status in (200, 404):  # 0.1.17 answers 200 for a worker it does not have
             return
         raise RouterError(f"DELETE {self.url}/workers/{worker}: {status}: {_said(data)}", transient=False)
+
+
+def parse_listing(data: dict[str, Any]) -> dict[str, bool]:
+    """vllm-router's GET /workers body as {url: is_healthy}: entries are objects with `url` (and
+    `is_healthy`) or, in older answers, bare URLs."""
+    out: dict[str, bool] = {}
+    for w in data.get("workers", []):
+        url = w.get("url") if isinstance(w, dict) else w
+        if isinstance(url, str):
+            out[url] = bool(w.get("is_healthy", True)) if isinstance(w, dict) else True
+    return out
 
 
 def _said(data: Any) -> str:
