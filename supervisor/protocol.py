@@ -530,6 +530,9 @@ class WeightsPublishedEvent(TypedDict):
     checkpoint: str | None
     stale: list[str]
     epoch: int
+    # With a fingerprint published: the engines that reported the version but whose outputs
+    # did not match it (name -> why), handled as fingerprint_mismatch says.
+    mismatched: NotRequired[dict[str, str]]
 
 
 class FailureReportedEvent(TypedDict):
@@ -563,6 +566,7 @@ class SyncVerifiedEvent(TypedDict):
     engine: str
     version: int
     how: str
+    fingerprint_s: NotRequired[float]  # the fingerprint check's time, when the version has one
 
 
 class SyncFailedEvent(TypedDict):
