@@ -174,3 +174,28 @@ def test_consecutive_versions_differ_by_far_more_than_the_tolerance(tiny_model):
     print(f"consecutive versions' fingerprints differ by {[round(x, 4) for x in gaps]} "
           f"(tolerance {F.FP32_CPU_TOLERANCE:g})")
     assert min(gaps) >= 10 * F.FP32_CPU_TOLERANCE
+
+
+# -- the state machine's verdicts -----------------------------------------------------------
+
+
+def test_a_mismatch_in_resync_mode_is_stale_under_a_label_never_published():
+    import random
+
+    from vime.supervisor.config import ProbePolicy, RestartPolicy
+    from vime.supervisor.engine.fsm import EngineFSM
+    from vime.supervisor.states import Cause, State, Transition, detection_kind
+
+    seen: list[Transition] = []
+    fsm = EngineFSM("e0", ProbePolicy(), RestartPolicy(), lambda: 0.0, rng=random.Random(1),
+                    on_transition=seen.append)
+    assert fsm.begin_start("start")
+    fsm.became_ready(3, 3)
+    assert fsm.state is State.RUNNING
+    t = fsm.fingerprint_mismatch("4-unverified", "/weight_info says v4, but ...; synced again")
+    assert t is not None and (t.to_state, t.cause) == (State.STALE, Cause.FINGERPRINT)
+    assert fsm.weight_version == "4-unverified" and fsm.weight_version != 4  # never released as current
+    assert fsm.fingerprint_mismatch("5-unverified", "again") is None  # already STALE: relabelled
+    assert (fsm.state, fsm.weight_version, fsm.reason) == (State.STALE, "5-unverified", "again")
+    poisoned = fsm.mark_unusable("poisoned: fingerprint", Cause.FINGERPRINT)
+    assert detection_kind(poisoned) == "poisoned"
