@@ -38,8 +38,9 @@ __all__ = ["Fleet", "RouterGate", "BadRequest", "Conflict", "check_version", "va
 
 log = structlog.get_logger("vime.fleet")
 
-# A fingerprint is one small completion request (4 prompts of 48 tokens: 0.1 s on the tiny
-# model here); bounded at least this long so a loaded host does not fail a healthy engine.
+# A fingerprint is one small completion request (4 prompts of 48 tokens: 0.03 s on the tiny
+# model here, 2.6 s for an engine's first, while vLLM compiles its logprobs path); bounded at
+# least this long so that a loaded host does not fail a healthy engine.
 FINGERPRINT_TIMEOUT = 30.0
 
 
@@ -346,9 +347,9 @@ class Fleet(Listener):
 
     async def _check_at_publish(self, runners: list[EngineRunner], version: int,
                                 fp: Fingerprint) -> dict[str, str]:
-        """The engines up (probed, or spares) whose /weight_info says `version` and whose
-        outputs do not match `fp`: name -> why. Read concurrently."""
-        up = [r for r in runners if r.probed or r.state is State.STANDBY]
+        """The engines up (probed: serving, STALE or spares) whose /weight_info says `version`
+        and whose outputs do not match `fp`: name -> why. Read concurrently."""
+        up = [r for r in runners if r.probed]
 
         async def one(r: EngineRunner) -> tuple[str, int, str | None]:
             incarnation = r.incarnation
@@ -373,7 +374,7 @@ class Fleet(Listener):
                 continue
             self.stats.fingerprint_mismatch("publish")
             log.warning("fingerprint.mismatch", engine=r.name, version=version, why=why, action=action)
-            if action == "warn" or not (r.probed or r.state is State.STANDBY):
+            if action == "warn" or not r.probed:  # warn, or it went down meanwhile
                 continue
             acted.append(r.name)
             reason = f"/weight_info says {vlabel(version)}, but {why}"
