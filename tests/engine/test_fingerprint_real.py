@@ -6,7 +6,9 @@ Two daemons of one engine each, booted together (one engine per core), sharing o
 * R runs with fingerprint_mismatch = "resync": B takes the forgeries one after the other; each
   caught one goes STALE and is reloaded from the version's checkpoint (seconds, no reboot).
 * P runs with the default ("poison"): A, on its base weights, gets its label set by hand; it is
-  stopped and restarted, and comes back only once its reload matches the fingerprint.
+  stopped and restarted. The version was published with a checkpoint of the base weights (a
+  checkpoint of another version): the restarted engine's reload says v1 too, and is caught by
+  the fingerprint after the sync.
 The mutation: the same forgery published without a fingerprint (the label check alone) is
 routed. The tests run in file order and share the fleet.
 """
@@ -50,6 +52,8 @@ class Trainer:
         self.ids = AutoTokenizer.from_pretrained(model_dir)(TEXT, return_tensors="pt").input_ids
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-2)
         self.base = self.tensors()
+        self.base_checkpoint = str(root / "ckpt-base")
+        save_checkpoint(self.model, model_dir, self.base_checkpoint)
         self.version = 0
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -159,7 +163,7 @@ def caught_and_resynced(w, version: int, ckpt: str, fp: dict) -> None:
     syncing = R.transition("B", "SYNCING", 120, after=mark)
     running = R.transition("B", "RUNNING", 240, after=mark)
     assert running["reason"] == f"weights v{version}, verified"
-    verified = events(R, "sync.verified", mark, engine="B")[-1]
+    verified = R.wait_for(lambda e: e.get("event") == "sync.verified" and e.get("engine") == "B", 10, after=mark)
     w.timings["resync_check_s"].append(verified["fingerprint_s"])
     w.timings["resync_s"].append(_ts(running) - _ts(syncing))
     w.timings["publish_check_s"] += [e["seconds"] for e in events(R, "fingerprint.checked", mark)][:1]
@@ -181,22 +185,22 @@ def _ts(ev: dict) -> float:
 
 def test_hand_set_label_on_base_weights_is_poisoned_and_never_routed(world):
     w = world
-    version, ckpt, fp = new_version(w)
+    version, _, fp = new_version(w)
     P, mark = w.P, w.P.mark()
     body = json.dumps({"new_version": str(version)}).encode()
     req = urllib.request.Request(f"{w.url['A']}/update_weight_version", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200
     assert label(w.url["A"]) == str(version)  # the label check alone would pass: base weights, label v1
-    reply = w.p.publish_weights(version, checkpoint=ckpt, fingerprint=fp)
+    # Published with a checkpoint of the base weights: the restart's reload is forged too.
+    reply = w.p.publish_weights(version, checkpoint=w.trainer.base_checkpoint, fingerprint=fp)
     assert "outputs not matching the fingerprint (poison): A:" in reply["message"]
     assert w.p.routable_engines()["engines"] == []
     down = P.transition("A", "UNHEALTHY", 10, after=mark)
     assert down["cause"] == "fingerprint_mismatch" and down["reason"].startswith(f"poisoned: /weight_info says v{version}")
     P.transition("A", "STOPPING", 10, after=mark)
     P.wait_for(lambda e: e.get("event") == "engine.spawned" and e.get("engine") == "A", 120, after=mark)
-    # Its restart boots meanwhile (the last test waits for it): base weights, then the
-    # checkpoint, then the fingerprint, then RUNNING.
+    # Its restart boots meanwhile; the last test sees what comes of it.
 
 
 # -- R (resync): the mutation, then each forgery ------------------------------------------
@@ -261,13 +265,17 @@ def test_mismatches_are_counted(world):
     assert 'vime_fingerprint_mismatches_total{at="sync"} 0.0' in text
 
 
-def test_the_poisoned_engine_comes_back_only_verified_by_the_fingerprint(world):
+def test_a_reload_of_another_versions_checkpoint_is_caught_after_the_sync(world):
+    """P's restarted A: base weights read, STALE, reloaded from the published checkpoint (the
+    base weights), /weight_info v1 and the deep probe fine: the fingerprint poisons it."""
     w = world
     P = w.P
     mark = [i for i, e in enumerate(P.events) if e.get("event") == "engine.spawned"][-1]
-    running = P.transition("A", "RUNNING", BOOT, after=mark)
-    assert running["reason"] == "weights v1, verified"
-    verified = events(P, "sync.verified", mark, engine="A")[-1]
-    assert "fingerprint_s" in verified
-    w.timings["resync_check_s"].append(verified["fingerprint_s"])
-    assert engine_fingerprint(w.url["A"], w.versions[1][1]).matches
+    P.transition("A", "SYNCING", BOOT, after=mark)
+    down = P.transition("A", "UNHEALTHY", 120, after=mark)
+    assert down["cause"] == "fingerprint_mismatch", down
+    assert re.match(r"poisoned: reloaded from \S+ckpt-base, /weight_info says v1, but fingerprint max "
+                    r"\|logprob difference\| \S+ .* over tolerance 0.0001", down["reason"]), down["reason"]
+    first = [i for i, e in enumerate(P.events) if e.get("event") == "weights.published"][0]
+    assert not [e for e in P.events[first:] if e.get("event") == "engine.transition" and e.get("to_state") == "RUNNING"]
+    assert w.p.routable_engines()["engines"] == []
