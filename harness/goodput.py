@@ -33,7 +33,7 @@ class StartedOver(Protocol):
 
 # Causes of a stop that is the daemon's verdict on a failure (not an operator's, not shutdown).
 STOP_CAUSES = frozenset({Cause.EXIT, Cause.HANG, Cause.BUSY, Cause.PAUSED, Cause.REPORTED, Cause.POISONED,
-                         Cause.SYNC_FAILED})
+                         Cause.SYNC_FAILED, Cause.FINGERPRINT})
 _DOWN = frozenset({State.UNHEALTHY, State.STOPPING, State.EXITED})
 # A stop is taken from a state with a process that was up (a failed start is no stop).
 _UP = frozenset({State.STALE, State.SYNCING, State.RUNNING, State.SUSPECT, State.STANDBY})

@@ -246,7 +246,7 @@ class SoakLoop(ChaosLoop):
             # A daemon that lost its journal lost the version too: the trainer says it again,
             # or engines on the base weights would be routed as current.
             self.log(f"the daemon has v{status['weight_version']}, not v{self.published}: publishing it again")
-            client.publish_weights(self.published)
+            client.publish_weights(self.published, fingerprint=self.fingerprint())
         whole = view.wait(lambda: view.whole(self.published), self.args.fault_wait)
         rec["whole again"] = whole
         fault.confirmed = whole and not rec["old processes left"] and rec["exit"] in (0, None)

@@ -54,6 +54,8 @@ from .protocol import (
     SyncPhase,
     parse_signal,
 )
+from .engine.fingerprint import FingerprintError
+from .engine.fingerprint import parse as parse_fingerprint
 from .engine.process import read_tail
 from .engine.runner import EngineRunner
 from .router.link import RouterLink
@@ -530,9 +532,16 @@ class ControlServer:
         return web.json_response({"round": n, "open": False, "changed": changed, "message": message})
 
     async def publish_weights(self, request: web.Request) -> web.Response:
-        body = await self._body(request, {"version": (int,), "checkpoint": (str, type(None))}, {"version"})
-        _note(request, version=body["version"], checkpoint=body.get("checkpoint"))
-        changed, message = await self.fleet.publish_weights(body["version"], body.get("checkpoint"))
+        body = await self._body(request, {"version": (int,), "checkpoint": (str, type(None)),
+                                          "fingerprint": (dict, type(None))}, {"version"})
+        fp = None
+        if body.get("fingerprint") is not None:  # optional: without one, the label check alone
+            try:
+                fp = parse_fingerprint(body["fingerprint"])
+            except FingerprintError as e:
+                raise BadRequest(str(e)) from None
+        _note(request, version=body["version"], checkpoint=body.get("checkpoint"), fingerprint=fp is not None)
+        changed, message = await self.fleet.publish_weights(body["version"], body.get("checkpoint"), fp)
         _note(request, changed=changed)
         return web.json_response({"weight_version": self.fleet.current_version, "changed": changed,
                                   "message": message, "epoch": self.fleet.epoch})

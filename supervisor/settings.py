@@ -250,6 +250,7 @@ class RouterConfig:
 _LOG_LEVELS = ("debug", "error", "info", "warning")
 SPARES_SYNC = ("promotion", "publish")
 RESTART_LOAD = ("model", "dummy")
+FINGERPRINT_MISMATCH = ("poison", "resync", "warn")
 _NO_LIMIT = ge(0, note=" (0: no limit)")
 
 
@@ -315,6 +316,17 @@ class Config:
              "is connected to push them",
         doc="a restarted engine reads the model, or boots on vLLM's dummy weights when the trainer's agent is "
             "connected to push them ([Weights after a restart](weights.md#restarts-that-skip-the-checkpoint-read))")
+    # An engine whose /weight_info says the published version but whose outputs do not match the
+    # version's fingerprint: "poison" (stopped, restarted, never routed), "resync" (out of
+    # routing, STALE, synced again; a sync that still does not match poisons it) or "warn"
+    # (logged and counted, routed as the label says: for a tolerance not yet measured).
+    fingerprint_mismatch: str = knob(
+        "poison", flag="--fingerprint-mismatch", choices=FINGERPRINT_MISMATCH,
+        help="an engine whose outputs do not match the published fingerprint: poison (default), resync or warn",
+        doc="what an engine whose `/weight_info` says the published version but whose outputs do not match the "
+            "version's fingerprint becomes: `poison` (stopped, restarted, never routed), `resync` (STALE, synced "
+            "again; a sync that still does not match poisons it) or `warn` (logged and counted, routed) "
+            "([Fingerprints](weights.md#fingerprints))")
     runtime_dir: str = knob(
         "/run/vime-supervisor", flag="--runtime-dir", help="holds the control socket (default {default})",
         doc="holds the control socket (`supervisor.sock`, mode 0660) and a lock; must be owned by the daemon's "

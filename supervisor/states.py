@@ -84,6 +84,9 @@ class Cause(StrEnum):
     SYNC = "sync"  # a weight sync began (the trainer agent's push, or a checkpoint reload)
     VERIFIED = "verified"  # a sync finished and the engine's weights were verified
     SYNC_FAILED = "sync_failed"  # a sync failed, timed out or did not verify: poisoned
+    # What the engine computes does not match the version's published fingerprint, while its
+    # /weight_info says that version (docs/weights.md#fingerprints).
+    FINGERPRINT = "fingerprint_mismatch"
     OUTDATED = "outdated"  # a newer weight version was published
     EXIT = "exit"  # the process exited (or an attached engine stopped answering)
     FLAPPING = "flapping"  # too many restarts inside the flapping window
@@ -135,7 +138,7 @@ def detection_kind(t: Transition) -> str | None:
         return "exit" if t.from_state is not State.STOPPING else None
     if t.to_state is not State.UNHEALTHY or t.cause is Cause.DAEMON_LIMIT:  # the daemon's shortage
         return None
-    if t.cause in (Cause.POISONED, Cause.SYNC_FAILED):
+    if t.cause in (Cause.POISONED, Cause.SYNC_FAILED, Cause.FINGERPRINT):
         return "poisoned"
     if t.cause is Cause.REPORTED:
         return "reported"

@@ -291,21 +291,37 @@ class SyncCoordinator(Listener):
         if problem is not None:
             self._poisoned(runner, f"{how}, but {problem}")
             return
+        extra: dict[str, Any] = {}
+        fp = self.fleet.fingerprint_of(version)
+        if fp is not None:  # the label says the version: do the outputs? (docs/weights.md#fingerprints)
+            began = time.monotonic()
+            mismatch = await self.fleet.check_fingerprint(runner, fp)
+            extra["fingerprint_s"] = round(time.monotonic() - began, 4)
+            if not (runner.state is S.SYNCING and runner.incarnation == incarnation):
+                return
+            if mismatch is not None:
+                self.fleet.stats.fingerprint_mismatch("sync")
+                log.warning("fingerprint.mismatch", engine=runner.name, version=version, why=mismatch,
+                            action=self.fleet.cfg.fingerprint_mismatch)
+                if self.fleet.cfg.fingerprint_mismatch != "warn":  # a resync that did not match: poisoned
+                    self._poisoned(runner, f"{how}, /weight_info says {vlabel(version)}, but {mismatch}",
+                                   Cause.FINGERPRINT)
+                    return
         runner.finish_sync(version, hold=self.fleet.hold_reason())
-        log.info("sync.verified", engine=runner.name, version=version, how=how)
-        self.fleet.emit(Event.SYNC_VERIFIED, engine=runner.name, version=version, how=how)
+        log.info("sync.verified", engine=runner.name, version=version, how=how, **extra)
+        self.fleet.emit(Event.SYNC_VERIFIED, engine=runner.name, version=version, how=how, **extra)
         current = self.fleet.current_version
         if current is not None and version != current:  # a newer version was published meanwhile
             if runner.state is S.RUNNING:
                 runner.mark_outdated(current)
             self.consider(runner)
 
-    def _poisoned(self, runner: EngineRunner, why: str) -> None:
+    def _poisoned(self, runner: EngineRunner, why: str, cause: Cause = Cause.SYNC_FAILED) -> None:
         log.warning("sync.poisoned", engine=runner.name, why=why)
         self.fleet.emit(Event.SYNC_FAILED, engine=runner.name, reason=why)
         # A spawned engine is stopped (post-mortem first) and restarted; an attached one stays
         # UNHEALTHY, probed, never routed, until it answers again on the current version.
-        runner.condemn_and_stop(f"poisoned: {why}", Cause.SYNC_FAILED)
+        runner.condemn_and_stop(f"poisoned: {why}", cause)
 
 
 # -- announced pushes: the trainer's every-step push into the routable engines ------------------

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
 from vime.supervisor.protocol import RUNNING_STATES, EngineStatus, State
 from vime.trainer.dumps import Sample, dump_path, load_rollout, save_rollout
+from vime.trainer.fingerprint import make_fingerprint
 from vime.trainer.resync_agent import ResyncAgent, ResyncRecord
 from vime.trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
 from vime.trainer.rollout import RolloutClient, RolloutResult
@@ -666,9 +667,17 @@ class RLLoop:
                     self.client.report_failure(name, f"push of v{version} failed midway: {outcome}", poisoned=True)
                 except SupervisorError as e:
                     self.log(f"could not report {name} poisoned: {e}")
-        self.client.publish_weights(version, checkpoint=checkpoint)
+        self.client.publish_weights(version, checkpoint=checkpoint, fingerprint=self.fingerprint())
         self.published = version
         return pushed
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        """The policy's fingerprint now, published with its version so that no engine is
+        routable at it unless its outputs match (None with --no-fingerprint: the label check)."""
+        if not getattr(self.args, "fingerprint", True):
+            return None
+        with self.policy.lock:
+            return make_fingerprint(self.policy.model)
 
 
 # -- output --------------------------------------------------------------------------------
@@ -752,6 +761,9 @@ def build_parser(prog: str = "python -m vime.trainer.rl_loop", description: str 
                    help="a request cut by a fault is sent again whole (slime's behaviour; its streamed tokens "
                         "are thrown away and generated again), instead of continued from the tokens already "
                         "streamed (RolloutClient's continue_partial)")
+    g.add_argument("--no-fingerprint", dest="fingerprint", action="store_false",
+                   help="publish versions without a fingerprint: engines are then routable on their /weight_info "
+                        "label alone (docs/weights.md#fingerprints)")
     g = ap.add_argument_group("waits and when to stop early")
     g.add_argument("--sync-wait", type=float, default=60.0, help="longest wait in a gap for engines being synced")
     g.add_argument("--final-wait", type=float, default=300.0, help="longest wait at the end for every engine to be current")

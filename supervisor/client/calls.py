@@ -201,11 +201,14 @@ class Verb(Generic[P, T]):
 # -- the table -------------------------------------------------------------------------------
 
 
-def _weights_body(version: int, checkpoint: str | os.PathLike[str] | None) -> dict[str, Any]:
+def _weights_body(version: int, checkpoint: str | os.PathLike[str] | None,
+                  fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"version": version}
     if checkpoint is not None:
         # A relative checkpoint means the trainer's working directory, not the daemon's.
         body["checkpoint"] = os.path.abspath(os.fspath(checkpoint))
+    if fingerprint is not None:  # sent only when given: a daemon without fingerprints still understands
+        body["fingerprint"] = fingerprint
     return body
 
 
@@ -244,14 +247,17 @@ class Verbs:
         return _post(round_path(n, RoundPhase.END))
 
     @Verb
-    def publish_weights(version: int, checkpoint: str | os.PathLike[str] | None = None
-                        ) -> Call[WeightsResult]:
+    def publish_weights(version: int, checkpoint: str | os.PathLike[str] | None = None,
+                        fingerprint: dict[str, Any] | None = None) -> Call[WeightsResult]:
         """Make `version` current (engines not reporting it go STALE, out of routing, until
         synced). Idempotent: publishing the current version again (same checkpoint) is a no-op,
         so a retry after a reconnect is safe. ConflictError for a version lower than the
         current one; BadRequest for a checkpoint that is not a directory with *.safetensors and
-        config.json. A relative checkpoint is made absolute against our working directory."""
-        return _post(WEIGHTS_PATH, _weights_body(version, checkpoint))
+        config.json, or a malformed fingerprint. A relative checkpoint is made absolute against
+        our working directory. `fingerprint` (vime.trainer.fingerprint.make_fingerprint): the
+        logprobs the trainer's weights give for fixed prompts; an engine reporting `version`
+        is routable at it only if its own match (docs/weights.md#fingerprints)."""
+        return _post(WEIGHTS_PATH, _weights_body(version, checkpoint, fingerprint))
 
     @Verb
     def restart(name: str) -> Call[ActionResult]:

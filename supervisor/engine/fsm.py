@@ -394,6 +394,16 @@ class EngineFSM:
         trainer's report), never routed. Stopping it is the runner's (EngineRunner.condemn)."""
         return self._go(S.UNHEALTHY, reason, cause)
 
+    def fingerprint_mismatch(self, label: str, reason: str) -> Transition | None:
+        """/weight_info said the version, the outputs did not match its fingerprint: STALE (out
+        of routing) with `label` (never a published version) as its weight version, so that it
+        is synced again and not released as current. Already STALE: relabelled only."""
+        self.weight_version = label
+        if self.state is S.STALE:
+            self.annotate(reason)
+            return None
+        return self._go(S.STALE, reason, Cause.FINGERPRINT)
+
     def version_behind(self, current_version: int) -> Transition:
         return self._go(S.STALE, f"weights {vlabel(self.weight_version)}, current {vlabel(current_version)}",
                         Cause.OUTDATED)

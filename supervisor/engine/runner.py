@@ -617,6 +617,11 @@ class EngineRunner:
         """A newer version was published: STALE (out of routing) until synced."""
         self.fsm.version_behind(current_version)
 
+    def fingerprint_mismatch(self, version: int, reason: str) -> None:
+        """/weight_info says `version` but the outputs do not match its fingerprint: STALE, its
+        version an unpublished label, so that it is synced again (fingerprint_mismatch = "resync")."""
+        self.fsm.fingerprint_mismatch(f"{version}-unverified", reason)
+
     def push_announced(self, push: str, deadline_s: float) -> None:
         """It receives an announced push (POST /v1/pushes): paused, excused until its deadline."""
         self.fsm.push_announced(PushWindow(push, self.clock() + deadline_s, deadline_s))

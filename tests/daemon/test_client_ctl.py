@@ -336,6 +336,14 @@ def make_checkpoint(path: Path) -> Path:
     return path
 
 
+def test_publish_with_a_malformed_fingerprint_is_refused_and_publishes_nothing(fleet, client):
+    before = client.status()["weight_version"]
+    bad = {"prompts": [[1, 2, 3]], "logprobs": [[-1.0]], "tolerance": 1e-4}  # 2 logprobs needed
+    with pytest.raises(BadRequest, match=r"fingerprint.logprobs\[0\] must be 2 logprobs") as e:
+        client.publish_weights((before or 0) + 1, fingerprint=bad)
+    assert e.value.status == 400 and client.status()["weight_version"] == before
+
+
 def test_publish_weights_sync(fleet, client, tmp_path, monkeypatch):
     v = (client.status()["weight_version"] or 0) + 1
     sync_weights(fleet, v)

@@ -107,7 +107,8 @@ def test_a_flag_reaches_the_key_it_declares(tmp_path):
     (model / "config.json").write_text("{}")
     raw = {"engines": [{"name": "e", "model": str(model), "port": 8100}, {"name": "f", "url": "http://10.0.0.5:1"}]}
     given = {"bool": True, "int": 1, "float": 30.0, "str": None}
-    strs = {"spares_sync": "publish", "restart_load": "dummy", "log_level": "debug", "metrics_address": "127.0.0.1:9464",
+    strs = {"spares_sync": "publish", "restart_load": "dummy", "fingerprint_mismatch": "resync", "log_level": "debug",
+            "metrics_address": "127.0.0.1:9464",
             "runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "log"),
             "state_dir": str(tmp_path / "state"), "engine_cache_dir": str(tmp_path / "cache"),
             "router_url": "http://127.0.0.1:30000"}

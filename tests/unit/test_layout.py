@@ -17,7 +17,7 @@ Inside the daemon (vime.supervisor), five groups, each importing only itself and
 
     base     states, protocol, errors, knobs, settings, config, tasks, logs, events
     engine   supervisor/engine/: runner, adoption, heartbeat, fsm, process, activity, probes, http1, warmup,
-             postmortem, retention, view
+             postmortem, retention, view, fingerprint
     fleet    policy, fleet, sync, metrics, status, journal, restore, selfwatch, healthz, router/feed,
              router/child, router/link
     service  daemon, reexec, sdnotify, limits, reap, control, __main__
@@ -125,7 +125,8 @@ GROUPS = {  # lowest first
     "base": {_D + m for m in ("states", "protocol", "errors", "knobs", "settings", "config", "tasks", "logs",
                               "events")},
     "engine": {_D + "engine"} | {_D + "engine." + m for m in ("runner", "fsm", "process", "activity", "probes", "heartbeat", "adoption",
-                                                             "http1", "warmup", "postmortem", "retention", "view")},
+                                                             "http1", "warmup", "postmortem", "retention", "view",
+                                                             "fingerprint")},
     "fleet": {_D + m for m in ("policy", "fleet", "sync", "metrics", "status", "journal", "restore", "selfwatch",
                                 "healthz")} | ROUTER_DAEMON,
     "service": {"vime.supervisor"} | {_D + m for m in ("daemon", "reexec", "sdnotify", "limits", "reap", "control",

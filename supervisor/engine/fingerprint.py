@@ -1,0 +1,153 @@
+"""A weight version's fingerprint: what the trainer's own weights say for a few fixed prompts,
+checked on an engine before it is routable at that version (docs/weights.md#fingerprints).
+
+`/weight_info` is a label the engine sets itself; a push answered 200 that sent nothing, a push
+of another version's tensors or half a push, and `/update_weight_version` called by hand all
+leave it saying the version. What the engine computes cannot be set by hand: the daemon sends
+the fingerprint's prompts (token ids) to `/v1/completions` with `prompt_logprobs` and compares
+the logprob of every prompt token, teacher-forced (no sampling, so no greedy near-tie can make
+two equal models diverge), with the trainer's, within a tolerance.
+
+Pure but for `probe` (one HTTP request). The trainer side is trainer/fingerprint.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol import BF16_GPU_TOLERANCE, FP32_CPU_TOLERANCE
+
+__all__ = ["Fingerprint", "FingerprintError", "Comparison", "parse", "request_body", "observed", "compare", "probe",
+           "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
+
+MAX_PROMPTS = 16
+MAX_PROMPT_TOKENS = 256
+
+
+class FingerprintError(ValueError):
+    """A fingerprint that cannot be used: the message says what to send instead."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """`prompts`: token ids; `logprobs[i][j]`: the trainer's logprob of prompts[i][j + 1]
+    given prompts[i][: j + 1] (one fewer than the prompt's tokens). `tolerance`: the largest
+    |difference| still taken as the same weights."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+    tolerance: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompts": [list(p) for p in self.prompts], "logprobs": [list(lp) for lp in self.logprobs],
+                "tolerance": self.tolerance}
+
+
+def parse(obj: Any) -> Fingerprint:
+    """A fingerprint from its JSON form, checked; FingerprintError says what is wrong."""
+    if not isinstance(obj, dict):
+        raise FingerprintError("fingerprint must be an object {prompts, logprobs, tolerance} "
+                               "(vime.trainer.fingerprint.make_fingerprint builds one)")
+    unknown = sorted(set(obj) - {"prompts", "logprobs", "tolerance"})
+    if unknown:
+        raise FingerprintError(f"fingerprint has unknown fields {', '.join(unknown)}; "
+                               "send prompts, logprobs and tolerance")
+    prompts, logprobs, tol = obj.get("prompts"), obj.get("logprobs"), obj.get("tolerance")
+    if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_PROMPTS:
+        raise FingerprintError(f"fingerprint.prompts must be a list of 1 to {MAX_PROMPTS} prompts (token id lists)")
+    if not isinstance(logprobs, list) or len(logprobs) != len(prompts):
+        raise FingerprintError("fingerprint.logprobs must be a list with one entry per prompt")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (math.isfinite(tol) and tol > 0):
+        raise FingerprintError(f"fingerprint.tolerance must be a number > 0, got {tol!r}")
+    ps: list[tuple[int, ...]] = []
+    ls: list[tuple[float, ...]] = []
+    for i, (p, lp) in enumerate(zip(prompts, logprobs)):
+        if (not isinstance(p, list) or not 2 <= len(p) <= MAX_PROMPT_TOKENS
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)):
+            raise FingerprintError(f"fingerprint.prompts[{i}] must be 2 to {MAX_PROMPT_TOKENS} token ids (ints >= 0)")
+        if (not isinstance(lp, list) or len(lp) != len(p) - 1
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0
+                           for x in lp)):
+            raise FingerprintError(f"fingerprint.logprobs[{i}] must be {len(p) - 1} logprobs (finite, <= 0): one "
+                                   "per prompt token after the first")
+        ps.append(tuple(p))
+        ls.append(tuple(float(x) for x in lp))
+    return Fingerprint(tuple(ps), tuple(ls), float(tol))
+
+
+def request_body(fp: Fingerprint, model: str) -> dict[str, Any]:
+    """The /v1/completions request that makes an engine compute the fingerprint: one token
+    generated (vLLM needs one), every prompt token's logprob returned."""
+    return {"model": model, "prompt": [list(p) for p in fp.prompts], "max_tokens": 1, "temperature": 0,
+            "prompt_logprobs": 0}
+
+
+def observed(answer: Any, fp: Fingerprint) -> list[list[float]]:
+    """Each prompt token's logprob (after the first) from a /v1/completions answer to
+    request_body; FingerprintError if the answer does not carry them."""
+    try:
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != len(fp.prompts):
+            raise FingerprintError(f"{len(choices)} choices for {len(fp.prompts)} prompts")
+        out: list[list[float]] = []
+        for prompt, c in zip(fp.prompts, choices):
+            entries = c["prompt_logprobs"]
+            if not isinstance(entries, list) or len(entries) != len(prompt):
+                raise FingerprintError(f"prompt_logprobs has {len(entries) if isinstance(entries, list) else '?'} "
+                                       f"entries for a {len(prompt)}-token prompt")
+            # entries[0] is None (nothing predicts the first token); each later one maps token id
+            # (a string in JSON) to {"logprob": ...} and always holds the prompt's own token.
+            out.append([float(entries[j][str(prompt[j])]["logprob"]) for j in range(1, len(prompt))])
+        return out
+    except FingerprintError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise FingerprintError(f"the engine's answer carries no prompt_logprobs ({type(e).__name__}: {e})") from e
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_diff: float  # max |expected - observed| over every compared token (inf: not comparable)
+    where: tuple[int, int]  # (prompt, position) of it
+    tolerance: float
+
+    @property
+    def matches(self) -> bool:
+        return self.max_diff <= self.tolerance
+
+    def describe(self) -> str:
+        i, j = self.where
+        verdict = "within" if self.matches else "over"
+        return (f"fingerprint max |logprob difference| {self.max_diff:.3g} (prompt {i}, token {j + 1}) "
+                f"{verdict} tolerance {self.tolerance:g}")
+
+
+def compare(fp: Fingerprint, got: list[list[float]]) -> Comparison:
+    """How far an engine's logprobs are from the fingerprint's. NaN counts as infinitely far."""
+    worst, where = 0.0, (0, 0)
+    if len(got) != len(fp.logprobs):
+        return Comparison(math.inf, (0, 0), fp.tolerance)
+    for i, (want, have) in enumerate(zip(fp.logprobs, got)):
+        if len(have) != len(want):
+            return Comparison(math.inf, (i, 0), fp.tolerance)
+        for j, (a, b) in enumerate(zip(want, have)):
+            d = abs(a - b)
+            if not d <= worst:  # NaN too
+                worst, where = (d if math.isfinite(d) else math.inf), (i, j)
+    return Comparison(worst, where, fp.tolerance)
+
+
+async def probe(session: Any, base_url: str, model: str, fp: Fingerprint, headers: dict[str, str],
+                timeout: float) -> Comparison:
+    """Run the fingerprint on the engine (aiohttp `session`). Raises FingerprintError when the
+    engine answers but not with logprobs, and the transport's errors as they are."""
+    import aiohttp
+
+    async with session.post(f"{base_url}/v1/completions", json=request_body(fp, model), headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        if r.status != 200:
+            raise FingerprintError(f"/v1/completions answered {r.status}: {(await r.text())[:200]}")
+        answer = await r.json(content_type=None)
+    return compare(fp, observed(answer, fp))

