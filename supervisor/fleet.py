@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+import aiohttp
 import structlog
 
 from .config import Config
@@ -287,7 +288,8 @@ class Fleet(Listener):
         runners = list(self.runners.values())
         keep = self.cfg.spares_sync == "publish"
         # Checked before V is current: no engine is routable at V while its check runs.
-        mismatched = await self._check_at_publish(runners, version, fingerprint) if fingerprint else {}
+        mismatched, unchecked = (await self._check_at_publish(runners, version, fingerprint) if fingerprint
+                                 else ({}, {}))
         self.policy.publish(version, checkpoint)
         self.fingerprint = None if fingerprint is None else (version, fingerprint)
         await asyncio.gather(*(r.refresh_version() for r in runners))
@@ -299,6 +301,11 @@ class Fleet(Listener):
             if r.name in behind:
                 r.mark_outdated(version)
         acted = self._fingerprint_mismatched(runners, version, mismatched)
+        for r in runners:  # not verified, not condemned: synced again, and checked then
+            if r.name in unchecked and r.probed:
+                r.fingerprint_mismatch(version, f"/weight_info says {vlabel(version)}, but {unchecked[r.name]}; "
+                                                "synced again")
+                acted.append(r.name)
         self._membership_changed()
         self.persist()
         log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind,
@@ -306,6 +313,8 @@ class Fleet(Listener):
         fields: dict[str, Any] = {"version": version, "checkpoint": checkpoint, "stale": behind, "epoch": self.epoch}
         if fingerprint is not None:
             fields["mismatched"] = {name: why for name, why in mismatched.items()}
+            if unchecked:
+                fields["unchecked"] = dict(unchecked)
         self.emit(Event.WEIGHTS_PUBLISHED, **fields)
         self.bus.weights_published(version)
         listed: list[str] = []
@@ -317,6 +326,9 @@ class Fleet(Listener):
         if mismatched:
             msg += (f"; outputs not matching the fingerprint ({self.cfg.fingerprint_mismatch}): "
                     + "; ".join(f"{n}: {why}" for n, why in sorted(mismatched.items())))
+        if unchecked:
+            msg += ("; fingerprint not computed (not routable until synced and checked): "
+                    + "; ".join(f"{n}: {why}" for n, why in sorted(unchecked.items())))
         if listed and self.router is not None:
             msg += (f"; the router has not confirmed their removal within remove_timeout "
                     f"({self.router.remove_timeout:g}s), still retried: {', '.join(listed)}")
@@ -327,40 +339,49 @@ class Fleet(Listener):
     def fingerprint_of(self, version: int) -> Fingerprint | None:
         return self.fingerprint[1] if self.fingerprint is not None and self.fingerprint[0] == version else None
 
-    async def check_fingerprint(self, runner: EngineRunner, fp: Fingerprint) -> str | None:
-        """Run `fp` on the engine: None if its outputs match, else why not (a failed request
-        counts as not matching: the engine could not show what it holds)."""
+    async def check_fingerprint(self, runner: EngineRunner, fp: Fingerprint) -> tuple[str | None, bool]:
+        """Run `fp` on the engine: (None, True) if its outputs match; (why, True) if they do not,
+        or it answered without them (it could not show what it holds); (why, False) if it was not
+        computed (no answer in time, no connection): that says nothing of its weights, and the
+        heartbeat judges a dead or hung engine."""
         p = runner.prober
         began = time.monotonic()
         try:
             got = await fingerprints.probe(p.session, p.base_url, p.model, fp, p.auth,
                                            max(FINGERPRINT_TIMEOUT, self.cfg.probe.timeout))
-        except Exception as e:
-            why: str | None = f"fingerprint not computed: {str(e) or type(e).__name__}"
+        except (asyncio.TimeoutError, aiohttp.ClientConnectionError, OSError) as e:
+            why = f"fingerprint not computed: {str(e) or type(e).__name__}"
             log.warning("fingerprint.failed", engine=runner.name, why=why)
-            return why
+            return why, False
+        except Exception as e:
+            why = f"fingerprint not computed: {str(e) or type(e).__name__}"
+            log.warning("fingerprint.failed", engine=runner.name, why=why)
+            return why, True
         seconds = time.monotonic() - began
         (log.info if got.matches else log.warning)("fingerprint.checked", engine=runner.name, matches=got.matches,
                                                    max_diff=got.max_diff, tolerance=got.tolerance,
                                                    seconds=round(seconds, 4))
-        return None if got.matches else got.describe()
+        return (None if got.matches else got.describe()), True
 
     async def _check_at_publish(self, runners: list[EngineRunner], version: int,
-                                fp: Fingerprint) -> dict[str, str]:
-        """The engines up (probed: serving, STALE or spares) whose /weight_info says `version`
-        and whose outputs do not match `fp`: name -> why. Read concurrently."""
+                                fp: Fingerprint) -> tuple[dict[str, str], dict[str, str]]:
+        """The engines up (probed: serving, STALE or spares) whose /weight_info says `version`:
+        those whose outputs do not match `fp` and those whose check was not computed, each
+        name -> why. Read concurrently."""
         up = [r for r in runners if r.probed]
 
-        async def one(r: EngineRunner) -> tuple[str, int, str | None]:
+        async def one(r: EngineRunner) -> tuple[str, int, str | None, bool]:
             incarnation = r.incarnation
             if await r.prober.weight_version() != version:
-                return r.name, incarnation, None  # behind: goes STALE, synced and checked then
-            return r.name, incarnation, await self.check_fingerprint(r, fp)
+                return r.name, incarnation, None, True  # behind: goes STALE, synced and checked then
+            return (r.name, incarnation, *await self.check_fingerprint(r, fp))
 
         found = await asyncio.gather(*(one(r) for r in up))
         # Only about the incarnation checked: one that died meanwhile is a new engine.
-        return {name: why for name, inc, why in found
-                if why is not None and self.runners[name].incarnation == inc}
+        failed = [(name, why, computed) for name, inc, why, computed in found
+                  if why is not None and self.runners[name].incarnation == inc]
+        return ({name: why for name, why, computed in failed if computed},
+                {name: why for name, why, computed in failed if not computed})
 
     def _fingerprint_mismatched(self, runners: list[EngineRunner], version: int,
                                 mismatched: dict[str, str]) -> list[str]:

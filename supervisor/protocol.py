@@ -555,6 +555,9 @@ class WeightsPublishedEvent(TypedDict):
     # With a fingerprint published: the engines that reported the version but whose outputs
     # did not match it (name -> why), handled as fingerprint_mismatch says.
     mismatched: NotRequired[dict[str, str]]
+    # Those whose check was not computed (no answer in time, no connection): STALE, synced and
+    # checked again; neither condemned nor counted as a mismatch.
+    unchecked: NotRequired[dict[str, str]]
 
 
 class FailureReportedEvent(TypedDict):

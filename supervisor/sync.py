@@ -295,7 +295,7 @@ class SyncCoordinator(Listener):
         fp = self.fleet.fingerprint_of(version)
         if fp is not None:  # the label says the version: do the outputs? (docs/weights.md#fingerprints)
             began = time.monotonic()
-            mismatch = await self.fleet.check_fingerprint(runner, fp)
+            mismatch, _ = await self.fleet.check_fingerprint(runner, fp)  # not computed: not verified either
             extra["fingerprint_s"] = round(time.monotonic() - began, 4)
             if not (runner.state is S.SYNCING and runner.incarnation == incarnation):
                 return
