@@ -107,6 +107,9 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     topology: str = "tree"  # "chain": relay each bucket to the next rank, chunk by chunk
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the chain's pipelining unit
     timeout_s: float | None = None  # per receive; the sender derives it from the bytes moved
+    # The chain's stall window: the longest one hop may go without moving a chunk (default:
+    # timeout_s). A rank stopped mid-chain then fails its neighbours within it (ChainStalled).
+    stall_s: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -122,6 +125,8 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"topology must be one of {TOPOLOGIES}, not {self.topology!r}")
         if self.chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {self.chunk_bytes}")
+        if self.stall_s is not None and self.stall_s <= 0:
+            raise ValueError(f"stall_s must be positive, not {self.stall_s}")
 
 
 def _mtp_guard():
@@ -253,9 +258,11 @@ class GlooWeightTransferEngine(
         staged: list = []
         post, chain = self._broadcast, None
         if update_info.topology == "chain":
+            window = (timedelta(seconds=float(update_info.stall_s)) if update_info.stall_s
+                      else self._op_timeout)
             chain = ChainRelay(update_info.chunk_bytes, recv=self._recv_prev,
                                send=self._send_next if self._rank + 1 < self._world else None,
-                               timeout=self._op_timeout)
+                               timeout=window)
             post = chain.add
         with disable_mtp_completeness_check():
             if update_info.staged:
