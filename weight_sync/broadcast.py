@@ -89,7 +89,10 @@ from vime.weight_sync.push import (
     push_deadline,
     tcp_uri,
 )
-from vime.weight_sync.sender import WeightSender
+from vime.weight_sync.sender import NCCL_VERSIONS, WeightSender, _DeferredSource, resolve_trainer_init
+
+BACKENDS = ("gloo", "nccl")
+NCCL_UPDATE_KEYS = ("names", "dtype_names", "shapes")  # vLLM's NCCLWeightTransferUpdateInfo
 
 Announce = Callable[[list[str], int, float], None]
 OnDone = Callable[[dict[str, PushResult]], None]
@@ -134,13 +137,8 @@ class FleetSender:
                  on_done: OnDone | None = None, reuse_group: bool = True,
                  topology: str = "chain", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  stall_s: float = DEFAULT_STALL_S):
-        if backend == "nccl":
-            raise NotImplementedError(
-                "FleetSender(backend='nccl') is not implemented (no GPU here to test it): push "
-                "into GPU engines one by one with push_to_many(..., broadcast=False) or "
-                "WeightSender(url, backend='nccl')")
-        if backend != "gloo":
-            raise ValueError(f"backend must be 'gloo', not {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, not {topology!r}")
         if chunk_bytes <= 0:
@@ -149,6 +147,7 @@ class FleetSender:
             raise ValueError(f"stall_s must be positive, not {stall_s}")
         if pause_mode not in (None, "abort", "keep"):
             raise ValueError(f"pause_mode must be abort|keep|None, not {pause_mode!r}")
+        self.backend = backend
         self.master_address = master_address
         self.master_port = master_port
         self.bucket_bytes, self.solo_bytes = bucket_bytes, solo_bytes
@@ -162,7 +161,7 @@ class FleetSender:
         self.stall_s = stall_s
         self._until: float | None = None  # during a push: when its current attempt must be over
         self.group_inits = 0  # group rendezvous over this sender's life
-        self._pg: Any = None
+        self._pg: Any = None  # gloo: the ProcessGroupGloo; nccl: vLLM's trainer engine
         self._store: Any = None
         self._members: tuple[str, ...] = ()  # the URLs the live group was built for, in rank order
         # After a failed rendezvous the engines that joined keep waiting in theirs (their /init
@@ -234,7 +233,7 @@ class FleetSender:
         self._members = ()
         if pg is not None:
             try:
-                pg.shutdown()
+                pg.shutdown()  # ProcessGroupGloo's, or vLLM's trainer engine's (destroys its communicator)
             except Exception:  # noqa: BLE001
                 pass
             del pg, store
@@ -269,17 +268,28 @@ class FleetSender:
                 or local_address_towards(host))
         port = self.master_port or free_port(addr if addr != "0.0.0.0" else "")
         rdv = timedelta(seconds=self._left(push_deadline(0, self.floor_mbps, self.rendezvous_s)))
-        store = dist.TCPStore(addr, port, world, is_master=True, timeout=rdv, wait_for_workers=False)
-        prefix = dist.PrefixStore(tcp_uri(addr, port), store)
-        make_pg = run_in_thread(dist.ProcessGroupGloo, prefix, 0, world, rdv, name="fleet-init-pg")
+        # Our rank 0 (beside the calls, in a thread of its own: both sides rendezvous together),
+        # and each member's init_info: only the collective differs between the backends.
+        if self.backend == "nccl":
+            store = prefix = None
+            make_pg, init_info = self._nccl_rank0(addr, port, world, rdv)
+        else:
+            store = dist.TCPStore(addr, port, world, is_master=True, timeout=rdv, wait_for_workers=False)
+            prefix = dist.PrefixStore(tcp_uri(addr, port), store)
+            make_pg = run_in_thread(dist.ProcessGroupGloo, prefix, 0, world, rdv, name="fleet-init-pg")
+            init_info = {"master_address": addr, "master_port": port, "world_size": world,
+                         "timeout_s": rdv.total_seconds()}
         calls = {u: Call(u, "POST", "/init_weight_transfer_engine",
                          timeout=self._left(self.http_timeout + rdv.total_seconds()),
-                         body={"init_info": {"master_address": addr, "master_port": port,
-                                             "rank_offset": offsets[u], "world_size": world,
-                                             "timeout_s": rdv.total_seconds()}}) for u in members}
+                         body={"init_info": {**(init_info or {}), "rank_offset": offsets[u]}})
+                 for u in (members if init_info is not None else [])}
         futs = {u: run_in_thread(c.run, name="fleet-init-http") for u, c in calls.items()}
         cf.wait([make_pg, *futs.values()], timeout=self._left(rdv.total_seconds() + GRACE_S))
         answers = self._settle_all(calls, futs)
+        if init_info is None:  # vLLM's trainer_init failed before its init call: none was made
+            answers = {u: HttpFailure("POST", "/init_weight_transfer_engine", delivered=False,
+                                      cause=make_pg.exception() or TimeoutError("trainer_init"))
+                       for u in members}
         failed = [u for u in members if isinstance(answers[u], HttpFailure)]
         if failed and (not make_pg.done() or make_pg.exception() is not None):
             # The rendezvous never completed: one receiver that never joined holds every
@@ -287,7 +297,7 @@ class FleetSender:
             # touched yet, so the ones that did join are intact (the redo's group), whether
             # their call was cut or they gave up on the rendezvous themselves (a 500).
             cut = [u for u in failed if POISONED not in answers[u].body]
-            joined = _joined_ranks(prefix, world)
+            joined = _joined_ranks(prefix, world) if prefix is not None else None
             if joined is not None:
                 absent = {u for u in cut if not set(ranks[u]) <= joined}
             else:  # the store's layout is not the one known: those silent on /health
@@ -414,6 +424,13 @@ class FleetSender:
                 fail(u, "poisoned", "start_weight_update", got)
         if len(started) != len(members):
             self._drop_group()
+            if self.backend == "nccl":
+                # vLLM's NCCL engine moves the model to meta at start: a session without its
+                # update cannot be cancelled intact. Left paused, to be restarted.
+                for u in started:
+                    fail(u, "poisoned", "start_weight_update",
+                         RuntimeError("started, but the push failed in another receiver"))
+                return True
             self._cancel_sessions(started, results)
             for u in started:
                 results[u].status = "intact"
@@ -450,16 +467,22 @@ class FleetSender:
         buckets (one more thread). True when every member loaded every byte."""
         # One receiving rank: a chain of one is a plain send, which gloo's broadcast makes in one
         # op per bucket instead of one per chunk (measured: 0.13 s against 0.42 s for 63 MB).
-        topology = self.topology if self._pg is not None and self._pg.size() > 2 else "tree"
         deadline = self._left(deadline)  # what is left of the attempt
-        stall = min(self.stall_s, deadline) if topology == "chain" else deadline
-        info = {**plan.update_info(), "staged": True, "timeout_s": deadline, "stall_s": stall,
-                "topology": topology, "chunk_bytes": self.chunk_bytes}
+        info: dict[str, Any]
+        if self.backend == "nccl":  # vLLM's update_info; one NCCL broadcast, no stall window
+            stall = deadline
+            info = {k: v for k, v in plan.update_info().items() if k in NCCL_UPDATE_KEYS}
+            send = run_in_thread(self._send_nccl, pairs, name="fleet-broadcast")
+        else:
+            topology = self.topology if self._pg is not None and self._pg.size() > 2 else "tree"
+            stall = min(self.stall_s, deadline) if topology == "chain" else deadline
+            info = {**plan.update_info(), "staged": True, "timeout_s": deadline, "stall_s": stall,
+                    "topology": topology, "chunk_bytes": self.chunk_bytes}
+            send = run_in_thread(self._send_buckets, plan, pairs, topology,
+                                 timedelta(seconds=stall), name="fleet-broadcast")
         calls = {u: Call(u, "POST", "/update_weights", body={"update_info": info},
                          timeout=deadline + GRACE_S) for u in members}
         futs = {u: run_in_thread(c.run, name="fleet-update-http") for u, c in calls.items()}
-        send = run_in_thread(self._send_buckets, plan, pairs, topology,
-                             timedelta(seconds=stall), name="fleet-broadcast")
         all_futs = [send, *futs.values()]
         done, _ = cf.wait(all_futs, timeout=deadline, return_when=cf.FIRST_EXCEPTION)
         failed = any(f.exception() is not None for f in done) or len(done) < len(all_futs)
@@ -554,6 +577,54 @@ class FleetSender:
         if loaded:
             self._finish(loaded, results[loaded[0]].version, deadline, results)
 
+    # -- nccl: vLLM's trainer engine for the collective only (UNTESTED here: no GPU) ----------
+    def _nccl_rank0(self, addr: str, port: int, world: int, rdv: timedelta) -> tuple[cf.Future, dict | None]:
+        """Rank 0 of an NCCL group over every member, by vLLM's trainer-side API (the factory
+        route WeightSender's NCCL path takes): its trainer_init opens the communicator and asks
+        its client to init the workers (rank_offset 1, one engine's); our client only records
+        that init_info, which the shared code posts to each member with its own rank_offset.
+        Returns the trainer_init future and the recorded init_info (None: it failed first)."""
+        client = _FleetClient()
+        self._nccl_source = _DeferredSource()
+        fut = run_in_thread(self._nccl_trainer_init, addr, port, world, client, name="fleet-init-pg")
+        end = time.monotonic() + self._left(rdv.total_seconds())
+        while not client.called.wait(0.05):
+            if fut.done() or time.monotonic() > end:
+                return fut, None
+        return fut, client.init_info
+
+    def _nccl_trainer_init(self, addr: str, port: int, world: int, client: "_FleetClient") -> Any:
+        try:
+            import vllm
+            from vllm.distributed import weight_transfer
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerInitInfo,
+                NCCLTrainerWeightTransferEngine,
+            )
+        except ImportError as e:
+            raise WeightSyncError(f"backend='nccl' needs vLLM ({NCCL_VERSIONS}) on the trainer: {e}",
+                                  step="init_weight_transfer_engine") from e
+        trainer_init = resolve_trainer_init(getattr(weight_transfer, "WeightTransferTrainerFactory", None),
+                                            NCCLTrainerWeightTransferEngine, getattr(vllm, "__version__", "?"))
+        return trainer_init(
+            NCCLTrainerInitInfo(master_address=addr, master_port=port, world_size=world, rank=0,
+                                packed=True, packed_buffer_size_bytes=max(self.bucket_bytes, 1 << 20)),
+            client=client, source=self._nccl_source.as_weight_source())
+
+    def _send_nccl(self, pairs) -> None:
+        """The trainer's side of the NCCL transfer: vLLM's send_weights, whose client calls are
+        no-ops (this sender makes them, to every member, as for gloo), so only its packed
+        broadcast runs here."""
+        engine = self._pg
+        if engine is None:
+            raise WeightSyncError("fleet group dropped during the transfer")
+        self._nccl_source.pairs = pairs
+        try:
+            engine.send_weights()
+        except BaseException as e:
+            engine = None
+            raise detached(e) from None
+
     def _send_first(self, view):
         if self._pg is None:
             raise WeightSyncError("fleet group dropped during the transfer")
@@ -598,6 +669,34 @@ class FleetSender:
         self.close()
 
 
+class _FleetClient:
+    """vLLM's VLLMWeightSyncClient for the NCCL fleet path: records the workers' init_info that
+    trainer_init builds; every other call is made by FleetSender itself, to every member."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.called = threading.Event()
+        self.init_info: dict | None = None
+
+    def init_weight_transfer_engine(self, init_info) -> None:
+        self.init_info = dict(init_info)
+        self.init_info.pop("rank_offset", None)  # each member's own, from the shared code
+        self.called.set()
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info) -> None:
+        pass
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        pass
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        pass
+
+
 def push_to_many(urls: Iterable[str], named_tensors: NamedTensors, version: int | str, *,
                  senders: dict[str, WeightSender] | None = None, broadcast: bool = True,
                  fleet: Any = None, **sender_kwargs) -> dict[str, PushResult]:
@@ -606,11 +705,12 @@ def push_to_many(urls: Iterable[str], named_tensors: NamedTensors, version: int 
 
     broadcast=True (the default, gloo): one FleetSender broadcast into all of them; pass
     `fleet` (a FleetSender) to keep its group across versions, else it is closed after the push.
-    broadcast=False (and backend="nccl"): one after the other, each over its own group; pass a
-    `senders` dict (url -> WeightSender, filled in as needed) to keep those groups.
+    broadcast=False, and backend="nccl" without a `fleet`: one after the other, each over its own
+    group; pass a `senders` dict (url -> WeightSender, filled in as needed) to keep those groups.
+    (FleetSender(backend="nccl") is the GPU fleet path, never run here: pass it as `fleet`.)
     """
-    if broadcast and sender_kwargs.get("backend", "gloo") == "gloo":
-        kw = {k: v for k, v in sender_kwargs.items() if k not in ("reuse_group", "backend")}
+    if broadcast and (fleet is not None or sender_kwargs.get("backend", "gloo") == "gloo"):
+        kw = {k: v for k, v in sender_kwargs.items() if k != "reuse_group"}
         own_fleet = fleet is None
         fs = FleetSender(**kw) if fleet is None else fleet
         try:

@@ -280,9 +280,10 @@ class GlooWeightTransferEngine(
                     chain.drain()
                 t1 = time.monotonic()
         dt = time.monotonic() - t0
-        logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)%s",
+        logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)%s%s",
                     len(update_info.names), n / 1e6, dt, n / 1e6 / max(dt, 1e-9),
-                    f", staged: received in {t1 - t0:.3f}s" if update_info.staged else "")
+                    f", staged: received in {t1 - t0:.3f}s" if update_info.staged else "",
+                    f", longest chain hop wait {chain.longest_wait_s:.3f}s" if chain is not None else "")
 
     # The three posts below read self.group each time and keep no reference to it in their
     # frames (see receive_update): a dropped group must be destroyable mid-transfer.

@@ -12,6 +12,7 @@ receiving anything.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -261,8 +262,10 @@ class ChainRelay:
         self._posted: list = []  # receive Works, for chunks [_done, _done + len)
         self._done = 0  # chunks arrived (and their forwards posted)
         self._sends: list = []
+        self.longest_wait_s = 0.0  # the longest this hop waited for one chunk: its margin to the window
 
     def _wait(self, work, what: str, index: int) -> None:
+        t0 = time.monotonic()
         try:
             if self._timeout is None:
                 work.wait()
@@ -270,6 +273,8 @@ class ChainRelay:
                 work.wait(self._timeout)
         except Exception as e:  # noqa: BLE001 - gloo's timeout or a closed peer: say which hop
             raise ChainStalled(what, index, self._timeout, e) from None
+        finally:
+            self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - t0)
 
     def add(self, buf: torch.Tensor) -> "_Through":
         flat = buf.reshape(-1)

@@ -135,9 +135,11 @@ def test_push_deadline_grows_with_the_bytes(monkeypatch):
         push_deadline(1)
 
 
-def test_nccl_fleet_says_what_to_use():
-    with pytest.raises(NotImplementedError, match="broadcast=False"):
-        FleetSender(backend="nccl")
+def test_a_bad_backend_or_stall_window_says_what_works():
+    with pytest.raises(ValueError, match="gloo.*nccl"):
+        FleetSender(backend="mpi")
+    with pytest.raises(ValueError, match="stall_s must be positive"):
+        FleetSender(stall_s=0)
 
 
 BIG = [(f"layers.{i}.w", torch.full((512, 1024), float(i))) for i in range(12)]  # 2 MiB each
