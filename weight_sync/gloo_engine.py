@@ -16,7 +16,9 @@ vLLM's own HTTP routes then drive it exactly as they drive the built-in ``nccl``
   vime.weight_sync.packing). ``timeout_s`` bounds each receive (default: the group's timeout).
   ``"topology": "chain"`` (the fleet push): instead of gloo's tree broadcast, each bucket arrives
   from the previous rank in ``chunk_bytes`` pieces and is forwarded to the next rank as it
-  arrives (packing.ChainRelay), so every link carries it once.
+  arrives (packing.ChainRelay), so every link carries it once. ``stall_s`` is the chain's stall
+  window: a hop that moves no chunk for that long fails (packing.ChainStalled), so a rank
+  stopped mid-chain fails its neighbours within it rather than after ``timeout_s``.
 
   Streaming (default): ``initialize_layerwise_reload(model)`` (parameters to meta), then each
   bucket is loaded as it arrives; any failure poisons. Staged (``"staged": true``, the fleet
