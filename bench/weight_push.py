@@ -656,8 +656,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fleet", default=None, metavar="N,N,...",
                     help="fleet mode only: the broadcast into N stand-in receivers (e.g. 1,2,4,8)")
     ap.add_argument("--fleet-mb", type=float, default=64.0, help="fleet mode: tensor set size in MB")
-    ap.add_argument("--fault-rendezvous-s", type=float, default=5.0,
-                    help="fleet mode: the fault rows' rendezvous_s (the fixed part of the bound)")
+    ap.add_argument("--fault-rendezvous-s", type=float, default=30.0,
+                    help="fleet mode: the fault rows' rendezvous_s (the fixed part of the deadline; "
+                         "default: FleetSender's, 30)")
     ap.add_argument("--ways", default=",".join(WAYS),
                     help=f"fleet mode: which of {','.join(WAYS)} to time (the others print nan)")
     ap.add_argument("--stall-s", type=float, default=None,
