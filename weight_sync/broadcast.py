@@ -29,7 +29,8 @@ One bound per push, announced and enforced: ``deadline_s = rendezvous_s + bytes 
 30 s) is one attempt's, and ``push_bound(deadline_s, redo)`` (two deadlines with the redo, one
 without, plus GRACE_S) the whole push's, what ``announce`` tells the daemon. Every wait of an
 attempt ends by its deadline (the first attempt's) or by the bound less TEARDOWN_S (the redo's,
-which so always fits inside the bound); whatever is still open then is cut and reported.
+which so always fits inside the bound, and the finish's after a collective that succeeded);
+whatever is still open then is cut and reported.
 
 A stalled receiver is found by progress: in the chain every hop waits at most ``stall_s`` (the
 stall window, default DEFAULT_STALL_S) for its next chunk to arrive or be taken, so a rank
@@ -160,6 +161,7 @@ class FleetSender:
         self.topology, self.chunk_bytes = topology, chunk_bytes
         self.stall_s = stall_s
         self._until: float | None = None  # during a push: when its current attempt must be over
+        self._end: float | None = None  # and when the whole push must be (its bound, less TEARDOWN_S)
         self.group_inits = 0  # group rendezvous over this sender's life
         self._pg: Any = None  # gloo: the ProcessGroupGloo; nccl: vLLM's trainer engine
         self._store: Any = None
@@ -349,6 +351,7 @@ class FleetSender:
             self.announce(list(urls), nbytes, bound)
         t0 = time.monotonic()
         end = t0 + bound - TEARDOWN_S  # every wait below ends by then; what is open is cut
+        self._end = end
         results = {u: PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
                                  buckets=len(plan.buckets) if plan.buckets is not None else len(pairs),
                                  deadline_s=deadline, bound_s=bound) for u in urls}
@@ -369,7 +372,7 @@ class FleetSender:
             if not self.reuse_group:
                 self.close()
         finally:
-            self._until = None
+            self._until = self._end = None
         for r in results.values():
             r.seconds = time.monotonic() - t0
             r.ok = r.status == "ok"
@@ -442,6 +445,8 @@ class FleetSender:
         if not ok_transfer:
             self._drop_group()
             return True
+        if self._end is not None:  # the collective succeeded: no redo follows, the rest of the bound is the finish's
+            self._until = self._end
         self._finish(members, version, deadline, results)
         return False
 
@@ -634,7 +639,12 @@ class FleetSender:
                 results: dict[str, PushResult]) -> None:
         self._note("finish_weight_update", receivers=urls)
         resume = []
-        for u, got in self._each(urls, "POST", "/finish_weight_update", timeout=max(deadline, self.http_timeout),
+        # One receiver that never finishes must not leave the others no time to be resumed and
+        # verified: a third of what is left (an HTTP timeout at most) is kept for that.
+        timeout = max(deadline, self.http_timeout)
+        left = self._left(timeout + GRACE_S)
+        wait = max(0.05, left - min(self.http_timeout, left / 3))
+        for u, got in self._each(urls, "POST", "/finish_weight_update", timeout=timeout, wait=wait,
                                  body={"weight_version": version}).items():
             if isinstance(got, HttpFailure):
                 results[u].status = "poisoned"

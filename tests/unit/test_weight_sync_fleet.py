@@ -357,10 +357,11 @@ def test_a_receiver_stopped_mid_chain_costs_the_others_about_the_stall_window(st
     print(f"stall window {stall}s: found {found:.2f}s after the fault, push {took:.2f}s "
           f"(healthy {healthy:.2f}s, deadline {deadline:.1f}s)")
     # Found within about the window (a hop's wait started at most at the fault), and the whole
-    # push within the window, the /health probe of the stopped one and the redo over 7 (a
-    # healthy push into 8 is its measure): far under the deadline the old path waited out.
+    # push within the window, the /health probe of the stopped one and the redo over 7 (its
+    # rendezvous and a push: a healthy push into 8 is its measure, with room for a busy host):
+    # far under the deadline the old path waited out.
     assert found < stall + 1.5, found
-    assert took < stall + PROBE_S + 2 * healthy + 3 < deadline, (took, healthy)
+    assert took < stall + PROBE_S + 3 * healthy + 5 < deadline, (took, healthy)
     wait_serving(victim)
     assert state(victim)["version"] == "21"  # its staged receive failed: intact
 
