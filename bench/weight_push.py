@@ -23,10 +23,11 @@ loopback processes above, one per receiver), for each N and in the same run: Fle
 (one group, staged receive, each bucket relayed rank to rank in chunks: the default), the same
 over gloo's binomial-tree broadcast (topology="tree"), and the sequential push
 (push_to_many(broadcast=False): one WeightSender group per receiver, one after the other), each
-against its own N = 1 figure, beside log2(N+1). Then one receiver of the largest N is
-SIGKILLed, and once SIGSTOPped, after bucket 1 of a push: the time from the fault to the push's
-failure against its bound (the deadline, rendezvous_s + bytes / floor rate), and the whole push
-with the survivors' redo.
+against its own N = 1 figure, beside log2(N+1) (--ways picks some of them). Then one receiver
+of the largest N is SIGKILLed, and once SIGSTOPped, after bucket 1 of a push: the time from the
+fault to the push's failure against the chain's stall window (--stall-s, default FleetSender's)
+and the deadline (rendezvous_s + bytes / floor rate), and the whole push with the survivors'
+redo against its announced bound (--no-faults skips them).
 
     python bench/weight_push.py                       # 4, 64, 256, 512 MB + the tiny model
     python bench/weight_push.py --sizes 4,64 --no-engine
@@ -392,8 +393,12 @@ def fleet_table(rows: list[FleetRow]) -> list[str]:
 
 
 # -- fleet -----------------------------------------------------------------------------------
+WAYS = ("chain", "tree", "seq")
+
+
 def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_rdv_s: float,
-                links: Links | None = None, chunk: int | None = None) -> int:
+                links: Links | None = None, chunk: int | None = None, ways: tuple[str, ...] = WAYS,
+                stall_s: float | None = None, faults: bool = True) -> int:
     from vime.weight_sync.packing import DEFAULT_SOLO_BYTES, plan_update
 
     pairs = synthetic_set(total_mb)
@@ -425,13 +430,14 @@ def fleet_bench(ns: list[int], total_mb: float, rounds: int, bucket: int, fault_
         for n in ns:
             sub = urls[:n]
             pids = [p.pid for p, _ in procs[:n]]
+            nan = (float("nan"), float("nan"))  # a way not run (--ways)
             chain, tree = (fleet_push(sub, pids, pairs, bucket, chunk, rounds, topology)
-                           for topology in ("chain", "tree"))
-            seq, seq_cpu = sequential_push(sub, pids, pairs, bucket, rounds)
+                           if topology in ways else nan for topology in ("chain", "tree"))
+            seq, seq_cpu = sequential_push(sub, pids, pairs, bucket, rounds) if "seq" in ways else nan
             rows.append(FleetRow(n, chain[0], tree[0], seq, chain[1], tree[1], seq_cpu))
             print("  " + fleet_table(rows)[-1], flush=True)
-        if max(ns) >= 2 and links is None:
-            fault_rows(procs, urls[:max(ns)], pairs, bucket, fault_rdv_s, extra)
+        if max(ns) >= 2 and links is None and faults:
+            fault_rows(procs, urls[:max(ns)], pairs, bucket, fault_rdv_s, extra, stall_s)
     except Exception as e:  # noqa: BLE001
         print(f"  FAILED {type(e).__name__}: {e}"[:400], flush=True)
         failed = 1
@@ -495,11 +501,12 @@ def sequential_push(urls: list[str], pids: list[int], pairs, bucket: int, rounds
     return statistics.median(took), cpu
 
 
-def fault_rows(procs: list, urls: list[str], pairs, bucket: int, fault_rdv_s: float, lines: list[str]) -> None:
+def fault_rows(procs: list, urls: list[str], pairs, bucket: int, fault_rdv_s: float, lines: list[str],
+               stall_s: float | None = None) -> None:
     """A push into `urls` while receiver 1 is killed, then while it is stopped (a fresh one in
     between): one line each into `lines`, printed as it comes."""
     for sig in ("SIGKILL", "SIGSTOP"):
-        line = fault_row(urls, procs[1][0], sig, pairs, bucket, fault_rdv_s)
+        line = fault_row(urls, procs[1][0], sig, pairs, bucket, fault_rdv_s, stall_s)
         lines.append(line)
         print("  " + line, flush=True)
         if sig == "SIGSTOP":
@@ -511,7 +518,7 @@ def fault_rows(procs: list, urls: list[str], pairs, bucket: int, fault_rdv_s: fl
 
 
 def fleet_with_links(ns: list[int], total_mb: float, rounds: int, bucket: int, mbit: float,
-                     chunk: int | None = None) -> int:
+                     chunk: int | None = None, ways: tuple[str, ...] = WAYS) -> int:
     """fleet_bench over emulated links: builds the network, always tears it down."""
     why = link_preflight(os.geteuid())
     if why:
@@ -535,7 +542,7 @@ def fleet_with_links(ns: list[int], total_mb: float, rounds: int, bucket: int, m
         os.environ["GLOO_SOCKET_IFNAME"] = links.trainer_dev
         os.environ["VIME_RENDEZVOUS_ADDRESS"] = links.trainer_ip
         os.environ["VIME_PUSH_FLOOR_MBPS"] = f"{mbit / 8 / 10:g}"
-        return fleet_bench(ns, total_mb, rounds, bucket, 0.0, links, chunk)
+        return fleet_bench(ns, total_mb, rounds, bucket, 0.0, links, chunk, ways)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -552,10 +559,12 @@ def fleet_with_links(ns: list[int], total_mb: float, rounds: int, bucket: int, m
                   f"{len(links.devices())} veth ends)")
 
 
-def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float) -> str:
-    """One receiver faulted after bucket 1: fault -> the push's failure, against its bound."""
-    from vime.weight_sync.broadcast import FleetSender
+def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float, stall_s: float | None = None) -> str:
+    """One receiver faulted after bucket 1: fault -> the push's failure, against the stall
+    window and the push's bound."""
+    from vime.weight_sync.broadcast import DEFAULT_STALL_S, FleetSender
 
+    stall_s = DEFAULT_STALL_S if stall_s is None else stall_s
     seen: dict[str, float] = {}
 
     def progress(step, info):
@@ -564,7 +573,7 @@ def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float) -> str:
             seen["fault"] = time.monotonic()
             os.kill(victim.pid, getattr(signal, sig))
 
-    with FleetSender(bucket_bytes=bucket, rendezvous_s=rdv_s) as fs:
+    with FleetSender(bucket_bytes=bucket, rendezvous_s=rdv_s, stall_s=stall_s) as fs:
         fs.push(urls, pairs, "warmup")
         fs.progress = progress
         t0 = time.monotonic()
@@ -573,13 +582,15 @@ def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float) -> str:
         fs.progress = None
     redo_s = t0 + took - seen.get("redo", float("nan"))  # the redo's group, transfer and answers
     deadline = next(iter(res.values())).deadline_s
+    bound = next(iter(res.values())).bound_s
     fail_s = seen.get("transfer_failed", float("nan")) - seen.get("fault", float("nan"))
     surv = [r for u, r in res.items() if u != urls[1]]
     ok, redone = sum(r.ok for r in surv), sum(r.ok and r.redone for r in surv)
     resync_s = resync_time([u for u in urls if u != urls[1]], pairs, bucket)
     return (f"{sig} of 1 of {len(urls)} after bucket 1: push failed {fail_s:.2f}s after the fault "
-            f"(bound: deadline {deadline:.1f}s = {rdv_s:g}s + {nbytes(pairs) / MB:.0f} MB at the "
-            f"floor rate); whole push {took:.2f}s; survivors at the version {ok}/{len(surv)} "
+            f"(stall window {stall_s:g}s; deadline {deadline:.1f}s = {rdv_s:g}s + "
+            f"{nbytes(pairs) / MB:.0f} MB at the floor rate); whole push {took:.2f}s (bound "
+            f"{bound:.1f}s); survivors at the version {ok}/{len(surv)} "
             f"({redone} by the redo); faulted one {res[urls[1]].status}; the redo over the "
             f"{len(surv)} survivors took {redo_s:.2f}s against {resync_s:.2f}s for resyncing each "
             f"over its own new group (resync / redo {resync_s / redo_s:.2f})")
@@ -645,8 +656,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fleet", default=None, metavar="N,N,...",
                     help="fleet mode only: the broadcast into N stand-in receivers (e.g. 1,2,4,8)")
     ap.add_argument("--fleet-mb", type=float, default=64.0, help="fleet mode: tensor set size in MB")
-    ap.add_argument("--fault-rendezvous-s", type=float, default=5.0,
-                    help="fleet mode: the fault rows' rendezvous_s (the fixed part of the bound)")
+    ap.add_argument("--fault-rendezvous-s", type=float, default=30.0,
+                    help="fleet mode: the fault rows' rendezvous_s (the fixed part of the deadline; "
+                         "default: FleetSender's, 30)")
+    ap.add_argument("--ways", default=",".join(WAYS),
+                    help=f"fleet mode: which of {','.join(WAYS)} to time (the others print nan)")
+    ap.add_argument("--stall-s", type=float, default=None,
+                    help="fleet mode: the fault rows' stall window (default: FleetSender's)")
+    ap.add_argument("--no-faults", action="store_true", help="fleet mode: skip the fault rows")
     ap.add_argument("--link-mbit", type=float, default=None, metavar="R",
                     help="fleet mode: each receiver and the trainer on an emulated link of R Mbit/s "
                          "(root: network namespaces, veth, tc)")
@@ -654,6 +671,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.link_mbit is not None and not args.fleet:
         ap.error("--link-mbit goes with --fleet")
+    args.ways = tuple(w for w in args.ways.split(",") if w)
+    if not args.ways or set(args.ways) - set(WAYS):
+        ap.error(f"--ways takes some of {','.join(WAYS)}, not {','.join(args.ways)!r}")
     return args
 
 
@@ -667,9 +687,10 @@ def main(argv=None) -> None:
         chunk = int(args.chunk_mb * (1 << 20)) if args.chunk_mb else None
         if args.link_mbit is not None:
             sys.exit(fleet_with_links(ns, args.fleet_mb, args.repeat, int(args.bucket_mb * (1 << 20)),
-                                      args.link_mbit, chunk))
+                                      args.link_mbit, chunk, args.ways))
         sys.exit(fleet_bench(ns, args.fleet_mb, args.repeat, int(args.bucket_mb * (1 << 20)),
-                             args.fault_rendezvous_s, chunk=chunk))
+                             args.fault_rendezvous_s, chunk=chunk, ways=args.ways,
+                             stall_s=args.stall_s, faults=not args.no_faults))
     push_vs_raw(args)
 
 

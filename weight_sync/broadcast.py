@@ -24,15 +24,23 @@ Staged: an engine receives every bucket into host memory before touching its mod
 anywhere in the collective (an engine killed, stopped, or the deadline passed) leaves every
 other engine's weights intact (its 500 carries gloo_engine.NOT_LOADED).
 
-Bounded by the bytes moved: ``deadline_s = rendezvous_s + bytes / floor rate``
-(sender.push_deadline; $VIME_PUSH_FLOOR_MBPS, default 50 MB/s; $VIME_PUSH_RENDEZVOUS_S, default
-30 s) bounds the transfer phase, each collective on both sides (update_info.timeout_s) and the
-/update_weights calls. On a failure the trainer destroys its end of the group (closing its
-sockets fails its direct peers' receives at once); an engine stalled behind a stopped peer in the
-chain (or tree) fails on its own per-receive timeout, so the engines' answers are awaited one more deadline
-at most, then the calls still open are cut (their sockets shut); an engine that does not answer
-GET /health then (stopped, gone) is cut at once. Every thread is joined or ends
-with its call; none outlives a push by more than its socket timeout.
+One bound per push, announced and enforced: ``deadline_s = rendezvous_s + bytes / floor rate``
+(push.push_deadline; $VIME_PUSH_FLOOR_MBPS, default 50 MB/s; $VIME_PUSH_RENDEZVOUS_S, default
+30 s) is one attempt's, and ``push_bound(deadline_s, redo)`` (two deadlines with the redo, one
+without, plus GRACE_S) the whole push's, what ``announce`` tells the daemon. Every wait of an
+attempt ends by its deadline (the first attempt's) or by the bound less TEARDOWN_S (the redo's,
+which so always fits inside the bound, and the finish's after a collective that succeeded);
+whatever is still open then is cut and reported.
+
+A stalled receiver is found by progress: in the chain every hop waits at most ``stall_s`` (the
+stall window, default DEFAULT_STALL_S) for its next chunk to arrive or be taken, so a rank
+stopped anywhere in the chain fails both its neighbours within the window (packing.ChainStalled,
+which names the hop and the chunk), and every live rank answers at once after. On a failure the
+trainer destroys its end of the group (closing its sockets fails its direct peers' receives at
+once), cuts the call of an engine that does not answer GET /health (stopped, gone), awaits the
+others' answers one stall window at most, and redoes the survivors over a new group. A slow but
+moving receiver is never cut: only a window without one chunk is a stall. Every thread is joined
+or ends with its call; none outlives a push by more than its socket timeout.
 
 Failure semantics: `push` never raises for an engine's fault. It returns one `PushResult` per
 URL with ``status``: "ok", "intact" (nothing loaded, resumed on its old weights: safe to push
@@ -82,19 +90,29 @@ from vime.weight_sync.push import (
     push_deadline,
     tcp_uri,
 )
-from vime.weight_sync.sender import WeightSender
+from vime.weight_sync.sender import NCCL_VERSIONS, WeightSender, _DeferredSource, resolve_trainer_init
+
+BACKENDS = ("gloo", "nccl")
+NCCL_UPDATE_KEYS = ("names", "dtype_names", "shapes")  # vLLM's NCCLWeightTransferUpdateInfo
 
 Announce = Callable[[list[str], int, float], None]
 OnDone = Callable[[dict[str, PushResult]], None]
 
 GRACE_S = 5.0  # on top of a deadline, for the HTTP answer that follows the last byte
 PROBE_S = 2.0  # after a failed collective: an engine silent on /health this long is cut
+TEARDOWN_S = 2.0  # kept at the end of a push's bound to cut what is still open and join it
+# The chain's stall window: a hop that moves no chunk for this long fails (packing.ChainStalled),
+# its stopped receiver is cut and the survivors are redone. Twice the longest whole healthy chain
+# push measured on a loaded 2-core host (3.5 s): a hop waits at most a push, so no healthy but
+# slow receiver is condemned (docs/weights.md).
+DEFAULT_STALL_S = 7.0
 
 
 def push_bound(deadline: float, redo: bool) -> float:
-    """The longest a whole `FleetSender.push` may take, what it announces: a failed collective
-    may take a second deadline for the engines' answers, and the redo a third."""
-    return deadline * (3 if redo else 2)
+    """The longest a whole `FleetSender.push` takes, what it announces: one deadline for the
+    attempt, one more for the redo over the survivors, and GRACE_S. Enforced: whatever is still
+    open when it is TEARDOWN_S away is cut and reported."""
+    return deadline * (2 if redo else 1) + GRACE_S
 
 
 def _joined_ranks(prefix: Any, world: int) -> set[int] | None:
@@ -118,20 +136,19 @@ class FleetSender:
                  rendezvous_s: float | None = None, pause_mode: str | None = "abort",
                  progress: Progress | None = None, announce: Announce | None = None,
                  on_done: OnDone | None = None, reuse_group: bool = True,
-                 topology: str = "chain", chunk_bytes: int = DEFAULT_CHUNK_BYTES):
-        if backend == "nccl":
-            raise NotImplementedError(
-                "FleetSender(backend='nccl') is not implemented (no GPU here to test it): push "
-                "into GPU engines one by one with push_to_many(..., broadcast=False) or "
-                "WeightSender(url, backend='nccl')")
-        if backend != "gloo":
-            raise ValueError(f"backend must be 'gloo', not {backend!r}")
+                 topology: str = "chain", chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 stall_s: float = DEFAULT_STALL_S):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, not {topology!r}")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
+        if not stall_s > 0:
+            raise ValueError(f"stall_s must be positive, not {stall_s}")
         if pause_mode not in (None, "abort", "keep"):
             raise ValueError(f"pause_mode must be abort|keep|None, not {pause_mode!r}")
+        self.backend = backend
         self.master_address = master_address
         self.master_port = master_port
         self.bucket_bytes, self.solo_bytes = bucket_bytes, solo_bytes
@@ -142,12 +159,15 @@ class FleetSender:
         self.progress, self.announce, self.on_done = progress, announce, on_done
         self.reuse_group = reuse_group
         self.topology, self.chunk_bytes = topology, chunk_bytes
+        self.stall_s = stall_s
+        self._until: float | None = None  # during a push: when its current attempt must be over
+        self._end: float | None = None  # and when the whole push must be (its bound, less TEARDOWN_S)
         self.group_inits = 0  # group rendezvous over this sender's life
-        self._pg: Any = None
+        self._pg: Any = None  # gloo: the ProcessGroupGloo; nccl: vLLM's trainer engine
         self._store: Any = None
         self._members: tuple[str, ...] = ()  # the URLs the live group was built for, in rank order
         # After a failed rendezvous the engines that joined keep waiting in theirs (their /init
-        # timeout_s, one deadline) and answer nothing else meanwhile: the next build waits that out.
+        # timeout_s, the rendezvous bound) and answer nothing else meanwhile: the next build waits that out.
         self._joining_until = 0.0
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -164,24 +184,36 @@ class FleetSender:
         if self.progress is not None:
             self.progress(step, info)
 
+    def _left(self, want: float) -> float:
+        """`want` seconds, or what is left of the current attempt if less (never 0: a socket
+        timeout of 0 would mean non-blocking)."""
+        if self._until is None:
+            return want
+        return max(0.05, min(want, self._until - time.monotonic()))
+
     def _each(self, urls: Sequence[str], method: str, path: str, *, timeout: float,
               body: Any = None, params: dict | None = None, wait: float | None = None
               ) -> dict[str, Any]:
         """The same call to every URL at once (a thread each); url -> answer or HttpFailure.
         Waits `wait` (default timeout + GRACE_S) at most, then cuts the calls still open."""
-        calls = {u: Call(u, method, path, body=body, params=params, timeout=timeout) for u in urls}
+        calls = {u: Call(u, method, path, body=body, params=params, timeout=self._left(timeout))
+                 for u in urls}
         futs = {u: run_in_thread(c.run, name=f"fleet-{path.strip('/')}") for u, c in calls.items()}
-        cf.wait(list(futs.values()), timeout=timeout + GRACE_S if wait is None else wait)
-        return {u: self._settle(calls[u], f) for u, f in futs.items()}
+        cf.wait(list(futs.values()), timeout=self._left(timeout + GRACE_S if wait is None else wait))
+        return self._settle_all(calls, futs)
 
     @staticmethod
-    def _settle(call: Call, fut: cf.Future, join: float = 2.0) -> Any:
-        if not fut.done():
-            call.cancel()
-            try:  # its socket is shut: the thread ends now
-                fut.exception(timeout=join)
-            except cf.TimeoutError:
-                pass
+    def _settle_all(calls: dict[str, Call], futs: dict[str, cf.Future], join: float = 1.0) -> dict[str, Any]:
+        """Each call's answer or HttpFailure; the calls still open are cut (all at once) first."""
+        open_ = [u for u, f in futs.items() if not f.done()]
+        for u in open_:
+            calls[u].cancel()
+        if open_:  # their sockets are shut: the threads end now
+            cf.wait([futs[u] for u in open_], timeout=join)
+        return {u: FleetSender._settle(calls[u], f) for u, f in futs.items()}
+
+    @staticmethod
+    def _settle(call: Call, fut: cf.Future) -> Any:
         if not fut.done():
             return HttpFailure(call.method, call.path, cause=TimeoutError("no answer"))
         err = fut.exception()
@@ -203,7 +235,7 @@ class FleetSender:
         self._members = ()
         if pg is not None:
             try:
-                pg.shutdown()
+                pg.shutdown()  # ProcessGroupGloo's, or vLLM's trainer engine's (destroys its communicator)
             except Exception:  # noqa: BLE001
                 pass
             del pg, store
@@ -237,17 +269,29 @@ class FleetSender:
         addr = (self.master_address or os.environ.get(ENV_RENDEZVOUS, "").strip()
                 or local_address_towards(host))
         port = self.master_port or free_port(addr if addr != "0.0.0.0" else "")
-        rdv = timedelta(seconds=push_deadline(0, self.floor_mbps, self.rendezvous_s))
-        store = dist.TCPStore(addr, port, world, is_master=True, timeout=rdv, wait_for_workers=False)
-        prefix = dist.PrefixStore(tcp_uri(addr, port), store)
-        make_pg = run_in_thread(dist.ProcessGroupGloo, prefix, 0, world, rdv, name="fleet-init-pg")
-        calls = {u: Call(u, "POST", "/init_weight_transfer_engine", timeout=self.http_timeout + rdv.total_seconds(),
-                          body={"init_info": {"master_address": addr, "master_port": port,
-                                              "rank_offset": offsets[u], "world_size": world,
-                                              "timeout_s": deadline}}) for u in members}
+        rdv = timedelta(seconds=self._left(push_deadline(0, self.floor_mbps, self.rendezvous_s)))
+        # Our rank 0 (beside the calls, in a thread of its own: both sides rendezvous together),
+        # and each member's init_info: only the collective differs between the backends.
+        if self.backend == "nccl":
+            store = prefix = None
+            make_pg, init_info = self._nccl_rank0(addr, port, world, rdv)
+        else:
+            store = dist.TCPStore(addr, port, world, is_master=True, timeout=rdv, wait_for_workers=False)
+            prefix = dist.PrefixStore(tcp_uri(addr, port), store)
+            make_pg = run_in_thread(dist.ProcessGroupGloo, prefix, 0, world, rdv, name="fleet-init-pg")
+            init_info = {"master_address": addr, "master_port": port, "world_size": world,
+                         "timeout_s": rdv.total_seconds()}
+        calls = {u: Call(u, "POST", "/init_weight_transfer_engine",
+                         timeout=self._left(self.http_timeout + rdv.total_seconds()),
+                         body={"init_info": {**(init_info or {}), "rank_offset": offsets[u]}})
+                 for u in (members if init_info is not None else [])}
         futs = {u: run_in_thread(c.run, name="fleet-init-http") for u, c in calls.items()}
-        cf.wait([make_pg, *futs.values()], timeout=rdv.total_seconds() + GRACE_S)
-        answers = {u: self._settle(calls[u], f) for u, f in futs.items()}
+        cf.wait([make_pg, *futs.values()], timeout=self._left(rdv.total_seconds() + GRACE_S))
+        answers = self._settle_all(calls, futs)
+        if init_info is None:  # vLLM's trainer_init failed before its init call: none was made
+            answers = {u: HttpFailure("POST", "/init_weight_transfer_engine", delivered=False,
+                                      cause=make_pg.exception() or TimeoutError("trainer_init"))
+                       for u in members}
         failed = [u for u in members if isinstance(answers[u], HttpFailure)]
         if failed and (not make_pg.done() or make_pg.exception() is not None):
             # The rendezvous never completed: one receiver that never joined holds every
@@ -255,7 +299,7 @@ class FleetSender:
             # touched yet, so the ones that did join are intact (the redo's group), whether
             # their call was cut or they gave up on the rendezvous themselves (a 500).
             cut = [u for u in failed if POISONED not in answers[u].body]
-            joined = _joined_ranks(prefix, world)
+            joined = _joined_ranks(prefix, world) if prefix is not None else None
             if joined is not None:
                 absent = {u for u in cut if not set(ranks[u]) <= joined}
             else:  # the store's layout is not the one known: those silent on /health
@@ -273,7 +317,7 @@ class FleetSender:
             # The group cannot form without them (its constructor gives up after rdv); the
             # others loaded nothing: intact, and in the redo's group if there is one.
             why = make_pg.exception() if make_pg.done() else TimeoutError("rendezvous timed out")
-            self._joining_until = time.monotonic() + deadline + GRACE_S
+            self._joining_until = time.monotonic() + rdv.total_seconds() + GRACE_S
             for u in members:
                 if u not in failed:
                     results[u].status = "intact"
@@ -302,28 +346,43 @@ class FleetSender:
         deadline = self.deadline_for(nbytes)
         if not urls:
             return {}
+        bound = push_bound(deadline, redo)
         if self.announce is not None:  # an exception here aborts the push before any call
-            self.announce(list(urls), nbytes, push_bound(deadline, redo))
+            self.announce(list(urls), nbytes, bound)
         t0 = time.monotonic()
+        end = t0 + bound - TEARDOWN_S  # every wait below ends by then; what is open is cut
+        self._end = end
         results = {u: PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
                                  buckets=len(plan.buckets) if plan.buckets is not None else len(pairs),
-                                 deadline_s=deadline) for u in urls}
-        failed_collective = self._attempt(urls, pairs, plan, version, deadline, results)
-        again = [u for u in urls if results[u].status == "intact"]
-        if redo and failed_collective and again:
-            self._note("redo", receivers=again)
-            for u in again:
-                results[u] = PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
-                                        buckets=results[u].buckets, deadline_s=deadline, redone=True)
-            self._attempt(again, pairs, plan, version, deadline, results)
+                                 deadline_s=deadline, bound_s=bound) for u in urls}
+        try:
+            self._until = min(t0 + deadline, end) if redo else end
+            failed_collective = self._attempt(urls, pairs, plan, version, deadline, results)
+            again = [u for u in urls if results[u].status == "intact"]
+            if redo and failed_collective and again:
+                # The redo has the rest of the bound: at least one deadline, as announced.
+                self._until = end
+                self._note("redo", receivers=again)
+                for u in again:
+                    results[u] = PushResult(url=u, version=version, bytes=nbytes, tensors=len(pairs),
+                                            buckets=results[u].buckets, deadline_s=deadline,
+                                            bound_s=bound, redone=True)
+                self._attempt(again, pairs, plan, version, self._left(deadline), results)
+            self._until = t0 + bound - TEARDOWN_S / 2
+            if not self.reuse_group:
+                self.close()
+        finally:
+            self._until = self._end = None
         for r in results.values():
             r.seconds = time.monotonic() - t0
             r.ok = r.status == "ok"
+            if not r.status:  # the bound passed before its answer: cut, reported
+                r.status = "unreachable"
+                r.error = r.error or WeightSyncError(f"{r.url}: cut at the push's bound {bound:.1f}s",
+                                                     url=r.url)
             if r.status == "intact" and r.error is None:
                 r.error = WeightSyncError(f"{r.url}: not loaded (weights intact): the push failed "
                                           f"in another receiver", url=r.url, step="update_weights")
-        if not self.reuse_group:
-            self.close()
         if self.on_done is not None:
             self.on_done(results)
         return results
@@ -368,6 +427,13 @@ class FleetSender:
                 fail(u, "poisoned", "start_weight_update", got)
         if len(started) != len(members):
             self._drop_group()
+            if self.backend == "nccl":
+                # vLLM's NCCL engine moves the model to meta at start: a session without its
+                # update cannot be cancelled intact. Left paused, to be restarted.
+                for u in started:
+                    fail(u, "poisoned", "start_weight_update",
+                         RuntimeError("started, but the push failed in another receiver"))
+                return True
             self._cancel_sessions(started, results)
             for u in started:
                 results[u].status = "intact"
@@ -379,6 +445,8 @@ class FleetSender:
         if not ok_transfer:
             self._drop_group()
             return True
+        if self._end is not None:  # the collective succeeded: no redo follows, the rest of the bound is the finish's
+            self._until = self._end
         self._finish(members, version, deadline, results)
         return False
 
@@ -404,22 +472,30 @@ class FleetSender:
         buckets (one more thread). True when every member loaded every byte."""
         # One receiving rank: a chain of one is a plain send, which gloo's broadcast makes in one
         # op per bucket instead of one per chunk (measured: 0.13 s against 0.42 s for 63 MB).
-        topology = self.topology if self._pg is not None and self._pg.size() > 2 else "tree"
-        info = {**plan.update_info(), "staged": True, "timeout_s": deadline,
-                "topology": topology, "chunk_bytes": self.chunk_bytes}
+        deadline = self._left(deadline)  # what is left of the attempt
+        info: dict[str, Any]
+        if self.backend == "nccl":  # vLLM's update_info; one NCCL broadcast, no stall window
+            stall = deadline
+            info = {k: v for k, v in plan.update_info().items() if k in NCCL_UPDATE_KEYS}
+            send = run_in_thread(self._send_nccl, pairs, name="fleet-broadcast")
+        else:
+            topology = self.topology if self._pg is not None and self._pg.size() > 2 else "tree"
+            stall = min(self.stall_s, deadline) if topology == "chain" else deadline
+            info = {**plan.update_info(), "staged": True, "timeout_s": deadline, "stall_s": stall,
+                    "topology": topology, "chunk_bytes": self.chunk_bytes}
+            send = run_in_thread(self._send_buckets, plan, pairs, topology,
+                                 timedelta(seconds=stall), name="fleet-broadcast")
         calls = {u: Call(u, "POST", "/update_weights", body={"update_info": info},
                          timeout=deadline + GRACE_S) for u in members}
         futs = {u: run_in_thread(c.run, name="fleet-update-http") for u, c in calls.items()}
-        send = run_in_thread(self._send_buckets, plan, pairs, topology, timedelta(seconds=deadline),
-                             name="fleet-broadcast")
         all_futs = [send, *futs.values()]
         done, _ = cf.wait(all_futs, timeout=deadline, return_when=cf.FIRST_EXCEPTION)
         failed = any(f.exception() is not None for f in done) or len(done) < len(all_futs)
         if failed:
-            self._cut_the_transfer(send, calls, futs, deadline)
-        answers = {u: self._settle(calls[u], f) for u, f in futs.items()}
+            self._cut_the_transfer(send, calls, futs, deadline, stall)
+        answers = self._settle_all(calls, futs)
         try:
-            send.exception(timeout=GRACE_S)  # a destroyed group fails its pending send
+            send.exception(timeout=self._left(GRACE_S))  # a destroyed group fails its pending send
         except cf.TimeoutError:
             pass
         if not failed:
@@ -461,14 +537,15 @@ class FleetSender:
             raise detached(e) from None
 
     def _cut_the_transfer(self, send: cf.Future, calls: dict[str, Call], futs: dict[str, cf.Future],
-                          deadline: float) -> None:
+                          deadline: float, stall: float) -> None:
         """The transfer failed (or ran out of time): destroy our end of the group, cut the calls
-        of the engines that are gone, and give the others one more deadline to answer."""
+        of the engines that are gone, and give the others a stall window to answer (each live
+        one's hop fails within it: packing.ChainStalled), never past the attempt's end."""
         cause = (send.exception() if send.done() else None) or TimeoutError(
             f"the broadcast did not complete within its deadline {deadline:.1f}s")
         self._note("transfer_failed", cause=repr(cause))
         # Destroy our end now: our direct peers' receives fail at once; one stalled behind a
-        # stopped peer fails on its per-receive timeout (one deadline), so wait that long.
+        # stopped peer fails on its hop's stall window, so wait that long.
         self._drop_group()
         # An engine that does not even answer /health (vLLM serves it beside a transfer)
         # is stopped or gone: cut its call now rather than wait out one more deadline.
@@ -478,7 +555,7 @@ class FleetSender:
             for u in pending:
                 if isinstance(probes[u], HttpFailure):
                     calls[u].cancel()
-        cf.wait([send, *futs.values()], timeout=deadline + GRACE_S)
+        cf.wait([send, *futs.values()], timeout=self._left(stall + GRACE_S))
 
     def _after_a_failed_transfer(self, members: list[str], answers: dict[str, Any], deadline: float,
                                  results: dict[str, PushResult]) -> None:
@@ -505,6 +582,54 @@ class FleetSender:
         if loaded:
             self._finish(loaded, results[loaded[0]].version, deadline, results)
 
+    # -- nccl: vLLM's trainer engine for the collective only (UNTESTED here: no GPU) ----------
+    def _nccl_rank0(self, addr: str, port: int, world: int, rdv: timedelta) -> tuple[cf.Future, dict | None]:
+        """Rank 0 of an NCCL group over every member, by vLLM's trainer-side API (the factory
+        route WeightSender's NCCL path takes): its trainer_init opens the communicator and asks
+        its client to init the workers (rank_offset 1, one engine's); our client only records
+        that init_info, which the shared code posts to each member with its own rank_offset.
+        Returns the trainer_init future and the recorded init_info (None: it failed first)."""
+        client = _FleetClient()
+        self._nccl_source = _DeferredSource()
+        fut = run_in_thread(self._nccl_trainer_init, addr, port, world, client, name="fleet-init-pg")
+        end = time.monotonic() + self._left(rdv.total_seconds())
+        while not client.called.wait(0.05):
+            if fut.done() or time.monotonic() > end:
+                return fut, None
+        return fut, client.init_info
+
+    def _nccl_trainer_init(self, addr: str, port: int, world: int, client: "_FleetClient") -> Any:
+        try:
+            import vllm
+            from vllm.distributed import weight_transfer
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerInitInfo,
+                NCCLTrainerWeightTransferEngine,
+            )
+        except ImportError as e:
+            raise WeightSyncError(f"backend='nccl' needs vLLM ({NCCL_VERSIONS}) on the trainer: {e}",
+                                  step="init_weight_transfer_engine") from e
+        trainer_init = resolve_trainer_init(getattr(weight_transfer, "WeightTransferTrainerFactory", None),
+                                            NCCLTrainerWeightTransferEngine, getattr(vllm, "__version__", "?"))
+        return trainer_init(
+            NCCLTrainerInitInfo(master_address=addr, master_port=port, world_size=world, rank=0,
+                                packed=True, packed_buffer_size_bytes=max(self.bucket_bytes, 1 << 20)),
+            client=client, source=self._nccl_source.as_weight_source())
+
+    def _send_nccl(self, pairs) -> None:
+        """The trainer's side of the NCCL transfer: vLLM's send_weights, whose client calls are
+        no-ops (this sender makes them, to every member, as for gloo), so only its packed
+        broadcast runs here."""
+        engine = self._pg
+        if engine is None:
+            raise WeightSyncError("fleet group dropped during the transfer")
+        self._nccl_source.pairs = pairs
+        try:
+            engine.send_weights()
+        except BaseException as e:
+            engine = None
+            raise detached(e) from None
+
     def _send_first(self, view):
         if self._pg is None:
             raise WeightSyncError("fleet group dropped during the transfer")
@@ -514,7 +639,12 @@ class FleetSender:
                 results: dict[str, PushResult]) -> None:
         self._note("finish_weight_update", receivers=urls)
         resume = []
-        for u, got in self._each(urls, "POST", "/finish_weight_update", timeout=deadline,
+        # One receiver that never finishes must not leave the others no time to be resumed and
+        # verified: a third of what is left (an HTTP timeout at most) is kept for that.
+        timeout = max(deadline, self.http_timeout)
+        left = self._left(timeout + GRACE_S)
+        wait = max(0.05, left - min(self.http_timeout, left / 3))
+        for u, got in self._each(urls, "POST", "/finish_weight_update", timeout=timeout, wait=wait,
                                  body={"weight_version": version}).items():
             if isinstance(got, HttpFailure):
                 results[u].status = "poisoned"
@@ -549,6 +679,34 @@ class FleetSender:
         self.close()
 
 
+class _FleetClient:
+    """vLLM's VLLMWeightSyncClient for the NCCL fleet path: records the workers' init_info that
+    trainer_init builds; every other call is made by FleetSender itself, to every member."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.called = threading.Event()
+        self.init_info: dict | None = None
+
+    def init_weight_transfer_engine(self, init_info) -> None:
+        self.init_info = dict(init_info)
+        self.init_info.pop("rank_offset", None)  # each member's own, from the shared code
+        self.called.set()
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info) -> None:
+        pass
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        pass
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        pass
+
+
 def push_to_many(urls: Iterable[str], named_tensors: NamedTensors, version: int | str, *,
                  senders: dict[str, WeightSender] | None = None, broadcast: bool = True,
                  fleet: Any = None, **sender_kwargs) -> dict[str, PushResult]:
@@ -557,11 +715,12 @@ def push_to_many(urls: Iterable[str], named_tensors: NamedTensors, version: int 
 
     broadcast=True (the default, gloo): one FleetSender broadcast into all of them; pass
     `fleet` (a FleetSender) to keep its group across versions, else it is closed after the push.
-    broadcast=False (and backend="nccl"): one after the other, each over its own group; pass a
-    `senders` dict (url -> WeightSender, filled in as needed) to keep those groups.
+    broadcast=False, and backend="nccl" without a `fleet`: one after the other, each over its own
+    group; pass a `senders` dict (url -> WeightSender, filled in as needed) to keep those groups.
+    (FleetSender(backend="nccl") is the GPU fleet path, never run here: pass it as `fleet`.)
     """
-    if broadcast and sender_kwargs.get("backend", "gloo") == "gloo":
-        kw = {k: v for k, v in sender_kwargs.items() if k not in ("reuse_group", "backend")}
+    if broadcast and (fleet is not None or sender_kwargs.get("backend", "gloo") == "gloo"):
+        kw = {k: v for k, v in sender_kwargs.items() if k != "reuse_group"}
         own_fleet = fleet is None
         fs = FleetSender(**kw) if fleet is None else fleet
         try:

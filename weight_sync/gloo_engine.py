@@ -16,7 +16,9 @@ vLLM's own HTTP routes then drive it exactly as they drive the built-in ``nccl``
   vime.weight_sync.packing). ``timeout_s`` bounds each receive (default: the group's timeout).
   ``"topology": "chain"`` (the fleet push): instead of gloo's tree broadcast, each bucket arrives
   from the previous rank in ``chunk_bytes`` pieces and is forwarded to the next rank as it
-  arrives (packing.ChainRelay), so every link carries it once.
+  arrives (packing.ChainRelay), so every link carries it once. ``stall_s`` is the chain's stall
+  window: a hop that moves no chunk for that long fails (packing.ChainStalled), so a rank
+  stopped mid-chain fails its neighbours within it rather than after ``timeout_s``.
 
   Streaming (default): ``initialize_layerwise_reload(model)`` (parameters to meta), then each
   bucket is loaded as it arrives; any failure poisons. Staged (``"staged": true``, the fleet
@@ -107,6 +109,9 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     topology: str = "tree"  # "chain": relay each bucket to the next rank, chunk by chunk
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the chain's pipelining unit
     timeout_s: float | None = None  # per receive; the sender derives it from the bytes moved
+    # The chain's stall window: the longest one hop may go without moving a chunk (default:
+    # timeout_s). A rank stopped mid-chain then fails its neighbours within it (ChainStalled).
+    stall_s: float | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -122,6 +127,8 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"topology must be one of {TOPOLOGIES}, not {self.topology!r}")
         if self.chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {self.chunk_bytes}")
+        if self.stall_s is not None and self.stall_s <= 0:
+            raise ValueError(f"stall_s must be positive, not {self.stall_s}")
 
 
 def _mtp_guard():
@@ -253,9 +260,11 @@ class GlooWeightTransferEngine(
         staged: list = []
         post, chain = self._broadcast, None
         if update_info.topology == "chain":
+            window = (timedelta(seconds=float(update_info.stall_s)) if update_info.stall_s
+                      else self._op_timeout)
             chain = ChainRelay(update_info.chunk_bytes, recv=self._recv_prev,
                                send=self._send_next if self._rank + 1 < self._world else None,
-                               timeout=self._op_timeout)
+                               timeout=window)
             post = chain.add
         with disable_mtp_completeness_check():
             if update_info.staged:
@@ -273,9 +282,10 @@ class GlooWeightTransferEngine(
                     chain.drain()
                 t1 = time.monotonic()
         dt = time.monotonic() - t0
-        logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)%s",
+        logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)%s%s",
                     len(update_info.names), n / 1e6, dt, n / 1e6 / max(dt, 1e-9),
-                    f", staged: received in {t1 - t0:.3f}s" if update_info.staged else "")
+                    f", staged: received in {t1 - t0:.3f}s" if update_info.staged else "",
+                    f", longest chain hop wait {chain.longest_wait_s:.3f}s" if chain is not None else "")
 
     # The three posts below read self.group each time and keep no reference to it in their
     # frames (see receive_update): a dropped group must be destroyable mid-transfer.

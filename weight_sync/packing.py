@@ -12,6 +12,7 @@ receiving anything.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -242,7 +243,11 @@ class ChainRelay:
     the trainer's link.
 
     `recv(view)` / `send(view)` post an asynchronous receive / send of a contiguous view and
-    return its Work; `timeout` (a timedelta) bounds each wait. The chunks of every buffer `add`ed
+    return its Work; `timeout` (a timedelta) bounds each wait: it is the stall window, the
+    longest a hop may go without moving one chunk (a receive that gets nothing from the previous
+    rank, a send the next rank does not take). A wait past it raises `ChainStalled`, which names
+    the hop and the chunk, so a stopped rank fails its neighbours within the window, not after
+    the push's deadline. The chunks of every buffer `add`ed
     form one sequence: receives are posted RECV_AHEAD chunks ahead in that order (gloo matches a
     peer's sends to our receives in posting order), across buffers, so the sender never waits on
     us to post one; at most RELAY_WINDOW sends are in flight. `add` returns a Work for the buffer
@@ -257,12 +262,19 @@ class ChainRelay:
         self._posted: list = []  # receive Works, for chunks [_done, _done + len)
         self._done = 0  # chunks arrived (and their forwards posted)
         self._sends: list = []
+        self.longest_wait_s = 0.0  # the longest this hop waited for one chunk: its margin to the window
 
-    def _wait(self, work) -> None:
-        if self._timeout is None:
-            work.wait()
-        else:
-            work.wait(self._timeout)
+    def _wait(self, work, what: str, index: int) -> None:
+        t0 = time.monotonic()
+        try:
+            if self._timeout is None:
+                work.wait()
+            else:
+                work.wait(self._timeout)
+        except Exception as e:  # noqa: BLE001 - gloo's timeout or a closed peer: say which hop
+            raise ChainStalled(what, index, self._timeout, e) from None
+        finally:
+            self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - t0)
 
     def add(self, buf: torch.Tensor) -> "_Through":
         flat = buf.reshape(-1)
@@ -284,20 +296,35 @@ class ChainRelay:
         """Every chunk before `end` arrived and its forward posted."""
         while self._done < end:
             if self._recv is not None:
-                self._wait(self._posted.pop(0))
+                self._wait(self._posted.pop(0), "recv", self._done)
             view, self._chunks[self._done] = self._chunks[self._done], None
             self._done += 1
             self._post_ahead()
             if self._send is not None:
-                self._sends.append(self._send(view))
+                self._sends.append((self._done - 1, self._send(view)))
                 if len(self._sends) > RELAY_WINDOW:
-                    self._wait(self._sends.pop(0))
+                    self._wait(*self._pop_send())
 
     def drain(self) -> None:
         """Every chunk added arrived and was forwarded, every send completed."""
         self._through(len(self._chunks))
         while self._sends:
-            self._wait(self._sends.pop(0))
+            self._wait(*self._pop_send())
+
+    def _pop_send(self) -> tuple:
+        index, work = self._sends.pop(0)
+        return work, "send", index
+
+
+class ChainStalled(RuntimeError):
+    """A chain hop moved nothing within the stall window, or its peer went away. `direction`:
+    "recv" (nothing came from the previous rank) or "send" (the next rank took nothing)."""
+
+    def __init__(self, direction: str, chunk: int, window, cause: BaseException):
+        self.direction, self.chunk = direction, chunk
+        hop = "receiving it from the previous rank" if direction == "recv" else "sending it to the next rank"
+        window_s = f" (stall window {window.total_seconds():g}s)" if window is not None else ""
+        super().__init__(f"chain hop failed at chunk {chunk}, {hop}{window_s}: {cause}")
 
 
 class _Through:

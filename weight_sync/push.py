@@ -143,6 +143,7 @@ class PushResult:
     status: str = ""
     redone: bool = False
     deadline_s: float = 0.0
+    bound_s: float = 0.0  # the whole push's bound, announced and enforced (fleet pushes)
 
     @property
     def poisoned(self) -> bool:

@@ -6,8 +6,8 @@ Two engines for the whole module (core 0 and core 1), both with
 * A receives weights by `WeightSender` (gloo broadcast, bucketed).
 * B receives the same weights from a checkpoint via `reload_from_checkpoint`.
 * A and B together receive one `FleetSender` broadcast (one group, staged receive); a third
-  engine C, booted with them for the fleet's fault tests, is SIGSTOPped, then SIGKILLed
-  mid-broadcast.
+  engine C, booted with them for the fleet's fault tests, is SIGSTOPped in the middle of the
+  chain A -> C -> B, then SIGKILLed, mid-broadcast.
 
 Same greedy tokens and logprobs on both shows that both paths land the same weights. The tests
 run in file order and share state (versions 1, 2, ...); the last two ruin the engines on purpose.
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port
-from vime.weight_sync.broadcast import FleetSender
+from vime.weight_sync.broadcast import PROBE_S, FleetSender
 from vime.weight_sync.checkpoint import reload_from_checkpoint, save_checkpoint
 from vime.weight_sync.errors import PoisonedEngine
 from vime.weight_sync.sender import WeightSender
@@ -278,34 +278,48 @@ def _fault_at_bucket(n: int, act: Callable[[], None]) -> tuple[dict, Callable[[s
     return seen, progress
 
 
+STALL_S = 3.0  # the faulted chain's stall window (the default is 7 s: docs/weights.md)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 def test_a_receiver_faulted_mid_broadcast_costs_that_receiver_only(engines, engine_c, trainer, sig):
-    """C stopped (every process of it) or killed after bucket 3 of the broadcast into A and C:
-    the push fails within its bound, A's weights were never touched (staged receive), the
-    broadcast is redone over A alone and A ends verified at the version; C is reported.
-    SIGSTOP first: C is then continued, its failed session leaves it intact, and it is resumed
-    for the SIGKILL run."""
-    a, _ = engines
+    """C stopped (every process of it) or killed after bucket 3 of the broadcast: the push ends
+    within its bound, the others' weights were never touched (staged receive), the broadcast is
+    redone over them alone and they end verified at the version; C is reported.
+
+    SIGSTOP: C is the MIDDLE of the chain A -> C -> B, so B behind it gets nothing more and A
+    before it can hand nothing on: each hop waits one stall window at most, so the whole push
+    ends within the window plus the /health probe and the redo, not after the deadline. C is
+    then continued, its failed session leaves it intact, and it is resumed for the SIGKILL run
+    (the chain A -> C)."""
+    a, b = engines
     c = engine_c
     model, _ = trainer
     version = {signal.SIGSTOP: 4, signal.SIGKILL: 5}[sig]
+    chain = [a.url, c.url, b.url] if sig == signal.SIGSTOP else [a.url, c.url]
+    others = [u for u in chain if u != c.url]
     before = greedy(a.url)
-    with FleetSender(bucket_bytes=BUCKET, rendezvous_s=10.0) as fleet:
-        assert all(r.ok for r in fleet.push([a.url, c.url], model, f"{version}-warm").values())
+    with FleetSender(bucket_bytes=BUCKET, rendezvous_s=10.0, stall_s=STALL_S) as fleet:
+        assert all(r.ok for r in fleet.push(chain, model, f"{version}-warm").values())
         seen, fleet.progress = _fault_at_bucket(3, lambda: os.killpg(c.proc.pid, sig))
         try:
-            res = fleet.push([a.url, c.url], model, version)
+            res = fleet.push(chain, model, version)
+            took = time.monotonic() - seen["at"] if "at" in seen else None
         finally:
             if sig == signal.SIGSTOP:
                 os.killpg(c.proc.pid, signal.SIGCONT)
-        bound = res[a.url].deadline_s
-    assert "at" in seen, "the fault never fired"
-    took = time.monotonic() - seen["at"]
-    assert res[a.url].ok and res[a.url].redone, res[a.url]
+        bound = res[a.url].bound_s
+    assert took is not None, "the fault never fired"
+    for u in others:
+        assert res[u].ok and res[u].redone, res[u]
+        assert weight_version(u) == str(version)
+        assert call(u, "GET", "/is_paused", timeout=5)[1] == {"is_paused": False}
     assert not res[c.url].ok and res[c.url].status in ("unreachable", "intact"), res[c.url]
-    assert took < 3 * bound + 10, (took, bound)  # the push's own bound, not a fixed 600 s
-    assert weight_version(a.url) == str(version)
-    assert call(a.url, "GET", "/is_paused", timeout=5)[1] == {"is_paused": False}
+    print(f"{sig.name}: the push ended {took:.2f}s after the fault (bound {bound:.1f}s)")
+    assert took < bound
+    if sig == signal.SIGSTOP:
+        # The window found it: far under the deadline (10 s + the bytes) the old path waited.
+        assert took < STALL_S + PROBE_S + 10, took
     assert [x[0] for x in greedy(a.url)] == [x[0] for x in before]  # same weights, served
     if sig == signal.SIGSTOP:
         # Continued: its receive failed on the torn-down group before it touched the model.
@@ -364,7 +378,7 @@ def test_sender_killed_mid_broadcast_poisons_engine(engines, tiny_model):
     assert time.monotonic() - killed_at < 20
     assert call(b.url, "GET", "/health")[0] == 200  # /health does not see it
     assert call(b.url, "GET", "/is_paused")[1] == {"is_paused": True}
-    assert weight_version(b.url) == "3"  # the last good version is still reported
+    assert weight_version(b.url) == "4"  # the last good version (the fault test's redo) is still reported
 
     # Generating on it (after a resume) fails, and the engine core dies; the server exits.
     assert call(b.url, "POST", "/resume")[0] == 200

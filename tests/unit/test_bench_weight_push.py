@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -28,6 +29,42 @@ def test_fleet_short_form_prints_the_table_and_the_fault_rows():
     for sig in ("SIGKILL", "SIGSTOP"):
         line = next(x for x in table if x.startswith(sig))
         assert "survivors at the version 1/1" in line and "faulted one unreachable" in line, line
+
+
+def _links_missing() -> str | None:
+    """Why emulated links cannot be built here (root, iproute2's ip and tc, network
+    namespaces), or None."""
+    why = wp.link_preflight(os.geteuid())
+    if why:
+        return why
+    probe = f"vime-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the stand-ins need vLLM")
+def test_on_emulated_links_the_chain_into_4_costs_less_than_log2_5_of_one():
+    """What docs/benchmarks.md claims where the links are the limit: each receiver and the
+    trainer on a 100 Mbit/s link of its own, the chain into 4 receivers takes less than
+    log2(5) = 2.32 times its push into one (a tree would send ceil(log2(5)) = 3 copies down the
+    trainer's link, a sequential push 4). 8 MB: 0.7 s per transfer at 100 Mbit/s."""
+    why = _links_missing()
+    if why:
+        pytest.skip(f"emulated links need root, network namespaces and tc: {why}")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_push.py"), "--fleet", "1,4",
+                          "--link-mbit", "100", "--fleet-mb", "8", "--ways", "chain", "--repeat", "1"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "links torn down" in out.stdout
+    table = out.stdout.split("links EMULATED")[-1].splitlines()
+    rows = {line.split()[0]: line.split() for line in table if line.strip()[:1].isdigit()}
+    one, four = float(rows["1"][1]), float(rows["4"][1])
+    assert one > 0.6  # 8 MB at 100 Mbit/s: the links are the limit (a loopback push takes 0.05 s)
+    assert four / one < math.log2(5), (one, four)
 
 
 # -- the emulated links' pure parts (no root needed: nothing is run) ---------------------------

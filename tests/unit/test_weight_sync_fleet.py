@@ -16,13 +16,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from vime.weight_sync.broadcast import FleetSender
+from vime.weight_sync.broadcast import PROBE_S, FleetSender
 from vime.weight_sync.sender import push_deadline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,8 @@ def stop_stand_ins(procs) -> None:
 
 @pytest.fixture(scope="module")
 def stand_ins():
-    procs = start_stand_ins(3)
+    """Eight: the first three for most tests, all of them for the stall test's chain."""
+    procs = start_stand_ins(8)
     yield procs
     stop_stand_ins(procs)
 
@@ -84,7 +86,7 @@ def fleet_threads() -> list[str]:
 
 
 def test_broadcast_delivers_every_byte_reuses_the_group_and_rebuilds_on_a_new_set(stand_ins):
-    urls = [u for _, u in stand_ins]
+    urls = [u for _, u in stand_ins[:3]]
     with FleetSender(bucket_bytes=4096, solo_bytes=None, rendezvous_s=20) as fs:
         for version in (1, 2):
             pairs = model(version)
@@ -108,7 +110,7 @@ def test_broadcast_delivers_every_byte_reuses_the_group_and_rebuilds_on_a_new_se
 def test_the_example_loops_pusher_broadcasts_and_resyncs_one(stand_ins):
     from vime.trainer.rl_loop import Pusher
 
-    urls = [u for _, u in stand_ins]
+    urls = [u for _, u in stand_ins[:3]]
     p = Pusher()
     try:
         assert p.push_many(urls, model(11), 11) == {u: "ok" for u in urls}
@@ -133,9 +135,11 @@ def test_push_deadline_grows_with_the_bytes(monkeypatch):
         push_deadline(1)
 
 
-def test_nccl_fleet_says_what_to_use():
-    with pytest.raises(NotImplementedError, match="broadcast=False"):
-        FleetSender(backend="nccl")
+def test_a_bad_backend_or_stall_window_says_what_works():
+    with pytest.raises(ValueError, match="gloo.*nccl"):
+        FleetSender(backend="mpi")
+    with pytest.raises(ValueError, match="stall_s must be positive"):
+        FleetSender(stall_s=0)
 
 
 BIG = [(f"layers.{i}.w", torch.full((512, 1024), float(i))) for i in range(12)]  # 2 MiB each
@@ -147,7 +151,7 @@ def test_a_receiver_faulted_mid_broadcast_costs_that_receiver_only(stand_ins, si
     redone at the version, the faulted one reported, and nothing is left running in the trainer."""
     procs = stand_ins
     try:
-        urls = [u for _, u in procs]
+        urls = [u for _, u in procs[:3]]
         victim_proc, victim = procs[1]
         before = fleet_threads()
 
@@ -270,3 +274,138 @@ def test_a_receiver_that_never_joins_the_group_costs_only_itself(stand_ins):
     finally:
         release.set()
         srv.shutdown()
+
+
+def wait_serving(url: str, within: float = 30) -> None:
+    """A receiver continued after a SIGSTOP: answering again, then its session ended (a
+    /start_weight_update that reached it late opened one) and resumed (a push it failed left it
+    paused): what a restart does for a real engine."""
+    end = time.monotonic() + within
+    while True:
+        try:
+            state(url)
+            break
+        except OSError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+    try:
+        urllib.request.urlopen(urllib.request.Request(url + "/finish_weight_update", method="POST"),
+                               timeout=10).read()
+    except urllib.error.HTTPError:
+        pass  # no session open
+    urllib.request.urlopen(urllib.request.Request(url + "/resume", method="POST"), timeout=10).read()
+
+
+def stop_and_go(pid: int, stop_s: float, go_s: float, halt: threading.Event) -> None:
+    """A slow but alive receiver: stopped stop_s of every stop_s + go_s, until halted."""
+    try:
+        while not halt.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stop_s)
+            os.kill(pid, signal.SIGCONT)
+            halt.wait(go_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_receiver_stopped_mid_chain_costs_the_others_about_the_stall_window(stand_ins):
+    """A chain of 8: the 4th receiver SIGSTOPped after bucket 2, the 6th slow but alive (stopped
+    0.3 s of every 0.5 s all along). Each hop waits one stall window at most, so the stopped one
+    is found about a window after the fault (not after the 30 s deadline), its call cut, and the
+    7 others, the slow one included, are redone and verified at the version: no healthy receiver
+    condemned."""
+    urls = [u for _, u in stand_ins]
+    victim_proc, victim = stand_ins[3]
+    slow_proc, slow = stand_ins[5]
+    stall = 3.0
+    fs = FleetSender(bucket_bytes=1 << 20, rendezvous_s=30, http_timeout=5, stall_s=stall)
+    seen: dict[str, float] = {}
+
+    def fault(step, info):
+        seen.setdefault(step, time.monotonic())
+        if step == "bucket_sent" and info["index"] == 2 and "fault" not in seen:
+            seen["fault"] = time.monotonic()
+            os.kill(victim_proc.pid, signal.SIGSTOP)
+
+    halt = threading.Event()
+    cycler = threading.Thread(target=stop_and_go, args=(slow_proc.pid, 0.3, 0.2, halt), daemon=True)
+    try:
+        assert all(r.ok for r in fs.push(urls, model(20), 20).values())  # the group, built
+        cycler.start()
+        t0 = time.monotonic()
+        res = fs.push(urls, BIG, 21)
+        healthy = time.monotonic() - t0
+        assert [u for u in urls if not res[u].ok] == [], res  # slow is not stalled
+        deadline = res[urls[0]].deadline_s
+        fs.progress = fault
+        t0 = time.monotonic()
+        res = fs.push(urls, model(22, n=12, shape=(512, 1024)), 22)
+        took = time.monotonic() - t0
+    finally:
+        halt.set()
+        cycler.join(10)
+        os.kill(victim_proc.pid, signal.SIGCONT)
+        fs.close()
+    assert "fault" in seen, "the fault never fired"
+    assert res[victim].status == "unreachable" and not res[victim].ok, res[victim]
+    assert [u for u in urls if u != victim and not (res[u].ok and res[u].redone)] == [], res
+    for u in urls:
+        if u != victim:
+            assert state(u)["version"] == "22"
+    found = seen["transfer_failed"] - seen["fault"]
+    print(f"stall window {stall}s: found {found:.2f}s after the fault, push {took:.2f}s "
+          f"(healthy {healthy:.2f}s, deadline {deadline:.1f}s)")
+    # Found within about the window (a hop's wait started at most at the fault), and the whole
+    # push within the window, the /health probe of the stopped one and the redo over 7 (its
+    # rendezvous and a push: a healthy push into 8 is its measure, with room for a busy host):
+    # far under the deadline the old path waited out.
+    assert found < stall + 1.5, found
+    assert took < stall + PROBE_S + 3 * healthy + 5 < deadline, (took, healthy)
+    wait_serving(victim)
+    assert state(victim)["version"] == "21"  # its staged receive failed: intact
+
+
+PHASES = ["init_weight_transfer_engine", "pause", "start_weight_update", "bucket_sent",
+          "finish_weight_update"]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_push_never_passes_its_announced_bound(stand_ins, phase):
+    """The middle of 3 receivers SIGSTOPped as the push enters each phase: the whole push,
+    redo included, ends within the bound it announced; the other two are verified at the
+    version, the stopped one reported."""
+    urls = [u for _, u in stand_ins[:3]]
+    victim_proc, victim = stand_ins[1]
+    announced: list[float] = []
+    fs = FleetSender(bucket_bytes=1 << 20, rendezvous_s=30, http_timeout=2, stall_s=2,
+                     announce=lambda receivers, nbytes, bound: announced.append(bound))
+    version = 30 + PHASES.index(phase)
+    seen: dict[str, float] = {}
+
+    def fault(step, info):
+        if step == phase and "fault" not in seen and (step != "bucket_sent" or info["index"] == 1):
+            seen["fault"] = time.monotonic()
+            os.kill(victim_proc.pid, signal.SIGSTOP)
+
+    try:
+        assert all(r.ok for r in fs.push(urls, model(version), f"{version}-warm").values())
+        fs.rendezvous_s = 3  # a tight bound for the faulted push (the group is built)
+        if phase == "init_weight_transfer_engine":
+            fs.drop_group()
+        fs.progress = fault
+        t0 = time.monotonic()
+        res = fs.push(urls, BIG, version)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(victim_proc.pid, signal.SIGCONT)
+        fs.close()
+    assert "fault" in seen, "the fault never fired"
+    bound = announced[-1]
+    assert res[victim].bound_s == bound
+    print(f"{phase}: push {took:.2f}s, announced bound {bound:.2f}s")
+    assert took <= bound, (took, bound)
+    assert not res[victim].ok and res[victim].status in ("unreachable", "poisoned"), res[victim]
+    for u in (urls[0], urls[2]):
+        assert res[u].ok and state(u)["version"] == str(version), res[u]
+    wait_serving(victim)
