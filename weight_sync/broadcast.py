@@ -90,7 +90,7 @@ from vime.weight_sync.push import (
     push_deadline,
     tcp_uri,
 )
-from vime.weight_sync.sender import NCCL_VERSIONS, WeightSender, _DeferredSource, resolve_trainer_init
+from vime.weight_sync.sender import NCCL_VERSIONS, WeightSender, DeferredSource, resolve_trainer_init
 
 BACKENDS = ("gloo", "nccl")
 NCCL_UPDATE_KEYS = ("names", "dtype_names", "shapes")  # vLLM's NCCLWeightTransferUpdateInfo
@@ -590,7 +590,7 @@ class FleetSender:
         that init_info, which the shared code posts to each member with its own rank_offset.
         Returns the trainer_init future and the recorded init_info (None: it failed first)."""
         client = _FleetClient()
-        self._nccl_source = _DeferredSource()
+        self._nccl_source = DeferredSource()
         fut = run_in_thread(self._nccl_trainer_init, addr, port, world, client, name="fleet-init-pg")
         end = time.monotonic() + self._left(rdv.total_seconds())
         while not client.called.wait(0.05):

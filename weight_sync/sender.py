@@ -205,7 +205,7 @@ class WeightSender:
                                             getattr(vllm, "__version__", "?"))
         port = self.master_port or free_port("")
         self._nccl_client = _NcclClient(self)
-        self._nccl_source = _DeferredSource()
+        self._nccl_source = DeferredSource()
         try:
             self._nccl = trainer_init(
                 NCCLTrainerInitInfo(master_address=self.master_address, master_port=port,
@@ -452,7 +452,7 @@ class _NcclClient:
         self._post("shutdown_weight_transfer_engine")
 
 
-class _DeferredSource:
+class DeferredSource:
     """A vLLM WeightSource over the pairs of the current push (0.32: metadata() is a method;
     0.33: a property)."""
 
