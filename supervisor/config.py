@@ -330,6 +330,10 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
             # The admin routes are appended to it: /workers must be the router's own.
             problems.append(f"router.url: must be the router's root, http://HOST:PORT, with no path, query or "
                             f"fragment; got {rtr['url']!r}")
+        if u is not None and (u.username or u.password):
+            # The URL is logged and shown in status: a password in it would be too.
+            problems.append("router.url: no user or password in the URL (it is logged and shown by status); "
+                            "put the router's admin token in router.token_file")
     if rtr.get("observe_only") and rtr.get("prune_unknown"):
         warnings.append("router.prune_unknown has no effect with router.observe_only = true: nothing is removed")
     drain, remove = rtr.get("drain_timeout", 30.0), rtr.get("remove_timeout", 1.0)

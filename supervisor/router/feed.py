@@ -317,7 +317,8 @@ class RouterFeed(Listener):
         p = plan([by_norm[u] for u in self.desired], listed, own, prune_unknown=self.cfg.prune_unknown, same=same)
         if self.last is None or set(p.unknown) != set(self.last.unknown):
             if p.unknown:
-                log.warning("router.unknown_workers", urls=list(p.unknown), router=self.router.url,
+                log.warning("router.unknown_workers", urls=list(p.unknown[:20]), count=len(p.unknown),
+                            router=self.router.url,
                             action="removed" if self.cfg.prune_unknown and not self.cfg.observe_only
                             else "left alone: not this daemon's engines (set router.prune_unknown to remove)")
             self.fleet.emit(Event.ROUTER_DRIFT, unknown=list(p.unknown), missing=list(p.add),
@@ -413,18 +414,21 @@ class RouterFeed(Listener):
     def status(self) -> dict[str, Any]:
         p, own = self.last, self.own()
         listed = self.listed or ()
+        # Sets, once: a router shared by many daemons can list thousands of workers, and this
+        # runs at every status call and every scrape.
+        keys = [self._key(u) for u in listed]
+        key_set, listed_set = set(keys), set(listed)
         return {
             "kind": self.router.kind,
             "url": self.router.url,
             "state": self.state,
             "observe_only": self.cfg.observe_only,
             "workers": len(listed),
-            "ours": sorted(own[self._key(u)] for u in listed if self._key(u) in own),
+            "ours": sorted(own[k] for k in keys if k in own),
             "missing": [] if p is None else sorted(own.get(normalize_url(u), u) for u in p.add
-                                                   if normalize_url(u) not in {self._key(x) for x in listed}),
-            "extra": sorted(own[self._key(u)] for u in listed
-                            if self._key(u) in own and self._key(u) not in self.desired),
-            "unknown": [] if p is None else sorted(u for u in p.unknown if u in listed),
+                                                   if normalize_url(u) not in key_set),
+            "extra": sorted(own[k] for k in keys if k in own and k not in self.desired),
+            "unknown": [] if p is None else sorted(u for u in p.unknown if u in listed_set),
             "error": self.error or self.failing,
             "checked_at": self.checked_at,
         }

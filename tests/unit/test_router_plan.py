@@ -116,6 +116,7 @@ def test_the_flags_alone_turn_the_router_on(base):
     ({"url": "http://h:1", "worker_type": "a b"}, "router.worker_type: must be a word"),
     ({"url": "http://h:1", "spawn": "yes"}, "router.spawn: must be true or false"),
     ({"url": "http://h:1/api?x=1#f"}, "router.url: must be the router's root"),
+    ({"url": "http://admin:s3cret@h:1"}, "router.url: no user or password in the URL"),
 ])
 def test_bad_router_tables_say_what_to_do(base, table, message):
     found = problems({**base, "router": table})
