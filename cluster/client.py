@@ -326,14 +326,16 @@ class AsyncClusterClient:
         finally:
             await self.end_round(n)
 
-    async def publish_weights(self, version: int, checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-        """Make `version` current on every node; a node away now gets it when it returns."""
+    async def publish_weights(self, version: int, checkpoint: str | os.PathLike[str] | None = None,
+                              fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Make `version` current on every node; a node away now gets it when it returns.
+        `fingerprint`: as the daemon's client takes it, sent to every node."""
         version = _whole("version", version)
         self._driver = True
         ckpt = None if checkpoint is None else os.path.abspath(os.fspath(checkpoint))
         self._publishing += 1  # nodes' membership events wait for the end of the publish
         try:
-            answers = await self._fanout("publish_weights", version, ckpt)
+            answers = await self._fanout("publish_weights", version, ckpt, *(() if fingerprint is None else (fingerprint,)))
             self._raise_if_all_refused(answers)
             # The nodes' lists as they are now, with the new version: engines not at it leave
             # at once, those already at it stay (no empty union in between, no false breach).

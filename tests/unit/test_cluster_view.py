@@ -182,11 +182,11 @@ def test_the_nodes_pushes_in_flight_merge_qualified():
 
 def test_the_agent_relays_the_push_verbs_and_the_blocking_client_has_them():
     from vime.cluster import blocking
-    from vime.cluster.client import AsyncClusterClient
+    from vime.cluster.client import CLUSTER_VERBS, AsyncClusterClient
 
     assert {"push_begin", "push_end", "pushes"} <= set(VERBS)  # the agent's table
-    assert {"push_begin", "push_end", "pushes"} <= set(blocking._VERBS)
-    assert all(callable(getattr(AsyncClusterClient, v, None)) for v in blocking._VERBS)
+    assert {"push_begin", "push_end", "pushes"} <= set(CLUSTER_VERBS)  # what the blocking client offers
+    assert all(callable(getattr(AsyncClusterClient, v, None)) for v in CLUSTER_VERBS)
 
 
 def test_a_lost_nodes_last_routable_engines_leave_the_router_once():
