@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import socket
 import time
 from collections import OrderedDict
-from typing import Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -24,6 +25,46 @@ class RouterError(Exception):
         super().__init__(message)
         self.transient = transient
         self.answered = (not transient) if answered is None else answered
+
+
+async def admin_call(session: Any, method: str, url: str, path: str, headers: dict[str, str], timeout: float,
+                     body: Any = None, *, late: str, token_hint: str = "") -> tuple[int, Any]:
+    """One bounded call to a router's admin API: (status, the body as JSON, or its text), or a
+    RouterError that says whether it is worth retrying and whether the router answered (refused,
+    reset, timed out: not answered; a 5xx or 429: answered, transient; 401/403: not transient).
+    `late`: what a timeout says; `token_hint`: added to a refused token's message."""
+    import aiohttp
+
+    where = f"{method} {url}{path}"
+    try:
+        async with session.request(method, url + path, json=body, headers=headers,
+                                   timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False) as resp:
+            text = await resp.text(errors="replace")
+            status = resp.status
+    except asyncio.TimeoutError:
+        raise RouterError(f"{where}: {late}", transient=True, answered=False) from None
+    except aiohttp.InvalidURL:
+        raise RouterError(f"{where}: not a valid URL; set router.url to http://HOST:PORT", transient=False) from None
+    except (aiohttp.ClientError, OSError) as e:
+        raise RouterError(f"{where}: {e or type(e).__name__}; is the router running at {url}?",
+                          transient=True, answered=False) from None
+    try:
+        data = json.loads(text) if text else None
+    except ValueError:
+        data = text[:200]
+    if status in (401, 403):
+        raise RouterError(f"{where}: {status}: the router refused our token; check router.token_file{token_hint}",
+                          transient=False)
+    if status >= 500 or status == 429:
+        raise RouterError(f"{where}: {status}: {said(data)}", transient=True, answered=True)
+    return status, data
+
+
+def said(data: Any) -> str:
+    """What an admin answer says, short (its error or message)."""
+    if isinstance(data, dict):
+        return str(data.get("error") or data.get("message") or data)[:300]
+    return str(data)[:300]
 
 
 class Router(Protocol):

@@ -11,14 +11,13 @@ details are in docs/router.md.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from typing import Any
 
 import aiohttp
 
-from .base import RouterError, normalize_url
+from .base import RouterError, admin_call, normalize_url, said
 
 # A spawned SMG's flags (router.args when unset; `smg launch` and --host/--port/--worker-urls are
 # the daemon's): vime's breaker-off and 4-hour request timeout as for vllm-router; its metrics
@@ -43,38 +42,18 @@ class SmgRouter:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _call(self, method: str, path: str, deadline: float, body: Any = None) -> tuple[int, Any]:
-        where = f"{method} {self.url}{path}"
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RouterError(f"{where}: not sent, the call's bound ran out", transient=True, answered=False)
-        try:
-            async with self.session.request(method, self.url + path, json=body, headers=self.headers,
-                                            timeout=aiohttp.ClientTimeout(total=left),
-                                            allow_redirects=False) as resp:
-                text = await resp.text(errors="replace")
-                status = resp.status
-        except asyncio.TimeoutError:
-            raise RouterError(f"{where}: no answer within the call's bound", transient=True, answered=False) from None
-        except aiohttp.InvalidURL:
-            raise RouterError(f"{where}: not a valid URL; set router.url to http://HOST:PORT", transient=False) from None
-        except (aiohttp.ClientError, OSError) as e:
-            raise RouterError(f"{where}: {e or type(e).__name__}; is the router running at {self.url}?",
-                              transient=True, answered=False) from None
-        try:
-            data = json.loads(text) if text else None
-        except ValueError:
-            data = text[:200]
-        if status in (401, 403):
-            raise RouterError(f"{where}: {status}: the router refused our token; check router.token_file "
-                              "(an admin key of SMG's --control-plane-api-keys)", transient=False)
-        if status >= 500 or status == 429:
-            raise RouterError(f"{where}: {status}: {_said(data)}", transient=True, answered=True)
-        return status, data
+            raise RouterError(f"{method} {self.url}{path}: not sent, the call's bound ran out", transient=True,
+                              answered=False)
+        return await admin_call(self.session, method, self.url, path, self.headers, left, body,
+                                late="no answer within the call's bound",
+                                token_hint=" (an admin key of SMG's --control-plane-api-keys)")
 
     async def _list(self, deadline: float) -> list[dict[str, Any]]:
         status, data = await self._call("GET", "/workers", deadline)
         if status != 200 or not isinstance(data, dict) or not isinstance(data.get("workers"), list):
-            raise RouterError(f"GET {self.url}/workers: {status}: not SMG's worker list ({_said(data)}); "
+            raise RouterError(f"GET {self.url}/workers: {status}: not SMG's worker list ({said(data)}); "
                               "check router.url and router.kind", transient=False)
         return [w for w in data["workers"] if isinstance(w, dict) and isinstance(w.get("url"), str)]
 
@@ -87,16 +66,16 @@ class SmgRouter:
         status, data = await self._call("POST", "/workers", deadline, {"url": worker, "worker_type": self.worker_type})
         if status in (200, 201, 202) and isinstance(data, dict) and isinstance(data.get("worker_id"), str):
             worker_id = data["worker_id"]
-        elif status == 409 and (m := _ID.search(_said(data))):  # listed, or its add under way: that add is ours
+        elif status == 409 and (m := _ID.search(said(data))):  # listed, or its add under way: that add is ours
             worker_id = m.group(0)
         else:
-            raise RouterError(f"{where}: {status}: {_said(data)}", transient=False)
+            raise RouterError(f"{where}: {status}: {said(data)}", transient=False)
         while True:
             status, data = await self._call("GET", f"/workers/{worker_id}", deadline)
             if status == 404:
                 raise RouterError(f"{where}: the router dropped the worker before it was ready", transient=True, answered=True)
             if status != 200 or not isinstance(data, dict):
-                raise RouterError(f"GET {self.url}/workers/{worker_id}: {status}: {_said(data)}", transient=False)
+                raise RouterError(f"GET {self.url}/workers/{worker_id}: {status}: {said(data)}", transient=False)
             state, job = data.get("status"), data.get("job_status") or {}
             if state == "ready":
                 return
@@ -122,7 +101,7 @@ class SmgRouter:
             if status == 404:
                 continue
             if status not in (200, 202, 204):
-                raise RouterError(f"{where}: {status}: {_said(data)}", transient=False)
+                raise RouterError(f"{where}: {status}: {said(data)}", transient=False)
             while True:  # queued: until the router stops routing to it
                 status, data = await self._call("GET", f"/workers/{worker_id}", deadline)
                 if status == 404 or (isinstance(data, dict) and data.get("status") == "draining"):
@@ -130,9 +109,3 @@ class SmgRouter:
                 if time.monotonic() + POLL >= deadline:
                     raise RouterError(f"{where}: queued, still routable after {timeout:g}s", transient=True, answered=True)
                 await asyncio.sleep(POLL)
-
-
-def _said(data: Any) -> str:
-    if isinstance(data, dict):
-        return str(data.get("error") or data.get("message") or data)[:300]
-    return str(data)[:300]
