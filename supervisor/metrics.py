@@ -304,6 +304,10 @@ class _SelfCollector:
         return self.readings.families()
 
 
+# A connection with no request in flight for this long is closed (a scrape reconnects cheaply).
+IDLE_CLOSE_S = 10.0
+
+
 class MetricsServer:
     """GET /metrics over TCP at `address` (config metrics_address, "127.0.0.1:9464"; "" for
     none), for Prometheus, and the probe endpoints (healthz.py) for Kubernetes' kubelet. A
@@ -329,7 +333,10 @@ class MetricsServer:
             for path, handler in ((healthz.LIVEZ, self._livez), (healthz.READYZ, self._readyz),
                                   (healthz.STARTUPZ, self._startupz)):
                 app.router.add_get(path, _answer(handler))
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        # aiohttp keeps an idle connection open for ever by default: a client that connects and
+        # sends nothing would hold a file descriptor of the daemon's until it restarts.
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0,
+                               keepalive_timeout=IDLE_CLOSE_S)
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()

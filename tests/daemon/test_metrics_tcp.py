@@ -26,7 +26,7 @@ from vime.harness.local_daemon import Daemon, free_port, standin_python, write_c
 from vime.supervisor import config
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.config import ConfigError
-from vime.supervisor.metrics import DETECTION_KINDS, RESTART_CAUSES
+from vime.supervisor.metrics import DETECTION_KINDS, IDLE_CLOSE_S, RESTART_CAUSES
 from vime.supervisor.engine.probes import PROBE_KINDS
 
 from support.daemons import end_process
@@ -143,6 +143,26 @@ def prometheus_query(port: int, query: str) -> list[dict]:
 
 @pytest.mark.skipif(shutil.which("prometheus") is None,
                     reason="the prometheus server is not installed (Debian: apt-get install prometheus)")
+def test_an_idle_connection_is_closed_and_scrapes_go_on(fleet):
+    """A client that connects and sends nothing, or keeps a connection after its scrape, does not
+    hold one of the daemon's descriptors for ever."""
+    host, port = fleet.address.rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)), timeout=5)
+    kept = socket.create_connection((host, int(port)), timeout=5)
+    kept.sendall(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    try:
+        for conn in (silent, kept):
+            conn.settimeout(IDLE_CLOSE_S + 10)
+            started = time.monotonic()
+            while conn.recv(65536):  # the answer (for `kept`), then the close: b""
+                pass
+            assert time.monotonic() - started < IDLE_CLOSE_S + 10
+        assert scrape(fleet.address)[1]
+    finally:
+        silent.close()
+        kept.close()
+
+
 def test_a_real_prometheus_scrapes_the_daemon(fleet, tmp_path):
     port = free_port()
     (tmp_path / "prometheus.yml").write_text(
