@@ -18,7 +18,8 @@ import structlog
 
 from . import journal as journal_mod
 from .config import Config
-from .engine.adoption import ADOPT, LEAVE, STOP, engine_unwanted, find_engine_leaders, judge_engine, take_over
+from .engine.adoption import ADOPT, LEAVE, STOP, claimed_elsewhere, engine_unwanted, find_engine_leaders, judge_engine, \
+    take_over
 from .engine.process import boot_id, engine_fingerprint, group_members_of, kill_group_of, reap_child, stop_group_of
 from .engine.runner import EngineRunner
 from .fleet import Fleet
@@ -57,12 +58,20 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
         if not same_boot and any(e.get("pid") for e in data["engines"].values()):
             log.warning("journal.other_boot", journal_boot=then, this_boot=here,
                         action="no engine adopted or killed by pid; ours are found by command line and port")
+        owners = {s.port: s.name for s in cfg.engines if s.spawned and s.port is not None}
+        claimed: set[int] = set()
         for name, entry in data["engines"].items():
             runner = fleet.runners.get(name)
             if runner is not None:
                 restore_runner(runner, entry, generation)
             if not entry.get("pid") or not same_boot:
                 continue
+            elsewhere = claimed_elsewhere(name, entry, owners=owners, claimed=claimed)
+            if elsewhere is not None:
+                log.warning("journal.not_ours", engine=name, pid=entry["pid"], port=entry.get("port"), why=elsewhere,
+                            action="left alone: the journal names another engine's process here")
+                continue
+            claimed.add(int(entry["pid"]))
             outcome = take_engine(fleet, name, runner, entry, after)
             if outcome == "adopted":
                 adopted.append(name)

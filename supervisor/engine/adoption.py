@@ -85,6 +85,19 @@ def router_unwanted(entry: dict[str, Any], fingerprint: str | None) -> str | Non
     return None
 
 
+def claimed_elsewhere(name: str, entry: dict[str, Any], *, owners: dict[int, str], claimed: set[int]) -> str | None:
+    """Why the process a journal entry names belongs to another engine (None: it does not): an
+    earlier entry already took its pid, or it serves a port this config gives another engine.
+    Only a hand-edited journal says so; that process is judged by its own engine's entry, and
+    this one leaves it alone (never adopted, never signalled)."""
+    if int(entry["pid"]) in claimed:
+        return "its pid is another journal entry's process"
+    owner = owners.get(entry.get("port"))  # type: ignore[arg-type]
+    if owner is not None and owner != name:
+        return f"it serves port {entry.get('port')}, engine {owner}'s in this config"
+    return None
+
+
 # -- the facts, from /proc ----------------------------------------------------------------------
 
 

@@ -369,6 +369,39 @@ def test_journal_naming_a_stranger_of_this_boot_leaves_it_alone(tmp_path, fake_p
         stranger.wait()
 
 
+def test_journal_giving_one_engine_anothers_process_kills_neither(tmp_path, fake_python, cleanup):
+    """A hand-edited journal whose e0 entry names e1's live process (its pid, start time and
+    port, with e0's own config fingerprint): e1 keeps its process, adopted; e0's claim is left
+    alone (never adopted, never signalled) and e0 gets a fresh process of its own."""
+    model = model_dir(tmp_path / "model")
+    cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port()), spawned("e1", model, free_port())])
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    d.transition("e1", "RUNNING", 30)
+    e1_pid = d.last_pid("e1")
+    cleanup[1].update({d.last_pid("e0"), e1_pid})
+    for reverse in (False, True):  # whichever entry the daemon reads first
+        kill9(d)
+        data = json.loads(journal_path(tmp_path).read_text())
+        e1 = data["engines"]["e1"]
+        assert e1["pid"] == e1_pid
+        for key in ("pid", "start_time", "port", "log_path"):  # everything but e0's own fingerprint
+            data["engines"]["e0"][key] = e1[key]
+        if reverse:
+            data["engines"] = dict(reversed(list(data["engines"].items())))
+        journal_path(tmp_path).write_text(json.dumps(data))
+        d = start(cfg, cleanup)
+        d.transition("e0", "RUNNING", 30)
+        engines = {e["name"]: e for e in SupervisorClient(sock(tmp_path)).status()["engines"]}
+        assert engines["e1"]["pid"] == e1_pid and alive(e1_pid)
+        assert engines["e0"]["pid"] != e1_pid
+        cleanup[1].add(engines["e0"]["pid"])
+        assert [e.get("engine") for e in d.events if e.get("event") == "journal.not_ours"] == ["e0"]
+        # e0's own earlier process, which the edit unnamed, is stopped as an orphan; e1's never
+        assert all(e.get("pid") != e1_pid for e in d.events if e.get("event") == "journal.orphan_stopped")
+    assert d.terminate(30) == 0
+
+
 # -- a journal lost with the version in it ------------------------------------------------------
 
 def test_sync_agent_restores_a_version_the_daemon_lost(tmp_path, fake_python, cleanup):
