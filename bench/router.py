@@ -29,8 +29,9 @@ out s: from the fault to the first `GET /workers` (polled every `--poll` s) in w
   router alone marks, it does not remove; both route only to healthy workers), or listed by SMG
   with a status other than `ready` (`draining`: it routes nothing new there).
   From then on the router sends nothing to it: "sent after" checks that in the router's own
-  log (a send to a dead engine is logged as `Failed to send typed request worker_url=...` by
-  both, stamped to the second in UTC; counted only when stamped at a second wholly after "out").
+  log (a failed send is logged as `Failed to send typed request worker_url=...` by both,
+  stamped to the second in UTC when it failed; the first one of a request whose arrival SMG logs
+  is dated by that arrival; counted only when sent at a second wholly after "out").
   A trial not out within `--cap` s prints "not within CAP s".
 drain (daemon-fed only): `supervisorctl stop` of engine-1 under the same load; "out" from the
   call, "failed" and "longest" as above; then it is started again for the next trial.
@@ -117,16 +118,34 @@ def first_listed(samples: list[Sample], url: str, t_from: float) -> float | None
 
 
 _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\s.*Failed to send .*?worker_url=(\S+)")
+_RECEIVED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\s.*request_id=\"([^\"]+)\".*started processing request")
+_REQUEST_ID = re.compile(r"request_id=\"([^\"]+)\"")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def _epoch(stamp: str) -> float:
+    return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")))
+
+
 def failed_sends(log_text: str, url: str) -> list[float]:
-    """The router log's failed sends to `url`: the epoch second each is stamped with (UTC)."""
-    out = []
-    for line in _ANSI.sub("", log_text).splitlines():
+    """The router log's failed sends to `url`: the epoch second (UTC) each was sent at. A failure
+    is logged when the send fails: at once for a dead engine, only when the connection breaks for
+    a hung one. So the first failed send of a request whose arrival the log names (SMG logs
+    "started processing request" with its request_id) was sent when the request arrived (its
+    first attempt); any other is stamped with its failure (a bound: sent at or before it)."""
+    lines = _ANSI.sub("", log_text).splitlines()
+    received = {m.group(2): _epoch(m.group(1)) for m in map(_RECEIVED.match, lines) if m}
+    out, seen = [], set()
+    for line in lines:
         m = _LOG_LINE.match(line)
-        if m and m.group(2).rstrip("/") == url.rstrip("/"):
-            out.append(float(calendar.timegm(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))))
+        if not m:
+            continue
+        rid = (r.group(1) if (r := _REQUEST_ID.search(line)) else None)
+        if m.group(2).rstrip("/") == url.rstrip("/"):
+            first = rid is not None and rid in received and rid not in seen
+            out.append(received[rid] if first and rid else _epoch(m.group(1)))
+        if rid:
+            seen.add(rid)  # a failed send to any worker: the request's later sends are retries
     return out
 
 

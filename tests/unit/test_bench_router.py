@@ -70,6 +70,31 @@ def test_failed_sends_from_the_router_log_in_utc(br):
     assert br.failed_sends("", A) == []
 
 
+SMG_LOG = (  # SMG 1.13.0's lines (module paths shortened): a request sent to a hung engine at 34 s fails at 47 s
+    '2026-12-06 11:21:34  INFO http_request{method=POST path=/v1/completions request_id="cmpl-u"}: smg::request: '
+    'started processing request\n'
+    '2026-12-06 11:21:35  INFO http_request{method=POST path=/v1/completions request_id="cmpl-F"}: smg::request: '
+    'started processing request\n'
+    '2026-12-06 11:21:47 ERROR http_request{method=POST path=/v1/completions request_id="cmpl-F"}: router.rs:1367: '
+    f'Failed to send typed request worker_url={A} route=/v1/completions error=error sending request\n'
+    '2026-12-06 11:21:47 ERROR http_request{method=POST path=/v1/completions request_id="cmpl-u"}: router.rs:1367: '
+    f'Failed to send typed request worker_url={B} route=/v1/completions error=error sending request\n'
+    '2026-12-06 11:21:48 ERROR http_request{method=POST path=/v1/completions request_id="cmpl-u"}: router.rs:1367: '
+    f'Failed to send typed request worker_url={A} route=/v1/completions error=error sending request\n'
+    '2026-12-06 11:21:49 ERROR http_request{request_id="cmpl-unknown"}: router.rs:1367: '
+    f'Failed to send typed request worker_url={A} route=/v1/completions error=x\n')
+
+
+def test_a_failed_send_is_dated_by_its_requests_arrival_when_the_log_names_it(br):
+    at = lambda s: float(calendar.timegm(time.strptime("2026-12-06 " + s, "%Y-%m-%d %H:%M:%S")))  # noqa: E731
+    # cmpl-F: its first attempt, sent on arrival (34 s... 35 s), failed when the hung engine's
+    # connection broke (47 s). cmpl-u: its first attempt went to B; the retry to A is dated by its
+    # failure (48 s, a bound). An id the log never saw arrive: its failure stamp.
+    assert br.failed_sends(SMG_LOG, A) == [at("11:21:35"), at("11:21:48"), at("11:21:49")]
+    assert br.failed_sends(SMG_LOG, B) == [at("11:21:34")]
+    assert br.sent_after(br.failed_sends(SMG_LOG, A), at("11:21:40") + 0.5) == 2  # 48 s and 49 s
+
+
 def test_sent_after_counts_only_seconds_wholly_after_out(br):
     stamps = [100.0, 101.0, 102.0]
     assert br.sent_after(stamps, 100.5) == 2  # 100.0 covers [100, 101): it may be before 100.5
