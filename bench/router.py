@@ -83,7 +83,7 @@ from vime.supervisor.router.vllm_router import parse_listing  # noqa: E402
 from vime.supervisor.client import SupervisorClient  # noqa: E402
 from vime.trainer.tiny_model import build_tiny_model  # noqa: E402
 
-BOOT = 300
+BOOT = 600  # a bound on waits (a boot on a loaded shared host has taken over 300 s), not a timing
 NAMES = ("engine-0", "engine-1")  # the names the shared compile cache knows
 FEEDS = ("daemon feeds the router", "router alone, defaults", "router alone, 1 s")
 FAULTS = ("kill -9", "SIGSTOP", "drain")  # drain: the daemon-fed phase only
