@@ -45,7 +45,9 @@ throughput: the same load (`--threads`, one engine per thread in turn when direc
   `--seconds` s through the router and straight to the engines, alternated `--repeats` times.
 
 The bench exits 1 when a phase failed (an engine not back, a router that did not start) or a
-daemon-fed trial broke its claim (never out, or a send to the engine logged after "out").
+daemon-fed trial broke its claim (never out, or, after a kill or a drain, a send to the engine
+logged after "out"; a hung engine's sends fail only once it is killed, so there the count is a
+bound).
 
     python bench/router.py [--kinds vllm-router smg] [--phases fed alone] [--repeats 3] [--cap 300]
                            [--alone-cap 90] [--model DIR]
@@ -303,8 +305,10 @@ def medians(res: Results) -> list[str]:
 
 def broken_claims(res: Results) -> list[str]:
     """The daemon-fed trials that break the claim: never out within the cap, or a send to the
-    engine in the router's log surely after "out". The router alone breaks it by design (the
-    baseline): not counted."""
+    engine in the router's log surely after "out". A send to a hung engine (SIGSTOP) fails only
+    when its connection breaks (the daemon kills the engine seconds after "out"), and
+    vllm-router does not log a request's arrival: there "sent after" is a bound, not a finding.
+    The router alone breaks the claim by design (the baseline): not counted."""
     out = []
     for t in res.trials:
         if t.feed != FEEDS[0]:
@@ -312,7 +316,7 @@ def broken_claims(res: Results) -> list[str]:
         run = f"{t.kind}, {t.fault}, run {t.repeat + 1}"
         if t.out is None:
             out.append(f"{run}: the router still offered the engine after {t.cap or res.cap:g} s")
-        elif t.after:
+        elif t.after and t.fault != "SIGSTOP":
             out.append(f"{run}: the router's log has {t.after} send(s) to the engine after it was out")
     return out
 

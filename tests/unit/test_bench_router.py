@@ -168,6 +168,7 @@ def test_a_daemon_fed_trial_never_out_or_sent_to_after_out_breaks_the_claim(br):
     res.trials = [T("kill -9", br.FEEDS[0], 0, 0.9, 10, 0, 0.2, 1, 0),  # holds
                   T("SIGSTOP", br.FEEDS[0], 1, None, 10, 5, 30.0, 0, 0, kind="smg"),
                   T("drain", br.FEEDS[0], 2, 0.1, 10, 0, 0.2, 2, 1),
+                  T("SIGSTOP", br.FEEDS[0], 2, 6.1, 10, 0, 12.0, 3, 3),  # failed when killed: a bound only
                   T("SIGSTOP", br.FEEDS[1], 0, None, 10, 5, 30.0, 0, 0, cap=90.0),  # the baseline: not counted
                   T("kill -9", br.FEEDS[2], 0, 2.0, 10, 0, 0.2, 9, 4)]
     assert br.broken_claims(res) == [
