@@ -197,15 +197,22 @@ class RouterConfig:
         doc="remove workers no engine of this daemon owns; off, they are reported as drift (on many nodes each "
             "daemon owns only its own engines: leave it off there)")
     period: float = knob(  # drift repair: the router's list is read this often besides every change
-        2.0, bound=_SECONDS,
-        doc="seconds between reads of the router's list to repair drift, besides every membership change")
+        2.0, bound=Bound(0.1, 600.0, prefix="a number of seconds ",
+                         why="; each reconcile reads the router's list: below 0.1 s the reads load the router, above "
+                             "600 s drift stays unrepaired that long (a router someone else restarted stays empty); "
+                             "1 to 10 s suits most jobs"),
+        doc="seconds between reads of the router's list to repair drift, besides every membership change "
+            "(0.1 to 600)")
     # Between two reconciles: one GET /workers every `watch` s; an engine of ours listed while not
     # routable (it registered itself, or a POST the router finished after ours timed out) goes.
     watch: float = knob(
-        1.0, bound=_SECONDS,
+        1.0, bound=Bound(0.05, 60.0, prefix="a number of seconds ",
+                         why="; an engine listed while not routable stays listed up to this long: below 0.05 s the "
+                             "reads load the router, above 60 s that engine gets traffic for a minute (keep the "
+                             "default 1 s, or at most `period`)"),
         doc="seconds between reads of the router's list between two reconciles: an engine of this daemon's "
             "listed while not routable (registered by itself, or added by a `POST` the router finished after "
-            "the daemon's call timed out) is removed at once; one `GET /workers` each")
+            "the daemon's call timed out) is removed at once; one `GET /workers` each (0.05 to 60)")
     timeout: float = knob(  # one GET or POST /workers (POST blocks until the worker answers /health)
         5.0, bound=_SECONDS, doc="one GET or POST `/workers` (a POST waits for the worker's `/health`)")
     remove_timeout: float = knob(  # one DELETE: an engine leaving the routable set is out within it

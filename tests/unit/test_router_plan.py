@@ -111,7 +111,7 @@ def test_the_flags_alone_turn_the_router_on(base):
     ({"url": "127.0.0.1:30000"}, "router.url: must be http://HOST:PORT"),
     ({"url": "http://h:99999"}, "router.url: port must be a number in 1..65535"),
     ({"url": "http://h:1", "kind": "nginx"}, "router.kind: must be one of vllm-router"),
-    ({"url": "http://h:1", "period": 0}, "router.period: must be a number of seconds > 0"),
+    ({"url": "http://h:1", "period": 0}, "router.period: must be a number of seconds in 0.1..600"),
     ({"url": "http://h:1", "remove_timeout": -1}, "router.remove_timeout: must be a number of seconds > 0"),
     ({"url": "http://h:1", "worker_type": "a b"}, "router.worker_type: must be a word"),
     ({"url": "http://h:1", "spawn": "yes"}, "router.spawn: must be true or false"),
