@@ -247,10 +247,16 @@ class Poller:
 
 
 def wait_listed(admin: Admin, want: set[str], timeout: float = 30) -> None:
+    """Until the router lists `want` (one just spawned refuses connections while it starts)."""
     deadline = time.monotonic() + timeout
-    while (got := set(admin.workers())) != want:
+    got: set[str] | str = "no answer yet"
+    while got != want:
         assert time.monotonic() < deadline, (got, want)
         time.sleep(0.05)
+        try:
+            got = set(admin.workers())
+        except RouterError as e:
+            got = repr(e)
 
 
 class Fleet:
