@@ -4,7 +4,7 @@ test of the same adapter: tests/support/smg_proc.py says why it is not installed
 The workers are PROTOCOL STAND-INS (an aiohttp app answering /health and /v1/models, not vLLM):
 what is under test is the router's admin API as the adapter drives it, each call one bounded
 attempt whose RouterError says whether a retry can help. The daemon over real engines behind
-SMG: tests/engine/test_router_smg_real.py.
+SMG: tests/engine/test_router_real.py (its [smg] cases).
 """
 
 from __future__ import annotations

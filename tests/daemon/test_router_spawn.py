@@ -1,13 +1,16 @@
-"""[router] spawn = true: the daemon runs the real vllm-router (PyPI 0.1.17) as its child, in
-front of PROTOCOL STAND-IN engines (tests/support/standin_group.py; not vLLM).
+"""[router] spawn = true: the daemon runs the router as its child, in front of PROTOCOL STAND-IN
+engines (tests/support/standin_group.py; not vLLM), for each kind: the real vllm-router (PyPI
+0.1.17; vime's flags, harness/router_proc.py: breaker off, a long request timeout) and the real
+SMG (`smg launch`, smg 1.13.0; SPAWN_ARGS).
 
-One node is shared by the tests below, in order: spawned and fed; the router SIGKILLed,
-restarted and re-filled at once with the routable engines and nothing else; a SIGHUP reload
-and a daemon kill -9 + restart that both keep (adopt) the same router process; a journal whose
-router entry names another program (left alone) while the real router, named by none, is
-found on the port and replaced; a SIGSTOPped router restarted past silent_timeout; a shutdown
-that takes the engines out of its list, then stops it last and leaves nothing of its group. The
-router's flags are vime's (harness/router_proc.py: breaker off, a long request timeout).
+One node per kind is shared by the tests below, in order: spawned in a session of its own and
+fed; the router SIGKILLed, restarted and re-filled at once with the routable engines and nothing
+else; a daemon kill -9 + restart that keeps (adopts) the same router process; a shutdown that
+takes the engines out of its list, then stops it last and leaves nothing of its group. For
+vllm-router also: a SIGHUP reload that keeps the same router; a journal whose router entry names
+another program (left alone) while the real router, named by none, is found on the port and
+replaced; a SIGSTOPped router restarted past silent_timeout; its own log saying both workers
+left before it was stopped; a missing binary refused by --check-config.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,14 +30,21 @@ from vime.harness.local_daemon import Daemon, free_port, standin_config, standin
 from vime.harness.router_proc import VIME_FLAGS
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.engine.process import live_group_members, proc_stat
+from vime.supervisor.router import KINDS
+from vime.supervisor.router.smg import SPAWN_ARGS
 
 from support.polling import wait_until
+from support.smg_proc import available
 from support.standins import STANDIN_GROUP as STANDIN
 
 REPO = Path(__file__).resolve().parents[2]
 # Longer than any wait below: a refill seen within it was woken by the router's return.
 PERIOD = 30.0
 SILENT = 10.0  # router.silent_timeout: long enough that a loaded host's slow answer is not silence
+# Each kind's flags, with its metrics on a port of its own (29000 may be taken).
+ARGS = {"vllm-router": (*VIME_FLAGS, "--prometheus-host", "127.0.0.1"), "smg": SPAWN_ARGS}
+COMM = {"smg": "smg::router"}  # SMG's own name for itself: how an orphan of ours is known
+only_vllm_router = pytest.mark.parametrize("node", ["vllm-router"], indirect=True)
 
 
 def wait(pred, timeout: float = 20.0, what: str = ""):
@@ -41,30 +52,29 @@ def wait(pred, timeout: float = 20.0, what: str = ""):
 
 
 def workers(url: str) -> list[str] | None:
-    """The router's own list (GET /workers), None while it does not answer."""
-    import urllib.request
-
+    """What the router may route to: its GET /workers (SMG's less the draining), None while it
+    does not answer."""
     try:
         with urllib.request.urlopen(url + "/workers", timeout=2) as r:
-            return sorted(w["url"] for w in json.load(r)["workers"])
+            return sorted(w["url"] for w in json.load(r)["workers"] if w.get("status") != "draining")
     except OSError:
         return None
 
 
 class Node:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, kind: str):
         python = standin_python(tmp, STANDIN)
         model = standin_model(tmp / "model")
+        self.kind = kind
         self.ports = {n: free_port() for n in ("e0", "e1")}
         self.urls = {n: f"http://127.0.0.1:{p}" for n, p in self.ports.items()}
         self.url = f"http://127.0.0.1:{free_port()}"
         engines = [{"name": n, "model": str(model), "served_model_name": "tiny", "port": p,
                     "env": {"STANDIN_MODE_FILE": str(tmp / f"{n}.mode")}} for n, p in self.ports.items()]
-        # vime's flags, with the router's metrics on a port of its own (29000 may be taken).
-        args = [*VIME_FLAGS, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        args = [*ARGS[kind], "--prometheus-port", str(free_port())]
         self.config = standin_config(tmp, python, engines, restart={"backoff_initial": 0.2},
-                                     router={"url": self.url, "spawn": True, "args": args, "period": PERIOD,
-                                             "silent_timeout": SILENT})
+                                     router={"url": self.url, "kind": kind, "spawn": True, "args": args,
+                                             "period": PERIOD, "silent_timeout": SILENT})
         self.sock = str(tmp / "run" / "supervisor.sock")
         self.log = tmp / "logs" / "router.log"
         self.daemons: list[Daemon] = []  # every daemon started, and
@@ -90,9 +100,12 @@ class Node:
         return sorted(e["url"] for e in self.client().routable_engines()["engines"])
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    n = Node(tmp_path_factory.mktemp("spawn"))
+@pytest.fixture(scope="module", params=KINDS)
+def node(request, tmp_path_factory):
+    kind = request.param
+    if kind == "smg" and available("smg"):
+        pytest.skip(available("smg"))
+    n = Node(tmp_path_factory.mktemp(f"spawn-{kind}"), kind)
     try:
         n.daemon = n.start()
         yield n
@@ -107,7 +120,7 @@ def node(tmp_path_factory):
                 pass
 
 
-def test_the_daemon_spawns_the_router_in_its_own_group_and_feeds_it(node):
+def test_the_daemon_spawns_the_router_in_its_own_session_and_feeds_it(node):
     wait(lambda: workers(node.url) == sorted(node.urls.values()), 60, "both engines listed")
     proc = node.process()
     assert proc["state"] == "running" and not proc["adopted"] and proc["restarts"] == 0, proc
@@ -119,12 +132,18 @@ def test_the_daemon_spawns_the_router_in_its_own_group_and_feeds_it(node):
     for e in node.client().status()["engines"]:
         engine = proc_stat(e["pid"]) if e["pid"] else None
         assert engine is not None and engine.pgrp == e["pid"] and os.getsid(e["pid"]) == session, e
+    if node.kind in COMM:
+        assert st.comm == COMM[node.kind]
+    if node.kind == "smg":
+        spawned = [e for e in node.daemon.events if e.get("event") == "router.spawned"]
+        assert spawned and spawned[0]["cmd"][1:3] == ["launch", SPAWN_ARGS[0]], spawned
     journal = json.loads((node.config.parent / "state" / "journal.json").read_text())
     assert journal["router"]["pid"] == proc["pid"] and journal["router"]["start_time"] == st.start_time
+    assert node.client().status()["router"]["kind"] == node.kind
     # supervisorctl status shows the router's process.
     out = subprocess.run([sys.executable, "-m", "vime.supervisor.client.cli", "--socket", node.sock, "status"],
                          capture_output=True, text=True, timeout=30, cwd=REPO).stdout
-    line = next(ln for ln in out.splitlines() if ln.startswith("router:vllm-router"))
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"router:{node.kind}"))
     assert "IN_SYNC" in line and f"spawned pid {proc['pid']} running" in line, line
 
 
@@ -139,15 +158,16 @@ def test_a_killed_router_is_restarted_and_refilled_with_exactly_the_routable_eng
     exited = node.daemon.wait_for(lambda e: e.get("event") == "router.exited", 10, after=mark)
     assert exited["pid"] == old and exited["how"] == "killed by SIGKILL" and exited["restart_in"] == 0
     # Restarted empty, re-filled at once (the feed is woken; its period is far longer).
-    wait(lambda: workers(node.url) == node.routable() == [node.urls["e0"]], 10, "refilled with e0 alone")
+    wait(lambda: workers(node.url) == node.routable() == [node.urls["e0"]], 15, "refilled with e0 alone")
     assert time.monotonic() - killed < PERIOD / 2
     new = node.process()
     assert new["pid"] != old and new["state"] == "running" and new["restarts"] == 1
     assert "vime_router_restarts_total 1.0" in c.metrics()
     c.start("e1")
-    wait(lambda: workers(node.url) == node.routable() == sorted(node.urls.values()), 20, "e1 back")
+    wait(lambda: workers(node.url) == node.routable() == sorted(node.urls.values()), 30, "e1 back")
 
 
+@only_vllm_router
 def test_a_reload_keeps_the_same_router(node):
     d, c = node.daemon, node.client()
     pid = node.process()["pid"]
@@ -184,6 +204,7 @@ def test_a_daemon_killed_and_restarted_adopts_the_router_instead_of_spawning_ano
     wait(lambda: workers(node.url) == sorted(node.urls.values()), what="still listed")
 
 
+@only_vllm_router
 def test_a_router_no_journal_names_is_stopped_and_a_journaled_stranger_left_alone(node):
     """The daemon killed; its journal's router entry then names another program (a hand edit):
     that program, which does not hold the router's port, is never signalled, and the real
@@ -212,6 +233,7 @@ def test_a_router_no_journal_names_is_stopped_and_a_journaled_stranger_left_alon
         stranger.wait()
 
 
+@only_vllm_router
 def test_a_router_that_stops_answering_is_restarted_and_refilled(node):
     """SIGSTOP: the process runs as far as /proc says, and answers nothing. Past
     router.silent_timeout it is stopped (SIGTERM, then SIGKILL) and started again."""
@@ -240,7 +262,11 @@ def test_shutdown_takes_the_engines_out_then_stops_the_router_last(node):
     assert not live_group_members(pid)  # (an adopted router is init's to reap)
     journal = json.loads((node.config.parent / "state" / "journal.json").read_text())
     assert "router" not in journal
-    # The router's own log: both workers removed before it was told to stop.
+
+
+@only_vllm_router
+def test_the_router_log_says_both_workers_left_before_its_stop(node):
+    """vllm-router's own log, after the shutdown above."""
     text = node.log.read_text(errors="replace")
     term = text.rindex("terminate signal")
     assert all(text.rfind(f"Removed worker: {u}", 0, term) != -1 for u in node.urls.values()), text[-3000:]

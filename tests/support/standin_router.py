@@ -8,6 +8,8 @@ against the binary (tests/daemon/test_router_standin.py, tests/engine/test_route
     post_delay    seconds a POST waits before it adds the worker; the add happens whether or
                   not the caller is still waiting (as the real router's does)
     fail_deletes  every DELETE answers 503
+    fail_next_delete  the next DELETE answers 503 (once)
+    hold_deletes  every DELETE waits until this is cleared (after it is recorded in `deletes`)
     hang          every call waits until this is cleared
 """
 
@@ -27,6 +29,8 @@ class StandinRouter:
     def __init__(self, *, post_delay: float = 0.0) -> None:
         self.post_delay = post_delay
         self.fail_deletes = False
+        self.fail_next_delete = False
+        self.hold_deletes = False
         self.hang = False
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -34,6 +38,7 @@ class StandinRouter:
         self._lock = threading.Lock()
         self.posts: list[tuple[float, str]] = []  # (monotonic time received, url)
         self.landed: list[tuple[float, str]] = []  # (monotonic time a POST's add took effect, url)
+        self.deletes: list[tuple[float, str]] = []  # (monotonic time received, url)
         self.loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         ready = threading.Event()
@@ -88,9 +93,13 @@ class StandinRouter:
 
         async def removed(req):
             await self._held()
-            if self.fail_deletes:
-                return web.json_response({"error": "busy (stand-in)"}, status=503)
             url = unquote(req.match_info["worker"])
+            self.deletes.append((time.monotonic(), url))
+            while self.hold_deletes:
+                await asyncio.sleep(0.02)
+            if self.fail_deletes or self.fail_next_delete:
+                self.fail_next_delete = False
+                return web.json_response({"error": "busy (stand-in)"}, status=503)
             with self._lock:
                 if url in self._workers:
                     self._workers.remove(url)

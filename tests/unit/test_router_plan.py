@@ -1,25 +1,25 @@
 """The router's membership diff (supervisor/router/plan.py, pure), URL normalization and the
-[router] table's validation; and the feed's retried removal, against an in-process PROTOCOL
-STAND-IN of vllm-router's /workers API (no engine runs: the runner's state machine is moved
-by hand, as tests/unit/test_fleet_wiring.py does)."""
+[router] table's validation; and the feed's retried removal, against the PROTOCOL STAND-IN of
+vllm-router's /workers API (tests/support/standin_router.py; no engine runs: the runner's
+state machine is moved by hand, as tests/unit/test_fleet_wiring.py does)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from urllib.parse import unquote
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from vime.harness.local_daemon import free_port
 from vime.supervisor.config import Config, ConfigError, EngineSpec, RouterConfig, build
 from vime.supervisor.daemon import Supervisor, parse_args
 from vime.supervisor.engine.runner import EngineRunner
 from vime.supervisor.router import make_router, normalize_url
 from vime.supervisor.router.feed import RouterFeed
 from vime.supervisor.router.plan import plan
+
+from support.polling import until
+from support.standin_router import StandinRouter
 
 A, B, C = "http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"
 OTHER = "http://10.0.0.9:8001"  # another node's engine
@@ -148,56 +148,11 @@ def test_router_settings_that_do_nothing_or_outlast_the_stop_are_warned_about(ba
     assert any("may wait up to 64s before SIGTERM" in w for w in both.warnings), both.warnings
 
 
-class StandinRouter:
-    """GET/POST /workers, DELETE /workers/URL as vllm-router answers them. `fail_next_delete`:
-    the next DELETE is answered 503 (transient), after `hold` is set when one is given."""
-
-    def __init__(self) -> None:
-        self.workers: list[str] = []
-        self.deletes: list[str] = []
-        self.fail_next_delete = False
-        self.hold: asyncio.Event | None = None
-        self.delete_seen = asyncio.Event()
-
-    def app(self) -> web.Application:
-        async def listed(_):
-            return web.json_response({"workers": [{"url": u} for u in self.workers]})
-
-        async def added(req):
-            url = (await req.json())["url"]
-            if url not in self.workers:
-                self.workers.append(url)
-            return web.json_response({"status": "ok"})
-
-        async def removed(req):
-            url = unquote(req.match_info["worker"])
-            self.deletes.append(url)
-            self.delete_seen.set()
-            if self.fail_next_delete:
-                self.fail_next_delete = False
-                if self.hold is not None:
-                    await self.hold.wait()
-                return web.json_response({"error": "busy"}, status=503)
-            if url in self.workers:
-                self.workers.remove(url)
-            return web.json_response({"status": "ok"})
-
-        app = web.Application()
-        app.router.add_get("/workers", listed)
-        app.router.add_post("/workers", added)
-        app.router.add_delete("/workers/{worker:.*}", removed)
-        return app
-
-
 async def test_a_retried_removal_is_not_sent_once_the_engine_is_routable_again(tmp_path):
     """An engine leaves the routable set: its DELETE fails (503) while the engine comes back and
     is routable again. The retry is not sent (it would land after the re-add and take a
     serving engine out of the router); a removal still meant is retried and lands."""
     fake = StandinRouter()
-    runner = web.AppRunner(fake.app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
     url = "http://127.0.0.1:8001"
     cfg = Config(engines=(EngineSpec("e0", url=url),), state_dir=str(tmp_path), log_dir=str(tmp_path),
                  runtime_dir=str(tmp_path), min_healthy=0)
@@ -206,30 +161,30 @@ async def test_a_retried_removal_is_not_sent_once_the_engine_is_routable_again(t
         async with aiohttp.ClientSession() as session:
             e0 = EngineRunner(cfg.engines[0], cfg, sup.policy, sup.bus, session)
             sup.fleet.runners["e0"] = e0
-            feed = RouterFeed(sup.fleet, RouterConfig(url=f"http://127.0.0.1:{port}"),
-                              make_router("vllm-router", f"http://127.0.0.1:{port}", session))
+            feed = RouterFeed(sup.fleet, RouterConfig(url=fake.url), make_router("vllm-router", fake.url, session))
             sup.bus.add_listener(feed)
             e0.fsm.begin_start("attach", restart=False)
             e0.fsm.became_ready(None, None)
             await feed.reconcile()
-            assert fake.workers == [url]
+            assert fake.workers() == [url]
             # Out, and its DELETE held then failed; routable again before the retry.
-            fake.fail_next_delete, fake.hold = True, asyncio.Event()
+            fake.fail_next_delete, fake.hold_deletes = True, True
             e0.fsm.exited("not answering")
-            await asyncio.wait_for(fake.delete_seen.wait(), 10)
+            await until(lambda: fake.deletes, 10, "the DELETE")
             e0.fsm.recovered(None, None)
             assert [r.name for r in sup.fleet.routable()] == ["e0"]
-            fake.hold.set()
+            fake.hold_deletes = False
             await asyncio.wait_for(asyncio.gather(*feed._pending), 30)
-            assert fake.deletes == [url] and fake.workers == [url]  # no second DELETE: still listed
+            # no second DELETE: still listed
+            assert [u for _, u in fake.deletes] == [url] and fake.workers() == [url]
             assert feed.calls[("remove", "ok")] == 0
             # Out for good: the failed DELETE is retried and lands.
             fake.deletes.clear()
-            fake.fail_next_delete, fake.hold = True, None
+            fake.fail_next_delete = True
             e0.fsm.exited("not answering")
             await asyncio.wait_for(asyncio.gather(*feed._pending), 30)
-            assert fake.deletes == [url, url] and fake.workers == []
+            assert [u for _, u in fake.deletes] == [url, url] and fake.workers() == []
             assert feed.calls[("remove", "ok")] == 1
             await feed.close()
     finally:
-        await runner.cleanup()
+        fake.close()
