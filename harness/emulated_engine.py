@@ -40,6 +40,8 @@ Emulated ones, by `--fault` at start or POST /emulator/fault {"fault": ...} at a
     crash-at-start  the process exits 1 during its boot
     never-ready     the boot never finishes (the port is never bound)
     hang-after=S, die-after=S   hang / die S seconds (scaled) after ready
+    slow-batch-at=N the first step with N requests running compiles (first_batch_s, the core child
+                    burning CPU, no counter moving): a batch shape no warm-up ran
     clear           undo hang (and the lies / rejections)
 `--fault-file PATH`: faults for this start only, one a line; the file is removed once read (a
 bench arms the next start of an engine the daemon spawns: crash-at-start).
@@ -183,6 +185,7 @@ class EmulatedEngine:
         self._core_state = "S"
         self.faults: set[str] = set()
         self.push_fail_at: float | None = None
+        self.slow_batch_at: int | None = None  # the first step with this many running compiles again
         self.timed_faults: list[tuple[str, float]] = []
         # How late the step loop's sleeps woke (DELAY_BUCKETS, then one past the last bound)
         self.delay_counts = [0] * (len(DELAY_BUCKETS) + 1)
@@ -196,6 +199,8 @@ class EmulatedEngine:
         name, _, arg = spec.partition("=")
         if name in ("hang-after", "die-after"):
             self.timed_faults.append((name.split("-")[0], float(arg)))
+        elif name == "slow-batch-at":
+            self.slow_batch_at = max(1, int(arg))
         elif name == "push-fail-at":
             f = float(arg)
             if not 0.0 <= f <= 1.0:
@@ -216,7 +221,7 @@ class EmulatedEngine:
         else:
             raise ValueError(f"unknown fault {spec!r}: hang, die, poison, push-fail-at=F, lie-version, "
                              "reject-logprobs, "
-                             "crash-at-start, never-ready, hang-after=S, die-after=S, deaf, silent, clear")
+                             "crash-at-start, never-ready, hang-after=S, die-after=S, slow-batch-at=N, deaf, silent, clear")
         self._kick()
 
     def dur(self, name: str) -> float:
@@ -228,7 +233,9 @@ class EmulatedEngine:
                 "served_model_name": self.served, "max_model_len": self.max_model_len,
                 "parameters": {k: {"value": v.value, "unit": v.unit, "source": v.source} for k, v in self.p.items()},
                 "faults": sorted(self.faults) + ([f"push-fail-at={self.push_fail_at}"] if self.push_fail_at is not None
-                                                 else []) + [f"{k}-after={s}" for k, s in self.timed_faults]}
+                                                 else [])
+                + ([f"slow-batch-at={self.slow_batch_at}"] if self.slow_batch_at is not None else [])
+                + [f"{k}-after={s}" for k, s in self.timed_faults]}
 
     def mode(self) -> str:
         if self.mode_file is None:
@@ -315,6 +322,8 @@ class EmulatedEngine:
             if not self.running:
                 continue
             first = not self.first_batch_done
+            if self.slow_batch_at is not None and len(self.running) >= self.slow_batch_at:
+                first, self.slow_batch_at = True, None  # a batch shape no warm-up ran: compiled now
             prefill = sum(len(s.prompt) for s in new)
             dt = step_time(self.p, len(self.running), prefill, first) * self.scale
             if first and dt > 0:
