@@ -398,7 +398,7 @@ class FleetRun:
             policy=self.policy.name, seed=self.seed, target=self.w.engines, launched_at=t_launch, end=t_end,
             injections=self.injections, serving=serving_intervals(self.observed), restarts=restarts,
             samples=self.samples, tokens_generated=self.generated, tokens_discarded=self.discarded,
-            rounds=self.rounds, rounds_lost=self.rounds_lost, spares=self.policy.spares,
+            rounds=self.rounds, rounds_lost=self.rounds_lost, spares=self.policy.spares, work_start=self.t0,
             spare_ready=serving_intervals(self.observed, spare=True))
         le: list[float] = []
         counts: list[int] = []
