@@ -130,7 +130,7 @@ class FleetRun:
         elif self.mutation == "false-restart":
             # A batch of the round's size compiles (a shape the one-request warm-up never ran),
             # judged by a counters-only rule: busy excused for a moment only.
-            args += ["--fault", f"slow-batch-at={w.samples_per_engine}", "--param", "first_batch_s=120"]
+            args += ["--fault", f"slow-batch-at={w.samples_per_engine}", "--param", "first_batch_s=300"]
             overrides[("health_check", "max_busy")] = 0.05
             warmup = {"requests": 1}
         self.tables = daemon_tables(w, self.policy, overrides=overrides)
