@@ -386,17 +386,33 @@ class FleetRun:
                 for d in self.daemons:
                     if d.proc.poll() is None:
                         await asyncio.to_thread(d.terminate, 60)
+                self._sweep()
         for t in tasks:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 self.problems.append(f"{t.get_name()}: {t.exception()!r}")
         return self._outcome(t_launch, t_end)
+
+    def _sweep(self) -> None:
+        """Kill what the daemons left (a daemon killed by a fault just before the end, not yet
+        started again): every engine process group of this run's, known by its command line."""
+        for pid in set(self.pids.values()):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    ours = str(self.tmp).encode() in f.read()
+            except OSError:
+                continue
+            if ours:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
 
     def _outcome(self, t_launch: float, t_end: float) -> Outcome:
         events = [ev for d in self.daemons for ev in d.events]
         restarts = restarts_from(events, lambda ev: datetime.fromisoformat(ev["timestamp"]).timestamp())
         record = RunRecord(
             policy=self.policy.name, seed=self.seed, target=self.w.engines, launched_at=t_launch, end=t_end,
-            injections=self.injections, serving=serving_intervals(self.observed), restarts=restarts,
+            # faults the clock struck after the last step are no part of the run
+            injections=[i for i in self.injections if i.at <= t_end], serving=serving_intervals(self.observed),
+            restarts=restarts,
             samples=self.samples, tokens_generated=self.generated, tokens_discarded=self.discarded,
             rounds=self.rounds, rounds_lost=self.rounds_lost, spares=self.policy.spares, work_start=self.t0,
             spare_ready=serving_intervals(self.observed, spare=True))
@@ -410,7 +426,8 @@ class FleetRun:
         ivals = intervals_of(self.w, self.tables, PARAMETERS["step_base_s"].value,
                              PARAMETERS["step_per_seq_s"].value)
         return Outcome(record=record, invalid=invalid(ivals, lag, delay), lag_p99_s=lag, delay_p99_s=delay,
-                       intervals=ivals, daemon_config=self.tables, faults_injected=self.injected,
+                       intervals=ivals, daemon_config=self.tables,
+                       faults_injected=[f for f in self.injected if f["wall_offset_s"] <= t_end - self.t0],
                        problems=self.problems)
 
 
