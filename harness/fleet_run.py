@@ -19,8 +19,9 @@ sample checked token for token against what the weights of its round's version g
 emulated engine's tokens are a function of the context and the weights held), so a sample made
 with other weights is stale whatever any engine reported.
 
-Not in the loop: a router (the rollout client picks engines itself from the daemon's routable
-list) and a trainer agent (the published checkpoint is the daemon's way to bring a restarted
+Not in the loop: a router's traffic (the rollout client picks engines itself from the daemon's
+routable list; with `router` the daemon spawns and feeds vllm-router, so its admin calls load the
+daemon as they would, but no request goes through it) and a trainer agent (the published checkpoint is the daemon's way to bring a restarted
 engine to the version).
 """
 
@@ -90,10 +91,11 @@ def _hist_quantile(cum: Mapping[float, float], q: float) -> float:
 
 class FleetRun:
     def __init__(self, w: Workload, policy: Policy, schedule: Sequence[ScheduledFault], seed: int, tmp: Path,
-                 mutation: str | None = None, say: Any = print):
+                 mutation: str | None = None, say: Any = print, router: bool = False):
         if mutation is not None and mutation not in MUTATIONS:
             raise ValueError(f"unknown mutation {mutation!r}; known: {', '.join(MUTATIONS)}")
         self.w, self.policy, self.seed, self.tmp, self.mutation, self.say = w, policy, seed, tmp, mutation, say
+        self.router = router
         self.schedule = list(schedule) if policy.faults else []
         self.names = [f"e{i}" for i in range(w.engines + policy.spares)]
         self.observed = {n: Observed() for n in self.names}
@@ -142,6 +144,15 @@ class FleetRun:
                                                "restart": self.tables["restart"], "engine_defaults": {"args": args}}
         if warmup:
             sections["warmup"] = warmup
+        if self.router:  # the daemon spawns vllm-router and keeps its list; no request goes through it
+            from .router_proc import VIME_FLAGS
+
+            rport = emulated_engine.free_port_range(2, start=29100)
+            pport = rport + 1
+            self.config_router_url = f"http://127.0.0.1:{rport}"
+            sections["router"] = {"url": self.config_router_url, "spawn": True,
+                                  "args": [*VIME_FLAGS, "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                                           str(pport)]}
         self.urls = {n: f"http://127.0.0.1:{base + i}" for i, n in enumerate(self.names)}
         return write_config(tmp / "sup.toml", engines=[
             {"name": n, "model": str(model), "served_model_name": "tiny", "port": base + i, "args": per[n]}
@@ -161,6 +172,9 @@ class FleetRun:
                 for e in st["engines"]:
                     if e.get("pid"):
                         self.pids[e["name"]] = e["pid"]
+                proc = (st.get("router") or {}).get("process") or {}
+                if proc.get("pid"):
+                    self.pids["router"] = proc["pid"]
             except Exception:  # the daemon is away (killed, restarting): its last answer stands
                 st = self.status
 
@@ -394,11 +408,16 @@ class FleetRun:
 
     def _sweep(self) -> None:
         """Kill what the daemons left (a daemon killed by a fault just before the end, not yet
-        started again): every engine process group of this run's, known by its command line."""
-        for pid in set(self.pids.values()):
+        started again): every engine (and router) process group of this run's, known by its
+        command line."""
+        mark = str(self.tmp).encode()
+        if self.router:
+            mark_router = str(self.config_router_url).rsplit(":", 1)[1].encode()
+        for name, pid in set(self.pids.items()):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    ours = str(self.tmp).encode() in f.read()
+                    cmd = f.read()
+                ours = (b"vllm-router" in cmd and mark_router in cmd) if name == "router" else mark in cmd
             except OSError:
                 continue
             if ours:
@@ -432,6 +451,7 @@ class FleetRun:
 
 
 def run(w: Workload, policy: Policy, schedule: Sequence[ScheduledFault], seed: int, tmp: Path, *,
-        mutation: str | None = None, ready_within: float = 300.0, say: Any = print) -> Outcome:
-    """One run, in a fresh event loop; `tmp` holds its folders (the daemon's log among them)."""
-    return asyncio.run(FleetRun(w, policy, schedule, seed, tmp, mutation, say).run(ready_within))
+        mutation: str | None = None, ready_within: float = 300.0, say: Any = print, router: bool = False) -> Outcome:
+    """One run, in a fresh event loop; `tmp` holds its folders (the daemon's log among them).
+    `router`: the daemon also spawns and feeds vllm-router (its list kept; no request sent through it)."""
+    return asyncio.run(FleetRun(w, policy, schedule, seed, tmp, mutation, say, router).run(ready_within))
