@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -242,3 +243,24 @@ def restarts_from(events: Iterable[Mapping[str, Any]], at_of: Any) -> list[Resta
         elif to in ("RUNNING", "STANDBY"):
             fell.pop(str(engine), None)
     return out
+
+
+# -- the daemon's loop lag -----------------------------------------------------------------------------
+
+LAG_BUCKETS_RE = re.compile(r'^vime_event_loop_lag_seconds_bucket\{le="([^"]+)"\} ([0-9.e+-]+)$', re.M)
+
+
+def lag_histogram(metrics: str) -> dict[float, float]:
+    """The daemon's loop-lag histogram from its /metrics text: upper bound -> cumulative count."""
+    return {float(le): float(n) for le, n in LAG_BUCKETS_RE.findall(metrics)}
+
+
+def histogram_quantile(cum: Mapping[float, float], q: float) -> float:
+    """The upper bound of the bucket holding quantile q of a cumulative histogram; 0.0 when empty."""
+    total = cum.get(float("inf"), 0.0)
+    if total <= 0:
+        return 0.0
+    for le in sorted(cum):
+        if cum[le] >= q * total:
+            return le
+    return float("inf")

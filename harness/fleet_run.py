@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import struct
 import time
@@ -43,13 +42,12 @@ from typing import Any, Mapping, Sequence
 from . import emulated_engine
 from .emulated_model import PARAMETERS, Vocab, delay_quantile, generate
 from .fault_clock import ScheduledFault
-from .fleet_plan import (LAG_QUANTILE, Observed, Policy, Workload, daemon_tables, intervals_of, invalid,
-                         prompt_ids, restarts_from, round_lengths, serving_intervals)
+from .fleet_plan import (LAG_QUANTILE, Observed, Policy, Workload, daemon_tables, histogram_quantile, intervals_of,
+                         invalid, lag_histogram, prompt_ids, restarts_from, round_lengths, serving_intervals)
 from .goodput_ledger import Injection, RunRecord, Sample
 from .local_daemon import Daemon, standin_model, standin_python, write_config
 
 MUTATIONS = ("stale", "false-restart")
-LAG_BUCKETS_RE = re.compile(r'^vime_event_loop_lag_seconds_bucket\{le="([^"]+)"\} ([0-9.e+-]+)$', re.M)
 
 
 @dataclass
@@ -73,20 +71,6 @@ def _checkpoint(folder: Path, model: Path) -> Path:
     header = json.dumps({"w": {"dtype": "BF16", "shape": [0], "data_offsets": [0, 0]}}).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     return folder
-
-
-def _histogram(text: str) -> dict[float, float]:
-    return {float(le): float(n) for le, n in LAG_BUCKETS_RE.findall(text)}
-
-
-def _hist_quantile(cum: Mapping[float, float], q: float) -> float:
-    total = cum.get(float("inf"), 0.0)
-    if total <= 0:
-        return 0.0
-    for le in sorted(cum):
-        if cum[le] >= q * total:
-            return le
-    return float("inf")
 
 
 class FleetRun:
@@ -203,7 +187,7 @@ class FleetRun:
     async def _read_lag(self, session: Any) -> None:
         try:
             async with session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
-                now = _histogram(await r.text())
+                now = lag_histogram(await r.text())
         except Exception:
             return
         if not now:
@@ -441,7 +425,7 @@ class FleetRun:
             le = list(le_)
             counts = [a + b for a, b in zip(counts, c)] if counts else list(c)
         delay = delay_quantile(le, counts, LAG_QUANTILE) if counts else 0.0
-        lag = _hist_quantile(self.lag, LAG_QUANTILE)
+        lag = histogram_quantile(self.lag, LAG_QUANTILE)
         ivals = intervals_of(self.w, self.tables, PARAMETERS["step_base_s"].value,
                              PARAMETERS["step_per_seq_s"].value)
         return Outcome(record=record, invalid=invalid(ivals, lag, delay), lag_p99_s=lag, delay_p99_s=delay,

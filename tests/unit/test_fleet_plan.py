@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from vime.harness.fleet_plan import (Observed, Policy, Workload, daemon_tables, intervals_of, invalid, policies,
+from vime.harness.fleet_plan import (Observed, Policy, Workload, daemon_tables, histogram_quantile, intervals_of, invalid,
+                                     lag_histogram, policies,
                                      restarts_from, round_lengths, serving_intervals, spares_for)
 from vime.harness.goodput_ledger import Restart, Serving
 
@@ -64,3 +65,16 @@ def test_a_workload_refuses_nonsense() -> None:
         Workload(median_tokens=100, tail_tokens=10)
     with pytest.raises(ValueError, match="scale"):
         Workload(scale=0)
+
+
+def test_the_daemons_loop_lag_quantile_from_its_metrics() -> None:
+    text = ('# TYPE vime_event_loop_lag_seconds histogram\n'
+            'vime_event_loop_lag_seconds_bucket{le="0.001"} 90.0\n'
+            'vime_event_loop_lag_seconds_bucket{le="0.01"} 99.0\n'
+            'vime_event_loop_lag_seconds_bucket{le="0.1"} 100.0\n'
+            'vime_event_loop_lag_seconds_bucket{le="+Inf"} 100.0\n'
+            'vime_event_loop_lag_seconds_count 100.0\n')
+    h = lag_histogram(text)
+    assert h == {0.001: 90.0, 0.01: 99.0, 0.1: 100.0, float("inf"): 100.0}
+    assert histogram_quantile(h, 0.99) == 0.01 and histogram_quantile(h, 0.5) == 0.001
+    assert histogram_quantile(h, 1.0) == 0.1 and histogram_quantile({}, 0.99) == 0.0
