@@ -449,7 +449,7 @@ def test_a_fault_file_arms_this_start_only_and_is_consumed(tmp_path):
 
 async def test_slow_batch_at_compiles_the_first_batch_of_that_size_once():
     e = em.EmulatedEngine(time_scale=1.0, exit_on_death=False, faults=["slow-batch-at=2"],
-                          params={**FAST, "first_batch_s": 0.6})
+                          params={**FAST, "first_batch_s": 1.5})
     async with Running(e) as s:
         assert (await s.post("/v1/completions", req("abc", 3)))[0] == 200  # the engine's first batch
         t0 = time.monotonic()
@@ -462,7 +462,7 @@ async def test_slow_batch_at_compiles_the_first_batch_of_that_size_once():
         t0 = time.monotonic()
         await asyncio.gather(*(s.post("/v1/completions", req("ab", 3)) for _ in range(2)))
         again = time.monotonic() - t0
-    assert one < 0.5 and two >= 0.6 and again < 0.5, (one, two, again)
+    assert one < 1.0 and two >= 1.5 and again < 1.0, (one, two, again)  # bounds a loaded host keeps
 
 
 async def test_the_state_route_serves_how_late_the_step_loop_woke():
