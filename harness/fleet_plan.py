@@ -228,7 +228,8 @@ DOWN_STATES = ("EXITED", "BACKOFF", "UNHEALTHY", "STOPPING", "STOPPED", "FATAL")
 
 def restarts_from(events: Iterable[Mapping[str, Any]], at_of: Any) -> list[Restart]:
     """The daemon's restarts from its log's transitions: each STARTING by a restart or a retry,
-    with the cause of the engine's last fall before it (hang, busy, exit, poisoned, ...).
+    with the cause of the engine's fall before it (hang, busy, exit, poisoned, ...) and the
+    daemon's reason in brackets.
     `at_of(event)` gives an event's wall time."""
     fell: dict[str, str] = {}
     out = []
@@ -237,7 +238,8 @@ def restarts_from(events: Iterable[Mapping[str, Any]], at_of: Any) -> list[Resta
             continue
         engine, to, cause = ev.get("engine"), ev.get("to_state"), str(ev.get("cause", ""))
         if to in DOWN_STATES and cause not in RESTART_CAUSES and engine not in fell:
-            fell[str(engine)] = cause
+            reason = str(ev.get("reason") or "")[:120]
+            fell[str(engine)] = f"{cause} ({reason})" if reason else cause
         elif to == "STARTING" and cause in RESTART_CAUSES:
             out.append(Restart(at=at_of(ev), engine=str(engine), cause=fell.pop(str(engine), cause)))
         elif to in ("RUNNING", "STANDBY"):

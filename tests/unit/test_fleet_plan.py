@@ -58,6 +58,8 @@ def test_restarts_carry_the_cause_of_the_fall_before_them() -> None:
               tr(4, "a", "EXITED", "exit"), tr(5, "a", "STARTING", "restart"), tr(6, "a", "BACKOFF", "start_failed"),
               tr(7, "a", "STARTING", "retry"), {"event": "other"}]
     assert restarts_from(events, lambda ev: ev["t"]) == [Restart(5, "a", "busy"), Restart(7, "a", "start_failed")]
+    events[2]["reason"] = "hung: busy for 3s without progress"
+    assert restarts_from(events, lambda ev: ev["t"])[0].cause == "busy (hung: busy for 3s without progress)"
 
 
 def test_a_workload_refuses_nonsense() -> None:
