@@ -40,7 +40,13 @@ Emulated ones, by `--fault` at start or POST /emulator/fault {"fault": ...} at a
     crash-at-start  the process exits 1 during its boot
     never-ready     the boot never finishes (the port is never bound)
     hang-after=S, die-after=S   hang / die S seconds (scaled) after ready
+    slow-batch-at=N the first step with N requests running compiles (first_batch_s, the core child
+                    burning CPU, no counter moving): a batch shape no warm-up ran
     clear           undo hang (and the lies / rejections)
+`--fault-file PATH`: faults for this start only, one a line; the file is removed once read (a
+bench arms the next start of an engine the daemon spawns: crash-at-start).
+GET /emulator/state also says how late the step loop's sleeps woke (sched_delay: a histogram
+over emulated_model.DELAY_BUCKETS and the largest), so a bench can refuse a run the host starved.
 `--mode-file PATH` (the test stand-ins' mode file, re-read at every request) switches modes at
 run time: ok, busy (completions wait while the core child burns CPU: a compile), hang,
 paused (completions wait, /is_paused true), silent (/health never answers), deaf (SIGTERM
@@ -60,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import math
 import mmap
@@ -76,11 +83,11 @@ from typing import Any, Callable, Iterable
 from aiohttp import web
 
 if __package__:
-    from .emulated_model import (MIN_TICK, PARAMETERS, Param, Vocab, context_hash, generate, next_token, parameters,
+    from .emulated_model import (DELAY_BUCKETS, MIN_TICK, PARAMETERS, Param, Vocab, context_hash, generate, next_token, parameters,
                                  step_time, weights_key)
 else:  # run as a script (the daemon spawns it by path): its folder is on sys.path
     from emulated_model import (  # type: ignore[no-redef,import-not-found]
-        MIN_TICK, PARAMETERS, Param, Vocab, context_hash, generate, next_token, parameters, step_time, weights_key)
+        DELAY_BUCKETS, MIN_TICK, PARAMETERS, Param, Vocab, context_hash, generate, next_token, parameters, step_time, weights_key)
 
 __all__ = ["PARAMETERS", "Param", "generate", "parameters", "step_time", "EmulatedEngine", "serve", "make_app",
            "free_port_range", "main"]
@@ -145,7 +152,7 @@ class EmulatedEngine:
         if max_num_seqs is not None:
             over["max_num_seqs"] = max_num_seqs
         self.p = parameters(over)
-        self.capacity = max(1, int(self.p["max_num_seqs"].value))
+        self.capacity = max(1, int(self.p["max_num_seqs"].value // self.p["seqs_per_request"].value))
         self.vocab = Vocab(model)
         self.mode_file, self.version_file = mode_file, version_file
         self.log_requests, self.trust_chat_template = log_requests, trust_chat_template
@@ -178,7 +185,11 @@ class EmulatedEngine:
         self._core_state = "S"
         self.faults: set[str] = set()
         self.push_fail_at: float | None = None
+        self.slow_batch_at: int | None = None  # the first step with this many running compiles again
         self.timed_faults: list[tuple[str, float]] = []
+        # How late the step loop's sleeps woke (DELAY_BUCKETS, then one past the last bound)
+        self.delay_counts = [0] * (len(DELAY_BUCKETS) + 1)
+        self.delay_max = 0.0
         for f in faults:
             self.add_fault(f, at_start=True)
 
@@ -188,6 +199,8 @@ class EmulatedEngine:
         name, _, arg = spec.partition("=")
         if name in ("hang-after", "die-after"):
             self.timed_faults.append((name.split("-")[0], float(arg)))
+        elif name == "slow-batch-at":
+            self.slow_batch_at = max(1, int(arg))
         elif name == "push-fail-at":
             f = float(arg)
             if not 0.0 <= f <= 1.0:
@@ -208,7 +221,7 @@ class EmulatedEngine:
         else:
             raise ValueError(f"unknown fault {spec!r}: hang, die, poison, push-fail-at=F, lie-version, "
                              "reject-logprobs, "
-                             "crash-at-start, never-ready, hang-after=S, die-after=S, deaf, silent, clear")
+                             "crash-at-start, never-ready, hang-after=S, die-after=S, slow-batch-at=N, deaf, silent, clear")
         self._kick()
 
     def dur(self, name: str) -> float:
@@ -220,7 +233,9 @@ class EmulatedEngine:
                 "served_model_name": self.served, "max_model_len": self.max_model_len,
                 "parameters": {k: {"value": v.value, "unit": v.unit, "source": v.source} for k, v in self.p.items()},
                 "faults": sorted(self.faults) + ([f"push-fail-at={self.push_fail_at}"] if self.push_fail_at is not None
-                                                 else []) + [f"{k}-after={s}" for k, s in self.timed_faults]}
+                                                 else [])
+                + ([f"slow-batch-at={self.slow_batch_at}"] if self.slow_batch_at is not None else [])
+                + [f"{k}-after={s}" for k, s in self.timed_faults]}
 
     def mode(self) -> str:
         if self.mode_file is None:
@@ -307,6 +322,8 @@ class EmulatedEngine:
             if not self.running:
                 continue
             first = not self.first_batch_done
+            if self.slow_batch_at is not None and len(self.running) >= self.slow_batch_at:
+                first, self.slow_batch_at = True, None  # a batch shape no warm-up ran: compiled now
             prefill = sum(len(s.prompt) for s in new)
             dt = step_time(self.p, len(self.running), prefill, first) * self.scale
             if first and dt > 0:
@@ -314,8 +331,10 @@ class EmulatedEngine:
                 if self.burn is not None:
                     self.burn[0] = 1
             while budget < dt:
-                await asyncio.sleep(max(dt - budget, MIN_TICK))
+                want = max(dt - budget, MIN_TICK)
+                await asyncio.sleep(want)
                 now = time.monotonic()
+                self._late(now - last - want)
                 budget, last = budget + now - last, now
             budget -= dt
             if first:
@@ -349,6 +368,11 @@ class EmulatedEngine:
             if budget > 1.0:  # a long stall (the loop was starved) is not made up for in a burst
                 budget = 0.0
             await asyncio.sleep(0)
+
+    def _late(self, late: float) -> None:
+        late = max(0.0, late)
+        self.delay_max = max(self.delay_max, late)
+        self.delay_counts[bisect.bisect_left(DELAY_BUCKETS, late)] += 1
 
     def _admissible(self) -> bool:
         if self.paused is None:
@@ -855,7 +879,8 @@ class EmulatedEngine:
             "weight_identity": self.identity, "weight_label": self.label, "running": len(self.running),
             "waiting": len(self.waiting), "generation_tokens": self.generation_tokens,
             "prompt_tokens": self.prompt_tokens, "first_batch_done": self.first_batch_done,
-            "core_pid": self.core_pid, "pid": os.getpid()})
+            "core_pid": self.core_pid, "pid": os.getpid(),
+            "sched_delay": {"le": list(DELAY_BUCKETS), "counts": self.delay_counts, "max_s": self.delay_max}})
 
     async def h_fault(self, request: web.Request) -> web.Response:
         body = await self._body(request)
@@ -1140,6 +1165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--params-file", help="a JSON object of timing parameters (name -> value)")
     ap.add_argument("--dump-params", metavar="PATH", help="write the parameters in force, with sources, to PATH")
     ap.add_argument("--fault", action="append", default=[], help="an emulated fault (see above)")
+    ap.add_argument("--fault-file", metavar="PATH",
+                    help="faults to apply at this start, one a line, read and then removed (a bench arms the next "
+                         "start of an engine the daemon spawns: crash-at-start)")
     ap.add_argument("--mode-file", default=os.environ.get("STANDIN_MODE_FILE"),
                     help="a mode file re-read at every request (default $STANDIN_MODE_FILE)")
     ap.add_argument("--version-file", default=None, help="/weight_info answers the version written here")
@@ -1164,9 +1192,16 @@ def engine_from_args(args: argparse.Namespace) -> EmulatedEngine:
         if not sep:
             raise SystemExit(f"--param takes NAME=VALUE, not {kv!r}")
         overrides[k] = float(v)
+    faults = list(args.fault)
+    if args.fault_file:
+        try:
+            faults += Path(args.fault_file).read_text().split()
+            os.unlink(args.fault_file)  # consumed: the start after this one is clean
+        except FileNotFoundError:
+            pass
     try:
         return EmulatedEngine(model=args.model, served=args.served_model_name, max_model_len=args.max_model_len,
-                              time_scale=args.time_scale, params=overrides, faults=args.fault,
+                              time_scale=args.time_scale, params=overrides, faults=faults,
                               mode_file=args.mode_file, version_file=args.version_file,
                               log_requests=args.log_requests, trust_chat_template=args.trust_request_chat_template,
                               max_num_seqs=args.max_num_seqs)

@@ -43,10 +43,30 @@ PARAMETERS: dict[str, Param] = {
     "reload_bytes_per_s": Param(7e9, "B/s", "a checkpoint reload from the page cache: ~10 s for 70 GB "
                                 "(vllm-project/vllm#19824)"),
     "model_bytes": Param(16.06e9, "B", "Llama-3.1-8B in bf16: 8.03e9 parameters x 2 bytes (its config)"),
+    "seqs_per_request": Param(1, "sequences", "each emulated request stands for this many GPU sequences in the step "
+                              "time and the batch capacity (1: one); a bench sets it to give an engine a GPU's batch "
+                              "without streaming every sequence's tokens through this host's CPU"),
     "death_exit_s": Param(5.0, "s", "after the engine core dies the API server exits within VLLM_WATCHDOG_TIME_S = 5 s "
                           "(vllm/entrypoints/launchers/launcher.py, watchdog_loop)"),
 }
 MIN_TICK = 0.002  # s of real time: steps shorter than this are run several per wake-up
+# Upper bounds (s of real time) of the scheduling-delay histogram: how late the step loop's
+# sleeps wake (a starved host), served at /emulator/state so a bench can refuse a run it ruined.
+DELAY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def delay_quantile(le: list[float], counts: list[int], q: float) -> float:
+    """The upper bound of the bucket holding quantile `q` of a histogram (counts per bucket, the
+    last one past the last bound: inf); 0.0 for an empty one."""
+    total = sum(counts)
+    if total == 0:
+        return 0.0
+    need, seen = q * total, 0
+    for bound, c in zip([*le, float("inf")], counts):
+        seen += c
+        if seen >= need:
+            return bound
+    return float("inf")
 
 
 def parameters(overrides: dict[str, float] | None = None) -> dict[str, Param]:
@@ -60,9 +80,12 @@ def parameters(overrides: dict[str, float] | None = None) -> dict[str, Param]:
 
 
 def step_time(p: dict[str, Param], running: int, prefill_tokens: int, first_batch: bool) -> float:
-    """Unscaled seconds of one engine step with `running` sequences, `prefill_tokens` prompt
-    tokens prefilled in it, and the first batch's compile when `first_batch`."""
-    t = p["step_base_s"].value + p["step_per_seq_s"].value * running + p["prefill_token_s"].value * prefill_tokens
+    """Unscaled seconds of one engine step with `running` requests, `prefill_tokens` prompt
+    tokens of requests prefilled in it, and the first batch's compile when `first_batch`; each
+    request weighs `seqs_per_request` GPU sequences."""
+    weight = p["seqs_per_request"].value
+    t = (p["step_base_s"].value + p["step_per_seq_s"].value * running * weight
+         + p["prefill_token_s"].value * prefill_tokens * weight)
     return t + (p["first_batch_s"].value if first_batch else 0.0)
 
 

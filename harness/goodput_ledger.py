@@ -71,12 +71,19 @@ class RunRecord:
     rounds_lost: int = 0
     spares: int = 0                 # warm spares the policy runs
     spare_ready: Sequence[Serving] = ()  # intervals in which each spare stood ready
+    # Where the work (and ETTR's and useful tokens' wall) starts; None: at the launch. A bench
+    # whose engines' start-up is not to scale (an emulated fleet's Python start-ups on a shared
+    # host) starts it once the fleet first serves and reports the time to start apart.
+    work_start: float | None = None
 
     def __post_init__(self) -> None:
         if self.target < 1:
             raise ValueError(f"target must be at least 1 engine, not {self.target}")
         if not self.end > self.launched_at:
             raise ValueError(f"the run must end after its launch (launched_at {self.launched_at}, end {self.end})")
+        if self.work_start is not None and not self.launched_at <= self.work_start < self.end:
+            raise ValueError(f"work_start ({self.work_start}) must lie in [launched_at, end) "
+                             f"([{self.launched_at}, {self.end}))")
         for s in (*self.serving, *self.spare_ready):
             if s.end is not None and s.end < s.start:
                 raise ValueError(f"interval of {s.engine} ends ({s.end}) before it starts ({s.start})")
@@ -86,7 +93,7 @@ class RunRecord:
 class Ledger:
     policy: str
     seed: int
-    wall_s: float                   # launch to the last round's end
+    wall_s: float                   # the work's start (the launch unless given) to the last round's end
     ettr: float | None              # None: no fault-free time given
     useful_tps: float
     time_to_start_s: float | None   # launch to the first moment `target` engines served; None: never
@@ -239,7 +246,7 @@ def account(record: RunRecord, fault_free_s: float | None = None) -> Ledger:
     """The run's figures; ETTR against `fault_free_s`, the fault-free run's wall time for the
     same work (launch to the last round's end)."""
     t0, t1 = record.launched_at, record.end
-    wall = t1 - t0
+    wall = t1 - (t0 if record.work_start is None else record.work_start)
     injections = sorted(record.injections, key=lambda i: i.at)
     steps = _steps(truncated(record.serving, injections), t0, t1)
     times = [t for t, _ in steps]
@@ -292,15 +299,16 @@ def spread(values: Sequence[float]) -> Spread:
     return Spread(statistics.median(xs), xs[0], xs[-1], q1, q3, len(xs))
 
 
-def over_seeds(ledgers: Sequence[Ledger]) -> dict[str, Spread | None]:
-    """One policy's figures over its seeds (at least MIN_SEEDS, each once); a figure no run has
-    (ETTR without a fault-free time, per-fault figures without faults) is None."""
+def over_seeds(ledgers: Sequence[Ledger], min_seeds: int = MIN_SEEDS) -> dict[str, Spread | None]:
+    """One policy's figures over its seeds (at least min_seeds, each once; fewer than MIN_SEEDS
+    is a smoke run's, not a figure to report); a figure no run has (ETTR without a fault-free
+    time, per-fault figures without faults) is None."""
     policies = {g.policy for g in ledgers}
     if len(policies) != 1:
         raise ValueError(f"spread over seeds is per policy; got policies {sorted(policies)}")
     seeds = [g.seed for g in ledgers]
-    if len(set(seeds)) != len(seeds) or len(seeds) < MIN_SEEDS:
-        raise ValueError(f"need at least {MIN_SEEDS} distinct seeds, got {seeds}: run more seeds")
+    if len(set(seeds)) != len(seeds) or len(seeds) < max(1, min_seeds):
+        raise ValueError(f"need at least {max(1, min_seeds)} distinct seeds, got {seeds}: run more seeds")
     out: dict[str, Spread | None] = {}
     for name in FIGURES:
         vals = [v for g in ledgers if (v := getattr(g, name)) is not None]

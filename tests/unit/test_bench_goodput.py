@@ -1,4 +1,4 @@
-"""bench/goodput.py's pure part: run_from_dir reads a demo run's folder (daemon.log,
+"""bench/goodput_real.py's pure part: run_from_dir reads a demo run's folder (daemon.log,
 summary.json, dumps/*.jsonl, in the format the demo writes) into a goodput.Run whose figures
 are known: a kill matched to its stop, a hang that no fault explains, a fault never injected,
 a lost round, a sample at the wrong version and a partial output thrown away; a daemon killed
@@ -22,7 +22,7 @@ T0 = 1_800_000_000.0
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_goodput", ROOT / "bench" / "goodput.py")
+    spec = importlib.util.spec_from_file_location("bench_goodput", ROOT / "bench" / "goodput_real.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up while being built

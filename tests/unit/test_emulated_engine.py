@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from vime.harness import emulated_engine as em
+from vime.harness import emulated_model as em_model
 from vime.harness.local_daemon import free_port
 
 from support.polling import until, wait_until
@@ -81,6 +82,22 @@ def test_step_time_is_base_plus_per_sequence_plus_prefill():
     assert em.step_time(p, 100, 0, False) == pytest.approx(0.016)
     assert em.step_time(p, 1, 1000, False) == pytest.approx(0.0161)  # a continuation pays its recompute
     assert em.step_time(p, 1, 0, True) == pytest.approx(30.0061)
+
+
+def test_a_request_weighs_seqs_per_request_sequences_in_the_step_and_the_capacity():
+    p = em.parameters({"step_base_s": 0.006, "step_per_seq_s": 1e-4, "prefill_token_s": 1e-5,
+                       "seqs_per_request": 64})
+    assert em.step_time(p, 2, 0, False) == pytest.approx(0.006 + 1e-4 * 128)
+    assert em.step_time(p, 1, 10, False) == pytest.approx(0.006 + 1e-4 * 64 + 1e-5 * 640)
+    assert em.EmulatedEngine(params={"seqs_per_request": 64}, max_num_seqs=1024).capacity == 16
+
+
+def test_the_scheduling_delay_quantile_is_its_buckets_upper_bound():
+    le = [0.001, 0.01, 0.1]
+    assert em_model.delay_quantile(le, [0, 0, 0, 0], 0.99) == 0.0
+    assert em_model.delay_quantile(le, [98, 1, 1, 0], 0.99) == 0.01
+    assert em_model.delay_quantile(le, [98, 1, 0, 1], 0.995) == float("inf")
+    assert em_model.delay_quantile(le, [50, 50, 0, 0], 0.5) == 0.001
 
 
 def test_every_default_parameter_has_a_unit_and_a_source_and_overrides_say_so():
@@ -407,6 +424,61 @@ def test_boot_time_crash_at_start_and_a_boot_that_never_ends(tmp_path):
             if q.poll() is None:
                 os.killpg(q.pid, signal.SIGKILL)
             q.wait()
+
+
+def test_a_fault_file_arms_this_start_only_and_is_consumed(tmp_path):
+    armed = tmp_path / "e0.faults"
+    armed.write_text("crash-at-start\n")
+    first = spawn("--fault-file", str(armed), "--no-core-child", port=free_port())
+    try:
+        assert first.wait(10) == 1  # this start crashed
+        assert not armed.exists()   # and the file is gone: the next start boots
+        port = free_port()
+        second = spawn("--fault-file", str(armed), "--no-core-child", port=port)
+        try:
+            assert second.stdout is not None and b"ready" in second.stdout.readline()
+            assert get(f"http://127.0.0.1:{port}/health") == 200
+        finally:
+            os.killpg(second.pid, signal.SIGKILL)
+            second.wait()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+async def test_slow_batch_at_compiles_the_first_batch_of_that_size_once():
+    e = em.EmulatedEngine(time_scale=1.0, exit_on_death=False, faults=["slow-batch-at=2"],
+                          params={**FAST, "first_batch_s": 1.5})
+    async with Running(e) as s:
+        assert (await s.post("/v1/completions", req("abc", 3)))[0] == 200  # the engine's first batch
+        t0 = time.monotonic()
+        assert (await s.post("/v1/completions", req("abc", 3)))[0] == 200  # one running: no compile
+        one = time.monotonic() - t0
+        t0 = time.monotonic()
+        assert all(c == 200 for c, _ in await asyncio.gather(*(s.post("/v1/completions", req("ab", 3))
+                                                               for _ in range(2))))
+        two = time.monotonic() - t0
+        t0 = time.monotonic()
+        await asyncio.gather(*(s.post("/v1/completions", req("ab", 3)) for _ in range(2)))
+        again = time.monotonic() - t0
+    assert one < 1.0 and two >= 1.5 and again < 1.0, (one, two, again)  # bounds a loaded host keeps
+
+
+async def test_the_state_route_serves_how_late_the_step_loop_woke():
+    e = em.EmulatedEngine(time_scale=1.0, exit_on_death=False, params={**FAST, "step_base_s": 0.005})
+    async with Running(e) as s:
+        code, _ = await s.post("/v1/completions", req("abc", 20))
+        assert code == 200
+        _, text = await s.get("/emulator/state")
+    d = json.loads(text)["sched_delay"]
+    assert d["le"] == list(em_model.DELAY_BUCKETS) and len(d["counts"]) == len(d["le"]) + 1
+    # A reading per sleep of the step loop (a late wake-up's surplus runs the next steps unslept)
+    assert sum(d["counts"]) >= 1 and d["max_s"] >= 0
+    before = list(e.delay_counts)
+    e._late(0.0015)
+    e._late(7.0)
+    assert e.delay_counts[1] == before[1] + 1 and e.delay_counts[-1] == before[-1] + 1 and e.delay_max == 7.0
 
 
 def test_sigstop_of_the_engine_core_child_hangs_generation_while_health_says_200_and_its_death_ends_the_server():

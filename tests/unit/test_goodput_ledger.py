@@ -176,3 +176,20 @@ def test_a_day_of_the_stress_rate_on_64_engines_is_counted_exactly_in_under_two_
     assert union < 100.0 * struck
     assert g.on_down > 0        # at this rate some fault lands on an engine still down
     assert all(r is None or r >= 0 for r in g.recover_s)
+
+
+def test_work_start_sets_the_wall_of_ettr_and_useful_tokens_and_keeps_the_time_to_start() -> None:
+    g = account(record(serving=[Serving("a", 10.0), Serving("b", 20.0)], work_start=20.0, tokens_generated=800),
+                fault_free_s=60.0)
+    assert g.wall_s == 80.0 and g.ettr == pytest.approx(0.75) and g.useful_tps == pytest.approx(10.0)
+    assert g.time_to_start_s == 20.0
+    with pytest.raises(ValueError, match="work_start"):
+        record(work_start=100.0)
+
+
+def test_a_smoke_run_may_spread_over_fewer_seeds_when_asked() -> None:
+    one = account(record(serving=[Serving("a", 0.0), Serving("b", 0.0)]))
+    sp = over_seeds([one], min_seeds=1)
+    assert sp["capacity_lost_s"] is not None and sp["capacity_lost_s"].n == 1
+    with pytest.raises(ValueError, match="at least 3"):
+        over_seeds([one])

@@ -1,0 +1,441 @@
+"""One goodput run on an emulated GPU fleet (issue 36): the real daemon spawns the emulated
+engines (harness/emulated_engine.py, protocol stand-ins for vLLM, time-scaled; the daemon's
+timings scaled with them: harness/fleet_plan.py), the real rollout client (trainer/rollout.py)
+sends an RL-shaped workload through them, and faults from harness/fault_clock.py strike at their
+scaled times. The policy alone decides whether to wait or to run short: nothing here waits for
+a whole fleet.
+
+A step: round start -> the round's requests (one long tail) -> round end -> training (a sleep of
+train_s, scaled) -> an emulated push of the next version into every routable engine (the
+emulated engine's weight-transfer routes, announced to the daemon as pushes are) -> that version
+published with a checkpoint, from which the daemon reloads every engine the push missed (a
+restarted one, a spare with spares_sync = "publish"). A round whose requests cannot all be
+answered is lost and run again: every run does the same work.
+
+What the ledger reads is observed from outside: every poll_s the daemon's status (routable, a
+spare in STANDBY) and each emulated engine's /emulator/state (dead, hung, poisoned); the faults
+with the times they were injected; the daemon's restarts and their causes from its log; each
+sample checked token for token against what the weights of its round's version generate (the
+emulated engine's tokens are a function of the context and the weights held), so a sample made
+with other weights is stale whatever any engine reported.
+
+Not in the loop: a router's traffic (the rollout client picks engines itself from the daemon's
+routable list; with `router` the daemon spawns and feeds vllm-router, so its admin calls load the
+daemon as they would, but no request goes through it) and a trainer agent (the published checkpoint is the daemon's way to bring a restarted
+engine to the version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from . import emulated_engine
+from .emulated_model import PARAMETERS, Vocab, delay_quantile, generate
+from .fault_clock import ScheduledFault
+from .fleet_plan import (LAG_QUANTILE, Observed, Policy, Workload, daemon_tables, histogram_quantile, intervals_of,
+                         invalid, lag_histogram, prompt_ids, restarts_from, round_lengths, serving_intervals)
+from .goodput_ledger import Injection, RunRecord, Sample
+from .local_daemon import Daemon, standin_model, standin_python, write_config
+
+MUTATIONS = ("stale", "false-restart")
+
+
+@dataclass
+class Outcome:
+    record: RunRecord
+    invalid: str | None                     # why the run is not to be reported; None: valid
+    lag_p99_s: float
+    delay_p99_s: float
+    intervals: dict[str, float]
+    daemon_config: dict[str, dict[str, Any]]
+    faults_injected: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)   # what went wrong in the run itself
+
+
+def _checkpoint(folder: Path, model: Path) -> Path:
+    """A checkpoint the daemon accepts (config.json and one safetensors file with an empty
+    tensor), standing for the trained weights: the emulated reload costs model_bytes at the
+    reload bandwidth whatever it reads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text((model / "config.json").read_text())
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [0], "data_offsets": [0, 0]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return folder
+
+
+class FleetRun:
+    def __init__(self, w: Workload, policy: Policy, schedule: Sequence[ScheduledFault], seed: int, tmp: Path,
+                 mutation: str | None = None, say: Any = print, router: bool = False):
+        if mutation is not None and mutation not in MUTATIONS:
+            raise ValueError(f"unknown mutation {mutation!r}; known: {', '.join(MUTATIONS)}")
+        self.w, self.policy, self.seed, self.tmp, self.mutation, self.say = w, policy, seed, tmp, mutation, say
+        self.router = router
+        self.schedule = list(schedule) if policy.faults else []
+        self.names = [f"e{i}" for i in range(w.engines + policy.spares)]
+        self.observed = {n: Observed() for n in self.names}
+        self.injections: list[Injection] = []
+        self.injected: list[dict[str, Any]] = []
+        self.problems: list[str] = []
+        self.daemons: list[Daemon] = []
+        self.pids: dict[str, int] = {}
+        self.status: dict[str, Any] = {}
+        self.delays: dict[tuple[str, int], tuple[list[float], list[int]]] = {}
+        self.lag: dict[float, float] = {}
+        self._lag_last: dict[float, float] = {}
+        self.samples: list[Sample] = []
+        self.generated = self.discarded = 0
+        self.rounds = self.rounds_lost = 0
+        self.published = 0
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _config(self) -> Path:
+        w, tmp = self.w, self.tmp
+        model = standin_model(tmp / "model")
+        self.model = model
+        self.ckpt = _checkpoint(tmp / "ckpt", model)
+        python = standin_python(tmp, Path(emulated_engine.__file__))
+        (tmp / "faults").mkdir(exist_ok=True)
+        overrides: dict[tuple[str, str], float] = {}
+        args = ["--time-scale", str(w.scale), "--param", f"seqs_per_request={w.seqs_per_request}",
+                "--dump-params", str(tmp / "params.json")]
+        per: dict[str, list[str]] = {n: ["--fault-file", str(tmp / "faults" / n)] for n in self.names}
+        warmup: dict[str, Any] = {}
+        if self.mutation == "stale":  # one engine reports the versions it is given but keeps its weights
+            per["e0"] += ["--fault", "lie-version"]
+        elif self.mutation == "false-restart":
+            # A batch of the round's size compiles (a shape the one-request warm-up never ran),
+            # judged by a counters-only rule: busy excused for a moment only.
+            args += ["--fault", f"slow-batch-at={w.samples_per_engine}", "--param", "first_batch_s=300"]
+            overrides[("health_check", "max_busy")] = 0.05
+            warmup = {"requests": 1}
+        self.tables = daemon_tables(w, self.policy, overrides=overrides)
+        self.metrics_port = emulated_engine.free_port_range(1, start=29000)
+        base = emulated_engine.free_port_range(len(self.names))
+        sup = {"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "python": str(python),
+               "metrics_address": f"127.0.0.1:{self.metrics_port}", **self.tables["supervisor"]}
+        sections: dict[str, dict[str, Any]] = {"supervisor": sup, "health_check": self.tables["health_check"],
+                                               "restart": self.tables["restart"], "engine_defaults": {"args": args}}
+        if warmup:
+            sections["warmup"] = warmup
+        if self.router:  # the daemon spawns vllm-router and keeps its list; no request goes through it
+            from .router_proc import VIME_FLAGS
+
+            rport = emulated_engine.free_port_range(2, start=29100)
+            pport = rport + 1
+            self.config_router_url = f"http://127.0.0.1:{rport}"
+            sections["router"] = {"url": self.config_router_url, "spawn": True,
+                                  "args": [*VIME_FLAGS, "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                                           str(pport)]}
+        self.urls = {n: f"http://127.0.0.1:{base + i}" for i, n in enumerate(self.names)}
+        return write_config(tmp / "sup.toml", engines=[
+            {"name": n, "model": str(model), "served_model_name": "tiny", "port": base + i, "args": per[n]}
+            for i, n in enumerate(self.names)], **sections)
+
+    # -- observing ----------------------------------------------------------------------------
+
+    async def _observe(self, session: Any, client: Any) -> None:
+        import aiohttp
+
+        tick = 0
+        while True:
+            t = time.time()
+            try:
+                st = await client.status()
+                self.status = st
+                for e in st["engines"]:
+                    if e.get("pid"):
+                        self.pids[e["name"]] = e["pid"]
+                proc = (st.get("router") or {}).get("process") or {}
+                if proc.get("pid"):
+                    self.pids["router"] = proc["pid"]
+            except Exception:  # the daemon is away (killed, restarting): its last answer stands
+                st = self.status
+
+            async def state(name: str) -> dict | None:
+                try:
+                    async with session.get(self.urls[name] + "/emulator/state",
+                                           timeout=aiohttp.ClientTimeout(total=max(1.0, 4 * self.w.poll_s))) as r:
+                        return await r.json() if r.status == 200 else None
+                except Exception:
+                    return None
+            states = await asyncio.gather(*(state(n) for n in self.names))
+            listed = {e["name"]: e for e in st.get("engines", ())}
+            for name, s in zip(self.names, states):
+                healthy = s is not None and not (s["dead"] or s["hung"] or s["poisoned"])
+                e = listed.get(name, {})
+                self.observed[name].points.append((t, healthy and bool(e.get("routable")),
+                                                   healthy and e.get("state") == "STANDBY"))
+                if s is not None and "sched_delay" in s:
+                    d = s["sched_delay"]
+                    self.delays[(name, s["pid"])] = (d["le"], d["counts"])
+            if tick % max(1, round(2.0 / self.w.poll_s)) == 0:
+                await self._read_lag(session)
+            tick += 1
+            await asyncio.sleep(max(0.0, self.w.poll_s - (time.time() - t)))
+
+    async def _read_lag(self, session: Any) -> None:
+        try:
+            async with session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+                now = lag_histogram(await r.text())
+        except Exception:
+            return
+        if not now:
+            return
+        last = self._lag_last
+        restarted = now.get(float("inf"), 0) < last.get(float("inf"), 0)
+        for le, n in now.items():
+            self.lag[le] = self.lag.get(le, 0.0) + (n if restarted else n - last.get(le, 0.0))
+        self._lag_last = now
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def _kill(self, name: str) -> None:
+        pid = self.pids.get(name)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def _emulator_fault(self, session: Any, name: str, fault: str) -> None:
+        with contextlib.suppress(Exception):
+            async with session.post(self.urls[name] + "/emulator/fault", json={"fault": fault}) as r:
+                await r.read()
+
+    async def _inject(self, session: Any, t0: float) -> None:
+        for f in self.schedule:
+            await asyncio.sleep(max(0.0, t0 + f.wall_s(self.w.scale) - time.time()))
+            names = tuple(f"e{i}" for i in f.engines)
+            at = time.time()
+            if f.kind in ("kill", "node"):
+                for n in names:
+                    self._kill(n)
+            elif f.kind == "crash-start":
+                for n in names:
+                    (self.tmp / "faults" / n).write_text("crash-at-start\n")
+                    self._kill(n)
+            elif f.kind == "hang":
+                await asyncio.gather(*(self._emulator_fault(session, n, "hang") for n in names))
+            elif f.kind == "push":  # a push that failed midway: the engine left half-loaded
+                await asyncio.gather(*(self._emulator_fault(session, n, "poison") for n in names))
+            elif f.kind == "daemon":
+                d = self.daemons[-1]
+                d.killed_by_us = True
+                d.proc.kill()
+                await asyncio.to_thread(d.proc.wait)
+                await asyncio.sleep(self.w.wall(1.0))
+                self.daemons.append(Daemon(self.cfg))
+            self.injections.append(Injection(at=at, kind=f.kind, engines=names))
+            self.injected.append({"seq": f.seq, "kind": f.kind, "engines": list(names), "at_engine_s": round(f.at_s, 3),
+                                  "wall_offset_s": round(at - t0, 3)})
+
+    # -- the workload ---------------------------------------------------------------------------
+
+    async def _push_and_publish(self, session: Any, client: Any, version: int) -> None:
+        import aiohttp
+
+        routable = (await client.routable_engines())["engines"]
+        names = [e["name"] for e in routable]
+        nbytes = int(PARAMETERS["model_bytes"].value)
+        push_wall = self.w.wall(nbytes / PARAMETERS["push_bytes_per_s"].value)
+        failed: dict[str, str] = {}
+        push_id = None
+        if names:
+            push_id = await client.push_begin(version, names, nbytes, 10 * push_wall + 10.0)
+
+        async def one(e: Mapping[str, Any]) -> None:
+            url = str(e["url"]).rstrip("/")
+            steps = [("/init_weight_transfer_engine", {"init_info": {"emulated": True}}),
+                     ("/start_weight_update", {}),
+                     ("/update_weights", {"update_info": {"emulated_bytes": nbytes}}),
+                     ("/finish_weight_update", {"weight_version": str(version)})]
+            try:
+                for route, body in steps:
+                    async with session.post(url + route, json=body,
+                                            timeout=aiohttp.ClientTimeout(total=10 * push_wall + 10.0)) as r:
+                        if r.status >= 400:
+                            raise RuntimeError(f"{route}: {r.status} {(await r.text())[:200]}")
+                        await r.read()
+            except Exception as ex:
+                failed[e["name"]] = str(ex) or type(ex).__name__
+        await asyncio.gather(*(one(e) for e in routable))
+        if push_id is not None:
+            with contextlib.suppress(Exception):  # a daemon restarted meanwhile no longer knows the push
+                await client.push_end(push_id, not failed, failed or None)
+        await client.publish_weights(version, checkpoint=str(self.ckpt))
+        self.published = version
+
+    def _check(self, result: Any, prompt: list[int], required: int) -> int:
+        """The version whose weights made this sample's tokens (-1: none of the run's)."""
+        toks = list(result.token_ids or ())
+        for v in [required, *range(required - 1, 0, -1)]:
+            if generate(prompt, len(toks), str(v), self.choices) == toks:
+                return v
+        return 0 if generate(prompt, len(toks), "default", self.choices) == toks else -1
+
+    async def _round(self, client: Any, rnd: int) -> bool:
+        """One round's requests; False when the round is lost (a request could not be answered)."""
+        w = self.w
+        lengths = round_lengths(self.seed, rnd, w)
+        prompts = [prompt_ids(self.seed, rnd, i, w, self.choices) for i in range(len(lengths))]
+        self.rounds += 1
+        attempt = self.rounds
+        required = self.published
+        with contextlib.suppress(Exception):
+            await client.start_round(attempt)
+        results = await asyncio.gather(*(self.rollout.complete(p, max_tokens=n, temperature=1.0, ignore_eos=True)
+                                         for p, n in zip(prompts, lengths)), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await client.end_round(attempt)
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        for r in ok:
+            self.generated += r.n_tokens + r.tokens_regenerated
+            self.discarded += r.tokens_regenerated
+        if len(ok) < len(results):
+            self.rounds_lost += 1
+            self.discarded += sum(r.n_tokens for r in ok)
+            errs = {type(x).__name__ + ": " + str(x)[:120] for x in results if isinstance(x, BaseException)}
+            self.say(f"    round {rnd} lost ({len(results) - len(ok)} requests unanswered: {sorted(errs)[:2]})")
+            return False
+        for res, p in zip(ok, prompts):  # every request answered: ok is results, in order
+            self.samples.append(Sample(version=self._check(res, p, required), expected=required))
+        return True
+
+    async def _workload(self, session: Any, client: Any) -> None:
+        w = self.w
+        from vime.trainer.rollout import RolloutClient
+
+        self.rollout = RolloutClient(client, max_attempts=8, request_timeout=max(60.0, 40 * w.wall(w.restart_s)),
+                                     refresh_interval=max(0.5, w.wall(10.0)), max_concurrency=10_000,
+                                     backoff_initial=max(0.01, w.wall(0.5)), backoff_max=max(0.1, w.wall(10.0)),
+                                     cooldown=max(0.1, w.wall(5.0)), model="tiny",
+                                     continue_partial=self.policy.continue_partial)
+        await self.rollout.start()
+        try:
+            await self._push_and_publish(session, client, 1)
+            for rnd in range(1, w.rounds + 1):
+                while not await self._round(client, rnd):
+                    # Lost: run it again once an engine serves (the policy decides when that is).
+                    while not (await self._routable(client)):
+                        await asyncio.sleep(w.poll_s)
+                self.say(f"    round {rnd} done at +{time.time() - self.t0:.1f} s")
+                await asyncio.sleep(w.wall(w.train_s))
+                await self._push_and_publish(session, client, rnd + 1)
+        finally:
+            await self.rollout.aclose()
+
+    async def _routable(self, client: Any) -> int:
+        try:
+            return len((await client.routable_engines())["engines"])
+        except Exception:
+            return 0
+
+    # -- the run ------------------------------------------------------------------------------
+
+    async def run(self, ready_within: float) -> Outcome:
+        import aiohttp
+
+        from vime.supervisor.client import AsyncSupervisorClient
+
+        self.cfg = self._config()
+        self.choices = Vocab(str(self.model)).choices
+        t_launch = time.time()
+        self.daemons.append(Daemon(self.cfg))
+        sock = self.tmp / "run" / "supervisor.sock"
+        client = AsyncSupervisorClient(str(sock), connect_timeout=30, timeout=60)
+        tasks: list[asyncio.Task] = []
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                         trust_env=False) as session:
+            try:
+                while not sock.exists():
+                    if self.daemons[0].proc.poll() is not None:
+                        raise RuntimeError(f"the daemon exited: {self.daemons[0].raw[-3:]}")
+                    await asyncio.sleep(0.05)
+                tasks.append(asyncio.ensure_future(self._observe(session, client)))
+                while await self._routable(client) < self.w.engines:
+                    if time.time() - t_launch > ready_within:
+                        raise RuntimeError(f"fewer than {self.w.engines} engines routable after {ready_within:g} s")
+                    await asyncio.sleep(self.w.poll_s)
+                t0 = time.time()
+                self.t_ready = t0 - t_launch
+                self.say(f"    {self.w.engines} engines routable after {self.t_ready:.1f} s")
+                self.lag.clear()  # the loop lag over the workload, not the fleet's boot
+                await self._read_lag(session)
+                self.lag.clear()
+                self.t0 = t0
+                tasks.append(asyncio.ensure_future(self._inject(session, t0)))
+                await self._workload(session, client)
+                t_end = time.time()
+                await asyncio.sleep(self.w.poll_s)  # one more observation after the end
+                await self._read_lag(session)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for d in self.daemons:
+                    if d.proc.poll() is None:
+                        await asyncio.to_thread(d.terminate, 60)
+                self._sweep()
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                self.problems.append(f"{t.get_name()}: {t.exception()!r}")
+        return self._outcome(t_launch, t_end)
+
+    def _sweep(self) -> None:
+        """Kill what the daemons left (a daemon killed by a fault just before the end, not yet
+        started again): every engine (and router) process group of this run's, known by its
+        command line."""
+        mark = str(self.tmp).encode()
+        if self.router:
+            mark_router = str(self.config_router_url).rsplit(":", 1)[1].encode()
+        for name, pid in set(self.pids.items()):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+                ours = (b"vllm-router" in cmd and mark_router in cmd) if name == "router" else mark in cmd
+            except OSError:
+                continue
+            if ours:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+
+    def _outcome(self, t_launch: float, t_end: float) -> Outcome:
+        events = [ev for d in self.daemons for ev in d.events]
+        restarts = restarts_from(events, lambda ev: datetime.fromisoformat(ev["timestamp"]).timestamp())
+        record = RunRecord(
+            policy=self.policy.name, seed=self.seed, target=self.w.engines, launched_at=t_launch, end=t_end,
+            # faults the clock struck after the last step are no part of the run
+            injections=[i for i in self.injections if i.at <= t_end], serving=serving_intervals(self.observed),
+            restarts=restarts,
+            samples=self.samples, tokens_generated=self.generated, tokens_discarded=self.discarded,
+            rounds=self.rounds, rounds_lost=self.rounds_lost, spares=self.policy.spares, work_start=self.t0,
+            spare_ready=serving_intervals(self.observed, spare=True))
+        le: list[float] = []
+        counts: list[int] = []
+        for le_, c in self.delays.values():
+            le = list(le_)
+            counts = [a + b for a, b in zip(counts, c)] if counts else list(c)
+        delay = delay_quantile(le, counts, LAG_QUANTILE) if counts else 0.0
+        lag = histogram_quantile(self.lag, LAG_QUANTILE)
+        ivals = intervals_of(self.w, self.tables, PARAMETERS["step_base_s"].value,
+                             PARAMETERS["step_per_seq_s"].value)
+        return Outcome(record=record, invalid=invalid(ivals, lag, delay), lag_p99_s=lag, delay_p99_s=delay,
+                       intervals=ivals, daemon_config=self.tables,
+                       faults_injected=[f for f in self.injected if f["wall_offset_s"] <= t_end - self.t0],
+                       problems=self.problems)
+
+
+def run(w: Workload, policy: Policy, schedule: Sequence[ScheduledFault], seed: int, tmp: Path, *,
+        mutation: str | None = None, ready_within: float = 300.0, say: Any = print, router: bool = False) -> Outcome:
+    """One run, in a fresh event loop; `tmp` holds its folders (the daemon's log among them).
+    `router`: the daemon also spawns and feeds vllm-router (its list kept; no request sent through it)."""
+    return asyncio.run(FleetRun(w, policy, schedule, seed, tmp, mutation, say, router).run(ready_within))
