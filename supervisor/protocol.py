@@ -368,9 +368,10 @@ class FingerprintBody(TypedDict):
 # runs, and 3 runs of tests/engine/test_fingerprint_real.py, which prints it). 1e-4: a margin
 # of 50x.
 FP32_CPU_TOLERANCE = 1e-4
-# bf16 on GPU: UNMEASURED here (no GPU). Cited: bf16 engines against their bf16 trainers on the
-# same checkpoint, worst single-token |log ratio| 0.084 (a dense 32B model) to 2.0 (a 30B MoE)
-# (docs/weights.md#fingerprints). A starting point to measure with fingerprint_mismatch = "warn".
+# bf16 on GPU: not measured on a GPU with vLLM. Cited: bf16 engines against their bf16 trainers on
+# the same checkpoint, worst single-token |log ratio| 0.084 (a dense 32B model) to 2.0 (a 30B MoE).
+# bench/fingerprint_gpu.py on CPU: bf16 drift 0.006 (tiny) to 0.14 (a 0.5B shape, sharpened): set
+# about 3x your model's measured drift (docs/weights.md#fingerprints); start with "warn".
 BF16_GPU_TOLERANCE = 0.1
 
 

@@ -52,6 +52,6 @@ def make_fingerprint(model: Any, *, tolerance: float = FP32_CPU_TOLERANCE,
                      prompts: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     """The fingerprint of `model`'s weights now, as publish_weights takes it. `tolerance`:
     measured for fp32 on CPU (the default); for bf16 on GPU see
-    vime.supervisor.protocol.BF16_GPU_TOLERANCE (unmeasured)."""
+    docs/weights.md#fingerprints (bf16 drift measured by bench/fingerprint_gpu.py)."""
     ps = [list(p) for p in (prompts if prompts is not None else fixed_prompts(model.config.vocab_size))]
     return {"prompts": ps, "logprobs": prompt_logprobs(model, ps), "tolerance": tolerance}
