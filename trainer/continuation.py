@@ -9,8 +9,10 @@ across pieces (a base class: what it reads of the client is declared on it).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from vime.supervisor.states import VersionRule, WeightsMode
@@ -108,6 +110,8 @@ class Continuation:
     engines: list[Engine]
     weight_version: Any
     rule: VersionRule  # the daemon's routing rule (its mode and max_staleness)
+    request_timeout: float
+    _held: set[str]  # engines an in-flight update holds (no attempt until it ends)
     continue_partial: bool
     model: str | None
     _session: Any
@@ -159,6 +163,15 @@ class Continuation:
             if read:
                 await self.refresh()
             # Never back to older weights: the pieces' versions do not decrease.
+            older = {e.name for e in self.engines if behind(e.weight_version)}
+            engine = self.pick(failed | older, aborted)
+            if engine is not None:
+                return engine, ""
+        deadline = time.monotonic() + self.request_timeout
+        while self._held and time.monotonic() < deadline:
+            # Those left are being updated (an in-flight update cut this request): the first
+            # one back, on its new weights, continues it.
+            await asyncio.sleep(0.01)
             older = {e.name for e in self.engines if behind(e.weight_version)}
             engine = self.pick(failed | older, aborted)
             if engine is not None:

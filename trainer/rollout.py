@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -382,6 +383,10 @@ class RolloutClient(Continuation):
         self.epoch: int | None = None
         self.weight_version: Any = None
         self.rule: VersionRule = SYNC_RULE  # the daemon's routing rule, from its routable answer
+        # An in-flight update (trainer/inflight.py): engines being updated take no attempt, and
+        # those it verified at a newer version than the daemon lists yet are listed at it.
+        self._held: set[str] = set()
+        self._verified: dict[tuple[str, int | None], int] = {}  # (engine, incarnation) -> version
         # Every failure report and the daemon's answer (or the error): (engine, detail, answer).
         self.reports: collections.deque[tuple[str, str, Any]] = collections.deque(maxlen=1000)
         self._outstanding: dict[str, int] = collections.defaultdict(int)
@@ -461,7 +466,7 @@ class RolloutClient(Continuation):
 
     def _apply(self, view: Mapping[str, Any]) -> None:
         engines = [Engine(name=e["name"], url=str(e["url"]).rstrip("/"), model=e.get("model"),
-                          weight_version=e.get("weight_version"), incarnation=e.get("incarnation"))
+                          weight_version=self._newest(e), incarnation=e.get("incarnation"))
                    for e in view.get("engines") or ()]
         if view.get("epoch") != self.epoch:
             log.info("rollout: membership epoch %s -> %s: %s", self.epoch, view.get("epoch"),
@@ -470,6 +475,34 @@ class RolloutClient(Continuation):
         self.epoch = view.get("epoch")
         self.weight_version = view.get("weight_version")
         self.rule = VersionRule.from_answer(view)
+
+    # -- in-flight updates (trainer/inflight.py) ---------------------------------------------
+
+    def _newest(self, entry: Mapping[str, Any]) -> Any:
+        """A listed engine's version, or the newer one an in-flight update verified it at
+        (versions only grow within an incarnation; the daemon learns it at the publish)."""
+        listed = entry.get("weight_version")
+        known = self._verified.get((entry.get("name", ""), entry.get("incarnation")))
+        return known if known is not None and (VersionRule.lag(listed, known) or 0) > 0 else listed
+
+    def hold(self, names: Iterable[str]) -> None:
+        """These engines are being updated: no attempt is sent to them until `updated` (a
+        request would otherwise be served on the new weights under the old version's label)."""
+        self._held.update(names)
+
+    def updated(self, name: str, version: int) -> None:
+        """`name` was verified at `version` and resumed: its next pieces are that version's,
+        whatever the daemon lists until it learns it; it takes attempts again."""
+        for e in self.engines:
+            if e.name == name:
+                self._verified[(name, e.incarnation)] = version
+        self.engines = [dataclasses.replace(e, weight_version=version) if e.name == name else e for e in self.engines]
+        self._held.discard(name)
+
+    def released(self, name: str) -> None:
+        """An update of `name` ended without a new version (failed): it takes attempts again at
+        the version it is listed at."""
+        self._held.discard(name)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -513,7 +546,7 @@ class RolloutClient(Continuation):
         """The engine for the next attempt: never one in `exclude` (it failed this request);
         one in `avoid` (it aborted this request) or cooling down only when nothing else is
         left; then the fewest outstanding requests, ties in round robin."""
-        exclude, avoid = set(exclude), set(avoid)
+        exclude, avoid = set(exclude) | self._held, set(avoid)
         now = time.monotonic()
         cands = [e for e in self.engines if e.name not in exclude]
         if not cands:
@@ -657,6 +690,10 @@ class RolloutClient(Continuation):
         engine = self.pick(failed, aborted)
         if engine is None:
             await self.refresh()  # the daemon may list engines we do not know of yet
+            engine = self.pick(failed, aborted)
+        deadline = time.monotonic() + self.request_timeout
+        while engine is None and self._held and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # every engine left is being updated: wait for one back
             engine = self.pick(failed, aborted)
         if engine is None:
             listed = ", ".join(e.name for e in self.engines) or "none"

@@ -87,6 +87,11 @@ class DaemonAnswers:
         while True:
             yield await self.queue.get()
 
+    async def publish_weights(self, version: int) -> dict:
+        """As the daemon's verb after a push into every engine: all listed at `version`."""
+        self.publish(version, [{**e, "weight_version": version} for e in self.view["engines"]])
+        return {"version": version, "changed": True}
+
     def publish(self, version: int, engines: list[dict]) -> None:
         self.view = {**self.view, "epoch": self.view["epoch"] + 1, "weight_version": version, "engines": engines}
         self.queue.put_nowait({"event": "weights_published", "version": version, "epoch": self.view["epoch"]})
