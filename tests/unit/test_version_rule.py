@@ -295,3 +295,22 @@ def test_the_cluster_view_applies_the_daemons_rule_and_the_strictest_of_several(
     v.node_answered("b", node_answer({"e0": 6}, 6, None))
     v.node_answered("a", node_answer({"e0": 6, "e1": 5}, 6, {"mode": "async", "max_staleness": 1}))
     assert v.rule is SYNC_RULE and v.names() == ["a/e0", "b/e0"]
+
+
+@pytest.mark.parametrize("mode, released", [("async", True), ("sync", False)])
+async def test_an_engine_held_through_a_round_joins_in_the_gap_at_a_version_the_rule_allows(tmp_path, mode, released):
+    """The sync coordinator's release asks the rule: an engine that came up during a round at
+    one version behind the current one joins routing in the gap in async mode; in sync mode it
+    stays STALE, to be synced first."""
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([5, 4], mode=mode, max_staleness=1)
+        await sup.fleet.publish_weights(5, None)
+        e1 = sup.fleet.runners["e1"]
+        sup.fleet.start_round(1)
+        e1.fsm.exited("gone")
+        e1.fsm.begin_start("restart", restart=True)
+        e1.fsm.became_ready(4, 5, hold=sup.policy.hold_reason(), rule=sup.policy.rule)
+        assert e1.state is State.STALE and e1.fsm.held
+        sup.fleet.end_round(1)
+        assert (e1.state is State.RUNNING) is released
+        assert ([r.name for r in sup.fleet.routable()] == ["e0", "e1"]) is released
