@@ -347,8 +347,8 @@ class AsyncClusterClient:
 
     async def _unacknowledged_out(self, version: int, nodes: list[str]) -> None:
         """A node that did not take the publish judges by the version before: a shared router
-        must not route to its engines, verified at that one. Their URLs (its last routable
-        answer; none of them at `version`) are removed, waited for at most the removal's
+        must not route to its engines the routing rule does not allow at `version` (sync mode:
+        all but those at it). Their URLs (its last routable answer) are removed, waited for at most the removal's
         timeout (each outcome is a `router` event); its daemon, once it has the version, adds
         back those it verifies. A lost node's engines went already (_lost)."""
         if self.router is None or self._shut:
@@ -358,7 +358,7 @@ class AsyncClusterClient:
             rec = self.view.nodes.get(node)
             if rec is None or rec.weight_version == version:
                 continue  # it has the version already (an earlier publish it did take)
-            urls = lost_urls(e for e in rec.routable if e.get("weight_version") != version)
+            urls = lost_urls(e for e in rec.routable if not self.view.rule.allows(e.get("weight_version"), version))
             if urls:
                 tasks.append(self._spawn(self.router.remove(node, urls, f"it has not acknowledged version {version}")))
         if tasks:

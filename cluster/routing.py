@@ -13,9 +13,10 @@ line). If the node's daemon is in fact alive (only its Ray agent was lost), its 
 its routable engines back within its period: the daemon's evidence about its engines wins.
 
 A publish that a node did not acknowledge (its daemon unreachable or not answering in time)
-leaves that node's daemon judging by the version before: its engines, verified at that one,
-are taken out of the router by the publisher at once (the URLs of the node's last routable
-answer), and the publish waits for it at most `timeout`.
+leaves that node's daemon judging by the version before: its engines the routing rule does not
+allow at the new version (states.VersionRule; in sync mode all not at it) are taken out of the
+router by the publisher at once (the URLs of the node's last routable answer), and the publish
+waits for it at most `timeout`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ its epoch, whether it can be reached) and decides what the trainer sees:
 
 - engines are named `node/engine` (the node is its Ray address, e.g. 10.0.0.7);
 - the routable list is the union of the admitted nodes' lists, never an engine whose
-  weight_version is not the cluster's current one;
+  weight_version the routing rule does not allow at the cluster's current version
+  (states.VersionRule, the daemons' one rule: the mode and bound each node's daemon answers
+  with, the strictest of them when nodes differ);
 - one cluster epoch, a counter that moves whenever that union changes (a node lost, a node
   admitted, any node's own membership change);
 - a node whose agent does not answer is UNAVAILABLE and its engines leave the union at once
@@ -26,6 +28,7 @@ from enum import StrEnum
 from typing import Any, Callable, Iterable, Mapping
 
 from vime.supervisor.protocol import Event
+from vime.supervisor.states import VersionRule
 
 SEP = "/"
 
@@ -193,6 +196,7 @@ class NodeRecord:
     routable: list[dict[str, Any]] = field(default_factory=list)  # the node's own routable entries
     node_epoch: int | None = None
     weight_version: int | None = None  # the node daemon's current version
+    rule: VersionRule | None = None  # the routing rule its daemon answered with (None: no answer yet)
     lost_count: int = 0
 
 
@@ -228,20 +232,28 @@ class ClusterView:
 
     # -- what the trainer sees ------------------------------------------------------------
 
+    @property
+    def rule(self) -> VersionRule:
+        """The routing rule the cluster applies: the nodes' daemons' (the strictest when they
+        differ; sync before any has answered)."""
+        return VersionRule.strictest([r.rule for r in self.nodes.values() if r.rule is not None])
+
     def routable(self) -> list[dict[str, Any]]:
         out = []
+        rule = self.rule
         for rec in sorted(self.nodes.values(), key=lambda r: r.name):
             if rec.state is not NodeState.UP:
                 continue
             for e in rec.routable:
-                if self.weight_version is not None and e.get("weight_version") != self.weight_version:
-                    continue  # never a stale engine, whatever a node said
+                if not rule.allows(e.get("weight_version"), self.weight_version):
+                    continue  # never an engine the rule does not allow, whatever a node said
                 out.append({**e, "name": qualify(rec.name, e["name"]), "node": rec.name})
         return out
 
     def answer(self) -> dict[str, Any]:
         """The cluster's routable answer (the shape of a daemon's, plus `nodes`)."""
-        return {"epoch": self.epoch, "weight_version": self.weight_version, "engines": self.routable(),
+        return {"epoch": self.epoch, "weight_version": self.weight_version, "weights": self.rule.as_dict(),
+                "engines": self.routable(),
                 "nodes": {n: r.state.value for n, r in sorted(self.nodes.items())}}
 
     def names(self) -> list[str]:
@@ -270,6 +282,7 @@ class ClusterView:
             rec = self._set(node, NodeState.JOINING, "answers again" if rec else "answers", rec)
         rec.routable = [dict(e) for e in routable.get("engines") or () if isinstance(e, dict) and "name" in e]
         rec.node_epoch = routable.get("epoch")
+        rec.rule = VersionRule.from_answer(routable)
         rec.weight_version = routable.get("weight_version")
         if isinstance(rec.weight_version, int) and (self.weight_version is None or rec.weight_version > self.weight_version):
             # Versions come only from the trainer's publishes: a node that has a newer one than

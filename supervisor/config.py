@@ -30,7 +30,8 @@ from vime.weight_sync.idle_spin import SPIN_ENV, spin_seconds  # read by our plu
 from . import knobs
 # The settings are the config's names too: the engine modules and the tests import them from here.
 from .settings import (MAX_REQUESTS, RESTART_LOAD, ROUTER_ARGS, SECTIONS, SETTINGS, SPARES_SYNC,
-                       Config, EngineDefaults, EngineSpec, ProbePolicy, RestartPolicy, RouterConfig, WarmupPolicy)
+                       Config, EngineDefaults, EngineSpec, ProbePolicy, RestartPolicy, RouterConfig, WarmupPolicy,
+                       WeightsPolicy)
 
 # sockaddr_un.sun_path is 108 bytes, the terminating NUL included.
 MAX_SOCKET_PATH = 107
@@ -58,7 +59,8 @@ _ROUTER_OWN_FLAGS = ("--host", "--port", "--worker-urls")
 # Table -> {key: TOML type}. Everything else in the file is an error.
 _SCHEMAS = {name: knobs.schema(declared) for name, declared in SETTINGS.items()}
 _TOP = set(_SCHEMAS)
-_SUPERVISOR, _HEALTH, _WARMUP, _RESTART = (_SCHEMAS[n] for n in ("supervisor", "health_check", "warmup", "restart"))
+_SUPERVISOR, _HEALTH, _WARMUP, _RESTART, _WEIGHTS = (_SCHEMAS[n] for n in ("supervisor", "health_check", "warmup",
+                                                                          "restart", "weights"))
 _ROUTER, _DEFAULTS, _ENGINE = (_SCHEMAS[n] for n in ("router", "engine_defaults", "engines"))
 # flag dest -> (section, key). slime's names where they exist.
 _FLAG_KEYS = {s.dest: (s.section, s.key) for declared in SETTINGS.values() for s in declared if s.dest}
@@ -206,6 +208,7 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
                                                                warnings)
     _check_counts(sup, sup_bad, engines, problems)
     router = _router(tables["router"], base_dir, problems, warnings) if router_given else None
+    weights = _weights(tables["weights"], problems, warnings)
     if problems:
         raise ConfigError(problems)
     return Config(
@@ -219,6 +222,7 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
         api_key=api_key,
         warnings=tuple(_one_line(w) for w in warnings),
         router=router,
+        weights=weights,
         **sup,
     )
 
@@ -231,7 +235,7 @@ def _read_tables(raw: dict[str, Any], overrides: dict[str, Any],
         if key not in _TOP:
             problems.append(f"{key}: unknown key (known: {', '.join(sorted(_TOP))})")
     tables = {name: _check_table(name, raw.get(name, {}), _SCHEMAS[name], problems)
-              for name in ("supervisor", "health_check", "restart", "engine_defaults", "warmup", "router")}
+              for name in ("supervisor", "health_check", "restart", "engine_defaults", "warmup", "weights", "router")}
     router_given = "router" in raw
     for section, key, value in _apply_overrides(overrides):
         tables[section][key] = value
@@ -257,6 +261,15 @@ def _policies(tables: dict[str, dict[str, Any]], problems: list[str],
     if _finite(rpolicy.backoff_max, rpolicy.backoff_initial) and rpolicy.backoff_max < rpolicy.backoff_initial:
         problems.append("restart.backoff_max: must be >= backoff_initial")
     return probe, WarmupPolicy(**tables["warmup"]), rpolicy
+
+
+def _weights(table: dict[str, Any], problems: list[str], warnings: list[str]) -> WeightsPolicy:
+    """[weights]: its keys' bounds; a bound given for sync mode, which never reads it, is warned."""
+    if "max_staleness" in table and table.get("mode", WeightsPolicy.mode) == "sync":
+        warnings.append("weights.max_staleness is read only in async mode (weights.mode = \"async\"); in sync mode "
+                        "only the current version serves")
+    bad = knobs.check(SETTINGS["weights"], table, problems)
+    return WeightsPolicy(**{k: v for k, v in table.items() if k not in bad})
 
 
 def _check_supervisor(sup: dict[str, Any], problems: list[str], warnings: list[str]) -> set[str]:
@@ -799,7 +812,7 @@ def _read_secret(where: str, path: str, problems: list[str], warnings: list[str]
 
 # The flags' groups in --help, each holding the flags of its tables.
 _FLAG_GROUPS = {
-    "fault tolerance (override the config file)": ("supervisor", "health_check", "warmup", "restart"),
+    "fault tolerance (override the config file)": ("supervisor", "health_check", "warmup", "restart", "weights"),
     "router (override the config file's [router] table)": ("router",),
 }
 

@@ -71,7 +71,8 @@ class Supervisor:
         self.policy = FleetPolicy(min_healthy=cfg.min_healthy, use_fault_tolerance=cfg.use_fault_tolerance,
                                   restart_immediately=cfg.restart_immediately,
                                   admit_mid_round=cfg.admit_mid_round, strength=len(cfg.engines) - cfg.spares,
-                                  target=len(cfg.engines) - cfg.spares if cfg.spares else None)
+                                  target=len(cfg.engines) - cfg.spares if cfg.spares else None,
+                                  rule=cfg.weights.rule)
         self.stats = FleetStats(self.bus)
         # [router]: its one owner (the feed, the spawned child, the session to its admin API),
         # handed to the fleet, the journal, status and the metrics.

@@ -75,7 +75,8 @@ class Fleet(Listener):
         self.policy = policy or FleetPolicy(min_healthy=cfg.min_healthy,
                                             use_fault_tolerance=cfg.use_fault_tolerance,
                                             restart_immediately=cfg.restart_immediately,
-                                            admit_mid_round=cfg.admit_mid_round, clock=clock)
+                                            admit_mid_round=cfg.admit_mid_round, clock=clock,
+                                            rule=cfg.weights.rule)
         self.bus = bus or EventBus()
         self.stats = stats or FleetStats(self.bus)
         self.runners: dict[str, EngineRunner] = {}
@@ -293,10 +294,13 @@ class Fleet(Listener):
         self.policy.publish(version, checkpoint)
         self.fingerprint = None if fingerprint is None else (version, fingerprint)
         await asyncio.gather(*(r.refresh_version() for r in runners))
-        # Spares too when they are kept current (spares_sync = "publish"); otherwise a spare is
-        # synced only if it is ever promoted.
+        # Those at a version the mode no longer allows (sync: any but V; async: more than
+        # max_staleness behind V); spares too when they are kept current (spares_sync =
+        # "publish"), otherwise a spare is synced only if it is ever promoted. In async mode the
+        # engines within the bound keep serving (`lagging`).
         behind = [r.name for r in runners
-                  if (r.serving or keep and r.state is State.STANDBY) and r.weight_version != version]
+                  if (r.serving or keep and r.state is State.STANDBY) and not self.policy.allows(r.weight_version)]
+        lagging = [r.name for r in runners if r.serving and r.name not in behind and (self.policy.lag(r.weight_version) or 0) > 0]
         for r in runners:
             if r.name in behind:
                 r.mark_outdated(version)
@@ -308,9 +312,11 @@ class Fleet(Listener):
                 acted.append(r.name)
         self._membership_changed()
         self.persist()
-        log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind,
-                 fingerprint=fingerprint is not None)
+        log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind, lagging=lagging,
+                 mode=self.policy.rule.mode.value, fingerprint=fingerprint is not None)
         fields: dict[str, Any] = {"version": version, "checkpoint": checkpoint, "stale": behind, "epoch": self.epoch}
+        if lagging:
+            fields["lagging"] = lagging
         if fingerprint is not None:
             fields["mismatched"] = {name: why for name, why in mismatched.items()}
             if unchecked:
@@ -323,6 +329,9 @@ class Fleet(Listener):
         msg = f"version {version} is current"
         if behind:
             msg += f"; stale (not routable until synced): {', '.join(behind)}"
+        if lagging:
+            msg += (f"; serving behind it, within max_staleness ({self.policy.rule.max_staleness}): "
+                    f"{', '.join(lagging)}")
         if mismatched:
             msg += (f"; outputs not matching the fingerprint ({self.cfg.fingerprint_mismatch}): "
                     + "; ".join(f"{n}: {why}" for n, why in sorted(mismatched.items())))

@@ -32,7 +32,7 @@ from .engine.runner import EngineRunner
 from .events import EventBus, Listener
 from .policy import FleetPolicy
 from .engine.probes import PROBE_KINDS
-from .states import DETECTION_KINDS, Cause, ProbeOutcome, State, Transition, detection_kind
+from .states import DETECTION_KINDS, Cause, ProbeOutcome, State, Transition, WeightsMode, detection_kind
 
 log = structlog.get_logger("vime.metrics")
 
@@ -195,6 +195,8 @@ class FleetCollector:
         latency = GaugeMetricFamily("vime_engine_probe_latency_seconds", "Latency of the last answered probe",
                                     labels=["engine"])
         routable = GaugeMetricFamily("vime_engine_routable", "1 if the engine may take traffic", labels=["engine"])
+        lag = GaugeMetricFamily("vime_engine_version_lag", "Weight versions each engine is behind the current one "
+                                "(engines whose version is comparable: a published one)", labels=["engine"])
         unusual: dict[str, set[str]] = {}  # restart causes outside RESTART_CAUSES, shown when they happen
         for engine, cause in stats.restarts:
             if cause not in RESTART_CAUSES:
@@ -213,10 +215,13 @@ class FleetCollector:
             if r.fsm.last_probe is not None and r.fsm.last_probe.latency is not None:
                 latency.add_metric([r.name], r.fsm.last_probe.latency)
             routable.add_metric([r.name], 1.0 if fleet.is_routable(r) else 0.0)
+            behind = policy.lag(v)
+            if behind is not None:
+                lag.add_metric([r.name], behind)
         syncs = CounterMetricFamily("vime_syncs", "Weight syncs of restarted engines, by outcome", labels=["outcome"])
         for outcome in ("verified", "failed"):
             syncs.add_metric([outcome], stats.syncs.get(outcome, 0))
-        yield from (state, restarts, probes, version, latency, routable, detections, syncs)
+        yield from (state, restarts, probes, version, latency, routable, lag, detections, syncs)
         yield stats.probe_latency.family("vime_probe_latency_seconds", "Latency of answered heartbeats")
         yield stats.recovery_time.family("vime_detection_to_routable_seconds",
                                          "From a detected failure to the engine routable again")
@@ -257,6 +262,13 @@ class FleetCollector:
         yield GaugeMetricFamily("vime_round_open", "1 while a round is open", value=1 if policy.round_open else 0)
         yield GaugeMetricFamily("vime_weight_version", "Current weight version (-1: base)",
                                 value=-1 if policy.current_version is None else policy.current_version)
+        mode = GaugeMetricFamily("vime_weights_mode", "1 for the [weights] mode the routing rule applies",
+                                 labels=["mode"])
+        for m in WeightsMode:
+            mode.add_metric([m.value], 1.0 if policy.rule.mode is m else 0.0)
+        yield mode
+        yield GaugeMetricFamily("vime_max_staleness", "Versions behind the current one an engine may serve at "
+                                "(0 in sync mode)", value=policy.rule.bound)
         yield GaugeMetricFamily("vime_below_min_healthy", "1 while routable engines are below min_healthy",
                                 value=1 if policy.below_floor else 0)
         yield CounterMetricFamily("vime_floor_breaches", "Times the fleet fell below min_healthy",

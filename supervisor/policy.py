@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .errors import Conflict
+from .states import SYNC_RULE, VersionRule
 
 Clock = Callable[[], float]
 
@@ -31,8 +32,11 @@ class Membership:
 class FleetPolicy:
     def __init__(self, *, min_healthy: int = 1, use_fault_tolerance: bool = True,
                  restart_immediately: bool = False, clock: Clock = time.monotonic,
-                 target: int | None = None, admit_mid_round: bool = False, strength: int | None = None):
+                 target: int | None = None, admit_mid_round: bool = False, strength: int | None = None,
+                 rule: VersionRule = SYNC_RULE):
         self.min_healthy = min_healthy
+        # Which versions may serve: the current one (sync), or up to max_staleness behind (async).
+        self.rule = rule
         # The routing target with warm spares (engines - spares): an engine that is ready
         # once this many are active is kept in STANDBY. None: no spares, every engine serves.
         self.target = target
@@ -165,10 +169,17 @@ class FleetPolicy:
 
     # -- routing ---------------------------------------------------------------------------
 
+    def allows(self, weight_version: int | str | None) -> bool:
+        """The mode allows an engine verified at `weight_version` to serve now (states.VersionRule)."""
+        return self.rule.allows(weight_version, self.current_version)
+
+    def lag(self, weight_version: int | str | None) -> int | None:
+        """Versions `weight_version` is behind the current one (None: not comparable)."""
+        return self.rule.lag(weight_version, self.current_version)
+
     def is_routable(self, *, serving: bool, retired: bool, weight_version: int | str | None) -> bool:
         """`serving`: the engine's state takes traffic (RUNNING or SUSPECT)."""
-        return (serving and not retired
-                and (self.current_version is None or weight_version == self.current_version))
+        return serving and not retired and self.allows(weight_version)
 
     def set_routable(self, names: Iterable[str]) -> Membership:
         """The routable set now; the epoch moves if it changed, the floor is checked."""

@@ -292,6 +292,7 @@ class EngineStatus(TypedDict):
     restarts: int
     failed_starts: int
     weight_version: int | str | None  # a str: the engine's own label, never a published version
+    version_lag: int | None  # versions behind the current one (None: not comparable, or none published)
     consecutive_failures: int
     last_probe: ProbeInfo | None
     last_probe_latency: float | None
@@ -311,6 +312,13 @@ class DaemonInfo(TypedDict):
     reloads: int  # reloads (SIGHUP: an exec in place) this process has been through
 
 
+class WeightsRule(TypedDict):
+    """[weights]: the routing rule's mode ("sync" | "async") and bound (states.VersionRule)."""
+
+    mode: str
+    max_staleness: int
+
+
 class FleetStatus(TypedDict):
     """GET STATUS_PATH."""
 
@@ -318,6 +326,7 @@ class FleetStatus(TypedDict):
     round: int | None
     round_open: bool
     weight_version: int | None
+    weights: WeightsRule
     checkpoint: str | None
     epoch: int
     routable: int
@@ -342,6 +351,7 @@ class Routable(TypedDict):
 
     epoch: int
     weight_version: int | None
+    weights: WeightsRule  # the rule the set was judged by
     engines: list[RoutableEngine]
 
 
@@ -483,6 +493,7 @@ class HelloEvent(TypedDict):
     ts: float
     epoch: int
     weight_version: int | None
+    weights: WeightsRule
     engines: list[RoutableEngine]
     round: int | None
     round_open: bool

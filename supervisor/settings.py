@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from . import knobs
 from .knobs import Bound, ge, gt, knob
+from .states import VersionRule, WeightsMode
 
 # A late probe is judged on readings taken this far apart (engine/probes.py): each failed
 # heartbeat of a hang lasts its timeout plus this.
@@ -261,6 +262,38 @@ FINGERPRINT_MISMATCH = ("poison", "resync", "warn")
 _NO_LIMIT = ge(0, note=" (0: no limit)")
 
 
+WEIGHTS_MODES = tuple(m.value for m in WeightsMode)
+# A bound past a few dozen versions is off-policy data no RL recipe trains on; 1000 is far past
+# any of them and still catches a typo (a step count, a timestamp) given for a version count.
+MAX_STALENESS = 1000
+
+
+@dataclass(frozen=True)
+class WeightsPolicy:
+    """[weights]: which weight versions may serve (states.VersionRule, the one routing rule)."""
+
+    mode: str = knob(
+        "sync", flag="--weights-mode", choices=WEIGHTS_MODES,
+        help="sync (default): only the current weight version serves; async: versions up to max_staleness "
+             "behind it keep serving",
+        doc="`sync`: an engine is routable only at the current version (a publish takes the others out of "
+            "routing until synced); `async` (round-free RL): an engine verified at a version up to "
+            "`max_staleness` behind the current one stays routable ([Sync and async modes]"
+            "(weights.md#sync-and-async-modes))")
+    max_staleness: int = knob(
+        1, flag="--max-staleness", metavar="N", bound=Bound(0, MAX_STALENESS, why="; versions behind the current "
+                                                                                      "one an engine may serve at"),
+        help="async mode: versions behind the current one an engine may serve at, and a sample's oldest token may "
+             "be from (default {default})",
+        doc="async mode only: how many versions behind the current one an engine may be and still serve, and a "
+            "returned sample's oldest token may be from (AReaL's maximum off-policyness); `0`: only the current "
+            "version, as in sync mode")
+
+    @property
+    def rule(self) -> VersionRule:
+        return VersionRule(WeightsMode(self.mode), self.max_staleness)
+
+
 @dataclass(frozen=True)
 class Config:
     """The daemon's config; its own fields with a knob are the [supervisor] table."""
@@ -411,6 +444,7 @@ class Config:
         False, doc="`true`: `metrics_address` may be another address of this machine, or `0.0.0.0` (warned; "
                    "firewall the port)")
     warmup: WarmupPolicy = WarmupPolicy()  # sent to each new incarnation before it is RUNNING
+    weights: WeightsPolicy = WeightsPolicy()  # [weights]: which versions may serve
     # The engines' API key (engine_defaults.api_key_file): spawned engines get it as VLLM_API_KEY
     # in their environment, never on argv; the daemon sends it to every engine. Never printed.
     api_key: str | None = field(default=None, repr=False)
@@ -431,6 +465,6 @@ class Config:
 # Each TOML table and the class whose knob fields declare its keys, in the docs' order.
 SECTIONS: dict[str, type] = {
     "supervisor": Config, "health_check": ProbePolicy, "warmup": WarmupPolicy, "restart": RestartPolicy,
-    "router": RouterConfig, "engine_defaults": EngineDefaults, "engines": EngineSpec,
+    "weights": WeightsPolicy, "router": RouterConfig, "engine_defaults": EngineDefaults, "engines": EngineSpec,
 }
 SETTINGS = {name: knobs.settings(name, cls) for name, cls in SECTIONS.items()}

@@ -3,6 +3,7 @@ warm spares (STANDBY)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -143,3 +144,99 @@ def detection_kind(t: Transition) -> str | None:
     if t.cause is Cause.REPORTED:
         return "reported"
     return "hang"
+
+
+# -- which weight versions may take traffic: the one rule ---------------------------------------
+
+
+class WeightsMode(StrEnum):
+    """[weights] mode: "sync" (rounds: only the current version serves) or "async" (round-free
+    RL: versions up to `max_staleness` behind the current one keep serving)."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+@dataclass(frozen=True)
+class VersionRule:
+    """Routable = serving and verified at a version the mode allows. The daemon's fleet policy,
+    its publish, the router feed (through the fleet), the cluster view and the rollout client
+    all ask this one rule; none compares versions its own way (tests/unit/test_layout.py).
+
+    Versions are the trainer's published integers, ordered by publication (a publish must
+    increase them: FleetPolicy.check_publish). An engine's label that is not one (None: base
+    weights, a str: its own label) is never at an allowed version once one is published."""
+
+    mode: WeightsMode = WeightsMode.SYNC
+    max_staleness: int = 0  # read in async mode only: versions behind the current one still allowed
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, WeightsMode):
+            try:
+                object.__setattr__(self, "mode", WeightsMode(self.mode))
+            except ValueError:
+                raise ValueError(f"weights mode must be one of {', '.join(m.value for m in WeightsMode)}, "
+                                 f"got {self.mode!r}") from None
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be an integer >= 0 (versions behind the current one), "
+                             f"got {self.max_staleness!r}")
+
+    @property
+    def bound(self) -> int:
+        """The most versions behind the current one that may serve: 0 in sync mode."""
+        return self.max_staleness if self.mode is WeightsMode.ASYNC else 0
+
+    @staticmethod
+    def lag(version: int | str | None, current: int | None) -> int | None:
+        """How many versions `version` is behind `current` (0: at it; negative: ahead, pushed
+        before its publish); None when they cannot be compared (nothing published, or a label
+        that is not a published version)."""
+        if current is None or isinstance(version, bool) or not isinstance(version, int):
+            return None
+        return current - version
+
+    def too_old(self, version: int | str | None, current: int | None) -> bool:
+        """Is `version` more versions behind `current` than the mode allows (a sample's token,
+        an engine)? A label that is not a published version is, once one is published; a
+        version ahead of the current one is not (it is newer, only not yet published)."""
+        if current is None:
+            return False
+        lag = self.lag(version, current)
+        return lag is None or lag > self.bound
+
+    def allows(self, version: int | str | None, current: int | None) -> bool:
+        """May an engine verified at `version` serve while `current` is the published version?
+        Nothing published yet: any version (the engines' base weights). Never a version ahead
+        of the current one (not published yet)."""
+        if current is None:
+            return True
+        lag = self.lag(version, current)
+        return lag is not None and lag >= 0 and not self.too_old(version, current)
+
+    def as_dict(self) -> dict[str, str | int]:
+        """As the daemon's answers carry it (status, routable)."""
+        return {"mode": self.mode.value, "max_staleness": self.max_staleness}
+
+    @classmethod
+    def from_answer(cls, answer: object) -> "VersionRule":
+        """The rule a daemon's answer carries (its "weights" object); the sync rule when it
+        carries none (a daemon before modes) or one that does not parse."""
+        if isinstance(answer, Mapping):
+            w = answer.get("weights")
+            if isinstance(w, Mapping):
+                try:
+                    return cls(WeightsMode(str(w.get("mode"))), w.get("max_staleness", 0))
+                except ValueError:
+                    pass
+        return SYNC_RULE
+
+    @staticmethod
+    def strictest(rules: "list[VersionRule]") -> "VersionRule":
+        """The rule several daemons' rules all agree to (a cluster whose nodes differ): sync if
+        any is, else the smallest bound; sync for none."""
+        if not rules or any(r.mode is WeightsMode.SYNC for r in rules):
+            return SYNC_RULE
+        return VersionRule(WeightsMode.ASYNC, min(r.max_staleness for r in rules))
+
+
+SYNC_RULE = VersionRule()

@@ -8,7 +8,7 @@ from importlib import metadata
 from .engine.runner import EngineRunner
 from .fleet import Fleet
 from .router.link import RouterLink
-from .protocol import EngineStatus, FleetStatus, Routable, RoutableEngine
+from .protocol import EngineStatus, FleetStatus, Routable, RoutableEngine, WeightsRule
 
 
 def _version() -> str:
@@ -38,6 +38,7 @@ def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
         "restarts": fsm.restarts,
         "failed_starts": fsm.failed_starts,
         "weight_version": fsm.weight_version,
+        "version_lag": fleet.policy.lag(fsm.weight_version),
         "consecutive_failures": fsm.consecutive_failures,
         "last_probe": None if probe is None else {
             "ok": probe.ok, "detail": probe.detail,
@@ -62,6 +63,7 @@ def fleet_status(fleet: Fleet, router: RouterLink | None = None) -> FleetStatus:
         "round": fleet.round,
         "round_open": fleet.round_open,
         "weight_version": fleet.current_version,
+        "weights": weights_rule(fleet),
         "checkpoint": fleet.checkpoint,
         "epoch": fleet.epoch,
         "routable": sum(e["routable"] for e in engines),
@@ -84,4 +86,12 @@ def routable_view(fleet: Fleet) -> Routable:
          "weight_version": r.fsm.weight_version, "incarnation": r.fsm.incarnation}
         for r in fleet.routable()
     ]
-    return {"epoch": fleet.epoch, "weight_version": fleet.current_version, "engines": engines}
+    return {"epoch": fleet.epoch, "weight_version": fleet.current_version, "weights": weights_rule(fleet),
+            "engines": engines}
+
+
+def weights_rule(fleet: Fleet) -> WeightsRule:
+    """The mode and bound the routable set was judged by: clients (the cluster view, the
+    rollout client) apply the same rule to what they hold."""
+    rule = fleet.policy.rule
+    return {"mode": rule.mode.value, "max_staleness": rule.max_staleness}

@@ -120,15 +120,17 @@ class SyncCoordinator(Listener):
     def promote_spares(self) -> None:
         """In a round gap, spares take the places of engines that failed: those already at the
         current version first (RUNNING at once), then the others (STALE: synced, verified).
-        Inside a round with admit_mid_round, only those at the current version."""
+        Inside a round with admit_mid_round, only those at the current version. "Current": at
+        a version the mode allows (FleetPolicy.allows)."""
         fleet = self.fleet
         version = fleet.current_version
+        allows = fleet.policy.allows
         runners = [r for r in fleet.runners.values() if not r.retired]
         spares = sorted((r for r in runners if r.state is S.STANDBY),
-                        key=lambda r: (r.weight_version != version, r.name))
+                        key=lambda r: (not allows(r.weight_version), r.name))
         wanted = fleet.policy.spares_wanted(
-            current_spares=sum(r.weight_version == version for r in spares),
-            behind=0 if version is None else sum(r.booted_behind and r.weight_version != version for r in runners))
+            current_spares=sum(allows(r.weight_version) for r in spares),
+            behind=0 if version is None else sum(r.booted_behind and not allows(r.weight_version) for r in runners))
         if not wanted or any(r.readopting for r in fleet.runners.values()):
             return  # after a daemon restart, the re-adopted engines are checked first: they may serve
         gap = _when(fleet)
@@ -147,18 +149,20 @@ class SyncCoordinator(Listener):
         if fleet.cfg.spares_sync != "publish" or fleet.round_open or version is None:
             return
         for runner in list(fleet.runners.values()):
-            if runner.state is S.STANDBY and not runner.retired and runner.weight_version != version:
+            if runner.state is S.STANDBY and not runner.retired and not fleet.policy.allows(runner.weight_version):
                 runner.mark_outdated(version)
 
     def consider(self, runner: EngineRunner) -> None:
-        """A STALE engine in a gap: release it if it already holds the current version,
-        otherwise ask the agents for a push, or reload it from the checkpoint."""
+        """A STALE engine in a gap: release it if it already holds a version the mode allows
+        (the current one in sync mode), otherwise ask the agents for a push of the current
+        version, or reload it from the checkpoint."""
         fleet = self.fleet
         version = fleet.current_version
         if runner.state is not S.STALE:
             return
         have = runner.weight_version
-        spare = fleet.policy.park_reason() if version is not None and have != version else None
+        allowed = fleet.policy.allows(have)
+        spare = fleet.policy.park_reason() if not allowed else None
         if spare is not None and (fleet.cfg.spares_sync == "promotion" or fleet.round_open):
             # Not needed now: kept warm as it is, synced only if it is ever promoted; or, with
             # spares kept current, in the next gap (sync_spares). Inside a round too (a spare
@@ -168,10 +172,10 @@ class SyncCoordinator(Listener):
             runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced {when}; {spare}")
             return
         if fleet.round_open and not fleet.policy.admit_mid_round:
-            if have != version:
+            if not allowed:
                 runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; sync after round {fleet.round}")
             return
-        if version is None or have == version:
+        if allowed or version is None:  # nothing published: every version is allowed
             runner.release(_when(fleet), version)
             return
         if fleet.round_open:
@@ -311,7 +315,8 @@ class SyncCoordinator(Listener):
         log.info("sync.verified", engine=runner.name, version=version, how=how, **extra)
         self.fleet.emit(Event.SYNC_VERIFIED, engine=runner.name, version=version, how=how, **extra)
         current = self.fleet.current_version
-        if current is not None and version != current:  # a newer version was published meanwhile
+        # A newer version was published meanwhile, and the mode does not allow this one.
+        if current is not None and not self.fleet.policy.allows(version):
             if runner.state is S.RUNNING:
                 runner.mark_outdated(current)
             self.consider(runner)

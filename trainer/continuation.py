@@ -9,9 +9,13 @@ across pieces (a base class: what it reads of the client is declared on it).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from vime.supervisor.states import VersionRule, WeightsMode
 
 from .rollout_types import Answer, Engine, Partial, RolloutStats, Split, StartOver, answer_tokens
 
@@ -105,6 +109,9 @@ class Continuation:
     stats: RolloutStats
     engines: list[Engine]
     weight_version: Any
+    rule: VersionRule  # the daemon's routing rule (its mode and max_staleness)
+    request_timeout: float
+    _held: set[str]  # engines an in-flight update holds (no attempt until it ends)
     continue_partial: bool
     model: str | None
     _session: Any
@@ -119,7 +126,11 @@ class Continuation:
                                    ) -> tuple[Engine | None, str]:
         """An engine to continue `state` on (listed at the weight version its tokens were made
         on, while the daemon's published version is unchanged), or None and why not. The
-        membership was read again after the failure (_attempt refreshes)."""
+        membership was read again after the failure (_attempt refreshes). Async mode: any
+        listed engine (the daemon lists those the rule allows) at the last piece's version or
+        newer, while the prefix's tokens are within max_staleness of the current version."""
+        if self.rule.mode is WeightsMode.ASYNC:
+            return await self._async_continuation_engine(failed, aborted, state)
         if self.weight_version != state.published:
             return None, (f"the weight version changed since the tokens were made (published "
                           f"{state.published!r} -> {self.weight_version!r})")
@@ -133,6 +144,41 @@ class Continuation:
         listed = ", ".join(f"{e.name} {e.weight_version!r}" for e in self.engines) or "none"
         return None, (f"no routable engine left at weight version {state.version!r} that the tokens were made "
                       f"on (listed: {listed}; failed this request: {', '.join(sorted(failed)) or 'none'})")
+
+    async def _async_continuation_engine(self, failed: set[str], aborted: set[str], state: Partial
+                                         ) -> tuple[Engine | None, str]:
+        old = [s for s in state.splits if self.rule.too_old(s.weight_version, self.weight_version)]
+        if old:
+            self.stats.stale_samples += 1
+            return None, (f"stale: the tokens so far include ones from {old[0].weight_version!r}, more than "
+                          f"max_staleness ({self.rule.max_staleness}) versions behind the current "
+                          f"{self.weight_version!r}")
+        last = state.splits[-1].weight_version
+
+        def behind(version: Any) -> bool:  # older than the last piece's (a label: any other)
+            lag = VersionRule.lag(version, last if isinstance(last, int) else None)
+            return version != last if lag is None else lag > 0
+
+        for read in (False, True):
+            if read:
+                await self.refresh()
+            # Never back to older weights: the pieces' versions do not decrease.
+            older = {e.name for e in self.engines if behind(e.weight_version)}
+            engine = self.pick(failed | older, aborted)
+            if engine is not None:
+                return engine, ""
+        deadline = time.monotonic() + self.request_timeout
+        while self._held and time.monotonic() < deadline:
+            # Those left are being updated (an in-flight update cut this request): the first
+            # one back, on its new weights, continues it.
+            await asyncio.sleep(0.01)
+            older = {e.name for e in self.engines if behind(e.weight_version)}
+            engine = self.pick(failed | older, aborted)
+            if engine is not None:
+                return engine, ""
+        listed = ", ".join(f"{e.name} {e.weight_version!r}" for e in self.engines) or "none"
+        return None, (f"no routable engine left at weight version {last!r} or newer to continue on (listed: "
+                      f"{listed}; failed this request: {', '.join(sorted(failed)) or 'none'})")
 
     def _start_over(self, rid: str, state: Partial, why: str, *, engine: str | None = None,
                     version: Any = None, extra: int = 0) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -26,6 +27,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
 from vime.supervisor.protocol import Event
+from vime.supervisor.states import SYNC_RULE, VersionRule, WeightsMode
 
 from .continuation import Continuation, continuation_blocker, continuation_sampling, continuation_seed
 from .rollout_types import Answer, Engine, Partial, RolloutStats, Split, StartOver, answer_tokens
@@ -34,7 +36,7 @@ __all__ = [
     "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine", "Split", "StartOver", "Progress",
     "continuation_blocker", "continuation_sampling", "continuation_seed",
     "RolloutError", "NoEngineAvailable", "RolloutRequestError", "RolloutFailed",
-    "RolloutResponseTooLarge", "classify_status", "MAX_LINE_BYTES",
+    "RolloutResponseTooLarge", "StaleSample", "classify_status", "MAX_LINE_BYTES", "STALE_SAMPLES",
 ]
 
 log = logging.getLogger("vime.rollout")
@@ -51,6 +53,11 @@ BAD_REQUEST = "bad_request"    # HTTP 4xx: not retried
 MALFORMED = "malformed"  # a stream line that is not JSON, a chunk of the wrong shape, broken HTTP
 TOO_LARGE = "too_large"  # a streamed line over max_line_bytes: not retried, not reported
 NO_TEXT = "no_text"      # answered, but the text across a split could not be built (/detokenize): started over
+STALE = "stale"          # answered, but a token is older than max_staleness (async mode): not returned as useful
+
+# What the client does with a sample past the staleness bound (async mode): start it over from
+# its prompt on the engines the rule allows now, or raise StaleSample (the caller drops it).
+STALE_SAMPLES = ("regenerate", "drop")
 
 REPORTED = frozenset({REFUSED, DIED, TIMEOUT, SERVER_ERROR, MALFORMED})
 
@@ -164,6 +171,16 @@ class RolloutRequestError(RolloutError):
 
 class RolloutFailed(RolloutError):
     """Every one of `max_attempts` attempts failed."""
+
+
+class StaleSample(RolloutError):
+    """Async mode with stale_samples="drop": the sample's oldest token was more than
+    max_staleness versions behind the current one when it was answered; `splits` its pieces."""
+
+    def __init__(self, message: str, *, splits: Sequence[Split], request_id: str | None = None,
+                 attempts: Sequence[Attempt] = ()):
+        super().__init__(message, request_id=request_id, attempts=attempts)
+        self.splits = list(splits)
 
 
 class RolloutResponseTooLarge(RolloutError):
@@ -322,6 +339,13 @@ class RolloutClient(Continuation):
         `Authorization: Bearer KEY`; default $VIME_ENGINE_API_KEY, none when that is unset.
     continue_partial: continue a request cut after tokens were streamed from those tokens
         (default), instead of starting it over (see the module docstring).
+    stale_samples: async mode ([weights] mode = "async", read from the daemon's routable
+        answer): a sample with a token more than max_staleness versions behind the current one
+        when it is answered is not returned as useful: "regenerate" (default) starts it over
+        from its prompt (counted in stats.stale_samples and tokens_regenerated), "drop" raises
+        StaleSample. Its pieces' versions never decrease (a continuation goes to an engine at
+        the last piece's version or newer), so its oldest token is in its first piece and no
+        prefix of it is within the bound: continuing would regenerate the same tokens.
     """
 
     def __init__(self, supervisor: Any, *, max_attempts: int = 4, request_timeout: float = 300.0,
@@ -329,9 +353,12 @@ class RolloutClient(Continuation):
                  backoff_initial: float = 0.05, backoff_max: float = 2.0, cooldown: float = 1.0,
                  model: str | None = None, follow_events: bool = True, return_token_ids: bool = True,
                  max_line_bytes: int = MAX_LINE_BYTES, api_key: str | None = None,
-                 continue_partial: bool = True):
+                 continue_partial: bool = True, stale_samples: str = "regenerate"):
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if stale_samples not in STALE_SAMPLES:
+            raise ValueError(f"stale_samples must be one of {', '.join(STALE_SAMPLES)}, got {stale_samples!r}")
+        self.stale_samples = stale_samples
         if max_line_bytes < 1:
             raise ValueError("max_line_bytes must be >= 1")
         self.max_line_bytes = max_line_bytes
@@ -355,6 +382,11 @@ class RolloutClient(Continuation):
         self.engines: list[Engine] = []
         self.epoch: int | None = None
         self.weight_version: Any = None
+        self.rule: VersionRule = SYNC_RULE  # the daemon's routing rule, from its routable answer
+        # An in-flight update (trainer/inflight.py): engines being updated take no attempt, and
+        # those it verified at a newer version than the daemon lists yet are listed at it.
+        self._held: set[str] = set()
+        self._verified: dict[tuple[str, int | None], int] = {}  # (engine, incarnation) -> version
         # Every failure report and the daemon's answer (or the error): (engine, detail, answer).
         self.reports: collections.deque[tuple[str, str, Any]] = collections.deque(maxlen=1000)
         self._outstanding: dict[str, int] = collections.defaultdict(int)
@@ -434,7 +466,7 @@ class RolloutClient(Continuation):
 
     def _apply(self, view: Mapping[str, Any]) -> None:
         engines = [Engine(name=e["name"], url=str(e["url"]).rstrip("/"), model=e.get("model"),
-                          weight_version=e.get("weight_version"), incarnation=e.get("incarnation"))
+                          weight_version=self._newest(e), incarnation=e.get("incarnation"))
                    for e in view.get("engines") or ()]
         if view.get("epoch") != self.epoch:
             log.info("rollout: membership epoch %s -> %s: %s", self.epoch, view.get("epoch"),
@@ -442,6 +474,35 @@ class RolloutClient(Continuation):
         self.engines = engines
         self.epoch = view.get("epoch")
         self.weight_version = view.get("weight_version")
+        self.rule = VersionRule.from_answer(view)
+
+    # -- in-flight updates (trainer/inflight.py) ---------------------------------------------
+
+    def _newest(self, entry: Mapping[str, Any]) -> Any:
+        """A listed engine's version, or the newer one an in-flight update verified it at
+        (versions only grow within an incarnation; the daemon learns it at the publish)."""
+        listed = entry.get("weight_version")
+        known = self._verified.get((entry.get("name", ""), entry.get("incarnation")))
+        return known if known is not None and (VersionRule.lag(listed, known) or 0) > 0 else listed
+
+    def hold(self, names: Iterable[str]) -> None:
+        """These engines are being updated: no attempt is sent to them until `updated` (a
+        request would otherwise be served on the new weights under the old version's label)."""
+        self._held.update(names)
+
+    def updated(self, name: str, version: int) -> None:
+        """`name` was verified at `version` and resumed: its next pieces are that version's,
+        whatever the daemon lists until it learns it; it takes attempts again."""
+        for e in self.engines:
+            if e.name == name:
+                self._verified[(name, e.incarnation)] = version
+        self.engines = [dataclasses.replace(e, weight_version=version) if e.name == name else e for e in self.engines]
+        self._held.discard(name)
+
+    def released(self, name: str) -> None:
+        """An update of `name` ended without a new version (failed): it takes attempts again at
+        the version it is listed at."""
+        self._held.discard(name)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -460,7 +521,9 @@ class RolloutClient(Continuation):
                             names = set(ev.get("routable") or ())
                             self.engines = [e for e in self.engines if e.name in names]
                             await self.refresh()
-                        elif kind in (Event.HELLO, Event.RECONNECTED):
+                        elif kind in (Event.HELLO, Event.RECONNECTED, Event.WEIGHTS_PUBLISHED):
+                            # A publish in async mode may leave the set as it was: the
+                            # current version (the staleness bound's reference) is read anew.
                             await self.refresh()
             except asyncio.CancelledError:
                 raise
@@ -483,7 +546,7 @@ class RolloutClient(Continuation):
         """The engine for the next attempt: never one in `exclude` (it failed this request);
         one in `avoid` (it aborted this request) or cooling down only when nothing else is
         left; then the fewest outstanding requests, ties in round robin."""
-        exclude, avoid = set(exclude), set(avoid)
+        exclude, avoid = set(exclude) | self._held, set(avoid)
         now = time.monotonic()
         cands = [e for e in self.engines if e.name not in exclude]
         if not cands:
@@ -628,6 +691,10 @@ class RolloutClient(Continuation):
         if engine is None:
             await self.refresh()  # the daemon may list engines we do not know of yet
             engine = self.pick(failed, aborted)
+        deadline = time.monotonic() + self.request_timeout
+        while engine is None and self._held and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # every engine left is being updated: wait for one back
+            engine = self.pick(failed, aborted)
         if engine is None:
             listed = ", ".join(e.name for e in self.engines) or "none"
             tried = ", ".join(f"{a.engine} ({a.outcome})" for a in attempts) or "none"
@@ -670,6 +737,8 @@ class RolloutClient(Continuation):
         self._attempt_over(engine, rid)
         finished = time.time()
         n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
+        last = Split(engine.name, engine.weight_version, prefix, n, OK, sampling.get("seed"))
+        self._check_staleness(rid, engine, state, last, answer, attempts)
         text, token_ids, logprobs, prompt_ids = await self._joined(engine, rid, answer, state, attempts, aborted)
         attempts.append(Attempt(engine.name, OK))
         return RolloutResult(
@@ -677,8 +746,31 @@ class RolloutClient(Continuation):
             engine=engine.name, url=engine.url, token_ids=token_ids, logprobs=logprobs, prompt_token_ids=prompt_ids,
             n_tokens=prefix + n, attempts=list(attempts), sent=sent, attempt_sent=attempt_sent,
             first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=engine.weight_version,
-            splits=state.splits + [Split(engine.name, engine.weight_version, prefix, n, OK, sampling.get("seed"))],
-            started_over=list(state.started_over))
+            splits=state.splits + [last], started_over=list(state.started_over))
+
+    def _check_staleness(self, rid: str, engine: Engine, state: Partial, last: Split, answer: Answer,
+                         attempts: list[Attempt]) -> None:
+        """Async mode, an answered sample: if a piece's version is more than max_staleness
+        behind the current one (the rule's too_old), it is not returned: started over from the
+        prompt (_Retry) or raised as StaleSample, as `stale_samples` says; counted either way."""
+        if self.rule.mode is not WeightsMode.ASYNC:
+            return
+        splits = state.splits + [last]
+        old = [s for s in splits if self.rule.too_old(s.weight_version, self.weight_version)]
+        if not old:
+            return
+        why = (f"stale: tokens from {', '.join(sorted({repr(s.weight_version) for s in old}))} are more than "
+               f"max_staleness ({self.rule.max_staleness}) versions behind the current {self.weight_version!r}")
+        self.stats.stale_samples += 1
+        attempts.append(Attempt(engine.name, STALE))
+        if self.stale_samples == "drop":
+            log.info("rollout: %s: dropped: %s", rid, why)
+            raise StaleSample(f"request {rid}: {why}", splits=splits, request_id=rid, attempts=attempts)
+        # The answer's tokens were streamed by an attempt whose sample is thrown away.
+        self.stats.tokens_before_fault += answer_tokens(answer)
+        self._start_over(rid, state, why, engine=engine.name, version=engine.weight_version,
+                         extra=answer_tokens(answer))
+        raise _Retry(STALE, f"request {rid}: {why}; regenerated")
 
     def _body(self, engine: Engine, payload: dict[str, Any], sampling: dict[str, Any]) -> dict[str, Any]:
         """An attempt's request body: streamed, with usage and (by default) token ids."""

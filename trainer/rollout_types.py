@@ -38,6 +38,10 @@ class RolloutStats:
     tokens_regenerated: int = 0
     continued: int = 0       # attempts sent as continuations
     started_over: int = 0    # partial outputs thrown away (each a StartOver on the result)
+    # Async mode: samples not returned as useful because a token was older than max_staleness
+    # at return time (or the prefix to continue was): each regenerated from its prompt (its
+    # tokens in tokens_regenerated) or raised as StaleSample, as the client's stale_samples says.
+    stale_samples: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -54,7 +58,8 @@ class Engine:
 
 class Split(NamedTuple):
     """One piece of a sample: output tokens [offset, offset + tokens) came from `engine`, listed
-    at `weight_version` when the attempt was routed; `outcome` is how that attempt ended (OK
+    at `weight_version` when the attempt was routed (in async mode the pieces' versions never
+    decrease: a cut request continues only on an engine at its last piece's version or newer); `outcome` is how that attempt ended (OK
     for the last piece; DIED, ABORT, ... for a piece that was continued). `seed` is the seed
     the piece was sampled with (a continued seeded request gets a derived one: see
     continuation_seed)."""

@@ -229,8 +229,9 @@ class Verbs:
 
     @Verb
     def routable_engines() -> Call[Routable]:
-        """{"epoch", "weight_version", "engines": [{"name", "url", "model", "weight_version"}]}:
-        the engines that may take traffic now. `epoch` changes whenever that set changes."""
+        """{"epoch", "weight_version", "weights": {"mode", "max_staleness"}, "engines": [{"name",
+        "url", "model", "weight_version"}]}: the engines that may take traffic now (the rule
+        `weights` names). `epoch` changes whenever that set changes."""
         return _get(ROUTABLE_PATH)
 
     @Verb
@@ -249,8 +250,10 @@ class Verbs:
     @Verb
     def publish_weights(version: int, checkpoint: str | os.PathLike[str] | None = None,
                         fingerprint: dict[str, Any] | None = None) -> Call[WeightsResult]:
-        """Make `version` current (engines not reporting it go STALE, out of routing, until
-        synced). Idempotent: publishing the current version again (same checkpoint) is a no-op,
+        """Make `version` current: engines at a version the [weights] mode no longer allows go
+        STALE, out of routing, until synced (sync mode: every engine not reporting it; async
+        mode: those more than max_staleness behind it, docs/weights.md#sync-and-async-modes).
+        Idempotent: publishing the current version again (same checkpoint) is a no-op,
         so a retry after a reconnect is safe. ConflictError for a version lower than the
         current one; BadRequest for a checkpoint that is not a directory with *.safetensors and
         config.json, or a malformed fingerprint. A relative checkpoint is made absolute against

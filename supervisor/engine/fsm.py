@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import ProbePolicy, RestartPolicy
-from ..states import DAEMON_LIMIT, PROBED, ROUTABLE, TRANSITIONS, Cause, ProbeOutcome, State, Transition
+from ..states import (DAEMON_LIMIT, PROBED, ROUTABLE, SYNC_RULE, TRANSITIONS, Cause, ProbeOutcome, State, Transition,
+                      VersionRule)
 
 S = State
 Clock = Callable[[], float]
@@ -30,8 +31,15 @@ def vlabel(version: int | str | None) -> str:
     return "base" if version is None else f"v{version}"
 
 
-def _weights(current_version: int | None) -> str:
-    return "base weights" if current_version is None else f"weights {vlabel(current_version)}, verified"
+def _weights(current_version: int | None, held: int | str | None = None) -> str:
+    """What an engine allowed to serve holds: the current version, or (async mode) one within
+    max_staleness behind it (`held`)."""
+    if current_version is None:
+        return "base weights"
+    lag = VersionRule.lag(held, current_version)
+    if lag:
+        return f"weights {vlabel(held)}, verified, {lag} behind {vlabel(current_version)} (within max_staleness)"
+    return f"weights {vlabel(current_version)}, verified"
 
 
 def backoff_delay(failures: int, policy: RestartPolicy, rng: random.Random) -> float:
@@ -159,34 +167,37 @@ class EngineFSM:
         return True
 
     def became_ready(self, weight_version: int | str | None, current_version: int | None,
-                     hold: str | None = None, spare: str | None = None, behind_ok: bool = False) -> Transition:
+                     hold: str | None = None, spare: str | None = None, behind_ok: bool = False,
+                     rule: VersionRule = SYNC_RULE) -> Transition:
         """First healthy answer inside first_wait. Nothing reaches RUNNING on old weights, and
         nothing joins routing during a round (`hold` says why it waits): both are STALE.
         `spare`: the fleet is at its routing target (why): a current engine is kept warm in
         STANDBY instead, whether a round is open or not; with `behind_ok` one behind too (a
-        re-adopted spare, synced only if promoted)."""
+        re-adopted spare, synced only if promoted). "Current": a version `rule` allows."""
         self.ready_at = self.clock()
         self.failed_starts = 0
         self.weight_version = weight_version
         took = self.ready_at - (self.ready_at if self.spawned_at is None else self.spawned_at)
-        current = current_version is None or weight_version == current_version
+        current = rule.allows(weight_version, current_version)
         if spare is not None and (current or behind_ok):
-            what = _weights(current_version) if current else f"weights {vlabel(weight_version)}"
+            what = _weights(current_version, weight_version) if current else f"weights {vlabel(weight_version)}"
             return self.park(f"ready in {took:.1f}s; {what}; {spare}")
         if current and hold is None:
-            return self._go(S.RUNNING, f"ready in {took:.1f}s; {_weights(current_version)}", Cause.READY)
+            return self._go(S.RUNNING, f"ready in {took:.1f}s; {_weights(current_version, weight_version)}",
+                            Cause.READY)
         self.held = hold is not None
         why = hold if current else f"weights {vlabel(weight_version)}, current {vlabel(current_version)}"
         return self._go(S.STALE, f"ready in {took:.1f}s; {why}", Cause.READY)
 
-    def release(self, why: str, current_version: int | None, spare: str | None = None) -> Transition | None:
-        """A held engine at the current version joins routing (in a round gap), or becomes a
-        spare (`spare`: why the fleet does not need it)."""
+    def release(self, why: str, current_version: int | None, spare: str | None = None,
+                rule: VersionRule = SYNC_RULE) -> Transition | None:
+        """A held engine at a version `rule` allows joins routing (in a round gap), or becomes
+        a spare (`spare`: why the fleet does not need it)."""
         self.held = False
-        if current_version is None or self.weight_version == current_version:
+        if rule.allows(self.weight_version, current_version):
             if spare is not None:
-                return self.park(f"{why}; {_weights(current_version)}; {spare}")
-            return self._go(S.RUNNING, f"{why}; {_weights(current_version)}", Cause.RELEASED)
+                return self.park(f"{why}; {_weights(current_version, self.weight_version)}; {spare}")
+            return self._go(S.RUNNING, f"{why}; {_weights(current_version, self.weight_version)}", Cause.RELEASED)
         self.reason = f"{why}; weights {vlabel(self.weight_version)}, current {vlabel(current_version)}"
         return None
 
@@ -195,11 +206,12 @@ class EngineFSM:
         self.held = False
         return self._go(S.STANDBY, reason, Cause.SPARE)
 
-    def promote(self, why: str, current_version: int | None) -> Transition:
-        """A spare takes a failed engine's place (in a round gap): RUNNING at the current
-        version, else STALE, to be synced and verified before it serves."""
-        if current_version is None or self.weight_version == current_version:
-            return self._go(S.RUNNING, f"promoted: {why}; {_weights(current_version)}", Cause.PROMOTED)
+    def promote(self, why: str, current_version: int | None, rule: VersionRule = SYNC_RULE) -> Transition:
+        """A spare takes a failed engine's place (in a round gap): RUNNING at a version `rule`
+        allows, else STALE, to be synced and verified before it serves."""
+        if rule.allows(self.weight_version, current_version):
+            return self._go(S.RUNNING, f"promoted: {why}; {_weights(current_version, self.weight_version)}",
+                            Cause.PROMOTED)
         return self._go(S.STALE, f"promoted: {why}; weights {vlabel(self.weight_version)}, current "
                                  f"{vlabel(current_version)}: synced first", Cause.PROMOTED)
 
@@ -340,16 +352,16 @@ class EngineFSM:
         return self.probe_result(ProbeOutcome(False, f"reported: {detail}"), reported=True)
 
     def recovered(self, weight_version: int | str | None, current_version: int | None,
-                  hold: str | None = None, spare: str | None = None) -> Transition:
+                  hold: str | None = None, spare: str | None = None, rule: VersionRule = SYNC_RULE) -> Transition:
         """An attached engine answering again after UNHEALTHY/EXITED. Like a new engine, it
-        joins routing only in a round gap (`hold` says why it waits) and at the current version,
-        or becomes a spare."""
+        joins routing only in a round gap (`hold` says why it waits) and at a version `rule`
+        allows, or becomes a spare."""
         self.consecutive_failures = 0
         self.limit_since = None
         self.weight_version = weight_version
-        current = current_version is None or weight_version == current_version
+        current = rule.allows(weight_version, current_version)
         if current and spare is not None:
-            return self.park(f"recovered; {_weights(current_version)}; {spare}")
+            return self.park(f"recovered; {_weights(current_version, weight_version)}; {spare}")
         if current and hold is None:
             return self._go(S.RUNNING, "recovered: answering probes again", Cause.RECOVERED)
         self.held = hold is not None

@@ -42,7 +42,7 @@ from .process import (
     read_tail,
 )
 from ..protocol import Event
-from ..states import DAEMON_LIMIT, PROCESS_STATES, Cause, ProbeOutcome, State, Transition, detection_kind
+from ..states import DAEMON_LIMIT, PROCESS_STATES, Cause, ProbeOutcome, State, Transition, VersionRule, detection_kind
 from ..tasks import TaskSet, cancel_and_wait, wait_event, within
 from .warmup import WarmupFailed, warm_up
 
@@ -65,6 +65,7 @@ class RestartGate(Protocol):
 
     target: int | None
     current_version: int | None
+    rule: VersionRule  # which versions may serve (states.VersionRule)
 
     def may_restart(self, *, spare: bool = False) -> tuple[bool, str | None]: ...
     def hold_reason(self) -> str | None: ...
@@ -344,7 +345,7 @@ class EngineRunner:
                 # spares behind: it is synced if it is ever promoted).
                 keep = proc.adopted and self.adoption.standby and self.cfg.spares_sync == "promotion"
                 fsm.became_ready(version, self.policy.current_version, hold=hold, spare=self._spare(),
-                                 behind_ok=keep)
+                                 behind_ok=keep, rule=self.policy.rule)
                 await self._supervise(proc, exited)
                 return
         if self._stop_reason is not None:  # an operator stopped it while it was starting
@@ -518,7 +519,8 @@ class EngineRunner:
                         log.info("engine.weight_version_kept", engine=self.name, version=version,
                                  why=f"{read.detail}; the process never stopped, so it holds what it had")
                     self.fsm.recovered(version, self.policy.current_version,
-                                       hold=self.policy.hold_reason(), spare=self._spare())
+                                       hold=self.policy.hold_reason(), spare=self._spare(),
+                                       rule=self.policy.rule)
                 elif self.fsm.probe_result(outcome):
                     return
             await schedule.wait_next(started, failing=bool(self.fsm.consecutive_failures))
@@ -667,14 +669,14 @@ class EngineRunner:
     def release(self, why: str, current_version: int | None) -> None:
         """A held STALE engine joins routing (in a round gap) if it holds `current_version`,
         or becomes a spare if the fleet does not need it."""
-        self.fsm.release(why, current_version, spare=self._spare())
+        self.fsm.release(why, current_version, spare=self._spare(), rule=self.policy.rule)
 
     def park(self, why: str) -> None:
         """STANDBY now, weights as they are (synced when promoted)."""
         self.fsm.park(why)
 
     def promote(self, why: str, current_version: int | None) -> None:
-        self.fsm.promote(why, current_version)
+        self.fsm.promote(why, current_version, rule=self.policy.rule)
 
     def _spare(self) -> str | None:
         """Why this engine, ready now, would be a spare: None if the fleet needs it (or has
@@ -831,7 +833,7 @@ class EngineRunner:
             await within(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
             hold = None if self.adoption.routable else self.policy.hold_reason()
             fsm.became_ready(await self.prober.weight_version(), self.policy.current_version, hold=hold,
-                             spare=self._spare())
+                             spare=self._spare(), rule=self.policy.rule)
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)", Cause.SLOW_START)
         await asyncio.sleep(self.phase)
@@ -845,7 +847,7 @@ class EngineRunner:
                 if ok_streak >= probe.success_threshold:
                     # Membership grows only in a round gap: held STALE until the round ends.
                     fsm.recovered(await self.prober.weight_version(), self.policy.current_version,
-                                  hold=self.policy.hold_reason(), spare=self._spare())
+                                  hold=self.policy.hold_reason(), spare=self._spare(), rule=self.policy.rule)
                     ok_streak = 0
             elif fsm.probed and self.cfg.use_fault_tolerance:
                 fsm.probe_result(await self._probe_once(started))

@@ -1,7 +1,8 @@
 """The router follows the daemon: its worker list is kept equal to the routable set.
 
 A reconcile loop (one task): the desired set is the daemon's routable engines (the fleet's one
-rule, Fleet.is_routable: RUNNING or SUSPECT at the current weight version, verified), less
+rule, Fleet.is_routable: RUNNING or SUSPECT, verified at a weight version the [weights] mode
+allows, states.VersionRule: the current one in sync mode, up to max_staleness behind in async), less
 those being drained; the actual set is the router's own list. Their diff (router/plan.py, pure)
 is applied on every membership change and every `period` (drift repair: a router restarted
 empty, a hand edit). Between two, the list is read every `watch` seconds (one GET), and an
@@ -259,7 +260,7 @@ class RouterFeed(Listener):
             await self._remove(url, why="left the routable set while it was being added")
             return False
         log.info("router.added", engine=engine, url=url, router=self.router.url)
-        self.fleet.emit(Event.ROUTER, action="added", engine=engine, url=url, why="routable at the current version")
+        self.fleet.emit(Event.ROUTER, action="added", engine=engine, url=url, why="routable: verified at a version the mode allows")
         return True
 
     async def _out_if_listed(self, url: str) -> None:

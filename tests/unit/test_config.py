@@ -101,7 +101,7 @@ def test_good_config_with_every_section(tmp_path):
 
 def test_unknown_top_level_key(good):
     assert problems({**good, "healthcheck": {}}) == [
-        "healthcheck: unknown key (known: engine_defaults, engines, health_check, restart, router, supervisor, warmup)"]
+        "healthcheck: unknown key (known: engine_defaults, engines, health_check, restart, router, supervisor, warmup, weights)"]
 
 
 def test_unknown_key_in_health_check(good):
@@ -297,7 +297,7 @@ def test_several_problems_are_all_reported_together(tmp_path):
         ],
     }
     assert problems(raw) == [
-        "extra: unknown key (known: engine_defaults, engines, health_check, restart, router, supervisor, warmup)",
+        "extra: unknown key (known: engine_defaults, engines, health_check, restart, router, supervisor, warmup, weights)",
         "supervisor.use_fault_tolerance: must be true or false, got 'yes'",
         "health_check.interval: must be a number, got 'ten'",
         "health_check.intervall: unknown key "

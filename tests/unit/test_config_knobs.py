@@ -33,7 +33,8 @@ def every_setting() -> list[knobs.Setting]:
 def test_the_key_and_flag_tables_are_the_declarations():
     assert config_mod._TOP == set(SECTIONS)
     tables = {"supervisor": config_mod._SUPERVISOR, "health_check": config_mod._HEALTH,
-              "warmup": config_mod._WARMUP, "restart": config_mod._RESTART, "router": config_mod._ROUTER,
+              "warmup": config_mod._WARMUP, "restart": config_mod._RESTART, "weights": config_mod._WEIGHTS,
+              "router": config_mod._ROUTER,
               "engine_defaults": config_mod._DEFAULTS, "engines": config_mod._ENGINE}
     assert set(tables) == set(SECTIONS)
     for name, cls in SECTIONS.items():
@@ -41,7 +42,8 @@ def test_the_key_and_flag_tables_are_the_declarations():
     assert config_mod._FLAG_KEYS == {s.dest: (s.section, s.key) for s in every_setting() if s.knob.flag}
     # What the daemon reads the file into, besides its own settings, carries no knob.
     assert {f.name for f in dataclasses.fields(config_mod.Config) if not f.metadata} == {
-        "engines", "probe", "restart", "engine_env", "engine_args", "warmup", "api_key", "router", "warnings"}
+        "engines", "probe", "restart", "engine_env", "engine_args", "warmup", "weights", "api_key", "router",
+        "warnings"}
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=[p.name for p in SOURCES])
@@ -111,16 +113,20 @@ def test_a_flag_reaches_the_key_it_declares(tmp_path):
             "metrics_address": "127.0.0.1:9464",
             "runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "log"),
             "state_dir": str(tmp_path / "state"), "engine_cache_dir": str(tmp_path / "cache"),
-            "router_url": "http://127.0.0.1:30000"}
+            "router_url": "http://127.0.0.1:30000", "weights_mode": "async"}
     for s in every_setting():
         if not s.knob.flag:
             continue
         value = strs[s.dest] if s.toml is str else given[s.toml.__name__]
         overrides = {"router_url": strs["router_url"]} if s.section == "router" else {}
         cfg = build(raw, {**overrides, s.dest: value})
-        holder = {"supervisor": cfg, "health_check": cfg.probe, "warmup": cfg.warmup, "restart": cfg.restart,
-                  "router": cfg.router}[s.section]
-        assert getattr(holder, s.key) == value, s.dest
+        assert getattr(holder(cfg, s.section), s.key) == value, s.dest
+
+
+def holder(cfg, section: str):
+    """The object of the built config that holds `section`'s keys."""
+    return {"supervisor": cfg, "health_check": cfg.probe, "warmup": cfg.warmup, "restart": cfg.restart,
+            "weights": cfg.weights, "router": cfg.router}[section]
 
 
 # -- the bounds -----------------------------------------------------------------------------
@@ -180,7 +186,7 @@ def test_each_bound_refuses_past_its_edge_and_takes_the_edge(good, s):
 @pytest.mark.parametrize("s", CHOOSING, ids=[s.where for s in CHOOSING])
 def test_each_choice_is_taken_and_nothing_else(good, s):
     for value in s.knob.choices:
-        assert getattr(build(with_value(good, s, value)), s.key) == value
+        assert getattr(holder(build(with_value(good, s, value)), s.section), s.key) == value
     with pytest.raises(ConfigError) as ei:
         build(with_value(good, s, "other"))
     assert ei.value.problems == [f"{s.where}: must be one of {', '.join(s.knob.choices)}, got 'other'"]

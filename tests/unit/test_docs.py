@@ -29,6 +29,7 @@ SCHEMAS = {
     "health_check": config_mod._HEALTH,
     "warmup": config_mod._WARMUP,
     "restart": config_mod._RESTART,
+    "weights": config_mod._WEIGHTS,
     "engine_defaults": config_mod._DEFAULTS,
     "engines": config_mod._ENGINE,
     "router": config_mod._ROUTER,
@@ -93,7 +94,8 @@ def built(tmp_path_factory) -> config_mod.Config:
 
 def actual_default(cfg: config_mod.Config, section: str, key: str):
     """What the daemon holds for a key the file leaves out; None where there is no one value."""
-    where = {"supervisor": cfg, "health_check": cfg.probe, "warmup": cfg.warmup, "restart": cfg.restart}
+    where = {"supervisor": cfg, "health_check": cfg.probe, "warmup": cfg.warmup, "restart": cfg.restart,
+             "weights": cfg.weights}
     if section in where:
         return getattr(where[section], key)
     if section == "engine_defaults":

@@ -382,3 +382,105 @@ def test_is_this_pid_ours_is_answered_in_one_module(name):
         return
     found = ownership_checks(ast.parse(MODULES[name].read_text()))
     assert not found, f"{name} decides whether a process is ours: use engine/adoption.py's verdict ({found})"
+
+
+# -- one routing rule ---------------------------------------------------------------------------
+
+RULE = "vime.supervisor.states"  # VersionRule: which weight versions may serve
+# The routing verdicts, each of which asks the rule (a call of `allows`) and compares no engine's
+# weight version itself: the daemon's policy, publish, syncs and promotions, the state machine's
+# entries into serving, the cluster's view and its publish (which compares the node daemon's own
+# version, acknowledged or not: not an engine's, so it is judged on asking the rule only).
+VERDICTS = {
+    "vime.supervisor.policy": ("FleetPolicy.allows",),
+    "vime.supervisor.fleet": ("Fleet.publish_weights",),
+    "vime.supervisor.sync": ("SyncCoordinator.promote_spares", "SyncCoordinator.sync_spares",
+                             "SyncCoordinator.consider"),
+    "vime.supervisor.engine.fsm": ("EngineFSM.became_ready", "EngineFSM.release", "EngineFSM.promote",
+                                   "EngineFSM.recovered"),
+    "vime.cluster.view": ("ClusterView.routable",),
+}
+ASKS_ONLY = {"vime.cluster.client": ("AsyncClusterClient._unacknowledged_out",)}
+
+
+def _is_version(node: ast.AST) -> bool:
+    """A weight version read directly: x.weight_version, weight_version, e.get("weight_version"),
+    e["weight_version"] (one passed to a call, as allows(r.weight_version), is not compared)."""
+    if isinstance(node, ast.Name):
+        return node.id == "weight_version"
+    if isinstance(node, ast.Attribute):
+        return node.attr == "weight_version"
+    key = None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+        key = node.args[0]
+    elif isinstance(node, ast.Subscript):
+        key = node.slice
+    return isinstance(key, ast.Constant) and key.value == "weight_version"
+
+
+def bound_applied(tree: ast.AST) -> list[str]:
+    """Where `tree` applies the staleness bound itself: max_staleness in a comparison or in
+    arithmetic."""
+    return [f"line {n.lineno}" for n in ast.walk(tree)
+            if (isinstance(n, ast.BinOp) or isinstance(n, ast.Compare)
+                and not all(isinstance(op, (ast.In, ast.NotIn)) for op in n.ops))
+            and any(isinstance(x, ast.Name) and x.id == "max_staleness"
+                    or isinstance(x, ast.Attribute) and x.attr == "max_staleness" for x in ast.walk(n))]
+
+
+def version_compared(tree: ast.AST) -> list[str]:
+    """Where `tree` compares a weight version itself (==, !=, <, ... with one on a side); `is
+    None` tests are not comparisons of versions."""
+    return [f"line {n.lineno}" for n in ast.walk(tree)
+            if isinstance(n, ast.Compare) and not all(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops)
+            and any(_is_version(x) for x in (n.left, *n.comparators))]
+
+
+def function(tree: ast.Module, qualname: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    cls, _, fn = qualname.rpartition(".")
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == fn:
+                    return item
+    return None
+
+
+def asks_the_rule(fn: ast.AST) -> bool:
+    """A call of `allows` (the rule's, or the fleet policy's that asks it), or of a local name
+    bound to it."""
+    return any(isinstance(n, ast.Call) and (isinstance(n.func, ast.Attribute) and n.func.attr == "allows"
+                                            or isinstance(n.func, ast.Name) and n.func.id == "allows")
+               for n in ast.walk(fn))
+
+
+def test_a_second_copy_of_the_routing_rule_is_found():
+    # The checks below must be able to fail: the comparisons the verdicts held before the rule.
+    src = ("def routable(self, e, r):\n"
+           "    return e.get('weight_version') == self.weight_version or r.weight_version != 3\n"
+           "def allowed(v, cur, max_staleness):\n    return cur - v <= max_staleness\n")
+    tree = ast.parse(src)
+    assert version_compared(tree) == ["line 2", "line 2"] and bound_applied(tree) == ["line 4"]
+    assert not asks_the_rule(tree)
+    assert version_compared(ast.parse("x = r.weight_version is None or allows(r.weight_version) == ok\n")) == []
+    assert bound_applied(ast.parse("ok = 'max_staleness' in table\n")) == []
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith(("vime.supervisor", "vime.cluster",
+                                                                             "vime.trainer"))))
+def test_the_staleness_bound_is_applied_by_the_rule_alone(name):
+    found = bound_applied(ast.parse(MODULES[name].read_text()))
+    if name == RULE:
+        assert found, "the rule's bound moved: update this check"
+        return
+    assert not found, f"{name} applies max_staleness itself: ask states.VersionRule ({found})"
+
+
+@pytest.mark.parametrize("name, qualname, strict", [(m, q, True) for m, qs in VERDICTS.items() for q in qs]
+                         + [(m, q, False) for m, qs in ASKS_ONLY.items() for q in qs])
+def test_each_routing_verdict_asks_the_one_rule(name, qualname, strict):
+    fn = function(ast.parse(MODULES[name].read_text()), qualname)
+    assert fn is not None, f"{name}.{qualname} moved: update VERDICTS"
+    assert asks_the_rule(fn), f"{name}.{qualname} decides routing without states.VersionRule.allows"
+    found = version_compared(fn) if strict else []
+    assert not found, f"{name}.{qualname} compares weight versions itself: ask the rule ({found})"

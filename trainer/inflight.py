@@ -1,0 +1,145 @@
+"""An in-flight weight update (async mode, abort + continue): the engines take a new version
+while requests stream, in waves, so that the fleet never drops below a serving fraction.
+
+For each wave, for each of its engines at once: the rollout clients hold it (no new attempt
+goes to it), `POST /pause?mode=abort` ends every request in flight on it with finish reason
+"abort" and the tokens so far (again until the clients have no attempt left on it: one sent
+just before the hold may reach it paused), the weights are pushed (`push`, the caller's:
+weight_sync's sender, a checkpoint reload), `/weight_info` must say the version, `POST /resume`,
+and the clients list it at the new version. A cut request is a cut request: the client
+continues it from its streamed tokens (trainer/continuation.py) on an engine at its last
+piece's version or newer, the first one back if every other is held, so its `splits` say which
+tokens each version made. After the last wave the version is published to the daemon.
+
+    update = InFlightUpdate([rollout], push=push_into, serving_fraction=0.5)
+    report = await update.run(7, supervisor=AsyncSupervisorClient())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+import aiohttp
+
+from vime.supervisor.states import VersionRule
+
+from .rollout import RolloutClient
+from .rollout_types import Engine
+
+__all__ = ["InFlightUpdate", "UpdateReport", "waves"]
+
+Push = Callable[[Engine, int], Awaitable[None]]
+
+
+def waves(names: Sequence[str], serving_fraction: float) -> list[list[str]]:
+    """The engines in waves, in order, each small enough that ceil(serving_fraction x N) serve
+    while it updates: 0 updates all at once. ValueError when no wave can keep that floor."""
+    if not 0 <= serving_fraction < 1:
+        raise ValueError(f"serving_fraction must be in [0, 1) (the share of engines that keep serving during an "
+                         f"update), got {serving_fraction!r}")
+    n = len(names)
+    floor = math.ceil(serving_fraction * n)
+    if n and floor >= n:
+        raise ValueError(f"serving_fraction {serving_fraction:g} keeps all {n} engine(s) serving: none could be "
+                         f"updated; lower it (at most {(n - 1) / n:g} for {n} engines)")
+    size = max(1, n - floor)
+    return [list(names[i:i + size]) for i in range(0, n, size)]
+
+
+@dataclass
+class UpdateReport:
+    """What one update did: its waves, each engine's time from pause to serving again, the
+    fewest engines serving at any point, and the engines whose update failed (why)."""
+
+    version: int
+    waves: list[list[str]]
+    seconds: dict[str, float] = field(default_factory=dict)
+    serving_min: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    published: Any = None  # the daemon's answer to the publish
+
+
+class InFlightUpdate:
+    """`clients`: the rollout clients sending to these engines (each holds and relists them);
+    `engines`: default the first client's routable engines; `push(engine, version)`: puts the
+    version's weights into the paused engine; `serving_fraction`: the share that keeps serving
+    (waves); `api_key`: the engines' key, as the rollout client's."""
+
+    def __init__(self, clients: Sequence[RolloutClient], *, push: Push, engines: Sequence[Engine] | None = None,
+                 serving_fraction: float = 0.5, timeout: float = 60.0, api_key: str | None = None):
+        if not clients:
+            raise ValueError("give the rollout clients that send to these engines (they hold and relist them)")
+        self.clients, self.push, self.timeout = list(clients), push, timeout
+        self.engines = list(engines) if engines is not None else list(clients[0].engines)
+        waves([e.name for e in self.engines], serving_fraction)  # refused now, not mid-update
+        self.serving_fraction = serving_fraction
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def run(self, version: int, *, supervisor: Any = None) -> UpdateReport:
+        """Update every engine to `version` wave by wave; then publish it to `supervisor` (an
+        AsyncSupervisorClient) when given. An engine whose update fails is resumed as it was
+        and named in `failed` (its /weight_info decides what the daemon makes of it)."""
+        plan = waves([e.name for e in self.engines], self.serving_fraction)
+        report = UpdateReport(version, plan, serving_min=len(self.engines))
+        by_name = {e.name: e for e in self.engines}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
+            for wave in plan:
+                for c in self.clients:
+                    c.hold(wave)
+                report.serving_min = min(report.serving_min, len(self.engines) - len(wave))
+                await asyncio.gather(*(self._one(session, by_name[n], version, report) for n in wave))
+        if supervisor is not None:
+            report.published = await supervisor.publish_weights(version)
+        return report
+
+    async def _one(self, session: aiohttp.ClientSession, engine: Engine, version: int, report: UpdateReport) -> None:
+        t0 = time.monotonic()
+        ok = False
+        try:
+            await self._pause_until_clear(session, engine)
+            await self.push(engine, version)
+            got = await self._weight_version(session, engine)
+            if VersionRule.lag(got, version) != 0:
+                raise RuntimeError(f"/weight_info says {got!r} after the push, not {version}")
+            ok = True
+        except Exception as e:
+            report.failed[engine.name] = f"{type(e).__name__}: {e}"
+        finally:
+            try:
+                await self._post(session, engine, "/resume")
+            except Exception as e:  # dead or gone: the daemon sees it; the clients' failures report it
+                report.failed.setdefault(engine.name, f"resume: {type(e).__name__}: {e}")
+                ok = False
+            for c in self.clients:
+                if ok:
+                    c.updated(engine.name, version)
+                else:
+                    c.released(engine.name)
+            report.seconds[engine.name] = round(time.monotonic() - t0, 4)
+
+    async def _pause_until_clear(self, session: aiohttp.ClientSession, engine: Engine) -> None:
+        """Paused with abort, again until no client has an attempt on it (an attempt sent just
+        before the hold may reach the engine after the pause, and wait there for the resume)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            await self._post(session, engine, "/pause?mode=abort")
+            if not any(c.outstanding().get(engine.name) for c in self.clients):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests still in flight on {engine.name} {self.timeout:g}s after its pause")
+            await asyncio.sleep(0.02)
+
+    async def _post(self, session: aiohttp.ClientSession, engine: Engine, path: str) -> None:
+        async with session.post(f"{engine.url}{path}", headers=self._auth) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{engine.name} answered {path} with HTTP {r.status}: {(await r.text())[:200]}")
+
+    async def _weight_version(self, session: aiohttp.ClientSession, engine: Engine) -> int | str | None:
+        async with session.get(f"{engine.url}/weight_info", headers=self._auth) as r:
+            body = await r.json(content_type=None)
+        raw = body.get("weight_version") if isinstance(body, dict) else None
+        return int(raw) if isinstance(raw, str) and raw.isdigit() else raw
