@@ -12,7 +12,6 @@ import contextlib
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from vime.cluster.view import ClusterView
 from vime.supervisor.config import Config, EngineSpec, ProbePolicy, RestartPolicy, RouterConfig, WeightsPolicy
@@ -27,7 +26,7 @@ from vime.supervisor.states import SYNC_RULE, Cause, State, VersionRule, Weights
 from vime.supervisor.status import fleet_status, routable_view
 
 from support.standin_inproc import InProcessEngines
-from test_router_plan import StandinRouter
+from support.standin_router import StandinRouter
 
 ASYNC1 = VersionRule(WeightsMode.ASYNC, 1)
 
@@ -246,11 +245,7 @@ async def shown(sup: Supervisor) -> None:
 
 async def test_the_router_feed_keeps_the_engines_the_rule_allows_and_removes_the_others(tmp_path):
     fake = StandinRouter()
-    runner = web.AppRunner(fake.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    url = fake.url
     try:
         async with fleets(tmp_path) as fleet_at, aiohttp.ClientSession() as session:
             sup = await fleet_at([5, 4, 3], mode="async", max_staleness=1)
@@ -258,18 +253,19 @@ async def test_the_router_feed_keeps_the_engines_the_rule_allows_and_removes_the
             sup.bus.add_listener(feed)
             await feed.reconcile()
             e = {n: r.spec.base_url for n, r in sup.fleet.runners.items()}
-            assert sorted(fake.workers) == sorted(e.values())  # nothing published: all serve
+            assert sorted(fake.workers()) == sorted(e.values())  # nothing published: all serve
             await sup.fleet.publish_weights(5, None)
             await asyncio.wait_for(asyncio.gather(*feed._pending), 10)
             await feed.reconcile()
-            assert sorted(fake.workers) == sorted([e["e0"], e["e1"]]) and fake.deletes == [e["e2"]]
+            assert sorted(fake.workers()) == sorted([e["e0"], e["e1"]])
+            assert [u for _, u in fake.deletes] == [e["e2"]]
             await sup.fleet.publish_weights(6, None)
             await asyncio.wait_for(asyncio.gather(*feed._pending), 10)
             await feed.reconcile()
-            assert fake.workers == [e["e0"]]
+            assert fake.workers() == [e["e0"]]
             await feed.close()
     finally:
-        await runner.cleanup()
+        fake.close()
 
 
 # -- the cluster view -------------------------------------------------------------------------
