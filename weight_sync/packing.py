@@ -263,6 +263,7 @@ class ChainRelay:
         self._done = 0  # chunks arrived (and their forwards posted)
         self._sends: list = []
         self.longest_wait_s = 0.0  # the longest this hop waited for one chunk: its margin to the window
+        self.forwarded = 0  # sends completed (the next rank took them); `received` is chunks arrived
 
     def _wait(self, work, what: str, index: int) -> None:
         t0 = time.monotonic()
@@ -275,6 +276,16 @@ class ChainRelay:
             raise ChainStalled(what, index, self._timeout, e) from None
         finally:
             self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - t0)
+        if what == "send":
+            self.forwarded += 1
+
+    @property
+    def received(self) -> int:
+        return self._done
+
+    def counters(self) -> tuple[int, int, float]:
+        """What progress.Reporter reports: chunks received, chunks forwarded, longest wait."""
+        return self._done, self.forwarded, self.longest_wait_s
 
     def add(self, buf: torch.Tensor) -> "_Through":
         flat = buf.reshape(-1)
