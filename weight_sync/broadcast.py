@@ -32,15 +32,19 @@ attempt ends by its deadline (the first attempt's) or by the bound less TEARDOWN
 which so always fits inside the bound, and the finish's after a collective that succeeded);
 whatever is still open then is cut and reported.
 
-A stalled receiver is found by progress: in the chain every hop waits at most ``stall_s`` (the
-stall window, default DEFAULT_STALL_S) for its next chunk to arrive or be taken, so a rank
-stopped anywhere in the chain fails both its neighbours within the window (packing.ChainStalled,
-which names the hop and the chunk), and every live rank answers at once after. On a failure the
-trainer destroys its end of the group (closing its sockets fails its direct peers' receives at
-once), cuts the call of an engine that does not answer GET /health (stopped, gone), awaits the
-others' answers one stall window at most, and redoes the survivors over a new group. A slow but
-moving receiver is never cut: only a window without one chunk is a stall. Every thread is joined
-or ends with its call; none outlives a push by more than its socket timeout.
+A stalled receiver is found by progress: every receiving rank of a chain reports its relay's
+progress to the group's store (progress.Reporter, under ``update_info.progress_key``) and the
+trainer reads the reports as the transfer runs (progress.ProgressWatch). A receiver whose
+reports do not move for ``stall_s`` (the stall window, default DEFAULT_STALL_S) is stopped: only
+it is condemned ("unreachable", its call cut), whenever that is seen, in the transfer or while
+the others' answers are awaited. One that keeps reporting is alive, however slow, starved by a
+stopped upstream or backed up behind a stopped downstream: never condemned, its answer awaited
+up to the attempt's end. Every hop also waits at most the window for its next chunk
+(packing.ChainStalled), which only ends that live receiver's receive (intact, redone). On a
+failure the trainer destroys its end of the group (closing its sockets fails its direct peers'
+receives at once), cuts the stopped ones (and one that sent no report in a window and does not
+answer GET /health), and redoes the survivors over a new group. Every thread is
+joined or ends with its call; none outlives a push by more than its socket timeout.
 
 Failure semantics: `push` never raises for an engine's fault. It returns one `PushResult` per
 URL with ``status``: "ok", "intact" (nothing loaded, resumed on its old weights: safe to push
@@ -102,10 +106,11 @@ OnDone = Callable[[dict[str, PushResult]], None]
 GRACE_S = 5.0  # on top of a deadline, for the HTTP answer that follows the last byte
 PROBE_S = 2.0  # after a failed collective: an engine silent on /health this long is cut
 TEARDOWN_S = 2.0  # kept at the end of a push's bound to cut what is still open and join it
-# The chain's stall window: a hop that moves no chunk for this long fails (packing.ChainStalled),
-# its stopped receiver is cut and the survivors are redone. Twice the longest whole healthy chain
-# push measured on a loaded 2-core host (3.5 s): a hop waits at most a push, so no healthy but
-# slow receiver is condemned (docs/weights.md).
+# The chain's stall window: a receiver whose progress reports do not move for this long is judged
+# stopped and cut (progress.ProgressWatch); a hop that moves no chunk for this long fails
+# (packing.ChainStalled: intact, redone). Healthy chain pushes into 8 receivers on this loaded
+# 2-core host paused a live rank's reports STALL_SILENCE and a hop's chunk STALL_HOP at most
+# (docs/weights.md): 7 s is the margin for real engines, whose calls start apart, and busier hosts.
 DEFAULT_STALL_S = 7.0
 
 
@@ -481,6 +486,7 @@ class FleetSender:
         info: dict[str, Any]
         watch: ProgressWatch | None = None
         self.last_watch = None
+        started = time.monotonic()
         store = self._store  # kept to read the reports after the group is torn down
         if self.backend == "nccl":  # vLLM's update_info; one NCCL broadcast, no stall window
             stall = deadline
@@ -508,7 +514,7 @@ class FleetSender:
             read_reports(store, str(info["progress_key"]), watch)  # the last ones: longest waits
         if failed:
             self._cut_the_transfer(send, calls, futs, deadline, stall, store,
-                                   info.get("progress_key"), watch)
+                                   info.get("progress_key"), watch, started)
         del store
         answers = self._settle_all(calls, futs)
         try:
@@ -573,7 +579,7 @@ class FleetSender:
 
     def _cut_the_transfer(self, send: cf.Future, calls: dict[str, Call], futs: dict[str, cf.Future],
                           deadline: float, stall: float, store: Any = None, key: str | None = None,
-                          watch: ProgressWatch | None = None) -> None:
+                          watch: ProgressWatch | None = None, started: float = 0.0) -> None:
         """The transfer failed (or ran out of time): destroy our end of the group, cut the call of
         each receiver that stopped, and await every other one's answer (a live one's hop fails
         within a stall window: packing.ChainStalled), never past the attempt's end.
@@ -597,13 +603,14 @@ class FleetSender:
         for u in stopped:
             calls[u].cancel()
         # An engine that sent no report and does not answer /health (vLLM serves it beside a
-        # transfer) for a stall window is stopped or gone: cut its call now rather than wait out
-        # the deadline. (The window, not less: a busy host's healthy engine may answer late.)
+        # transfer) is stopped or gone: cut its call now rather than wait out the deadline. With
+        # reports, one that sent none is probed PROBE_S only once it had a window to send one
+        # (a live receiver reports within a period of its receive's start).
         silent = [u for u, f in futs.items()
                   if not f.done() and u not in stopped and (watch is None or not watch.reporting(u))]
         if silent:
-            probe = min(self.http_timeout, max(PROBE_S, stall) if watch is not None else PROBE_S)
-            probes = self._each(silent, "GET", "/health", timeout=probe)
+            probe = PROBE_S if watch is None else max(PROBE_S, stall - (time.monotonic() - started))
+            probes = self._each(silent, "GET", "/health", timeout=min(self.http_timeout, probe))
             for u in silent:
                 if isinstance(probes[u], HttpFailure):
                     calls[u].cancel()

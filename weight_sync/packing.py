@@ -246,8 +246,9 @@ class ChainRelay:
     return its Work; `timeout` (a timedelta) bounds each wait: it is the stall window, the
     longest a hop may go without moving one chunk (a receive that gets nothing from the previous
     rank, a send the next rank does not take). A wait past it raises `ChainStalled`, which names
-    the hop and the chunk, so a stopped rank fails its neighbours within the window, not after
-    the push's deadline. The chunks of every buffer `add`ed
+    the hop and the chunk, so a live rank next to a stopped one ends its receive within the
+    window, not after the push's deadline (which side stopped, the trainer judges from each
+    rank's progress reports: `counters`, vime.weight_sync.progress). The chunks of every buffer `add`ed
     form one sequence: receives are posted RECV_AHEAD chunks ahead in that order (gloo matches a
     peer's sends to our receives in posting order), across buffers, so the sender never waits on
     us to post one; at most RELAY_WINDOW sends are in flight. `add` returns a Work for the buffer

@@ -334,10 +334,9 @@ def test_a_receiver_stopped_mid_chain_costs_the_others_about_the_stall_window(st
             seen["reported"] = float(victim_rank in fs.last_watch.seen)
             seen["fault"] = time.monotonic()
             os.kill(victim_proc.pid, signal.SIGSTOP)
-        if step == "transfer_failed":
-            seen["judged_stopped"] = float(victim in info["stopped"])
-        if step == "stopped" and info["receiver"] == victim:
-            seen["judged_stopped"] = 1.0
+        if (step == "transfer_failed" and victim in info["stopped"]
+                or step == "stopped" and info["receiver"] == victim):
+            seen["judged_stopped"] = time.monotonic()
 
     halt = threading.Event()
     cycler = threading.Thread(target=stop_and_go, args=(slow_proc.pid, 0.3, 0.2, halt), daemon=True)
@@ -370,16 +369,19 @@ def test_a_receiver_stopped_mid_chain_costs_the_others_about_the_stall_window(st
     for u in urls:
         if u != victim:
             assert state(u)["version"] == "22"
-    found = seen["transfer_failed"] - seen["fault"]
-    print(f"stall window {stall}s: found {found:.2f}s after the fault, push {took:.2f}s "
-          f"(healthy {healthy:.2f}s, its longest hop wait {longest:.2f}s; deadline {deadline:.1f}s, "
-          f"bound {bound:.1f}s)")
-    # Found within about the window: its last report at most a report period before the fault,
-    # seen at most a period after it, judged a window later (or a neighbour's hop failed first).
-    assert found < stall + 1.5, found
+    failed = seen["transfer_failed"] - seen["fault"]
+    judged = seen["judged_stopped"] - seen["fault"]
+    print(f"stall window {stall}s: the transfer failed {failed:.2f}s and the stopped one was judged "
+          f"{judged:.2f}s after the fault, push {took:.2f}s (healthy {healthy:.2f}s, its longest hop "
+          f"wait {longest:.2f}s; deadline {deadline:.1f}s, bound {bound:.1f}s)")
+    # Within about the window: the transfer fails on a neighbour's hop window or on the
+    # judgement; the judgement comes a window after its last report was seen, which was written
+    # at most a report period (0.75 s) before the fault and read at most a period after.
+    assert failed < stall + 1.5, failed
+    assert judged < stall + 2 * 0.75 + 1, judged
     # The whole push: the window, the cut, and the redo over 7 (its rendezvous and a push: a
     # healthy push into 8 is its measure, with room for a busy host): far under the deadline.
-    assert took < stall + 1.5 + 3 * healthy + 5 < deadline, (took, healthy)
+    assert took < stall + 2.5 + 3 * healthy + 8 < deadline, (took, healthy)
     assert took < bound
     wait_serving(victim)
     assert state(victim)["version"] == "21"  # its staged receive failed: intact
