@@ -108,9 +108,10 @@ PROBE_S = 2.0  # after a failed collective: an engine silent on /health this lon
 TEARDOWN_S = 2.0  # kept at the end of a push's bound to cut what is still open and join it
 # The chain's stall window: a receiver whose progress reports do not move for this long is judged
 # stopped and cut (progress.ProgressWatch); a hop that moves no chunk for this long fails
-# (packing.ChainStalled: intact, redone). Healthy chain pushes into 8 receivers on this loaded
-# 2-core host paused a live rank's reports STALL_SILENCE and a hop's chunk STALL_HOP at most
-# (docs/weights.md): 7 s is the margin for real engines, whose calls start apart, and busier hosts.
+# (packing.ChainStalled: intact, redone). Healthy chain pushes into 8 receivers on the loaded
+# 2-core host paused a live rank's reports 1.09 s (one due a second) and a hop's chunk 0.09 s
+# at most, 1.15 s beside a receiver stopped 0.3 s in 0.5 (docs/weights.md): 7 s is the margin
+# for real engines, whose calls start apart, and busier hosts.
 DEFAULT_STALL_S = 7.0
 
 
