@@ -32,15 +32,19 @@ attempt ends by its deadline (the first attempt's) or by the bound less TEARDOWN
 which so always fits inside the bound, and the finish's after a collective that succeeded);
 whatever is still open then is cut and reported.
 
-A stalled receiver is found by progress: in the chain every hop waits at most ``stall_s`` (the
-stall window, default DEFAULT_STALL_S) for its next chunk to arrive or be taken, so a rank
-stopped anywhere in the chain fails both its neighbours within the window (packing.ChainStalled,
-which names the hop and the chunk), and every live rank answers at once after. On a failure the
-trainer destroys its end of the group (closing its sockets fails its direct peers' receives at
-once), cuts the call of an engine that does not answer GET /health (stopped, gone), awaits the
-others' answers one stall window at most, and redoes the survivors over a new group. A slow but
-moving receiver is never cut: only a window without one chunk is a stall. Every thread is joined
-or ends with its call; none outlives a push by more than its socket timeout.
+A stalled receiver is found by progress: every receiving rank of a chain reports its relay's
+progress to the group's store (progress.Reporter, under ``update_info.progress_key``) and the
+trainer reads the reports as the transfer runs (progress.ProgressWatch). A receiver whose
+reports do not move for ``stall_s`` (the stall window, default DEFAULT_STALL_S) is stopped: only
+it is condemned ("unreachable", its call cut), whenever that is seen, in the transfer or while
+the others' answers are awaited. One that keeps reporting is alive, however slow, starved by a
+stopped upstream or backed up behind a stopped downstream: never condemned, its answer awaited
+up to the attempt's end. Every hop also waits at most the window for its next chunk
+(packing.ChainStalled), which only ends that live receiver's receive (intact, redone). On a
+failure the trainer destroys its end of the group (closing its sockets fails its direct peers'
+receives at once), cuts the stopped ones (and one that sent no report in a window and does not
+answer GET /health), and redoes the survivors over a new group. Every thread is
+joined or ends with its call; none outlives a push by more than its socket timeout.
 
 Failure semantics: `push` never raises for an engine's fault. It returns one `PushResult` per
 URL with ``status``: "ok", "intact" (nothing loaded, resumed on its old weights: safe to push
@@ -74,6 +78,7 @@ from vime.weight_sync.packing import (
     iter_buckets,
     plan_update,
 )
+from vime.weight_sync.progress import ProgressWatch, read_reports, report_period
 from vime.weight_sync.push import (
     DEFAULT_BUCKET_BYTES,
     ENV_RENDEZVOUS,
@@ -101,10 +106,12 @@ OnDone = Callable[[dict[str, PushResult]], None]
 GRACE_S = 5.0  # on top of a deadline, for the HTTP answer that follows the last byte
 PROBE_S = 2.0  # after a failed collective: an engine silent on /health this long is cut
 TEARDOWN_S = 2.0  # kept at the end of a push's bound to cut what is still open and join it
-# The chain's stall window: a hop that moves no chunk for this long fails (packing.ChainStalled),
-# its stopped receiver is cut and the survivors are redone. Twice the longest whole healthy chain
-# push measured on a loaded 2-core host (3.5 s): a hop waits at most a push, so no healthy but
-# slow receiver is condemned (docs/weights.md).
+# The chain's stall window: a receiver whose progress reports do not move for this long is judged
+# stopped and cut (progress.ProgressWatch); a hop that moves no chunk for this long fails
+# (packing.ChainStalled: intact, redone). Healthy chain pushes into 8 receivers on the loaded
+# 2-core host paused a live rank's reports 1.09 s (one due a second) and a hop's chunk 0.09 s
+# at most, 1.15 s beside a receiver stopped 0.3 s in 0.5 (docs/weights.md): 7 s is the margin
+# for real engines, whose calls start apart, and busier hosts.
 DEFAULT_STALL_S = 7.0
 
 
@@ -166,6 +173,9 @@ class FleetSender:
         self._pg: Any = None  # gloo: the ProcessGroupGloo; nccl: vLLM's trainer engine
         self._store: Any = None
         self._members: tuple[str, ...] = ()  # the URLs the live group was built for, in rank order
+        self._rank_of: dict[int, str] = {}  # the live group's receiving ranks -> their URL
+        self._pushes = 0  # transfers so far: each chain transfer's progress reports have their own key
+        self.last_watch: ProgressWatch | None = None  # the last chain transfer's progress reports
         # After a failed rendezvous the engines that joined keep waiting in theirs (their /init
         # timeout_s, the rendezvous bound) and answer nothing else meanwhile: the next build waits that out.
         self._joining_until = 0.0
@@ -326,6 +336,7 @@ class FleetSender:
             del store, prefix
             return []
         self._pg, self._store, self._members = make_pg.result(), store, tuple(members)
+        self._rank_of = {r: u for u in members for r in ranks[u]}
         self.group_inits += 1
         for u in members:
             results[u].group_inits += 1
@@ -474,6 +485,10 @@ class FleetSender:
         # op per bucket instead of one per chunk (measured: 0.13 s against 0.42 s for 63 MB).
         deadline = self._left(deadline)  # what is left of the attempt
         info: dict[str, Any]
+        watch: ProgressWatch | None = None
+        self.last_watch = None
+        started = time.monotonic()
+        store = self._store  # kept to read the reports after the group is torn down
         if self.backend == "nccl":  # vLLM's update_info; one NCCL broadcast, no stall window
             stall = deadline
             info = {k: v for k, v in plan.update_info().items() if k in NCCL_UPDATE_KEYS}
@@ -483,16 +498,25 @@ class FleetSender:
             stall = min(self.stall_s, deadline) if topology == "chain" else deadline
             info = {**plan.update_info(), "staged": True, "timeout_s": deadline, "stall_s": stall,
                     "topology": topology, "chunk_bytes": self.chunk_bytes}
+            if topology == "chain" and self._store is not None:
+                self._pushes += 1
+                info["progress_key"] = f"vime/chain/{os.getpid()}/{self._pushes}"
+                watch = self.last_watch = ProgressWatch(dict(self._rank_of), stall)
             send = run_in_thread(self._send_buckets, plan, pairs, topology,
                                  timedelta(seconds=stall), name="fleet-broadcast")
         calls = {u: Call(u, "POST", "/update_weights", body={"update_info": info},
                          timeout=deadline + GRACE_S) for u in members}
         futs = {u: run_in_thread(c.run, name="fleet-update-http") for u, c in calls.items()}
         all_futs = [send, *futs.values()]
-        done, _ = cf.wait(all_futs, timeout=deadline, return_when=cf.FIRST_EXCEPTION)
-        failed = any(f.exception() is not None for f in done) or len(done) < len(all_futs)
+        stopped = self._await_transfer(all_futs, deadline, store, info.get("progress_key"), watch)
+        failed = stopped or any(f.done() and f.exception() is not None for f in all_futs) \
+            or not all(f.done() for f in all_futs)
+        if watch is not None and not failed:
+            read_reports(store, str(info["progress_key"]), watch)  # the last ones: longest waits
         if failed:
-            self._cut_the_transfer(send, calls, futs, deadline, stall)
+            self._cut_the_transfer(send, calls, futs, deadline, stall, store,
+                                   info.get("progress_key"), watch, started)
+        del store
         answers = self._settle_all(calls, futs)
         try:
             send.exception(timeout=self._left(GRACE_S))  # a destroyed group fails its pending send
@@ -502,6 +526,24 @@ class FleetSender:
             return True
         self._after_a_failed_transfer(members, answers, deadline, results)
         return False
+
+    def _await_transfer(self, futs: list[cf.Future], deadline: float, store: Any, key: str | None,
+                        watch: ProgressWatch | None) -> bool:
+        """Until every future is done, one fails, the attempt's deadline passes, or (a chain with
+        progress reports) a receiver stops reporting for a stall window: True for the last."""
+        end = time.monotonic() + deadline
+        period = report_period(watch.window_s) if watch is not None else deadline
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            done, pending = cf.wait(futs, timeout=min(period, left), return_when=cf.FIRST_EXCEPTION)
+            if not pending or any(f.exception() is not None for f in done):
+                return False
+            if watch is not None and key is not None:
+                read_reports(store, key, watch)
+                if watch.stopped(time.monotonic()):
+                    return True
 
     def _send_buckets(self, plan: UpdatePlan, pairs, topology: str, op_timeout: timedelta) -> None:
         """The trainer's side of the transfer (its own thread): every bucket down the chain to
@@ -537,25 +579,60 @@ class FleetSender:
             raise detached(e) from None
 
     def _cut_the_transfer(self, send: cf.Future, calls: dict[str, Call], futs: dict[str, cf.Future],
-                          deadline: float, stall: float) -> None:
-        """The transfer failed (or ran out of time): destroy our end of the group, cut the calls
-        of the engines that are gone, and give the others a stall window to answer (each live
-        one's hop fails within it: packing.ChainStalled), never past the attempt's end."""
-        cause = (send.exception() if send.done() else None) or TimeoutError(
-            f"the broadcast did not complete within its deadline {deadline:.1f}s")
-        self._note("transfer_failed", cause=repr(cause))
+                          deadline: float, stall: float, store: Any = None, key: str | None = None,
+                          watch: ProgressWatch | None = None, started: float = 0.0) -> None:
+        """The transfer failed (or ran out of time): destroy our end of the group, cut the call of
+        each receiver that stopped, and await every other one's answer (a live one's hop fails
+        within a stall window: packing.ChainStalled), never past the attempt's end.
+
+        Stopped is judged by progress reports (progress.ProgressWatch): a receiver whose reports
+        did not move for a stall window; one that keeps reporting, however slow, or starved by
+        a stopped neighbour, is never cut. A receiver that sent no report (the tree, an engine
+        without reports, one stopped before its receive began) is judged by GET /health."""
+        now = time.monotonic()
+        stopped = watch.stopped_urls(now) if watch is not None else set()
+        cause = next((f.exception() for f in (send, *futs.values()) if f.done() and f.exception()),
+                     None)
+        if stopped and watch is not None:
+            cause = cause or TimeoutError(f"no progress for the stall window {stall:g}s: "
+                                          f"{watch.describe(watch.stopped(now))}")
+        cause = cause or TimeoutError(f"the broadcast did not complete within its deadline {deadline:.1f}s")
+        self._note("transfer_failed", cause=repr(cause), stopped=sorted(stopped))
         # Destroy our end now: our direct peers' receives fail at once; one stalled behind a
-        # stopped peer fails on its hop's stall window, so wait that long.
+        # stopped peer fails on its hop's stall window.
         self._drop_group()
-        # An engine that does not even answer /health (vLLM serves it beside a transfer)
-        # is stopped or gone: cut its call now rather than wait out one more deadline.
-        pending = [u for u, f in futs.items() if not f.done()]
-        if pending:
-            probes = self._each(pending, "GET", "/health", timeout=min(self.http_timeout, PROBE_S))
-            for u in pending:
+        for u in stopped:
+            calls[u].cancel()
+        # An engine that sent no report and does not answer /health (vLLM serves it beside a
+        # transfer) is stopped or gone: cut its call now rather than wait out the deadline. With
+        # reports, one that sent none is probed PROBE_S only once it had a window to send one
+        # (a live receiver reports within a period of its receive's start).
+        silent = [u for u, f in futs.items()
+                  if not f.done() and u not in stopped and (watch is None or not watch.reporting(u))]
+        if silent:
+            probe = PROBE_S if watch is None else max(PROBE_S, stall - (time.monotonic() - started))
+            probes = self._each(silent, "GET", "/health", timeout=min(self.http_timeout, probe))
+            for u in silent:
                 if isinstance(probes[u], HttpFailure):
                     calls[u].cancel()
-        cf.wait([send, *futs.values()], timeout=self._left(stall + GRACE_S))
+        if watch is None or key is None:
+            cf.wait([send, *futs.values()], timeout=self._left(stall + GRACE_S))
+            return
+        # The rest report (or answered): await each, cutting any that stops reporting meanwhile.
+        period = report_period(watch.window_s)
+        end = self._until if self._until is not None else time.monotonic() + deadline
+        while True:
+            pending = [u for u, f in futs.items() if not f.done()]
+            if not pending or time.monotonic() >= end:
+                break
+            cf.wait([futs[u] for u in pending], timeout=self._left(period), return_when=cf.FIRST_COMPLETED)
+            read_reports(store, key, watch)
+            for u in watch.stopped_urls(time.monotonic()) - stopped:
+                if not futs[u].done():
+                    stopped.add(u)
+                    self._note("stopped", receiver=u)
+                    calls[u].cancel()
+        cf.wait([send], timeout=self._left(GRACE_S))
 
     def _after_a_failed_transfer(self, members: list[str], answers: dict[str, Any], deadline: float,
                                  results: dict[str, PushResult]) -> None:

@@ -19,6 +19,9 @@ vLLM's own HTTP routes then drive it exactly as they drive the built-in ``nccl``
   arrives (packing.ChainRelay), so every link carries it once. ``stall_s`` is the chain's stall
   window: a hop that moves no chunk for that long fails (packing.ChainStalled), so a rank
   stopped mid-chain fails its neighbours within it rather than after ``timeout_s``.
+  ``progress_key`` (the fleet push): while its chain receive runs, each rank reports its relay's
+  progress under ``<progress_key>/<rank>`` in the trainer's store (vime.weight_sync.progress),
+  from which the trainer tells a stopped rank (its reports stop) from the live ones around it.
 
   Streaming (default): ``initialize_layerwise_reload(model)`` (parameters to meta), then each
   bucket is loaded as it arrives; any failure poisons. Staged (``"staged": true``, the fleet
@@ -61,6 +64,7 @@ from vime.weight_sync.packing import (
     ChainRelay,
     receive_update,
 )
+from vime.weight_sync.progress import STORE_TIMEOUT_S, Reporter
 
 logger = init_logger("vllm.plugins.vime_gloo_weight_transfer")  # under "vllm": gets its handlers
 
@@ -112,6 +116,8 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     # The chain's stall window: the longest one hop may go without moving a chunk (default:
     # timeout_s). A rank stopped mid-chain then fails its neighbours within it (ChainStalled).
     stall_s: float | None = None
+    # Where each rank reports its chain progress in the trainer's store (None: no reports).
+    progress_key: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -161,6 +167,7 @@ class GlooWeightTransferEngine(
         self._op_timeout: timedelta | None = None  # per receive, from update_info.timeout_s
         self._rank = 0  # ours in the group, and its size (the chain's neighbours)
         self._world = 0
+        self._store = None  # a client of the trainer's TCPStore: where chain progress is reported
         self._mtp_guard = _mtp_guard()  # imported now, not while a sender waits on us
 
     # -- reload (a model-free stand-in overrides these two) ----------------------------------
@@ -191,11 +198,25 @@ class GlooWeightTransferEngine(
             init_info.master_address, init_info.master_port, rank, init_info.world_size,
             backend="gloo", timeout=self.timeout)
         self._rank, self._world = rank, init_info.world_size
+        self._store = self._progress_store(init_info)
         logger.info("gloo weight transfer: joined %s:%d as rank %d/%d in %.3fs",
                     init_info.master_address, init_info.master_port, rank,
                     init_info.world_size, time.monotonic() - t0)
 
+    def _progress_store(self, init_info: GlooWeightTransferInitInfo):
+        """A client of the trainer's store (the group's rendezvous store, up by now), or None:
+        without it this rank sends no progress reports and the trainer judges it by /health."""
+        import torch.distributed as dist
+
+        try:
+            return dist.TCPStore(init_info.master_address, init_info.master_port, is_master=False,
+                                 timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - reports are an aid to the trainer's judgement
+            logger.warning("gloo weight transfer: no progress reports (store: %r)", e)
+            return None
+
     def shutdown(self) -> None:
+        self._store = None
         group, self.group = self.group, None
         if group is None:
             return
@@ -266,20 +287,32 @@ class GlooWeightTransferEngine(
                                send=self._send_next if self._rank + 1 < self._world else None,
                                timeout=window)
             post = chain.add
+        reporter = None
+        if chain is not None and update_info.progress_key and self._store is not None:
+            reporter = Reporter(self._store, f"{update_info.progress_key}/{self._rank}",
+                                chain.counters, window.total_seconds() if window else 60.0).start()
         with disable_mtp_completeness_check():
             if update_info.staged:
-                n = receive_update(post, asdict(update_info), staged.append)
-                if chain is not None:
-                    chain.drain()  # the next rank has every byte too
+                try:
+                    n = receive_update(post, asdict(update_info), staged.append)
+                    if chain is not None:
+                        chain.drain()  # the next rank has every byte too
+                finally:
+                    if reporter is not None:
+                        reporter.stop()  # done, however it ended: alive, so never judged stopped
                 t1 = time.monotonic()
                 self._begin_reload_once()
                 while staged:  # drop each bucket once loaded (the reload may keep its views)
                     self.model.load_weights(staged.pop(0))
             else:
                 self._begin_reload_once()
-                n = receive_update(post, asdict(update_info), self.model.load_weights)
-                if chain is not None:
-                    chain.drain()
+                try:
+                    n = receive_update(post, asdict(update_info), self.model.load_weights)
+                    if chain is not None:
+                        chain.drain()
+                finally:
+                    if reporter is not None:
+                        reporter.stop()
                 t1 = time.monotonic()
         dt = time.monotonic() - t0
         logger.info("gloo weight transfer: received %d tensors, %.1f MB in %.3fs (%.0f MB/s)%s%s",

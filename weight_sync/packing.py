@@ -246,8 +246,9 @@ class ChainRelay:
     return its Work; `timeout` (a timedelta) bounds each wait: it is the stall window, the
     longest a hop may go without moving one chunk (a receive that gets nothing from the previous
     rank, a send the next rank does not take). A wait past it raises `ChainStalled`, which names
-    the hop and the chunk, so a stopped rank fails its neighbours within the window, not after
-    the push's deadline. The chunks of every buffer `add`ed
+    the hop and the chunk, so a live rank next to a stopped one ends its receive within the
+    window, not after the push's deadline (which side stopped, the trainer judges from each
+    rank's progress reports: `counters`, vime.weight_sync.progress). The chunks of every buffer `add`ed
     form one sequence: receives are posted RECV_AHEAD chunks ahead in that order (gloo matches a
     peer's sends to our receives in posting order), across buffers, so the sender never waits on
     us to post one; at most RELAY_WINDOW sends are in flight. `add` returns a Work for the buffer
@@ -263,6 +264,7 @@ class ChainRelay:
         self._done = 0  # chunks arrived (and their forwards posted)
         self._sends: list = []
         self.longest_wait_s = 0.0  # the longest this hop waited for one chunk: its margin to the window
+        self.forwarded = 0  # sends completed (the next rank took them); `received` is chunks arrived
 
     def _wait(self, work, what: str, index: int) -> None:
         t0 = time.monotonic()
@@ -275,6 +277,16 @@ class ChainRelay:
             raise ChainStalled(what, index, self._timeout, e) from None
         finally:
             self.longest_wait_s = max(self.longest_wait_s, time.monotonic() - t0)
+        if what == "send":
+            self.forwarded += 1
+
+    @property
+    def received(self) -> int:
+        return self._done
+
+    def counters(self) -> tuple[int, int, float]:
+        """What progress.Reporter reports: chunks received, chunks forwarded, longest wait."""
+        return self._done, self.forwarded, self.longest_wait_s
 
     def add(self, buf: torch.Tensor) -> "_Through":
         flat = buf.reshape(-1)

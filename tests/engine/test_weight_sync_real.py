@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, free_port
-from vime.weight_sync.broadcast import PROBE_S, FleetSender
+from vime.weight_sync.broadcast import FleetSender
 from vime.weight_sync.checkpoint import reload_from_checkpoint, save_checkpoint
 from vime.weight_sync.errors import PoisonedEngine
 from vime.weight_sync.sender import WeightSender
@@ -288,10 +288,11 @@ def test_a_receiver_faulted_mid_broadcast_costs_that_receiver_only(engines, engi
     redone over them alone and they end verified at the version; C is reported.
 
     SIGSTOP: C is the MIDDLE of the chain A -> C -> B, so B behind it gets nothing more and A
-    before it can hand nothing on: each hop waits one stall window at most, so the whole push
-    ends within the window plus the /health probe and the redo, not after the deadline. C is
-    then continued, its failed session leaves it intact, and it is resumed for the SIGKILL run
-    (the chain A -> C)."""
+    before it can hand nothing on. C is stopped once it has reported its progress: its reports
+    stop, so it alone is judged stopped about a stall window later (A and B, starved or backed
+    up, keep reporting: never condemned), and the whole push ends within the window plus the
+    redo, not after the deadline. C is then continued, its failed session leaves it intact, and
+    it is resumed for the SIGKILL run (the chain A -> C)."""
     a, b = engines
     c = engine_c
     model, _ = trainer
@@ -301,7 +302,28 @@ def test_a_receiver_faulted_mid_broadcast_costs_that_receiver_only(engines, engi
     before = greedy(a.url)
     with FleetSender(bucket_bytes=BUCKET, rendezvous_s=10.0, stall_s=STALL_S) as fleet:
         assert all(r.ok for r in fleet.push(chain, model, f"{version}-warm").values())
-        seen, fleet.progress = _fault_at_bucket(3, lambda: os.killpg(c.proc.pid, sig))
+        c_rank = chain.index(c.url) + 1  # the trainer is rank 0; one rank per engine
+
+        def fault_c() -> None:
+            # Once C has reported (the trainer's send thread waits here; the others keep
+            # reporting meanwhile), so that its own reports judge it.
+            end = time.monotonic() + 10
+            while (fleet.last_watch is None or c_rank not in fleet.last_watch.seen) \
+                    and time.monotonic() < end:
+                time.sleep(0.05)
+            seen["reported"] = fleet.last_watch is not None and c_rank in fleet.last_watch.seen
+            seen["at"] = time.monotonic()
+            os.killpg(c.proc.pid, sig)
+
+        seen, fault = _fault_at_bucket(3, fault_c)
+
+        def progress(step: str, info: dict) -> None:
+            fault(step, info)
+            if (step == "transfer_failed" and c.url in info["stopped"]
+                    or step == "stopped" and info["receiver"] == c.url):
+                seen["judged"] = True
+
+        fleet.progress = progress
         try:
             res = fleet.push(chain, model, version)
             took = time.monotonic() - seen["at"] if "at" in seen else None
@@ -310,16 +332,21 @@ def test_a_receiver_faulted_mid_broadcast_costs_that_receiver_only(engines, engi
                 os.killpg(c.proc.pid, signal.SIGCONT)
         bound = res[a.url].bound_s
     assert took is not None, "the fault never fired"
+    # B, behind C, was starved: redone. A, before it, is redone, or loaded whole before the fault.
+    assert all(res[u].redone for u in chain[chain.index(c.url) + 1:]), res
     for u in others:
-        assert res[u].ok and res[u].redone, res[u]
+        assert res[u].ok, res[u]
         assert weight_version(u) == str(version)
         assert call(u, "GET", "/is_paused", timeout=5)[1] == {"is_paused": False}
     assert not res[c.url].ok and res[c.url].status in ("unreachable", "intact"), res[c.url]
     print(f"{sig.name}: the push ended {took:.2f}s after the fault (bound {bound:.1f}s)")
     assert took < bound
     if sig == signal.SIGSTOP:
-        # The window found it: far under the deadline (10 s + the bytes) the old path waited.
-        assert took < STALL_S + PROBE_S + 10, took
+        # Its reports found it, about a window after the fault (its last report at most a
+        # report period earlier): the push over within the window and the redo, far under the
+        # deadline (10 s + the bytes) the old path waited.
+        assert seen["reported"] and seen.get("judged"), seen
+        assert took < STALL_S + 1.5 + 10, took
     assert [x[0] for x in greedy(a.url)] == [x[0] for x in before]  # same weights, served
     if sig == signal.SIGSTOP:
         # Continued: its receive failed on the torn-down group before it touched the model.
