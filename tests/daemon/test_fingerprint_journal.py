@@ -11,39 +11,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 
 from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
 from vime.supervisor.client import SupervisorClient
 
 from support.polling import wait_until
+from support.routable import RoutableSampler
 from support.standins import STANDIN_VERSIONED
 
 FP = {"prompts": [[1, 2, 3]], "logprobs": [[-1.0, -2.0]], "tolerance": 1e-4}
-
-
-class RoutableSampler:
-    """The routable list, read on the control socket every 50 ms until stopped."""
-
-    def __init__(self, sock: str):
-        self.client = SupervisorClient(sock)
-        self.samples: list[list[str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.samples.append([e["name"] for e in self.client.routable_engines()["engines"]])
-            except Exception:  # not serving yet (starting up): nothing to sample
-                pass
-            self._stop.wait(0.05)
-
-    def stop(self) -> list[list[str]]:
-        self._stop.set()
-        self._thread.join(10)
-        return self.samples
 
 
 def test_a_restarted_daemon_checks_a_reattached_engine_by_the_journaled_fingerprint(tmp_path):
