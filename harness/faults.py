@@ -2,7 +2,7 @@
 
 The kinds (kill, hang, push; the soak's kill-gap, crash-start, poison-reload, disconnect,
 daemon; kill-mid-push, stop-mid-push, trainer-dies-mid-push inside a broadcast; and the soak's
-forged-push, a push answered 200 that sent nothing) are
+forged-push, another version's tensors pushed under the version's label) are
 described in docs/testing.md. They act on real processes (pids from the daemon's status) on
 this host. `timeline()` reads, from the daemon's events after an injection, when the fault was
 detected, when the engine was back and when it was RUNNING on verified current weights; it reads
@@ -34,13 +34,13 @@ WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore"
         "crash-start": "engine crashing at start", "poison-reload": "checkpoint reload poisoned",
         "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon",
         "kill-mid-push": "kill -9 of receiver mid-push", "stop-mid-push": "SIGSTOP of receiver mid-push",
-        "trainer-dies-mid-push": "trainer killed mid-push", "forged-push": "push sent nothing, label set"}
+        "trainer-dies-mid-push": "trainer killed mid-push", "forged-push": "wrong tensors, label set"}
 IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected while a round has requests in flight
 NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
 # The transition cause each engine fault must be detected with (a kill -9 seen as a hang is wrong).
 # A receiver stopped mid-push answers no probe (hang); the receivers of a trainer that died stay
-# paused past the announced push's deadline (paused). A forged push (answered 200, nothing sent,
-# the version's label set: the soak's) is caught by the version's fingerprint at its publish.
+# paused past the announced push's deadline (paused). A forged push (another version's tensors
+# answered 200 under the version's label: the soak's) is caught by the version's fingerprint.
 DETECTED_AS = {"kill": Cause.EXIT, "kill-gap": Cause.EXIT, "crash-start": Cause.EXIT, "poison-reload": Cause.EXIT,
                "hang": Cause.HANG, "push": Cause.POISONED, "kill-mid-push": Cause.EXIT,
                "stop-mid-push": Cause.HANG, "trainer-dies-mid-push": Cause.PAUSED,

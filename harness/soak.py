@@ -12,8 +12,8 @@ fails midway, a checkpoint reload that is poisoned (no agent, a truncated checkp
 that disconnects mid-round, kill -9 of the daemon itself (restarted a second later, as systemd's
 Restart=on-failure would), and, in the long form only, faults inside the step's broadcast (a
 receiver killed -9 or SIGSTOPped, the pushing trainer process killed -9) and a forged push (one
-engine's push answered 200 that sent nothing, its label set to the version: caught by the
-version's fingerprint, never routed). Two more daemon restarts, in a round gap: a clean one
+engine gets another version's tensors, answered 200, its label set to the version: caught by
+the version's fingerprint, never routed). Two more daemon restarts, in a round gap: a clean one
 (SIGTERM, engines stopped, then started again: `systemctl restart`), and kill -9 with the
 journal then torn (the new daemon must find and stop the old engines, start new ones, and be
 told the version again by the trainer). Each waits for a whole fleet, so each is measured alone.
@@ -262,8 +262,8 @@ class SoakLoop(ChaosLoop):
     # -- the forged push ---------------------------------------------------------------------
 
     def push_all(self, engines: list[dict[str, Any]], tensors, version: int) -> dict[str, str]:
-        """A forged-push fault's engine gets a push answered 200 that sent nothing; the
-        others the step's broadcast."""
+        """A forged-push fault's engine gets another version's tensors under this version's
+        label; the others the step's broadcast."""
         fault = self.fault_now("forged-push")
         victim = next((e for e in engines if fault is not None and e["name"] == fault.engine), None)
         if fault is None or victim is None:
@@ -273,34 +273,37 @@ class SoakLoop(ChaosLoop):
         return out
 
     def _forge(self, fault: faults.Fault, engine: dict[str, Any], tensors, version: int) -> str:
-        """Every call of the push answered 200 and no tensor sent, the engine's label set to
-        `version` (TokenSpeed #1373): confirmed when the label check alone would pass."""
+        """Tensors of a version never published (the step's, each moved by FORGED_OFFSET),
+        every call answered 200, the engine's label set to `version`: confirmed when the label
+        check alone would pass. Not a push that sends nothing: a step whose rewards are all
+        equal leaves the weights as they were, and an engine that kept them holds the version."""
         from vime.weight_sync.sender import WeightSender
-
-        class SendsNothing(WeightSender):
-            def _transfer(self, plan, pairs) -> None:
-                pass
 
         fault.fired_step, fault.injected_at = self.step_no, time.time()
         st = self._engine_status(engine["name"])
         fault.pid, fault.incarnation = st.get("pid"), st.get("incarnation")
         url = engine["url"]
         self.pusher.drop(url)
-        sender = SendsNothing(url, backend=self.pusher.backend)
+        sender = WeightSender(url, backend=self.pusher.backend)
         try:
-            outcome = self.pusher.push_with(sender, url, tensors, version)
+            outcome = self.pusher.push_with(sender, url, [(n, t + FORGED_OFFSET) for n, t in tensors], version)
         finally:
             sender.close()
         label = engine_label(url)
         fault.confirmed = outcome == "ok" and label == str(version)
-        fault.note = f"push answered {outcome!r}, nothing sent; /weight_info says {label}"
-        self.log(f"FAULT a push into {engine['name']} that sent nothing, labelled v{version}: {fault.note}")
+        fault.note = f"push of other tensors answered {outcome!r}; /weight_info says {label}"
+        self.log(f"FAULT a push into {engine['name']} of tensors not v{version}'s, labelled v{version}: {fault.note}")
         return outcome
 
     def after_run(self) -> None:
         super().after_run()
         events = self.recorder.events
         self.forged = [(f, *forged_push_caught(f, events)) for f in self.plan if f.kind == "forged-push"]
+
+
+# The forged push's tensors: the version's, each element moved by this much (far past any
+# fingerprint tolerance on the tiny model).
+FORGED_OFFSET = 0.05
 
 
 def engine_label(url: str) -> str | None:
