@@ -1,7 +1,8 @@
 """Faults on demand for the chaos loop, and what the daemon's event stream says happened next.
 
 The kinds (kill, hang, push; the soak's kill-gap, crash-start, poison-reload, disconnect,
-daemon; and kill-mid-push, stop-mid-push, trainer-dies-mid-push inside a broadcast) are
+daemon; kill-mid-push, stop-mid-push, trainer-dies-mid-push inside a broadcast; and the soak's
+forged-push, another version's tensors pushed under the version's label) are
 described in docs/testing.md. They act on real processes (pids from the daemon's status) on
 this host. `timeline()` reads, from the daemon's events after an injection, when the fault was
 detected, when the engine was back and when it was RUNNING on verified current weights; it reads
@@ -26,23 +27,26 @@ from vime.supervisor.engine.process import proc_stat
 from vime.supervisor.protocol import Cause, Event, State
 
 MID_PUSH = ("kill-mid-push", "stop-mid-push", "trainer-dies-mid-push")  # during the step's broadcast
-KINDS = ("kill", "hang", "push", "kill-gap", "crash-start", "poison-reload", "disconnect", "daemon", *MID_PUSH)
+KINDS = ("kill", "hang", "push", "kill-gap", "crash-start", "poison-reload", "disconnect", "daemon", *MID_PUSH,
+         "forged-push")
 WHAT = {"kill": "kill -9 of the API server", "hang": "SIGSTOP of the EngineCore",
         "push": "weight push failing midway", "kill-gap": "kill -9 in the round gap",
         "crash-start": "engine crashing at start", "poison-reload": "checkpoint reload poisoned",
         "disconnect": "trainer disconnect mid-round", "daemon": "kill -9 of the daemon",
         "kill-mid-push": "kill -9 of receiver mid-push", "stop-mid-push": "SIGSTOP of receiver mid-push",
-        "trainer-dies-mid-push": "trainer killed mid-push"}
+        "trainer-dies-mid-push": "trainer killed mid-push", "forged-push": "wrong tensors, label set"}
 IN_ROUND = ("kill", "hang", "crash-start", "daemon")  # injected while a round has requests in flight
 NO_ENGINE = ("disconnect", "daemon")                   # faults of the trainer or the daemon itself
 # The transition cause each engine fault must be detected with (a kill -9 seen as a hang is wrong).
 # A receiver stopped mid-push answers no probe (hang); the receivers of a trainer that died stay
-# paused past the announced push's deadline (paused).
+# paused past the announced push's deadline (paused). A forged push (another version's tensors
+# answered 200 under the version's label: the soak's) is caught by the version's fingerprint.
 DETECTED_AS = {"kill": Cause.EXIT, "kill-gap": Cause.EXIT, "crash-start": Cause.EXIT, "poison-reload": Cause.EXIT,
                "hang": Cause.HANG, "push": Cause.POISONED, "kill-mid-push": Cause.EXIT,
-               "stop-mid-push": Cause.HANG, "trainer-dies-mid-push": Cause.PAUSED}
+               "stop-mid-push": Cause.HANG, "trainer-dies-mid-push": Cause.PAUSED,
+               "forged-push": Cause.FINGERPRINT}
 # What a fault must have done for the soak to count it (Fault.confirmed true), not only be seen.
-MUST_CONFIRM = ("crash-start", "poison-reload", "push", *MID_PUSH)
+MUST_CONFIRM = ("crash-start", "poison-reload", "push", *MID_PUSH, "forged-push")
 
 
 @dataclass

@@ -11,7 +11,9 @@ EngineCore, an engine that crashes at start (its model path broken, then mended)
 fails midway, a checkpoint reload that is poisoned (no agent, a truncated checkpoint), a trainer
 that disconnects mid-round, kill -9 of the daemon itself (restarted a second later, as systemd's
 Restart=on-failure would), and, in the long form only, faults inside the step's broadcast (a
-receiver killed -9 or SIGSTOPped, the pushing trainer process killed -9). Two more daemon restarts, in a round gap: a clean one
+receiver killed -9 or SIGSTOPped, the pushing trainer process killed -9) and a forged push (one
+engine gets another version's tensors, answered 200, its label set to the version: caught by
+the version's fingerprint, never routed). Two more daemon restarts, in a round gap: a clean one
 (SIGTERM, engines stopped, then started again: `systemctl restart`), and kill -9 with the
 journal then torn (the new daemon must find and stop the old engines, start new ones, and be
 told the version again by the trainer). Each waits for a whole fleet, so each is measured alone.
@@ -52,6 +54,7 @@ from vime.harness.timeline import write_for_run
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.config import Config
 from vime.supervisor.engine.process import port_is_free
+from vime.supervisor.protocol import Cause, Event
 from vime.trainer.rl_loop import quiet_rollout_log
 from vime.trainer.tiny_model import build_tiny_model
 
@@ -63,9 +66,10 @@ GAP_RESTARTS = {"daemon-term": "SIGTERM then start (clean restart)",
 # round, in a gap) and its resync are tests/engine's (engines, resync, rl_loop); each costs a boot.
 SHORT = ["daemon", "disconnect", "crash-start", "poison-reload", "daemon-term", "daemon-corrupt"]
 # The mid-push faults (faults.MID_PUSH) run in the long form only: each costs a push's bound or
-# a restart of every engine, more than CI's budget.
+# a restart of every engine, more than CI's budget; so does the forged push (an engine's
+# restart; its catch is tests/engine/test_fingerprint_real.py's in CI).
 LONG = ["kill", "kill-gap", "hang", "crash-start", "push", "poison-reload", "disconnect", "daemon",
-        "daemon-term", "daemon-corrupt", *faults.MID_PUSH]
+        "daemon-term", "daemon-corrupt", *faults.MID_PUSH, "forged-push"]
 
 
 # The long run's kinds (--hours): those that recover without waiting minutes. Left out: the
@@ -228,6 +232,7 @@ class SoakLoop(ChaosLoop):
         super().__init__(args, plan=plan, hooks=hooks)
         self.keeper = hooks
         self.gap = gap  # id(fault) -> its GAP_RESTARTS kind
+        self.forged: list[tuple[faults.Fault, bool, str]] = []  # after the run: each forged push, caught, why
 
     async def before_round(self, step: int) -> None:
         fault = self.due(step)
@@ -252,6 +257,84 @@ class SoakLoop(ChaosLoop):
         fault.confirmed = whole and not rec["old processes left"] and rec["exit"] in (0, None)
         fault.note = (f"{GAP_RESTARTS[kind]}: exit {rec['exit']}, old pids {sorted(p for p in rec['before'].values() if p)}, "
                       f"left {rec['old processes left']}, whole again {whole}")
+
+
+    # -- the forged push ---------------------------------------------------------------------
+
+    def push_all(self, engines: list[dict[str, Any]], tensors, version: int) -> dict[str, str]:
+        """A forged-push fault's engine gets another version's tensors under this version's
+        label; the others the step's broadcast."""
+        fault = self.fault_now("forged-push")
+        victim = next((e for e in engines if fault is not None and e["name"] == fault.engine), None)
+        if fault is None or victim is None:
+            return super().push_all(engines, tensors, version)
+        out = super().push_all([e for e in engines if e is not victim], tensors, version)
+        out[victim["name"]] = self._forge(fault, victim, tensors, version)
+        return out
+
+    def _forge(self, fault: faults.Fault, engine: dict[str, Any], tensors, version: int) -> str:
+        """Tensors of a version never published (the step's, each moved by FORGED_OFFSET),
+        every call answered 200, the engine's label set to `version`: confirmed when the label
+        check alone would pass. Not a push that sends nothing: a step whose rewards are all
+        equal leaves the weights as they were, and an engine that kept them holds the version."""
+        from vime.weight_sync.sender import WeightSender
+
+        fault.fired_step, fault.injected_at = self.step_no, time.time()
+        st = self._engine_status(engine["name"])
+        fault.pid, fault.incarnation = st.get("pid"), st.get("incarnation")
+        url = engine["url"]
+        self.pusher.drop(url)
+        sender = WeightSender(url, backend=self.pusher.backend)
+        try:
+            outcome = self.pusher.push_with(sender, url, [(n, t + FORGED_OFFSET) for n, t in tensors], version)
+        finally:
+            sender.close()
+        label = engine_label(url)
+        fault.confirmed = outcome == "ok" and label == str(version)
+        fault.note = f"push of other tensors answered {outcome!r}; /weight_info says {label}"
+        self.log(f"FAULT a push into {engine['name']} of tensors not v{version}'s, labelled v{version}: {fault.note}")
+        return outcome
+
+    def after_run(self) -> None:
+        super().after_run()
+        events = self.recorder.events
+        self.forged = [(f, *forged_push_caught(f, events)) for f in self.plan if f.kind == "forged-push"]
+
+
+# The forged push's tensors: the version's, each element moved by this much (far past any
+# fingerprint tolerance on the tiny model).
+FORGED_OFFSET = 0.05
+
+
+def engine_label(url: str) -> str | None:
+    """What the engine's /weight_info says (its label), None if it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/weight_info", timeout=10) as r:
+            return str(json.loads(r.read())["weight_version"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def forged_push_caught(fault: faults.Fault, events: list[dict[str, Any]]) -> tuple[bool, str]:
+    """A forged push is caught when the daemon condemned its engine for its fingerprint, and no
+    membership listed the engine routable from the forged version's publish until it ran
+    again on verified weights (faults.timeline's resynced_at)."""
+    if fault.injected_at is None or fault.engine is None:
+        return False, f"not injected ({fault.note or 'no step came for it'})"
+    after = [ev for ev in events if ev.get("ts", 0) >= fault.injected_at]
+    published = next((ev["ts"] for ev in after if ev.get("event") == Event.WEIGHTS_PUBLISHED), None)
+    if published is None:
+        return False, "the forged version was never published"
+    until = fault.resynced_at if fault.resynced_at is not None else float("inf")
+    routed = [round(ev["ts"] - fault.injected_at, 3) for ev in after
+              if ev.get("event") == Event.MEMBERSHIP and published <= ev["ts"] < until
+              and fault.engine in ev.get("routable", [])]
+    caught = fault.detected_cause == Cause.FINGERPRINT
+    ok = caught and not routed and fault.resynced_at is not None
+    return ok, (f"{fault.engine}: detected as {fault.detected_cause!r}, listed routable at {routed} s after the "
+                f"forgery, verified again after {fault.after(fault.resynced_at)} s")
 
 
 class Fuzzer:
@@ -609,6 +692,15 @@ def stop_keeper(keeper: Keeper, ports: dict[str, int]) -> Stopped:
     return Stopped(rc, live_pids_in_groups(pids), [p for p in ports.values() if not port_is_free("127.0.0.1", p)])
 
 
+def forged_checks(forged: list[tuple[faults.Fault, bool, str]]) -> dict[str, tuple[bool, str]]:
+    """The forged pushes (the long form): each caught by the fingerprint, never routed."""
+    if not forged:
+        return {}
+    missed = [why for _, ok, why in forged if not ok]
+    return {"every forged push caught, never routed": (
+        not missed, "; ".join(missed) or f"{len(forged)} caught: " + "; ".join(why for _, _, why in forged))}
+
+
 def round_checks(report: ChaosReport, steps: int, plan: list[faults.Fault]) -> dict[str, tuple[bool, str]]:
     """What the rounds and the faults must show: every sample, once, at the trainer's version."""
     c = {}
@@ -672,7 +764,8 @@ def daemon_checks(keeper: Keeper, gap: dict[int, str], growth_rep: dict[str, Any
 
 
 def soak_figures(*, seed: int, steps: int, plan: list[faults.Fault], report: ChaosReport | None, fuzzer: Fuzzer | None,
-                 keeper: Keeper, seconds: float, hours: Hours | None, gap: dict[int, str]) -> dict[str, Any]:
+                 keeper: Keeper, seconds: float, hours: Hours | None, gap: dict[int, str],
+                 forged: list[tuple[faults.Fault, bool, str]] | None = None) -> dict[str, Any]:
     f: dict[str, Any] = {}
     f["seed"] = seed
     f["steps (rounds)"] = steps
@@ -691,6 +784,8 @@ def soak_figures(*, seed: int, steps: int, plan: list[faults.Fault], report: Cha
     f["fuzz: daemon unreachable"] = fuzzer.unreachable if fuzzer else 0
     f["daemon kills / crashes"] = f"{keeper.killed} / {keeper.crashes}"
     f["daemon gap restarts (clean, torn)"] = keeper.restarts
+    if forged:
+        f["forged pushes caught (never routed)"] = f"{sum(ok for _, ok, _ in forged)}/{len(forged)}"
     f["seconds"] = round(seconds)
     if hours is not None:
         f["pace (h, fault every, sample)"] = f"{hours.hours:g} h, {hours.fault_every:g} s, {hours.sample_every:g} s"
@@ -714,7 +809,7 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
     gap = gap_restarts_as_daemon(plan)
     steps = max(steps, plan[-1].step + 2 if plan else steps)  # the last fault has rounds after it
     result = SoakResult()
-    fuzzer = sampler = None
+    fuzzer = sampler = loop = None
     report = None
     growth_rep = None
     t0 = time.monotonic()
@@ -727,7 +822,8 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
             "--num-rollout", str(steps if hours is None else 10**9), "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "4", "--fault-wait", str(BOOT), "--final-wait", str(BOOT), "--seed", str(seed)])
         if hours is None:
-            report = SoakLoop(args, plan=plan, hooks=keeper, gap=gap).run()
+            loop = SoakLoop(args, plan=plan, hooks=keeper, gap=gap)
+            report = loop.run()
         else:
             sampler = Sampler(root, cfg, keeper, hours.sample_every, plan).start_now()
             report, gap = run_by_the_clock(args, keeper, sampler, kinds, seed, hours, plan)
@@ -744,9 +840,11 @@ def run_soak(root: Path, *, seed: int, steps: int, kinds: list[str], engines: in
             write_for_run(root, since=started)
     if report is not None:
         result.checks.update(round_checks(report, steps, plan))
+        result.checks.update(forged_checks(loop.forged if loop is not None else []))
     result.checks.update(daemon_checks(keeper, gap, growth_rep, fuzzer, stopped))
     result.figures.update(soak_figures(seed=seed, steps=steps, plan=plan, report=report, fuzzer=fuzzer,
-                                       keeper=keeper, seconds=time.monotonic() - t0, hours=hours, gap=gap))
+                                       keeper=keeper, seconds=time.monotonic() - t0, hours=hours, gap=gap,
+                                       forged=loop.forged if loop is not None else None))
     result.growth = growth_rep
     c, f = result.checks, result.figures
     (root / "soak.json").write_text(json.dumps({"checks": {k: {"ok": ok, "detail": d} for k, (ok, d) in c.items()},

@@ -22,7 +22,7 @@ import structlog
 
 from .config import Config
 from .engine import fingerprint as fingerprints
-from .engine.fingerprint import Fingerprint
+from .engine.fingerprint import Fingerprint, Verdict
 from .engine.fsm import vlabel
 from .engine.runner import EngineRunner
 from .errors import BadRequest, Conflict
@@ -98,8 +98,8 @@ class Fleet(Listener):
         self._routable_sorted: list[str] = []
         self._routable_moved = False  # changed since the policy was last told
         self._counted_version: int | None = None  # the current version the parts were counted at
-        # The current version's fingerprint, when it was published with one (not journaled: after
-        # a daemon restart the label check stands until the next publish brings one).
+        # The current version's fingerprint, when it was published with one (journaled: a
+        # restarted daemon still checks engines by what they compute).
         self.fingerprint: tuple[int, Fingerprint] | None = None
 
     # -- what the policy knows, as the control socket, status and the journal read it ------
@@ -243,10 +243,11 @@ class Fleet(Listener):
     # -- rounds ----------------------------------------------------------------------------
 
     def restore(self, *, round_number: int | None, round_open: bool, version: int | None,
-                checkpoint: str | None) -> None:
-        """Where a previous daemon's journal left the fleet."""
+                checkpoint: str | None, fingerprint: Fingerprint | None = None) -> None:
+        """Where a previous daemon's journal left the fleet (`fingerprint`: the current version's)."""
         self.policy.restore(round_number=round_number, round_open=round_open, version=version,
                             checkpoint=checkpoint)
+        self.fingerprint = None if fingerprint is None or version is None else (version, fingerprint)
 
     def start_round(self, n: int) -> tuple[bool, str]:
         changed, message = self.policy.start_round(n)
@@ -285,6 +286,7 @@ class Fleet(Listener):
         if already is not None:
             if fingerprint is not None:  # a retry that carries it: kept for the syncs to come
                 self.fingerprint = (version, fingerprint)
+                self.persist()
             return False, already
         runners = list(self.runners.values())
         keep = self.cfg.spares_sync == "publish"
@@ -371,6 +373,22 @@ class Fleet(Listener):
                                                    max_diff=got.max_diff, tolerance=got.tolerance,
                                                    seconds=round(seconds, 4))
         return (None if got.matches else got.describe()), True
+
+    async def verify_content(self, runner: EngineRunner, label: int | str | None) -> Verdict:
+        """An engine answering (ready, recovered) with /weight_info saying `label`: when that is
+        the current version and it has a fingerprint, the fingerprint is run on it before the
+        engine can be routable, and a mismatch is handled as `fingerprint_mismatch` says
+        (fingerprints.judge decides). EngineRunner.verify_content is wired to this."""
+        fp = self.fingerprint_of(label) if isinstance(label, int) else None
+        if fp is None or not isinstance(label, int):
+            return Verdict(label)
+        why, computed = await self.check_fingerprint(runner, fp)
+        verdict = fingerprints.judge(label, why, computed, self.cfg.fingerprint_mismatch)
+        if verdict.mismatch is not None:
+            self.stats.fingerprint_mismatch("ready")
+            log.warning("fingerprint.mismatch", engine=runner.name, version=label, why=verdict.mismatch,
+                        action=self.cfg.fingerprint_mismatch, at="ready")
+        return verdict
 
     async def _check_at_publish(self, runners: list[EngineRunner], version: int,
                                 fp: Fingerprint) -> tuple[dict[str, str], dict[str, str]]:

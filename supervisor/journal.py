@@ -1,6 +1,6 @@
 """The daemon's journal: what a restarted daemon needs so that nothing is lost (the round, the
-weight version and its checkpoint, each engine's process and verified version, the spawned
-router), written atomically whenever it changes (docs/operations.md).
+weight version, its checkpoint and fingerprint, each engine's process and verified version, the
+spawned router), written atomically whenever it changes (docs/operations.md).
 
 A journal is untrusted input: `load` checks it against the schema below, and one that does
 not fit is moved aside by the daemon, never half-used.
@@ -17,6 +17,8 @@ from typing import Any
 
 import structlog
 
+from .engine.fingerprint import Fingerprint, FingerprintError
+from .engine.fingerprint import parse as parse_fingerprint
 from .fleet import Fleet
 from .engine.process import boot_id, engine_fingerprint
 from .router.link import RouterLink
@@ -53,7 +55,7 @@ def snapshot(fleet: Fleet, router: RouterLink | None = None) -> dict[str, Any]:
             if r.fsm.spawned_at is not None:  # wall clock: a reload goes on counting first_wait from it
                 entry["spawned_at"] = round(time.time() - (r.clock() - r.fsm.spawned_at), 3)
         engines[r.name] = entry
-    out = {
+    out: dict[str, Any] = {
         "format": FORMAT,
         "boot_id": _BOOT_ID,
         "daemon_pid": os.getpid(),
@@ -63,6 +65,9 @@ def snapshot(fleet: Fleet, router: RouterLink | None = None) -> dict[str, Any]:
         "checkpoint": fleet.checkpoint,
         "engines": engines,
     }
+    if fleet.fingerprint is not None:  # a restarted daemon still checks engines by what they compute
+        version, fp = fleet.fingerprint
+        out["weight_fingerprint"] = {"version": version, **fp.to_json()}
     spawned = router.journal_entry() if router is not None else None
     if spawned is not None:  # the spawned router ([router] spawn): adopted as an engine is
         out["router"] = spawned
@@ -106,6 +111,15 @@ def validate(data: Any) -> list[str]:
     _check(v is None or _int(v), "weight_version", "must be null or an integer >= 0", v, p)
     ck = data.get("checkpoint")
     _check(ck is None or isinstance(ck, str), "checkpoint", "must be null or a path", ck, p)
+    wf = data.get("weight_fingerprint")  # absent in an older daemon's journal: the label check alone
+    if wf is not None:
+        if not isinstance(wf, dict) or wf.get("version") != v or v is None:
+            p.append(f"weight_fingerprint: must be an object whose version is weight_version ({v!r}), got {wf!r:.80}")
+        else:
+            try:
+                parse_fingerprint({k: x for k, x in wf.items() if k != "version"})
+            except FingerprintError as bad:
+                p.append(f"weight_fingerprint: {bad}")
     b = data.get("boot_id")
     _check(b is None or isinstance(b, str), "boot_id", "must be null or a string", b, p)
     router = data.get("router")
@@ -150,6 +164,12 @@ def validate(data: Any) -> list[str]:
         why = e.get("reason")
         _check(why is None or isinstance(why, str), f"{w}.reason", "must be a string", why, p)
     return p
+
+
+def fingerprint_of(data: dict[str, Any]) -> Fingerprint | None:
+    """The current version's fingerprint in a journal that `validate` passed (None: none)."""
+    wf = data.get("weight_fingerprint")
+    return None if wf is None else parse_fingerprint({k: x for k, x in wf.items() if k != "version"})
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:

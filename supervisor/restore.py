@@ -43,7 +43,8 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
     killed: list[tuple[int, int]] = []
     if data is not None:
         fleet.restore(round_number=data.get("round"), round_open=bool(data.get("round_open")),
-                      version=data.get("weight_version"), checkpoint=data.get("checkpoint"))
+                      version=data.get("weight_version"), checkpoint=data.get("checkpoint"),
+                      fingerprint=journal_mod.fingerprint_of(data))
         here, then = boot_id(), data.get("boot_id")
         # Pids and start times name processes of one boot only; without both ids (an
         # older journal) we cannot tell, so nothing is adopted or killed by pid.
@@ -86,7 +87,8 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
     await await_gone(killed)
     await stop_orphans(fleet, cfg, {r.adoption.proc.pid for r in fleet.runners.values() if r.adoption.proc is not None})
     log.info("journal.restored", round=fleet.round, round_open=fleet.round_open,
-             weight_version=fleet.current_version, adopted=adopted, gone=gone)
+             weight_version=fleet.current_version, fingerprint=fleet.fingerprint is not None, adopted=adopted,
+             gone=gone)
 
 
 def read_journal(path: Path) -> dict[str, Any] | None:

@@ -19,8 +19,8 @@ from typing import Any
 
 from ..protocol import BF16_GPU_TOLERANCE, FP32_CPU_TOLERANCE
 
-__all__ = ["Fingerprint", "FingerprintError", "Comparison", "parse", "request_body", "observed", "compare", "probe",
-           "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
+__all__ = ["Fingerprint", "FingerprintError", "Comparison", "Verdict", "parse", "request_body", "observed", "compare",
+           "probe", "judge", "unverified", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
 
 MAX_PROMPTS = 16
 MAX_PROMPT_TOKENS = 256
@@ -137,6 +137,42 @@ def compare(fp: Fingerprint, got: list[list[float]]) -> Comparison:
             if not d <= worst:  # NaN too
                 worst, where = (d if math.isfinite(d) else math.inf), (i, j)
     return Comparison(worst, where, fp.tolerance)
+
+
+def unverified(version: int) -> str:
+    """The weight version an engine is taken to hold when its label says `version` but its
+    outputs were not shown to match: never a published version, so it is synced again."""
+    return f"{version}-unverified"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What an engine that answers (ready, or recovered) with /weight_info saying `label` is
+    taken to hold, once the version's fingerprint was run on it: `version`, the weight version
+    its state machine is given (the label, or unverified(label): STALE, synced and checked
+    again); `condemn`, why it is poisoned (stopped, restarted, never routed); `mismatch`, why
+    its outputs did not match (logged and counted, whatever `fingerprint_mismatch` says)."""
+
+    version: int | str | None
+    condemn: str | None = None
+    mismatch: str | None = None
+
+
+def judge(label: int, why: str | None, computed: bool, action: str) -> Verdict:
+    """Pure: the verdict on an engine whose label says `label`, the current version, which has
+    a fingerprint. `why`: None if its outputs matched, else what failed; `computed`: False when
+    the check could not be made (no answer in time): that says nothing of its weights, so it is
+    not counted, and it is synced and checked again as if it had not matched. `action`:
+    fingerprint_mismatch (poison | resync | warn)."""
+    if why is None:
+        return Verdict(label)
+    if not computed:
+        return Verdict(unverified(label))
+    if action == "warn":
+        return Verdict(label, mismatch=why)
+    if action == "resync":
+        return Verdict(unverified(label), mismatch=why)
+    return Verdict(unverified(label), condemn=f"poisoned: /weight_info says v{label}, but {why}", mismatch=why)
 
 
 async def probe(session: Any, base_url: str, model: str, fp: Fingerprint, headers: dict[str, str],

@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 import aiohttp
 import structlog
@@ -27,6 +27,7 @@ from .activity import sample_group
 from ..config import Config, EngineSpec
 from ..events import EventBus
 from .adoption import Adoption
+from .fingerprint import Verdict, unverified
 from .fsm import EngineFSM, PushWindow, vlabel
 from .heartbeat import HeartbeatSchedule
 from .probes import Prober
@@ -72,6 +73,11 @@ class RestartGate(Protocol):
     def spare_reason(self) -> str | None: ...
 
 
+async def label_alone(runner: EngineRunner, version: int | str | None) -> Verdict:
+    """No fingerprint to run: the engine holds what /weight_info says."""
+    return Verdict(version)
+
+
 class EngineRunner:
     def __init__(self, spec: EngineSpec, cfg: Config, policy: RestartGate, bus: EventBus,
                  session: aiohttp.ClientSession, *, phase: float = 0.0,
@@ -113,6 +119,10 @@ class EngineRunner:
         self.may_load_dummy: Callable[[], bool] = lambda: False
         self.dummy_weights = False
         self._read_weights_next = False
+        # What an engine answering (ready, recovered) with a weight version holds, once that
+        # version's fingerprint, if one was published, was run on it (the daemon wires
+        # Fleet.verify_content): it is not routable at the version before that.
+        self.verify_content: Callable[[EngineRunner, int | str | None], Awaitable[Verdict]] = label_alone
         self._restored = False  # a previous daemon's journal named it
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
         self._start_pending: str | None = None  # a start asked for while a dead group is cleaned up
@@ -335,7 +345,7 @@ class EngineRunner:
             ready.cancel()
         not_ready = ready.exception() if ready in done else None
         if ready in done and not_ready is None and not exited.done():
-            version = await self.prober.weight_version()
+            verdict = await self.verify_content(self, await self.prober.weight_version())
             # The awaits above leave room for an operator's stop or a death: check again.
             if fsm.state is S.STARTING and self._stop_reason is None and not exited.done():
                 # A re-adopted engine was serving in this round before the daemon died: it
@@ -344,9 +354,9 @@ class EngineRunner:
                 # A re-adopted spare stays a spare whatever its version (promotion mode keeps
                 # spares behind: it is synced if it is ever promoted).
                 keep = proc.adopted and self.adoption.standby and self.cfg.spares_sync == "promotion"
-                fsm.became_ready(version, self.policy.current_version, hold=hold, spare=self._spare(),
+                fsm.became_ready(verdict.version, self.policy.current_version, hold=hold, spare=self._spare(),
                                  behind_ok=keep, rule=self.policy.rule)
-                await self._supervise(proc, exited)
+                await self._supervise(proc, exited, condemn=verdict.condemn)
                 return
         if self._stop_reason is not None:  # an operator stopped it while it was starting
             await proc.stop(self.cfg.stop_timeout)
@@ -450,10 +460,13 @@ class EngineRunner:
 
         return await proc.stop(grace, on_overdue=overdue)
 
-    async def _supervise(self, proc: ChildProcess, exited: asyncio.Future) -> None:
-        """Heartbeat until the process exits, the probes condemn it, or a stop is asked for."""
+    async def _supervise(self, proc: ChildProcess, exited: asyncio.Future, condemn: str | None = None) -> None:
+        """Heartbeat until the process exits, the probes condemn it, or a stop is asked for.
+        `condemn`: poisoned as it became ready (its fingerprint did not match): stopped at once."""
         fsm = self.fsm
         self._stop_now.clear()
+        if condemn is not None:
+            self.condemn_and_stop(condemn, Cause.FINGERPRINT)
         beat = asyncio.ensure_future(self._heartbeat())
         stop_asked = asyncio.ensure_future(self._stop_now.wait())
         try:
@@ -518,9 +531,9 @@ class EngineRunner:
                     if not read.readable:
                         log.info("engine.weight_version_kept", engine=self.name, version=version,
                                  why=f"{read.detail}; the process never stopped, so it holds what it had")
-                    self.fsm.recovered(version, self.policy.current_version,
-                                       hold=self.policy.hold_reason(), spare=self._spare(),
-                                       rule=self.policy.rule)
+                    verdict = await self.verify_content(self, version)
+                    if self.fsm.unobserved:  # nothing else moved it meanwhile
+                        self._recovered(verdict)
                 elif self.fsm.probe_result(outcome):
                     return
             await schedule.wait_next(started, failing=bool(self.fsm.consecutive_failures))
@@ -622,7 +635,15 @@ class EngineRunner:
     def fingerprint_mismatch(self, version: int, reason: str) -> None:
         """/weight_info says `version` but the outputs do not match its fingerprint: STALE, its
         version an unpublished label, so that it is synced again (fingerprint_mismatch = "resync")."""
-        self.fsm.fingerprint_mismatch(f"{version}-unverified", reason)
+        self.fsm.fingerprint_mismatch(unverified(version), reason)
+
+    def _recovered(self, verdict: Verdict) -> None:
+        """Answering again (attached, or probed again after unobserved): back at what
+        verify_content found it holds; poisoned at once if its fingerprint did not match."""
+        self.fsm.recovered(verdict.version, self.policy.current_version, hold=self.policy.hold_reason(),
+                           spare=self._spare(), rule=self.policy.rule)
+        if verdict.condemn is not None:
+            self.condemn_and_stop(verdict.condemn, Cause.FINGERPRINT)
 
     def push_announced(self, push: str, deadline_s: float) -> None:
         """It receives an announced push (POST /v1/pushes): paused, excused until its deadline."""
@@ -832,8 +853,11 @@ class EngineRunner:
         try:
             await within(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
             hold = None if self.adoption.routable else self.policy.hold_reason()
-            fsm.became_ready(await self.prober.weight_version(), self.policy.current_version, hold=hold,
-                             spare=self._spare(), rule=self.policy.rule)
+            verdict = await self.verify_content(self, await self.prober.weight_version())
+            fsm.became_ready(verdict.version, self.policy.current_version, hold=hold, spare=self._spare(),
+                             rule=self.policy.rule)
+            if verdict.condemn is not None:
+                self.condemn_and_stop(verdict.condemn, Cause.FINGERPRINT)
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)", Cause.SLOW_START)
         await asyncio.sleep(self.phase)
@@ -846,8 +870,9 @@ class EngineRunner:
                 ok_streak = ok_streak + 1 if outcome.ok and outcome.excuse is None else 0
                 if ok_streak >= probe.success_threshold:
                     # Membership grows only in a round gap: held STALE until the round ends.
-                    fsm.recovered(await self.prober.weight_version(), self.policy.current_version,
-                                  hold=self.policy.hold_reason(), spare=self._spare(), rule=self.policy.rule)
+                    verdict = await self.verify_content(self, await self.prober.weight_version())
+                    if fsm.state in (S.UNHEALTHY, S.EXITED):  # an operator's stop meanwhile wins
+                        self._recovered(verdict)
                     ok_streak = 0
             elif fsm.probed and self.cfg.use_fault_tolerance:
                 fsm.probe_result(await self._probe_once(started))

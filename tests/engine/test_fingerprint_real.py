@@ -10,20 +10,23 @@ Two daemons of one engine each, booted together (one engine per core), sharing o
   checkpoint of another version): the restarted engine's reload says v1 too, and is caught by
   the fingerprint after the sync.
 The mutation: the same forgery published without a fingerprint (the label check alone) is
-routed. The tests run in file order and share the fleet.
+routed. Last, R is killed (SIGKILL) and B forged while no daemon watches: the restarted daemon
+re-adopts B, whose label says the version, and runs the journaled fingerprint on it before it is
+routable. The tests run in file order and share the fleet.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 import urllib.request
 
 import pytest
 import torch
 
-from vime.harness.local_daemon import ENGINE_ARGS, GLOO, Daemon, EventStream, free_port
+from vime.harness.local_daemon import ENGINE_ARGS, GLOO, Daemon, EventStream, free_port, live_pids_in_groups
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.engine import fingerprint as F
 from vime.trainer.fingerprint import make_fingerprint
@@ -32,6 +35,7 @@ from vime.weight_sync.sender import WeightSender
 
 from support.polling import wait_until
 from support.real_engines import LENIENT, real_config, stop_leaving_nothing, tiny_engine
+from support.routable import RoutableSampler
 
 pytestmark = pytest.mark.engine
 # Two engines boot at once: ~45 s on an idle 2-core machine; bounded for a heavily loaded one.
@@ -108,6 +112,7 @@ def world(tiny_model, tmp_path_factory):
     cfg_p = real_config(root / "p", [tiny_engine("A", tiny_model, w.port["A"], core=0)], args=ENGINE_ARGS + GLOO,
                         supervisor={"sync_timeout": 60.0}, health_check=PROBES)
     w.R, w.P = Daemon(cfg_r), Daemon(cfg_p)
+    w.root, w.cfg_r, w.killed = root, cfg_r, []  # killed: R daemons SIGKILLed by a test
     try:
         w.R.transition("B", "RUNNING", BOOT)
         w.P.transition("A", "RUNNING", BOOT)
@@ -123,6 +128,7 @@ def world(tiny_model, tmp_path_factory):
         print("fingerprint timings (s) and measured differences:",
               {k: [round(x, 7) for x in v] for k, v in getattr(w, "timings", {}).items()})
         left = stop_leaving_nothing(w.R) + stop_leaving_nothing(w.P)
+        left += live_pids_in_groups({pid for d in w.killed for pid in d.spawned_pids()})  # B, re-adopted
         assert not left
 
 
@@ -279,3 +285,44 @@ def test_a_reload_of_another_versions_checkpoint_is_caught_after_the_sync(world)
     first = [i for i, e in enumerate(P.events) if e.get("event") == "weights.published"][0]
     assert not [e for e in P.events[first:] if e.get("event") == "engine.transition" and e.get("to_state") == "RUNNING"]
     assert w.p.routable_engines()["engines"] == []
+
+
+# -- R killed: the journal keeps the fingerprint ---------------------------------------------
+
+
+def test_an_engine_forged_while_the_daemon_was_down_is_checked_when_readopted(world):
+    """R dies (SIGKILL: only its journal survives); B, verified at the current version, then
+    gets the base weights under that version's label. The restarted daemon re-adopts B, runs the
+    journaled fingerprint on it before it is routable (cause: at ready), and in resync mode
+    reloads and verifies it: B is never routed before that."""
+    w = world
+    version = w.trainer.version
+    ckpt, fp = w.versions[version]
+    journal = w.root / "r" / "state" / "journal.json"
+    assert json.loads(journal.read_text())["weight_fingerprint"] == {"version": version, **fp}
+    w.R.proc.send_signal(signal.SIGKILL)
+    w.R.proc.wait(10)
+    w.killed.append(w.R)
+    WeightSender(w.url["B"]).push(w.trainer.base, version)  # nobody watching: base weights, label v6
+    assert label(w.url["B"]) == str(version)  # the label check alone would pass
+    assert engine_fingerprint(w.url["B"], fp).max_diff >= 10 * F.FP32_CPU_TOLERANCE
+    w.R = R = Daemon(w.cfg_r)
+    sampler = RoutableSampler(str(w.root / "r" / "run" / "supervisor.sock"))
+    try:
+        R.wait_for(lambda e: e.get("event") == "engine.adopted" and e.get("engine") == "B", 60)
+        caught = R.wait_for(lambda e: e.get("event") == "fingerprint.mismatch", 120)
+        assert (caught["engine"], caught["at"], caught["action"]) == ("B", "ready", "resync")
+        R.transition("B", "SYNCING", 120)
+        running = R.transition("B", "RUNNING", 240)
+        assert running["cause"] == "verified" and running["reason"] == f"weights v{version}, verified"
+        wait_until(lambda: "B" in (sampler.samples or [[]])[-1], 30, "B routable once verified")
+    finally:
+        samples = sampler.stop()
+    # The first time B is routable again is its verified RUNNING: in the daemon's transitions,
+    # and in every routable list answered before it (the sampler sees B once it is).
+    assert [e["cause"] for e in R.events if e.get("event") == "engine.transition" and e.get("engine") == "B"
+            and e.get("to_state") in ("RUNNING", "SUSPECT")][:1] == ["verified"]
+    assert not [s for s in sampler.before(_ts(running)) if "B" in s], samples
+    assert engine_fingerprint(w.url["B"], fp).matches
+    with urllib.request.urlopen(f"http://{w.metrics}/metrics", timeout=10) as r:
+        assert 'vime_fingerprint_mismatches_total{at="ready"} 1.0' in r.read().decode()

@@ -1,5 +1,5 @@
 """A version's fingerprint: parsing, the comparison, an engine's answer read, the knob, the
-metric, and on the real tiny model (torch, no engine) that consecutive versions of the
+metric, the verdict on an engine that becomes ready or recovers at the version, the journal, and on the real tiny model (torch, no engine) that consecutive versions of the
 example loop's policy differ by far more than the tolerance. The engines' side is
 tests/engine/test_fingerprint_real.py."""
 
@@ -139,7 +139,8 @@ def test_mismatches_are_counted_by_where_they_were_seen():
                for fam in text_string_to_metric_families(render(fleet).decode())
                for s in fam.samples if s.name.startswith("vime_fingerprint")}
     assert samples == {("vime_fingerprint_mismatches_total", "publish"): 2.0,
-                       ("vime_fingerprint_mismatches_total", "sync"): 1.0}
+                       ("vime_fingerprint_mismatches_total", "sync"): 1.0,
+                       ("vime_fingerprint_mismatches_total", "ready"): 0.0}
 
 
 # -- the trainer's side, on the tiny model --------------------------------------------------
@@ -199,3 +200,149 @@ def test_a_mismatch_in_resync_mode_is_stale_under_a_label_never_published():
     assert (fsm.state, fsm.weight_version, fsm.reason) == (State.STALE, "5-unverified", "again")
     poisoned = fsm.mark_unusable("poisoned: fingerprint", Cause.FINGERPRINT)
     assert detection_kind(poisoned) == "poisoned"
+
+
+# -- an engine that becomes ready or recovers with /weight_info saying the current version --
+
+
+def _fsm():
+    import random
+
+    from vime.supervisor.config import ProbePolicy, RestartPolicy
+    from vime.supervisor.engine.fsm import EngineFSM
+    from vime.supervisor.states import Transition
+
+    seen: list[Transition] = []
+    fsm = EngineFSM("e0", ProbePolicy(), RestartPolicy(), lambda: 0.0, rng=random.Random(1), on_transition=seen.append)
+    assert fsm.begin_start("start")
+    return fsm, seen
+
+
+def _as_the_runner_does(verdict, recovered: bool = False, current: int = 7, spare: str | None = None):
+    """What EngineRunner does with a verdict (_incarnation, _run_attached, _recovered): the
+    FSM given the verdict's version, then condemned if it says so."""
+    from vime.supervisor.states import Cause, State
+
+    fsm, seen = _fsm()
+    if recovered:
+        fsm.became_ready(current, current)
+        fsm.mark_unusable("hung", Cause.HANG)
+        fsm.recovered(verdict.version, current, spare=spare)
+    else:
+        fsm.became_ready(verdict.version, current, spare=spare, behind_ok=spare is not None)
+    if verdict.condemn is not None:
+        fsm.mark_unusable(verdict.condemn, Cause.FINGERPRINT)
+    since = 3 if recovered else 0  # the first readiness and the hang, before the verdict
+    return fsm, [(t.to_state, t.cause) for t in seen[since:] if t.to_state is not State.STARTING]
+
+
+@pytest.mark.parametrize("recovered", [False, True])
+def test_a_label_whose_outputs_match_is_routable_at_once(recovered):
+    from vime.supervisor.states import State
+
+    v = F.judge(7, None, True, "poison")
+    assert v == F.Verdict(7)
+    fsm, _ = _as_the_runner_does(v, recovered)
+    assert fsm.state is State.RUNNING and fsm.weight_version == 7
+
+
+@pytest.mark.parametrize("recovered", [False, True])
+@pytest.mark.parametrize("action", ["poison", "resync"])
+def test_a_label_whose_outputs_do_not_match_is_never_routable(action, recovered):
+    from vime.supervisor.states import ROUTABLE, Cause, State
+
+    v = F.judge(7, "fingerprint max |logprob difference| 2.1 over tolerance 0.0001", True, action)
+    assert v.mismatch is not None and v.version == "7-unverified" == F.unverified(7)
+    fsm, went = _as_the_runner_does(v, recovered)
+    assert not [s for s, _ in went if s in ROUTABLE], went
+    if action == "poison":
+        assert v.condemn == ("poisoned: /weight_info says v7, but fingerprint max |logprob difference| 2.1 over "
+                             "tolerance 0.0001")
+        assert (fsm.state, fsm.cause) == (State.UNHEALTHY, Cause.FINGERPRINT)
+    else:  # STALE under a label never published: synced, and checked after the sync
+        assert v.condemn is None
+        assert fsm.state is State.STALE and fsm.weight_version != 7
+        assert fsm.release("round gap", 7) is None and fsm.state is State.STALE  # never released as current
+
+
+def test_a_check_not_computed_is_synced_and_checked_again_not_counted():
+    from vime.supervisor.states import State
+
+    for action in ("poison", "resync", "warn"):
+        v = F.judge(7, "fingerprint not computed: timeout", False, action)
+        assert v == F.Verdict("7-unverified")  # says nothing of its weights: no mismatch, no poison
+        fsm, went = _as_the_runner_does(v)
+        assert fsm.state is State.STALE and went == [(State.STALE, went[0][1])]
+
+
+def test_warn_routes_the_label_and_counts_the_mismatch():
+    from vime.supervisor.states import State
+
+    v = F.judge(7, "fingerprint max |logprob difference| 2.1 over tolerance 0.0001", True, "warn")
+    assert (v.version, v.condemn) == (7, None) and v.mismatch is not None
+    fsm, _ = _as_the_runner_does(v)
+    assert fsm.state is State.RUNNING
+
+
+def test_a_spare_that_does_not_match_is_kept_behind_and_synced_if_promoted():
+    from vime.supervisor.states import State
+
+    v = F.judge(7, "over tolerance", True, "resync")
+    fsm, _ = _as_the_runner_does(v, spare="at target")
+    assert fsm.state is State.STANDBY
+    fsm.promote("a failed engine's place", 7)
+    assert fsm.state is State.STALE  # synced (and checked) first
+
+
+# -- the journal keeps the current version's fingerprint --------------------------------------
+
+
+def _journal(**extra):
+    from vime.supervisor.journal import FORMAT
+
+    return {"format": FORMAT, "round": 3, "round_open": False, "weight_version": 7, "checkpoint": None,
+            "engines": {"e": {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": 7}}, **extra}
+
+
+def test_the_journal_round_trips_the_fingerprint_and_loads_an_older_journal_without_one(tmp_path):
+    import json
+
+    from vime.supervisor import journal
+
+    f = fp()
+    path = tmp_path / "journal.json"
+    path.write_text(json.dumps(_journal(weight_fingerprint={"version": 7, **f.to_json()})))
+    assert journal.fingerprint_of(journal.load(path)) == f
+    path.write_text(json.dumps(_journal()))  # the previous daemon version's journal: no field
+    data = journal.load(path)
+    assert data is not None and data["weight_version"] == 7 and journal.fingerprint_of(data) is None
+
+
+@pytest.mark.parametrize("wf, says", [
+    ({"version": 6, "prompts": [[5, 6]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "whose version is weight_version"),
+    ({"version": 7, "prompts": [[5, 6]], "logprobs": [[1.0]], "tolerance": 1e-4}, "logprobs[0]"),
+    ("abc", "must be an object"),
+])
+def test_a_journal_with_a_bad_fingerprint_is_not_trusted(tmp_path, wf, says):
+    import json
+
+    from vime.supervisor import journal
+
+    path = tmp_path / "journal.json"
+    path.write_text(json.dumps(_journal(weight_fingerprint=wf)))
+    with pytest.raises(journal.JournalError) as ei:
+        journal.load(path)
+    assert "weight_fingerprint" in str(ei.value) and says in str(ei.value)
+
+
+def test_the_snapshot_carries_the_current_versions_fingerprint(tmp_path):
+    from vime.supervisor import journal
+    from vime.supervisor.config import build
+    from vime.supervisor.fleet import Fleet
+
+    fleet = Fleet(build({"engines": [{"name": "e", "url": "http://127.0.0.1:9"}]}))
+    assert "weight_fingerprint" not in journal.snapshot(fleet)
+    fleet.restore(round_number=None, round_open=False, version=7, checkpoint=None, fingerprint=fp())
+    snap = journal.snapshot(fleet)
+    assert snap["weight_fingerprint"] == {"version": 7, **fp().to_json()}
+    assert journal.validate(snap) == [] and journal.fingerprint_of(snap) == fp()
