@@ -349,6 +349,11 @@ def _router(rtr: dict[str, Any], base_dir: str | None, problems: list[str],
                             "put the router's admin token in router.token_file")
     if rtr.get("observe_only") and rtr.get("prune_unknown"):
         warnings.append("router.prune_unknown has no effect with router.observe_only = true: nothing is removed")
+    watch, period = rtr.get("watch", 1.0), rtr.get("period", 2.0)
+    if _finite(watch) and _finite(period) and watch > period > 0:
+        warnings.append(f"router.watch = {watch!r}s is longer than router.period = {period!r}s: every reconcile "
+                        "reads the router's list anyway, so the watch never runs between two; set watch below "
+                        "period (default 1 s)")
     drain, remove = rtr.get("drain_timeout", 30.0), rtr.get("remove_timeout", 1.0)
     if _finite(drain) and _finite(remove) and drain > 0 and remove > 0:
         # The removal's three attempts (a router down or hung costs each its whole bound, plus

@@ -132,7 +132,9 @@ def schema(declared: list[Setting]) -> dict[str, type]:
 
 def shown(value: Any) -> str:
     """A value as help and messages show it: 300.0 as 300."""
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):  # exact in a message: 600.0001 is not "600"
+        return f"{value:g}" if float(f"{value:g}") == value else repr(value)
+    return str(value)
 
 
 # -- checks ---------------------------------------------------------------------------------

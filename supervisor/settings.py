@@ -210,7 +210,7 @@ class RouterConfig:
         1.0, bound=Bound(0.05, 60.0, prefix="a number of seconds ",
                          why="; an engine listed while not routable stays listed up to this long: below 0.05 s the "
                              "reads load the router, above 60 s that engine gets traffic for a minute (keep the "
-                             "default 1 s, or at most `period`)"),
+                             "default 1 s, below `period`)"),
         doc="seconds between reads of the router's list between two reconciles: an engine of this daemon's "
             "listed while not routable (registered by itself, or added by a `POST` the router finished after "
             "the daemon's call timed out) is removed at once; one `GET /workers` each (0.05 to 60)")

@@ -67,3 +67,15 @@ def test_the_ranges_edges(period, watch, accepted):
         build(raw)
     assert [p.split(",")[0] for p in ei.value.problems] == [
         "router.period: must be a number of seconds in 0.1..600", "router.watch: must be a number of seconds in 0.05..60"]
+
+
+def test_a_value_just_past_an_end_is_shown_as_given_and_a_watch_past_the_period_is_warned():
+    raw = {"router": {"url": "http://127.0.0.1:30000", "period": 600.0001, "watch": 60.000001}, "engines": ENGINES}
+    with pytest.raises(ConfigError) as ei:
+        build(raw)
+    assert [p.split("; ")[0].rsplit(", ", 1)[1] for p in ei.value.problems] == ["got 600.0001", "got 60.000001"]
+    cfg = build({"router": {"url": "http://127.0.0.1:30000", "period": 1.0, "watch": 5.0}, "engines": ENGINES})
+    assert any(w.startswith("router.watch = 5.0s is longer than router.period = 1.0s") for w in cfg.warnings), \
+        cfg.warnings
+    quiet = build({"router": {"url": "http://127.0.0.1:30000", "period": 2.0, "watch": 1.0}, "engines": ENGINES})
+    assert not any("router.watch" in w for w in quiet.warnings)
