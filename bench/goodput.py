@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -81,6 +82,11 @@ COLUMNS = [("ettr", "ETTR", "{:.3f}"), ("useful_tps", "useful tok/s", "{:.0f}"),
 assert {c for c, _, _ in COLUMNS} == set(FIGURES)
 
 
+# Below one fault per engine-minute every engine is down more than it serves (a restart takes
+# minutes of engine time): nothing to rank, and the spares sized for it would outnumber the fleet.
+MIN_MTBF_S = 60.0
+
+
 def mtbf_of(text: str) -> float:
     if text == "headline":
         return HEADLINE_MTBF_S
@@ -90,9 +96,15 @@ def mtbf_of(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--mtbf takes headline, stress or seconds of engine time, not {text!r}")
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"--mtbf must be > 0 seconds, not {text!r}")
+    if not (math.isfinite(v) and v >= MIN_MTBF_S):
+        raise argparse.ArgumentTypeError(f"--mtbf must be a finite number of engine seconds, at least "
+                                         f"{MIN_MTBF_S:g} (one fault per engine-minute), not {text!r}")
     return v
+
+
+def sized_spares(engines: int, mtbf_s: float, restart_s: float) -> int:
+    """everything-on's warm spares: fleet_plan.spares_for, never more than the serving engines."""
+    return min(engines, spares_for(engines, mtbf_s, restart_s))
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -117,6 +129,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         v = getattr(a, name)
         if v is not None and v < (0 if name == "spares" else 1):
             ap.error(f"--{name} must be at least {0 if name == 'spares' else 1}, not {v}")
+    if a.spares is not None and a.spares > (a.engines or (QUICK.engines if a.quick else FULL.engines)):
+        ap.error(f"--spares must be at most --engines (the serving engines), not {a.spares}")
+    if a.only is not None and not [n for n in a.only.split(",") if n.strip()]:
+        ap.error(f"--only takes policy names, comma-separated, not {a.only!r}")
+    if a.mutation and a.only is not None:
+        ap.error("--mutation runs one policy of its own (defaults, no fault): leave --only out")
     if a.time_scale is not None and not a.time_scale > 0:
         ap.error(f"--time-scale must be > 0, not {a.time_scale}")
     return a
@@ -162,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                          if v is not None})
     seeds = list(range(a.seeds if a.seeds is not None else (1 if a.quick else MIN_SEEDS)))
     mtbf = a.mtbf if a.mtbf is not None else (QUICK_MTBF_S if a.quick else HEADLINE_MTBF_S)
-    spares = a.spares if a.spares is not None else (QUICK_SPARES if a.quick else spares_for(w.engines, mtbf, w.restart_s))
+    spares = a.spares if a.spares is not None else (QUICK_SPARES if a.quick else sized_spares(w.engines, mtbf, w.restart_s))
     pols = policies(spares)
     if a.mutation:
         # One policy, no fault injected: whatever the must-be-zero figure counts is the mutation's.

@@ -1,0 +1,50 @@
+"""bench/goodput.py's flags: what cannot rank policies or would size an absurd fleet is refused
+with a message that says what to pass (argparse's exit 2), before anything starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "goodput.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(PATH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_goodput_flags", PATH)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.path.remove(str(PATH.parent))
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--mtbf", "inf"], "--mtbf must be a finite number of engine seconds, at least 60"),
+    (["--mtbf", "0.001"], "--mtbf must be a finite number of engine seconds, at least 60"),
+    (["--mtbf", "nan"], "--mtbf must be a finite number"),
+    (["--engines", "6", "--spares", "7"], "--spares must be at most --engines"),
+    (["--quick", "--spares", "9"], "--spares must be at most --engines"),
+    (["--only", ","], "--only takes policy names"),
+    (["--mutation", "stale", "--only", "slime"], "--mutation runs one policy of its own"),
+])
+def test_refused_with_what_to_pass(bench, capsys, argv, said):
+    with pytest.raises(SystemExit) as ei:
+        bench.parse(argv)
+    assert ei.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_accepted_and_spares_never_outnumber_the_fleet(bench):
+    a = bench.parse(["--mtbf", "stress", "--engines", "8", "--spares", "8", "--only", "slime"])
+    assert a.mtbf == 3600.0 and a.spares == 8
+    assert bench.parse(["--mtbf", "60"]).mtbf == 60.0
+    from vime.harness.fleet_plan import spares_for
+    assert spares_for(6, 60.0, 100.0) > 6 and bench.sized_spares(6, 60.0, 100.0) == 6
+    assert bench.sized_spares(64, 86400.0, 100.0) == spares_for(64, 86400.0, 100.0) < 64
