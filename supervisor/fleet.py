@@ -284,8 +284,10 @@ class Fleet(Listener):
             checkpoint = await validate_checkpoint_off_loop(checkpoint, models[0] if models else None)
         already = self.policy.check_publish(version, checkpoint)
         if already is not None:
-            if fingerprint is not None:  # a retry that carries it: kept for the syncs to come
-                self.fingerprint = (version, fingerprint)
+            in_force = self.fingerprint_of(version)
+            kept = fingerprints.republished(version, in_force, fingerprint)  # Conflict: another one
+            if kept is not in_force and kept is not None:  # none was in force: kept for the checks to come
+                self.fingerprint = (version, kept)
                 self.persist()
             return False, already
         runners = list(self.runners.values())

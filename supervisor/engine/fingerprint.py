@@ -17,10 +17,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import Conflict
 from ..protocol import BF16_GPU_TOLERANCE, FP32_CPU_TOLERANCE
 
 __all__ = ["Fingerprint", "FingerprintError", "Comparison", "Verdict", "parse", "request_body", "observed", "compare",
-           "probe", "judge", "unverified", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
+           "probe", "judge", "unverified", "republished", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
 
 MAX_PROMPTS = 16
 MAX_PROMPT_TOKENS = 256
@@ -173,6 +174,20 @@ def judge(label: int, why: str | None, computed: bool, action: str) -> Verdict:
     if action == "resync":
         return Verdict(unverified(label), mismatch=why)
     return Verdict(unverified(label), condemn=f"poisoned: /weight_info says v{label}, but {why}", mismatch=why)
+
+
+def republished(version: int, in_force: Fingerprint | None, sent: Fingerprint | None) -> Fingerprint | None:
+    """Pure: the fingerprint in force once `version`, already current, is published again with
+    `sent`. None sent, or the one in force again (a retry): the one in force, nothing changes.
+    One where none is in force (a publish that carried none, a journal from before
+    fingerprints): kept for the checks to come. Another one: Conflict, since the engines
+    already routable at `version` were checked against the one in force, not against it."""
+    if sent is None or sent == in_force:
+        return in_force
+    if in_force is None:
+        return sent
+    raise Conflict(f"version {version} is already current with another fingerprint; the engines routable at it "
+                   "were checked against that one: publish a new version for new weights or a new fingerprint")
 
 
 async def probe(session: Any, base_url: str, model: str, fp: Fingerprint, headers: dict[str, str],

@@ -177,6 +177,17 @@ def test_consecutive_versions_differ_by_far_more_than_the_tolerance(tiny_model):
     assert min(gaps) >= 10 * F.FP32_CPU_TOLERANCE
 
 
+def test_republishing_the_current_version_keeps_its_fingerprint_or_is_refused():
+    from vime.supervisor.errors import Conflict
+
+    assert F.republished(7, fp(), fp()) == fp()  # a retry
+    assert F.republished(7, fp(), None) == fp()  # no fingerprint: the one in force stays
+    assert F.republished(7, None, None) is None
+    assert F.republished(7, None, fp()) == fp()  # none in force: kept for the checks to come
+    with pytest.raises(Conflict, match="version 7 is already current with another fingerprint.*publish a new version"):
+        F.republished(7, fp(), fp(logprobs=((-1.0, -2.5), (-3.0,))))
+
+
 # -- the state machine's verdicts -----------------------------------------------------------
 
 
