@@ -19,9 +19,10 @@ from typing import Any
 
 from ..errors import Conflict
 from ..protocol import BF16_GPU_TOLERANCE, FP32_CPU_TOLERANCE
+from ..states import VersionRule
 
 __all__ = ["Fingerprint", "FingerprintError", "Comparison", "Verdict", "parse", "request_body", "observed", "compare",
-           "probe", "judge", "unverified", "republished", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
+           "probe", "judge", "unverified", "republished", "unchecked", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
 
 MAX_PROMPTS = 16
 MAX_PROMPT_TOKENS = 256
@@ -157,6 +158,24 @@ class Verdict:
     version: int | str | None
     condemn: str | None = None
     mismatch: str | None = None
+
+
+def unchecked(label: int | str | None, fingerprinted: int | None, rule: VersionRule) -> Verdict | None:
+    """Pure: the verdict on an engine answering (ready, recovered) with /weight_info saying
+    `label` without running a fingerprint, or None when the fingerprint must be run (the label
+    says `fingerprinted`, the current version, which has one). Only the current version's
+    fingerprint is known, so another version's content cannot be checked: a label `rule` allows
+    all the same (async mode, within max_staleness) is not routable on its word alone; it is
+    unverified(label): STALE, synced to the current version and checked then, as at a publish.
+    Without a fingerprint in force, or at a label the rule does not allow (never routable at it,
+    sync mode's older versions): the label as it is."""
+    if fingerprinted is None or isinstance(label, bool) or not isinstance(label, int):
+        return Verdict(label)
+    if label == fingerprinted:
+        return None
+    if rule.allows(label, fingerprinted):
+        return Verdict(unverified(label))
+    return Verdict(label)
 
 
 def judge(label: int, why: str | None, computed: bool, action: str) -> Verdict:

@@ -229,18 +229,19 @@ def _fsm():
     return fsm, seen
 
 
-def _as_the_runner_does(verdict, recovered: bool = False, current: int = 7, spare: str | None = None):
+def _as_the_runner_does(verdict, recovered: bool = False, current: int = 7, spare: str | None = None, rule=None):
     """What EngineRunner does with a verdict (_incarnation, _run_attached, _recovered): the
     FSM given the verdict's version, then condemned if it says so."""
-    from vime.supervisor.states import Cause, State
+    from vime.supervisor.states import SYNC_RULE, Cause, State
 
+    rule = rule or SYNC_RULE
     fsm, seen = _fsm()
     if recovered:
         fsm.became_ready(current, current)
         fsm.mark_unusable("hung", Cause.HANG)
-        fsm.recovered(verdict.version, current, spare=spare)
+        fsm.recovered(verdict.version, current, spare=spare, rule=rule)
     else:
-        fsm.became_ready(verdict.version, current, spare=spare, behind_ok=spare is not None)
+        fsm.became_ready(verdict.version, current, spare=spare, behind_ok=spare is not None, rule=rule)
     if verdict.condemn is not None:
         fsm.mark_unusable(verdict.condemn, Cause.FINGERPRINT)
     since = 3 if recovered else 0  # the first readiness and the hang, before the verdict
@@ -274,6 +275,38 @@ def test_a_label_whose_outputs_do_not_match_is_never_routable(action, recovered)
         assert v.condemn is None
         assert fsm.state is State.STALE and fsm.weight_version != 7
         assert fsm.release("round gap", 7) is None and fsm.state is State.STALE  # never released as current
+
+
+@pytest.mark.parametrize("recovered", [False, True])
+def test_in_async_mode_a_version_behind_a_fingerprinted_one_is_not_routable_on_its_label(recovered):
+    from vime.supervisor.states import ROUTABLE, SYNC_RULE, State, VersionRule, WeightsMode
+
+    async1 = VersionRule(WeightsMode.ASYNC, 1)
+    # v6 is within max_staleness of v7, but only v7's fingerprint is known: v6 cannot be checked.
+    v = F.unchecked(6, 7, async1)
+    assert v == F.Verdict("6-unverified")
+    fsm, went = _as_the_runner_does(v, recovered, rule=async1)
+    assert fsm.state is State.STALE and not [s for s, _ in went if s in ROUTABLE], went
+    # Without a fingerprint in force its label routes it, within the bound.
+    fsm, _ = _as_the_runner_does(F.unchecked(6, None, async1), recovered, rule=async1)
+    assert fsm.state is State.RUNNING and fsm.weight_version == 6
+    assert F.unchecked(7, 7, async1) is None  # the current version: the fingerprint is run
+    # Labels the rule never allows stay as they are (STALE, synced and checked then): an older
+    # version in sync mode, one too far behind or ahead, base weights, a string label.
+    for label, rule in [(6, SYNC_RULE), (5, async1), (8, async1), (None, async1), ("x", async1)]:
+        assert F.unchecked(label, 7, rule) == F.Verdict(label)
+
+
+async def test_the_fleet_verifies_a_label_behind_by_the_same_decision():
+    from vime.supervisor.fleet import Fleet
+
+    fleet = Fleet(build({"engines": [{"name": "e", "url": "http://127.0.0.1:9"}],
+                         "weights": {"mode": "async", "max_staleness": 1}}))
+    fleet.restore(round_number=None, round_open=False, version=7, checkpoint=None, fingerprint=fp())
+    # Decided without a request (nothing listens on port 9): the engine is not touched.
+    assert await fleet.verify_content(None, 6) == F.Verdict("6-unverified")  # type: ignore[arg-type]
+    fleet.restore(round_number=None, round_open=False, version=7, checkpoint=None)
+    assert await fleet.verify_content(None, 6) == F.Verdict(6)  # type: ignore[arg-type]
 
 
 def test_a_check_not_computed_is_synced_and_checked_again_not_counted():
