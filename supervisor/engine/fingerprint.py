@@ -22,10 +22,15 @@ from ..protocol import BF16_GPU_TOLERANCE, FP32_CPU_TOLERANCE
 from ..states import VersionRule
 
 __all__ = ["Fingerprint", "FingerprintError", "Comparison", "Verdict", "parse", "request_body", "observed", "compare",
-           "probe", "judge", "unverified", "republished", "unchecked", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
+           "probe", "judge", "unverified", "republished", "unchecked", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE", "MAX_PROMPTS", "MAX_PROMPT_TOKENS", "MAX_TOKEN_ID"]
 
-MAX_PROMPTS = 16
-MAX_PROMPT_TOKENS = 256
+# The largest fingerprint these allow (8 x 128 tokens, ids up to MAX_TOKEN_ID, each logprob
+# at its longest JSON) is about 39 KB as JSON, so a publish carrying it fits the control
+# socket's 64 KiB request body with room to spare (tests/unit/test_fingerprint.py measures it).
+# make_fingerprint's default is 4 x 48.
+MAX_PROMPTS = 8
+MAX_PROMPT_TOKENS = 128
+MAX_TOKEN_ID = 2**31 - 1  # above any vocabulary; bounds a token id's JSON
 
 
 class FingerprintError(ValueError):
@@ -67,8 +72,9 @@ def parse(obj: Any) -> Fingerprint:
     ls: list[tuple[float, ...]] = []
     for i, (p, lp) in enumerate(zip(prompts, logprobs)):
         if (not isinstance(p, list) or not 2 <= len(p) <= MAX_PROMPT_TOKENS
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)):
-            raise FingerprintError(f"fingerprint.prompts[{i}] must be 2 to {MAX_PROMPT_TOKENS} token ids (ints >= 0)")
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in p)):
+            raise FingerprintError(f"fingerprint.prompts[{i}] must be 2 to {MAX_PROMPT_TOKENS} token ids "
+                                   f"(ints 0 to {MAX_TOKEN_ID})")
         if (not isinstance(lp, list) or len(lp) != len(p) - 1
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0
                            for x in lp)):

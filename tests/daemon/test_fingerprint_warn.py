@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 
 from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
-from vime.supervisor.client import ConflictError, SupervisorClient
+from vime.supervisor.client import BadRequest, ConflictError, SupervisorClient
+from vime.supervisor.engine import fingerprint as F
 
 from support.polling import wait_until
 from support.standins import STANDIN_VERSIONED
@@ -61,6 +62,18 @@ def test_warn_counts_the_mismatch_and_keeps_routing(tmp_path):
         time.sleep(0.5)  # past the journal's coalescing (0.1 s): a replaced fingerprint would be written by now
         journal = json.loads((tmp_path / "state" / "journal.json").read_text())
         assert journal["weight_fingerprint"] == {"version": 1, **FP}
+
+        # The largest fingerprint the parser allows goes through the socket's body cap; one
+        # over it (16 prompts of 256 tokens) is refused with the limit and what to send.
+        worst = -2.2250738585072014e-308  # the longest JSON a finite float has
+        big = {"prompts": [[F.MAX_TOKEN_ID] * F.MAX_PROMPT_TOKENS] * F.MAX_PROMPTS,
+               "logprobs": [[worst] * (F.MAX_PROMPT_TOKENS - 1)] * F.MAX_PROMPTS, "tolerance": 1e-4}
+        assert client.publish_weights(2, fingerprint=big)["changed"] is True
+        over = {"prompts": [[F.MAX_TOKEN_ID] * 256] * 16, "logprobs": [[worst] * 255] * 16, "tolerance": 1e-4}
+        with pytest.raises(BadRequest, match=r"request body over 65536 bytes .*at most 8 prompts of 128 token ids"
+                                             r".*send fewer or shorter prompts") as ei:
+            client.publish_weights(3, fingerprint=over)
+        assert ei.value.status == 413
     finally:
         d.terminate(20)
         engine.terminate()

@@ -41,12 +41,15 @@ def test_round_trip_and_request():
 @pytest.mark.parametrize("bad, says", [
     ([], "must be an object"),
     ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": 1e-4, "k": 3}, "unknown fields k"),
-    ({"prompts": [], "logprobs": [], "tolerance": 1e-4}, "1 to 16 prompts"),
+    ({"prompts": [], "logprobs": [], "tolerance": 1e-4}, "1 to 8 prompts"),
+    ({"prompts": [[1, 2]] * 9, "logprobs": [[-1.0]] * 9, "tolerance": 1e-4}, "1 to 8 prompts"),
+    ({"prompts": [list(range(129))], "logprobs": [[-1.0] * 128], "tolerance": 1e-4}, "2 to 128 token ids"),
+    ({"prompts": [[1, 2**31]], "logprobs": [[-1.0]], "tolerance": 1e-4}, r"ints 0 to 2147483647"),
     ({"prompts": [[1, 2]], "logprobs": [], "tolerance": 1e-4}, "one entry per prompt"),
     ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": 0}, "tolerance must be a number > 0"),
     ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": True}, "tolerance must be a number > 0"),
-    ({"prompts": [[1]], "logprobs": [[]], "tolerance": 1e-4}, "2 to 256 token ids"),
-    ({"prompts": [[1, -2]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "2 to 256 token ids"),
+    ({"prompts": [[1]], "logprobs": [[]], "tolerance": 1e-4}, "2 to 128 token ids"),
+    ({"prompts": [[1, -2]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "2 to 128 token ids"),
     ({"prompts": [[1, 2, 3]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "must be 2 logprobs"),
     ({"prompts": [[1, 2]], "logprobs": [[0.5]], "tolerance": 1e-4}, "finite, <= 0"),
     ({"prompts": [[1, 2]], "logprobs": [[float("nan")]], "tolerance": 1e-4}, "finite, <= 0"),
@@ -54,6 +57,30 @@ def test_round_trip_and_request():
 def test_bad_fingerprints_say_what_to_send(bad, says):
     with pytest.raises(FingerprintError, match=says):
         parse(bad)
+
+
+def largest() -> dict:
+    """The largest fingerprint parse allows: every count at its limit, every number at its
+    longest JSON."""
+    worst = -2.2250738585072014e-308  # 24 characters, the longest a finite float's JSON is
+    return {"prompts": [[F.MAX_TOKEN_ID] * F.MAX_PROMPT_TOKENS] * F.MAX_PROMPTS,
+            "logprobs": [[worst] * (F.MAX_PROMPT_TOKENS - 1)] * F.MAX_PROMPTS, "tolerance": -worst}
+
+
+def test_the_largest_fingerprint_allowed_fits_the_control_sockets_body_cap_with_margin():
+    import json
+
+    from vime.supervisor.client.calls import _weights_body
+    from vime.supervisor.control import MAX_BODY
+    from vime.trainer.fingerprint import PROMPT_TOKENS, PROMPTS
+
+    big = largest()
+    parse(big)
+    # With the largest version and a 4 KB checkpoint path, as the client sends it, and pretty-printed.
+    body = _weights_body(2**63 - 1, "/" + "c" * 4095, big)
+    assert len(json.dumps(body).encode()) <= 0.7 * MAX_BODY
+    assert len(json.dumps(body, indent=1).encode()) <= 0.85 * MAX_BODY
+    assert PROMPTS <= F.MAX_PROMPTS and PROMPT_TOKENS <= F.MAX_PROMPT_TOKENS  # make_fingerprint's default is valid
 
 
 def test_same_logprobs_match_within_the_tolerance_and_not_beyond():
