@@ -54,6 +54,7 @@ from .protocol import (
     SyncPhase,
     parse_signal,
 )
+from .engine import fingerprint as fingerprint_limits
 from .engine.fingerprint import FingerprintError
 from .engine.fingerprint import parse as parse_fingerprint
 from .engine.process import read_tail
@@ -64,6 +65,16 @@ from .status import fleet_status, routable_view
 log = structlog.get_logger("vime.control")
 
 MAX_BODY = 64 * 1024
+
+
+def _too_large(request: web.Request, got: str = "") -> str:
+    """The 413's message: the cap, and for a publish, what in it may be that large."""
+    msg = f"request body over {MAX_BODY} bytes{got}"
+    if request.path == WEIGHTS_PATH:
+        msg += (f"; a fingerprint may hold at most {fingerprint_limits.MAX_PROMPTS} prompts of "
+                f"{fingerprint_limits.MAX_PROMPT_TOKENS} token ids (about 40 KB as JSON at most): send fewer or "
+                "shorter prompts (vime.trainer.fingerprint.make_fingerprint's default, 4 x 48, is about 5 KB)")
+    return msg
 # Event-stream readers: each holds a queue and socket buffers (a stalled one about 1.3 MB), so
 # they are capped, with room kept for trainer agents; a write a reader does not take within
 # STREAM_WRITE_TIMEOUT ends its stream.
@@ -398,7 +409,7 @@ class ControlServer:
             # Refused before reading: a client that declares 100 MB and sends a little would
             # otherwise hold the connection until it sends the rest.
             resp = _error(413, ErrorCode.REQUEST_ENTITY_TOO_LARGE,
-                          f"request body over {MAX_BODY} bytes (Content-Length {request.content_length})")
+                          _too_large(request, f" (Content-Length {request.content_length})"))
             resp.force_close()  # the unread body must not be parsed as the next request
             return resp
         try:
@@ -415,7 +426,7 @@ class ControlServer:
             messages = {
                 404: f"no such route: {request.method} {request.path} (routes are under {API}/)",
                 405: f"method {request.method} not allowed on {request.path}",
-                413: f"request body over {MAX_BODY} bytes",
+                413: _too_large(request),
             }
             codes = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED, 413: ErrorCode.REQUEST_ENTITY_TOO_LARGE}
             code = codes.get(e.status) or e.reason.lower().replace(" ", "_")

@@ -284,8 +284,10 @@ class Fleet(Listener):
             checkpoint = await validate_checkpoint_off_loop(checkpoint, models[0] if models else None)
         already = self.policy.check_publish(version, checkpoint)
         if already is not None:
-            if fingerprint is not None:  # a retry that carries it: kept for the syncs to come
-                self.fingerprint = (version, fingerprint)
+            in_force = self.fingerprint_of(version)
+            kept = fingerprints.republished(version, in_force, fingerprint)  # Conflict: another one
+            if kept is not in_force and kept is not None:  # none was in force: kept for the checks to come
+                self.fingerprint = (version, kept)
                 self.persist()
             return False, already
         runners = list(self.runners.values())
@@ -378,10 +380,15 @@ class Fleet(Listener):
         """An engine answering (ready, recovered) with /weight_info saying `label`: when that is
         the current version and it has a fingerprint, the fingerprint is run on it before the
         engine can be routable, and a mismatch is handled as `fingerprint_mismatch` says
-        (fingerprints.judge decides). EngineRunner.verify_content is wired to this."""
-        fp = self.fingerprint_of(label) if isinstance(label, int) else None
-        if fp is None or not isinstance(label, int):
-            return Verdict(label)
+        (fingerprints.judge decides); another version, which no fingerprint known here can
+        check, is not routable on its label (fingerprints.unchecked decides).
+        EngineRunner.verify_content is wired to this."""
+        current = self.policy.current_version
+        fp = None if current is None else self.fingerprint_of(current)
+        unchecked = fingerprints.unchecked(label, None if fp is None else current, self.policy.rule)
+        if unchecked is not None:
+            return unchecked
+        assert fp is not None and isinstance(label, int)  # unchecked: None only for the fingerprinted version
         why, computed = await self.check_fingerprint(runner, fp)
         verdict = fingerprints.judge(label, why, computed, self.cfg.fingerprint_mismatch)
         if verdict.mismatch is not None:

@@ -214,8 +214,9 @@ class VersionRule:
         return lag is not None and lag >= 0 and not self.too_old(version, current)
 
     def as_dict(self) -> dict[str, str | int]:
-        """As the daemon's answers carry it (status, routable)."""
-        return {"mode": self.mode.value, "max_staleness": self.max_staleness}
+        """As the daemon's answers carry it (status, routable): the bound in force (0 in sync
+        mode, whatever max_staleness was set to)."""
+        return {"mode": self.mode.value, "max_staleness": self.bound}
 
     @classmethod
     def from_answer(cls, answer: object) -> "VersionRule":

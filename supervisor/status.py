@@ -94,4 +94,4 @@ def weights_rule(fleet: Fleet) -> WeightsRule:
     """The mode and bound the routable set was judged by: clients (the cluster view, the
     rollout client) apply the same rule to what they hold."""
     rule = fleet.policy.rule
-    return {"mode": rule.mode.value, "max_staleness": rule.max_staleness}
+    return {"mode": rule.mode.value, "max_staleness": rule.bound}  # the bound in force: 0 in sync mode

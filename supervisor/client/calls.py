@@ -253,9 +253,9 @@ class Verbs:
         """Make `version` current: engines at a version the [weights] mode no longer allows go
         STALE, out of routing, until synced (sync mode: every engine not reporting it; async
         mode: those more than max_staleness behind it, docs/weights.md#sync-and-async-modes).
-        Idempotent: publishing the current version again (same checkpoint) is a no-op,
-        so a retry after a reconnect is safe. ConflictError for a version lower than the
-        current one; BadRequest for a checkpoint that is not a directory with *.safetensors and
+        Idempotent: publishing the current version again (same checkpoint, same fingerprint or
+        none) is a no-op, so a retry after a reconnect is safe. ConflictError for a version
+        lower than the current one, or the current one with another checkpoint or fingerprint; BadRequest for a checkpoint that is not a directory with *.safetensors and
         config.json, or a malformed fingerprint. A relative checkpoint is made absolute against
         our working directory. `fingerprint` (vime.trainer.fingerprint.make_fingerprint): the
         logprobs the trainer's weights give for fixed prompts; an engine reporting `version`

@@ -17,13 +17,20 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import Conflict
 from ..protocol import BF16_GPU_TOLERANCE, FP32_CPU_TOLERANCE
+from ..states import VersionRule
 
 __all__ = ["Fingerprint", "FingerprintError", "Comparison", "Verdict", "parse", "request_body", "observed", "compare",
-           "probe", "judge", "unverified", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE"]
+           "probe", "judge", "unverified", "republished", "unchecked", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE", "MAX_PROMPTS", "MAX_PROMPT_TOKENS", "MAX_TOKEN_ID"]
 
-MAX_PROMPTS = 16
-MAX_PROMPT_TOKENS = 256
+# The largest fingerprint these allow (8 x 128 tokens, ids up to MAX_TOKEN_ID, each logprob
+# at its longest JSON) is about 39 KB as JSON, so a publish carrying it fits the control
+# socket's 64 KiB request body with room to spare (tests/unit/test_fingerprint.py measures it).
+# make_fingerprint's default is 4 x 48.
+MAX_PROMPTS = 8
+MAX_PROMPT_TOKENS = 128
+MAX_TOKEN_ID = 2**31 - 1  # above any vocabulary; bounds a token id's JSON
 
 
 class FingerprintError(ValueError):
@@ -65,8 +72,9 @@ def parse(obj: Any) -> Fingerprint:
     ls: list[tuple[float, ...]] = []
     for i, (p, lp) in enumerate(zip(prompts, logprobs)):
         if (not isinstance(p, list) or not 2 <= len(p) <= MAX_PROMPT_TOKENS
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p)):
-            raise FingerprintError(f"fingerprint.prompts[{i}] must be 2 to {MAX_PROMPT_TOKENS} token ids (ints >= 0)")
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in p)):
+            raise FingerprintError(f"fingerprint.prompts[{i}] must be 2 to {MAX_PROMPT_TOKENS} token ids "
+                                   f"(ints 0 to {MAX_TOKEN_ID})")
         if (not isinstance(lp, list) or len(lp) != len(p) - 1
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0
                            for x in lp)):
@@ -158,6 +166,24 @@ class Verdict:
     mismatch: str | None = None
 
 
+def unchecked(label: int | str | None, fingerprinted: int | None, rule: VersionRule) -> Verdict | None:
+    """Pure: the verdict on an engine answering (ready, recovered) with /weight_info saying
+    `label` without running a fingerprint, or None when the fingerprint must be run (the label
+    says `fingerprinted`, the current version, which has one). Only the current version's
+    fingerprint is known, so another version's content cannot be checked: a label `rule` allows
+    all the same (async mode, within max_staleness) is not routable on its word alone; it is
+    unverified(label): STALE, synced to the current version and checked then, as at a publish.
+    Without a fingerprint in force, or at a label the rule does not allow (never routable at it,
+    sync mode's older versions): the label as it is."""
+    if fingerprinted is None or isinstance(label, bool) or not isinstance(label, int):
+        return Verdict(label)
+    if label == fingerprinted:
+        return None
+    if rule.allows(label, fingerprinted):
+        return Verdict(unverified(label))
+    return Verdict(label)
+
+
 def judge(label: int, why: str | None, computed: bool, action: str) -> Verdict:
     """Pure: the verdict on an engine whose label says `label`, the current version, which has
     a fingerprint. `why`: None if its outputs matched, else what failed; `computed`: False when
@@ -173,6 +199,20 @@ def judge(label: int, why: str | None, computed: bool, action: str) -> Verdict:
     if action == "resync":
         return Verdict(unverified(label), mismatch=why)
     return Verdict(unverified(label), condemn=f"poisoned: /weight_info says v{label}, but {why}", mismatch=why)
+
+
+def republished(version: int, in_force: Fingerprint | None, sent: Fingerprint | None) -> Fingerprint | None:
+    """Pure: the fingerprint in force once `version`, already current, is published again with
+    `sent`. None sent, or the one in force again (a retry): the one in force, nothing changes.
+    One where none is in force (a publish that carried none, a journal from before
+    fingerprints): kept for the checks to come. Another one: Conflict, since the engines
+    already routable at `version` were checked against the one in force, not against it."""
+    if sent is None or sent == in_force:
+        return in_force
+    if in_force is None:
+        return sent
+    raise Conflict(f"version {version} is already current with another fingerprint; the engines routable at it "
+                   "were checked against that one: publish a new version for new weights or a new fingerprint")
 
 
 async def probe(session: Any, base_url: str, model: str, fp: Fingerprint, headers: dict[str, str],

@@ -41,12 +41,15 @@ def test_round_trip_and_request():
 @pytest.mark.parametrize("bad, says", [
     ([], "must be an object"),
     ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": 1e-4, "k": 3}, "unknown fields k"),
-    ({"prompts": [], "logprobs": [], "tolerance": 1e-4}, "1 to 16 prompts"),
+    ({"prompts": [], "logprobs": [], "tolerance": 1e-4}, "1 to 8 prompts"),
+    ({"prompts": [[1, 2]] * 9, "logprobs": [[-1.0]] * 9, "tolerance": 1e-4}, "1 to 8 prompts"),
+    ({"prompts": [list(range(129))], "logprobs": [[-1.0] * 128], "tolerance": 1e-4}, "2 to 128 token ids"),
+    ({"prompts": [[1, 2**31]], "logprobs": [[-1.0]], "tolerance": 1e-4}, r"ints 0 to 2147483647"),
     ({"prompts": [[1, 2]], "logprobs": [], "tolerance": 1e-4}, "one entry per prompt"),
     ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": 0}, "tolerance must be a number > 0"),
     ({"prompts": [[1, 2]], "logprobs": [[-1.0]], "tolerance": True}, "tolerance must be a number > 0"),
-    ({"prompts": [[1]], "logprobs": [[]], "tolerance": 1e-4}, "2 to 256 token ids"),
-    ({"prompts": [[1, -2]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "2 to 256 token ids"),
+    ({"prompts": [[1]], "logprobs": [[]], "tolerance": 1e-4}, "2 to 128 token ids"),
+    ({"prompts": [[1, -2]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "2 to 128 token ids"),
     ({"prompts": [[1, 2, 3]], "logprobs": [[-1.0]], "tolerance": 1e-4}, "must be 2 logprobs"),
     ({"prompts": [[1, 2]], "logprobs": [[0.5]], "tolerance": 1e-4}, "finite, <= 0"),
     ({"prompts": [[1, 2]], "logprobs": [[float("nan")]], "tolerance": 1e-4}, "finite, <= 0"),
@@ -54,6 +57,30 @@ def test_round_trip_and_request():
 def test_bad_fingerprints_say_what_to_send(bad, says):
     with pytest.raises(FingerprintError, match=says):
         parse(bad)
+
+
+def largest() -> dict:
+    """The largest fingerprint parse allows: every count at its limit, every number at its
+    longest JSON."""
+    worst = -2.2250738585072014e-308  # 24 characters, the longest a finite float's JSON is
+    return {"prompts": [[F.MAX_TOKEN_ID] * F.MAX_PROMPT_TOKENS] * F.MAX_PROMPTS,
+            "logprobs": [[worst] * (F.MAX_PROMPT_TOKENS - 1)] * F.MAX_PROMPTS, "tolerance": -worst}
+
+
+def test_the_largest_fingerprint_allowed_fits_the_control_sockets_body_cap_with_margin():
+    import json
+
+    from vime.supervisor.client.calls import _weights_body
+    from vime.supervisor.control import MAX_BODY
+    from vime.trainer.fingerprint import PROMPT_TOKENS, PROMPTS
+
+    big = largest()
+    parse(big)
+    # With the largest version and a 4 KB checkpoint path, as the client sends it, and pretty-printed.
+    body = _weights_body(2**63 - 1, "/" + "c" * 4095, big)
+    assert len(json.dumps(body).encode()) <= 0.7 * MAX_BODY
+    assert len(json.dumps(body, indent=1).encode()) <= 0.85 * MAX_BODY
+    assert PROMPTS <= F.MAX_PROMPTS and PROMPT_TOKENS <= F.MAX_PROMPT_TOKENS  # make_fingerprint's default is valid
 
 
 def test_same_logprobs_match_within_the_tolerance_and_not_beyond():
@@ -177,6 +204,17 @@ def test_consecutive_versions_differ_by_far_more_than_the_tolerance(tiny_model):
     assert min(gaps) >= 10 * F.FP32_CPU_TOLERANCE
 
 
+def test_republishing_the_current_version_keeps_its_fingerprint_or_is_refused():
+    from vime.supervisor.errors import Conflict
+
+    assert F.republished(7, fp(), fp()) == fp()  # a retry
+    assert F.republished(7, fp(), None) == fp()  # no fingerprint: the one in force stays
+    assert F.republished(7, None, None) is None
+    assert F.republished(7, None, fp()) == fp()  # none in force: kept for the checks to come
+    with pytest.raises(Conflict, match="version 7 is already current with another fingerprint.*publish a new version"):
+        F.republished(7, fp(), fp(logprobs=((-1.0, -2.5), (-3.0,))))
+
+
 # -- the state machine's verdicts -----------------------------------------------------------
 
 
@@ -218,18 +256,19 @@ def _fsm():
     return fsm, seen
 
 
-def _as_the_runner_does(verdict, recovered: bool = False, current: int = 7, spare: str | None = None):
+def _as_the_runner_does(verdict, recovered: bool = False, current: int = 7, spare: str | None = None, rule=None):
     """What EngineRunner does with a verdict (_incarnation, _run_attached, _recovered): the
     FSM given the verdict's version, then condemned if it says so."""
-    from vime.supervisor.states import Cause, State
+    from vime.supervisor.states import SYNC_RULE, Cause, State
 
+    rule = rule or SYNC_RULE
     fsm, seen = _fsm()
     if recovered:
         fsm.became_ready(current, current)
         fsm.mark_unusable("hung", Cause.HANG)
-        fsm.recovered(verdict.version, current, spare=spare)
+        fsm.recovered(verdict.version, current, spare=spare, rule=rule)
     else:
-        fsm.became_ready(verdict.version, current, spare=spare, behind_ok=spare is not None)
+        fsm.became_ready(verdict.version, current, spare=spare, behind_ok=spare is not None, rule=rule)
     if verdict.condemn is not None:
         fsm.mark_unusable(verdict.condemn, Cause.FINGERPRINT)
     since = 3 if recovered else 0  # the first readiness and the hang, before the verdict
@@ -263,6 +302,38 @@ def test_a_label_whose_outputs_do_not_match_is_never_routable(action, recovered)
         assert v.condemn is None
         assert fsm.state is State.STALE and fsm.weight_version != 7
         assert fsm.release("round gap", 7) is None and fsm.state is State.STALE  # never released as current
+
+
+@pytest.mark.parametrize("recovered", [False, True])
+def test_in_async_mode_a_version_behind_a_fingerprinted_one_is_not_routable_on_its_label(recovered):
+    from vime.supervisor.states import ROUTABLE, SYNC_RULE, State, VersionRule, WeightsMode
+
+    async1 = VersionRule(WeightsMode.ASYNC, 1)
+    # v6 is within max_staleness of v7, but only v7's fingerprint is known: v6 cannot be checked.
+    v = F.unchecked(6, 7, async1)
+    assert v == F.Verdict("6-unverified")
+    fsm, went = _as_the_runner_does(v, recovered, rule=async1)
+    assert fsm.state is State.STALE and not [s for s, _ in went if s in ROUTABLE], went
+    # Without a fingerprint in force its label routes it, within the bound.
+    fsm, _ = _as_the_runner_does(F.unchecked(6, None, async1), recovered, rule=async1)
+    assert fsm.state is State.RUNNING and fsm.weight_version == 6
+    assert F.unchecked(7, 7, async1) is None  # the current version: the fingerprint is run
+    # Labels the rule never allows stay as they are (STALE, synced and checked then): an older
+    # version in sync mode, one too far behind or ahead, base weights, a string label.
+    for label, rule in [(6, SYNC_RULE), (5, async1), (8, async1), (None, async1), ("x", async1)]:
+        assert F.unchecked(label, 7, rule) == F.Verdict(label)
+
+
+async def test_the_fleet_verifies_a_label_behind_by_the_same_decision():
+    from vime.supervisor.fleet import Fleet
+
+    fleet = Fleet(build({"engines": [{"name": "e", "url": "http://127.0.0.1:9"}],
+                         "weights": {"mode": "async", "max_staleness": 1}}))
+    fleet.restore(round_number=None, round_open=False, version=7, checkpoint=None, fingerprint=fp())
+    # Decided without a request (nothing listens on port 9): the engine is not touched.
+    assert await fleet.verify_content(None, 6) == F.Verdict("6-unverified")  # type: ignore[arg-type]
+    fleet.restore(round_number=None, round_open=False, version=7, checkpoint=None)
+    assert await fleet.verify_content(None, 6) == F.Verdict(6)  # type: ignore[arg-type]
 
 
 def test_a_check_not_computed_is_synced_and_checked_again_not_counted():

@@ -81,6 +81,9 @@ def test_the_rule_travels_in_answers_and_the_strictest_wins():
     assert VersionRule.strictest([ASYNC1, VersionRule(WeightsMode.ASYNC, 3)]) == ASYNC1
     assert VersionRule.strictest([VersionRule(WeightsMode.ASYNC, 3), SYNC_RULE]) is SYNC_RULE
     assert ASYNC1.as_dict() == {"mode": "async", "max_staleness": 1}
+    # The bound in force, not the knob read in async mode only (its default is 1).
+    assert VersionRule(WeightsMode.SYNC, 3).as_dict() == {"mode": "sync", "max_staleness": 0}
+    assert VersionRule.from_answer({"weights": VersionRule(WeightsMode.SYNC, 3).as_dict()}) == SYNC_RULE
 
 
 def test_the_config_builds_the_rule_it_reads():
@@ -223,6 +226,18 @@ async def an_async_publish(sup: Supervisor) -> None:
 async def test_status_routable_and_metrics_show_the_mode_and_each_engines_lag(tmp_path):
     async with fleets(tmp_path) as fleet_at:
         await shown(await fleet_at([5, 4, 3], mode="async", max_staleness=1))
+
+
+async def test_sync_mode_answers_the_bound_in_force_not_the_unused_knob(tmp_path):
+    # WeightsPolicy's max_staleness defaults to 1, read in async mode only: sync answers 0, as
+    # vime_max_staleness does.
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([5, 4], mode="sync", max_staleness=1)
+        await sup.fleet.publish_weights(5, None)
+        assert fleet_status(sup.fleet)["weights"] == {"mode": "sync", "max_staleness": 0}
+        assert routable_view(sup.fleet)["weights"] == {"mode": "sync", "max_staleness": 0}
+        samples = {m.name: s.value for m in FleetCollector(sup.fleet).collect() for s in m.samples}
+        assert samples["vime_max_staleness"] == 0
 
 
 async def shown(sup: Supervisor) -> None:
