@@ -233,7 +233,8 @@ def check_status(st: dict, live_port: int) -> None:
 
 
 def check_routable(r: dict) -> None:
-    assert set(r) == {"epoch", "weight_version", "engines"}
+    assert set(r) == {"epoch", "weight_version", "engines", "weights"}
+    assert r["weights"] == {"mode": "sync", "max_staleness": 0}  # the bound in force
     names = {e["name"] for e in r["engines"]}
     assert {"live", "spawned"} <= names and "dead" not in names
     assert all(e["url"].startswith("http://127.0.0.1:") for e in r["engines"])
