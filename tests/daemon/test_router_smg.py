@@ -114,7 +114,10 @@ async def test_an_add_the_router_cannot_complete_is_a_transient_error_within_its
     started = time.monotonic()
     with pytest.raises(RouterError) as ei:
         await smg.add(nobody, 1.0)
-    assert ei.value.transient and "not ready within 1s" in str(ei.value), ei.value
+    # Its status polled until the bound: "not ready", or, on a loaded host, the last poll itself
+    # unanswered when the bound ran out; transient either way.
+    assert ei.value.transient and ("not ready within 1s" in str(ei.value)
+                                   or "no answer within the call's bound" in str(ei.value)), ei.value
     assert time.monotonic() - started < 2.0
     assert nobody not in router.routed()
 
