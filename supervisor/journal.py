@@ -3,7 +3,8 @@ weight version, its checkpoint and fingerprint, each engine's process and verifi
 spawned router), written atomically whenever it changes (docs/operations.md).
 
 A journal is untrusted input: `load` checks it against the schema below, and one that does
-not fit is moved aside by the daemon, never half-used.
+not fit is moved aside by the daemon, never half-used; only a bad weight_fingerprint is
+dropped alone (it is checked again once the trainer publishes the version with one).
 """
 
 from __future__ import annotations
@@ -111,15 +112,7 @@ def validate(data: Any) -> list[str]:
     _check(v is None or _int(v), "weight_version", "must be null or an integer >= 0", v, p)
     ck = data.get("checkpoint")
     _check(ck is None or isinstance(ck, str), "checkpoint", "must be null or a path", ck, p)
-    wf = data.get("weight_fingerprint")  # absent in an older daemon's journal: the label check alone
-    if wf is not None:
-        if not isinstance(wf, dict) or wf.get("version") != v or v is None:
-            p.append(f"weight_fingerprint: must be an object whose version is weight_version ({v!r}), got {wf!r:.80}")
-        else:
-            try:
-                parse_fingerprint({k: x for k, x in wf.items() if k != "version"})
-            except FingerprintError as bad:
-                p.append(f"weight_fingerprint: {bad}")
+    # weight_fingerprint: fingerprint_problem (a bad one is dropped alone by `load`)
     b = data.get("boot_id")
     _check(b is None or isinstance(b, str), "boot_id", "must be null or a string", b, p)
     router = data.get("router")
@@ -166,6 +159,21 @@ def validate(data: Any) -> list[str]:
     return p
 
 
+def fingerprint_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with a journal's weight_fingerprint (None: nothing, or none there; an
+    older daemon's journal has none: engines are checked by their label alone)."""
+    wf, v = data.get("weight_fingerprint"), data.get("weight_version")
+    if wf is None:
+        return None
+    if not isinstance(wf, dict) or wf.get("version") != v or v is None:
+        return f"weight_fingerprint: must be an object whose version is weight_version ({v!r}), got {wf!r:.80}"
+    try:
+        parse_fingerprint({k: x for k, x in wf.items() if k != "version"})
+    except FingerprintError as bad:
+        return f"weight_fingerprint: {bad}"
+    return None
+
+
 def fingerprint_of(data: dict[str, Any]) -> Fingerprint | None:
     """The current version's fingerprint in a journal that `validate` passed (None: none)."""
     wf = data.get("weight_fingerprint")
@@ -187,8 +195,9 @@ def write_atomic(path: Path, data: dict[str, Any]) -> None:
         os.close(dirfd)
 
 
-def load(path: Path) -> dict[str, Any] | None:
-    """The journal, or None if there is none. JournalError if it cannot be trusted."""
+def load(path: Path, *, warn: bool = True) -> dict[str, Any] | None:
+    """The journal, or None if there is none. JournalError if it cannot be trusted. A bad
+    weight_fingerprint is dropped alone (said if `warn`)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -207,6 +216,13 @@ def load(path: Path) -> dict[str, Any] | None:
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise JournalError(f"{path} does not fit the journal's schema: {'; '.join(problems[:3])}{more}")
+    bad = fingerprint_problem(data)
+    if bad is not None:  # only the fingerprint is lost: the version, round and engines are kept
+        del data["weight_fingerprint"]
+        if warn:
+            log.warning("journal.fingerprint_dropped", path=str(path), problem=bad,
+                        action=("the rest of the journal is kept; engines are checked by their version label until "
+                                "the trainer publishes the current version again with its fingerprint"))
     return data
 
 
@@ -214,7 +230,7 @@ def engines_to_adopt(path: Path) -> int:
     """How many engines the journal at `path` names with a pid (a process a previous daemon
     left running): 0 when there is none or it cannot be trusted (the daemon then starts clean)."""
     try:
-        data = load(path)
+        data = load(path, warn=False)
     except JournalError:
         return 0
     return 0 if data is None else sum(1 for e in data["engines"].values() if "pid" in e)
