@@ -60,8 +60,10 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
             log.warning("journal.other_boot", journal_boot=then, this_boot=here,
                         action="no engine adopted or killed by pid; ours are found by command line and port")
         owners = {s.port: s.name for s in cfg.engines if s.spawned and s.port is not None}
-        claimed: set[int] = set()
-        for name, entry in data["engines"].items():
+        claimed: set[int] = set()  # pids an entry took over (adopted): no other entry touches them
+        # The entry whose own configured port is the one it names goes first: a bad entry naming
+        # the same pid (a hand edit, a copy) is then refused, never the rightful one.
+        for name, entry in sorted(data["engines"].items(), key=lambda kv: owners.get(kv[1].get("port")) != kv[0]):
             runner = fleet.runners.get(name)
             if runner is not None:
                 restore_runner(runner, entry, generation)
@@ -72,9 +74,9 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
                 log.warning("journal.not_ours", engine=name, pid=entry["pid"], port=entry.get("port"), why=elsewhere,
                             action="left alone: the journal names another engine's process here")
                 continue
-            claimed.add(int(entry["pid"]))
             outcome = take_engine(fleet, name, runner, entry, after)
             if outcome == "adopted":
+                claimed.add(int(entry["pid"]))
                 adopted.append(name)
                 continue
             if outcome == "left":

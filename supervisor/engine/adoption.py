@@ -86,8 +86,9 @@ def router_unwanted(entry: dict[str, Any], fingerprint: str | None) -> str | Non
 
 
 def claimed_elsewhere(name: str, entry: dict[str, Any], *, owners: dict[int, str], claimed: set[int]) -> str | None:
-    """Why the process a journal entry names belongs to another engine (None: it does not): an
-    earlier entry already took its pid, or it serves a port this config gives another engine.
+    """Why the process a journal entry names belongs to another engine (None: it does not):
+    another entry took it over (`claimed`: adopted pids), or it serves a port this config gives
+    another engine.
     Only a hand-edited journal says so; that process is judged by its own engine's entry, and
     this one leaves it alone (never adopted, never signalled)."""
     if int(entry["pid"]) in claimed:

@@ -434,3 +434,42 @@ def test_sync_agent_restores_a_version_the_daemon_lost(tmp_path, fake_python, cl
     finally:
         engine.kill()
         engine.wait(10)
+
+
+@pytest.mark.parametrize("edit", ["unconfigured_copy", "own_port"])
+def test_a_bad_entry_naming_an_engines_pid_never_costs_that_engine_its_process(tmp_path, fake_python, cleanup, edit):
+    """A hand-edited journal with a second entry naming e1's live process: `a1`, a name this
+    config does not have, copied from e1 with another port; or e0 given e1's pid and start time
+    with its own port. That entry is left alone, and whichever entry is read first e1 keeps its
+    process (adopted), never stopped as an orphan and restarted."""
+    model = model_dir(tmp_path / "model")
+    cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port()), spawned("e1", model, free_port())])
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    d.transition("e1", "RUNNING", 30)
+    e1_pid = d.last_pid("e1")
+    cleanup[1].update({d.last_pid("e0"), e1_pid})
+    for first in (True, False):  # the bad entry read before e1's, then after
+        kill9(d)
+        data = json.loads(journal_path(tmp_path).read_text())
+        e1 = data["engines"]["e1"]
+        assert e1["pid"] == e1_pid
+        bad = "a1" if edit == "unconfigured_copy" else "e0"
+        if edit == "unconfigured_copy":
+            data["engines"]["a1"] = {**e1, "port": free_port()}
+        else:
+            data["engines"]["e0"].update(pid=e1["pid"], start_time=e1["start_time"])
+        rest = {k: v for k, v in data["engines"].items() if k != bad}
+        data["engines"] = {bad: data["engines"][bad], **rest} if first else {**rest, bad: data["engines"][bad]}
+        journal_path(tmp_path).write_text(json.dumps(data))
+        d = start(cfg, cleanup)
+        d.wait_for(lambda ev: ev.get("event") == "journal.restored", 30)
+        d.transition("e0", "RUNNING", 30)
+        engines = {e["name"]: e for e in SupervisorClient(sock(tmp_path)).status()["engines"]}
+        cleanup[1].add(engines["e0"]["pid"])
+        assert engines["e1"]["pid"] == e1_pid and alive(e1_pid), (first, engines["e1"])
+        assert "e1" in d.wait_for(lambda ev: ev.get("event") == "journal.restored", 1)["adopted"]
+        assert [e.get("engine") for e in d.events if e.get("event") == "journal.not_ours"] == [bad]
+        assert not [e for e in d.events if e.get("event") == "journal.not_adopted" and e.get("engine") == "e1"]
+        assert all(e.get("pid") != e1_pid for e in d.events if e.get("event") == "journal.orphan_stopped")
+    assert d.terminate(30) == 0
