@@ -19,7 +19,7 @@ import structlog
 from . import journal as journal_mod
 from .config import Config
 from .engine.adoption import ADOPT, LEAVE, STOP, claimed_elsewhere, engine_unwanted, find_engine_leaders, judge_engine, \
-    take_over
+    spawned_member, take_over
 from .engine.process import boot_id, engine_fingerprint, group_members_of, kill_group_of, reap_child, stop_group_of
 from .engine.runner import EngineRunner
 from .fleet import Fleet
@@ -84,7 +84,7 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
             if outcome == "gone":
                 gone.append(name)
             pid, start_time = int(entry["pid"]), int(entry["start_time"])
-            kill_group_of(pid, start_time)  # its leftovers, if any
+            kill_group_of(pid, start_time, spawned_member)  # its leftovers of ours, if any
             killed.append((pid, start_time))
     await await_gone(killed)
     await stop_orphans(fleet, cfg, {r.adoption.proc.pid for r in fleet.runners.values() if r.adoption.proc is not None})
@@ -143,7 +143,7 @@ def take_engine(fleet: Fleet, name: str, runner: EngineRunner | None, entry: dic
                     action="left alone: not an engine server of ours on that port")
         return "left"
     if runner is None or not runner.spec.spawned:  # what this config would not have started: say so
-        if group_members_of(pid, start_time):
+        if group_members_of(pid, start_time, spawned_member):
             log.warning("journal.not_adopted", engine=name, pid=pid, why=unwanted, action="killed its process group")
             fleet.emit(Event.NOT_ADOPTED, engine=name, pid=pid, why=unwanted)
         return "stopped"
@@ -164,7 +164,7 @@ async def await_gone(groups: list[tuple[int, int]]) -> None:
     not see them again and a new spawn finds the port free. A leader that is our child (after
     a reload) is reaped, not left a zombie."""
     deadline = time.monotonic() + 5.0
-    while any(group_members_of(p, t) for p, t in groups) and time.monotonic() < deadline:
+    while any(group_members_of(p, t, spawned_member) for p, t in groups) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     for pid, _ in groups:
         reap_child(pid)

@@ -150,6 +150,19 @@ def _marked(pid: int) -> bool:
         return False
 
 
+def spawned_member(st: ProcStat) -> bool:
+    """`st` was spawned by a daemon of ours: an engine or a child of one (EngineCore inherits
+    SPAWN_MARK). What may be signalled in a group a journal names whose leader cannot vouch
+    for it (process.group_members_of's `ours`): never a stranger in a reused group id. The
+    router rewrites its environment; its leftovers are found by its port (router/child.py)."""
+    try:
+        if os.stat(f"/proc/{st.pid}").st_uid != os.getuid():
+            return False
+    except OSError:
+        return False
+    return st.pid != os.getpid() and _marked(st.pid)
+
+
 def spawned_leader(st: ProcStat) -> bool:
     """`st` could be a process ChildProcess.spawn made: alive, not us, our uid, leader of its
     own process group, and leading its own session (the router; engines of older daemons) or

@@ -473,3 +473,41 @@ def test_a_bad_entry_naming_an_engines_pid_never_costs_that_engine_its_process(t
         assert not [e for e in d.events if e.get("event") == "journal.not_adopted" and e.get("engine") == "e1"]
         assert all(e.get("pid") != e1_pid for e in d.events if e.get("event") == "journal.orphan_stopped")
     assert d.terminate(30) == 0
+
+
+def leaderless_group(cleanup) -> tuple[int, int]:
+    """(pgid, pid) of a `sleep` left in a process group whose leader has exited: no engine."""
+    sh = subprocess.run(["setsid", "sh", "-c", "sleep 900 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                        text=True, timeout=10, check=True)
+    pid = int(sh.stdout.strip())
+    cleanup[1].add(pid)
+    pgid = os.getpgid(pid)
+    assert pgid != pid and proc_stat(pgid) is None  # its leader (the shell) is gone
+    return pgid, pid
+
+
+def test_journal_naming_a_leaderless_group_with_no_start_time_signals_none_of_it(tmp_path, fake_python, cleanup):
+    """A hand-edited journal whose entries (e0, configured, and `zz`, not) name process groups
+    whose leaders have exited, with `start_time: 0`: their members are no engines of ours
+    (no spawn mark) and are never signalled; e0 gets a fresh process."""
+    port = free_port()
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
+    (g0, victim0), (g1, victim1) = leaderless_group(cleanup), leaderless_group(cleanup)
+    try:
+        entry = {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": None, "retired": False,
+                 "pid": g0, "start_time": 0, "port": port, "log_path": str(tmp_path / "x.log")}
+        journal_path(tmp_path).parent.mkdir(parents=True)
+        journal_path(tmp_path).write_text(json.dumps({
+            "format": 1, "boot_id": boot_id(), "daemon_pid": 1, "round": 2, "round_open": False,
+            "weight_version": None, "checkpoint": None,
+            "engines": {"e0": entry, "zz": {**entry, "pid": g1, "port": free_port()}}}))
+        d = start(cfg, cleanup)
+        d.transition("e0", "RUNNING", 30)
+        cleanup[1].add(d.last_pid("e0"))
+        assert alive(victim0) and alive(victim1)
+        assert d.terminate(30) == 0
+        assert alive(victim0) and alive(victim1)
+    finally:
+        for pid in (victim0, victim1):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
