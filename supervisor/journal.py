@@ -34,7 +34,8 @@ class JournalError(Exception):
     pass
 
 
-def snapshot(fleet: Fleet, router: RouterLink | None = None) -> dict[str, Any]:
+def snapshot(fleet: Fleet, router: RouterLink | None = None, *, path: Path | None = None) -> dict[str, Any]:
+    """The journal to write (`path`: where, recorded so that a copy is known as one)."""
     engines = {}
     for r in fleet.runners.values():
         proc = r.proc
@@ -66,6 +67,8 @@ def snapshot(fleet: Fleet, router: RouterLink | None = None) -> dict[str, Any]:
         "checkpoint": fleet.checkpoint,
         "engines": engines,
     }
+    if path is not None:  # pids name processes of the daemon that wrote here, not of one reading a copy
+        out["journal_path"] = str(path.absolute())
     if fleet.fingerprint is not None:  # a restarted daemon still checks engines by what they compute
         version, fp = fleet.fingerprint
         out["weight_fingerprint"] = {"version": version, **fp.to_json()}
@@ -115,6 +118,8 @@ def validate(data: Any) -> list[str]:
     # weight_fingerprint: fingerprint_problem (a bad one is dropped alone by `load`)
     b = data.get("boot_id")
     _check(b is None or isinstance(b, str), "boot_id", "must be null or a string", b, p)
+    jp = data.get("journal_path")
+    _check(jp is None or isinstance(jp, str), "journal_path", "must be null or a path", jp, p)
     router = data.get("router")
     if router is not None:
         if not isinstance(router, dict):
@@ -178,6 +183,14 @@ def fingerprint_of(data: dict[str, Any]) -> Fingerprint | None:
     """The current version's fingerprint in a journal that `validate` passed (None: none)."""
     wf = data.get("weight_fingerprint")
     return None if wf is None else parse_fingerprint({k: x for k, x in wf.items() if k != "version"})
+
+
+def copied_from(data: dict[str, Any], path: Path) -> str | None:
+    """Where a journal read at `path` was written, if elsewhere (a state_dir copied from another
+    daemon: its pids are that daemon's processes); None if here, or unrecorded (an older daemon's
+    journal, trusted as before)."""
+    there = data.get("journal_path")
+    return there if there is not None and there != str(path.absolute()) else None
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -265,7 +278,7 @@ class JournalWriter:
 
     def flush(self) -> None:
         try:
-            write_atomic(self.path, snapshot(self.fleet, self.router))
+            write_atomic(self.path, snapshot(self.fleet, self.router, path=self.path))
             self.writes += 1
         except OSError as e:  # a full disk must not take the daemon down; say so loudly
             log.error("journal.write_failed", path=str(self.path), error=str(e))

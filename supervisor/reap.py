@@ -113,6 +113,8 @@ def journal_groups(state_dir: Path) -> list[tuple[str, int, int, int | None]]:
         return []
     if data.get("boot_id") is None or data.get("boot_id") != boot_id():
         return []  # pids of another boot name nothing of ours
+    if journal_mod.copied_from(data, state_dir / "journal.json") is not None:
+        return []  # a copy of another daemon's journal: its pids are that daemon's
     found = []
     for name, e in data["engines"].items():
         if not e.get("pid"):

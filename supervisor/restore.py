@@ -19,7 +19,7 @@ import structlog
 from . import journal as journal_mod
 from .config import Config
 from .engine.adoption import ADOPT, LEAVE, STOP, claimed_elsewhere, engine_unwanted, find_engine_leaders, judge_engine, \
-    spawned_member, take_over
+    port_disowned, spawned_member, take_over
 from .engine.process import boot_id, engine_fingerprint, group_members_of, kill_group_of, reap_child, stop_group_of
 from .engine.runner import EngineRunner
 from .fleet import Fleet
@@ -49,6 +49,16 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
         # Pids and start times name processes of one boot only; without both ids (an
         # older journal) we cannot tell, so nothing is adopted or killed by pid.
         same_boot = here is not None and then == here
+        if not same_boot and any(e.get("pid") for e in data["engines"].values()):
+            log.warning("journal.other_boot", journal_boot=then, this_boot=here,
+                        action="no engine adopted or killed by pid; ours are found by command line and port")
+        elsewhere = journal_mod.copied_from(data, path)
+        if elsewhere is not None and any(e.get("pid") for e in data["engines"].values()):
+            log.warning("journal.copied", journal_path=str(path), written_at=elsewhere,
+                        action="no engine adopted or killed by pid: they are the daemon's that wrote it; "
+                               "ours are found by command line and port")
+        # A copy (another daemon's state_dir) names that daemon's processes: like another boot's.
+        same_boot = same_boot and elsewhere is None
         after = "a reload" if generation else "a daemon restart"
         if data.get("router") is not None:  # [router] spawn: adopted, or stopped if not wanted
             child = router.child if router is not None else None
@@ -56,9 +66,6 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
                 await child.restore(data["router"], same_boot=same_boot, after=after)
             else:
                 await stop_leftover(data["router"], same_boot=same_boot, timeout=cfg.stop_timeout)
-        if not same_boot and any(e.get("pid") for e in data["engines"].values()):
-            log.warning("journal.other_boot", journal_boot=then, this_boot=here,
-                        action="no engine adopted or killed by pid; ours are found by command line and port")
         owners = {s.port: s.name for s in cfg.engines if s.spawned and s.port is not None}
         claimed: set[int] = set()  # pids an entry took over (adopted): no other entry touches them
         # The entry whose own configured port is the one it names goes first: a bad entry naming
@@ -70,6 +77,9 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
             if not entry.get("pid") or not same_boot:
                 continue
             elsewhere = claimed_elsewhere(name, entry, owners=owners, claimed=claimed)
+            if elsewhere is None and runner is not None and runner.spec.spawned:
+                elsewhere = port_disowned(entry, port=runner.spec.port,
+                                          fingerprint=engine_fingerprint(runner.spec, runner.cfg))
             if elsewhere is not None:
                 log.warning("journal.not_ours", engine=name, pid=entry["pid"], port=entry.get("port"), why=elsewhere,
                             action="left alone: the journal names another engine's process here")

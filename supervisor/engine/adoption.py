@@ -99,6 +99,17 @@ def claimed_elsewhere(name: str, entry: dict[str, Any], *, owners: dict[int, str
     return None
 
 
+def port_disowned(entry: dict[str, Any], *, port: int | None, fingerprint: str | None) -> str | None:
+    """Why an entry of a configured spawned engine names a process that is not its (None: it may
+    be): its config fingerprint is this config's (`fingerprint`), which includes the port, yet
+    it names another port than this config's (`port`). Only a hand edit or a copied journal
+    says so: that process is left alone (never adopted, never signalled)."""
+    if fingerprint is not None and entry.get("fingerprint") == fingerprint and entry.get("port") != port:
+        return (f"the journal gives it port {entry.get('port')}, but its config (fingerprint) is this one's, "
+                f"which serves it on port {port}: a hand-edited or copied journal")
+    return None
+
+
 # -- the facts, from /proc ----------------------------------------------------------------------
 
 

@@ -511,3 +511,66 @@ def test_journal_naming_a_leaderless_group_with_no_start_time_signals_none_of_it
         for pid in (victim0, victim1):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def orphan_of_another_daemon(tmp_path: Path, fake_python: Path, cleanup, model: Path) -> tuple[dict, Path]:
+    """Daemon `a` (its own folders) spawns e0, which reaches RUNNING; then `a` is killed with -9:
+    (a's journal entry for e0, a's journal), e0 left running."""
+    (tmp_path / "a").mkdir()
+    a = start(config(tmp_path / "a", fake_python, [spawned("e0", model, free_port())]), cleanup)
+    a.transition("e0", "RUNNING", 30)
+    cleanup[1].add(a.last_pid("e0"))
+    kill9(a)
+    entry = json.loads(journal_path(tmp_path / "a").read_text())["engines"]["e0"]
+    assert alive(entry["pid"])
+    return entry, journal_path(tmp_path / "a")
+
+
+def test_journal_copied_from_another_daemon_neither_adopts_nor_kills(tmp_path, fake_python, cleanup):
+    """A state_dir copied from daemon a to daemon b (one host, one boot): b's config has no e0,
+    so a's entry is unconfigured here; b adopts and kills nothing by pid (a's orphaned engine
+    lives on) and starts its own engine."""
+    model = model_dir(tmp_path / "model")
+    theirs, a_journal = orphan_of_another_daemon(tmp_path, fake_python, cleanup, model)
+    (tmp_path / "b").mkdir()
+    b_cfg = config(tmp_path / "b", fake_python, [spawned("f0", model, free_port())])
+    journal_path(tmp_path / "b").parent.mkdir(parents=True)
+    journal_path(tmp_path / "b").write_bytes(a_journal.read_bytes())
+    b = start(b_cfg, cleanup)
+    b.transition("f0", "RUNNING", 30)
+    cleanup[1].add(b.last_pid("f0"))
+    assert alive(theirs["pid"])
+    assert not [e for e in b.events if e.get("event") in ("journal.not_adopted", "engine.adopted")]
+    copied = [e for e in b.events if e.get("event") == "journal.copied"]
+    assert len(copied) == 1 and copied[0]["written_at"] == str(a_journal.absolute())
+    assert b.terminate(30) == 0
+    assert alive(theirs["pid"])
+
+
+def test_journal_entry_edited_to_another_port_than_its_config_is_not_adopted(tmp_path, fake_python, cleanup):
+    """b's own journal with e0's pid, start time and port edited to name daemon a's orphaned
+    engine (an engine server of ours, on a port b's config gives no engine), e0's fingerprint
+    kept: that fingerprint says e0 serves b's port, so the process is not b's e0: left alone,
+    never adopted; b's e0 gets a process of its own on its port."""
+    model = model_dir(tmp_path / "model")
+    theirs, _ = orphan_of_another_daemon(tmp_path, fake_python, cleanup, model)
+    b_port = free_port()
+    (tmp_path / "b").mkdir()
+    b = start(config(tmp_path / "b", fake_python, [spawned("e0", model, b_port)]), cleanup)
+    b.transition("e0", "RUNNING", 30)
+    cleanup[1].add(b.last_pid("e0"))
+    kill9(b)
+    data = json.loads(journal_path(tmp_path / "b").read_text())
+    for key in ("pid", "start_time", "port", "log_path"):
+        data["engines"]["e0"][key] = theirs[key]
+    journal_path(tmp_path / "b").write_text(json.dumps(data))
+    b = start(config(tmp_path / "b", fake_python, [spawned("e0", model, b_port)]), cleanup)
+    b.transition("e0", "RUNNING", 30)
+    e0 = SupervisorClient(sock(tmp_path / "b")).status()["engines"][0]
+    cleanup[1].add(e0["pid"])
+    assert e0["pid"] != theirs["pid"]
+    assert not [e for e in b.events if e.get("event") == "engine.adopted"]
+    assert [e.get("engine") for e in b.events if e.get("event") == "journal.not_ours"] == ["e0"]
+    assert alive(theirs["pid"])
+    assert b.terminate(30) == 0
+    assert alive(theirs["pid"])
