@@ -3,7 +3,8 @@ weight version, its checkpoint and fingerprint, each engine's process and verifi
 spawned router), written atomically whenever it changes (docs/operations.md).
 
 A journal is untrusted input: `load` checks it against the schema below, and one that does
-not fit is moved aside by the daemon, never half-used.
+not fit is moved aside by the daemon, never half-used; only a bad weight_fingerprint is
+dropped alone (it is checked again once the trainer publishes the version with one).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class JournalError(Exception):
     pass
 
 
-def snapshot(fleet: Fleet, router: RouterLink | None = None) -> dict[str, Any]:
+def snapshot(fleet: Fleet, router: RouterLink | None = None, *, path: Path | None = None) -> dict[str, Any]:
+    """The journal to write (`path`: where, recorded so that a copy is known as one)."""
     engines = {}
     for r in fleet.runners.values():
         proc = r.proc
@@ -65,6 +67,8 @@ def snapshot(fleet: Fleet, router: RouterLink | None = None) -> dict[str, Any]:
         "checkpoint": fleet.checkpoint,
         "engines": engines,
     }
+    if path is not None:  # pids name processes of the daemon that wrote here, not of one reading a copy
+        out["journal_path"] = str(path.absolute())
     if fleet.fingerprint is not None:  # a restarted daemon still checks engines by what they compute
         version, fp = fleet.fingerprint
         out["weight_fingerprint"] = {"version": version, **fp.to_json()}
@@ -111,17 +115,11 @@ def validate(data: Any) -> list[str]:
     _check(v is None or _int(v), "weight_version", "must be null or an integer >= 0", v, p)
     ck = data.get("checkpoint")
     _check(ck is None or isinstance(ck, str), "checkpoint", "must be null or a path", ck, p)
-    wf = data.get("weight_fingerprint")  # absent in an older daemon's journal: the label check alone
-    if wf is not None:
-        if not isinstance(wf, dict) or wf.get("version") != v or v is None:
-            p.append(f"weight_fingerprint: must be an object whose version is weight_version ({v!r}), got {wf!r:.80}")
-        else:
-            try:
-                parse_fingerprint({k: x for k, x in wf.items() if k != "version"})
-            except FingerprintError as bad:
-                p.append(f"weight_fingerprint: {bad}")
+    # weight_fingerprint: fingerprint_problem (a bad one is dropped alone by `load`)
     b = data.get("boot_id")
     _check(b is None or isinstance(b, str), "boot_id", "must be null or a string", b, p)
+    jp = data.get("journal_path")
+    _check(jp is None or isinstance(jp, str), "journal_path", "must be null or a path", jp, p)
     router = data.get("router")
     if router is not None:
         if not isinstance(router, dict):
@@ -166,10 +164,33 @@ def validate(data: Any) -> list[str]:
     return p
 
 
+def fingerprint_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with a journal's weight_fingerprint (None: nothing, or none there; an
+    older daemon's journal has none: engines are checked by their label alone)."""
+    wf, v = data.get("weight_fingerprint"), data.get("weight_version")
+    if wf is None:
+        return None
+    if not isinstance(wf, dict) or wf.get("version") != v or v is None:
+        return f"weight_fingerprint: must be an object whose version is weight_version ({v!r}), got {wf!r:.80}"
+    try:
+        parse_fingerprint({k: x for k, x in wf.items() if k != "version"})
+    except FingerprintError as bad:
+        return f"weight_fingerprint: {bad}"
+    return None
+
+
 def fingerprint_of(data: dict[str, Any]) -> Fingerprint | None:
     """The current version's fingerprint in a journal that `validate` passed (None: none)."""
     wf = data.get("weight_fingerprint")
     return None if wf is None else parse_fingerprint({k: x for k, x in wf.items() if k != "version"})
+
+
+def copied_from(data: dict[str, Any], path: Path) -> str | None:
+    """Where a journal read at `path` was written, if elsewhere (a state_dir copied from another
+    daemon: its pids are that daemon's processes); None if here, or unrecorded (an older daemon's
+    journal, trusted as before)."""
+    there = data.get("journal_path")
+    return there if there is not None and there != str(path.absolute()) else None
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -187,8 +208,9 @@ def write_atomic(path: Path, data: dict[str, Any]) -> None:
         os.close(dirfd)
 
 
-def load(path: Path) -> dict[str, Any] | None:
-    """The journal, or None if there is none. JournalError if it cannot be trusted."""
+def load(path: Path, *, warn: bool = True) -> dict[str, Any] | None:
+    """The journal, or None if there is none. JournalError if it cannot be trusted. A bad
+    weight_fingerprint is dropped alone (said if `warn`)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -207,6 +229,13 @@ def load(path: Path) -> dict[str, Any] | None:
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise JournalError(f"{path} does not fit the journal's schema: {'; '.join(problems[:3])}{more}")
+    bad = fingerprint_problem(data)
+    if bad is not None:  # only the fingerprint is lost: the version, round and engines are kept
+        del data["weight_fingerprint"]
+        if warn:
+            log.warning("journal.fingerprint_dropped", path=str(path), problem=bad,
+                        action=("the rest of the journal is kept; engines are checked by their version label until "
+                                "the trainer publishes the current version again with its fingerprint"))
     return data
 
 
@@ -214,7 +243,7 @@ def engines_to_adopt(path: Path) -> int:
     """How many engines the journal at `path` names with a pid (a process a previous daemon
     left running): 0 when there is none or it cannot be trusted (the daemon then starts clean)."""
     try:
-        data = load(path)
+        data = load(path, warn=False)
     except JournalError:
         return 0
     return 0 if data is None else sum(1 for e in data["engines"].values() if "pid" in e)
@@ -249,7 +278,7 @@ class JournalWriter:
 
     def flush(self) -> None:
         try:
-            write_atomic(self.path, snapshot(self.fleet, self.router))
+            write_atomic(self.path, snapshot(self.fleet, self.router, path=self.path))
             self.writes += 1
         except OSError as e:  # a full disk must not take the daemon down; say so loudly
             log.error("journal.write_failed", path=str(self.path), error=str(e))

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import structlog
 
@@ -26,8 +26,8 @@ from . import config as config_mod
 from . import journal as journal_mod
 from . import logs
 from .config import Config, ConfigError
-from .engine.adoption import LEAVE, find_engine_leaders, judge_engine
-from .engine.process import KILL_WAIT, boot_id, group_members_of, kill_group_of, stop_group_of
+from .engine.adoption import LEAVE, find_engine_leaders, judge_engine, spawned_member
+from .engine.process import KILL_WAIT, ProcStat, boot_id, group_members_of, kill_group_of, stop_group_of
 
 log = structlog.get_logger("vime.reap")
 
@@ -113,6 +113,8 @@ def journal_groups(state_dir: Path) -> list[tuple[str, int, int, int | None]]:
         return []
     if data.get("boot_id") is None or data.get("boot_id") != boot_id():
         return []  # pids of another boot name nothing of ours
+    if journal_mod.copied_from(data, state_dir / "journal.json") is not None:
+        return []  # a copy of another daemon's journal: its pids are that daemon's
     found = []
     for name, e in data["engines"].items():
         if not e.get("pid"):
@@ -122,20 +124,21 @@ def journal_groups(state_dir: Path) -> list[tuple[str, int, int, int | None]]:
             log.warning("reap.not_ours", engine=name, pid=pid, port=port,
                         action="left alone: not an engine server of ours on that port")
             continue
-        if group_members_of(pid, start_time):  # the leader alive, or its group's survivors
+        if group_members_of(pid, start_time, spawned_member):  # the leader alive, or its group's survivors
             found.append((name, pid, start_time, port))
     return found
 
 
-async def kill_now(pid: int, start_time: int) -> str:
-    """SIGKILL a group whose graceful stop was already spent; wait at most KILL_WAIT."""
-    if not group_members_of(pid, start_time):
+async def kill_now(pid: int, start_time: int, ours: Callable[[ProcStat], bool] | None = None) -> str:
+    """SIGKILL a group whose graceful stop was already spent; wait at most KILL_WAIT (`ours`:
+    as in process.group_members_of)."""
+    if not group_members_of(pid, start_time, ours):
         return "already gone"
-    kill_group_of(pid, start_time)
+    kill_group_of(pid, start_time, ours)
     deadline = time.monotonic() + KILL_WAIT
-    while group_members_of(pid, start_time) and time.monotonic() < deadline:
+    while group_members_of(pid, start_time, ours) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    left = group_members_of(pid, start_time)
+    left = group_members_of(pid, start_time, ours)
     return "SIGKILL" + (f"; {len(left)} member(s) still alive after {KILL_WAIT:g}s (D state?)" if left else "")
 
 
@@ -145,8 +148,12 @@ async def reap(state_dir: Path, ports: dict[int, str], stop_timeout: float | Non
     groups = {pid: (name, st, port, "journal") for name, pid, st, port in journal_groups(state_dir)}
     for pid, st, found_port in find_engine_leaders(set(ports)):
         groups.setdefault(pid, (ports[found_port], st, found_port, "port scan"))
-    hows = await asyncio.gather(*(kill_now(pid, st) if stop_timeout is None else stop_group_of(pid, st, stop_timeout)
-                                  for pid, (_, st, _, _) in groups.items()))
+    # A group only the journal names is signalled only in its members of ours; a leader the port
+    # scan found is one of ours, alive, its start time read from /proc.
+    hows = await asyncio.gather(*(
+        kill_now(pid, st, spawned_member if source == "journal" else None) if stop_timeout is None
+        else stop_group_of(pid, st, stop_timeout, spawned_member if source == "journal" else None)
+        for pid, (_, st, _, source) in groups.items()))
     for (pid, (name, _st, port, source)), how in zip(groups.items(), hows):
         if how == "already gone":
             continue

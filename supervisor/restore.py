@@ -19,7 +19,7 @@ import structlog
 from . import journal as journal_mod
 from .config import Config
 from .engine.adoption import ADOPT, LEAVE, STOP, claimed_elsewhere, engine_unwanted, find_engine_leaders, judge_engine, \
-    take_over
+    port_disowned, spawned_member, take_over
 from .engine.process import boot_id, engine_fingerprint, group_members_of, kill_group_of, reap_child, stop_group_of
 from .engine.runner import EngineRunner
 from .fleet import Fleet
@@ -49,6 +49,16 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
         # Pids and start times name processes of one boot only; without both ids (an
         # older journal) we cannot tell, so nothing is adopted or killed by pid.
         same_boot = here is not None and then == here
+        if not same_boot and any(e.get("pid") for e in data["engines"].values()):
+            log.warning("journal.other_boot", journal_boot=then, this_boot=here,
+                        action="no engine adopted or killed by pid; ours are found by command line and port")
+        elsewhere = journal_mod.copied_from(data, path)
+        if elsewhere is not None and any(e.get("pid") for e in data["engines"].values()):
+            log.warning("journal.copied", journal_path=str(path), written_at=elsewhere,
+                        action="no engine adopted or killed by pid: they are the daemon's that wrote it; "
+                               "ours are found by command line and port")
+        # A copy (another daemon's state_dir) names that daemon's processes: like another boot's.
+        same_boot = same_boot and elsewhere is None
         after = "a reload" if generation else "a daemon restart"
         if data.get("router") is not None:  # [router] spawn: adopted, or stopped if not wanted
             child = router.child if router is not None else None
@@ -56,25 +66,27 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
                 await child.restore(data["router"], same_boot=same_boot, after=after)
             else:
                 await stop_leftover(data["router"], same_boot=same_boot, timeout=cfg.stop_timeout)
-        if not same_boot and any(e.get("pid") for e in data["engines"].values()):
-            log.warning("journal.other_boot", journal_boot=then, this_boot=here,
-                        action="no engine adopted or killed by pid; ours are found by command line and port")
         owners = {s.port: s.name for s in cfg.engines if s.spawned and s.port is not None}
-        claimed: set[int] = set()
-        for name, entry in data["engines"].items():
+        claimed: set[int] = set()  # pids an entry took over (adopted): no other entry touches them
+        # The entry whose own configured port is the one it names goes first: a bad entry naming
+        # the same pid (a hand edit, a copy) is then refused, never the rightful one.
+        for name, entry in sorted(data["engines"].items(), key=lambda kv: owners.get(kv[1].get("port")) != kv[0]):
             runner = fleet.runners.get(name)
             if runner is not None:
                 restore_runner(runner, entry, generation)
             if not entry.get("pid") or not same_boot:
                 continue
             elsewhere = claimed_elsewhere(name, entry, owners=owners, claimed=claimed)
+            if elsewhere is None and runner is not None and runner.spec.spawned:
+                elsewhere = port_disowned(entry, port=runner.spec.port,
+                                          fingerprint=engine_fingerprint(runner.spec, runner.cfg))
             if elsewhere is not None:
                 log.warning("journal.not_ours", engine=name, pid=entry["pid"], port=entry.get("port"), why=elsewhere,
                             action="left alone: the journal names another engine's process here")
                 continue
-            claimed.add(int(entry["pid"]))
             outcome = take_engine(fleet, name, runner, entry, after)
             if outcome == "adopted":
+                claimed.add(int(entry["pid"]))
                 adopted.append(name)
                 continue
             if outcome == "left":
@@ -82,7 +94,7 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
             if outcome == "gone":
                 gone.append(name)
             pid, start_time = int(entry["pid"]), int(entry["start_time"])
-            kill_group_of(pid, start_time)  # its leftovers, if any
+            kill_group_of(pid, start_time, spawned_member)  # its leftovers of ours, if any
             killed.append((pid, start_time))
     await await_gone(killed)
     await stop_orphans(fleet, cfg, {r.adoption.proc.pid for r in fleet.runners.values() if r.adoption.proc is not None})
@@ -141,7 +153,7 @@ def take_engine(fleet: Fleet, name: str, runner: EngineRunner | None, entry: dic
                     action="left alone: not an engine server of ours on that port")
         return "left"
     if runner is None or not runner.spec.spawned:  # what this config would not have started: say so
-        if group_members_of(pid, start_time):
+        if group_members_of(pid, start_time, spawned_member):
             log.warning("journal.not_adopted", engine=name, pid=pid, why=unwanted, action="killed its process group")
             fleet.emit(Event.NOT_ADOPTED, engine=name, pid=pid, why=unwanted)
         return "stopped"
@@ -162,7 +174,7 @@ async def await_gone(groups: list[tuple[int, int]]) -> None:
     not see them again and a new spawn finds the port free. A leader that is our child (after
     a reload) is reaped, not left a zombie."""
     deadline = time.monotonic() + 5.0
-    while any(group_members_of(p, t) for p, t in groups) and time.monotonic() < deadline:
+    while any(group_members_of(p, t, spawned_member) for p, t in groups) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     for pid, _ in groups:
         reap_child(pid)

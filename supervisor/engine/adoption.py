@@ -86,8 +86,9 @@ def router_unwanted(entry: dict[str, Any], fingerprint: str | None) -> str | Non
 
 
 def claimed_elsewhere(name: str, entry: dict[str, Any], *, owners: dict[int, str], claimed: set[int]) -> str | None:
-    """Why the process a journal entry names belongs to another engine (None: it does not): an
-    earlier entry already took its pid, or it serves a port this config gives another engine.
+    """Why the process a journal entry names belongs to another engine (None: it does not):
+    another entry took it over (`claimed`: adopted pids), or it serves a port this config gives
+    another engine.
     Only a hand-edited journal says so; that process is judged by its own engine's entry, and
     this one leaves it alone (never adopted, never signalled)."""
     if int(entry["pid"]) in claimed:
@@ -95,6 +96,17 @@ def claimed_elsewhere(name: str, entry: dict[str, Any], *, owners: dict[int, str
     owner = owners.get(entry.get("port"))  # type: ignore[arg-type]
     if owner is not None and owner != name:
         return f"it serves port {entry.get('port')}, engine {owner}'s in this config"
+    return None
+
+
+def port_disowned(entry: dict[str, Any], *, port: int | None, fingerprint: str | None) -> str | None:
+    """Why an entry of a configured spawned engine names a process that is not its (None: it may
+    be): its config fingerprint is this config's (`fingerprint`), which includes the port, yet
+    it names another port than this config's (`port`). Only a hand edit or a copied journal
+    says so: that process is left alone (never adopted, never signalled)."""
+    if fingerprint is not None and entry.get("fingerprint") == fingerprint and entry.get("port") != port:
+        return (f"the journal gives it port {entry.get('port')}, but its config (fingerprint) is this one's, "
+                f"which serves it on port {port}: a hand-edited or copied journal")
     return None
 
 
@@ -147,6 +159,19 @@ def _marked(pid: int) -> bool:
             return f"{SPAWN_MARK}=1".encode() in f.read().split(b"\0")
     except OSError:
         return False
+
+
+def spawned_member(st: ProcStat) -> bool:
+    """`st` was spawned by a daemon of ours: an engine or a child of one (EngineCore inherits
+    SPAWN_MARK). What may be signalled in a group a journal names whose leader cannot vouch
+    for it (process.group_members_of's `ours`): never a stranger in a reused group id. The
+    router rewrites its environment; its leftovers are found by its port (router/child.py)."""
+    try:
+        if os.stat(f"/proc/{st.pid}").st_uid != os.getuid():
+            return False
+    except OSError:
+        return False
+    return st.pid != os.getpid() and _marked(st.pid)
 
 
 def spawned_leader(st: ProcStat) -> bool:

@@ -284,20 +284,24 @@ def live_group_members(pgid: int) -> list[int]:
     return [st.pid for st in all_procs() if st.pgrp == pgid and st.state != "Z"]
 
 
-def group_members_of(pid: int, start_time: int) -> list[ProcStat]:
+def group_members_of(pid: int, start_time: int, ours: Callable[[ProcStat], bool] | None = None) -> list[ProcStat]:
     """The live members of an engine group a previous daemon spawned: process group `pid`,
-    started no earlier than its leader (so never an unrelated group that reused the number)."""
+    started no earlier than its leader (so never an unrelated group that reused the number),
+    and, with `ours` (adoption.spawned_member), only those it says a daemon of ours spawned:
+    with the leader gone nothing but the journal vouches for the group. A start time of 0 is
+    none /proc gives a process of ours (a hand edit): nothing is trusted."""
+    if start_time <= 0:
+        return []
     leader = proc_stat(pid)
     if leader is not None and leader.state != "Z" and leader.start_time != start_time:
         return []  # the number now leads someone else's group
-    # With our leader alive (verified) or gone, members of group `pid` are ours: Linux does not
-    # hand out a pid that is still some group's id.
-    return [st for st in all_procs() if st.pgrp == pid and st.state != "Z" and st.start_time >= start_time]
+    return [st for st in all_procs() if st.pgrp == pid and st.state != "Z" and st.start_time >= start_time
+            and (ours is None or ours(st))]
 
 
-def signal_group_of(pid: int, start_time: int, sig: int) -> int:
-    """Send sig to each member of group_members_of(pid, start_time); how many there were."""
-    members = group_members_of(pid, start_time)
+def signal_group_of(pid: int, start_time: int, sig: int, ours: Callable[[ProcStat], bool] | None = None) -> int:
+    """Send sig to each member of group_members_of(pid, start_time, ours); how many there were."""
+    members = group_members_of(pid, start_time, ours)
     for st in members:
         try:
             os.kill(st.pid, sig)
@@ -306,29 +310,32 @@ def signal_group_of(pid: int, start_time: int, sig: int) -> int:
     return len(members)
 
 
-def kill_group_of(pid: int, start_time: int) -> None:
-    """SIGKILL what is left of an engine group a previous daemon spawned."""
-    signal_group_of(pid, start_time, signal.SIGKILL)
+def kill_group_of(pid: int, start_time: int, ours: Callable[[ProcStat], bool] | None = None) -> None:
+    """SIGKILL what is left of an engine group a previous daemon spawned (`ours`: as in
+    group_members_of)."""
+    signal_group_of(pid, start_time, signal.SIGKILL, ours)
 
 
-async def stop_group_of(pid: int, start_time: int, timeout: float) -> str:
+async def stop_group_of(pid: int, start_time: int, timeout: float,
+                        ours: Callable[[ProcStat], bool] | None = None) -> str:
     """Stop an engine group that is not (or no longer) supervised: SIGCONT and SIGTERM,
-    SIGKILL after `timeout`, then wait at most KILL_WAIT. Returns what it took."""
-    if not signal_group_of(pid, start_time, signal.SIGCONT):
+    SIGKILL after `timeout`, then wait at most KILL_WAIT (`ours`: as in group_members_of).
+    Returns what it took."""
+    if not signal_group_of(pid, start_time, signal.SIGCONT, ours):
         return "already gone"
-    signal_group_of(pid, start_time, signal.SIGTERM)
+    signal_group_of(pid, start_time, signal.SIGTERM, ours)
     how = "SIGTERM"
     for sig, wait in ((signal.SIGKILL, timeout), (None, KILL_WAIT)):
         deadline = time.monotonic() + wait
-        while group_members_of(pid, start_time) and time.monotonic() < deadline:
+        while group_members_of(pid, start_time, ours) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if not group_members_of(pid, start_time):
+        if not group_members_of(pid, start_time, ours):
             reap_child(pid)  # our child after a reload: not left a zombie
             return how
         if sig is not None:
-            signal_group_of(pid, start_time, sig)
+            signal_group_of(pid, start_time, sig, ours)
             how = f"SIGKILL after {timeout:g}s"
-    left = group_members_of(pid, start_time)
+    left = group_members_of(pid, start_time, ours)
     log.error("process.group_survives_sigkill", pgid=pid, members=[(st.pid, st.comm, st.state) for st in left])
     return f"{how}; {len(left)} member(s) still alive after {KILL_WAIT:g}s (D state?)"
 

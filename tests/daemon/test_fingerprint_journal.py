@@ -90,3 +90,54 @@ def test_a_restarted_daemon_checks_a_reattached_engine_by_the_journaled_fingerpr
             d.terminate(20)
         engine.terminate()
         engine.wait(10)
+
+
+def test_a_bad_journaled_fingerprint_is_dropped_alone(tmp_path):
+    """A journal whose weight_fingerprint is malformed, or names another version than
+    weight_version (a hand edit): only the fingerprint is dropped, with a warning that says what
+    to do; the round and version are kept (the checkpoint with them) and the engine is routed on its label."""
+    version_file = tmp_path / "version"
+    version_file.write_text("1")
+    standin = standin_python(tmp_path, STANDIN_VERSIONED)
+    port = free_port()
+    engine = subprocess.Popen([str(standin), "--port", str(port)],
+                              env={**os.environ, "STANDIN_VERSION_FILE": str(version_file)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = write_config(tmp_path / "supervisor.toml",
+                       supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs")},
+                       health_check={"first_wait": 30.0, "interval": 0.5, "timeout": 1.0, "success_threshold": 1},
+                       engines=[{"name": "e", "url": f"http://127.0.0.1:{port}"}])
+    sock, journal = str(tmp_path / "run" / "supervisor.sock"), tmp_path / "state" / "journal.json"
+    daemons: list[Daemon] = []
+    try:
+        d = Daemon(cfg)
+        daemons.append(d)
+        d.transition("e", "RUNNING", 30)
+        SupervisorClient(sock).start_round(3)
+        SupervisorClient(sock).end_round(3)
+        SupervisorClient(sock).publish_weights(1, fingerprint=FP)
+        wait_until(lambda: json.loads(journal.read_text()).get("weight_fingerprint") is not None, 10)
+        for bad in ("abc", {"version": 8, **FP}):
+            d.proc.kill()
+            d.proc.wait(10)
+            data = json.loads(journal.read_text())
+            assert data["weight_version"] == 1 and data["round"] == 3
+            data["weight_fingerprint"] = bad
+            journal.write_text(json.dumps(data))
+            d = Daemon(cfg)
+            daemons.append(d)
+            restored = d.wait_for(lambda ev: ev.get("event") == "journal.restored", 30)
+            assert (restored["weight_version"], restored["round"], restored["round_open"]) == (1, 3, False)
+            assert restored["fingerprint"] is False
+            dropped = [ev for ev in d.events if ev.get("event") == "journal.fingerprint_dropped"]
+            assert len(dropped) == 1 and "publishes the current version again" in dropped[0]["action"]
+            assert not [ev for ev in d.events if ev.get("event") == "journal.unusable"]
+            assert not list(journal.parent.glob("journal.json.corrupt-*"))
+            assert SupervisorClient(sock).status()["weight_version"] == 1
+            d.transition("e", "RUNNING", 30)
+            assert [x["name"] for x in SupervisorClient(sock).routable_engines()["engines"]] == ["e"]
+    finally:
+        for d in daemons:
+            d.terminate(20)
+        engine.terminate()
+        engine.wait(10)

@@ -434,3 +434,143 @@ def test_sync_agent_restores_a_version_the_daemon_lost(tmp_path, fake_python, cl
     finally:
         engine.kill()
         engine.wait(10)
+
+
+@pytest.mark.parametrize("edit", ["unconfigured_copy", "own_port"])
+def test_a_bad_entry_naming_an_engines_pid_never_costs_that_engine_its_process(tmp_path, fake_python, cleanup, edit):
+    """A hand-edited journal with a second entry naming e1's live process: `a1`, a name this
+    config does not have, copied from e1 with another port; or e0 given e1's pid and start time
+    with its own port. That entry is left alone, and whichever entry is read first e1 keeps its
+    process (adopted), never stopped as an orphan and restarted."""
+    model = model_dir(tmp_path / "model")
+    cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port()), spawned("e1", model, free_port())])
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    d.transition("e1", "RUNNING", 30)
+    e1_pid = d.last_pid("e1")
+    cleanup[1].update({d.last_pid("e0"), e1_pid})
+    for first in (True, False):  # the bad entry read before e1's, then after
+        kill9(d)
+        data = json.loads(journal_path(tmp_path).read_text())
+        e1 = data["engines"]["e1"]
+        assert e1["pid"] == e1_pid
+        bad = "a1" if edit == "unconfigured_copy" else "e0"
+        if edit == "unconfigured_copy":
+            data["engines"]["a1"] = {**e1, "port": free_port()}
+        else:
+            data["engines"]["e0"].update(pid=e1["pid"], start_time=e1["start_time"])
+        rest = {k: v for k, v in data["engines"].items() if k != bad}
+        data["engines"] = {bad: data["engines"][bad], **rest} if first else {**rest, bad: data["engines"][bad]}
+        journal_path(tmp_path).write_text(json.dumps(data))
+        d = start(cfg, cleanup)
+        d.wait_for(lambda ev: ev.get("event") == "journal.restored", 30)
+        d.transition("e0", "RUNNING", 30)
+        engines = {e["name"]: e for e in SupervisorClient(sock(tmp_path)).status()["engines"]}
+        cleanup[1].add(engines["e0"]["pid"])
+        assert engines["e1"]["pid"] == e1_pid and alive(e1_pid), (first, engines["e1"])
+        assert "e1" in d.wait_for(lambda ev: ev.get("event") == "journal.restored", 1)["adopted"]
+        assert [e.get("engine") for e in d.events if e.get("event") == "journal.not_ours"] == [bad]
+        assert not [e for e in d.events if e.get("event") == "journal.not_adopted" and e.get("engine") == "e1"]
+        assert all(e.get("pid") != e1_pid for e in d.events if e.get("event") == "journal.orphan_stopped")
+    assert d.terminate(30) == 0
+
+
+def leaderless_group(cleanup) -> tuple[int, int]:
+    """(pgid, pid) of a `sleep` left in a process group whose leader has exited: no engine."""
+    sh = subprocess.run(["setsid", "sh", "-c", "sleep 900 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                        text=True, timeout=10, check=True)
+    pid = int(sh.stdout.strip())
+    cleanup[1].add(pid)
+    pgid = os.getpgid(pid)
+    assert pgid != pid and proc_stat(pgid) is None  # its leader (the shell) is gone
+    return pgid, pid
+
+
+def test_journal_naming_a_leaderless_group_with_no_start_time_signals_none_of_it(tmp_path, fake_python, cleanup):
+    """A hand-edited journal whose entries (e0, configured, and `zz`, not) name process groups
+    whose leaders have exited, with `start_time: 0`: their members are no engines of ours
+    (no spawn mark) and are never signalled; e0 gets a fresh process."""
+    port = free_port()
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
+    (g0, victim0), (g1, victim1) = leaderless_group(cleanup), leaderless_group(cleanup)
+    try:
+        entry = {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": None, "retired": False,
+                 "pid": g0, "start_time": 0, "port": port, "log_path": str(tmp_path / "x.log")}
+        journal_path(tmp_path).parent.mkdir(parents=True)
+        journal_path(tmp_path).write_text(json.dumps({
+            "format": 1, "boot_id": boot_id(), "daemon_pid": 1, "round": 2, "round_open": False,
+            "weight_version": None, "checkpoint": None,
+            "engines": {"e0": entry, "zz": {**entry, "pid": g1, "port": free_port()}}}))
+        d = start(cfg, cleanup)
+        d.transition("e0", "RUNNING", 30)
+        cleanup[1].add(d.last_pid("e0"))
+        assert alive(victim0) and alive(victim1)
+        assert d.terminate(30) == 0
+        assert alive(victim0) and alive(victim1)
+    finally:
+        for pid in (victim0, victim1):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def orphan_of_another_daemon(tmp_path: Path, fake_python: Path, cleanup, model: Path) -> tuple[dict, Path]:
+    """Daemon `a` (its own folders) spawns e0, which reaches RUNNING; then `a` is killed with -9:
+    (a's journal entry for e0, a's journal), e0 left running."""
+    (tmp_path / "a").mkdir()
+    a = start(config(tmp_path / "a", fake_python, [spawned("e0", model, free_port())]), cleanup)
+    a.transition("e0", "RUNNING", 30)
+    cleanup[1].add(a.last_pid("e0"))
+    kill9(a)
+    entry = json.loads(journal_path(tmp_path / "a").read_text())["engines"]["e0"]
+    assert alive(entry["pid"])
+    return entry, journal_path(tmp_path / "a")
+
+
+def test_journal_copied_from_another_daemon_neither_adopts_nor_kills(tmp_path, fake_python, cleanup):
+    """A state_dir copied from daemon a to daemon b (one host, one boot): b's config has no e0,
+    so a's entry is unconfigured here; b adopts and kills nothing by pid (a's orphaned engine
+    lives on) and starts its own engine."""
+    model = model_dir(tmp_path / "model")
+    theirs, a_journal = orphan_of_another_daemon(tmp_path, fake_python, cleanup, model)
+    (tmp_path / "b").mkdir()
+    b_cfg = config(tmp_path / "b", fake_python, [spawned("f0", model, free_port())])
+    journal_path(tmp_path / "b").parent.mkdir(parents=True)
+    journal_path(tmp_path / "b").write_bytes(a_journal.read_bytes())
+    b = start(b_cfg, cleanup)
+    b.transition("f0", "RUNNING", 30)
+    cleanup[1].add(b.last_pid("f0"))
+    assert alive(theirs["pid"])
+    assert not [e for e in b.events if e.get("event") in ("journal.not_adopted", "engine.adopted")]
+    copied = [e for e in b.events if e.get("event") == "journal.copied"]
+    assert len(copied) == 1 and copied[0]["written_at"] == str(a_journal.absolute())
+    assert b.terminate(30) == 0
+    assert alive(theirs["pid"])
+
+
+def test_journal_entry_edited_to_another_port_than_its_config_is_not_adopted(tmp_path, fake_python, cleanup):
+    """b's own journal with e0's pid, start time and port edited to name daemon a's orphaned
+    engine (an engine server of ours, on a port b's config gives no engine), e0's fingerprint
+    kept: that fingerprint says e0 serves b's port, so the process is not b's e0: left alone,
+    never adopted; b's e0 gets a process of its own on its port."""
+    model = model_dir(tmp_path / "model")
+    theirs, _ = orphan_of_another_daemon(tmp_path, fake_python, cleanup, model)
+    b_port = free_port()
+    (tmp_path / "b").mkdir()
+    b = start(config(tmp_path / "b", fake_python, [spawned("e0", model, b_port)]), cleanup)
+    b.transition("e0", "RUNNING", 30)
+    cleanup[1].add(b.last_pid("e0"))
+    kill9(b)
+    data = json.loads(journal_path(tmp_path / "b").read_text())
+    for key in ("pid", "start_time", "port", "log_path"):
+        data["engines"]["e0"][key] = theirs[key]
+    journal_path(tmp_path / "b").write_text(json.dumps(data))
+    b = start(config(tmp_path / "b", fake_python, [spawned("e0", model, b_port)]), cleanup)
+    b.transition("e0", "RUNNING", 30)
+    e0 = SupervisorClient(sock(tmp_path / "b")).status()["engines"][0]
+    cleanup[1].add(e0["pid"])
+    assert e0["pid"] != theirs["pid"]
+    assert not [e for e in b.events if e.get("event") == "engine.adopted"]
+    assert [e.get("engine") for e in b.events if e.get("event") == "journal.not_ours"] == ["e0"]
+    assert alive(theirs["pid"])
+    assert b.terminate(30) == 0
+    assert alive(theirs["pid"])
