@@ -40,7 +40,7 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
     data = read_journal(path)
     adopted: list[str] = []
     gone: list[str] = []
-    killed: list[tuple[int, int]] = []
+    killed: list[tuple[int, int, set[int]]] = []
     if data is not None:
         fleet.restore(round_number=data.get("round"), round_open=bool(data.get("round_open")),
                       version=data.get("weight_version"), checkpoint=data.get("checkpoint"),
@@ -94,8 +94,9 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
             if outcome == "gone":
                 gone.append(name)
             pid, start_time = int(entry["pid"]), int(entry["start_time"])
+            doomed = {st.pid for st in group_members_of(pid, start_time, spawned_member)}
             kill_group_of(pid, start_time, spawned_member)  # its leftovers of ours, if any
-            killed.append((pid, start_time))
+            killed.append((pid, start_time, doomed))
     await await_gone(killed)
     await stop_orphans(fleet, cfg, {r.adoption.proc.pid for r in fleet.runners.values() if r.adoption.proc is not None})
     log.info("journal.restored", round=fleet.round, round_open=fleet.round_open,
@@ -169,14 +170,16 @@ def take_engine(fleet: Fleet, name: str, runner: EngineRunner | None, entry: dic
     return "gone"
 
 
-async def await_gone(groups: list[tuple[int, int]]) -> None:
+async def await_gone(groups: list[tuple[int, int, set[int]]]) -> None:
     """Groups just sent SIGKILL: wait (bounded) until they are gone, so the orphan scan does
     not see them again and a new spawn finds the port free. A leader that is our child (after
     a reload) is reaped, not left a zombie."""
     deadline = time.monotonic() + 5.0
-    while any(group_members_of(p, t, spawned_member) for p, t in groups) and time.monotonic() < deadline:
+    # Waited on by pid, unfiltered: a process being killed can no longer show its spawn mark.
+    while (any(st.pid in doomed for p, t, doomed in groups for st in group_members_of(p, t))
+           and time.monotonic() < deadline):
         await asyncio.sleep(0.05)
-    for pid, _ in groups:
+    for pid, _, _ in groups:
         reap_child(pid)
 
 
