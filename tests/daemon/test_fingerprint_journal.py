@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
 from vime.supervisor.client import SupervisorClient
@@ -22,9 +23,11 @@ from support.standins import STANDIN_VERSIONED
 FP = {"prompts": [[1, 2, 3]], "logprobs": [[-1.0, -2.0]], "tolerance": 1e-4}
 
 
-def test_a_restarted_daemon_checks_a_reattached_engine_by_the_journaled_fingerprint(tmp_path):
+def attached_standin(tmp_path: Path, version: str):
+    """A versioned stand-in engine at `version` (its label in a file the test may rewrite), and a
+    daemon config attaching it as "e": (version file, engine process, config, socket, journal)."""
     version_file = tmp_path / "version"
-    version_file.write_text("0")
+    version_file.write_text(version)
     standin = standin_python(tmp_path, STANDIN_VERSIONED)
     port = free_port()
     engine = subprocess.Popen([str(standin), "--port", str(port)],
@@ -34,7 +37,11 @@ def test_a_restarted_daemon_checks_a_reattached_engine_by_the_journaled_fingerpr
                        supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs")},
                        health_check={"first_wait": 30.0, "interval": 0.5, "timeout": 1.0, "success_threshold": 1},
                        engines=[{"name": "e", "url": f"http://127.0.0.1:{port}"}])
-    sock, journal = str(tmp_path / "run" / "supervisor.sock"), tmp_path / "state" / "journal.json"
+    return version_file, engine, cfg, str(tmp_path / "run" / "supervisor.sock"), tmp_path / "state" / "journal.json"
+
+
+def test_a_restarted_daemon_checks_a_reattached_engine_by_the_journaled_fingerprint(tmp_path):
+    version_file, engine, cfg, sock, journal = attached_standin(tmp_path, "0")
     daemons: list[Daemon] = []
     try:
         d1 = Daemon(cfg)
@@ -96,18 +103,7 @@ def test_a_bad_journaled_fingerprint_is_dropped_alone(tmp_path):
     """A journal whose weight_fingerprint is malformed, or names another version than
     weight_version (a hand edit): only the fingerprint is dropped, with a warning that says what
     to do; the round and version are kept (the checkpoint with them) and the engine is routed on its label."""
-    version_file = tmp_path / "version"
-    version_file.write_text("1")
-    standin = standin_python(tmp_path, STANDIN_VERSIONED)
-    port = free_port()
-    engine = subprocess.Popen([str(standin), "--port", str(port)],
-                              env={**os.environ, "STANDIN_VERSION_FILE": str(version_file)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cfg = write_config(tmp_path / "supervisor.toml",
-                       supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs")},
-                       health_check={"first_wait": 30.0, "interval": 0.5, "timeout": 1.0, "success_threshold": 1},
-                       engines=[{"name": "e", "url": f"http://127.0.0.1:{port}"}])
-    sock, journal = str(tmp_path / "run" / "supervisor.sock"), tmp_path / "state" / "journal.json"
+    version_file, engine, cfg, sock, journal = attached_standin(tmp_path, "1")
     daemons: list[Daemon] = []
     try:
         d = Daemon(cfg)
