@@ -64,7 +64,6 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -389,26 +388,18 @@ class SmgProc(RouterProc):
     (SPAWN_ARGS: breaker off, 4-hour requests, metrics on loopback), round robin, metrics on a
     port of its own; its admin calls through the daemon's SMG adapter."""
 
-    def start(self, timeout: float = 30.0) -> "SmgProc":
+    name = "smg"
+
+    def command(self) -> list[str]:
         here = Path(sys.executable).parent / "smg"
         binary = str(here) if here.exists() else shutil.which("smg")
         if not binary:
             raise FileNotFoundError("smg is not installed: pip install 'vime-supervisor[router]'")
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [binary, "launch", "--host", "127.0.0.1", "--port", str(self.port), *SPAWN_ARGS, "--policy", "round_robin",
-             "--prometheus-port", str(self.prometheus_port), *self.extra],
-            stdout=log, stderr=subprocess.STDOUT, process_group=0, env={**os.environ, "NO_COLOR": "1"})
-        log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.workers()
-                return self
-            except RouterError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"smg did not start; see {self.log_path}") from None
-                time.sleep(0.1)
+        return [binary, "launch", "--host", "127.0.0.1", "--port", str(self.port), *SPAWN_ARGS, "--policy",
+                "round_robin", "--prometheus-port", str(self.prometheus_port), *self.extra]
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "NO_COLOR": "1"}
 
     def admin(self, call):
         async def run():

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, Self, TypeVar
 
 import aiohttp
 
@@ -39,6 +39,8 @@ def router_binary() -> str:
 
 
 class RouterProc:
+    name = "vllm-router"  # in the error when it does not start
+
     def __init__(self, port: int, log: Path, *extra: str):
         self.port, self.log_path, self.extra = port, log, extra
         self.url = f"http://127.0.0.1:{port}"
@@ -48,15 +50,22 @@ class RouterProc:
             s.bind(("127.0.0.1", 0))
             self.prometheus_port = s.getsockname()[1]
 
-    def start(self, timeout: float = 30.0) -> "RouterProc":
+    def command(self) -> list[str]:
+        return [router_binary(), "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *VIME_FLAGS,
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port), *self.extra]
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")}
+
+    def start(self, timeout: float = 30.0) -> Self:
+        """Spawn `command()` and wait until its /workers answers (RuntimeError if it exits or
+        `timeout` s pass first)."""
+        argv = self.command()
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [router_binary(), "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *VIME_FLAGS,
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port), *self.extra],
-            # Its own group in our session: one scheduling autogroup with the daemon and the
-            # engines (vime.supervisor.engine.process says why).
-            stdout=log, stderr=subprocess.STDOUT, process_group=0,
-            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")})
+        # Its own group in our session: one scheduling autogroup with the daemon and the
+        # engines (vime.supervisor.engine.process says why).
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, process_group=0,
+                                     env=self.env())
         log.close()
         deadline = time.monotonic() + timeout
         while True:
@@ -65,7 +74,7 @@ class RouterProc:
                 return self
             except RouterError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"vllm-router did not start; see {self.log_path}") from None
+                    raise RuntimeError(f"{self.name} did not start; see {self.log_path}") from None
                 time.sleep(0.1)
 
     # The admin calls go through the daemon's own adapter (one /workers client for the daemon,
