@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -369,10 +370,8 @@ def test_journal_naming_a_stranger_of_this_boot_leaves_it_alone(tmp_path, fake_p
         stranger.wait()
 
 
-def test_journal_giving_one_engine_anothers_process_kills_neither(tmp_path, fake_python, cleanup):
-    """A hand-edited journal whose e0 entry names e1's live process (its pid, start time and
-    port, with e0's own config fingerprint): e1 keeps its process, adopted; e0's claim is left
-    alone (never adopted, never signalled) and e0 gets a fresh process of its own."""
+def two_running_engines(tmp_path: Path, fake_python: Path, cleanup) -> tuple[Path, Daemon, int]:
+    """A daemon that spawned e0 and e1, both RUNNING: (its config, the daemon, e1's pid)."""
     model = model_dir(tmp_path / "model")
     cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port()), spawned("e1", model, free_port())])
     d = start(cfg, cleanup)
@@ -380,25 +379,44 @@ def test_journal_giving_one_engine_anothers_process_kills_neither(tmp_path, fake
     d.transition("e1", "RUNNING", 30)
     e1_pid = d.last_pid("e1")
     cleanup[1].update({d.last_pid("e0"), e1_pid})
+    return cfg, d, e1_pid
+
+
+def restart_over_edited_journal(tmp_path: Path, cfg: Path, cleanup, d: Daemon, e1_pid: int,
+                                edit: Callable[[dict], None]) -> tuple[Daemon, dict[str, dict]]:
+    """Kill `d` with -9, `edit` its journal (whose e1 entry names `e1_pid`), start a daemon over
+    it and wait for e0 RUNNING: (the new daemon, its engines by name). e1 must have kept its
+    process through it: adopted, alive, never stopped as an orphan."""
+    kill9(d)
+    data = json.loads(journal_path(tmp_path).read_text())
+    assert data["engines"]["e1"]["pid"] == e1_pid
+    edit(data)
+    journal_path(tmp_path).write_text(json.dumps(data))
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    engines = {e["name"]: e for e in SupervisorClient(sock(tmp_path)).status()["engines"]}
+    cleanup[1].add(engines["e0"]["pid"])
+    assert engines["e1"]["pid"] == e1_pid and alive(e1_pid), engines["e1"]
+    assert all(e.get("pid") != e1_pid for e in d.events if e.get("event") == "journal.orphan_stopped")
+    return d, engines
+
+
+def test_journal_giving_one_engine_anothers_process_kills_neither(tmp_path, fake_python, cleanup):
+    """A hand-edited journal whose e0 entry names e1's live process (its pid, start time and
+    port, with e0's own config fingerprint): e1 keeps its process, adopted; e0's claim is left
+    alone (never adopted, never signalled) and e0 gets a fresh process of its own."""
+    cfg, d, e1_pid = two_running_engines(tmp_path, fake_python, cleanup)
     for reverse in (False, True):  # whichever entry the daemon reads first
-        kill9(d)
-        data = json.loads(journal_path(tmp_path).read_text())
-        e1 = data["engines"]["e1"]
-        assert e1["pid"] == e1_pid
-        for key in ("pid", "start_time", "port", "log_path"):  # everything but e0's own fingerprint
-            data["engines"]["e0"][key] = e1[key]
-        if reverse:
-            data["engines"] = dict(reversed(list(data["engines"].items())))
-        journal_path(tmp_path).write_text(json.dumps(data))
-        d = start(cfg, cleanup)
-        d.transition("e0", "RUNNING", 30)
-        engines = {e["name"]: e for e in SupervisorClient(sock(tmp_path)).status()["engines"]}
-        assert engines["e1"]["pid"] == e1_pid and alive(e1_pid)
+        def edit(data: dict) -> None:
+            e1 = data["engines"]["e1"]
+            for key in ("pid", "start_time", "port", "log_path"):  # everything but e0's own fingerprint
+                data["engines"]["e0"][key] = e1[key]
+            if reverse:
+                data["engines"] = dict(reversed(list(data["engines"].items())))
+
+        d, engines = restart_over_edited_journal(tmp_path, cfg, cleanup, d, e1_pid, edit)
         assert engines["e0"]["pid"] != e1_pid
-        cleanup[1].add(engines["e0"]["pid"])
         assert [e.get("engine") for e in d.events if e.get("event") == "journal.not_ours"] == ["e0"]
-        # e0's own earlier process, which the edit unnamed, is stopped as an orphan; e1's never
-        assert all(e.get("pid") != e1_pid for e in d.events if e.get("event") == "journal.orphan_stopped")
     assert d.terminate(30) == 0
 
 
@@ -442,36 +460,22 @@ def test_a_bad_entry_naming_an_engines_pid_never_costs_that_engine_its_process(t
     config does not have, copied from e1 with another port; or e0 given e1's pid and start time
     with its own port. That entry is left alone, and whichever entry is read first e1 keeps its
     process (adopted), never stopped as an orphan and restarted."""
-    model = model_dir(tmp_path / "model")
-    cfg = config(tmp_path, fake_python, [spawned("e0", model, free_port()), spawned("e1", model, free_port())])
-    d = start(cfg, cleanup)
-    d.transition("e0", "RUNNING", 30)
-    d.transition("e1", "RUNNING", 30)
-    e1_pid = d.last_pid("e1")
-    cleanup[1].update({d.last_pid("e0"), e1_pid})
+    cfg, d, e1_pid = two_running_engines(tmp_path, fake_python, cleanup)
+    bad = "a1" if edit == "unconfigured_copy" else "e0"
     for first in (True, False):  # the bad entry read before e1's, then after
-        kill9(d)
-        data = json.loads(journal_path(tmp_path).read_text())
-        e1 = data["engines"]["e1"]
-        assert e1["pid"] == e1_pid
-        bad = "a1" if edit == "unconfigured_copy" else "e0"
-        if edit == "unconfigured_copy":
-            data["engines"]["a1"] = {**e1, "port": free_port()}
-        else:
-            data["engines"]["e0"].update(pid=e1["pid"], start_time=e1["start_time"])
-        rest = {k: v for k, v in data["engines"].items() if k != bad}
-        data["engines"] = {bad: data["engines"][bad], **rest} if first else {**rest, bad: data["engines"][bad]}
-        journal_path(tmp_path).write_text(json.dumps(data))
-        d = start(cfg, cleanup)
-        d.wait_for(lambda ev: ev.get("event") == "journal.restored", 30)
-        d.transition("e0", "RUNNING", 30)
-        engines = {e["name"]: e for e in SupervisorClient(sock(tmp_path)).status()["engines"]}
-        cleanup[1].add(engines["e0"]["pid"])
-        assert engines["e1"]["pid"] == e1_pid and alive(e1_pid), (first, engines["e1"])
-        assert "e1" in d.wait_for(lambda ev: ev.get("event") == "journal.restored", 1)["adopted"]
+        def add_bad_entry(data: dict) -> None:
+            e1 = data["engines"]["e1"]
+            if edit == "unconfigured_copy":
+                data["engines"]["a1"] = {**e1, "port": free_port()}
+            else:
+                data["engines"]["e0"].update(pid=e1["pid"], start_time=e1["start_time"])
+            rest = {k: v for k, v in data["engines"].items() if k != bad}
+            data["engines"] = {bad: data["engines"][bad], **rest} if first else {**rest, bad: data["engines"][bad]}
+
+        d, _ = restart_over_edited_journal(tmp_path, cfg, cleanup, d, e1_pid, add_bad_entry)
+        assert "e1" in d.wait_for(lambda ev: ev.get("event") == "journal.restored", 30)["adopted"], first
         assert [e.get("engine") for e in d.events if e.get("event") == "journal.not_ours"] == [bad]
         assert not [e for e in d.events if e.get("event") == "journal.not_adopted" and e.get("engine") == "e1"]
-        assert all(e.get("pid") != e1_pid for e in d.events if e.get("event") == "journal.orphan_stopped")
     assert d.terminate(30) == 0
 
 
