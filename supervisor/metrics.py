@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from typing import Awaitable, Callable, Iterator, Protocol
+from typing import Awaitable, Callable, Iterable, Iterator, Protocol
 
 import structlog
 from aiohttp import web
@@ -182,107 +182,143 @@ class FleetCollector:
         self.router = router
 
     def collect(self) -> Iterator[Metric]:
-        fleet, policy, stats = self.fleet, self.fleet.policy, self.fleet.stats
-        runners = list(fleet.runners.values())
-        state = GaugeMetricFamily("vime_engine_state", "1 for the state each engine is in", labels=["engine", "state"])
-        restarts = CounterMetricFamily("vime_engine_restarts", "Restarts of each engine, by why the last incarnation "
-                                       "ended (a Cause; operator: asked for)", labels=["engine", "cause"])
-        probes = CounterMetricFamily("vime_probes", "Heartbeats of each engine, by outcome",
-                                     labels=["engine", "outcome"])
-        detections = CounterMetricFamily("vime_detections", "Failures detected, by engine and kind "
-                                         "(exit, hang, poisoned, reported)", labels=["engine", "kind"])
-        version = GaugeMetricFamily("vime_engine_weight_version", "Weight version each engine reports (-1: base)",
-                                    labels=["engine"])
-        latency = GaugeMetricFamily("vime_engine_probe_latency_seconds", "Latency of the last answered probe",
-                                    labels=["engine"])
-        routable = GaugeMetricFamily("vime_engine_routable", "1 if the engine may take traffic", labels=["engine"])
-        lag = GaugeMetricFamily("vime_engine_version_lag", "Weight versions each engine is behind the current one "
-                                "(engines whose version is comparable: a published one)", labels=["engine"])
-        unusual: dict[str, set[str]] = {}  # restart causes outside RESTART_CAUSES, shown when they happen
-        for engine, cause in stats.restarts:
-            if cause not in RESTART_CAUSES:
-                unusual.setdefault(engine, set()).add(cause)
-        for r in runners:
-            for s in State:
-                state.add_metric([r.name, s.value], 1.0 if r.fsm.state is s else 0.0)
-            for cause in (*RESTART_CAUSES, *sorted(unusual.get(r.name, ()))):
-                restarts.add_metric([r.name, cause], stats.restarts.get((r.name, cause), 0))
-            for kind in PROBE_KINDS:
-                probes.add_metric([r.name, kind], stats.probes.get((r.name, kind), 0))
-            for kind in DETECTION_KINDS:
-                detections.add_metric([r.name, kind], stats.detections.get((r.name, kind), 0))
-            v = r.fsm.weight_version
-            version.add_metric([r.name], float(v) if isinstance(v, int) else -1.0)
-            if r.fsm.last_probe is not None and r.fsm.last_probe.latency is not None:
-                latency.add_metric([r.name], r.fsm.last_probe.latency)
-            routable.add_metric([r.name], 1.0 if fleet.is_routable(r) else 0.0)
-            behind = policy.lag(v)
-            if behind is not None:
-                lag.add_metric([r.name], behind)
-        syncs = CounterMetricFamily("vime_syncs", "Weight syncs of restarted engines, by outcome", labels=["outcome"])
-        for outcome in ("verified", "failed"):
-            syncs.add_metric([outcome], stats.syncs.get(outcome, 0))
-        yield from (state, restarts, probes, version, latency, routable, lag, detections, syncs)
-        yield stats.probe_latency.family("vime_probe_latency_seconds", "Latency of answered heartbeats")
-        yield stats.recovery_time.family("vime_detection_to_routable_seconds",
-                                         "From a detected failure to the engine routable again")
-        yield stats.sync_time.family("vime_sync_duration_seconds", "From SYNCING to verified")
-        pushes = CounterMetricFamily("vime_pushes", "Announced weight pushes, by how they ended (expired: never "
-                                     "ended by the trainer)", labels=["outcome"])
-        for outcome in PUSH_OUTCOMES:
-            pushes.add_metric([outcome], stats.pushes.get(outcome, 0))
-        failures = CounterMetricFamily("vime_push_receiver_failures", "Receivers lost to announced pushes, by cause "
-                                       "(reported by the trainer; deadline: paused past the push's deadline)",
-                                       labels=["cause"])
-        for cause in PUSH_FAILURE_CAUSES:
-            failures.add_metric([cause], stats.push_failures.get(cause, 0))
-        yield pushes
-        yield failures
-        mismatches = CounterMetricFamily("vime_fingerprint_mismatches", "Engines whose outputs did not match the "
-                                         "published fingerprint while /weight_info said the version, by when it "
-                                         "was checked", labels=["at"])
-        for at in FINGERPRINT_CHECKS_AT:
-            mismatches.add_metric([at], stats.fingerprint_mismatches.get(at, 0))
-        yield mismatches
-        yield stats.push_time.family("vime_push_seconds", "From a push's announcement to its end (ended ones)")
-        yield CounterMetricFamily("vime_push_bytes", "Bytes announced by the pushes that ended ok",
-                                  value=stats.push_bytes)
-        yield GaugeMetricFamily("vime_push_receivers", "Receivers of the last push announced",
-                                value=stats.push_receivers)
-        yield GaugeMetricFamily("vime_pushes_in_flight", "Announced pushes not yet ended or expired",
-                                value=stats.pushes_in_flight)
-        yield GaugeMetricFamily("vime_routable_engines", "Engines that may take traffic", value=len(fleet.routable()))
-        if policy.strength is not None:
-            yield GaugeMetricFamily("vime_routable_target", "Routable engines at full strength (engines less spares)",
-                                    value=policy.strength)
-            yield CounterMetricFamily("vime_below_target_seconds", "Seconds with fewer routable engines than the "
-                                      "target, once it was first reached", value=policy.seconds_below_strength())
-        yield GaugeMetricFamily("vime_membership_epoch", "Changes whenever the routable set changes", value=policy.epoch)
-        yield GaugeMetricFamily("vime_round", "Last round started (-1: none)",
-                                value=-1 if policy.round is None else policy.round)
-        yield GaugeMetricFamily("vime_round_open", "1 while a round is open", value=1 if policy.round_open else 0)
-        yield GaugeMetricFamily("vime_weight_version", "Current weight version (-1: base)",
-                                value=-1 if policy.current_version is None else policy.current_version)
-        mode = GaugeMetricFamily("vime_weights_mode", "1 for the [weights] mode the routing rule applies",
-                                 labels=["mode"])
-        for m in WeightsMode:
-            mode.add_metric([m.value], 1.0 if policy.rule.mode is m else 0.0)
-        yield mode
-        yield GaugeMetricFamily("vime_max_staleness", "Versions behind the current one an engine may serve at "
-                                "(0 in sync mode)", value=policy.rule.bound)
-        yield GaugeMetricFamily("vime_below_min_healthy", "1 while routable engines are below min_healthy",
-                                value=1 if policy.below_floor else 0)
-        yield CounterMetricFamily("vime_floor_breaches", "Times the fleet fell below min_healthy",
-                                  value=policy.floor_breaches)
-        yield GaugeMetricFamily("vime_min_healthy", "The floor of routable engines (min_healthy)",
-                                value=policy.min_healthy)
-        # Warm spares: the configured ones are the engines beyond the routing target.
-        spares = len(runners) - policy.target if policy.target is not None else 0
-        yield GaugeMetricFamily("vime_spares", "Warm spares configured (spares)", value=max(0, spares))
-        yield GaugeMetricFamily("vime_spares_ready", "Spares up, verified and ready to be promoted (STANDBY)",
-                                value=sum(1 for r in runners if r.fsm.state is State.STANDBY))
+        yield from _engine_families(self.fleet)
+        yield from _outcome_families(self.fleet.stats)
+        yield from _push_families(self.fleet.stats)
+        yield from _routing_families(self.fleet)
+        yield from _round_families(self.fleet.policy)
+        yield from _floor_families(self.fleet)
         if self.router is not None:
             yield from self.router.families()
+
+
+def _counter(name: str, doc: str, label: str, values: Iterable[str], counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter with one label, every one of `values` present (0 until counted)."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value in values:
+        family.add_metric([value], counts.get(value, 0))
+    return family
+
+
+def _engine_families(fleet: FleetReadings) -> Iterator[Metric]:
+    """Per engine: what it is now (state, version, latency, routable, lag) and its counters."""
+    runners = list(fleet.runners.values())
+    state, version, latency, routable, lag = _engine_readings(fleet, runners)
+    restarts, probes, detections = _engine_counts(fleet.stats, runners)
+    yield from (state, restarts, probes, version, latency, routable, lag, detections)
+
+
+def _engine_readings(fleet: FleetReadings, runners: list[EngineRunner]) -> tuple[GaugeMetricFamily, ...]:
+    state = GaugeMetricFamily("vime_engine_state", "1 for the state each engine is in", labels=["engine", "state"])
+    version = GaugeMetricFamily("vime_engine_weight_version", "Weight version each engine reports (-1: base)",
+                                labels=["engine"])
+    latency = GaugeMetricFamily("vime_engine_probe_latency_seconds", "Latency of the last answered probe",
+                                labels=["engine"])
+    routable = GaugeMetricFamily("vime_engine_routable", "1 if the engine may take traffic", labels=["engine"])
+    lag = GaugeMetricFamily("vime_engine_version_lag", "Weight versions each engine is behind the current one "
+                            "(engines whose version is comparable: a published one)", labels=["engine"])
+    for r in runners:
+        for s in State:
+            state.add_metric([r.name, s.value], 1.0 if r.fsm.state is s else 0.0)
+        v = r.fsm.weight_version
+        version.add_metric([r.name], float(v) if isinstance(v, int) else -1.0)
+        if r.fsm.last_probe is not None and r.fsm.last_probe.latency is not None:
+            latency.add_metric([r.name], r.fsm.last_probe.latency)
+        routable.add_metric([r.name], 1.0 if fleet.is_routable(r) else 0.0)
+        behind = fleet.policy.lag(v)
+        if behind is not None:
+            lag.add_metric([r.name], behind)
+    return state, version, latency, routable, lag
+
+
+def _engine_counts(stats: FleetStats, runners: list[EngineRunner]) -> tuple[CounterMetricFamily, ...]:
+    restarts = CounterMetricFamily("vime_engine_restarts", "Restarts of each engine, by why the last incarnation "
+                                   "ended (a Cause; operator: asked for)", labels=["engine", "cause"])
+    probes = CounterMetricFamily("vime_probes", "Heartbeats of each engine, by outcome", labels=["engine", "outcome"])
+    detections = CounterMetricFamily("vime_detections", "Failures detected, by engine and kind "
+                                     "(exit, hang, poisoned, reported)", labels=["engine", "kind"])
+    unusual: dict[str, set[str]] = {}  # restart causes outside RESTART_CAUSES, shown when they happen
+    for engine, cause in stats.restarts:
+        if cause not in RESTART_CAUSES:
+            unusual.setdefault(engine, set()).add(cause)
+    for r in runners:
+        for cause in (*RESTART_CAUSES, *sorted(unusual.get(r.name, ()))):
+            restarts.add_metric([r.name, cause], stats.restarts.get((r.name, cause), 0))
+        for kind in PROBE_KINDS:
+            probes.add_metric([r.name, kind], stats.probes.get((r.name, kind), 0))
+        for kind in DETECTION_KINDS:
+            detections.add_metric([r.name, kind], stats.detections.get((r.name, kind), 0))
+    return restarts, probes, detections
+
+
+def _outcome_families(stats: FleetStats) -> Iterator[Metric]:
+    """How syncs ended, and how long probes, recoveries and syncs took."""
+    yield _counter("vime_syncs", "Weight syncs of restarted engines, by outcome", "outcome", ("verified", "failed"),
+                   stats.syncs)
+    yield stats.probe_latency.family("vime_probe_latency_seconds", "Latency of answered heartbeats")
+    yield stats.recovery_time.family("vime_detection_to_routable_seconds",
+                                     "From a detected failure to the engine routable again")
+    yield stats.sync_time.family("vime_sync_duration_seconds", "From SYNCING to verified")
+
+
+def _push_families(stats: FleetStats) -> Iterator[Metric]:
+    """The announced weight pushes and the fingerprint checks of what they loaded."""
+    yield _counter("vime_pushes", "Announced weight pushes, by how they ended (expired: never ended by the "
+                   "trainer)", "outcome", PUSH_OUTCOMES, stats.pushes)
+    yield _counter("vime_push_receiver_failures", "Receivers lost to announced pushes, by cause (reported by the "
+                   "trainer; deadline: paused past the push's deadline)", "cause", PUSH_FAILURE_CAUSES,
+                   stats.push_failures)
+    yield _counter("vime_fingerprint_mismatches", "Engines whose outputs did not match the published fingerprint "
+                   "while /weight_info said the version, by when it was checked", "at", FINGERPRINT_CHECKS_AT,
+                   stats.fingerprint_mismatches)
+    yield stats.push_time.family("vime_push_seconds", "From a push's announcement to its end (ended ones)")
+    yield CounterMetricFamily("vime_push_bytes", "Bytes announced by the pushes that ended ok", value=stats.push_bytes)
+    yield GaugeMetricFamily("vime_push_receivers", "Receivers of the last push announced",
+                            value=stats.push_receivers)
+    yield GaugeMetricFamily("vime_pushes_in_flight", "Announced pushes not yet ended or expired",
+                            value=stats.pushes_in_flight)
+
+
+def _routing_families(fleet: FleetReadings) -> Iterator[Metric]:
+    """The routable set: its size, the target at full strength and the time short of it, its epoch."""
+    policy = fleet.policy
+    yield GaugeMetricFamily("vime_routable_engines", "Engines that may take traffic", value=len(fleet.routable()))
+    if policy.strength is not None:
+        yield GaugeMetricFamily("vime_routable_target", "Routable engines at full strength (engines less spares)",
+                                value=policy.strength)
+        yield CounterMetricFamily("vime_below_target_seconds", "Seconds with fewer routable engines than the "
+                                  "target, once it was first reached", value=policy.seconds_below_strength())
+    yield GaugeMetricFamily("vime_membership_epoch", "Changes whenever the routable set changes", value=policy.epoch)
+
+
+def _round_families(policy: FleetPolicy) -> Iterator[Metric]:
+    """The trainer's side: the round, the current weight version and the rule it is served by."""
+    yield GaugeMetricFamily("vime_round", "Last round started (-1: none)",
+                            value=-1 if policy.round is None else policy.round)
+    yield GaugeMetricFamily("vime_round_open", "1 while a round is open", value=1 if policy.round_open else 0)
+    yield GaugeMetricFamily("vime_weight_version", "Current weight version (-1: base)",
+                            value=-1 if policy.current_version is None else policy.current_version)
+    mode = GaugeMetricFamily("vime_weights_mode", "1 for the [weights] mode the routing rule applies", labels=["mode"])
+    for m in WeightsMode:
+        mode.add_metric([m.value], 1.0 if policy.rule.mode is m else 0.0)
+    yield mode
+    yield GaugeMetricFamily("vime_max_staleness", "Versions behind the current one an engine may serve at "
+                            "(0 in sync mode)", value=policy.rule.bound)
+
+
+def _floor_families(fleet: FleetReadings) -> Iterator[Metric]:
+    """The min_healthy floor and the warm spares (what the alert rules read)."""
+    policy = fleet.policy
+    yield GaugeMetricFamily("vime_below_min_healthy", "1 while routable engines are below min_healthy",
+                            value=1 if policy.below_floor else 0)
+    yield CounterMetricFamily("vime_floor_breaches", "Times the fleet fell below min_healthy",
+                              value=policy.floor_breaches)
+    yield GaugeMetricFamily("vime_min_healthy", "The floor of routable engines (min_healthy)", value=policy.min_healthy)
+    # Warm spares: the configured ones are the engines beyond the routing target.
+    spares = len(fleet.runners) - policy.target if policy.target is not None else 0
+    yield GaugeMetricFamily("vime_spares", "Warm spares configured (spares)", value=max(0, spares))
+    yield GaugeMetricFamily("vime_spares_ready", "Spares up, verified and ready to be promoted (STANDBY)",
+                            value=sum(1 for r in fleet.runners.values() if r.fsm.state is State.STANDBY))
 
 
 def render(fleet: FleetReadings, router: RouterReadings | None = None) -> bytes:
