@@ -1,6 +1,6 @@
 """The daemon's journal: what a restarted daemon needs so that nothing is lost (the round, the
-weight version, its checkpoint and fingerprint, each engine's process and verified version, the
-spawned router), written atomically whenever it changes (docs/operations.md).
+weight version, its checkpoint and fingerprint, the membership epoch, each engine's process and
+verified version, the spawned router), written atomically whenever it changes (docs/operations.md).
 
 A journal is untrusted input: `load` checks it against the schema below, and one that does
 not fit is moved aside by the daemon, never half-used; only a bad weight_fingerprint is
@@ -23,6 +23,7 @@ from .engine.fingerprint import parse as parse_fingerprint
 from .fleet import Fleet
 from .engine.process import boot_id, engine_fingerprint
 from .router.link import RouterLink
+from .events import Listener
 from .states import State
 from .tasks import TaskSet, cancel_and_wait
 
@@ -65,6 +66,8 @@ def snapshot(fleet: Fleet, router: RouterLink | None = None, *, path: Path | Non
         "round_open": fleet.round_open,
         "weight_version": fleet.current_version,
         "checkpoint": fleet.checkpoint,
+        # Consumers keep the highest epoch they saw: the next daemon goes on past it.
+        "epoch": fleet.epoch,
         "engines": engines,
     }
     if path is not None:  # pids name processes of the daemon that wrote here, not of one reading a copy
@@ -85,6 +88,7 @@ _BOOT_ID = boot_id()
 # with a 400-digit round made /v1/metrics answer 500 and every round call 409.
 _MAX = 2**63 - 1
 PID_MAX = 1 << 22  # the kernel's ceiling for pid_max
+EPOCH_MAX = 2**62  # room to count on past it
 
 
 def _int(v: Any, lo: int = 0, hi: int = _MAX) -> bool:
@@ -113,6 +117,8 @@ def validate(data: Any) -> list[str]:
     _check(not (is_open is True and rnd is None), "round_open", "true with no round number", is_open, p)
     v = data.get("weight_version")
     _check(v is None or _int(v), "weight_version", "must be null or an integer >= 0", v, p)
+    ep = data.get("epoch")  # an older daemon's journal has none
+    _check(ep is None or _int(ep, 0, EPOCH_MAX), "epoch", f"must be null or an integer 0..{EPOCH_MAX}", ep, p)
     ck = data.get("checkpoint")
     _check(ck is None or isinstance(ck, str), "checkpoint", "must be null or a path", ck, p)
     # weight_fingerprint: fingerprint_problem (a bad one is dropped alone by `load`)
@@ -249,8 +255,9 @@ def engines_to_adopt(path: Path) -> int:
     return 0 if data is None else sum(1 for e in data["engines"].values() if "pid" in e)
 
 
-class JournalWriter:
-    """Writes the journal when the fleet changed, at most every `min_interval` seconds."""
+class JournalWriter(Listener):
+    """Writes the journal when the fleet changed, at most every `min_interval` seconds; a new
+    membership epoch at once, before any consumer can read it (a bus listener while started)."""
 
     def __init__(self, fleet: Fleet, path: Path, min_interval: float = 0.1, *, router: RouterLink | None = None):
         self.fleet = fleet
@@ -259,6 +266,7 @@ class JournalWriter:
         self.min_interval = min_interval
         self._dirty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._writing = False  # between start() and close()
         self.writes = 0
 
     def mark(self) -> None:
@@ -268,6 +276,14 @@ class JournalWriter:
         """Write on every mark(), in a task of `tasks` (the daemon's) if given; close() ends it."""
         self._task = (tasks.spawn(self._run(), name="journal") if tasks is not None
                       else asyncio.create_task(self._run(), name="journal"))
+        if not self._writing:
+            self._writing = True
+            self.fleet.bus.add_listener(self)
+
+    def on_membership(self, routable: frozenset[str]) -> None:
+        # The epoch moved in this turn; the event that says so reaches subscribers after it.
+        if self._writing:
+            self.flush()
 
     async def _run(self) -> None:
         while True:
@@ -284,5 +300,6 @@ class JournalWriter:
             log.error("journal.write_failed", path=str(self.path), error=str(e))
 
     async def close(self) -> None:
+        self._writing = False
         await cancel_and_wait(self._task)
         self.flush()

@@ -72,6 +72,11 @@ class FleetPolicy:
         self.round, self.round_open = round_number, bool(round_open)
         self.current_version, self.checkpoint = version, checkpoint
 
+    def resume_epoch(self, journaled: int) -> None:
+        """The previous daemon's last epoch (its journal's): this one's is past it, since its
+        routable set starts empty, and never below what a consumer already saw."""
+        self.epoch = max(self.epoch, journaled + 1)
+
     # -- rounds ----------------------------------------------------------------------------
 
     def start_round(self, n: int) -> tuple[bool, str]:

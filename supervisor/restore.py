@@ -1,5 +1,6 @@
-"""Pick up where a previous daemon left off: the round, the weight version, and every child
-process it left running (engines and the spawned router), each adopted or stopped.
+"""Pick up where a previous daemon left off: the round, the weight version, the membership
+epoch, and every child process it left running (engines and the spawned router), each adopted
+or stopped.
 
 Nothing is left unsupervised: a process of ours is adopted (engine/adoption.py's one verdict) or
 stopped, whether the journal names it or cannot (unreadable, or of another boot: then our
@@ -45,6 +46,8 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
         fleet.restore(round_number=data.get("round"), round_open=bool(data.get("round_open")),
                       version=data.get("weight_version"), checkpoint=data.get("checkpoint"),
                       fingerprint=journal_mod.fingerprint_of(data))
+        if data.get("epoch") is not None:
+            fleet.policy.resume_epoch(data["epoch"])
         here, then = boot_id(), data.get("boot_id")
         # Pids and start times name processes of one boot only; without both ids (an
         # older journal) we cannot tell, so nothing is adopted or killed by pid.
@@ -99,7 +102,7 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
             killed.append((pid, start_time, doomed))
     await await_gone(killed)
     await stop_orphans(fleet, cfg, {r.adoption.proc.pid for r in fleet.runners.values() if r.adoption.proc is not None})
-    log.info("journal.restored", round=fleet.round, round_open=fleet.round_open,
+    log.info("journal.restored", round=fleet.round, round_open=fleet.round_open, epoch=fleet.epoch,
              weight_version=fleet.current_version, fingerprint=fleet.fingerprint is not None, adopted=adopted,
              gone=gone)
 

@@ -22,7 +22,7 @@ from typing import Callable
 import pytest
 
 from vime.supervisor.engine.process import boot_id, proc_stat
-from vime.supervisor.client import SupervisorClient
+from vime.supervisor.client import DaemonUnreachable, SupervisorClient
 from vime.harness.local_daemon import (
     Daemon, free_port, kill_all, live_pids_in_groups, standin_config, standin_model)
 
@@ -418,6 +418,41 @@ def test_journal_giving_one_engine_anothers_process_kills_neither(tmp_path, fake
         assert engines["e0"]["pid"] != e1_pid
         assert [e.get("engine") for e in d.events if e.get("event") == "journal.not_ours"] == ["e0"]
     assert d.terminate(30) == 0
+
+
+# -- the membership epoch across a daemon restart ----------------------------------------------
+
+def test_membership_epoch_goes_on_past_a_daemon_restart(tmp_path, fake_python, cleanup):
+    """A client that keeps the highest membership epoch it saw (a router feed, a cluster view)
+    takes nothing at or below it: a daemon killed with -9 and started again answers past the
+    last epoch a client read from the one before, from its first answer on. (A reload restores
+    from the journal the same way; the journal of an older daemon, with no epoch, still loads:
+    fault 3's and the boot tests' hand-written ones.)"""
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), free_port())])
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)
+    cleanup[1].add(d.last_pid("e0"))
+    client = SupervisorClient(sock(tmp_path))
+    seen = client.routable_engines()["epoch"]
+    assert seen >= 1
+    kill9(d)  # the journal had it before the client could read it
+
+    d = start(cfg, cleanup)
+    (first,) = wait_until(lambda: _epoch_or_none(client), 30, "the restarted daemon answers")
+    assert first > seen
+    d.wait_for(lambda e: e.get("event") == "engine.adopted", 30)
+    d.transition("e0", "RUNNING", 30)
+    view = client.routable_engines()
+    assert [e["name"] for e in view["engines"]] == ["e0"] and view["epoch"] >= first
+    assert d.wait_for(lambda e: e.get("event") == "journal.restored", 1)["epoch"] > seen
+    assert d.terminate(30) == 0
+
+
+def _epoch_or_none(client: SupervisorClient) -> tuple[int] | None:
+    try:
+        return (client.routable_engines()["epoch"],)
+    except DaemonUnreachable:  # not listening yet
+        return None
 
 
 # -- a journal lost with the version in it ------------------------------------------------------
