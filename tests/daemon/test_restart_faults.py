@@ -117,6 +117,20 @@ def start_stranger(cleanup) -> subprocess.Popen:
     return stranger
 
 
+def running_entry(pid: int, start_time: int, port: int, log_path: Path, **more) -> dict:
+    """A journal entry of a RUNNING engine naming process `pid` (a hand-written journal's)."""
+    return {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": None, "retired": False,
+            "pid": pid, "start_time": start_time, "port": port, "log_path": str(log_path), **more}
+
+
+def write_journal(tmp_path: Path, engines: dict[str, dict], *, boot: str | None) -> None:
+    """A hand-written journal of boot `boot`: round 2 (closed), no weight version, `engines`."""
+    journal_path(tmp_path).parent.mkdir(parents=True)
+    journal_path(tmp_path).write_text(json.dumps({
+        "format": 1, "boot_id": boot, "daemon_pid": 1, "round": 2, "round_open": False,
+        "weight_version": None, "checkpoint": None, "engines": engines}))
+
+
 # -- fault 1 --------------------------------------------------------------------------------
 
 def test_fault1_clean_restart_restarts_engines(tmp_path, fake_python, cleanup):
@@ -286,13 +300,8 @@ def test_journal_of_another_boot_neither_adopts_nor_kills(tmp_path, fake_python,
     # leading its own group as our engines do: after a reboot, that is someone else's.
     stranger = start_stranger(cleanup)
     try:
-        entry = {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": None, "retired": False,
-                 "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
-                 "log_path": str(tmp_path / "logs" / "e0.1.log")}
-        journal_path(tmp_path).parent.mkdir(parents=True)
-        journal_path(tmp_path).write_text(json.dumps({
-            "format": 1, "boot_id": "00000000-0000-0000-0000-000000000000", "daemon_pid": 1, "round": 2,
-            "round_open": False, "weight_version": None, "checkpoint": None, "engines": {"e0": entry}}))
+        entry = running_entry(stranger.pid, proc_stat(stranger.pid).start_time, port, tmp_path / "logs" / "e0.1.log")
+        write_journal(tmp_path, {"e0": entry}, boot="00000000-0000-0000-0000-000000000000")
         d = start(cfg, cleanup)
         d.transition("e0", "RUNNING", 30)
         assert not any(e.get("event") == "engine.adopted" for e in d.events)
@@ -349,13 +358,9 @@ def test_journal_naming_a_stranger_of_this_boot_leaves_it_alone(tmp_path, fake_p
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
     stranger = start_stranger(cleanup)
     try:
-        entry = {"state": "RUNNING", "incarnation": 4, "restarts": 3, "verified_version": None, "retired": False,
-                 "pid": stranger.pid, "start_time": proc_stat(stranger.pid).start_time, "port": port,
-                 "log_path": str(tmp_path / "x.log"), "fingerprint": "deadbeef"}
-        journal_path(tmp_path).parent.mkdir(parents=True)
-        journal_path(tmp_path).write_text(json.dumps({
-            "format": 1, "boot_id": boot_id(), "daemon_pid": 1, "round": 2, "round_open": False,
-            "weight_version": None, "checkpoint": None, "engines": {"e0": entry, "gone": entry}}))
+        entry = running_entry(stranger.pid, proc_stat(stranger.pid).start_time, port, tmp_path / "x.log",
+                              incarnation=4, restarts=3, fingerprint="deadbeef")
+        write_journal(tmp_path, {"e0": entry, "gone": entry}, boot=boot_id())
         d = start(cfg, cleanup)
         d.transition("e0", "RUNNING", 30)
         assert alive(stranger.pid)
@@ -533,13 +538,8 @@ def test_journal_naming_a_leaderless_group_with_no_start_time_signals_none_of_it
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), port)])
     (g0, victim0), (g1, victim1) = leaderless_group(cleanup), leaderless_group(cleanup)
     try:
-        entry = {"state": "RUNNING", "incarnation": 1, "restarts": 0, "verified_version": None, "retired": False,
-                 "pid": g0, "start_time": 0, "port": port, "log_path": str(tmp_path / "x.log")}
-        journal_path(tmp_path).parent.mkdir(parents=True)
-        journal_path(tmp_path).write_text(json.dumps({
-            "format": 1, "boot_id": boot_id(), "daemon_pid": 1, "round": 2, "round_open": False,
-            "weight_version": None, "checkpoint": None,
-            "engines": {"e0": entry, "zz": {**entry, "pid": g1, "port": free_port()}}}))
+        entry = running_entry(g0, 0, port, tmp_path / "x.log")
+        write_journal(tmp_path, {"e0": entry, "zz": {**entry, "pid": g1, "port": free_port()}}, boot=boot_id())
         d = start(cfg, cleanup)
         d.transition("e0", "RUNNING", 30)
         cleanup[1].add(d.last_pid("e0"))
