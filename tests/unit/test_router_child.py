@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vime.harness.local_daemon import free_port
+from vime.harness.local_daemon import free_port, standin_model
 from vime.supervisor.client.cli import router_line
 from vime.supervisor.config import ROUTER_ARGS, ConfigError, RestartPolicy, RouterConfig, build, find_binary
 from vime.supervisor.engine.process import ProcStat
@@ -104,10 +104,7 @@ def test_status_shows_the_spawned_routers_process():
 
 @pytest.fixture
 def base(tmp_path) -> dict:
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    return {"engines": [{"name": "e0", "model": str(model), "port": 8001}]}
+    return {"engines": [{"name": "e0", "model": str(standin_model(tmp_path / "tiny")), "port": 8001}]}
 
 
 def spawning(base: dict, **table) -> dict:

@@ -11,6 +11,7 @@ import os
 import aiohttp
 import pytest
 
+from vime.harness.local_daemon import standin_model
 from vime.supervisor.config import Config, ConfigError, EngineSpec, RouterConfig, build
 from vime.supervisor.daemon import Supervisor, parse_args
 from vime.supervisor.engine.runner import EngineRunner
@@ -77,10 +78,7 @@ def test_the_plan_is_idempotent_once_applied():
 
 @pytest.fixture
 def base(tmp_path) -> dict:
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    return {"engines": [{"name": "e0", "model": str(model), "port": 8001}]}
+    return {"engines": [{"name": "e0", "model": str(standin_model(tmp_path / "tiny")), "port": 8001}]}
 
 
 def problems(raw: dict, overrides: dict | None = None) -> list[str]:

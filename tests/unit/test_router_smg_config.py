@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from vime.harness.local_daemon import free_port
+from vime.harness.local_daemon import free_port, standin_model
 from vime.supervisor.config import ROUTER_ARGS, ConfigError, build
 from vime.supervisor.router import KINDS, SmgRouter, make_router
 from vime.supervisor.router.child import router_command
@@ -15,10 +15,7 @@ from vime.supervisor.router.smg import SPAWN_ARGS
 
 @pytest.fixture
 def base(tmp_path) -> dict:
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    return {"engines": [{"name": "e0", "model": str(model), "port": 8001}]}
+    return {"engines": [{"name": "e0", "model": str(standin_model(tmp_path / "tiny")), "port": 8001}]}
 
 
 def test_smg_is_a_router_kind(base):
