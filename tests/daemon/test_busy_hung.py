@@ -16,16 +16,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from vime.supervisor.engine.activity import sample_group
 from vime.supervisor.engine.probes import PROGRESS_WINDOW
 from vime.supervisor.client import SupervisorClient
-from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
+from vime.harness.local_daemon import Daemon, free_port, write_config
 
-from support.standins import STANDIN_GROUP as STANDIN
+from support.mode_fleet import mode_fleet
 
 from test_client_ctl import engines_by_name, listening, wait_state
 
@@ -40,39 +39,10 @@ FIRST_MODE = {"slowstart": "silent", "deaf": "deaf", "rejects": "reject", "versi
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    root = tmp_path_factory.mktemp("busy-hung")
-    python = standin_python(root, STANDIN)
-    model = root / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    modes = {}
-    for name in ENGINES:
-        modes[name] = root / f"mode-{name}"
-        modes[name].write_text(FIRST_MODE.get(name, "ok"))
-    cfg = write_config(
-        root / "supervisor.toml",
-        supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 2.0,
-                    "python": str(python)},
-        health_check=PROBE,
-        restart={"start_retries": 2, "backoff_initial": 30.0, "backoff_max": 60.0},
-        engines=[{"name": n, "model": str(model), "port": free_port(),
-                  "env": {"STANDIN_MODE_FILE": str(modes[n])}} for n in ENGINES],
-    )
-    d = Daemon(cfg)
-    try:
-        listening(d)
-        client = SupervisorClient(str(root / "run" / "supervisor.sock"))
-        for name in ("busy", "hang", "paused", "deaf", "version"):
-            wait_state(client, name, {"RUNNING"}, timeout=30)
-        yield SimpleNamespace(daemon=d, client=client, modes=modes, root=root)
-    finally:
-        for m in modes.values():
-            m.write_text("ok")
-        try:
-            assert d.terminate(30) == 0
-        except Exception:
-            d.kill()
-            raise
+    with mode_fleet(tmp_path_factory.mktemp("busy-hung"), {n: FIRST_MODE.get(n, "ok") for n in ENGINES},
+                    ("busy", "hang", "paused", "deaf", "version"), supervisor={}, health_check=PROBE,
+                    restart={"start_retries": 2, "backoff_initial": 30.0, "backoff_max": 60.0}) as world:
+        yield world
 
 
 def transitions(d: Daemon, engine: str, after: int) -> list[dict]:

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,11 +26,11 @@ import pytest
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.engine.probes import PROGRESS_WINDOW
 from vime.supervisor.sync import PUSH_GRACE
-from vime.harness.local_daemon import Daemon, free_port, standin_python, write_config
+from vime.harness.local_daemon import Daemon
 
-from support.standins import STANDIN_GROUP as STANDIN
+from support.mode_fleet import mode_fleet
 
-from test_client_ctl import engines_by_name, listening, wait_state
+from test_client_ctl import engines_by_name, wait_state
 
 PROBE = {"first_wait": 15.0, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2, "max_busy": 10.0}
 SYNC_TIMEOUT = 60.0  # the excuse of a paused engine in no push: far longer than these tests
@@ -44,39 +43,10 @@ ENGINES = ("a", "b")
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    root = tmp_path_factory.mktemp("push-announce")
-    python = standin_python(root, STANDIN)
-    model = root / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    modes = {n: root / f"mode-{n}" for n in ENGINES}
-    for m in modes.values():
-        m.write_text("ok")
-    cfg = write_config(
-        root / "supervisor.toml",
-        supervisor={"runtime_dir": str(root / "run"), "log_dir": str(root / "logs"), "stop_timeout": 2.0,
-                    "python": str(python), "sync_timeout": SYNC_TIMEOUT},
-        health_check=PROBE,
-        restart={"start_retries": 3, "backoff_initial": 0.2},
-        engines=[{"name": n, "model": str(model), "port": free_port(),
-                  "env": {"STANDIN_MODE_FILE": str(modes[n])}} for n in ENGINES],
-    )
-    d = Daemon(cfg)
-    try:
-        listening(d)
-        sock = str(root / "run" / "supervisor.sock")
-        client = SupervisorClient(sock)
-        for name in ENGINES:
-            wait_state(client, name, {"RUNNING"}, timeout=30)
-        yield SimpleNamespace(daemon=d, client=client, modes=modes, sock=sock)
-    finally:
-        for m in modes.values():
-            m.write_text("ok")
-        try:
-            assert d.terminate(30) == 0
-        except Exception:
-            d.kill()
-            raise
+    with mode_fleet(tmp_path_factory.mktemp("push-announce"), dict.fromkeys(ENGINES, "ok"), ENGINES,
+                    supervisor={"sync_timeout": SYNC_TIMEOUT}, health_check=PROBE,
+                    restart={"start_retries": 3, "backoff_initial": 0.2}) as world:
+        yield world
 
 
 def call(sock: str, method: str, path: str, body: bytes = b"") -> tuple[int, Any]:
