@@ -4,23 +4,18 @@ here; the GPU figures in docs/weights.md#fingerprints come from its --device cud
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.bench_scripts import load_bench
+
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("fingerprint_gpu", ROOT / "bench" / "fingerprint_gpu.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("fingerprint_gpu")
 
 
 def test_it_computes_the_fingerprint_and_the_step_as_the_trainer_does(bench, tiny_model):

@@ -3,24 +3,18 @@ transitions, and reports a phase its log does not show as NaN instead of failing
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.bench_scripts import load_bench
+
 
 
 @pytest.fixture(scope="module")
 def recovery():
-    spec = importlib.util.spec_from_file_location("bench_recovery", ROOT / "bench" / "recovery.py")
-    mod = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(ROOT / "bench"))  # as when run: its sibling modules import
-        spec.loader.exec_module(mod)
-    return mod
+    return load_bench("recovery", siblings=True)
 
 
 T0 = 1_800_000_000.0

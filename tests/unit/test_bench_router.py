@@ -4,24 +4,18 @@ out of (and back in) the router, the request window of a fault, and the final ta
 from __future__ import annotations
 
 import calendar
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.bench_scripts import load_bench
+
 A, B = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
 
 
 @pytest.fixture(scope="module")
 def br():
-    spec = importlib.util.spec_from_file_location("bench_router", ROOT / "bench" / "router.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("router")
 
 
 def test_workers_answer_to_health_by_url(br):

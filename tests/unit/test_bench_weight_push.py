@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from support.bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -68,15 +70,7 @@ def test_on_emulated_links_the_chain_into_4_costs_less_than_log2_5_of_one():
 
 
 # -- the emulated links' pure parts (no root needed: nothing is run) ---------------------------
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_weight_push", ROOT / "bench" / "weight_push.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # the dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-wp = _bench()
+wp = load_bench("weight_push")
 
 
 def test_link_names_are_tagged_unique_and_fit_the_kernels_limit():
