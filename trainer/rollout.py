@@ -489,10 +489,14 @@ class RolloutClient(Continuation):
         if view.get("epoch") != self.epoch:
             log.info("rollout: membership epoch %s -> %s: %s", self.epoch, view.get("epoch"),
                      [e.name for e in engines])
+        listed = {e.name: e.weight_version for e in self.engines}
+        # A publish, or an engine listed at another version: a read from before it would bound
+        # a new piece loosely.
+        if view.get("weight_version") != self.weight_version:
+            self._version_reads.clear()
+        self._forget_versions(e.name for e in engines if e.name in listed and listed[e.name] != e.weight_version)
         self.engines = engines
         self.epoch = view.get("epoch")
-        if view.get("weight_version") != self.weight_version:
-            self._version_reads.clear()  # a publish: no read from before it bounds a new piece
         self.weight_version = view.get("weight_version")
         self.rule = VersionRule.from_answer(view)
 
@@ -522,7 +526,8 @@ class RolloutClient(Continuation):
         self._forget_versions([name])
 
     def _forget_versions(self, names: Iterable[str]) -> None:
-        for key in [k for k in self._version_reads if k[0] in set(names)]:
+        names = set(names)
+        for key in [k for k in self._version_reads if k[0] in names]:
             del self._version_reads[key]
 
     def released(self, name: str) -> None:
@@ -822,11 +827,13 @@ class RolloutClient(Continuation):
 
     async def _made_on(self, engine: Engine, before: Any, answer: Answer, outcome: str) -> tuple[Any, str, Any]:
         """A piece's (weight_version, span, weight_version_end): the engine's own label read
-        before the attempt and, where the engine ended the stream itself (answered or
-        aborted: it is up), read again now (piece_version). An engine that died or hung is
-        not asked again: a read of a hung one would hold the re-send up."""
+        before the attempt and, where the engine answered it in full, read again now
+        (piece_version). Not after an abort: vLLM aborts at a pause, before an update changes
+        the weights, so a read now would see the update's version, not the tokens' (and wait
+        for its reload). Nor after a death or a hang: a read of a hung engine would hold the
+        re-send up."""
         after = UNREAD
-        if answer_tokens(answer) and outcome in (OK, ABORT) and before is not UNREAD:
+        if answer_tokens(answer) and outcome == OK and before is not UNREAD:
             after = await self._engine_version(engine, time.monotonic())
         return piece_version(engine.weight_version, before, after)
 

@@ -20,7 +20,7 @@ __all__ = ["Engine", "RolloutStats", "Split", "StartOver", "Partial", "Answer", 
 # from its GET /weight_info around the piece:
 SPAN_READ = "weight_info"  # read before the attempt was sent and after its stream ended: the same, so exact
 SPAN_BRACKET = "bracket"   # the two reads differ: its tokens came from versions weight_version..weight_version_end
-SPAN_SENT = "sent"         # read before only (no read after an engine that died or hung): what it held when sent
+SPAN_SENT = "sent"         # read before only (a piece that was cut: aborted, died, hung): what it held when sent
 SPAN_LISTED = "listed"     # no read answered (the route not served): the version the daemon listed it at
 UNREAD = object()          # a /weight_info read that got no usable answer
 

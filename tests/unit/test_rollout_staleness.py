@@ -202,7 +202,7 @@ def test_piece_version_brackets_the_piece_with_the_engines_reads():
     assert piece_version(7, None, 1) == (None, SPAN_BRACKET, 1)    # base weights, then version 1
     assert piece_version(7, 3, "mine") == (3, SPAN_BRACKET, "mine")
     assert piece_version(7, 5, 3) == (5, SPAN_SENT, None)          # an older one after: another process
-    assert piece_version(7, 3, UNREAD) == (3, SPAN_SENT, None)     # died or hung: not asked again
+    assert piece_version(7, 3, UNREAD) == (3, SPAN_SENT, None)     # cut (aborted, died, hung): not asked again
     assert piece_version(7, UNREAD, 3) == (7, SPAN_LISTED, None)   # /weight_info not served
     assert [engine_label(x) for x in ("default", "12", "v2", "²", 12)] == [None, 12, "v2", "²", UNREAD]
 
