@@ -183,7 +183,8 @@ class RolloutFailed(RolloutError):
 
 class StaleSample(RolloutError):
     """Async mode with stale_samples="drop": the sample's oldest token was more than
-    max_staleness versions behind the current one when it was answered; `splits` its pieces."""
+    max_staleness versions behind the current one when it was answered (or when its cut
+    request would have been continued); `splits` its pieces."""
 
     def __init__(self, message: str, *, splits: Sequence[Split], request_id: str | None = None,
                  attempts: Sequence[Attempt] = ()):

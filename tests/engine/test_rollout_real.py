@@ -628,7 +628,7 @@ def spans_fleet(f) -> int:
     d, sup = f.daemon, SupervisorClient(f.socket)
     if d.state("A") in ("STOPPED", "FATAL"):
         sup.start("A")
-    wait_until(lambda: d.state("A") in ("RUNNING", "STALE"), BOOT, "A up")
+    wait_until(lambda: d.state("A") in ("RUNNING", "STALE", "SUSPECT"), BOOT, "A up")
     version = (sup.status()["weight_version"] or 0) + 1
     mark = d.mark()
     sup.publish_weights(version, str(f.model))
@@ -654,15 +654,16 @@ def spans_entry(f, version: int) -> dict:
 
 
 async def test_staleness_bound_reached_for_real_no_sample_past_it_is_returned(fleet):
-    """max_staleness 1, real pushes to A in keep mode (`/pause?mode=keep`: the requests freeze,
-    the weights are reloaded and labelled, they resume) while long greedy requests stream on
-    it: the trainer publishes v0+1 then v0+2, each before A is pushed to it. A request that
-    began at v0 and is answered once v0+2 is current is past the bound: the client regenerates
-    it (stale_samples="regenerate") or raises StaleSample ("drop"); every returned sample's
-    tokens are within the bound. Each piece's version is A's own /weight_info, read before the
-    attempt and after it: a long-tail piece says it ran from v0 into a later version. Then
-    admission: published v0+3 with A still at v0+2 (a sample started there would be stale at
-    the next publish), a new request waits until A is pushed to v0+3."""
+    """max_staleness 1. Long greedy requests stream on A (4 per client); A is paused in keep mode
+    (`/pause?mode=keep`: its requests freeze in place) and, under them, the trainer publishes
+    v0+1 and A is reloaded and labelled v0+1, then v0+2 the same way; A resumes and its
+    requests go on over v0+2's weights. A request frozen there began at v0 and is answered with
+    v0+2 current: past the bound, so the client regenerates it (stale_samples="regenerate") or
+    raises StaleSample ("drop"); no sample is returned with a token past the bound of the
+    version the client held when returning it. Each piece's version is A's own /weight_info,
+    read before the attempt and after it: a frozen one is bracketed v0..v0+2. Then admission:
+    v0+3 published with A still at v0+2 (a sample started there is stale at the next publish),
+    a new request waits until A is reloaded at v0+3."""
     import aiohttp
 
     from vime.trainer.rollout import SPAN_BRACKET, SPAN_READ, STALE, StaleSample
@@ -673,11 +674,10 @@ async def test_staleness_bound_reached_for_real_no_sample_past_it_is_returned(fl
     v0 = await asyncio.to_thread(spans_fleet, f)
     t_fleet = time.monotonic() - t0
     regen, drop = standin(f, v0, v0), standin(f, v0, v0)
-    keep_prompts, drop_prompts = batch_prompts("stale keep", 4), batch_prompts("stale drop", 4)
 
-    async def push(version: int, mode: str) -> None:
+    async def reload(version: int, pause_mode: str | None) -> None:
         async with aiohttp.ClientSession() as s:
-            await reload_from_checkpoint_async(s, f.url["A"], f.model, version, pause_mode=mode)
+            await reload_from_checkpoint_async(s, f.url["A"], f.model, version, pause_mode=pause_mode)
 
     async def publish(version: int, listed: int, clients) -> None:
         for d in (regen, drop):
@@ -685,18 +685,28 @@ async def test_staleness_bound_reached_for_real_no_sample_past_it_is_returned(fl
         await until(lambda: all(c.weight_version == version and [(e.name, e.weight_version) for e in c.engines]
                                 == [("A", listed)] for c in clients), 30)
 
+    async def one(c: RolloutClient, prompt: str):
+        """The result (or StaleSample) and the current version the client held as it returned."""
+        try:
+            r = await c.complete(prompt, **GREEDY)
+        except StaleSample as e:
+            return e, c.weight_version
+        return r, c.weight_version
+
     async with RolloutClient(regen, backoff_initial=0.01, **FAULT_CLIENT) as rc, \
             RolloutClient(drop, backoff_initial=0.01, stale_samples="drop", **FAULT_CLIENT) as dc:
-        kept = asyncio.ensure_future(rc.gather(keep_prompts, **GREEDY))
-        dropped = asyncio.ensure_future(dc.gather(drop_prompts, return_exceptions=True, **GREEDY))
-        both = asyncio.gather(kept, dropped)
+        runs = asyncio.gather(*[one(rc, p) for p in batch_prompts("stale regen", 4)],
+                              *[one(dc, p) for p in batch_prompts("stale drop", 4)])
         for c in (rc, dc):
-            await until_tokens_read(c, "A", 4, 8, both)
-        for v in (v0 + 1, v0 + 2):  # the trainer publishes, then A is pushed to it
+            await until_tokens_read(c, "A", 4, 8, runs)
+        assert await asyncio.to_thread(post, f"{f.url['A']}/pause?mode=keep") == 200
+        frozen = {rid for c in (rc, dc) for rid in c.progress()}
+        for v in (v0 + 1, v0 + 2):  # the trainer publishes, then A is reloaded with it, still paused
             await publish(v, v - 1, (rc, dc))
-            await push(v, "keep")
+            await reload(v, None)
             await publish(v, v, (rc, dc))
-        results, outcomes = await asyncio.wait_for(both, 180)
+        assert await asyncio.to_thread(post, f"{f.url['A']}/resume") == 200
+        done = await asyncio.wait_for(runs, 180)
         stats, dstats = copy.copy(rc.stats), copy.copy(dc.stats)
 
         # Admission, for real: v0 + 3 published, A still at v0 + 2.
@@ -706,52 +716,51 @@ async def test_staleness_bound_reached_for_real_no_sample_past_it_is_returned(fl
         await until(lambda: rc.stats.held_at_admission == stats.held_at_admission + 1, 30)
         await asyncio.sleep(0.3)
         assert not late.done() and rc.stats.sent == stats.sent  # nothing sent while A is late
-        await push(v0 + 3, "abort")
-        t_pushed = time.time()
+        await reload(v0 + 3, "abort")
+        t_reloaded = time.time()
         await publish(v0 + 3, v0 + 3, (rc,))
         admitted = await asyncio.wait_for(late, 60)
 
     current = v0 + 2
-    # No returned sample holds a token past the bound; the long tails were regenerated.
-    for r in results:
+    results = [(r, v) for r, v in done if not isinstance(r, BaseException)]
+    stale = [e for e, _ in done if isinstance(e, BaseException)]
+    assert all(isinstance(e, StaleSample) for e in stale), stale
+    # No returned sample holds a token more than 1 version behind the one current as it returned.
+    for r, v in results:
         assert len(r.token_ids) == MAX_TOKENS and r.splits[-1].outcome == OK
-        assert all(current - s.weight_version <= 1 for s in r.splits), r.splits
-    regenerated = [r for r in results if r.started_over]
-    assert regenerated, "no request spanned both publishes"
+        assert all(v - s.weight_version <= 1 for s in r.splits), (v, r.splits)
+    regenerated = [r for r, _ in results if r.started_over]
+    assert regenerated and {r.request_id for r in regenerated} <= frozen, "no frozen request was regenerated"
     for r in regenerated:
         (why,) = r.started_over
         assert why.reason.startswith(f"stale: tokens from {v0} are more than max_staleness (1) versions behind "
                                      f"the current {current}"), why
         assert why.engine == "A" and why.weight_version == v0 and why.tokens == MAX_TOKENS
         assert r.attempts == [("A", STALE), ("A", OK)]
-        # Regenerated on v0+2 alone: A's reads before and after said so.
+        # Regenerated on v0+2 alone, as A's reads before and after said.
         assert [(s.weight_version, s.span, s.offset, s.tokens) for s in r.splits] == [
             (current, SPAN_READ, 0, MAX_TOKENS)]
     assert stats.stale_samples == len(regenerated) and stats.stale_tokens == MAX_TOKENS * len(regenerated)
     assert stats.tokens_regenerated == stats.stale_tokens and stats.failed == 0
-    # The drop client: the long tails raised as StaleSample, each a piece that A's own reads
-    # bracket from v0 to a later version (it ran across a push); none returned.
-    stale = [o for o in outcomes if isinstance(o, BaseException)]
-    assert stale and all(isinstance(o, StaleSample) for o in stale)
-    for o in stale:
-        (piece,) = o.splits
-        assert (piece.engine, piece.weight_version, piece.span, piece.tokens) == ("A", v0, SPAN_BRACKET, MAX_TOKENS)
-        assert piece.weight_version_end in (v0 + 1, v0 + 2)
-    for r in outcomes:
-        if not isinstance(r, BaseException):
-            assert all(current - s.weight_version <= 1 for s in r.splits), r.splits
+    # The drop client: each frozen one raised, its one piece bracketed by A's own reads from v0
+    # to v0+2 (it ran across both reloads).
+    assert stale and {e.request_id for e in stale} <= frozen
+    for e in stale:
+        (piece,) = e.splits
+        assert (piece.engine, piece.weight_version, piece.span, piece.weight_version_end, piece.tokens) == (
+            "A", v0, SPAN_BRACKET, current, MAX_TOKENS)
     assert dstats.stale_samples == dstats.failed == len(stale)
     assert dstats.stale_dropped_tokens == MAX_TOKENS * len(stale) and dstats.tokens_regenerated == 0
     # Admission: held while A was late, then sent once A held v0 + 3.
-    assert admitted.attempt_sent >= t_pushed and admitted.splits[0][:2] == ("A", v0 + 3)
+    assert admitted.attempt_sent >= t_reloaded and admitted.splits[0][:2] == ("A", v0 + 3)
     assert rc.stats.held_at_admission == stats.held_at_admission + 1
     assert rc.stats.admission_wait_ms - stats.admission_wait_ms >= 300
-    # The daemon is told: A holds v0 + 3, published with its checkpoint (verified, RUNNING).
+    # The daemon is told: A holds v0 + 3, published with its checkpoint (verified, routable).
     sup = SupervisorClient(f.socket)
     answer = await asyncio.to_thread(sup.publish_weights, v0 + 3, str(f.model))
     assert answer["changed"], answer
     await asyncio.to_thread(wait_routable_at, sup, "A", v0 + 3)
-    print(f"\nstaleness bound (max_staleness 1, two keep-mode pushes of A): {len(regenerated)} of 4 regenerated "
-          f"({stats.stale_tokens} tokens), {len(stale)} of 4 dropped as StaleSample (their pieces bracketed "
-          f"{sorted({(o.splits[0].weight_version, o.splits[0].weight_version_end) for o in stale})}); admission held "
-          f"a request {rc.stats.admission_wait_ms - stats.admission_wait_ms} ms; fleet ready in {t_fleet:.1f}s, test {time.monotonic() - t0:.1f}s")
+    print(f"\nstaleness bound (max_staleness 1, two reloads of A under a keep pause): {len(frozen)} frozen; "
+          f"{len(regenerated)} of 4 regenerated ({stats.stale_tokens} tokens), {len(stale)} of 4 dropped as "
+          f"StaleSample; admission held a request {rc.stats.admission_wait_ms - stats.admission_wait_ms} ms; "
+          f"fleet ready in {t_fleet:.1f}s, test {time.monotonic() - t0:.1f}s")
