@@ -437,7 +437,8 @@ class Continuation:
             state.version, state.published = engine.weight_version, published
         state.piece = self._piece(state, answer)
         version, span, end = made_on
-        state.splits.append(Split(engine.name, version, len(state), n, outcome, seed, 0, span, end))
+        state.splits.append(Split(engine.name, version, len(state), n, outcome, seed, span=span,
+                                  weight_version_end=end))
         state.token_ids.extend(answer.token_ids)
         if state.want_logprobs:
             assert answer.logprobs is not None

@@ -872,7 +872,7 @@ class RolloutClient(Continuation):
         finished = time.time()
         n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
         version, span, end = await self._made_on(engine, before, answer, OK)
-        last = Split(engine.name, version, prefix, n, OK, sampling.get("seed"), 0, span, end)
+        last = Split(engine.name, version, prefix, n, OK, sampling.get("seed"), span=span, weight_version_end=end)
         self._check_staleness(rid, engine, state, last, answer, attempts)
         text, token_ids, logprobs, prompt_ids = await self._joined(engine, rid, answer, state, attempts, aborted)
         attempts.append(Attempt(engine.name, OK))

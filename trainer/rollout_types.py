@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 
 from vime.supervisor.states import VersionRule
 
-__all__ = ["Engine", "RolloutStats", "Split", "StartOver", "Partial", "Answer", "answer_tokens", "engine_label", "piece_version",
+__all__ = ["Engine", "RolloutStats", "Split", "StartOver", "Partial", "Answer", "answer_tokens", "engine_label",
+           "piece_version",
            "UNREAD", "SPAN_READ", "SPAN_BRACKET", "SPAN_SENT", "SPAN_LISTED"]
 
 # Where a piece's weight version comes from (Split.span). vLLM 0.32 reports per-span versions

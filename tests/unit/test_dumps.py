@@ -252,7 +252,8 @@ def _continued_result():
         logprobs=[-0.1, -0.2, -0.3], prompt_token_ids=[5, 6], n_tokens=3,
         attempts=[Attempt("A", "abort"), Attempt("A", DIED), Attempt("B", OK)], sent=1.0, attempt_sent=2.0,
         first_token=2.5, finished=3.0, epoch=1, weight_version=4,
-        splits=[Split("A", 4, 0, 2, DIED, 7, 0, SPAN_SENT), Split("B", 5, 2, 1, OK, 99, 0, SPAN_BRACKET, 6)],
+        splits=[Split("A", 4, 0, 2, DIED, 7, span=SPAN_SENT),
+                Split("B", 5, 2, 1, OK, 99, span=SPAN_BRACKET, weight_version_end=6)],
         started_over=[StartOver("A", 3, 5, "the weight version changed")])
 
 

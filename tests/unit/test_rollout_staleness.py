@@ -77,7 +77,7 @@ async def test_a_sample_within_the_bound_is_returned_with_its_version():
             r = await asyncio.wait_for(task, 30)
     # e0 changed weights mid-stream (its /weight_info said 3 before, 4 after): the piece says so,
     # at its oldest version for the bound.
-    assert r.attempts == [Attempt("e0", OK)] and r.splits == [Split("e0", 3, 0, N, OK, None, 0, SPAN_BRACKET, 4)]
+    assert r.attempts == [Attempt("e0", OK)] and r.splits == [Split("e0", 3, 0, N, OK, span=SPAN_BRACKET, weight_version_end=4)]
     assert rollout.stats.stale_samples == 0 and not r.started_over
 
 
