@@ -20,6 +20,7 @@ from vime.supervisor.states import VersionRule, WeightsMode
 from .rollout_types import Answer, Engine, Partial, RolloutStats, Split, StartOver, answer_tokens
 
 log = logging.getLogger("vime.rollout")  # the client's logger: one stream for a request's story
+STALE_PREFIX = "stale:"  # how a reason for throwing a sample away for staleness begins
 
 
 # -- continuation: the pure parts ------------------------------------------------------------
@@ -147,13 +148,12 @@ class Continuation:
 
     async def _async_continuation_engine(self, failed: set[str], aborted: set[str], state: Partial
                                          ) -> tuple[Engine | None, str]:
-        old = [s for s in state.splits if self.rule.too_old(s.weight_version, self.weight_version)]
-        if old:
-            self.stats.stale_samples += 1
-            return None, (f"stale: the tokens so far include ones from {old[0].weight_version!r}, more than "
+        old = self._stale_pieces(state.splits)
+        if old:  # the caller counts it (RolloutClient._choose) and regenerates or drops it
+            return None, (f"{STALE_PREFIX} the tokens so far include ones from {old[0].weight_version!r}, more than "
                           f"max_staleness ({self.rule.max_staleness}) versions behind the current "
                           f"{self.weight_version!r}")
-        last = state.splits[-1].weight_version
+        last = state.splits[-1].newest_version
 
         def behind(version: Any) -> bool:  # older than the last piece's (a label: any other)
             lag = VersionRule.lag(version, last if isinstance(last, int) else None)
@@ -179,6 +179,13 @@ class Continuation:
         listed = ", ".join(f"{e.name} {e.weight_version!r}" for e in self.engines) or "none"
         return None, (f"no routable engine left at weight version {last!r} or newer to continue on (listed: "
                       f"{listed}; failed this request: {', '.join(sorted(failed)) or 'none'})")
+
+    def _stale_pieces(self, splits: list[Split]) -> list[Split]:
+        """The pieces whose tokens are more than max_staleness behind the current version (async
+        mode; a piece's weight_version is the oldest its tokens may come from)."""
+        if self.rule.mode is not WeightsMode.ASYNC:
+            return []
+        return [s for s in splits if self.rule.too_old(s.weight_version, self.weight_version)]
 
     def _start_over(self, rid: str, state: Partial, why: str, *, engine: str | None = None,
                     version: Any = None, extra: int = 0) -> None:
@@ -399,9 +406,10 @@ class Continuation:
         return text if isinstance(text, str) else None
 
     def _keep(self, rid: str, state: Partial, engine: Engine, published: Any, answer: Answer,
-              outcome: str, seed: Any) -> None:
+              outcome: str, seed: Any, made_on: tuple[Any, str, Any]) -> None:
         """After a failed attempt: keep what it streamed as the next piece of the sample, or
-        throw the whole partial output away (and say why)."""
+        throw the whole partial output away (and say why). `made_on`: the piece's
+        (weight_version, span, weight_version_end), piece_version's."""
         n = answer_tokens(answer)
         if n == 0:
             return
@@ -419,7 +427,7 @@ class Continuation:
         elif state.limit is not None and total >= int(state.limit):
             why = f"all {total} token(s) of max_tokens received, but no finish reason"
         if why:
-            self._start_over(rid, state, why, engine=engine.name, version=engine.weight_version, extra=n)
+            self._start_over(rid, state, why, engine=engine.name, version=made_on[0], extra=n)
             return
         # Else `why` above: the ids, and the prompt's with the first piece, and the logprobs wanted.
         assert answer.token_ids is not None
@@ -428,7 +436,9 @@ class Continuation:
             state.prompt_token_ids = list(answer.prompt_token_ids)
             state.version, state.published = engine.weight_version, published
         state.piece = self._piece(state, answer)
-        state.splits.append(Split(engine.name, engine.weight_version, len(state), n, outcome, seed))
+        version, span, end = made_on
+        state.splits.append(Split(engine.name, version, len(state), n, outcome, seed, span=span,
+                                  weight_version_end=end))
         state.token_ids.extend(answer.token_ids)
         if state.want_logprobs:
             assert answer.logprobs is not None

@@ -110,6 +110,18 @@ class Sample:
         self.splits = [_record("splits", x, ("engine", "offset", "tokens")) for x in self.splits or ()]
         self.started_over = [_record("started_over", x, ("tokens", "reason")) for x in self.started_over or ()]
 
+    def token_versions(self) -> list[Any]:
+        """The weight version that made each output token, from the pieces (`splits`: each
+        piece's version, the oldest its tokens may come from where the engine's reads did not
+        bracket it exactly); the sample's weight_version for all of them when it has none."""
+        if not self.splits:
+            return [self.weight_version] * len(self.output_token_ids)
+        out: list[Any] = [self.weight_version] * len(self.output_token_ids)
+        for piece in self.splits:
+            start, n = int(piece["offset"]), int(piece["tokens"])
+            out[start:start + n] = [piece.get("weight_version")] * len(out[start:start + n])
+        return out
+
     @property
     def group_key(self) -> str:
         return self.prompt if self.group is None else self.group

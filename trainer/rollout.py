@@ -29,14 +29,16 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from vime.supervisor.protocol import Event
 from vime.supervisor.states import SYNC_RULE, VersionRule, WeightsMode
 
-from .continuation import Continuation, continuation_blocker, continuation_sampling, continuation_seed
-from .rollout_types import Answer, Engine, Partial, RolloutStats, Split, StartOver, answer_tokens
+from .continuation import STALE_PREFIX, Continuation, continuation_blocker, continuation_sampling, continuation_seed
+from .rollout_types import (SPAN_BRACKET, SPAN_LISTED, SPAN_READ, SPAN_SENT, UNREAD, Answer, Engine, Partial,
+                            RolloutStats, Split, StartOver, answer_tokens, engine_label, piece_version)
 
 __all__ = [
     "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine", "Split", "StartOver", "Progress",
     "continuation_blocker", "continuation_sampling", "continuation_seed",
     "RolloutError", "NoEngineAvailable", "RolloutRequestError", "RolloutFailed",
     "RolloutResponseTooLarge", "StaleSample", "classify_status", "MAX_LINE_BYTES", "STALE_SAMPLES",
+    "SPAN_READ", "SPAN_BRACKET", "SPAN_SENT", "SPAN_LISTED",
 ]
 
 log = logging.getLogger("vime.rollout")
@@ -65,6 +67,12 @@ REPORTED = frozenset({REFUSED, DIED, TIMEOUT, SERVER_ERROR, MALFORMED})
 # token id (~8 bytes each with the JSON around them): 64 MiB is ~8M tokens, far past any
 # context length, and still a bound on what one answer may make this process hold.
 MAX_LINE_BYTES = 64 << 20
+
+# A piece's version is read from the engine's GET /weight_info before its attempt is sent and
+# after its stream ends (rollout_types.piece_version). Reads of one engine are shared: a read
+# begun this many seconds before a send still bounds it from below (versions only grow), so a
+# burst of requests costs one read, not one each.
+VERSION_READ_SHARED_S = 0.25
 
 
 class Attempt(NamedTuple):
@@ -175,7 +183,8 @@ class RolloutFailed(RolloutError):
 
 class StaleSample(RolloutError):
     """Async mode with stale_samples="drop": the sample's oldest token was more than
-    max_staleness versions behind the current one when it was answered; `splits` its pieces."""
+    max_staleness versions behind the current one when it was answered (or when its cut
+    request would have been continued); `splits` its pieces."""
 
     def __init__(self, message: str, *, splits: Sequence[Split], request_id: str | None = None,
                  attempts: Sequence[Attempt] = ()):
@@ -230,6 +239,13 @@ async def _sse_lines(content: Any, max_line: int):
             yield line
     if parts:
         yield b"".join(parts)
+
+
+class _VersionRead:
+    """One /weight_info read of an engine: when it began (None: queued behind the one in flight)."""
+
+    started: float | None = None
+    future: asyncio.Future
 
 
 class _Retry(Exception):
@@ -399,6 +415,8 @@ class RolloutClient(Continuation):
         self._tasks: set[asyncio.Task] = set()
         self._report_tasks: set[asyncio.Task] = set()
         self._progress: dict[str, tuple[str, Answer, int]] = {}  # request id -> (engine, answer, prefix)
+        # The /weight_info reads of each (engine, incarnation): the last begun, and the next.
+        self._version_reads: dict[tuple[str, int | None], list[_VersionRead]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -427,8 +445,9 @@ class RolloutClient(Continuation):
 
     async def aclose(self) -> None:
         """Stop the background tasks, let pending failure reports finish (up to 5 s), close."""
-        for t in list(self._tasks):
+        for t in list(self._tasks) + [r.future for rs in self._version_reads.values() for r in rs]:
             t.cancel()
+        self._version_reads.clear()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._report_tasks:
@@ -471,6 +490,12 @@ class RolloutClient(Continuation):
         if view.get("epoch") != self.epoch:
             log.info("rollout: membership epoch %s -> %s: %s", self.epoch, view.get("epoch"),
                      [e.name for e in engines])
+        listed = {e.name: e.weight_version for e in self.engines}
+        # A publish, or an engine listed at another version: a read from before it would bound
+        # a new piece loosely.
+        if view.get("weight_version") != self.weight_version:
+            self._version_reads.clear()
+        self._forget_versions(e.name for e in engines if e.name in listed and listed[e.name] != e.weight_version)
         self.engines = engines
         self.epoch = view.get("epoch")
         self.weight_version = view.get("weight_version")
@@ -489,6 +514,7 @@ class RolloutClient(Continuation):
         """These engines are being updated: no attempt is sent to them until `updated` (a
         request would otherwise be served on the new weights under the old version's label)."""
         self._held.update(names)
+        self._forget_versions(names)
 
     def updated(self, name: str, version: int) -> None:
         """`name` was verified at `version` and resumed: its next pieces are that version's,
@@ -498,6 +524,12 @@ class RolloutClient(Continuation):
                 self._verified[(name, e.incarnation)] = version
         self.engines = [dataclasses.replace(e, weight_version=version) if e.name == name else e for e in self.engines]
         self._held.discard(name)
+        self._forget_versions([name])
+
+    def _forget_versions(self, names: Iterable[str]) -> None:
+        names = set(names)
+        for key in [k for k in self._version_reads if k[0] in names]:
+            del self._version_reads[key]
 
     def released(self, name: str) -> None:
         """An update of `name` ended without a new version (failed): it takes attempts again at
@@ -687,27 +719,124 @@ class RolloutClient(Continuation):
             if engine is not None:
                 self.stats.retried += 1
                 return engine
-        engine = self.pick(failed, aborted)
+            if why.startswith(STALE_PREFIX):
+                self._stale(rid, state, why, attempts, 0)  # counted; raised when dropping
+        # A new generation (a first attempt, or one started over): admitted only where it can
+        # finish inside the bound (_late).
+        engine = self.pick(failed | self._late(), aborted)
         if engine is None:
             await self.refresh()  # the daemon may list engines we do not know of yet
-            engine = self.pick(failed, aborted)
+            engine = self.pick(failed | self._late(), aborted)
         deadline = time.monotonic() + self.request_timeout
-        while engine is None and self._held and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # every engine left is being updated: wait for one back
-            engine = self.pick(failed, aborted)
+        held_since = None
+        while engine is None and time.monotonic() < deadline:
+            late = self._late() - failed
+            if not (self._held or late):
+                break
+            if late and held_since is None:
+                held_since = time.monotonic()
+                self.stats.held_at_admission += 1
+                log.info("rollout: %s: held at admission: %s would be past max_staleness after the next "
+                         "publish", rid, ", ".join(sorted(late)))
+            # Every engine left is being updated, or too far behind to start on: wait for one.
+            await asyncio.sleep(0.01)
+            engine = self.pick(failed | self._late(), aborted)
+        if held_since is not None:
+            self.stats.admission_wait_ms += int((time.monotonic() - held_since) * 1000)
         if engine is None:
             listed = ", ".join(e.name for e in self.engines) or "none"
             tried = ", ".join(f"{a.engine} ({a.outcome})" for a in attempts) or "none"
+            late = self._late() - failed
+            refused = (f"; {', '.join(sorted(late))} not admitted in {self.request_timeout:g}s: a sample started "
+                       f"there would be past max_staleness after the next publish" if late else "")
             raise NoEngineAvailable(
                 f"no engine left for request {rid}: tried {len(set(a.engine for a in attempts))} engine(s) "
                 f"in {len(attempts)} attempt(s) [{tried}]; the daemon lists {len(self.engines)} routable "
-                f"engine(s) at epoch {self.epoch} [{listed}]. Check `supervisorctl status`",
+                f"engine(s) at epoch {self.epoch} [{listed}]{refused}. Check `supervisorctl status`",
                 request_id=rid, attempts=attempts)
         if why:  # an engine to start over on (with none at all, nothing is regenerated)
             self._start_over(rid, state, why)
         if attempts:
             self.stats.retried += 1
         return engine
+
+    def _late(self) -> set[str]:
+        """Admission (async mode): the routable engines a new generation must not start on. A
+        sample's tokens must stay within max_staleness of the current version until it is
+        returned; one started on an engine whose version would be past the bound once one
+        more version is published is stale by then, however short it is meant to be (with
+        max_staleness 1: every engine behind the current version). An engine at the current
+        version or newer is never late: no newer weights exist to wait for."""
+        current = self.weight_version
+        if self.rule.mode is not WeightsMode.ASYNC or not isinstance(current, int) or isinstance(current, bool):
+            return set()
+        late = set()
+        for e in self.engines:
+            lag = VersionRule.lag(e.weight_version, current)
+            if (lag is None or lag > 0) and self.rule.too_old(e.weight_version, current + 1):
+                late.add(e.name)
+        return late
+
+    def _stale(self, rid: str, state: Partial, why: str, attempts: list[Attempt], extra: int,
+               last: Split | None = None) -> None:
+        """Count a sample (its `state` and `extra` tokens, its last piece `last`) not returned as
+        useful for staleness; with stale_samples="drop", raise it as StaleSample."""
+        tokens = len(state) + extra
+        self.stats.stale_samples += 1
+        self.stats.stale_tokens += tokens
+        if self.stale_samples == "drop":
+            self.stats.stale_dropped_tokens += tokens
+            splits = state.splits + ([last] if last is not None else [])
+            log.info("rollout: %s: dropped: %s", rid, why)
+            raise StaleSample(f"request {rid}: {why}", splits=splits, request_id=rid, attempts=attempts)
+
+    async def _engine_version(self, engine: Engine, since: float) -> Any:
+        """The engine's weight version (engine_label) from a /weight_info read begun at or after
+        `since` (time.monotonic()); UNREAD when none answered. One read of an engine at a time:
+        a caller joins one begun since `since` or waiting to begin, else queues the next (it
+        begins when the one in flight ends), so requests ending together share reads."""
+        key = (engine.name, engine.incarnation)
+        reads = self._version_reads.get(key, [])
+        for r in reversed(reads):
+            if r.started is None or r.started >= since:
+                return await asyncio.shield(r.future)
+        ahead = reads[-1].future if reads and not reads[-1].future.done() else None
+        read = _VersionRead()
+        read.future = asyncio.ensure_future(self._read_after(ahead, engine, read))
+        self._version_reads[key] = reads[-1:] + [read]
+        return await asyncio.shield(read.future)
+
+    async def _read_after(self, ahead: asyncio.Future | None, engine: Engine, read: "_VersionRead") -> Any:
+        if ahead is not None:
+            await asyncio.wait([ahead])
+        read.started = time.monotonic()
+        return await self._read_weight_info(engine)
+
+    async def _read_weight_info(self, engine: Engine) -> Any:
+        import aiohttp
+
+        try:
+            async with self._session.get(f"{engine.url}/weight_info", headers=self._auth,
+                                         timeout=aiohttp.ClientTimeout(total=self.connect_timeout)) as resp:
+                if resp.status != 200:
+                    return UNREAD  # not served (vLLM serves it in dev mode): the listing stands in
+                body = await resp.json(content_type=None)
+        except Exception as e:  # noqa: BLE001 - no answer says nothing of the weights
+            log.debug("rollout: /weight_info on %s: %s", engine.name, e)
+            return UNREAD
+        return engine_label(body.get("weight_version")) if isinstance(body, dict) else UNREAD
+
+    async def _made_on(self, engine: Engine, before: Any, answer: Answer, outcome: str) -> tuple[Any, str, Any]:
+        """A piece's (weight_version, span, weight_version_end): the engine's own label read
+        before the attempt and, where the engine answered it in full, read again now
+        (piece_version). Not after an abort: vLLM aborts at a pause, before an update changes
+        the weights, so a read now would see the update's version, not the tokens' (and wait
+        for its reload). Nor after a death or a hang: a read of a hung engine would hold the
+        re-send up."""
+        after = UNREAD
+        if answer_tokens(answer) and outcome == OK and before is not UNREAD:
+            after = await self._engine_version(engine, time.monotonic())
+        return piece_version(engine.weight_version, before, after)
 
     async def _attempt(self, engine: Engine, path: str, payload: dict[str, Any], sampling: dict[str, Any],
                        chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
@@ -723,13 +852,18 @@ class RolloutClient(Continuation):
         answer = Answer()
         prefix = len(state)
         self._progress[rid] = (engine.name, answer, prefix)
+        before = UNREAD
         try:
+            # The engine's own version before it gets the request: with the read after the
+            # stream ends, it brackets the piece (piece_version).
+            before = await self._engine_version(engine, time.monotonic() - VERSION_READ_SHARED_S)
             await self._stream(engine, f"{engine.url}{path}", body, rid, attempts, answer, chat)
             _check_end(engine, answer)
         except _Retry as r:
             self._attempt_over(engine, rid)
+            made_on = await self._made_on(engine, before, answer, r.outcome)
             await self._attempt_failed(engine, r, rid, attempts, state, published, answer, sampling.get("seed"),
-                                       failed, aborted)
+                                       failed, aborted, made_on)
             raise
         except BaseException:
             self._attempt_over(engine, rid)
@@ -737,7 +871,8 @@ class RolloutClient(Continuation):
         self._attempt_over(engine, rid)
         finished = time.time()
         n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
-        last = Split(engine.name, engine.weight_version, prefix, n, OK, sampling.get("seed"))
+        version, span, end = await self._made_on(engine, before, answer, OK)
+        last = Split(engine.name, version, prefix, n, OK, sampling.get("seed"), span=span, weight_version_end=end)
         self._check_staleness(rid, engine, state, last, answer, attempts)
         text, token_ids, logprobs, prompt_ids = await self._joined(engine, rid, answer, state, attempts, aborted)
         attempts.append(Attempt(engine.name, OK))
@@ -753,22 +888,16 @@ class RolloutClient(Continuation):
         """Async mode, an answered sample: if a piece's version is more than max_staleness
         behind the current one (the rule's too_old), it is not returned: started over from the
         prompt (_Retry) or raised as StaleSample, as `stale_samples` says; counted either way."""
-        if self.rule.mode is not WeightsMode.ASYNC:
-            return
-        splits = state.splits + [last]
-        old = [s for s in splits if self.rule.too_old(s.weight_version, self.weight_version)]
+        old = self._stale_pieces(state.splits + [last])
         if not old:
             return
-        why = (f"stale: tokens from {', '.join(sorted({repr(s.weight_version) for s in old}))} are more than "
+        why = (f"{STALE_PREFIX} tokens from {', '.join(sorted({repr(s.weight_version) for s in old}))} are more than "
                f"max_staleness ({self.rule.max_staleness}) versions behind the current {self.weight_version!r}")
-        self.stats.stale_samples += 1
         attempts.append(Attempt(engine.name, STALE))
-        if self.stale_samples == "drop":
-            log.info("rollout: %s: dropped: %s", rid, why)
-            raise StaleSample(f"request {rid}: {why}", splits=splits, request_id=rid, attempts=attempts)
+        self._stale(rid, state, why, attempts, answer_tokens(answer), last)
         # The answer's tokens were streamed by an attempt whose sample is thrown away.
         self.stats.tokens_before_fault += answer_tokens(answer)
-        self._start_over(rid, state, why, engine=engine.name, version=engine.weight_version,
+        self._start_over(rid, state, why, engine=engine.name, version=last.weight_version,
                          extra=answer_tokens(answer))
         raise _Retry(STALE, f"request {rid}: {why}; regenerated")
 
@@ -830,11 +959,12 @@ class RolloutClient(Continuation):
 
     async def _attempt_failed(self, engine: Engine, r: _Retry, rid: str, attempts: list[Attempt], state: Partial,
                               published: Any, answer: Answer, seed: int | None, failed: set[str],
-                              aborted: set[str]) -> None:
-        """Note a failed attempt: its tokens kept (or thrown away) in `state`, the failure
-        reported, the engine excluded (or a last resort), the membership read again."""
+                              aborted: set[str], made_on: tuple[Any, str, Any]) -> None:
+        """Note a failed attempt: its tokens kept (or thrown away) in `state` as a piece made on
+        `made_on`, the failure reported, the engine excluded (or a last resort), the membership
+        read again."""
         attempts.append(Attempt(engine.name, r.outcome))
-        self._keep(rid, state, engine, published, answer, r.outcome, seed)
+        self._keep(rid, state, engine, published, answer, r.outcome, seed, made_on)
         self._on_failure(engine, r, rid)
         if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded
             aborted.add(engine.name)

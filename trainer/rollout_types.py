@@ -8,7 +8,22 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["Engine", "RolloutStats", "Split", "StartOver", "Partial", "Answer", "answer_tokens"]
+from vime.supervisor.states import VersionRule
+
+__all__ = ["Engine", "RolloutStats", "Split", "StartOver", "Partial", "Answer", "answer_tokens", "engine_label",
+           "piece_version",
+           "UNREAD", "SPAN_READ", "SPAN_BRACKET", "SPAN_SENT", "SPAN_LISTED"]
+
+# Where a piece's weight version comes from (Split.span). vLLM 0.32 reports per-span versions
+# only on its token-in-token-out route (/inference/v1/generate, off unless the engine runs with
+# --enable-scale-out), not on /v1/completions or /v1/chat/completions, the routes this client
+# streams (docs/rollout.md, "Which weights made each token"); so the engine's own label is read
+# from its GET /weight_info around the piece:
+SPAN_READ = "weight_info"  # read before the attempt was sent and after its stream ended: the same, so exact
+SPAN_BRACKET = "bracket"   # the two reads differ: its tokens came from versions weight_version..weight_version_end
+SPAN_SENT = "sent"         # read before only (a piece that was cut: aborted, died, hung): what it held when sent
+SPAN_LISTED = "listed"     # no read answered (the route not served): the version the daemon listed it at
+UNREAD = object()          # a /weight_info read that got no usable answer
 
 
 @dataclass
@@ -42,9 +57,22 @@ class RolloutStats:
     # at return time (or the prefix to continue was): each regenerated from its prompt (its
     # tokens in tokens_regenerated) or raised as StaleSample, as the client's stale_samples says.
     stale_samples: int = 0
+    stale_tokens: int = 0    # the tokens of those samples (regenerated or dropped)
+    stale_dropped_tokens: int = 0  # of those, the ones of samples raised as StaleSample
+    # Admission (async mode): new requests that waited because no routable engine could start
+    # them inside the bound (RolloutClient's docstring), and the milliseconds they waited.
+    held_at_admission: int = 0
+    admission_wait_ms: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    def ledger(self) -> dict[str, int]:
+        """What the goodput ledger counts of this client (harness/goodput_ledger.py's RunRecord
+        and Ledger names): tokens generated into no returned sample, samples not returned as
+        useful for staleness, requests held at admission."""
+        return {"tokens_discarded": self.tokens_regenerated + self.stale_dropped_tokens,
+                "stale_samples": self.stale_samples, "held_at_admission": self.held_at_admission}
 
 
 @dataclass
@@ -57,10 +85,13 @@ class Engine:
 
 
 class Split(NamedTuple):
-    """One piece of a sample: output tokens [offset, offset + tokens) came from `engine`, listed
-    at `weight_version` when the attempt was routed (in async mode the pieces' versions never
-    decrease: a cut request continues only on an engine at its last piece's version or newer); `outcome` is how that attempt ended (OK
-    for the last piece; DIED, ABORT, ... for a piece that was continued). `seed` is the seed
+    """One piece of a sample: output tokens [offset, offset + tokens) came from `engine`, which
+    held weights `weight_version` when it made them, as the engine itself says (`span` says how
+    that is known: SPAN_READ exact; SPAN_BRACKET the oldest of versions weight_version ..
+    weight_version_end, e.g. an update that kept the request running; SPAN_SENT, SPAN_LISTED
+    weaker). In async mode the pieces' versions never decrease: a cut request continues only on
+    an engine at its last piece's newest version or newer. `outcome` is how that attempt ended
+    (OK for the last piece; DIED, ABORT, ... for a piece that was continued). `seed` is the seed
     the piece was sampled with (a continued seeded request gets a derived one: see
     continuation_seed)."""
 
@@ -71,6 +102,45 @@ class Split(NamedTuple):
     outcome: str
     seed: int | None = None
     dropped: int = 0  # tokens received after `tokens`, thrown away (a split inside a character, no /detokenize)
+    span: str = SPAN_LISTED
+    weight_version_end: Any = None  # SPAN_BRACKET: the newest version its tokens may come from
+
+    @property
+    def newest_version(self) -> Any:
+        """The newest weights its tokens may come from (a continuation goes to these or newer)."""
+        return self.weight_version_end if self.span == SPAN_BRACKET else self.weight_version
+
+
+def engine_label(raw: object) -> Any:
+    """An engine's /weight_info `weight_version` as our versions (as the daemon's probes read
+    it): "default" (base weights) is None, plain ASCII digits an int, another label a str (cut
+    to 64 characters); UNREAD if it is not a str."""
+    if not isinstance(raw, str):
+        return UNREAD
+    if raw == "default":
+        return None
+    if raw.isascii() and raw.isdigit() and len(raw) <= 19 and int(raw) < 2**63:
+        return int(raw)
+    return raw[:64]
+
+
+def piece_version(listed: Any, before: Any, after: Any) -> tuple[Any, str, Any]:
+    """Pure: a piece's (weight_version, span, weight_version_end) from the engine's /weight_info
+    read before its attempt was sent (`before`) and after its stream ended (`after`), each a
+    version (parse_version's) or UNREAD; `listed`: the daemon's listing. Versions only grow
+    within an engine process, so two equal reads bracket the piece exactly; an `after` that
+    is not newer than `before` (base weights, a smaller version) came from another process
+    (a restart), so only `before` holds."""
+    if before is UNREAD:
+        return listed, SPAN_LISTED, None
+    if after is UNREAD or after is None:
+        return before, SPAN_SENT, None
+    if after == before:
+        return before, SPAN_READ, None
+    lag = VersionRule.lag(before, after if isinstance(after, int) else None)
+    if before is None or lag is None or lag > 0:  # newer, or a label of its own set since
+        return before, SPAN_BRACKET, after
+    return before, SPAN_SENT, None
 
 
 class StartOver(NamedTuple):

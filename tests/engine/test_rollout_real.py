@@ -610,3 +610,157 @@ async def test_no_engine_left_when_every_engine_is_stopped(fleet):
     assert none.value.attempts == []
     await sup.end_round(1)
     print(f"\nstop: {len(answers)} answered before B stopped, {len(errors)} NoEngineAvailable: {errors[0]}")
+
+
+# -- spans: each piece's version from the engine itself, and the staleness bound reached -------
+# Engine A only (B may be stopped by now): A up and verified at a version published with the
+# model's own directory as its checkpoint (spans_fleet), then pushes to A through the module's
+# reload path (reload_from_checkpoint_async) behind the daemon's back, the client reading a
+# stand-in's routable answer in async mode (tests/support/standin_inproc.py), as in the
+# in-flight test; at the end the daemon is told (published, A verified), so later tests find
+# the fleet as they expect it.
+
+def spans_fleet(f) -> int:
+    """A up (started if stopped; one the daemon restarts after a round is waited for) and
+    RUNNING at a new version published with the model's own directory: that version."""
+    from support.polling import wait_until
+
+    d, sup = f.daemon, SupervisorClient(f.socket)
+    if d.state("A") in ("STOPPED", "FATAL"):
+        sup.start("A")
+    wait_until(lambda: d.state("A") in ("RUNNING", "STALE", "SUSPECT"), BOOT, "A up")
+    version = (sup.status()["weight_version"] or 0) + 1
+    mark = d.mark()
+    sup.publish_weights(version, str(f.model))
+    d.transition("A", "RUNNING", 120, after=mark)
+    return version
+
+
+def wait_routable_at(sup, name: str, version: int) -> None:
+    from support.polling import wait_until
+
+    wait_until(lambda: any(e["name"] == name and e["weight_version"] == version
+                           for e in sup.routable_engines()["engines"]), 120, f"{name} routable at {version}")
+
+
+def standin(f, version: int, listed: int):
+    from support.standin_inproc import DaemonAnswers
+
+    return DaemonAnswers([spans_entry(f, listed)], version=version, max_staleness=1)
+
+
+def spans_entry(f, version: int) -> dict:
+    return {"name": "A", "url": f.url["A"], "model": "tiny", "weight_version": version, "incarnation": 1}
+
+
+async def test_staleness_bound_reached_for_real_no_sample_past_it_is_returned(fleet):
+    """max_staleness 1. Long greedy requests stream on A (4 per client); A is paused in keep mode
+    (`/pause?mode=keep`: its requests freeze in place) and, under them, the trainer publishes
+    v0+1 and A is reloaded and labelled v0+1, then v0+2 the same way; A resumes and its
+    requests go on over v0+2's weights. A request frozen there began at v0 and is answered with
+    v0+2 current: past the bound, so the client regenerates it (stale_samples="regenerate") or
+    raises StaleSample ("drop"); no sample is returned with a token past the bound of the
+    version the client held when returning it. Each piece's version is A's own /weight_info,
+    read before the attempt and after it: a frozen one is bracketed v0..v0+2. Then admission:
+    v0+3 published with A still at v0+2 (a sample started there is stale at the next publish),
+    a new request waits until A is reloaded at v0+3."""
+    import aiohttp
+
+    from vime.trainer.rollout import SPAN_BRACKET, SPAN_READ, STALE, StaleSample
+    from vime.weight_sync.checkpoint import reload_from_checkpoint_async
+
+    f = fleet
+    t0 = time.monotonic()
+    v0 = await asyncio.to_thread(spans_fleet, f)
+    t_fleet = time.monotonic() - t0
+    regen, drop = standin(f, v0, v0), standin(f, v0, v0)
+
+    async def reload(version: int, pause_mode: str | None) -> None:
+        async with aiohttp.ClientSession() as s:
+            await reload_from_checkpoint_async(s, f.url["A"], f.model, version, pause_mode=pause_mode)
+
+    async def publish(version: int, listed: int, clients) -> None:
+        for d in (regen, drop):
+            d.publish(version, [spans_entry(f, listed)])
+        await until(lambda: all(c.weight_version == version and [(e.name, e.weight_version) for e in c.engines]
+                                == [("A", listed)] for c in clients), 30)
+
+    async def one(c: RolloutClient, prompt: str):
+        """The result (or StaleSample) and the current version the client held as it returned."""
+        try:
+            r = await c.complete(prompt, **GREEDY)
+        except StaleSample as e:
+            return e, c.weight_version
+        return r, c.weight_version
+
+    async with RolloutClient(regen, backoff_initial=0.01, **FAULT_CLIENT) as rc, \
+            RolloutClient(drop, backoff_initial=0.01, stale_samples="drop", **FAULT_CLIENT) as dc:
+        runs = asyncio.gather(*[one(rc, p) for p in batch_prompts("stale regen", 4)],
+                              *[one(dc, p) for p in batch_prompts("stale drop", 4)])
+        for c in (rc, dc):
+            await until_tokens_read(c, "A", 4, 8, runs)
+        assert await asyncio.to_thread(post, f"{f.url['A']}/pause?mode=keep") == 200
+        frozen = {rid for c in (rc, dc) for rid in c.progress()}
+        for v in (v0 + 1, v0 + 2):  # the trainer publishes, then A is reloaded with it, still paused
+            await publish(v, v - 1, (rc, dc))
+            await reload(v, None)
+            await publish(v, v, (rc, dc))
+        assert await asyncio.to_thread(post, f"{f.url['A']}/resume") == 200
+        done = await asyncio.wait_for(runs, 180)
+        stats, dstats = copy.copy(rc.stats), copy.copy(dc.stats)
+
+        # Admission, for real: v0 + 3 published, A still at v0 + 2.
+        await publish(v0 + 3, v0 + 2, (rc,))
+        assert rc._late() == {"A"}
+        late = asyncio.ensure_future(rc.complete("admission one two", max_tokens=8, temperature=0, ignore_eos=True))
+        await until(lambda: rc.stats.held_at_admission == stats.held_at_admission + 1, 30)
+        await asyncio.sleep(0.3)
+        assert not late.done() and rc.stats.sent == stats.sent  # nothing sent while A is late
+        await reload(v0 + 3, "abort")
+        t_reloaded = time.time()
+        await publish(v0 + 3, v0 + 3, (rc,))
+        admitted = await asyncio.wait_for(late, 60)
+
+    current = v0 + 2
+    results = [(r, v) for r, v in done if not isinstance(r, BaseException)]
+    stale = [e for e, _ in done if isinstance(e, BaseException)]
+    assert all(isinstance(e, StaleSample) for e in stale), stale
+    # No returned sample holds a token more than 1 version behind the one current as it returned.
+    for r, v in results:
+        assert len(r.token_ids) == MAX_TOKENS and r.splits[-1].outcome == OK
+        assert all(v - s.weight_version <= 1 for s in r.splits), (v, r.splits)
+    regenerated = [r for r, _ in results if r.started_over]
+    assert regenerated and {r.request_id for r in regenerated} <= frozen, "no frozen request was regenerated"
+    for r in regenerated:
+        (why,) = r.started_over
+        assert why.reason.startswith(f"stale: tokens from {v0} are more than max_staleness (1) versions behind "
+                                     f"the current {current}"), why
+        assert why.engine == "A" and why.weight_version == v0 and why.tokens == MAX_TOKENS
+        assert r.attempts == [("A", STALE), ("A", OK)]
+        # Regenerated on v0+2 alone, as A's reads before and after said.
+        assert [(s.weight_version, s.span, s.offset, s.tokens) for s in r.splits] == [
+            (current, SPAN_READ, 0, MAX_TOKENS)]
+    assert stats.stale_samples == len(regenerated) and stats.stale_tokens == MAX_TOKENS * len(regenerated)
+    assert stats.tokens_regenerated == stats.stale_tokens and stats.failed == 0
+    # The drop client: each frozen one raised, its one piece bracketed by A's own reads from v0
+    # to v0+2 (it ran across both reloads).
+    assert stale and {e.request_id for e in stale} <= frozen
+    for e in stale:
+        (piece,) = e.splits
+        assert (piece.engine, piece.weight_version, piece.span, piece.weight_version_end, piece.tokens) == (
+            "A", v0, SPAN_BRACKET, current, MAX_TOKENS)
+    assert dstats.stale_samples == dstats.failed == len(stale)
+    assert dstats.stale_dropped_tokens == MAX_TOKENS * len(stale) and dstats.tokens_regenerated == 0
+    # Admission: held while A was late, then sent once A held v0 + 3.
+    assert admitted.attempt_sent >= t_reloaded and admitted.splits[0][:2] == ("A", v0 + 3)
+    assert rc.stats.held_at_admission == stats.held_at_admission + 1
+    assert rc.stats.admission_wait_ms - stats.admission_wait_ms >= 300
+    # The daemon is told: A holds v0 + 3, published with its checkpoint (verified, routable).
+    sup = SupervisorClient(f.socket)
+    answer = await asyncio.to_thread(sup.publish_weights, v0 + 3, str(f.model))
+    assert answer["changed"], answer
+    await asyncio.to_thread(wait_routable_at, sup, "A", v0 + 3)
+    print(f"\nstaleness bound (max_staleness 1, two reloads of A under a keep pause): {len(frozen)} frozen; "
+          f"{len(regenerated)} of 4 regenerated ({stats.stale_tokens} tokens), {len(stale)} of 4 dropped as "
+          f"StaleSample; admission held a request {rc.stats.admission_wait_ms - stats.admission_wait_ms} ms; "
+          f"fleet ready in {t_fleet:.1f}s, test {time.monotonic() - t0:.1f}s")

@@ -245,23 +245,24 @@ def test_from_rollout_duck_types_results():
 
 
 def _continued_result():
-    from vime.trainer.rollout import DIED, OK, Attempt, RolloutResult, Split, StartOver
+    from vime.trainer.rollout import DIED, OK, SPAN_BRACKET, SPAN_SENT, Attempt, RolloutResult, Split, StartOver
 
     return RolloutResult(
         request_id="r1", text=" a b c", finish_reason="length", engine="B", url="http://b", token_ids=[9, 10, 11],
         logprobs=[-0.1, -0.2, -0.3], prompt_token_ids=[5, 6], n_tokens=3,
         attempts=[Attempt("A", "abort"), Attempt("A", DIED), Attempt("B", OK)], sent=1.0, attempt_sent=2.0,
         first_token=2.5, finished=3.0, epoch=1, weight_version=4,
-        splits=[Split("A", 4, 0, 2, DIED, 7), Split("B", 4, 2, 1, OK, 99)],
+        splits=[Split("A", 4, 0, 2, DIED, 7, span=SPAN_SENT),
+                Split("B", 5, 2, 1, OK, 99, span=SPAN_BRACKET, weight_version_end=6)],
         started_over=[StartOver("A", 3, 5, "the weight version changed")])
 
 
 def test_continued_sample_round_trips_its_splits(tmp_path):
     s = Sample.from_rollout(_continued_result(), prompt="p", reward=1.0)
     assert s.splits == [{"engine": "A", "weight_version": 4, "offset": 0, "tokens": 2, "outcome": "died", "seed": 7,
-                         "dropped": 0},
-                        {"engine": "B", "weight_version": 4, "offset": 2, "tokens": 1, "outcome": "ok", "seed": 99,
-                         "dropped": 0}]
+                         "dropped": 0, "span": "sent", "weight_version_end": None},
+                        {"engine": "B", "weight_version": 5, "offset": 2, "tokens": 1, "outcome": "ok", "seed": 99,
+                         "dropped": 0, "span": "bracket", "weight_version_end": 6}]
     assert s.started_over == [{"engine": "A", "weight_version": 3, "tokens": 5,
                                "reason": "the weight version changed"}]
     path = save_rollout(tmp_path / "r_{rollout_id}.jsonl", 1, [s] + make_samples())
@@ -269,6 +270,10 @@ def test_continued_sample_round_trips_its_splits(tmp_path):
     assert [x["offset"] for x in line["splits"]] == [0, 2]  # greppable: jq '.splits'
     dump = load_rollout(path)
     assert dump.version == FORMAT_VERSION == 2 and dump.samples[0] == s
+    # Each piece's version, and how it is known, survive the replay: per output token too.
+    assert [(x["weight_version"], x["span"], x["weight_version_end"]) for x in dump.samples[0].splits] == [
+        (4, "sent", None), (5, "bracket", 6)]
+    assert dump.samples[0].token_versions() == [4, 4, 5]
     assert all(x.splits == [] and x.started_over == [] for x in dump.samples[1:])
     # The training batch does not depend on how a sample was made.
     assert batch_differences(build_training_batch(dump.samples),

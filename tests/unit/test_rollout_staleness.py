@@ -10,7 +10,8 @@ import asyncio
 
 import pytest
 
-from vime.trainer.rollout import OK, STALE, Attempt, RolloutClient, Split, StaleSample
+from vime.trainer.rollout import (OK, SPAN_BRACKET, SPAN_READ, STALE, Attempt, NoEngineAvailable, RolloutClient, Split,
+                                  StaleSample)
 
 from support.polling import until
 from support.standin_inproc import DaemonAnswers, InProcessEngines
@@ -45,7 +46,7 @@ async def test_a_sample_past_the_bound_is_regenerated_from_its_prompt_and_counte
             r = await asyncio.wait_for(task, 30)
     # Its first attempt was routed at v3, two versions behind v5 at its end: not returned.
     assert r.attempts == [Attempt("e0", STALE), Attempt("e0", OK)]
-    assert r.splits == [Split("e0", 5, 0, N, OK)]
+    assert r.splits == [Split("e0", 5, 0, N, OK, span=SPAN_READ)]  # e0's /weight_info said 5 before and after
     assert r.token_ids == engines.tokens(0, PROMPT, N, 5)  # regenerated on v5 alone
     (thrown,) = r.started_over
     assert (thrown.engine, thrown.weight_version, thrown.tokens) == ("e0", 3, N)
@@ -74,7 +75,9 @@ async def test_a_sample_within_the_bound_is_returned_with_its_version():
             task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
             await publish_during_the_stream(rollout, daemon, engines, [4])
             r = await asyncio.wait_for(task, 30)
-    assert r.attempts == [Attempt("e0", OK)] and r.splits == [Split("e0", 3, 0, N, OK)]
+    # e0 changed weights mid-stream (its /weight_info said 3 before, 4 after): the piece says so,
+    # at its oldest version for the bound.
+    assert r.attempts == [Attempt("e0", OK)] and r.splits == [Split("e0", 3, 0, N, OK, span=SPAN_BRACKET, weight_version_end=4)]
     assert rollout.stats.stale_samples == 0 and not r.started_over
 
 
@@ -89,17 +92,18 @@ async def test_sync_mode_applies_no_bound_on_samples():
 
 
 async def test_a_cut_request_never_continues_on_older_weights():
-    """e0 (v4) dies after tokens; e1 is listed at v3 (within the bound of v4, so routable) but
-    older than the tokens so far: the request starts over on it rather than mixing back."""
+    """e0 (v4) dies after tokens; e1 is listed at v3 (within the bound of v4, so routable, and
+    admitting new requests with max_staleness 2) but older than the tokens so far: the request
+    starts over on it rather than mixing back."""
     async with InProcessEngines([4, 3], step_s=0.05) as engines:
-        daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=4, max_staleness=1)
+        daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=4, max_staleness=2)
         async with client(daemon) as rollout:
             rollout.pick = first_on(rollout, "e0")
             task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
             await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
             engines.emulated[0].add_fault("die")
             r = await asyncio.wait_for(task, 30)
-    assert r.splits == [Split("e1", 3, 0, N, OK)]
+    assert r.splits == [Split("e1", 3, 0, N, OK, span=SPAN_READ)]
     (thrown,) = r.started_over
     assert thrown.engine == "e0" and thrown.reason.startswith("no routable engine left at weight version 4 or newer")
     assert r.token_ids == engines.tokens(1, PROMPT, N, 3)
@@ -120,3 +124,101 @@ def first_on(rollout: RolloutClient, name: str):
 def test_an_unknown_stale_samples_choice_is_refused():
     with pytest.raises(ValueError, match="stale_samples must be one of regenerate, drop, got 'keep'"):
         RolloutClient(None, stale_samples="keep")
+
+
+# -- admission: no new request where it could not finish inside the bound ----------------------
+
+async def test_a_new_request_waits_for_an_engine_that_can_finish_it_inside_the_bound():
+    """max_staleness 1, e0 one version behind the current one (routable, but a sample started on
+    it is stale once the next version is published): the request is held at admission until
+    e0 holds the current version, then runs there, counted."""
+    async with InProcessEngines([3], step_s=0.01) as engines:
+        daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
+        async with client(daemon) as rollout:
+            assert rollout._late() == {"e0"}
+            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
+            await until(lambda: rollout.stats.held_at_admission == 1, timeout=10)
+            await asyncio.sleep(0.2)
+            assert not task.done() and rollout.stats.sent == 0
+            engines.emulated[0].set_version("4")
+            daemon.publish(4, [engines.entry(0, 4)])
+            r = await asyncio.wait_for(task, 30)
+    assert r.splits == [Split("e0", 4, 0, N, OK, span=SPAN_READ)]
+    assert r.token_ids == engines.tokens(0, PROMPT, N, 4)
+    st = rollout.stats
+    assert (st.held_at_admission, st.sent, st.stale_samples) == (1, 1, 0) and st.admission_wait_ms >= 200
+
+
+async def test_admission_admits_within_the_bound_and_ahead_of_the_current_version():
+    """max_staleness 2: one version behind still finishes inside the bound after one more
+    publish (admitted); two behind does not; a version pushed ahead of its publish does."""
+    async with InProcessEngines([5, 4, 3, 6], step_s=0.0) as engines:
+        daemon = DaemonAnswers([engines.entry(i) for i in range(4)], version=5, max_staleness=2)
+        async with client(daemon) as rollout:
+            assert rollout._late() == {"e2"}
+    async with InProcessEngines([3], step_s=0.0) as engines:
+        daemon = DaemonAnswers([engines.entry(0)], version=4, mode="sync")
+        async with client(daemon) as rollout:
+            assert rollout._late() == set()  # sync mode: a publish cuts and restarts, no admission
+
+
+async def test_a_request_no_engine_admits_in_time_is_raised_saying_why():
+    async with InProcessEngines([3], step_s=0.0) as engines:
+        daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
+        async with client(daemon, request_timeout=0.3) as rollout:
+            with pytest.raises(NoEngineAvailable, match=r"e0 not admitted in 0.3s: a sample started there would "
+                                                         r"be past max_staleness after the next publish"):
+                await rollout.complete(PROMPT, max_tokens=N)
+    assert (rollout.stats.held_at_admission, rollout.stats.sent, rollout.stats.failed) == (1, 0, 1)
+
+
+async def test_a_cut_request_whose_prefix_is_past_the_bound_is_dropped_when_samples_are_dropped():
+    """The prefix to continue holds tokens two versions behind (max_staleness 1): with
+    stale_samples="drop" it is raised as StaleSample (not regenerated), its tokens counted."""
+    async with InProcessEngines([3, 3], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=3, max_staleness=1)
+        async with client(daemon, stale_samples="drop") as rollout:
+            rollout.pick = first_on(rollout, "e0")
+            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
+            await publish_during_the_stream(rollout, daemon, engines, [4, 5])
+            engines.emulated[0].add_fault("die")
+            with pytest.raises(StaleSample, match="the tokens so far include ones from 3") as ei:
+                await asyncio.wait_for(task, 30)
+    (piece,) = ei.value.splits
+    assert (piece.engine, piece.weight_version) == ("e0", 3) and piece.tokens > 0
+    st = rollout.stats
+    assert (st.stale_samples, st.stale_tokens, st.stale_dropped_tokens) == (1, piece.tokens, piece.tokens)
+    assert st.ledger() == {"tokens_discarded": piece.tokens, "stale_samples": 1, "held_at_admission": 0}
+
+
+# -- each piece's version: the engine's own label, read around it ------------------------------
+
+def test_piece_version_brackets_the_piece_with_the_engines_reads():
+    from vime.trainer.rollout_types import SPAN_LISTED, SPAN_SENT, UNREAD, engine_label, piece_version
+
+    assert piece_version(7, 3, 3) == (3, SPAN_READ, None)          # exact
+    assert piece_version(7, None, None) == (None, SPAN_SENT, None)  # base weights both times: no bound after
+    assert piece_version(7, 3, 5) == (3, SPAN_BRACKET, 5)          # updated while it ran (keep): 3..5
+    assert piece_version(7, None, 1) == (None, SPAN_BRACKET, 1)    # base weights, then version 1
+    assert piece_version(7, 3, "mine") == (3, SPAN_BRACKET, "mine")
+    assert piece_version(7, 5, 3) == (5, SPAN_SENT, None)          # an older one after: another process
+    assert piece_version(7, 3, UNREAD) == (3, SPAN_SENT, None)     # cut (aborted, died, hung): not asked again
+    assert piece_version(7, UNREAD, 3) == (7, SPAN_LISTED, None)   # /weight_info not served
+    assert [engine_label(x) for x in ("default", "12", "v2", "²", 12)] == [None, 12, "v2", "²", UNREAD]
+
+
+async def test_a_burst_of_requests_shares_its_version_reads():
+    async with InProcessEngines([3], step_s=0.0) as engines:
+        daemon = DaemonAnswers([engines.entry(0)], version=3, max_staleness=1)
+        async with client(daemon) as rollout:
+            reads = 0
+            real = rollout._read_weight_info
+
+            async def counted(engine):
+                nonlocal reads
+                reads += 1
+                return await real(engine)
+            rollout._read_weight_info = counted
+            results = await rollout.gather([PROMPT] * 16, max_tokens=4)
+    assert all(r.splits == [Split("e0", 3, 0, 4, OK, span=SPAN_READ)] for r in results)
+    assert reads < 16, reads
