@@ -164,9 +164,8 @@ def test_killed_engine_is_resynced_by_the_agent_before_it_serves(world):
 
 def test_push_failing_midway_is_restarted_and_resynced_never_served(world):
     """The next version pushed into B only and published: A is STALE, and the agent's push into
-    it fails midway (the trainer dies mid-broadcast): A is poisoned, restarted (on dummy
-    weights: the agent is connected), resynced by the agent's next push, and never served in
-    between."""
+    it fails midway (the trainer dies mid-broadcast): A is poisoned, restarted, resynced by the
+    agent's next push, and never served in between."""
     w = world
     d = w.daemon
     version = w.trainer.step()
