@@ -2,7 +2,7 @@
 stand-ins (tests/support/standin_group.py) for what vLLM cannot be made to show on demand: a group that
 burns CPU with frozen counters, a stopped EngineCore, a pause that outlasts the probes, a start
 that never finishes, a stop that outlives SIGTERM, a warm-up the engine refuses, a weight
-version that is not a number. Real engines show the same in tests/engine/test_busy_real.py.
+version that is not a number. Real engines show the same in tests/engine/test_engines_real.py (its busy test).
 
 The demo's tight probes: interval 1 s, timeout 2 s, failure threshold 2.
 """
@@ -100,7 +100,7 @@ def test_stopped_engine_core_is_detected_within_the_bound(fleet):
 
 
 def test_fault8_paused_engine_is_not_declared_hung(fleet):
-    """Fault 8 (stand-in; the real engine is in test_busy_real.py): vLLM 0.32 queues requests
+    """Fault 8 (stand-in; the real engine is in test_engines_real.py's busy test): vLLM 0.32 queues requests
     while paused instead of answering 503; /is_paused says so, and the engine is kept."""
     late_but_kept(fleet, "paused", "paused: probe late")
 

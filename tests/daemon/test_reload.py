@@ -4,7 +4,7 @@ the round and the weight version kept; a reload whose checks fail changes nothin
 The daemon spawns its engines as it always does, with `python` pointed at a script that
 serves the protocol stand-in (harness/standin_engine.py; not vLLM) and keeps one child in its
 process group, as test_restart_faults.py does. The real-engine reload is in
-tests/engine/test_journal_real.py.
+tests/engine/test_one_engine_real.py.
 """
 
 from __future__ import annotations

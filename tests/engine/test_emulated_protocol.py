@@ -48,19 +48,16 @@ def emulated_answers(model: Path, root: Path) -> dict:
         proc.wait()
 
 
-def real_answers(model: Path, root: Path) -> dict:
-    proc, url = bare_engine(model, root / "vllm.log", *GLOO, CHAT)
+def test_emulated_engine_speaks_vllms_protocol(tiny_model, tmp_path):
+    # The real engine boots while the emulated one answers (its boot is most of the test).
+    proc, url = bare_engine(tiny_model, tmp_path / "vllm.log", *GLOO, CHAT)
     try:
-        assert wait_healthy(url, BOOT, proc), f"vLLM not healthy within {BOOT}s: see {root / 'vllm.log'}"
-        return _answers(url)
+        emulated = emulated_answers(tiny_model, tmp_path)
+        assert wait_healthy(url, BOOT, proc), f"vLLM not healthy within {BOOT}s: see {tmp_path / 'vllm.log'}"
+        real = _answers(url)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def test_emulated_engine_speaks_vllms_protocol(tiny_model, tmp_path):
-    emulated = emulated_answers(tiny_model, tmp_path)
-    real = real_answers(tiny_model, tmp_path)
     # The behaviour recorded beside the shapes, read first: what the comparison stands on.
     assert real["abort_finish"] == ["abort"], real["abort_finish"]
     assert real["queued_while_paused"] and real["keep_held_open"] and real["tokenize_matches_prompt_ids"]

@@ -163,24 +163,27 @@ def test_killed_engine_is_resynced_by_the_agent_before_it_serves(world):
 
 
 def test_push_failing_midway_is_restarted_and_resynced_never_served(world):
+    """The next version pushed into B only and published: A is STALE, and the agent's push into
+    it fails midway (the trainer dies mid-broadcast): A is poisoned, restarted, resynced by the
+    agent's next push, and never served in between."""
     w = world
     d = w.daemon
+    version = w.trainer.step()
+    WeightSender(w.url["B"]).push(w.trainer.weights()[1], version)
     w.trainer.fail_next_push = True
     agent = ResyncAgent(SupervisorClient(w.socket), w.trainer.weights, lock=w.trainer.lock).start()
     try:
-        w.client.start_round(2)
         mark = d.mark()
-        os.kill(d.last_pid("A"), signal.SIGKILL)
-        d.transition("A", "EXITED", 10, after=mark)
-        w.client.end_round(2)
-        d.transition("A", "SYNCING", BOOT, after=mark)
+        reply = w.client.publish_weights(version)
+        assert "stale (not routable until synced): A" in reply["message"], reply
+        d.transition("A", "SYNCING", 60, after=mark)
         poisoned = d.transition("A", "STOPPING", 60, after=mark)
-        assert poisoned["reason"].startswith("poisoned: push of v1 failed")
+        assert poisoned["reason"].startswith(f"poisoned: push of v{version} failed")
         assert "mid-broadcast" in poisoned["reason"]
         second = d.mark()
         d.transition("A", "STALE", BOOT, after=second)
         running = d.transition("A", "RUNNING", 120, after=second)
-        assert running["reason"] == "weights v1, verified"
+        assert running["reason"] == f"weights v{version}, verified"
         wait_until(lambda: len(agent.history) == 2, 10)
         assert [r.ok for r in agent.history] == [False, True]
     finally:
@@ -197,20 +200,20 @@ def test_without_an_agent_the_checkpoint_is_used(world):
     version = w.trainer.step()
     ckpt = w.root / f"ckpt-v{version}"
     save_checkpoint(w.trainer.model, w.tiny_model, ckpt)
-    w.client.start_round(3)
+    w.client.start_round(2)
     WeightSender(w.url["B"]).push(w.trainer.weights()[1], version)
     mark = d.mark()
     os.kill(d.last_pid("A"), signal.SIGKILL)
     d.transition("A", "EXITED", 10, after=mark)
-    w.client.end_round(3)
+    w.client.end_round(2)
     reply = w.client.publish_weights(version, checkpoint=str(ckpt))
-    assert reply["weight_version"] == 2
+    assert reply["weight_version"] == version
     spawned = d.wait_for(lambda e: e.get("event") == "engine.spawned" and e.get("engine") == "A", BOOT, after=mark)
     assert spawned["load"] == "model"  # no agent to push: the model is read
     syncing = d.transition("A", "SYNCING", BOOT, after=mark)
     assert "from checkpoint" in syncing["reason"]
     running = d.transition("A", "RUNNING", 60, after=mark)
-    assert running["reason"] == "weights v2, verified"
+    assert running["reason"] == f"weights v{version}, verified"
     assert routed_while_not_running(w, "A") == []
     assert [e["name"] for e in w.client.routable_engines()["engines"]] == ["A", "B"]
     assert_same_outputs(greedy(w.url["A"]), greedy(w.url["B"]))
@@ -226,4 +229,4 @@ def test_bad_checkpoint_is_refused_at_publish(world):
     empty.mkdir()
     with pytest.raises(BadRequest, match="has no config.json"):
         w.client.publish_weights(9, checkpoint=str(empty))
-    assert w.client.status()["weight_version"] == 2  # nothing changed
+    assert w.client.status()["weight_version"] == w.trainer.version  # nothing changed
