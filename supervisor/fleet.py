@@ -293,11 +293,15 @@ class Fleet(Listener):
         runners = list(self.runners.values())
         keep = self.cfg.spares_sync == "publish"
         # Checked before V is current: no engine is routable at V while its check runs.
-        mismatched, unchecked = (await self._check_at_publish(runners, version, fingerprint) if fingerprint
-                                 else ({}, {}))
+        mismatched, unchecked, matched = (await self._check_at_publish(runners, version, fingerprint) if fingerprint
+                                          else ({}, {}, {}))
         self.policy.publish(version, checkpoint)
         self.fingerprint = None if fingerprint is None else (version, fingerprint)
-        await asyncio.gather(*(r.refresh_version() for r in runners))
+        # Read again, never believed further than a read goes: an unverified engine stays so, and
+        # a label at V counts only where V's fingerprint, if it has one, matched (relabel).
+        await asyncio.gather(*(r.refresh_version(checked=matched.get(r.name),
+                                                 fingerprinted=None if fingerprint is None else version)
+                               for r in runners))
         # Those at a version the mode no longer allows (sync: any but V; async: more than
         # max_staleness behind V); spares too when they are kept current (spares_sync =
         # "publish"), otherwise a spare is synced only if it is ever promoted. In async mode the
@@ -397,25 +401,38 @@ class Fleet(Listener):
                         action=self.cfg.fingerprint_mismatch, at="ready")
         return verdict
 
+    def label_after_sync(self, version: int) -> int | str:
+        """What an engine synced to `version` and verified is taken to hold now: `version`, or
+        unverified(version) when another version became current meanwhile with a fingerprint
+        (only its outputs can be checked: an older version is not routable on a label alone,
+        fingerprints.unchecked)."""
+        current = self.policy.current_version
+        fingerprinted = None if current is None or self.fingerprint_of(current) is None else current
+        verdict = fingerprints.unchecked(version, fingerprinted, self.policy.rule)
+        return version if verdict is None or verdict.version is None else verdict.version
+
     async def _check_at_publish(self, runners: list[EngineRunner], version: int,
-                                fp: Fingerprint) -> tuple[dict[str, str], dict[str, str]]:
+                                fp: Fingerprint) -> tuple[dict[str, str], dict[str, str], dict[str, int]]:
         """The engines up (probed: serving, STALE or spares) whose /weight_info says `version`:
         those whose outputs do not match `fp` and those whose check was not computed, each
-        name -> why. Read concurrently."""
+        name -> why; and those whose outputs matched, name -> the incarnation checked. Read
+        concurrently."""
         up = [r for r in runners if r.probed]
 
-        async def one(r: EngineRunner) -> tuple[str, int, str | None, bool]:
+        async def one(r: EngineRunner) -> tuple[str, int, str | None, bool, bool]:
             incarnation = r.incarnation
             if await r.prober.weight_version() != version:
-                return r.name, incarnation, None, True  # behind: goes STALE, synced and checked then
-            return (r.name, incarnation, *await self.check_fingerprint(r, fp))
+                return r.name, incarnation, None, True, False  # behind: goes STALE, synced and checked then
+            why, computed = await self.check_fingerprint(r, fp)
+            return r.name, incarnation, why, computed, why is None
 
         found = await asyncio.gather(*(one(r) for r in up))
         # Only about the incarnation checked: one that died meanwhile is a new engine.
-        failed = [(name, why, computed) for name, inc, why, computed in found
+        failed = [(name, why, computed) for name, inc, why, computed, _ in found
                   if why is not None and self.runners[name].incarnation == inc]
         return ({name: why for name, why, computed in failed if computed},
-                {name: why for name, why, computed in failed if not computed})
+                {name: why for name, why, computed in failed if not computed},
+                {name: inc for name, inc, _, _, ok in found if ok})
 
     def _fingerprint_mismatched(self, runners: list[EngineRunner], version: int,
                                 mismatched: dict[str, str]) -> list[str]:

@@ -53,6 +53,8 @@ def _why(e: BaseException, timeout: float) -> str:
 
 def _when(fleet: Fleet) -> str:
     """When membership may grow now, as a transition's reason says it."""
+    if fleet.round_open and not fleet.policy.gated:
+        return "async mode: no round gap to wait for"
     if fleet.round is None:
         return "no round yet"
     if fleet.round_open:
@@ -118,7 +120,7 @@ class SyncCoordinator(Listener):
             self.consider(runner)
 
     def promote_spares(self) -> None:
-        """In a round gap, spares take the places of engines that failed: those already at the
+        """In a round gap (in async mode at once), spares take the places of engines that failed: those already at the
         current version first (RUNNING at once), then the others (STALE: synced, verified).
         Inside a round with admit_mid_round, only those at the current version. "Current": at
         a version the mode allows (FleetPolicy.allows)."""
@@ -141,21 +143,22 @@ class SyncCoordinator(Listener):
             runner.promote(why, version)
 
     def sync_spares(self) -> None:
-        """With spares kept current (spares_sync = "publish"), in a gap: spares behind the
+        """With spares kept current (spares_sync = "publish"), in a gap (in async mode at any
+        time): spares behind the
         current version (restarted inside a round, parked there) go STALE to be synced as
         serving engines are. After promote_spares: a current spare is promoted first."""
         fleet = self.fleet
         version = fleet.current_version
-        if fleet.cfg.spares_sync != "publish" or fleet.round_open or version is None:
+        if fleet.cfg.spares_sync != "publish" or fleet.policy.gated or version is None:
             return
         for runner in list(fleet.runners.values()):
             if runner.state is S.STANDBY and not runner.retired and not fleet.policy.allows(runner.weight_version):
                 runner.mark_outdated(version)
 
     def consider(self, runner: EngineRunner) -> None:
-        """A STALE engine in a gap: release it if it already holds a version the mode allows
-        (the current one in sync mode), otherwise ask the agents for a push of the current
-        version, or reload it from the checkpoint."""
+        """A STALE engine in a gap (in async mode at any time): release it if it already holds a
+        version the mode allows (the current one in sync mode), otherwise ask the agents for a
+        push of the current version, or reload it from the checkpoint."""
         fleet = self.fleet
         version = fleet.current_version
         if runner.state is not S.STALE:
@@ -163,7 +166,7 @@ class SyncCoordinator(Listener):
         have = runner.weight_version
         allowed = fleet.policy.allows(have)
         spare = fleet.policy.park_reason() if not allowed else None
-        if spare is not None and (fleet.cfg.spares_sync == "promotion" or fleet.round_open):
+        if spare is not None and (fleet.cfg.spares_sync == "promotion" or fleet.policy.gated):
             # Not needed now: kept warm as it is, synced only if it is ever promoted; or, with
             # spares kept current, in the next gap (sync_spares). Inside a round too (a spare
             # restarted there): STANDBY is never routed, and left STALE it would count as an
@@ -171,14 +174,14 @@ class SyncCoordinator(Listener):
             when = "when promoted" if fleet.cfg.spares_sync == "promotion" else f"after round {fleet.round}"
             runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced {when}; {spare}")
             return
-        if fleet.round_open and not fleet.policy.admit_mid_round:
+        if fleet.policy.gated and not fleet.policy.admit_mid_round:
             if not allowed:
                 runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; sync after round {fleet.round}")
             return
         if allowed or version is None:  # nothing published: every version is allowed
             runner.release(_when(fleet), version)
             return
-        if fleet.round_open:
+        if fleet.policy.gated:
             # Admitted mid-round once verified at the round's version. A checkpoint reload is
             # exactly that version; the trainer agent's push waits for the gap, as the tensors
             # it would read may already be past the round's version in a pipelined loop.
@@ -241,7 +244,7 @@ class SyncCoordinator(Listener):
             raise Conflict(f"version {version} is not current ({vlabel(fleet.current_version)}); push the current version")
         if runner.state is not S.STALE:
             raise Conflict(f"{runner.name} is {runner.state.value}, not STALE: nothing to sync")
-        if fleet.round_open:
+        if fleet.policy.gated:
             raise Conflict(f"round {fleet.round} is open; syncs run in the gap after it")
         runner.begin_sync(f"trainer agent pushing {vlabel(version)}")  # SYNCING is never probed
         self._asked.pop(runner.name, None)
@@ -311,15 +314,21 @@ class SyncCoordinator(Listener):
                     self._poisoned(runner, f"{how}, /weight_info says {vlabel(version)}, but {mismatch}",
                                    Cause.FINGERPRINT)
                     return
+        # Judged now, with the version current now: a publish that landed during the sync (the
+        # push, the reload, the checks above all await) may leave `version` outside the rule,
+        # or not routable on its label alone (a newer version's fingerprint is in force). Then
+        # it never serves in between: STALE, and synced again.
+        label = self.fleet.label_after_sync(version)
+        if not self.fleet.policy.allows(label):
+            current = self.fleet.current_version
+            runner.sync_overtaken(label, current, how)
+            log.info("sync.overtaken", engine=runner.name, version=version, label=label, current=current, how=how,
+                     **extra)
+            self.consider(runner)
+            return
         runner.finish_sync(version, hold=self.fleet.hold_reason())
         log.info("sync.verified", engine=runner.name, version=version, how=how, **extra)
         self.fleet.emit(Event.SYNC_VERIFIED, engine=runner.name, version=version, how=how, **extra)
-        current = self.fleet.current_version
-        # A newer version was published meanwhile, and the mode does not allow this one.
-        if current is not None and not self.fleet.policy.allows(version):
-            if runner.state is S.RUNNING:
-                runner.mark_outdated(current)
-            self.consider(runner)
 
     def _poisoned(self, runner: EngineRunner, why: str, cause: Cause = Cause.SYNC_FAILED) -> None:
         log.warning("sync.poisoned", engine=runner.name, why=why)

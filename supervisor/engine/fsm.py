@@ -401,6 +401,15 @@ class EngineFSM:
             return self._go(S.STALE, f"weights {vlabel(weight_version)}, verified; {hold}", Cause.VERIFIED)
         return self._go(S.RUNNING, f"weights {vlabel(weight_version)}, verified", Cause.VERIFIED)
 
+    def sync_overtaken(self, weight_version: int | str, current_version: int | None, how: str) -> Transition:
+        """A sync verified the engine at `weight_version`, but a version published meanwhile
+        makes it one `rule` does not allow (or, unverified, not on its label alone): STALE, out
+        of routing, to be synced again; it never serves in between."""
+        self.weight_version = weight_version
+        self.held = False
+        return self._go(S.STALE, f"{how}: weights {vlabel(weight_version)}, verified; {vlabel(current_version)} "
+                                 "was published meanwhile: synced again", Cause.OUTDATED)
+
     def mark_unusable(self, reason: str, cause: Cause) -> Transition:
         """Records the decision only: UNHEALTHY now (poisoned: a failed sync, or the
         trainer's report), never routed. Stopping it is the runner's (EngineRunner.condemn)."""

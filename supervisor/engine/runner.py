@@ -27,7 +27,7 @@ from .activity import sample_group
 from ..config import Config, EngineSpec
 from ..events import EventBus
 from .adoption import Adoption
-from .fingerprint import Verdict, unverified
+from .fingerprint import Verdict, relabel, unverified
 from .fsm import EngineFSM, PushWindow, vlabel
 from .heartbeat import HeartbeatSchedule
 from .probes import Prober
@@ -687,6 +687,10 @@ class EngineRunner:
         self.dummy_weights = False  # every tensor pushed and verified: real weights from here on
         self.fsm.sync_finished(version, hold=hold, spare=self._spare())
 
+    def sync_overtaken(self, label: int | str, current_version: int | None, how: str) -> None:
+        """Verified at `label` by a sync, which a publish meanwhile left outside the rule: STALE."""
+        self.fsm.sync_overtaken(label, current_version, how)
+
     def release(self, why: str, current_version: int | None) -> None:
         """A held STALE engine joins routing (in a round gap) if it holds `current_version`,
         or becomes a spare if the fleet does not need it."""
@@ -797,10 +801,22 @@ class EngineRunner:
         self._stop_reason = None
         return "stopped" if fsm.state is S.STOPPED else f"not stopped: {fsm.state.value}"
 
-    async def refresh_version(self) -> None:
-        """Read the engine's weight version (vLLM /weight_info) if it is up."""
-        if self.fsm.probed or self.fsm.state is S.SYNCING:
-            self.fsm.weight_version = await self.prober.weight_version()
+    async def refresh_version(self, *, checked: int | None = None, fingerprinted: int | None = None) -> None:
+        """Read the engine's weight version (vLLM /weight_info) again if it is up (a publish).
+        `checked`: the incarnation whose outputs matched the published version's fingerprint
+        (`fingerprinted`, when it has one) at this publish. What is read is taken as
+        fingerprint.relabel says (an unverified engine stays unverified), and only by the
+        incarnation, in the state, it was read for: a read that raced a death, a sync's end or
+        a promotion says nothing of what came after it."""
+        fsm = self.fsm
+        if not (fsm.probed or fsm.state is S.SYNCING):
+            return
+        incarnation, state = fsm.incarnation, fsm.state
+        read = await self.prober.weight_version()
+        if fsm.incarnation != incarnation or fsm.state is not state:
+            return
+        fsm.weight_version = relabel(fsm.weight_version, read, checked=checked == incarnation,
+                                     fingerprinted=fingerprinted, rule=self.policy.rule)
 
     def round_ended(self, n: int) -> None:
         """The gap: a dead engine may restart now (held STALE ones are the sync's to release)."""

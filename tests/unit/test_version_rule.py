@@ -308,13 +308,11 @@ def test_the_cluster_view_applies_the_daemons_rule_and_the_strictest_of_several(
     assert v.rule is SYNC_RULE and v.names() == ["a/e0", "b/e0"]
 
 
-@pytest.mark.parametrize("mode, released", [("async", True), ("sync", False)])
-async def test_an_engine_held_through_a_round_joins_in_the_gap_at_a_version_the_rule_allows(tmp_path, mode, released):
-    """The sync coordinator's release asks the rule: an engine that came up during a round at
-    one version behind the current one joins routing in the gap in async mode; in sync mode it
-    stays STALE, to be synced first."""
+async def test_an_engine_ready_during_a_round_at_a_version_behind_is_held_then_stale_in_sync_mode(tmp_path):
+    """The sync coordinator's release asks the rule: an engine that came up during a round one
+    version behind the current one is held, and in the gap stays STALE, to be synced first."""
     async with fleets(tmp_path) as fleet_at:
-        sup = await fleet_at([5, 4], mode=mode, max_staleness=1)
+        sup = await fleet_at([5, 4], mode="sync", max_staleness=1)
         await sup.fleet.publish_weights(5, None)
         e1 = sup.fleet.runners["e1"]
         sup.fleet.start_round(1)
@@ -323,5 +321,20 @@ async def test_an_engine_held_through_a_round_joins_in_the_gap_at_a_version_the_
         e1.fsm.became_ready(4, 5, hold=sup.policy.hold_reason(), rule=sup.policy.rule)
         assert e1.state is State.STALE and e1.fsm.held
         sup.fleet.end_round(1)
-        assert (e1.state is State.RUNNING) is released
-        assert ([r.name for r in sup.fleet.routable()] == ["e0", "e1"]) is released
+        assert e1.state is State.STALE and [r.name for r in sup.fleet.routable()] == ["e0"]
+
+
+async def test_in_async_mode_a_round_holds_nothing_an_engine_joins_once_ready_at_an_allowed_version(tmp_path):
+    """Async mode has no round gap to wait for: rounds the trainer still opens gate nothing, so
+    an engine ready one version behind (within max_staleness) joins routing at once."""
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([5, 4], mode="async", max_staleness=1)
+        await sup.fleet.publish_weights(5, None)
+        e1 = sup.fleet.runners["e1"]
+        sup.fleet.start_round(1)
+        assert sup.policy.hold_reason() is None and sup.policy.may_restart() == (True, None)
+        e1.fsm.exited("gone")
+        e1.fsm.begin_start("restart", restart=True)
+        e1.fsm.became_ready(4, 5, hold=sup.policy.hold_reason(), rule=sup.policy.rule)
+        assert e1.state is State.RUNNING and not e1.fsm.held
+        assert [r.name for r in sup.fleet.routable()] == ["e0", "e1"]
