@@ -380,7 +380,7 @@ class Fleet(Listener):
                                                    seconds=round(seconds, 4))
         return (None if got.matches else got.describe()), True
 
-    async def verify_content(self, runner: EngineRunner, label: int | str | None) -> Verdict:
+    async def verify_content(self, runner: EngineRunner, label: int | str | None, at: str = "ready") -> Verdict:
         """An engine answering (ready, recovered) with /weight_info saying `label`: when that is
         the current version and it has a fingerprint, the fingerprint is run on it before the
         engine can be routable, and a mismatch is handled as `fingerprint_mismatch` says
@@ -396,9 +396,9 @@ class Fleet(Listener):
         why, computed = await self.check_fingerprint(runner, fp)
         verdict = fingerprints.judge(label, why, computed, self.cfg.fingerprint_mismatch)
         if verdict.mismatch is not None:
-            self.stats.fingerprint_mismatch("ready")
+            self.stats.fingerprint_mismatch(at)
             log.warning("fingerprint.mismatch", engine=runner.name, version=label, why=verdict.mismatch,
-                        action=self.cfg.fingerprint_mismatch, at="ready")
+                        action=self.cfg.fingerprint_mismatch, at=at)
         return verdict
 
     def label_after_sync(self, version: int) -> int | str:

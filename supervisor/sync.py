@@ -33,7 +33,7 @@ from .fleet import Fleet, validate_checkpoint_off_loop
 from .engine.fsm import vlabel
 from .states import Transition
 from .protocol import Event, to_deadline
-from .states import ACTIVE, Cause, State
+from .states import ACTIVE, Cause, State, VersionRule
 from .tasks import TaskSet, sleep_until, within
 
 S = State
@@ -360,6 +360,7 @@ class Push:
     began: float
     grace: float = PUSH_GRACE  # past the deadline, until it expires
     condemned: dict[str, str] = field(default_factory=dict)  # receivers condemned during it: why
+    incarnations: dict[str, int] = field(default_factory=dict)  # each receiver's, as announced
 
     @property
     def deadline(self) -> float:
@@ -373,6 +374,20 @@ class Push:
         return {"push": self.id, "version": self.version, "engines": list(self.engines), "bytes": self.nbytes,
                 "deadline_s": self.deadline_s, "age_s": round(now - self.began, 3),
                 "remaining_s": round(self.deadline - now, 3)}
+
+
+def taken_up_after_push(held: int | str | None, read: int | str | None, push_version: int,
+                        current: int | None) -> bool:
+    """Pure: is what a receiver's /weight_info says at its push's end taken up now (checked as
+    a ready engine is, and the engine relabelled: it leaves routing if the rule does not allow
+    it)? Not when it says what the engine was taken to hold already; nor when it says the push's
+    version before that is published (pushed, then published, as the trainer does): an engine
+    is never routable at a version not published yet, and is not taken out of routing for
+    holding it early; the publish reads and checks it again."""
+    if read == held:
+        return False
+    lag = VersionRule.lag(read, current)
+    return not (read == push_version and lag is not None and lag < 0)
 
 
 class PushBook:
@@ -475,6 +490,7 @@ class PushCoordinator(Listener):
         push = self.book.announce(version, engines, nbytes, deadline_s, self.fleet.current_version)
         for name in push.engines:
             self.fleet.runners[name].push_announced(push.id, push.deadline_s)
+            push.incarnations[name] = self.fleet.runners[name].incarnation
         self._timers[push.id] = self._tasks.spawn(self._expire(push), name=f"push-expiry:{push.id}")
         self.fleet.stats.push_announced(len(push.engines))
         log.info("push.begin", push=push.id, version=version, engines=list(push.engines), bytes=nbytes,
@@ -483,9 +499,11 @@ class PushCoordinator(Listener):
                         deadline_s=push.deadline_s)
         return {"push": push.id, "version": version, "deadline_s": push.deadline_s, "engines": list(push.engines)}
 
-    def end(self, push_id: str, ok: bool, failed: dict[str, str]) -> dict[str, Any] | None:
+    async def end(self, push_id: str, ok: bool, failed: dict[str, str]) -> dict[str, Any] | None:
         """None: no such push in flight. BadRequest for a `failed` that contradicts the push
-        (nothing changes)."""
+        (nothing changes). Answered once every receiver's /weight_info was read again: a
+        trainer that updates the fleet in waves (trainer/inflight.py) ends each wave's push
+        before the next, so the daemon's labels follow the engines, not the trainer's word."""
         push = self.book.get(push_id)
         if push is None:
             return None
@@ -514,7 +532,39 @@ class PushCoordinator(Listener):
                   "failed": dict(failed), "condemned": dict(push.condemned)}
         (log.info if ok else log.warning)("push.end", late=now >= push.deadline, **fields)
         self.fleet.emit(Event.PUSH_END, **fields)
-        return {**fields, "late": now >= push.deadline, "engines": list(push.engines)}
+        answer = {**fields, "late": now >= push.deadline, "engines": list(push.engines)}
+        answer["weight_versions"] = await self._read_again(push)
+        return answer
+
+    async def _read_again(self, push: Push) -> dict[str, int | str | None]:
+        """Each receiver still of the incarnation announced, serving or a spare: its
+        /weight_info read again, what it says taken up as taken_up_after_push decides (checked
+        by Fleet.verify_content, relabelled: out of routing if the rule does not allow it). The
+        labels the daemon holds after it, by receiver (the ones not read: as they were)."""
+        fleet = self.fleet
+
+        def same(runner: EngineRunner, incarnation: int | None) -> bool:
+            return runner.incarnation == incarnation and (runner.serving or runner.state is S.STANDBY)
+
+        async def one(name: str) -> None:
+            runner = fleet.runners.get(name)
+            if runner is None or not same(runner, push.incarnations.get(name)):
+                return
+            held = runner.weight_version
+            read = await runner.prober.read_weight_version()
+            if not read.readable or not taken_up_after_push(held, read.version, push.version, fleet.current_version):
+                return
+            # A fingerprint of the current version is run as on a ready engine (a mismatch:
+            # counted with the syncs' checks, handled as fingerprint_mismatch says).
+            verdict = await fleet.verify_content(runner, read.version, at="sync")
+            if not same(runner, push.incarnations.get(name)) or runner.weight_version is not held:
+                return  # moved meanwhile (a death, a publish's read, a sync): that verdict stands
+            log.info("push.reread", engine=name, push=push.id, held=held, read=read.version, label=verdict.version,
+                     current=fleet.current_version)
+            runner.relabelled(verdict, f"/weight_info read after push {push.id} (v{push.version})")
+
+        await asyncio.gather(*(one(n) for n in push.engines))
+        return {n: fleet.runners[n].weight_version for n in push.engines if n in fleet.runners}
 
     async def _expire(self, push: Push) -> None:
         await sleep_until(push.expires, self.book.clock)

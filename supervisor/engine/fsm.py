@@ -410,6 +410,17 @@ class EngineFSM:
         return self._go(S.STALE, f"{how}: weights {vlabel(weight_version)}, verified; {vlabel(current_version)} "
                                  "was published meanwhile: synced again", Cause.OUTDATED)
 
+    def relabelled(self, weight_version: int | str | None, current_version: int | None, reason: str,
+                   rule: VersionRule = SYNC_RULE) -> Transition | None:
+        """Its /weight_info read again (an announced push's end) says it holds `weight_version`
+        (as checked): it goes on as it was at a version `rule` allows; serving or a spare at one
+        the rule does not allow, it is STALE (out of routing, synced again)."""
+        self.weight_version = weight_version
+        if rule.allows(weight_version, current_version) or self.state not in ROUTABLE | {S.STANDBY}:
+            return None
+        return self._go(S.STALE, f"{reason}: weights {vlabel(weight_version)}, current {vlabel(current_version)}",
+                        Cause.OUTDATED)
+
     def mark_unusable(self, reason: str, cause: Cause) -> Transition:
         """Records the decision only: UNHEALTHY now (poisoned: a failed sync, or the
         trainer's report), never routed. Stopping it is the runner's (EngineRunner.condemn)."""

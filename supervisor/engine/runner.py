@@ -652,6 +652,14 @@ class EngineRunner:
     def push_ended(self, push: str) -> None:
         self.fsm.push_ended(push)
 
+    def relabelled(self, verdict: Verdict, reason: str) -> None:
+        """Read again after a push (checked as verify_content checks a ready engine): it holds
+        verdict.version; out of routing if the rule does not allow it, poisoned if its
+        fingerprint did not match."""
+        self.fsm.relabelled(verdict.version, self.policy.current_version, reason, rule=self.policy.rule)
+        if verdict.condemn is not None:
+            self.condemn_and_stop(verdict.condemn, Cause.FINGERPRINT)
+
     def begin_sync(self, reason: str) -> None:
         self.fsm.sync_started(reason)
 

@@ -151,3 +151,53 @@ async def test_a_publish_during_a_spare_promotion_sync_never_leaves_it_serving_o
         assert "e1" not in sup.fleet.policy.routable
         assert all("e1" not in e["routable"] for e in events if e["event"] == "membership")
         await sup.sync.close()
+
+
+# -- an in-flight update's waves: the daemon reads each receiver again at its push's end ------
+
+
+@pytest.mark.parametrize("held, read, push_version, current, taken", [
+    (5, 5, 6, 5, False),  # the push did not move the label (failed before its end)
+    (5, 6, 6, 5, False),  # pushed before its publish: the publish reads and checks it
+    (5, 6, 6, 6, True),  # published first, then pushed (waves): the label follows the engine
+    (5, "lie", 6, 6, True),  # something the push never set: checked, and out of routing
+    (5, None, 6, 6, True),  # base weights now
+    (None, 1, 1, None, True),  # nothing published yet: any version serves
+])
+def test_a_receivers_read_after_its_push_is_taken_up_unless_unchanged_or_not_yet_published(
+        held, read, push_version, current, taken):
+    from vime.supervisor.sync import taken_up_after_push
+    assert taken_up_after_push(held, read, push_version, current) is taken
+
+
+async def test_after_each_wave_the_daemon_reads_the_receivers_again_and_follows_the_rule(tmp_path):
+    """Async mode, max_staleness 1, v6 published first and pushed in waves (the push announced
+    and ended per wave): at each wave's end the daemon reads its receivers' /weight_info. e0
+    took v6: listed at v6, serving. e1's push left a label no publish set: out of routing
+    (STALE, cause outdated). e2, in no wave yet, is left as it was (v5, within the bound)."""
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([5, 5, 5], mode="async", max_staleness=1)
+        await sup.fleet.publish_weights(5, None)
+        await sup.fleet.publish_weights(6, None)
+        e0, e1, e2 = (sup.fleet.runners[n] for n in ("e0", "e1", "e2"))
+        assert [r.weight_version for r in (e0, e1, e2)] == [5, 5, 5] and len(sup.fleet.routable()) == 3
+        wave = sup.pushes.begin(6, ["e0", "e1"], 0, 30.0)["push"]
+        await set_label(e0.spec.base_url, 6)
+        async with aiohttp.ClientSession() as s:
+            await s.post(f"{e1.spec.base_url}/update_weight_version", json={"new_version": "6-half"})
+        answer = await sup.pushes.end(wave, False, {"e1": "the collective timed out"})
+        assert answer is not None and answer["weight_versions"] == {"e0": 6, "e1": "6-half"}
+        assert e0.state is State.RUNNING and e0.weight_version == 6
+        assert e1.state is State.STALE and e1.fsm.cause is Cause.OUTDATED, e1.reason
+        assert e2.weight_version == 5 and e2.state is State.RUNNING
+        assert [r.name for r in sup.fleet.routable()] == ["e0", "e2"]
+        # Pushed before its publish (the trainer's order in sync mode, or an update that publishes
+        # last): not taken up, nothing leaves routing; the publish reads it.
+        ahead = sup.pushes.begin(7, ["e2"], 0, 30.0)["push"]
+        await set_label(e2.spec.base_url, 7)
+        assert (await sup.pushes.end(ahead, True, {}))["weight_versions"] == {"e2": 5}
+        assert "e2" in [r.name for r in sup.fleet.routable()]
+        await sup.fleet.publish_weights(7, None)
+        assert e2.weight_version == 7 and e2.state is State.RUNNING
+        await sup.sync.close()
+        await sup.pushes.close()
