@@ -5,13 +5,15 @@ real), for the races where a verdict made before a publish would be applied afte
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
 from vime.supervisor.config import build
 from vime.supervisor.engine.fingerprint import is_unverified, parse, relabel, unverified
 from vime.supervisor.policy import FleetPolicy
-from vime.supervisor.states import SYNC_RULE, Cause, State, VersionRule, WeightsMode
+from vime.supervisor.states import SYNC_RULE, Cause, ProbeOutcome, State, VersionRule, WeightsMode
 
 from test_version_rule import fleets
 
@@ -113,6 +115,31 @@ async def test_a_publish_never_makes_an_unverified_engine_routable(tmp_path):
         sup.sync.kick()  # what the bus does after a publish: consider every STALE engine
         assert e1.weight_version == unverified(4) and e1.state is State.STALE
         assert [r.name for r in sup.fleet.routable()] == ["e0"]
+
+
+async def test_a_hung_engines_place_is_taken_by_a_spare_within_the_bound_in_the_turn_it_is_condemned(tmp_path):
+    """Async mode, a round open: e0 hangs (its probes fail up to the threshold); in the same turn
+    as it is condemned (UNHEALTHY), the spare e2, one version behind (allowed), is RUNNING: no
+    sync, no round end, no clock time between."""
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([2, 2, 1], mode="async", max_staleness=1)
+        await sup.fleet.publish_weights(2, None)
+        e0, e2 = sup.fleet.runners["e0"], sup.fleet.runners["e2"]
+        sup.fleet.policy.target = 2
+        e2.fsm.exited("restarted (test)")
+        e2.fsm.begin_start("restart", restart=True)
+        e2.fsm.became_ready(1, 2, spare=sup.policy.spare_reason(), rule=sup.policy.rule)
+        await asyncio.sleep(0)  # the coordinator's look at the fleet after it: nothing to promote
+        assert e2.state is State.STANDBY
+        sup.fleet.start_round(3)
+        while not e0.fsm.probe_result(ProbeOutcome(False, "timeout after 5.0s (test)")):
+            pass
+        assert e0.state is State.UNHEALTHY and e0.fsm.cause is Cause.HANG
+        assert e2.state is State.STANDBY  # the promotion runs in the loop's next turn
+        await asyncio.sleep(0)
+        assert e2.state is State.RUNNING and e2.fsm.cause is Cause.PROMOTED, e2.reason
+        assert "async mode: no round gap to wait for" in e2.reason
+        assert [r.name for r in sup.fleet.routable()] == ["e1", "e2"] and sup.fleet.round_open
 
 
 @pytest.mark.parametrize("published, fingerprinted", [(7, False), (6, True)])
