@@ -470,8 +470,8 @@ class PushEndResult(TypedDict):
     condemned: dict[str, str]  # receivers the daemon condemned during it (paused past its deadline), and why
     # Each receiver's weight version as the daemon holds it once its /weight_info was read again
     # (a receiver relabelled out of the rule is out of routing; the push's version before it
-    # is published is not taken up: the publish reads it).
-    weight_versions: dict[str, int | str | None]
+    # is published is not taken up: the publish reads it). A cluster's answer has it per node.
+    weight_versions: NotRequired[dict[str, int | str | None]]
 
 
 class Incident(TypedDict):
