@@ -194,7 +194,10 @@ class Fleet(Listener):
         """Bring `runner`'s part of the membership up to date: O(1), or O(log N) when it joins
         or leaves the routable set."""
         live = not runner.retired
-        part = (live and runner.state in ACTIVE, live and runner.serving, self.is_routable(runner))
+        # A spare being kept current is no place's holder: the place of an engine that fails
+        # meanwhile goes to a ready spare at once.
+        part = (live and runner.state in ACTIVE and not runner.syncing_as_spare, live and runner.serving,
+                self.is_routable(runner))
         was = self._parts.get(runner.name, (False, False, False))
         if part == was:
             return

@@ -122,11 +122,12 @@ class FleetPolicy:
             return f"a spare: {self.serving}/{self.target} engines serving"
         return None
 
-    def park_reason(self) -> str | None:
+    def park_reason(self, *, counted: bool = True) -> str | None:
         """Why a ready engine behind the current version is parked as a spare instead of being
         synced: the other active engines (serving, or being synced to serve) already make
-        the target. The engine asking is itself active (STALE)."""
-        others = self.active - 1
+        the target. `counted`: the engine asking is itself counted active (STALE; not a spare
+        being kept current)."""
+        others = self.active - counted
         if self.target is not None and others >= self.target:
             return f"a spare: {others}/{self.target} engines active"
         return None

@@ -165,7 +165,7 @@ class SyncCoordinator(Listener):
             return
         have = runner.weight_version
         allowed = fleet.policy.allows(have)
-        spare = fleet.policy.park_reason() if not allowed else None
+        spare = fleet.policy.park_reason(counted=not runner.syncing_as_spare) if not allowed else None
         if spare is not None and (fleet.cfg.spares_sync == "promotion" or fleet.policy.gated):
             # Not needed now: kept warm as it is, synced only if it is ever promoted; or, with
             # spares kept current, in the next gap (sync_spares). Inside a round too (a spare

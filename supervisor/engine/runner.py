@@ -111,6 +111,9 @@ class EngineRunner:
         self._stop_reason: str | None = None  # set by an operator's stop: ends in STOPPED
         self.adoption = Adoption()  # what a previous daemon image left of it (adopt, restore)
         self._lost_as_spare = False  # it left STANDBY dead, hung or stopping: restarts at once
+        # A spare kept current: taken out of STANDBY by a publish to be synced, still a spare
+        # (not active: a failed engine's place goes to a ready spare meanwhile).
+        self._syncing_as_spare = False
         self._fatal: str | None = None  # FATAL before a reload, under the same config: stays FATAL
         # restart_load = "dummy": whether a restart may boot on dummy weights now (the daemon
         # wires it: a trainer agent connected and a version published), whether this
@@ -180,6 +183,13 @@ class EngineRunner:
         return self.fsm.routable
 
     @property
+    def syncing_as_spare(self) -> bool:
+        """A spare a publish left behind (spares_sync = "publish"), being brought to a version
+        the rule allows (STALE, SYNCING): not serving, nor on its way to serve. It ends a spare
+        again, or serving if a place is still empty when it is verified."""
+        return self._syncing_as_spare and self.fsm.state in (S.STALE, S.SYNCING)
+
+    @property
     def booted_behind(self) -> bool:
         """STALE since its boot ended (a restart, on older weights than the current version),
         not marked behind by a publish: it takes a place in the fleet and needs a sync first."""
@@ -233,6 +243,10 @@ class EngineRunner:
     def _transition(self, t: Transition) -> None:
         if t.from_state is S.STANDBY or t.to_state in (S.STARTING, S.STALE, S.SYNCING, S.RUNNING):
             self._lost_as_spare = t.from_state is S.STANDBY and t.to_state in (S.UNHEALTHY, S.STOPPING, S.EXITED)
+        if t.from_state is S.STANDBY and t.to_state is S.STALE and t.cause is Cause.OUTDATED:
+            self._syncing_as_spare = True
+        elif t.to_state not in (S.STALE, S.SYNCING):
+            self._syncing_as_spare = False
         self._poke()
         kind = detection_kind(t)
         if kind:  # decided here, with the transition: on the stream before the transition itself

@@ -142,6 +142,35 @@ async def test_a_hung_engines_place_is_taken_by_a_spare_within_the_bound_in_the_
         assert [r.name for r in sup.fleet.routable()] == ["e1", "e2"] and sup.fleet.round_open
 
 
+async def test_a_spare_being_kept_current_holds_no_place_a_ready_spare_takes_a_failed_ones(tmp_path):
+    """Two serving engines, two spares kept current (spares_sync = "publish"): v3 leaves e3 (at
+    v1) two behind, so it is being synced when e0 dies. The place goes at once to e2, the spare
+    at v2 (within the bound), not to e3's sync; e3, verified, is a spare again."""
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([3, 3, 2, 1], mode="async", max_staleness=1, spares_sync="publish")
+        policy = sup.fleet.policy
+        policy.target = 2
+        e0, e2, e3 = (sup.fleet.runners[n] for n in ("e0", "e2", "e3"))
+        for r, v in ((e2, 2), (e3, 1)):  # both back as spares
+            r.fsm.exited("restarted (test)")
+            r.fsm.begin_start("restart", restart=True)
+            r.fsm.became_ready(v, None, spare=policy.spare_reason(), rule=policy.rule)
+        assert (e2.state, e3.state) == (State.STANDBY, State.STANDBY)
+        await sup.fleet.publish_weights(3, None)  # e3 two behind: out of STANDBY, to be synced
+        assert e3.state is State.STALE and e3.syncing_as_spare and e2.state is State.STANDBY
+        assert policy.active == 2  # the two serving engines; e3 holds no place
+        sup.sync.agents = 1  # the test is the trainer's agent
+        sup.sync.begin(e3, 3)
+        e0.fsm.exited("killed (test)")
+        await asyncio.sleep(0)
+        assert e2.state is State.RUNNING and e2.fsm.cause is Cause.PROMOTED, e2.reason
+        assert [r.name for r in sup.fleet.routable()] == ["e1", "e2"]
+        await set_label(e3.spec.base_url, 3)
+        await sup.sync.end(e3, 3, True, None)
+        assert e3.state is State.STANDBY and e3.weight_version == 3 and not e3.syncing_as_spare, e3.reason
+        await sup.sync.close()
+
+
 @pytest.mark.parametrize("published, fingerprinted", [(7, False), (6, True)])
 async def test_a_publish_during_a_spare_promotion_sync_never_leaves_it_serving_outside_the_rule(
         tmp_path, published, fingerprinted):

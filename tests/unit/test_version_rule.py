@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import aiohttp
 import pytest
@@ -156,14 +157,14 @@ async def fleets(tmp_path):
     made: list[Supervisor] = []
 
     async def make(versions: list[int], mode: str = "sync", max_staleness: int = 1,
-                   router: RouterConfig | None = None) -> Supervisor:
+                   router: RouterConfig | None = None, **settings: Any) -> Supervisor:
         nonlocal engines
         session = aiohttp.ClientSession()  # on the test's loop
         sessions.append(session)
         engines = await InProcessEngines(versions).__aenter__()
         specs = tuple(EngineSpec(f"e{i}", url=u) for i, u in enumerate(engines.urls))
         cfg = Config(engines=specs, state_dir=str(tmp_path), log_dir=str(tmp_path), runtime_dir=str(tmp_path),
-                     min_healthy=0, weights=WeightsPolicy(mode, max_staleness), router=router)
+                     min_healthy=0, weights=WeightsPolicy(mode, max_staleness), router=router, **settings)
         sup = Supervisor(cfg)
         for spec, v in zip(specs, versions):
             r = sup.fleet.runners[spec.name] = EngineRunner(spec, cfg, sup.policy, sup.bus, session)
