@@ -4,8 +4,8 @@ file says, `version=X`, across restarts, as a checkpoint on disk would) and a PR
 router (tests/support/standin_router.py). The trainer keeps opening rounds: in async mode they
 gate nothing.
 
-The races themselves (a publish during a spare's promotion sync, a publish's read of an
-unverified engine, a wave's push end) are driven step by step in tests/unit/test_async_faults.py.
+The same races driven one step at a time (a publish between a sync's push and its end, a
+publish's read of an unverified engine, a wave's push end) are in tests/unit/test_async_faults.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from vime.harness.local_daemon import Daemon, EventStream, free_port, kill_all, standin_config, standin_model, standin_python
+from vime.harness.local_daemon import (
+    Daemon, EventStream, free_port, kill_all, standin_config, standin_model, standin_python)
 from vime.supervisor.client import SupervisorClient
 from vime.supervisor.states import VersionRule, WeightsMode
 
@@ -114,10 +115,11 @@ def test_a_kill_in_async_mode_a_spare_within_the_bound_takes_the_place_at_once_a
         os.kill(d.last_pid(victim), signal.SIGKILL)
         died = d.transition(victim, "EXITED", 10, after=mark)
         promoted = d.transition(spare, "RUNNING", 10, after=mark)
-        assert promoted["cause"] == "promoted" and "async mode: no round gap to wait for" in promoted["reason"], promoted
+        assert promoted["cause"] == "promoted", promoted
+        assert "async mode: no round gap to wait for" in promoted["reason"], promoted
         moves = [(e["engine"], e["to_state"]) for e in d.events[mark:] if e.get("event") == "engine.transition"]
         # A state change, not a sync: the spare went from STANDBY to RUNNING with nothing between.
-        assert [m for m in moves if m[0] == spare] [:1] == [(spare, "RUNNING")], moves
+        assert [m for m in moves if m[0] == spare][:1] == [(spare, "RUNNING")], moves
         print(f"\npromoted {at(promoted) - at(died):.3f}s after the death was seen (round 5 open)")
         assert c.status()["round_open"] is True
         assert node.routable() == {spare: 1, serving[1]: 2}  # v1 is one behind v2: within the bound
@@ -175,6 +177,68 @@ def test_a_restarted_engine_at_v_is_never_routable_after_v_plus_2_and_is_once_ve
         wait_until(lambda: node.urls["e1"] in router.workers(), 10, "router: e1 back")
         wait_until(lambda: "e1" in node.stream.of("membership")[-1]["routable"], 10, "the stream: e1 back")
         assert listed_only_while_serving(node) >= 2  # e1 out at the kill, in once verified
+    finally:
+        kill_all([node.d] if node else [])
+        router.close()
+
+
+def test_a_publish_during_a_spare_promotion_never_leaves_the_spare_routable_outside_the_rule(tmp_path):
+    """spares_sync = "promotion" (given: the spare stays at v1 while v3 is published). kill -9
+    of a serving engine: the spare is promoted behind the bound (STALE, to be synced first). The
+    trainer's agent pushes v3 into it (sync/begin, the push, sync/end), and while it pushes v4
+    and v5 are published: the sync ends with v3 two behind, so the spare goes STALE (cause
+    outdated), never serving, never listed by the router; synced to v5 it serves at once."""
+    router = StandinRouter()
+    node = None
+    try:
+        node = Node(tmp_path, ("e0", "e1", "e2"), router, spares=1, spares_sync="promotion")
+        d, c = node.d, node.c
+        wait_until(lambda: sorted(node.states().values()) == ["RUNNING", "RUNNING", "STANDBY"], 30,
+                   "two serving, one spare")
+        st = node.states()
+        spare = next(n for n, s in st.items() if s == "STANDBY")
+        victim, other = sorted(n for n in st if n != spare)
+        c.publish_weights(1)
+        for v in (2, 3):
+            node.hold(victim, v)
+            node.hold(other, v)
+            c.publish_weights(v)
+        assert node.states()[spare] == "STANDBY"  # kept behind: synced only if promoted
+        c.start_round(1)
+        mark = d.mark()
+        os.kill(d.last_pid(victim), signal.SIGKILL)
+        promoted = d.transition(spare, "STALE", 10, after=mark)
+        assert promoted["cause"] == "promoted" and "synced first" in promoted["reason"], promoted
+        at_promotion = len(node.stream.of("membership"))
+        c.sync_begin(spare, 3)  # the trainer's agent takes it
+        node.hold(spare, 3)  # its push lands...
+        for v in (4, 5):  # ...while the trainer publishes twice
+            node.hold(other, v)
+            c.publish_weights(v)
+        ended = c.sync_end(spare, 3, True)
+        assert ended["state"] == "STALE", ended
+        again = d.wait_for(lambda e: e.get("event") == "engine.transition" and e.get("engine") == spare
+                           and e.get("cause") == "outdated", 10, after=mark)
+        assert "v5 was published meanwhile: synced again" in again["reason"], again
+        overtaken = d.wait_for(lambda e: e.get("event") == "sync.overtaken" and e.get("engine") == spare, 10,
+                               after=mark)
+        assert (overtaken["version"], overtaken["current"]) == (3, 5), overtaken
+        assert spare not in node.routable()
+        c.sync_begin(spare, 5)
+        node.hold(spare, 5)
+        assert c.sync_end(spare, 5, True)["state"] == "RUNNING"
+        served = time.monotonic()
+        assert node.routable()[spare] == 5 and c.status()["round_open"] is True
+        moves = [(e["to_state"], e["cause"]) for e in d.events[mark:]
+                 if e.get("event") == "engine.transition" and e.get("engine") == spare]
+        assert moves == [("STALE", "promoted"), ("SYNCING", "sync"), ("STALE", "outdated"), ("SYNCING", "sync"),
+                         ("RUNNING", "verified")], moves
+        wait_until(lambda: node.urls[spare] in router.workers(), 10, "router: the spare in")
+        assert not [t for t, u in router.posts if u == node.urls[spare] and t < served], router.posts
+        wait_until(lambda: spare in node.stream.of("membership")[-1]["routable"], 10, "the stream: the spare in")
+        assert [m["routable"] for m in node.stream.of("membership")[at_promotion:] if spare in m["routable"]] == [
+            sorted([other, spare])]
+        assert listed_only_while_serving(node) >= 2
     finally:
         kill_all([node.d] if node else [])
         router.close()
