@@ -296,13 +296,13 @@ class Fleet(Listener):
         runners = list(self.runners.values())
         keep = self.cfg.spares_sync == "publish"
         # Checked before V is current: no engine is routable at V while its check runs.
-        mismatched, unchecked, matched = (await self._check_at_publish(runners, version, fingerprint) if fingerprint
-                                          else ({}, {}, {}))
+        mismatched, unchecked, taken = (await self._check_at_publish(runners, version, fingerprint) if fingerprint
+                                        else ({}, {}, {}))
         self.policy.publish(version, checkpoint)
         self.fingerprint = None if fingerprint is None else (version, fingerprint)
         # Read again, never believed further than a read goes: an unverified engine stays so, and
-        # a label at V counts only where V's fingerprint, if it has one, matched (relabel).
-        await asyncio.gather(*(r.refresh_version(checked=matched.get(r.name),
+        # a label at V counts only where V's fingerprint, if it has one, was run on it (relabel).
+        await asyncio.gather(*(r.refresh_version(checked=taken.get(r.name),
                                                  fingerprinted=None if fingerprint is None else version)
                                for r in runners))
         # Those at a version the mode no longer allows (sync: any but V; async: more than
@@ -418,16 +418,18 @@ class Fleet(Listener):
                                 fp: Fingerprint) -> tuple[dict[str, str], dict[str, str], dict[str, int]]:
         """The engines up (probed: serving, STALE or spares) whose /weight_info says `version`:
         those whose outputs do not match `fp` and those whose check was not computed, each
-        name -> why; and those whose outputs matched, name -> the incarnation checked. Read
-        concurrently."""
+        name -> why; and those taken to hold `version` (their outputs matched, or
+        fingerprint_mismatch = "warn": routed as the label says), name -> the incarnation
+        checked. Read concurrently."""
         up = [r for r in runners if r.probed]
+        warn = self.cfg.fingerprint_mismatch == "warn"
 
         async def one(r: EngineRunner) -> tuple[str, int, str | None, bool, bool]:
             incarnation = r.incarnation
             if await r.prober.weight_version() != version:
                 return r.name, incarnation, None, True, False  # behind: goes STALE, synced and checked then
             why, computed = await self.check_fingerprint(r, fp)
-            return r.name, incarnation, why, computed, why is None
+            return r.name, incarnation, why, computed, why is None or computed and warn
 
         found = await asyncio.gather(*(one(r) for r in up))
         # Only about the incarnation checked: one that died meanwhile is a new engine.

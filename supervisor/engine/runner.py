@@ -825,8 +825,9 @@ class EngineRunner:
 
     async def refresh_version(self, *, checked: int | None = None, fingerprinted: int | None = None) -> None:
         """Read the engine's weight version (vLLM /weight_info) again if it is up (a publish).
-        `checked`: the incarnation whose outputs matched the published version's fingerprint
-        (`fingerprinted`, when it has one) at this publish. What is read is taken as
+        `checked`: the incarnation the published version's fingerprint (`fingerprinted`, when
+        it has one) was run on at this publish and that is taken to hold it (it matched, or
+        fingerprint_mismatch = "warn"). What is read is taken as
         fingerprint.relabel says (an unverified engine stays unverified), and only by the
         incarnation, in the state, it was read for: a read that raced a death, a sync's end or
         a promotion says nothing of what came after it."""

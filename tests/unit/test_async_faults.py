@@ -79,6 +79,24 @@ def test_a_read_at_a_publish_is_believed_only_as_far_as_a_read_goes(held, read, 
     assert is_unverified(got) is is_unverified(expected)
 
 
+async def test_a_label_moved_at_a_fingerprinted_publish_counts_where_the_check_says(tmp_path):
+    """e0 was pushed v6 before its publish (e1 was not). v6 is published with a fingerprint the
+    emulated engine cannot match: with fingerprint_mismatch = "warn" e0 is routed at v6 as its
+    label says (counted); with "resync" it is STALE under a label never published. Either way
+    e1, at v5 and within the bound, keeps serving at v5."""
+    for action, routed in (("warn", ["e0", "e1"]), ("resync", ["e1"])):
+        async with fleets(tmp_path) as fleet_at:
+            sup = await fleet_at([5, 5], mode="async", max_staleness=1, fingerprint_mismatch=action)
+            await sup.fleet.publish_weights(5, None)
+            e0, e1 = sup.fleet.runners["e0"], sup.fleet.runners["e1"]
+            await set_label(e0.spec.base_url, 6)
+            await sup.fleet.publish_weights(6, None, fingerprint())
+            assert [r.name for r in sup.fleet.routable()] == routed, (action, e0.state, e0.weight_version)
+            assert e0.weight_version == (6 if action == "warn" else unverified(6))
+            assert e1.weight_version == 5 and e1.state is State.RUNNING
+            assert sup.stats.fingerprint_mismatches.get("publish") == 1
+
+
 def fingerprint():
     return parse({"prompts": [[5, 6, 7], [8, 9]], "logprobs": [[-1.0, -2.0], [-3.0]], "tolerance": 1e-4})
 
