@@ -338,7 +338,8 @@ class Config:
         help="warm spares: K engines beyond the routing target kept in STANDBY, promoted in the gap after a "
              "failure (default {default})",
         doc="warm spares: K of the engines kept beyond the routing target in STANDBY, promoted in the gap after a "
-            "failure ([Warm spares](concepts.md#warm-spares)); on GPU each spare holds its GPUs all the time")
+            "failure (in async mode at once) ([Warm spares](concepts.md#warm-spares)); on GPU each spare holds its "
+            "GPUs all the time")
     # When a spare gets the current weights: "promotion" (synced when it takes a place: no
     # cost while nothing fails) or "publish" (synced in every gap after a publish, like a
     # serving engine: one more receiver per push, a promotion without a sync). Not given:
