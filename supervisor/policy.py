@@ -134,14 +134,13 @@ class FleetPolicy:
 
     def spares_wanted(self, *, current_spares: int = 0, behind: int = 0) -> int:
         """How many spares to promote now: in a round gap (membership changes there; in async
-        mode at any time, `gated`), or inside
-        a round with admit_mid_round, where only spares at the current version may serve (one
-        behind would need a sync, which waits for the gap). The places of engines that failed;
-        and, in a gap, while spares at the current version are left, one for each active
-        engine that booted `behind` it (a restart during the round): a current spare serves at
-        once, where the engine behind would need a sync first (it is parked, or synced as a
-        spare, instead). Engines a publish left behind are not counted: spares kept current are
-        synced with them."""
+        mode at any time, `gated`), or inside a round with admit_mid_round, where only spares
+        at the current version may serve (one behind would need a sync, which waits for the
+        gap). The places of engines that failed; and, in a gap, while spares at the current
+        version are left, one for each active engine that booted `behind` it (a restart during
+        the round): a current spare serves at once, where the engine behind would need a sync
+        first (it is parked, or synced as a spare, instead). Engines a publish left behind are
+        not counted: spares kept current are synced with them."""
         if self.target is None:
             return 0
         short = max(0, self.target - self.active)
@@ -151,8 +150,7 @@ class FleetPolicy:
 
     def may_restart(self, *, spare: bool = False) -> tuple[bool, str | None]:
         """A dead engine restarts in a round gap (in async mode at once: `gated`); during round
-        N it waits for its end. A spare
-        lost in STANDBY restarts at once: it served nothing, so its restart leaves the round's
+        N it waits for its end. A spare lost in STANDBY restarts at once: it served nothing, so its restart leaves the round's
         membership alone, and waiting would leave the fleet without a spare for a whole round
         (were it needed before the gap, it joins in the gap like any restart: `hold_reason`)."""
         if not self.use_fault_tolerance:

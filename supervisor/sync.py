@@ -120,8 +120,9 @@ class SyncCoordinator(Listener):
             self.consider(runner)
 
     def promote_spares(self) -> None:
-        """In a round gap (in async mode at once), spares take the places of engines that failed: those already at the
-        current version first (RUNNING at once), then the others (STALE: synced, verified).
+        """In a round gap (in async mode at once), spares take the places of engines that
+        failed: those already at the current version first (RUNNING at once), then the others
+        (STALE: synced, verified).
         Inside a round with admit_mid_round, only those at the current version. "Current": at
         a version the mode allows (FleetPolicy.allows)."""
         fleet = self.fleet
@@ -144,9 +145,9 @@ class SyncCoordinator(Listener):
 
     def sync_spares(self) -> None:
         """With spares kept current (spares_sync = "publish"), in a gap (in async mode at any
-        time): spares behind the
-        current version (restarted inside a round, parked there) go STALE to be synced as
-        serving engines are. After promote_spares: a current spare is promoted first."""
+        time): spares behind the current version (restarted inside a round, parked there) go
+        STALE to be synced as serving engines are. After promote_spares: a current spare is
+        promoted first."""
         fleet = self.fleet
         version = fleet.current_version
         if fleet.cfg.spares_sync != "publish" or fleet.policy.gated or version is None:
