@@ -32,6 +32,7 @@ from . import knobs
 from .settings import (MAX_REQUESTS, RESTART_LOAD, ROUTER_ARGS, SECTIONS, SETTINGS, SPARES_SYNC,
                        Config, EngineDefaults, EngineSpec, ProbePolicy, RestartPolicy, RouterConfig, WarmupPolicy,
                        WeightsPolicy)
+from .states import WeightsMode
 
 # sockaddr_un.sun_path is 108 bytes, the terminating NUL included.
 MAX_SOCKET_PATH = 107
@@ -209,6 +210,7 @@ def build(raw: dict[str, Any], overrides: dict[str, Any] | None = None, *, base_
     _check_counts(sup, sup_bad, engines, problems)
     router = _router(tables["router"], base_dir, problems, warnings) if router_given else None
     weights = _weights(tables["weights"], problems, warnings)
+    _spares_sync_default(sup, weights, warnings)
     if problems:
         raise ConfigError(problems)
     return Config(
@@ -270,6 +272,20 @@ def _weights(table: dict[str, Any], problems: list[str], warnings: list[str]) ->
                         "only the current version serves")
     bad = knobs.check(SETTINGS["weights"], table, problems)
     return WeightsPolicy(**{k: v for k, v in table.items() if k not in bad})
+
+
+def _spares_sync_default(sup: dict[str, Any], weights: WeightsPolicy, warnings: list[str]) -> None:
+    """spares_sync not given: "publish" in async mode, where a promotion must not wait for a
+    sync (docs/concepts.md#warm-spares); "promotion" in sync mode. Given as "promotion" in
+    async mode with spares: warned (a promoted spare outside the bound serves only once synced)."""
+    if weights.mode != WeightsMode.ASYNC.value:
+        return
+    if "spares_sync" not in sup:
+        sup["spares_sync"] = "publish"
+    elif sup["spares_sync"] == "promotion" and sup.get("spares"):
+        warnings.append("spares_sync = \"promotion\" in async mode: a spare more than max_staleness versions behind "
+                        "is synced when it is promoted, so a failed engine's place is filled only after a sync; "
+                        "leave spares_sync unset (async mode's default, \"publish\") to keep spares within the bound")
 
 
 def _check_supervisor(sup: dict[str, Any], problems: list[str], warnings: list[str]) -> set[str]:

@@ -198,7 +198,7 @@ class PushVerbs(Protocol):
 
     def begin(self, version: int, engines: list[str], nbytes: int, deadline_s: float) -> dict[str, Any]: ...
 
-    def end(self, push_id: str, ok: bool, failed: dict[str, str]) -> dict[str, Any] | None: ...
+    async def end(self, push_id: str, ok: bool, failed: dict[str, str]) -> dict[str, Any] | None: ...
 
     def in_flight(self) -> list[dict[str, Any]]: ...
 
@@ -655,7 +655,7 @@ class ControlServer:
         if not all(isinstance(v, str) for v in failed.values()):
             raise ApiError(400, ErrorCode.BAD_REQUEST, 'failed must map engine names to why (strings): {"name": "why"}')
         _note(request, ok=body["ok"], failed=sorted(failed))
-        result = pushes.end(push_id, body["ok"], failed)
+        result = await pushes.end(push_id, body["ok"], failed)
         if result is None:
             raise ApiError(404, ErrorCode.UNKNOWN_PUSH, f"no push {push_id[:80]!r} in flight (ended already, or expired "
                            f"past its deadline); GET {PUSHES_PATH} lists those in flight")

@@ -194,7 +194,10 @@ class Fleet(Listener):
         """Bring `runner`'s part of the membership up to date: O(1), or O(log N) when it joins
         or leaves the routable set."""
         live = not runner.retired
-        part = (live and runner.state in ACTIVE, live and runner.serving, self.is_routable(runner))
+        # A spare being kept current is no place's holder: the place of an engine that fails
+        # meanwhile goes to a ready spare at once.
+        part = (live and runner.state in ACTIVE and not runner.syncing_as_spare, live and runner.serving,
+                self.is_routable(runner))
         was = self._parts.get(runner.name, (False, False, False))
         if part == was:
             return
@@ -293,11 +296,15 @@ class Fleet(Listener):
         runners = list(self.runners.values())
         keep = self.cfg.spares_sync == "publish"
         # Checked before V is current: no engine is routable at V while its check runs.
-        mismatched, unchecked = (await self._check_at_publish(runners, version, fingerprint) if fingerprint
-                                 else ({}, {}))
+        mismatched, unchecked, taken = (await self._check_at_publish(runners, version, fingerprint) if fingerprint
+                                        else ({}, {}, {}))
         self.policy.publish(version, checkpoint)
         self.fingerprint = None if fingerprint is None else (version, fingerprint)
-        await asyncio.gather(*(r.refresh_version() for r in runners))
+        # Read again, never believed further than a read goes: an unverified engine stays so, and
+        # a label at V counts only where V's fingerprint, if it has one, was run on it (relabel).
+        await asyncio.gather(*(r.refresh_version(checked=taken.get(r.name),
+                                                 fingerprinted=None if fingerprint is None else version)
+                               for r in runners))
         # Those at a version the mode no longer allows (sync: any but V; async: more than
         # max_staleness behind V); spares too when they are kept current (spares_sync =
         # "publish"), otherwise a spare is synced only if it is ever promoted. In async mode the
@@ -376,7 +383,7 @@ class Fleet(Listener):
                                                    seconds=round(seconds, 4))
         return (None if got.matches else got.describe()), True
 
-    async def verify_content(self, runner: EngineRunner, label: int | str | None) -> Verdict:
+    async def verify_content(self, runner: EngineRunner, label: int | str | None, at: str = "ready") -> Verdict:
         """An engine answering (ready, recovered) with /weight_info saying `label`: when that is
         the current version and it has a fingerprint, the fingerprint is run on it before the
         engine can be routable, and a mismatch is handled as `fingerprint_mismatch` says
@@ -392,30 +399,45 @@ class Fleet(Listener):
         why, computed = await self.check_fingerprint(runner, fp)
         verdict = fingerprints.judge(label, why, computed, self.cfg.fingerprint_mismatch)
         if verdict.mismatch is not None:
-            self.stats.fingerprint_mismatch("ready")
+            self.stats.fingerprint_mismatch(at)
             log.warning("fingerprint.mismatch", engine=runner.name, version=label, why=verdict.mismatch,
-                        action=self.cfg.fingerprint_mismatch, at="ready")
+                        action=self.cfg.fingerprint_mismatch, at=at)
         return verdict
 
+    def label_after_sync(self, version: int) -> int | str:
+        """What an engine synced to `version` and verified is taken to hold now: `version`, or
+        unverified(version) when another version became current meanwhile with a fingerprint
+        (only its outputs can be checked: an older version is not routable on a label alone,
+        fingerprints.unchecked)."""
+        current = self.policy.current_version
+        fingerprinted = None if current is None or self.fingerprint_of(current) is None else current
+        verdict = fingerprints.unchecked(version, fingerprinted, self.policy.rule)
+        return version if verdict is None or verdict.version is None else verdict.version
+
     async def _check_at_publish(self, runners: list[EngineRunner], version: int,
-                                fp: Fingerprint) -> tuple[dict[str, str], dict[str, str]]:
+                                fp: Fingerprint) -> tuple[dict[str, str], dict[str, str], dict[str, int]]:
         """The engines up (probed: serving, STALE or spares) whose /weight_info says `version`:
         those whose outputs do not match `fp` and those whose check was not computed, each
-        name -> why. Read concurrently."""
+        name -> why; and those taken to hold `version` (their outputs matched, or
+        fingerprint_mismatch = "warn": routed as the label says), name -> the incarnation
+        checked. Read concurrently."""
         up = [r for r in runners if r.probed]
+        warn = self.cfg.fingerprint_mismatch == "warn"
 
-        async def one(r: EngineRunner) -> tuple[str, int, str | None, bool]:
+        async def one(r: EngineRunner) -> tuple[str, int, str | None, bool, bool]:
             incarnation = r.incarnation
             if await r.prober.weight_version() != version:
-                return r.name, incarnation, None, True  # behind: goes STALE, synced and checked then
-            return (r.name, incarnation, *await self.check_fingerprint(r, fp))
+                return r.name, incarnation, None, True, False  # behind: goes STALE, synced and checked then
+            why, computed = await self.check_fingerprint(r, fp)
+            return r.name, incarnation, why, computed, why is None or computed and warn
 
         found = await asyncio.gather(*(one(r) for r in up))
         # Only about the incarnation checked: one that died meanwhile is a new engine.
-        failed = [(name, why, computed) for name, inc, why, computed in found
+        failed = [(name, why, computed) for name, inc, why, computed, _ in found
                   if why is not None and self.runners[name].incarnation == inc]
         return ({name: why for name, why, computed in failed if computed},
-                {name: why for name, why, computed in failed if not computed})
+                {name: why for name, why, computed in failed if not computed},
+                {name: inc for name, inc, _, _, ok in found if ok})
 
     def _fingerprint_mismatched(self, runners: list[EngineRunner], version: int,
                                 mismatched: dict[str, str]) -> list[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .errors import Conflict
-from .states import SYNC_RULE, VersionRule
+from .states import SYNC_RULE, VersionRule, WeightsMode
 
 Clock = Callable[[], float]
 
@@ -102,10 +102,19 @@ class FleetPolicy:
         self.round_open, self.round_since = False, self.clock()
         return True, f"round {n} ended; restarts and syncs may run until the next round starts"
 
+    @property
+    def gated(self) -> bool:
+        """Membership waits for the round's end: a round is open, in sync mode. In async mode
+        nothing waits for a gap (there is none to wait for; each sample carries the versions
+        that made it): a restart, a promotion and a sync happen at once, and an engine joins
+        routing as soon as it is verified at a version the rule allows, whether or not the
+        trainer still opens rounds."""
+        return self.round_open and self.rule.mode is WeightsMode.SYNC
+
     def hold_reason(self) -> str | None:
         """An engine that becomes ready during a round waits for the gap to join routing,
         unless engines may be admitted mid-round (it joins if it is at the current version)."""
-        if self.round_open and not self.admit_mid_round:
+        if self.gated and not self.admit_mid_round:
             return f"held out of routing until round {self.round} ends"
         return None
 
@@ -118,39 +127,40 @@ class FleetPolicy:
             return f"a spare: {self.serving}/{self.target} engines serving"
         return None
 
-    def park_reason(self) -> str | None:
+    def park_reason(self, *, counted: bool = True) -> str | None:
         """Why a ready engine behind the current version is parked as a spare instead of being
         synced: the other active engines (serving, or being synced to serve) already make
-        the target. The engine asking is itself active (STALE)."""
-        others = self.active - 1
+        the target. `counted`: the engine asking is itself counted active (STALE; not a spare
+        being kept current)."""
+        others = self.active - counted
         if self.target is not None and others >= self.target:
             return f"a spare: {others}/{self.target} engines active"
         return None
 
     def spares_wanted(self, *, current_spares: int = 0, behind: int = 0) -> int:
-        """How many spares to promote now: in a round gap (membership changes there), or inside
-        a round with admit_mid_round, where only spares at the current version may serve (one
-        behind would need a sync, which waits for the gap). The places of engines that failed;
-        and, in a gap, while spares at the current version are left, one for each active
-        engine that booted `behind` it (a restart during the round): a current spare serves at
-        once, where the engine behind would need a sync first (it is parked, or synced as a
-        spare, instead). Engines a publish left behind are not counted: spares kept current are
-        synced with them."""
+        """How many spares to promote now: in a round gap (membership changes there; in async
+        mode at any time, `gated`), or inside a round with admit_mid_round, where only spares
+        at the current version may serve (one behind would need a sync, which waits for the
+        gap). The places of engines that failed; and, in a gap, while spares at the current
+        version are left, one for each active engine that booted `behind` it (a restart during
+        the round): a current spare serves at once, where the engine behind would need a sync
+        first (it is parked, or synced as a spare, instead). Engines a publish left behind are
+        not counted: spares kept current are synced with them."""
         if self.target is None:
             return 0
         short = max(0, self.target - self.active)
-        if self.round_open:
+        if self.gated:
             return min(short, current_spares) if self.admit_mid_round else 0
         return max(short, min(short + behind, current_spares))
 
     def may_restart(self, *, spare: bool = False) -> tuple[bool, str | None]:
-        """A dead engine restarts in a round gap; during round N it waits for its end. A spare
-        lost in STANDBY restarts at once: it served nothing, so its restart leaves the round's
+        """A dead engine restarts in a round gap (in async mode at once: `gated`); during round
+        N it waits for its end. A spare lost in STANDBY restarts at once: it served nothing, so its restart leaves the round's
         membership alone, and waiting would leave the fleet without a spare for a whole round
         (were it needed before the gap, it joins in the gap like any restart: `hold_reason`)."""
         if not self.use_fault_tolerance:
             return False, "fault tolerance off: not restarted"
-        if self.round_open and not self.restart_immediately and not spare:
+        if self.gated and not self.restart_immediately and not spare:
             return False, f"restart after round {self.round}"
         return True, None
 

@@ -468,6 +468,10 @@ class PushEndResult(TypedDict):
     engines: list[str]
     failed: dict[str, str]  # receivers the trainer reports failed, and why
     condemned: dict[str, str]  # receivers the daemon condemned during it (paused past its deadline), and why
+    # Each receiver's weight version as the daemon holds it once its /weight_info was read again
+    # (a receiver relabelled out of the rule is out of routing; the push's version before it
+    # is published is not taken up: the publish reads it). A cluster's answer has it per node.
+    weight_versions: NotRequired[dict[str, int | str | None]]
 
 
 class Incident(TypedDict):

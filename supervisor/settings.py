@@ -338,15 +338,20 @@ class Config:
         help="warm spares: K engines beyond the routing target kept in STANDBY, promoted in the gap after a "
              "failure (default {default})",
         doc="warm spares: K of the engines kept beyond the routing target in STANDBY, promoted in the gap after a "
-            "failure ([Warm spares](concepts.md#warm-spares)); on GPU each spare holds its GPUs all the time")
+            "failure (in async mode at once) ([Warm spares](concepts.md#warm-spares)); on GPU each spare holds its "
+            "GPUs all the time")
     # When a spare gets the current weights: "promotion" (synced when it takes a place: no
     # cost while nothing fails) or "publish" (synced in every gap after a publish, like a
-    # serving engine: one more receiver per push, a promotion without a sync).
+    # serving engine: one more receiver per push, a promotion without a sync). Not given:
+    # "publish" in async mode (config._spares_sync_default), where nothing waits for a gap.
     spares_sync: str = knob(
         "promotion", flag="--spares-sync", choices=SPARES_SYNC,
-        help="when spares get new weights: at promotion (default) or after every publish",
-        doc="when spares get new weights: when one takes a place (nothing spent while nothing fails), or in every "
-            "gap after a publish (one more receiver per push)")
+        doc_default='`"promotion"` (async mode: "publish")',
+        help="when spares get new weights: at promotion (default in sync mode) or after every publish (default "
+             "in async mode)",
+        doc="when spares get new weights: when one takes a place (nothing spent while nothing fails), or after "
+            "every publish that leaves them outside the versions the mode allows (one more receiver per push; a "
+            "promotion with no sync: [Warm spares](concepts.md#warm-spares))")
     # How a restarted engine gets its weights: "model" (read from disk, as at its first start)
     # or "dummy" (vLLM's dummy weights when the trainer's agent is connected to push every
     # tensor: no checkpoint read; a normal restart when no push can come).

@@ -33,7 +33,7 @@ from .fleet import Fleet, validate_checkpoint_off_loop
 from .engine.fsm import vlabel
 from .states import Transition
 from .protocol import Event, to_deadline
-from .states import ACTIVE, Cause, State
+from .states import ACTIVE, Cause, State, VersionRule
 from .tasks import TaskSet, sleep_until, within
 
 S = State
@@ -53,6 +53,8 @@ def _why(e: BaseException, timeout: float) -> str:
 
 def _when(fleet: Fleet) -> str:
     """When membership may grow now, as a transition's reason says it."""
+    if fleet.round_open and not fleet.policy.gated:
+        return "async mode: no round gap to wait for"
     if fleet.round is None:
         return "no round yet"
     if fleet.round_open:
@@ -118,8 +120,9 @@ class SyncCoordinator(Listener):
             self.consider(runner)
 
     def promote_spares(self) -> None:
-        """In a round gap, spares take the places of engines that failed: those already at the
-        current version first (RUNNING at once), then the others (STALE: synced, verified).
+        """In a round gap (in async mode at once), spares take the places of engines that
+        failed: those already at the current version first (RUNNING at once), then the others
+        (STALE: synced, verified).
         Inside a round with admit_mid_round, only those at the current version. "Current": at
         a version the mode allows (FleetPolicy.allows)."""
         fleet = self.fleet
@@ -141,29 +144,30 @@ class SyncCoordinator(Listener):
             runner.promote(why, version)
 
     def sync_spares(self) -> None:
-        """With spares kept current (spares_sync = "publish"), in a gap: spares behind the
-        current version (restarted inside a round, parked there) go STALE to be synced as
-        serving engines are. After promote_spares: a current spare is promoted first."""
+        """With spares kept current (spares_sync = "publish"), in a gap (in async mode at any
+        time): spares behind the current version (restarted inside a round, parked there) go
+        STALE to be synced as serving engines are. After promote_spares: a current spare is
+        promoted first."""
         fleet = self.fleet
         version = fleet.current_version
-        if fleet.cfg.spares_sync != "publish" or fleet.round_open or version is None:
+        if fleet.cfg.spares_sync != "publish" or fleet.policy.gated or version is None:
             return
         for runner in list(fleet.runners.values()):
             if runner.state is S.STANDBY and not runner.retired and not fleet.policy.allows(runner.weight_version):
                 runner.mark_outdated(version)
 
     def consider(self, runner: EngineRunner) -> None:
-        """A STALE engine in a gap: release it if it already holds a version the mode allows
-        (the current one in sync mode), otherwise ask the agents for a push of the current
-        version, or reload it from the checkpoint."""
+        """A STALE engine in a gap (in async mode at any time): release it if it already holds a
+        version the mode allows (the current one in sync mode), otherwise ask the agents for a
+        push of the current version, or reload it from the checkpoint."""
         fleet = self.fleet
         version = fleet.current_version
         if runner.state is not S.STALE:
             return
         have = runner.weight_version
         allowed = fleet.policy.allows(have)
-        spare = fleet.policy.park_reason() if not allowed else None
-        if spare is not None and (fleet.cfg.spares_sync == "promotion" or fleet.round_open):
+        spare = fleet.policy.park_reason(counted=not runner.syncing_as_spare) if not allowed else None
+        if spare is not None and (fleet.cfg.spares_sync == "promotion" or fleet.policy.gated):
             # Not needed now: kept warm as it is, synced only if it is ever promoted; or, with
             # spares kept current, in the next gap (sync_spares). Inside a round too (a spare
             # restarted there): STANDBY is never routed, and left STALE it would count as an
@@ -171,14 +175,14 @@ class SyncCoordinator(Listener):
             when = "when promoted" if fleet.cfg.spares_sync == "promotion" else f"after round {fleet.round}"
             runner.park(f"weights {vlabel(have)}, current {vlabel(version)}: synced {when}; {spare}")
             return
-        if fleet.round_open and not fleet.policy.admit_mid_round:
+        if fleet.policy.gated and not fleet.policy.admit_mid_round:
             if not allowed:
                 runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; sync after round {fleet.round}")
             return
         if allowed or version is None:  # nothing published: every version is allowed
             runner.release(_when(fleet), version)
             return
-        if fleet.round_open:
+        if fleet.policy.gated:
             # Admitted mid-round once verified at the round's version. A checkpoint reload is
             # exactly that version; the trainer agent's push waits for the gap, as the tensors
             # it would read may already be past the round's version in a pipelined loop.
@@ -241,7 +245,7 @@ class SyncCoordinator(Listener):
             raise Conflict(f"version {version} is not current ({vlabel(fleet.current_version)}); push the current version")
         if runner.state is not S.STALE:
             raise Conflict(f"{runner.name} is {runner.state.value}, not STALE: nothing to sync")
-        if fleet.round_open:
+        if fleet.policy.gated:
             raise Conflict(f"round {fleet.round} is open; syncs run in the gap after it")
         runner.begin_sync(f"trainer agent pushing {vlabel(version)}")  # SYNCING is never probed
         self._asked.pop(runner.name, None)
@@ -311,15 +315,21 @@ class SyncCoordinator(Listener):
                     self._poisoned(runner, f"{how}, /weight_info says {vlabel(version)}, but {mismatch}",
                                    Cause.FINGERPRINT)
                     return
+        # Judged now, with the version current now: a publish that landed during the sync (the
+        # push, the reload, the checks above all await) may leave `version` outside the rule,
+        # or not routable on its label alone (a newer version's fingerprint is in force). Then
+        # it never serves in between: STALE, and synced again.
+        label = self.fleet.label_after_sync(version)
+        if not self.fleet.policy.allows(label):
+            current = self.fleet.current_version
+            runner.sync_overtaken(label, current, how)
+            log.info("sync.overtaken", engine=runner.name, version=version, label=label, current=current, how=how,
+                     **extra)
+            self.consider(runner)
+            return
         runner.finish_sync(version, hold=self.fleet.hold_reason())
         log.info("sync.verified", engine=runner.name, version=version, how=how, **extra)
         self.fleet.emit(Event.SYNC_VERIFIED, engine=runner.name, version=version, how=how, **extra)
-        current = self.fleet.current_version
-        # A newer version was published meanwhile, and the mode does not allow this one.
-        if current is not None and not self.fleet.policy.allows(version):
-            if runner.state is S.RUNNING:
-                runner.mark_outdated(current)
-            self.consider(runner)
 
     def _poisoned(self, runner: EngineRunner, why: str, cause: Cause = Cause.SYNC_FAILED) -> None:
         log.warning("sync.poisoned", engine=runner.name, why=why)
@@ -351,6 +361,7 @@ class Push:
     began: float
     grace: float = PUSH_GRACE  # past the deadline, until it expires
     condemned: dict[str, str] = field(default_factory=dict)  # receivers condemned during it: why
+    incarnations: dict[str, int] = field(default_factory=dict)  # each receiver's, as announced
 
     @property
     def deadline(self) -> float:
@@ -364,6 +375,20 @@ class Push:
         return {"push": self.id, "version": self.version, "engines": list(self.engines), "bytes": self.nbytes,
                 "deadline_s": self.deadline_s, "age_s": round(now - self.began, 3),
                 "remaining_s": round(self.deadline - now, 3)}
+
+
+def taken_up_after_push(held: int | str | None, read: int | str | None, push_version: int,
+                        current: int | None) -> bool:
+    """Pure: is what a receiver's /weight_info says at its push's end taken up now (checked as
+    a ready engine is, and the engine relabelled: it leaves routing if the rule does not allow
+    it)? Not when it says what the engine was taken to hold already; nor when it says the push's
+    version before that is published (pushed, then published, as the trainer does): an engine
+    is never routable at a version not published yet, and is not taken out of routing for
+    holding it early; the publish reads and checks it again."""
+    if read == held:
+        return False
+    lag = VersionRule.lag(read, current)
+    return not (read == push_version and lag is not None and lag < 0)
 
 
 class PushBook:
@@ -466,6 +491,7 @@ class PushCoordinator(Listener):
         push = self.book.announce(version, engines, nbytes, deadline_s, self.fleet.current_version)
         for name in push.engines:
             self.fleet.runners[name].push_announced(push.id, push.deadline_s)
+            push.incarnations[name] = self.fleet.runners[name].incarnation
         self._timers[push.id] = self._tasks.spawn(self._expire(push), name=f"push-expiry:{push.id}")
         self.fleet.stats.push_announced(len(push.engines))
         log.info("push.begin", push=push.id, version=version, engines=list(push.engines), bytes=nbytes,
@@ -474,9 +500,11 @@ class PushCoordinator(Listener):
                         deadline_s=push.deadline_s)
         return {"push": push.id, "version": version, "deadline_s": push.deadline_s, "engines": list(push.engines)}
 
-    def end(self, push_id: str, ok: bool, failed: dict[str, str]) -> dict[str, Any] | None:
+    async def end(self, push_id: str, ok: bool, failed: dict[str, str]) -> dict[str, Any] | None:
         """None: no such push in flight. BadRequest for a `failed` that contradicts the push
-        (nothing changes)."""
+        (nothing changes). Answered once every receiver's /weight_info was read again: a
+        trainer that updates the fleet in waves (trainer/inflight.py) ends each wave's push
+        before the next, so the daemon's labels follow the engines, not the trainer's word."""
         push = self.book.get(push_id)
         if push is None:
             return None
@@ -505,7 +533,39 @@ class PushCoordinator(Listener):
                   "failed": dict(failed), "condemned": dict(push.condemned)}
         (log.info if ok else log.warning)("push.end", late=now >= push.deadline, **fields)
         self.fleet.emit(Event.PUSH_END, **fields)
-        return {**fields, "late": now >= push.deadline, "engines": list(push.engines)}
+        answer = {**fields, "late": now >= push.deadline, "engines": list(push.engines)}
+        answer["weight_versions"] = await self._read_again(push)
+        return answer
+
+    async def _read_again(self, push: Push) -> dict[str, int | str | None]:
+        """Each receiver still of the incarnation announced, serving or a spare: its
+        /weight_info read again, what it says taken up as taken_up_after_push decides (checked
+        by Fleet.verify_content, relabelled: out of routing if the rule does not allow it). The
+        labels the daemon holds after it, by receiver (the ones not read: as they were)."""
+        fleet = self.fleet
+
+        def same(runner: EngineRunner, incarnation: int | None) -> bool:
+            return runner.incarnation == incarnation and (runner.serving or runner.state is S.STANDBY)
+
+        async def one(name: str) -> None:
+            runner = fleet.runners.get(name)
+            if runner is None or not same(runner, push.incarnations.get(name)):
+                return
+            held = runner.weight_version
+            read = await runner.prober.read_weight_version()
+            if not read.readable or not taken_up_after_push(held, read.version, push.version, fleet.current_version):
+                return
+            # A fingerprint of the current version is run as on a ready engine (a mismatch:
+            # counted with the syncs' checks, handled as fingerprint_mismatch says).
+            verdict = await fleet.verify_content(runner, read.version, at="sync")
+            if not same(runner, push.incarnations.get(name)) or runner.weight_version is not held:
+                return  # moved meanwhile (a death, a publish's read, a sync): that verdict stands
+            log.info("push.reread", engine=name, push=push.id, held=held, read=read.version, label=verdict.version,
+                     current=fleet.current_version)
+            runner.relabelled(verdict, f"/weight_info read after push {push.id} (v{push.version})")
+
+        await asyncio.gather(*(one(n) for n in push.engines))
+        return {n: fleet.runners[n].weight_version for n in push.engines if n in fleet.runners}
 
     async def _expire(self, push: Push) -> None:
         await sleep_until(push.expires, self.book.clock)

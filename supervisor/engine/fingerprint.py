@@ -22,7 +22,7 @@ from ..protocol import BF16_GPU_TOLERANCE, FP32_CPU_TOLERANCE
 from ..states import VersionRule
 
 __all__ = ["Fingerprint", "FingerprintError", "Comparison", "Verdict", "parse", "request_body", "observed", "compare",
-           "probe", "judge", "unverified", "republished", "unchecked", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE", "MAX_PROMPTS", "MAX_PROMPT_TOKENS", "MAX_TOKEN_ID"]
+           "probe", "judge", "unverified", "is_unverified", "relabel", "republished", "unchecked", "FP32_CPU_TOLERANCE", "BF16_GPU_TOLERANCE", "MAX_PROMPTS", "MAX_PROMPT_TOKENS", "MAX_TOKEN_ID"]
 
 # The largest fingerprint these allow (8 x 128 tokens, ids up to MAX_TOKEN_ID, each logprob
 # at its longest JSON) is about 39 KB as JSON, so a publish carrying it fits the control
@@ -147,10 +147,13 @@ def compare(fp: Fingerprint, got: list[list[float]]) -> Comparison:
     return Comparison(worst, where, fp.tolerance)
 
 
+_UNVERIFIED = "-unverified"
+
+
 def unverified(version: int) -> str:
     """The weight version an engine is taken to hold when its label says `version` but its
     outputs were not shown to match: never a published version, so it is synced again."""
-    return f"{version}-unverified"
+    return f"{version}{_UNVERIFIED}"
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,31 @@ def unchecked(label: int | str | None, fingerprinted: int | None, rule: VersionR
     if rule.allows(label, fingerprinted):
         return Verdict(unverified(label))
     return Verdict(label)
+
+
+def is_unverified(label: int | str | None) -> bool:
+    """Is `label` an unverified(version) label (never a published version)?"""
+    return isinstance(label, str) and label.endswith(_UNVERIFIED)
+
+
+def relabel(held: int | str | None, read: int | str | None, *, checked: bool, fingerprinted: int | None,
+            rule: VersionRule) -> int | str | None:
+    """Pure: the weight version an engine is taken to hold when its /weight_info is read again
+    at a publish (`held`: what it was taken to hold; `read`: what the route says now; `checked`:
+    its outputs matched the published version's fingerprint at this publish; `fingerprinted`:
+    the published version, when it has a fingerprint). A read is not a verification: an
+    unverified engine stays unverified at what it says now (only a sync, checked, verifies it),
+    and a label that moved since the engine was verified is believed only where a label alone
+    is (fingerprints.unchecked): never at a fingerprinted version its outputs were not checked at."""
+    if checked or read == held:
+        return read
+    if is_unverified(held):
+        return unverified(read) if isinstance(read, int) and not isinstance(read, bool) else held
+    verdict = unchecked(read, fingerprinted, rule)
+    if verdict is None:  # it says the fingerprinted version, and was not checked at it
+        assert isinstance(read, int)
+        return unverified(read)
+    return verdict.version
 
 
 def judge(label: int, why: str | None, computed: bool, action: str) -> Verdict:

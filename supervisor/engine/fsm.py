@@ -401,6 +401,26 @@ class EngineFSM:
             return self._go(S.STALE, f"weights {vlabel(weight_version)}, verified; {hold}", Cause.VERIFIED)
         return self._go(S.RUNNING, f"weights {vlabel(weight_version)}, verified", Cause.VERIFIED)
 
+    def sync_overtaken(self, weight_version: int | str, current_version: int | None, how: str) -> Transition:
+        """A sync verified the engine at `weight_version`, but a version published meanwhile
+        makes it one `rule` does not allow (or, unverified, not on its label alone): STALE, out
+        of routing, to be synced again; it never serves in between."""
+        self.weight_version = weight_version
+        self.held = False
+        return self._go(S.STALE, f"{how}: weights {vlabel(weight_version)}, verified; {vlabel(current_version)} "
+                                 "was published meanwhile: synced again", Cause.OUTDATED)
+
+    def relabelled(self, weight_version: int | str | None, current_version: int | None, reason: str,
+                   rule: VersionRule = SYNC_RULE) -> Transition | None:
+        """Its /weight_info read again (an announced push's end) says it holds `weight_version`
+        (as checked): it goes on as it was at a version `rule` allows; serving or a spare at one
+        the rule does not allow, it is STALE (out of routing, synced again)."""
+        self.weight_version = weight_version
+        if rule.allows(weight_version, current_version) or self.state not in ROUTABLE | {S.STANDBY}:
+            return None
+        return self._go(S.STALE, f"{reason}: weights {vlabel(weight_version)}, current {vlabel(current_version)}",
+                        Cause.OUTDATED)
+
     def mark_unusable(self, reason: str, cause: Cause) -> Transition:
         """Records the decision only: UNHEALTHY now (poisoned: a failed sync, or the
         trainer's report), never routed. Stopping it is the runner's (EngineRunner.condemn)."""

@@ -27,7 +27,7 @@ from .activity import sample_group
 from ..config import Config, EngineSpec
 from ..events import EventBus
 from .adoption import Adoption
-from .fingerprint import Verdict, unverified
+from .fingerprint import Verdict, relabel, unverified
 from .fsm import EngineFSM, PushWindow, vlabel
 from .heartbeat import HeartbeatSchedule
 from .probes import Prober
@@ -111,6 +111,9 @@ class EngineRunner:
         self._stop_reason: str | None = None  # set by an operator's stop: ends in STOPPED
         self.adoption = Adoption()  # what a previous daemon image left of it (adopt, restore)
         self._lost_as_spare = False  # it left STANDBY dead, hung or stopping: restarts at once
+        # A spare kept current: taken out of STANDBY by a publish to be synced, still a spare
+        # (not active: a failed engine's place goes to a ready spare meanwhile).
+        self._syncing_as_spare = False
         self._fatal: str | None = None  # FATAL before a reload, under the same config: stays FATAL
         # restart_load = "dummy": whether a restart may boot on dummy weights now (the daemon
         # wires it: a trainer agent connected and a version published), whether this
@@ -180,6 +183,13 @@ class EngineRunner:
         return self.fsm.routable
 
     @property
+    def syncing_as_spare(self) -> bool:
+        """A spare a publish left behind (spares_sync = "publish"), being brought to a version
+        the rule allows (STALE, SYNCING): not serving, nor on its way to serve. It ends a spare
+        again, or serving if a place is still empty when it is verified."""
+        return self._syncing_as_spare and self.fsm.state in (S.STALE, S.SYNCING)
+
+    @property
     def booted_behind(self) -> bool:
         """STALE since its boot ended (a restart, on older weights than the current version),
         not marked behind by a publish: it takes a place in the fleet and needs a sync first."""
@@ -233,6 +243,10 @@ class EngineRunner:
     def _transition(self, t: Transition) -> None:
         if t.from_state is S.STANDBY or t.to_state in (S.STARTING, S.STALE, S.SYNCING, S.RUNNING):
             self._lost_as_spare = t.from_state is S.STANDBY and t.to_state in (S.UNHEALTHY, S.STOPPING, S.EXITED)
+        if t.from_state is S.STANDBY and t.to_state is S.STALE and t.cause is Cause.OUTDATED:
+            self._syncing_as_spare = True
+        elif t.to_state not in (S.STALE, S.SYNCING):
+            self._syncing_as_spare = False
         self._poke()
         kind = detection_kind(t)
         if kind:  # decided here, with the transition: on the stream before the transition itself
@@ -652,6 +666,14 @@ class EngineRunner:
     def push_ended(self, push: str) -> None:
         self.fsm.push_ended(push)
 
+    def relabelled(self, verdict: Verdict, reason: str) -> None:
+        """Read again after a push (checked as verify_content checks a ready engine): it holds
+        verdict.version; out of routing if the rule does not allow it, poisoned if its
+        fingerprint did not match."""
+        self.fsm.relabelled(verdict.version, self.policy.current_version, reason, rule=self.policy.rule)
+        if verdict.condemn is not None:
+            self.condemn_and_stop(verdict.condemn, Cause.FINGERPRINT)
+
     def begin_sync(self, reason: str) -> None:
         self.fsm.sync_started(reason)
 
@@ -686,6 +708,10 @@ class EngineRunner:
     def finish_sync(self, version: int, hold: str | None = None) -> None:
         self.dummy_weights = False  # every tensor pushed and verified: real weights from here on
         self.fsm.sync_finished(version, hold=hold, spare=self._spare())
+
+    def sync_overtaken(self, label: int | str, current_version: int | None, how: str) -> None:
+        """Verified at `label` by a sync, which a publish meanwhile left outside the rule: STALE."""
+        self.fsm.sync_overtaken(label, current_version, how)
 
     def release(self, why: str, current_version: int | None) -> None:
         """A held STALE engine joins routing (in a round gap) if it holds `current_version`,
@@ -797,10 +823,23 @@ class EngineRunner:
         self._stop_reason = None
         return "stopped" if fsm.state is S.STOPPED else f"not stopped: {fsm.state.value}"
 
-    async def refresh_version(self) -> None:
-        """Read the engine's weight version (vLLM /weight_info) if it is up."""
-        if self.fsm.probed or self.fsm.state is S.SYNCING:
-            self.fsm.weight_version = await self.prober.weight_version()
+    async def refresh_version(self, *, checked: int | None = None, fingerprinted: int | None = None) -> None:
+        """Read the engine's weight version (vLLM /weight_info) again if it is up (a publish).
+        `checked`: the incarnation the published version's fingerprint (`fingerprinted`, when
+        it has one) was run on at this publish and that is taken to hold it (it matched, or
+        fingerprint_mismatch = "warn"). What is read is taken as
+        fingerprint.relabel says (an unverified engine stays unverified), and only by the
+        incarnation, in the state, it was read for: a read that raced a death, a sync's end or
+        a promotion says nothing of what came after it."""
+        fsm = self.fsm
+        if not (fsm.probed or fsm.state is S.SYNCING):
+            return
+        incarnation, state = fsm.incarnation, fsm.state
+        read = await self.prober.weight_version()
+        if fsm.incarnation != incarnation or fsm.state is not state:
+            return
+        fsm.weight_version = relabel(fsm.weight_version, read, checked=checked == incarnation,
+                                     fingerprinted=fingerprinted, rule=self.policy.rule)
 
     def round_ended(self, n: int) -> None:
         """The gap: a dead engine may restart now (held STALE ones are the sync's to release)."""

@@ -395,9 +395,9 @@ VERDICTS = {
     "vime.supervisor.policy": ("FleetPolicy.allows",),
     "vime.supervisor.fleet": ("Fleet.publish_weights",),
     "vime.supervisor.sync": ("SyncCoordinator.promote_spares", "SyncCoordinator.sync_spares",
-                             "SyncCoordinator.consider"),
+                             "SyncCoordinator.consider", "SyncCoordinator._verify"),
     "vime.supervisor.engine.fsm": ("EngineFSM.became_ready", "EngineFSM.release", "EngineFSM.promote",
-                                   "EngineFSM.recovered"),
+                                   "EngineFSM.recovered", "EngineFSM.relabelled"),
     "vime.cluster.view": ("ClusterView.routable",),
 }
 ASKS_ONLY = {"vime.cluster.client": ("AsyncClusterClient._unacknowledged_out",)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import aiohttp
 import pytest
@@ -156,14 +157,14 @@ async def fleets(tmp_path):
     made: list[Supervisor] = []
 
     async def make(versions: list[int], mode: str = "sync", max_staleness: int = 1,
-                   router: RouterConfig | None = None) -> Supervisor:
+                   router: RouterConfig | None = None, **settings: Any) -> Supervisor:
         nonlocal engines
         session = aiohttp.ClientSession()  # on the test's loop
         sessions.append(session)
         engines = await InProcessEngines(versions).__aenter__()
         specs = tuple(EngineSpec(f"e{i}", url=u) for i, u in enumerate(engines.urls))
         cfg = Config(engines=specs, state_dir=str(tmp_path), log_dir=str(tmp_path), runtime_dir=str(tmp_path),
-                     min_healthy=0, weights=WeightsPolicy(mode, max_staleness), router=router)
+                     min_healthy=0, weights=WeightsPolicy(mode, max_staleness), router=router, **settings)
         sup = Supervisor(cfg)
         for spec, v in zip(specs, versions):
             r = sup.fleet.runners[spec.name] = EngineRunner(spec, cfg, sup.policy, sup.bus, session)
@@ -308,13 +309,11 @@ def test_the_cluster_view_applies_the_daemons_rule_and_the_strictest_of_several(
     assert v.rule is SYNC_RULE and v.names() == ["a/e0", "b/e0"]
 
 
-@pytest.mark.parametrize("mode, released", [("async", True), ("sync", False)])
-async def test_an_engine_held_through_a_round_joins_in_the_gap_at_a_version_the_rule_allows(tmp_path, mode, released):
-    """The sync coordinator's release asks the rule: an engine that came up during a round at
-    one version behind the current one joins routing in the gap in async mode; in sync mode it
-    stays STALE, to be synced first."""
+async def test_an_engine_ready_during_a_round_at_a_version_behind_is_held_then_stale_in_sync_mode(tmp_path):
+    """The sync coordinator's release asks the rule: an engine that came up during a round one
+    version behind the current one is held, and in the gap stays STALE, to be synced first."""
     async with fleets(tmp_path) as fleet_at:
-        sup = await fleet_at([5, 4], mode=mode, max_staleness=1)
+        sup = await fleet_at([5, 4], mode="sync", max_staleness=1)
         await sup.fleet.publish_weights(5, None)
         e1 = sup.fleet.runners["e1"]
         sup.fleet.start_round(1)
@@ -323,5 +322,20 @@ async def test_an_engine_held_through_a_round_joins_in_the_gap_at_a_version_the_
         e1.fsm.became_ready(4, 5, hold=sup.policy.hold_reason(), rule=sup.policy.rule)
         assert e1.state is State.STALE and e1.fsm.held
         sup.fleet.end_round(1)
-        assert (e1.state is State.RUNNING) is released
-        assert ([r.name for r in sup.fleet.routable()] == ["e0", "e1"]) is released
+        assert e1.state is State.STALE and [r.name for r in sup.fleet.routable()] == ["e0"]
+
+
+async def test_in_async_mode_a_round_holds_nothing_an_engine_joins_once_ready_at_an_allowed_version(tmp_path):
+    """Async mode has no round gap to wait for: rounds the trainer still opens gate nothing, so
+    an engine ready one version behind (within max_staleness) joins routing at once."""
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([5, 4], mode="async", max_staleness=1)
+        await sup.fleet.publish_weights(5, None)
+        e1 = sup.fleet.runners["e1"]
+        sup.fleet.start_round(1)
+        assert sup.policy.hold_reason() is None and sup.policy.may_restart() == (True, None)
+        e1.fsm.exited("gone")
+        e1.fsm.begin_start("restart", restart=True)
+        e1.fsm.became_ready(4, 5, hold=sup.policy.hold_reason(), rule=sup.policy.rule)
+        assert e1.state is State.RUNNING and not e1.fsm.held
+        assert [r.name for r in sup.fleet.routable()] == ["e0", "e1"]
