@@ -3,8 +3,9 @@ weight version, its checkpoint and fingerprint, the membership epoch, each engin
 verified version, the spawned router), written atomically whenever it changes (docs/operations.md).
 
 A journal is untrusted input: `load` checks it against the schema below, and one that does
-not fit is moved aside by the daemon, never half-used; only a bad weight_fingerprint is
-dropped alone (it is checked again once the trainer publishes the version with one).
+not fit is moved aside by the daemon, never half-used; only a bad weight_fingerprint (checked
+again once the trainer publishes the version with one) or a bad epoch (the wall-clock floor,
+policy.starting_epoch, keeps the next one ahead) is dropped alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import structlog
 from .engine.fingerprint import Fingerprint, FingerprintError
 from .engine.fingerprint import parse as parse_fingerprint
 from .fleet import Fleet
+from .policy import EPOCH_MAX
 from .engine.process import boot_id, engine_fingerprint
 from .router.link import RouterLink
 from .events import Listener
@@ -88,7 +90,6 @@ _BOOT_ID = boot_id()
 # with a 400-digit round made /v1/metrics answer 500 and every round call 409.
 _MAX = 2**63 - 1
 PID_MAX = 1 << 22  # the kernel's ceiling for pid_max
-EPOCH_MAX = 2**62  # room to count on past it
 
 
 def _int(v: Any, lo: int = 0, hi: int = _MAX) -> bool:
@@ -117,8 +118,7 @@ def validate(data: Any) -> list[str]:
     _check(not (is_open is True and rnd is None), "round_open", "true with no round number", is_open, p)
     v = data.get("weight_version")
     _check(v is None or _int(v), "weight_version", "must be null or an integer >= 0", v, p)
-    ep = data.get("epoch")  # an older daemon's journal has none
-    _check(ep is None or _int(ep, 0, EPOCH_MAX), "epoch", f"must be null or an integer 0..{EPOCH_MAX}", ep, p)
+    # epoch: epoch_problem (a bad one is dropped alone by `load`)
     ck = data.get("checkpoint")
     _check(ck is None or isinstance(ck, str), "checkpoint", "must be null or a path", ck, p)
     # weight_fingerprint: fingerprint_problem (a bad one is dropped alone by `load`)
@@ -185,6 +185,14 @@ def fingerprint_problem(data: dict[str, Any]) -> str | None:
     return None
 
 
+def epoch_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with a journal's epoch (None: nothing, or none there: an older daemon's)."""
+    ep = data.get("epoch")
+    if ep is None or _int(ep, 0, EPOCH_MAX):
+        return None
+    return f"epoch: must be null or an integer 0..{EPOCH_MAX}, got {ep!r:.80}"
+
+
 def fingerprint_of(data: dict[str, Any]) -> Fingerprint | None:
     """The current version's fingerprint in a journal that `validate` passed (None: none)."""
     wf = data.get("weight_fingerprint")
@@ -216,7 +224,7 @@ def write_atomic(path: Path, data: dict[str, Any]) -> None:
 
 def load(path: Path, *, warn: bool = True) -> dict[str, Any] | None:
     """The journal, or None if there is none. JournalError if it cannot be trusted. A bad
-    weight_fingerprint is dropped alone (said if `warn`)."""
+    weight_fingerprint or epoch is dropped alone (said if `warn`)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -242,6 +250,12 @@ def load(path: Path, *, warn: bool = True) -> dict[str, Any] | None:
             log.warning("journal.fingerprint_dropped", path=str(path), problem=bad,
                         action=("the rest of the journal is kept; engines are checked by their version label until "
                                 "the trainer publishes the current version again with its fingerprint"))
+    bad = epoch_problem(data)
+    if bad is not None:  # the next epoch starts from the wall clock alone (policy.starting_epoch)
+        del data["epoch"]
+        if warn:
+            log.warning("journal.epoch_dropped", path=str(path), problem=bad,
+                        action="the rest of the journal is kept; the membership epoch starts from the wall clock")
     return data
 
 
@@ -297,7 +311,8 @@ class JournalWriter(Listener):
             write_atomic(self.path, snapshot(self.fleet, self.router, path=self.path))
             self.writes += 1
         except OSError as e:  # a full disk must not take the daemon down; say so loudly
-            log.error("journal.write_failed", path=str(self.path), error=str(e))
+            # The epoch served goes on; the next daemon's wall-clock floor keeps it ahead.
+            log.error("journal.write_failed", path=str(self.path), error=str(e), epoch=self.fleet.epoch)
 
     async def close(self) -> None:
         self._writing = False

@@ -17,6 +17,26 @@ from .states import SYNC_RULE, VersionRule, WeightsMode
 
 Clock = Callable[[], float]
 
+# The membership epoch's ceiling, the journal's accepted range: every consumer keeps it as an
+# int64, and the wall-clock floor (milliseconds, ~1.8e12 now) is far below it for millions of
+# years. The epoch saturates here rather than write a value the next daemon would refuse.
+EPOCH_MAX = 2**62
+
+
+def starting_epoch(journaled: int | None, wall_ms: int) -> int:
+    """The first epoch of a daemon started (or reloaded) at wall-clock `wall_ms` (milliseconds
+    since 1970) from a journal whose last epoch is `journaled` (None: none, or a bad one dropped).
+
+    Past both the journaled epoch (its routable set starts empty: a change) and the wall clock:
+    a daemon starts at its start time in ms and counts one per membership change, so to reach
+    the next start's floor its fleet would need more than one change per millisecond on average
+    between the two starts. The floor is what holds when the journal is missing, bad, from an
+    older daemon without an epoch, or stale because a write failed. If the wall clock steps
+    back, the journaled + 1 term still holds as long as the journal was written; only a failed
+    write while the clock is behind can lose epochs (journal.write_failed says so)."""
+    after = 0 if journaled is None else journaled + 1
+    return min(EPOCH_MAX, max(after, wall_ms, 0))
+
 
 @dataclass(frozen=True)
 class Membership:
@@ -72,10 +92,10 @@ class FleetPolicy:
         self.round, self.round_open = round_number, bool(round_open)
         self.current_version, self.checkpoint = version, checkpoint
 
-    def resume_epoch(self, journaled: int) -> None:
-        """The previous daemon's last epoch (its journal's): this one's is past it, since its
-        routable set starts empty, and never below what a consumer already saw."""
-        self.epoch = max(self.epoch, journaled + 1)
+    def resume_epoch(self, journaled: int | None, wall_ms: int) -> None:
+        """The daemon's first epoch (starting_epoch): past the previous daemon's last one and
+        the wall clock at start, never below what this policy already counted."""
+        self.epoch = max(self.epoch, starting_epoch(journaled, wall_ms))
 
     # -- rounds ----------------------------------------------------------------------------
 
@@ -203,7 +223,7 @@ class FleetPolicy:
         changed = now != self.routable
         if changed:
             self.routable = now
-            self.epoch += 1
+            self.epoch = min(self.epoch + 1, EPOCH_MAX)  # saturates: a journal past it is refused
         breached = restored = False
         if len(now) >= self.min_healthy:
             self._floor_armed = True

@@ -39,6 +39,8 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
     """Before any runner starts: `fleet`'s runners exist, none runs. `generation`: reloads this
     process has been through (0: a fresh start, or a daemon restart)."""
     data = read_journal(path)
+    # Past the previous daemon's epoch and the wall clock, even with no usable journal.
+    fleet.policy.resume_epoch(None if data is None else data.get("epoch"), wall_ms=int(time.time() * 1000))
     adopted: list[str] = []
     gone: list[str] = []
     killed: list[tuple[int, int, set[int]]] = []
@@ -46,8 +48,6 @@ async def restore(fleet: Fleet, cfg: Config, path: Path, *, generation: int, rou
         fleet.restore(round_number=data.get("round"), round_open=bool(data.get("round_open")),
                       version=data.get("weight_version"), checkpoint=data.get("checkpoint"),
                       fingerprint=journal_mod.fingerprint_of(data))
-        if data.get("epoch") is not None:
-            fleet.policy.resume_epoch(data["epoch"])
         here, then = boot_id(), data.get("boot_id")
         # Pids and start times name processes of one boot only; without both ids (an
         # older journal) we cannot tell, so nothing is adopted or killed by pid.

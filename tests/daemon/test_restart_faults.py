@@ -17,11 +17,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 
 from vime.supervisor.engine.process import boot_id, proc_stat
+from vime.supervisor.policy import EPOCH_MAX
 from vime.supervisor.client import DaemonUnreachable, SupervisorClient
 from vime.harness.local_daemon import (
     Daemon, free_port, kill_all, live_pids_in_groups, standin_config, standin_model)
@@ -427,35 +428,80 @@ def test_journal_giving_one_engine_anothers_process_kills_neither(tmp_path, fake
 
 # -- the membership epoch across a daemon restart ----------------------------------------------
 
-def test_membership_epoch_goes_on_past_a_daemon_restart(tmp_path, fake_python, cleanup):
+def test_membership_epoch_goes_on_past_a_daemon_restart_even_after_a_failed_journal_write(
+        tmp_path, fake_python, cleanup):
     """A client that keeps the highest membership epoch it saw (a router feed, a cluster view)
     takes nothing at or below it: a daemon killed with -9 and started again answers past the
-    last epoch a client read from the one before, from its first answer on. (A reload restores
-    from the journal the same way; the journal of an older daemon, with no epoch, still loads:
-    fault 3's and the boot tests' hand-written ones.)"""
+    last epoch a client read from the one before, from its first answer on, even when that
+    epoch never reached the journal (every write failed, as on a full or read-only disk): the
+    wall-clock floor (policy.starting_epoch) keeps it ahead."""
     cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), free_port())])
     d = start(cfg, cleanup)
     d.transition("e0", "RUNNING", 30)
     cleanup[1].add(d.last_pid("e0"))
     client = SupervisorClient(sock(tmp_path))
+    blocker = journal_path(tmp_path).with_name("journal.json.tmp")
+    blocker.mkdir()  # every write fails from here
+    mark = d.mark()
+    os.kill(d.last_pid("e0"), signal.SIGKILL)  # out of routing and back: the epoch moves twice
+    d.transition("e0", "RUNNING", 30, after=mark)
+    cleanup[1].add(d.last_pid("e0"))
     seen = client.routable_engines()["epoch"]
-    assert seen >= 1
-    kill9(d)  # the journal had it before the client could read it
+    assert d.wait_for(lambda e: e.get("event") == "journal.write_failed", 5)
+    assert json.loads(journal_path(tmp_path).read_text())["epoch"] < seen  # the journal is behind
+    kill9(d)
+    blocker.rmdir()
 
     d = start(cfg, cleanup)
     (first,) = wait_until(lambda: _epoch_or_none(client), 30, "the restarted daemon answers")
-    assert first > seen
-    d.wait_for(lambda e: e.get("event") == "engine.adopted", 30)
-    d.transition("e0", "RUNNING", 30)
-    view = client.routable_engines()
-    assert [e["name"] for e in view["engines"]] == ["e0"] and view["epoch"] >= first
-    assert d.wait_for(lambda e: e.get("event") == "journal.restored", 1)["epoch"] > seen
+    assert first > seen, f"a client saw epoch {seen}; the next daemon answers {first}"
+    assert d.terminate(30) == 0
+
+
+def test_journal_epoch_at_its_ceiling_or_bad_keeps_the_journal(tmp_path, fake_python, cleanup):
+    """A journal at the epoch's ceiling is taken, and what the daemon started from it writes
+    (the epoch saturates there) is taken by the next one: nothing moved aside, the round kept.
+    A bad epoch is dropped alone (journal.epoch_dropped): the round is kept, the epoch starts
+    from the wall clock (as for an older daemon's journal, which has none)."""
+    cfg = config(tmp_path, fake_python, [spawned("e0", model_dir(tmp_path / "model"), free_port())])
+    client = SupervisorClient(sock(tmp_path))
+    write_journal(tmp_path, {}, boot=boot_id())  # round 2
+    data = json.loads(journal_path(tmp_path).read_text())
+    journal_path(tmp_path).write_text(json.dumps({**data, "epoch": EPOCH_MAX}))
+    d = start(cfg, cleanup)
+    d.transition("e0", "RUNNING", 30)  # a membership change, journaled
+    cleanup[1].add(d.last_pid("e0"))
+    assert client.routable_engines()["epoch"] == EPOCH_MAX
+    assert json.loads(journal_path(tmp_path).read_text())["epoch"] == EPOCH_MAX
+
+    kill9(d)
+    d = start(cfg, cleanup)  # over what that daemon wrote
+    (st,) = wait_until(lambda: _status_or_none(client), 30, "the restarted daemon answers")
+    assert (st["round"], st["epoch"]) == (2, EPOCH_MAX)
+
+    kill9(d)
+    data = json.loads(journal_path(tmp_path).read_text())
+    journal_path(tmp_path).write_text(json.dumps({**data, "epoch": "4"}))
+    floor = int(time.time() * 1000)
+    d = start(cfg, cleanup)
+    dropped = d.wait_for(lambda e: e.get("event") == "journal.epoch_dropped", 30)
+    assert "'4'" in dropped["problem"]
+    (st,) = wait_until(lambda: _status_or_none(client), 30, "the restarted daemon answers")
+    assert st["round"] == 2 and floor <= st["epoch"] < EPOCH_MAX
+    assert not list(journal_path(tmp_path).parent.glob("journal.json.corrupt-*"))
     assert d.terminate(30) == 0
 
 
 def _epoch_or_none(client: SupervisorClient) -> tuple[int] | None:
     try:
         return (client.routable_engines()["epoch"],)
+    except DaemonUnreachable:  # not listening yet
+        return None
+
+
+def _status_or_none(client: SupervisorClient) -> tuple[Any] | None:
+    try:
+        return (client.status(),)
     except DaemonUnreachable:  # not listening yet
         return None
 
