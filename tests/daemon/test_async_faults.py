@@ -5,7 +5,7 @@ router (tests/support/standin_router.py). The trainer keeps opening rounds: in a
 gate nothing.
 
 The same races driven one step at a time (a publish between a sync's push and its end, a
-publish's read of an unverified engine, a wave's push end) are in tests/unit/test_async_faults.py.
+publish's read of an unverified engine, a wave's push end) are in tests/unit/test_async_fault_rules.py.
 """
 
 from __future__ import annotations
