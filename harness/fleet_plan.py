@@ -266,3 +266,14 @@ def histogram_quantile(cum: Mapping[float, float], q: float) -> float:
         if cum[le] >= q * total:
             return le
     return float("inf")
+
+
+def per_bucket(cum: Mapping[float, float]) -> dict[str, float]:
+    """A cumulative histogram as counts per bucket (upper bound -> count in it alone), the
+    empty buckets left out: what a run's JSON keeps of the loop lag."""
+    out, below = {}, 0.0
+    for le in sorted(cum):
+        if cum[le] - below > 0:
+            out[f"{le:g}"] = cum[le] - below
+        below = max(below, cum[le])
+    return out
