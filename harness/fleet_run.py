@@ -128,7 +128,8 @@ class FleetRun:
         sup = {"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "python": str(python),
                "metrics_address": f"127.0.0.1:{self.metrics_port}", **self.tables["supervisor"]}
         sections: dict[str, dict[str, Any]] = {"supervisor": sup, "health_check": self.tables["health_check"],
-                                               "restart": self.tables["restart"], "engine_defaults": {"args": args}}
+                                               "restart": self.tables["restart"], "weights": self.tables["weights"],
+                                               "engine_defaults": {"args": args}}
         if warmup:
             sections["warmup"] = warmup
         if self.router:  # the daemon spawns vllm-router and keeps its list; no request goes through it

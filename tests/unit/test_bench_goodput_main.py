@@ -75,3 +75,11 @@ def test_per_bucket_turns_a_cumulative_histogram_into_counts(bench):
     inf = float("inf")
     assert per_bucket({0.01: 5.0, 0.05: 5.0, 0.1: 9.0, inf: 10.0}) == {"0.01": 5.0, "0.1": 4.0, "inf": 1.0}
     assert per_bucket({}) == {}
+
+
+def test_the_daemon_gets_the_policys_weights_mode_and_only_sync_runs():
+    from vime.harness.fleet_plan import Policy, Workload, daemon_tables
+
+    assert daemon_tables(Workload(engines=2), Policy("defaults"))["weights"] == {"mode": "sync"}
+    with pytest.raises(ValueError, match="sync mode only"):
+        Policy("async", weights_mode="async")
