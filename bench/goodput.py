@@ -59,15 +59,15 @@ import traceback
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from vime.harness import fleet_run  # noqa: E402  (bench/ is on sys.path when run; vime installed)
 from vime.harness.emulated_model import PARAMETERS
-from vime.harness.fault_clock import DEFAULT_WEIGHTS, HEADLINE_MTBF_S, STRESS_MTBF_S, FaultClock
+from vime.harness.fault_clock import DEFAULT_WEIGHTS, HEADLINE_MTBF_S, STRESS_MTBF_S, FaultClock, ScheduledFault
 from vime.harness.fleet_plan import INVALID_SHARE, WALL_FLOORS, Policy, Workload, policies, round_s, spares_for
 from vime.harness.goodput_ledger import FIGURES, MIN_SEEDS, Ledger, Spread, account, over_seeds
 
-FULL = Workload(engines=64, rounds=12, scale=0.05)
+FULL = Workload(engines=64, rounds=6, scale=0.2, poll_s=0.5)
 QUICK = Workload(engines=6, rounds=4, scale=0.02, poll_s=0.2)
 QUICK_SPARES = 2
 QUICK_MTBF_S = 1500.0  # engine seconds: a fault or two in the quick run's few minutes of engine time
@@ -114,8 +114,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 3; --quick 1)")
     ap.add_argument("--mtbf", type=mtbf_of, help="per-engine MTBF: headline (24 h), stress (1 h) or engine seconds "
                                                  "(default headline; --quick 1500)")
-    ap.add_argument("--rounds", type=int, help="steps per run (default 12; --quick 4)")
-    ap.add_argument("--time-scale", type=float, help="wall seconds per engine second (default 0.05; --quick 0.02)")
+    ap.add_argument("--rounds", type=int, help="steps per run (default 6; --quick 4)")
+    ap.add_argument("--time-scale", type=float, help="wall seconds per engine second (default 0.2; --quick 0.02)")
     ap.add_argument("--spares", type=int, help="everything-on's warm spares (default: sized from the MTBF)")
     ap.add_argument("--only", help="policies to run, comma-separated (fault-free always runs for ETTR)")
     ap.add_argument("--mutation", choices=sorted(MUTATION_FIGURE), help="a run whose must-be-zero figure must not be")
@@ -172,9 +172,20 @@ def _keep(tmp: Path, into: Path | None) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
-    logging.getLogger("vime").setLevel(logging.ERROR)  # the rollout client's re-sends: counted, not printed
+class Plan(NamedTuple):
+    """What one invocation runs: the workload, the seeds, the rate, the policies in order."""
+
+    w: Workload
+    seeds: list[int]
+    mtbf: float
+    spares: int
+    pols: dict[str, Policy]
+    names: list[str]
+
+
+def plan_of(a: argparse.Namespace) -> Plan:
+    """The run's plan from its flags (the --quick or full defaults filled in); ValueError names
+    an unknown policy."""
     base = QUICK if a.quick else FULL
     w = replace(base, **{k: v for k, v in (("engines", a.engines), ("rounds", a.rounds), ("scale", a.time_scale))
                          if v is not None})
@@ -184,106 +195,157 @@ def main(argv: list[str] | None = None) -> int:
     pols = policies(spares)
     if a.mutation:
         # One policy, no fault injected: whatever the must-be-zero figure counts is the mutation's.
-        names = ["defaults"]
-        pols = {"defaults": replace(pols["defaults"], faults=False)}
-    else:
-        wanted = [n.strip() for n in (a.only or ",".join(pols)).split(",") if n.strip()]
-        unknown = sorted(set(wanted) - set(pols))
-        if unknown:
-            print(f"unknown policies {unknown}; known: {', '.join(pols)}", file=sys.stderr)
-            return 2
-        names = ["fault-free", *[n for n in wanted if n != "fault-free"]]
-    step_s = round_s(w, PARAMETERS["step_base_s"].value, PARAMETERS["step_per_seq_s"].value) + w.train_s
-    horizon = 20 * (w.rounds * step_s + w.restart_s)  # engine seconds of schedule; a run ends long before
-    command = " ".join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)])
-    print(f"goodput on an emulated fleet: {w.engines} serving engines, {len(seeds)} seed(s), MTBF {mtbf:g} engine s "
-          f"per engine, time scale {w.scale:g}, everything-on spares {spares}"
-          + (f", mutation {a.mutation}" if a.mutation else ""), flush=True)
-    doc: dict[str, Any] = {
+        return Plan(w, seeds, mtbf, spares, {"defaults": replace(pols["defaults"], faults=False)}, ["defaults"])
+    wanted = [n.strip() for n in (a.only or ",".join(pols)).split(",") if n.strip()]
+    unknown = sorted(set(wanted) - set(pols))
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(pols)}")
+    return Plan(w, seeds, mtbf, spares, pols, ["fault-free", *[n for n in wanted if n != "fault-free"]])
+
+
+def header(a: argparse.Namespace, plan: Plan, command: str) -> dict[str, Any]:
+    """The JSON's fixed part: the command, the host, the frozen parameters; runs added later."""
+    return {
         "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
-        "workload": asdict(w), "mtbf_s": mtbf, "fault_weights": dict(DEFAULT_WEIGHTS), "spares": spares,
-        "mutation": a.mutation, "router": a.router, "policies": {n: asdict(pols[n]) for n in names},
+        "workload": asdict(plan.w), "mtbf_s": plan.mtbf, "fault_weights": dict(DEFAULT_WEIGHTS),
+        "spares": plan.spares, "mutation": a.mutation, "router": a.router,
+        "policies": {n: asdict(plan.pols[n]) for n in plan.names},
         "timing_parameters": {k: {"value": p.value, "unit": p.unit, "source": p.source} for k, p in PARAMETERS.items()},
         "wall_floors": {f"{t}.{k}": v for (t, k), v in WALL_FLOORS.items()}, "invalid_share": INVALID_SHARE,
         "runs": [], "figures": {}}
-    failed = []
-    ledgers: dict[str, list[tuple[Ledger, bool]]] = {n: [] for n in names}
-    keep = Path(a.keep) if a.keep else None
-    failed_dir = keep or Path(a.out).resolve().parent / "goodput-failed-runs"
-    t_bench = time.monotonic()
-    for seed in seeds:
-        schedule = FaultClock(seed=seed, engines=w.engines, duration_s=horizon, mtbf_s=mtbf,
+
+
+def run_line(g: Ledger, invalid: str | None) -> str:
+    return (f"    wall {g.wall_s:.1f} s, ETTR {'-' if g.ettr is None else f'{g.ettr:.3f}'}, failures {g.failures}, "
+            f"capacity lost {g.capacity_lost_s:.1f} s, rounds lost {g.rounds_lost}, stale {g.stale_samples}, "
+            f"false restarts {g.false_restarts}" + (f" [{', '.join(g.false[:3])}]" if g.false else "")
+            + (f"; INVALID: {invalid}" if invalid else ""))
+
+
+class Bench:
+    """The runs of one invocation, each policy of a seed on the same fault schedule."""
+
+    def __init__(self, a: argparse.Namespace, plan: Plan, doc: dict[str, Any]):
+        self.a, self.plan, self.doc = a, plan, doc
+        self.failed: list[str] = []
+        self.ledgers: dict[str, list[tuple[Ledger, bool]]] = {n: [] for n in plan.names}
+        self.keep = Path(a.keep) if a.keep else None
+        self.failed_dir = self.keep or Path(a.out).resolve().parent / "goodput-failed-runs"
+
+    def seed(self, seed: int) -> None:
+        w = self.plan.w
+        step_s = round_s(w, PARAMETERS["step_base_s"].value, PARAMETERS["step_per_seq_s"].value) + w.train_s
+        horizon = 20 * (w.rounds * step_s + w.restart_s)  # engine seconds of schedule; a run ends long before
+        schedule = FaultClock(seed=seed, engines=w.engines, duration_s=horizon, mtbf_s=self.plan.mtbf,
                               scale=w.scale).schedule()
         base_wall: float | None = None
-        for name in names:
-            pol: Policy = pols[name]
-            print(f"  {name}, seed {seed}:", flush=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f"goodput-{name}-{seed}-"))
-            t0 = time.monotonic()
-            try:
-                out = fleet_run.run(w, pol, schedule, seed, tmp, mutation=a.mutation, router=a.router,
-                                    say=lambda m: print(m, flush=True))
-            except Exception as e:
-                failed.append(f"{name} seed {seed}: {e}")
-                print(f"    FAILED: {e} (its folder kept in {failed_dir})", flush=True)
-                traceback.print_exc()
-                doc["runs"].append({"policy": name, "seed": seed, "error": str(e)})
-                _keep(tmp, failed_dir)
-                continue
-            except BaseException:
-                _keep(tmp, failed_dir)
-                raise
-            if name == "fault-free" or a.mutation:
-                base_wall = out.record.end - (out.record.work_start or out.record.launched_at)
-            g = account(out.record, base_wall)
-            # A run that broke a must-be-zero figure keeps its folder (the daemon's and engines' logs)
-            suspect = not a.mutation and any(getattr(g, f) for f in MUST_BE_ZERO)
-            _keep(tmp, failed_dir if keep is not None or suspect or out.problems else None)
-            ledgers[name].append((g, out.invalid is None))
-            if out.problems:
-                failed.append(f"{name} seed {seed}: {out.problems}")
-            doc["runs"].append({"policy": name, "seed": seed, "took_s": round(time.monotonic() - t0, 1),
-                                "invalid": out.invalid, "loop_lag_p99_s": out.lag_p99_s,
-                                "sched_delay_p99_s": out.delay_p99_s, "intervals_s": out.intervals,
-                                "daemon_config": out.daemon_config, "faults": out.faults_injected,
-                                "problems": out.problems, "ledger": ledger_dict(g)})
-            print(f"    wall {g.wall_s:.1f} s, ETTR {'-' if g.ettr is None else f'{g.ettr:.3f}'}, failures {g.failures}, "
-                  f"capacity lost {g.capacity_lost_s:.1f} s, rounds lost {g.rounds_lost}, stale {g.stale_samples}, "
-                  f"false restarts {g.false_restarts}" + (f" [{', '.join(g.false[:3])}]" if g.false else "")
-                  + (f"; INVALID: {out.invalid}" if out.invalid else ""), flush=True)
+        for name in self.plan.names:
+            base_wall = self.one(name, seed, schedule, base_wall)
+
+    def one(self, name: str, seed: int, schedule: list[ScheduledFault], base_wall: float | None) -> float | None:
+        """One policy's run of a seed; the fault-free run's work time (ETTR's numerator) out."""
+        a, pol = self.a, self.plan.pols[name]
+        print(f"  {name}, seed {seed}:", flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"goodput-{name}-{seed}-"))
+        t0 = time.monotonic()
+        try:
+            out = fleet_run.run(self.plan.w, pol, schedule, seed, tmp, mutation=a.mutation, router=a.router,
+                                say=lambda m: print(m, flush=True))
+        except Exception as e:
+            self.failed.append(f"{name} seed {seed}: {e}")
+            print(f"    FAILED: {e} (its folder kept in {self.failed_dir})", flush=True)
+            traceback.print_exc()
+            self.doc["runs"].append({"policy": name, "seed": seed, "error": str(e)})
+            _keep(tmp, self.failed_dir)
+            return base_wall
+        except BaseException:
+            _keep(tmp, self.failed_dir)
+            raise
+        if name == "fault-free" or a.mutation:
+            base_wall = out.record.end - (out.record.work_start or out.record.launched_at)
+        g = account(out.record, base_wall)
+        # A run that broke a must-be-zero figure keeps its folder (the daemon's and engines' logs)
+        suspect = not a.mutation and any(getattr(g, f) for f in MUST_BE_ZERO)
+        _keep(tmp, self.failed_dir if self.keep is not None or suspect or out.problems else None)
+        self.ledgers[name].append((g, out.invalid is None))
+        if out.problems:
+            self.failed.append(f"{name} seed {seed}: {out.problems}")
+        self.doc["runs"].append({"policy": name, "seed": seed, "took_s": round(time.monotonic() - t0, 1),
+                                 "invalid": out.invalid, "loop_lag_p99_s": out.lag_p99_s,
+                                 "sched_delay_p99_s": out.delay_p99_s, "loop_lag_hist": out.lag_hist,
+                                 "sched_delay_hist": out.delay_hist, "intervals_s": out.intervals,
+                                 "daemon_config": out.daemon_config, "faults": out.faults_injected,
+                                 "problems": out.problems, "ledger": ledger_dict(g)})
+        print(run_line(g, out.invalid), flush=True)
+        return base_wall
+
+
+def summary(ledgers: dict[str, list[tuple[Ledger, bool]]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Per policy: the table's row (over its valid runs, or all of them when none is valid)
+    and the JSON's figures (reported only with MIN_SEEDS valid runs)."""
     rows: dict[str, dict[str, Any]] = {}
+    figures: dict[str, Any] = {}
     for name, got in ledgers.items():
         valid = [g for g, ok in got if ok]
         use = valid or [g for g, _ in got]
         sp = over_seeds(use, min_seeds=1) if use else None
         rows[name] = {"runs": f"{len(valid)}/{len(got)} valid", "spread": sp}
-        doc["figures"][name] = {"runs": len(got), "valid": len(valid), "reported": bool(valid) and len(valid) >= MIN_SEEDS,
-                                "spread": None if sp is None else {k: None if v is None else asdict(v)
-                                                                   for k, v in sp.items()}}
-    print()
-    print("\n".join(table(rows)))
-    print("  each figure: the median over the seeds [its range]; times in wall seconds of this run "
-          f"(engine seconds: / {w.scale:g}); a policy whose runs are all invalid shows them all, not reportable")
-    bad = []
+        figures[name] = {"runs": len(got), "valid": len(valid), "reported": bool(valid) and len(valid) >= MIN_SEEDS,
+                         "spread": None if sp is None else {k: None if v is None else asdict(v) for k, v in sp.items()}}
+    return rows, figures
+
+
+def must_be_zero(ledgers: dict[str, list[tuple[Ledger, bool]]], mutation: str | None) -> tuple[list[str], list[str]]:
+    """(what breaks the must-be-zero rule, the mutations caught): outside a mutation run every
+    MUST_BE_ZERO figure of every run is 0; in one, its figure is above 0 in every run."""
+    bad, caught = [], []
     for name, got in ledgers.items():
         for g, _ok in got:
             for fig in MUST_BE_ZERO:
                 v = getattr(g, fig)
-                if a.mutation and fig == MUTATION_FIGURE[a.mutation]:
+                if mutation and fig == MUTATION_FIGURE[mutation]:
                     if not v > 0:
-                        bad.append(f"mutation {a.mutation}: {fig} is 0 in seed {g.seed}: the mutation was not caught")
+                        bad.append(f"mutation {mutation}: {fig} is 0 in seed {g.seed}: the mutation was not caught")
                     else:
-                        print(f"  mutation {a.mutation} caught: {fig} = {v} (seed {g.seed})")
-                elif not a.mutation and v:
+                        caught.append(f"mutation {mutation} caught: {fig} = {v} (seed {g.seed})")
+                elif not mutation and v:
                     bad.append(f"{name} seed {g.seed}: {fig} = {v} (must be 0)")
-    doc["failed"], doc["must_be_zero"] = failed, bad
+    return bad, caught
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    logging.getLogger("vime").setLevel(logging.ERROR)  # the rollout client's re-sends: counted, not printed
+    try:
+        plan = plan_of(a)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    w = plan.w
+    print(f"goodput on an emulated fleet: {w.engines} serving engines, {len(plan.seeds)} seed(s), MTBF {plan.mtbf:g} "
+          f"engine s per engine, time scale {w.scale:g}, everything-on spares {plan.spares}"
+          + (f", mutation {a.mutation}" if a.mutation else ""), flush=True)
+    doc = header(a, plan, " ".join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)]))
+    bench = Bench(a, plan, doc)
+    t_bench = time.monotonic()
+    for seed in plan.seeds:
+        bench.seed(seed)
+    rows, doc["figures"] = summary(bench.ledgers)
+    print()
+    print("\n".join(table(rows)))
+    print("  each figure: the median over the seeds [its range]; times in wall seconds of this run "
+          f"(engine seconds: / {w.scale:g}); a policy whose runs are all invalid shows them all, not reportable")
+    bad, caught = must_be_zero(bench.ledgers, a.mutation)
+    for line in caught:
+        print(f"  {line}")
+    doc["failed"], doc["must_be_zero"] = bench.failed, bad
     doc["took_s"] = round(time.monotonic() - t_bench, 1)
     Path(a.out).write_text(json.dumps(doc, indent=1, default=str) + "\n")
     print(f"  took {doc['took_s']:.0f} s; JSON: {a.out}")
-    for line in failed + bad:
+    for line in bench.failed + bad:
         print(f"  FAIL: {line}")
-    return 1 if failed or bad else 0
+    return 1 if bench.failed or bad else 0
 
 
 if __name__ == "__main__":

@@ -94,6 +94,14 @@ class Policy:
     spares: int = 0
     spares_sync: str = "promotion"
     continue_partial: bool = True       # the rollout client's continuation of a cut request
+    # The daemon's [weights] mode. Only "sync" runs: an async row also needs the ledger to judge
+    # a sample by the async rule (tokens up to max_staleness versions behind), not yet written.
+    weights_mode: str = "sync"
+
+    def __post_init__(self) -> None:
+        if self.weights_mode != "sync":
+            raise ValueError(f"weights_mode {self.weights_mode!r}: the bench runs sync mode only (its ledger "
+                             "counts a sample at any version but its round's as stale)")
 
     def settings(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "name"}
@@ -152,7 +160,8 @@ def daemon_tables(w: Workload, policy: Policy, *, overrides: Mapping[tuple[str, 
                   ) -> dict[str, dict[str, Any]]:
     """The daemon's config tables for this run: its timings scaled (with WALL_FLOORS), the
     policy's switches. `overrides` (wall seconds) replace a scaled timing (a mutation's)."""
-    tables: dict[str, dict[str, Any]] = {"supervisor": {}, "health_check": {}, "restart": {}}
+    tables: dict[str, dict[str, Any]] = {"supervisor": {}, "health_check": {}, "restart": {},
+                                         "weights": {"mode": policy.weights_mode}}
     for key, engine_s in DAEMON_TIMINGS.items():
         tables[key[0]][key[1]] = round(max(w.wall(engine_s), WALL_FLOORS.get(key, 0.0)), 4)
     for key, wall in (overrides or {}).items():
@@ -266,3 +275,14 @@ def histogram_quantile(cum: Mapping[float, float], q: float) -> float:
         if cum[le] >= q * total:
             return le
     return float("inf")
+
+
+def per_bucket(cum: Mapping[float, float]) -> dict[str, float]:
+    """A cumulative histogram as counts per bucket (upper bound -> count in it alone), the
+    empty buckets left out: what a run's JSON keeps of the loop lag."""
+    out, below = {}, 0.0
+    for le in sorted(cum):
+        if cum[le] - below > 0:
+            out[f"{le:g}"] = cum[le] - below
+        below = max(below, cum[le])
+    return out

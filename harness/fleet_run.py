@@ -43,7 +43,7 @@ from . import emulated_engine
 from .emulated_model import PARAMETERS, Vocab, delay_quantile, generate
 from .fault_clock import ScheduledFault
 from .fleet_plan import (LAG_QUANTILE, Observed, Policy, Workload, daemon_tables, histogram_quantile, intervals_of,
-                         invalid, lag_histogram, prompt_ids, restarts_from, round_lengths, serving_intervals)
+                         invalid, lag_histogram, per_bucket, prompt_ids, restarts_from, round_lengths, serving_intervals)
 from .goodput_ledger import Injection, RunRecord, Sample
 from .local_daemon import Daemon, standin_model, standin_python, write_config
 
@@ -60,6 +60,9 @@ class Outcome:
     daemon_config: dict[str, dict[str, Any]]
     faults_injected: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)   # what went wrong in the run itself
+    # the two histograms behind the p99s: upper bound (s) -> count in that bucket alone
+    lag_hist: dict[str, float] = field(default_factory=dict)
+    delay_hist: dict[str, int] = field(default_factory=dict)
 
 
 def _checkpoint(folder: Path, model: Path) -> Path:
@@ -125,7 +128,8 @@ class FleetRun:
         sup = {"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "python": str(python),
                "metrics_address": f"127.0.0.1:{self.metrics_port}", **self.tables["supervisor"]}
         sections: dict[str, dict[str, Any]] = {"supervisor": sup, "health_check": self.tables["health_check"],
-                                               "restart": self.tables["restart"], "engine_defaults": {"args": args}}
+                                               "restart": self.tables["restart"], "weights": self.tables["weights"],
+                                               "engine_defaults": {"args": args}}
         if warmup:
             sections["warmup"] = warmup
         if self.router:  # the daemon spawns vllm-router and keeps its list; no request goes through it
@@ -163,12 +167,18 @@ class FleetRun:
                 st = self.status
 
             async def state(name: str) -> dict | None:
-                try:
-                    async with session.get(self.urls[name] + "/emulator/state",
-                                           timeout=aiohttp.ClientTimeout(total=max(1.0, 4 * self.w.poll_s))) as r:
-                        return await r.json() if r.status == 200 else None
-                except Exception:
-                    return None
+                # Kept-alive connections (a fleet polled on new ones costs the host more CPU
+                # than the workload); a connection a restart broke is retried once on a new one.
+                for _ in range(2):
+                    try:
+                        async with session.get(self.urls[name] + "/emulator/state",
+                                               timeout=aiohttp.ClientTimeout(total=max(1.0, 4 * self.w.poll_s))) as r:
+                            return await r.json() if r.status == 200 else None
+                    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                        continue
+                    except Exception:
+                        return None
+                return None
             states = await asyncio.gather(*(state(n) for n in self.names))
             listed = {e["name"]: e for e in st.get("engines", ())}
             for name, s in zip(self.names, states):
@@ -354,13 +364,14 @@ class FleetRun:
         client = AsyncSupervisorClient(str(sock), connect_timeout=30, timeout=60)
         tasks: list[asyncio.Task] = []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                         trust_env=False) as session:
+                                         trust_env=False) as session, \
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False) as watch:
             try:
                 while not sock.exists():
                     if self.daemons[0].proc.poll() is not None:
                         raise RuntimeError(f"the daemon exited: {self.daemons[0].raw[-3:]}")
                     await asyncio.sleep(0.05)
-                tasks.append(asyncio.ensure_future(self._observe(session, client)))
+                tasks.append(asyncio.ensure_future(self._observe(watch, client)))
                 while await self._routable(client) < self.w.engines:
                     if time.time() - t_launch > ready_within:
                         raise RuntimeError(f"fewer than {self.w.engines} engines routable after {ready_within:g} s")
@@ -431,7 +442,8 @@ class FleetRun:
         return Outcome(record=record, invalid=invalid(ivals, lag, delay), lag_p99_s=lag, delay_p99_s=delay,
                        intervals=ivals, daemon_config=self.tables,
                        faults_injected=[f for f in self.injected if f["wall_offset_s"] <= t_end - self.t0],
-                       problems=self.problems)
+                       problems=self.problems, lag_hist=per_bucket(self.lag),
+                       delay_hist={f"{b:g}": c for b, c in zip([*le, float("inf")], counts) if c})
 
 
 def run(w: Workload, policy: Policy, schedule: Sequence[ScheduledFault], seed: int, tmp: Path, *,
