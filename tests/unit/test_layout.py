@@ -484,3 +484,12 @@ def test_each_routing_verdict_asks_the_one_rule(name, qualname, strict):
     assert asks_the_rule(fn), f"{name}.{qualname} decides routing without states.VersionRule.allows"
     found = version_compared(fn) if strict else []
     assert not found, f"{name}.{qualname} compares weight versions itself: ask the rule ({found})"
+
+
+def test_no_two_test_modules_share_a_basename():
+    # pytest imports test modules by basename (rootdir-relative, no __init__.py in tests/): two
+    # tests/*/test_x.py make a whole-suite run stop at collection while each folder alone passes.
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
