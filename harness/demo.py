@@ -462,9 +462,11 @@ def judge_async(rep: Report, kill: dict | None, planned: bool) -> list[str]:
         problems.append("the kill during an update was not done (run too short?)")
     if kill is not None and not str(kill.get("seen", "")).startswith("EXITED"):
         problems.append(f"the kill of {kill['engine']} was seen as {kill.get('seen', 'nothing')}")
+    from vime.supervisor.states import VersionRule, WeightsMode
+
+    rule = VersionRule(WeightsMode.ASYNC, rep.max_staleness)
     for s in rep.steps:
-        past = [v for v in s.span_versions if s.version is None or any(
-            not isinstance(x, int) or s.version - x > rep.max_staleness for x in v)]
+        past = [v for v in s.span_versions if s.version is None or any(rule.too_old(x, s.version) for x in v)]
         if past:
             problems.append(f"step {s.step} trained on {len(past)} sample(s) past max_staleness "
                             f"{rep.max_staleness} of v{s.version}: {past[:3]}")
