@@ -28,11 +28,20 @@ stops things in that order. demo.json records the pids (the demo's, the daemon's
 Everything (config, daemon log, engine logs, incidents, trace.json, summary.json, dumps, and
 timeline.png: the picture of the run, failed or not) stays in --out. Any flag of
 `python -m vime.harness.chaos` after `--` goes to the loop.
+
+    python -m vime.harness.demo --async [--out demo-async]
+
+runs the async loop instead (`trainer/rl_loop.py --async`, the daemon in [weights] mode =
+"async", max_staleness = 1): no rounds, the next batch streams while the trainer trains, each
+version reaches the two serving engines by an in-flight update in waves, and during the update
+of step --kill-during-update (default 3) the engine being updated is killed -9 once paused
+(UpdateKillLoop). Flags of `python -m vime.trainer.rl_loop` after `--` go to the loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -40,7 +49,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vime.harness.local_daemon import ENGINE_ARGS, ENGINE_ENV, GLOO, Daemon, free_port, write_config
 from vime.harness.timeline import write_for_run
@@ -48,6 +57,7 @@ from vime.trainer.tiny_model import build_tiny_model
 
 if TYPE_CHECKING:  # imported in run(): the RL loop's modules load only when the demo runs
     from vime.harness.chaos import ChaosReport, DaemonKeeper
+    from vime.trainer.rl_loop import AsyncRLLoop, Report
 
 BOOT = 300.0
 UP = ("RUNNING", "STANDBY")  # serving, or a warm spare
@@ -369,6 +379,158 @@ def _run_loop(keeper: DaemonKeeper, model: Path, sock: Path, out: Path, loop_arg
     return report
 
 
+# -- --async: the async loop, killed during an update -----------------------------------------
+
+ASYNC_LOOP_ARGV = ["--num-rollout", "8", "--rollout-max-response-len", "48", "--serving-fraction", "0.5",
+                   "--kill-during-update", "3"]
+_update_kill_loop: type | None = None
+
+
+def update_kill_loop() -> type[AsyncRLLoop]:
+    """UpdateKillLoop (made on first use: the RL loop's modules load only when a loop runs):
+    the async loop (trainer/rl_loop.py --async) with a kill -9 during one in-flight update. At
+    --kill-during-update K, the first engine the update to step K's version pushes into is
+    killed once the update has paused it (its requests cut with their tokens so far); the
+    update goes on without it. `kill` says what was done, and after the run what the daemon
+    made of it."""
+    global _update_kill_loop
+    if _update_kill_loop is not None:
+        return _update_kill_loop
+    from vime.trainer.rl_loop import AsyncRLLoop
+
+    class UpdateKillLoop(AsyncRLLoop):
+        def __init__(self, args: argparse.Namespace):
+            super().__init__(args)
+            self.kill: dict | None = None
+
+        async def push_in_flight(self, engine, tensors, version: int) -> str:
+            at = self.args.kill_during_update
+            if self.kill is None and at and version == self.base + at:
+                engines = await asyncio.to_thread(self.view.engines)
+                pid = next(e.get("pid") for e in engines if e["name"] == engine.name)
+                if pid:
+                    os.kill(pid, signal.SIGKILL)
+                    self.kill = {"engine": engine.name, "pid": pid, "version": version, "step": at,
+                                 "at": time.time()}
+                    self.log(f"kill -9 of {engine.name} (pid {pid}) during the update to v{version}, once paused")
+            return await super().push_in_flight(engine, tensors, version)
+
+        def after_run(self) -> None:
+            """What the daemon made of the kill: how it was seen, and which spare took the place."""
+            if self.kill is None:
+                return
+            k, t0 = self.kill, self.kill["at"]
+            for ev in self.recorder.events:
+                if ev.get("event") != "transition" or ev.get("ts", 0) < t0:
+                    continue
+                if ev.get("engine") == k["engine"] and "seen" not in k:
+                    k["seen"], k["seen_after"] = f"{ev.get('to_state')}: {ev.get('reason')}", ev["ts"] - t0
+                elif (ev.get("engine") != k["engine"] and ev.get("from_state") == "STANDBY"
+                      and ev.get("to_state") in ("RUNNING", "STALE", "SYNCING") and "spare" not in k):
+                    k["spare"], k["spare_after"] = ev.get("engine"), ev["ts"] - t0
+            (self.out / "kill.json").write_text(json.dumps(k, indent=1, default=str))
+
+    _update_kill_loop = UpdateKillLoop
+    return UpdateKillLoop
+
+
+def async_sections(on: bool) -> dict[str, Any]:
+    """The daemon config's tables for --async: async mode, one version of staleness allowed."""
+    return {"weights": {"mode": "async", "max_staleness": 1}} if on else {}
+
+
+def async_parser() -> argparse.ArgumentParser:
+    from vime.trainer.rl_loop import build_parser
+
+    ap = build_parser(prog="python -m vime.harness.demo --async --")
+    ap.add_argument("--kill-during-update", type=int, default=0, metavar="K",
+                    help="kill -9 the first engine the update to step K's version pauses (0: none)")
+    return ap
+
+
+def judge_async(rep: Report, kill: dict | None, planned: bool) -> list[str]:
+    """What went wrong in an async run ([] when nothing did): an early stop, lost batches, the
+    kill not done or not seen as an exit, a trained sample past max_staleness, engines not on
+    the trainer's version, restarts the kill does not explain."""
+    problems = []
+    if rep.stopped:
+        problems.append(f"the loop {rep.stopped}")
+    lost = [s for s in rep.steps if s.lost]
+    if lost:
+        problems.append(f"{len(lost)} batch(es) lost: " + "; ".join(f"step {s.step}: {s.error}" for s in lost[:3]))
+    if planned and kill is None:
+        problems.append("the kill during an update was not done (run too short?)")
+    if kill is not None and not str(kill.get("seen", "")).startswith("EXITED"):
+        problems.append(f"the kill of {kill['engine']} was seen as {kill.get('seen', 'nothing')}")
+    from vime.supervisor.states import VersionRule, WeightsMode
+
+    rule = VersionRule(WeightsMode.ASYNC, rep.max_staleness)
+    for s in rep.steps:
+        past = [v for v in s.span_versions if s.version is None or any(rule.too_old(x, s.version) for x in v)]
+        if past:
+            problems.append(f"step {s.step} trained on {len(past)} sample(s) past max_staleness "
+                            f"{rep.max_staleness} of v{s.version}: {past[:3]}")
+    for name, e in sorted(rep.engines.items()):
+        if e["state"] != "STANDBY" and (e["state"] != "RUNNING" or e.get("weight_version") != rep.final_version):
+            problems.append(f"{name} ends {e['state']} on v{e.get('weight_version')} (trainer at v{rep.final_version})")
+    restarts = sum(e.get("restarts") or 0 for e in rep.engines.values())
+    if rep.engines and restarts != (kill is not None):
+        problems.append(f"{restarts} engine restart(s) for {int(kill is not None)} kill(s)")
+    return problems
+
+
+def showcase_async(rep: Report, kill: dict | None) -> list[str]:
+    """What the async run showed: the updates, the kill during one, the spans and the bound."""
+    lines = ["", "what the async run showed"]
+    secs = [v for u in rep.updates for v in u["seconds"].values()]
+    waves = next((u["waves"] for u in rep.updates if len(u["waves"]) > 1), rep.updates[0]["waves"] if rep.updates else [])
+    lines.append(f"  {len(rep.updates)} in-flight update(s) while the next batch streamed, e.g. in waves {waves}; "
+                 f"each engine paused to serving again in {min(secs, default=0):.2f}-{max(secs, default=0):.2f}s")
+    if kill is not None:
+        upd = next((u for u in rep.updates if u["version"] == kill["version"] and kill["engine"] in u["failed"]), None)
+        lines.append(f"  kill -9 of {kill['engine']} during the update to v{kill['version']} (step {kill['step']}), "
+                     f"paused: seen after {kill.get('seen_after', float('nan')):.2f}s as "
+                     f"{str(kill.get('seen', 'not seen'))[:70]}")
+        lines.append(f"    the update went on without it ({'its push failed: ' + upd['failed'][kill['engine']][:60] if upd else 'no failure recorded'})"
+                     + (f"; warm spare {kill['spare']} promoted {kill['spare_after']:.2f}s after the kill, "
+                        "updated in the same update's second pass" if "spare" in kill else ""))
+        after = next((s for s in rep.steps if s.step == kill["step"] + 1), None)
+        if after is not None:
+            lines.append(f"    step {after.step}'s batch (streaming during that update): {after.continued} request(s) "
+                         f"continued from their streamed tokens, {after.tokens_reused} tokens reused, "
+                         f"{after.tokens_regenerated} regenerated")
+    trained = [v for s in rep.steps for v in s.span_versions]
+    lines.append(f"  {sum(len(set(v)) > 1 for v in trained)} of {len(trained)} trained samples span two versions "
+                 f"(cut by an update, continued on the new weights); {sum(s.past_staleness for s in rep.steps)} "
+                 f"past max_staleness {rep.max_staleness} left out, {rep.stale_regenerated} regenerated by the client")
+    return lines
+
+
+def _run_async_loop(keeper: DaemonKeeper, model: Path, sock: Path, out: Path, loop_argv: list[str], *,
+                    sig: _Signals, record: _Record) -> list[str]:
+    """The async loop with its kill during an update; what it showed, printed; its problems."""
+    from vime.trainer.rl_loop import check_args, format_report
+
+    ap = async_parser()
+    args = ap.parse_args(["--model", str(model), "--socket", str(sock), "--out", str(out), "--async",
+                          "--stop-on-fatal", *loop_argv])
+    check_args(ap, args)
+    _say("running the async RL loop: " + " ".join(loop_argv))
+    if args.kill_during_update:
+        _say(f"step {args.kill_during_update}: kill -9 of a serving engine during the in-flight update of its "
+             "version, once paused: its cut requests continue on another engine at an allowed version, the "
+             "warm spare takes its place at once (no round to wait for), the daemon restarts it")
+    loop: Any = update_kill_loop()(args)
+    rep = loop.run()
+    sig.raising()  # the loop's own handlers are gone again
+    record.save(daemon_pid=keeper.daemon.proc.pid, engine_pids=keeper.spawned_pids())
+    print(format_report(rep))
+    print("\n".join(showcase_async(rep, loop.kill)))
+    if rep.signal is not None:
+        raise Interrupted(rep.signal)
+    return judge_async(rep, loop.kill, bool(args.kill_during_update))
+
+
 def _exit_status(problems: list[str], signum: int | None) -> int:
     """0 when nothing went wrong, else 128 + the signal that stopped it, else 1; said."""
     status = 0 if not problems else 128 + signum if signum is not None else 1
@@ -383,7 +545,8 @@ def _exit_status(problems: list[str], signum: int | None) -> int:
 
 
 def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeout: float, threshold: int,
-        model: Path | None = None, python: str | None = None, boot: float = BOOT, spares: int = 0) -> int:
+        model: Path | None = None, python: str | None = None, boot: float = BOOT, spares: int = 0,
+        async_: bool = False) -> int:
     """The demo; its exit status: 0 when everything went as it should, 1 when something went
     wrong (printed), 128 + the signal when SIGINT/SIGTERM stopped it."""
     from vime.harness.chaos import DaemonKeeper
@@ -404,7 +567,8 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
             _say(f"building the tiny model in {out / 'model'}")
             model = build_tiny_model(out / "model")
         cfg = demo_config(out, model, engines=engines, interval=interval, timeout=timeout, threshold=threshold,
-                          boot=boot, python=python, spares=spares)
+                          boot=boot, python=python, spares=spares,
+                          **async_sections(async_))
         sock = out / "run" / "supervisor.sock"
         _say(f"starting the daemon: python -m vime.supervisor --config {cfg}")
         log_file = open(out / "daemon.log", "w")
@@ -413,7 +577,10 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
         problems = wait_for_engines(keeper.daemon, sock, names, boot,
                                     on_tick=lambda: record.save(engine_pids=keeper.spawned_pids()))
         record.save(engine_pids=keeper.spawned_pids())
-        if not problems:
+        if not problems and async_:
+            problems = _run_async_loop(keeper, model, sock, out, loop_argv, sig=sig, record=record)
+            _supervisorctl_status(sock)
+        elif not problems:
             report = _run_loop(keeper, model, sock, out, loop_argv, engines=engines, spares=spares,
                                sig=sig, record=record)
             signum = report.signal
@@ -463,12 +630,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=None, help="the engines' interpreter (default: this one)")
     ap.add_argument("--boot", type=float, default=BOOT,
                     help=f"longest wait for the engines to be RUNNING, each start's first_wait (default {BOOT:g})")
+    ap.add_argument("--async", dest="async_", action="store_true",
+                    help="the async loop (no rounds, in-flight updates), killed during an update; loop flags after -- "
+                         f"are python -m vime.trainer.rl_loop's (default: {' '.join(ASYNC_LOOP_ARGV)})")
     args = ap.parse_args(argv)
+    if args.async_:
+        loop_argv = loop_argv or ASYNC_LOOP_ARGV
     loop_argv = loop_argv or ["--num-rollout", "30", "--kill-at", "3", "--long-tail", "4", "--hang-at", "12",
                               "--fail-push-at", "21"]
     return run(args.out.resolve(), loop_argv, engines=args.engines, interval=args.interval, timeout=args.timeout,
                threshold=args.failure_threshold, model=args.model and args.model.resolve(), python=args.python,
-               boot=args.boot, spares=args.spares)
+               boot=args.boot, spares=args.spares, async_=args.async_)
 
 
 if __name__ == "__main__":

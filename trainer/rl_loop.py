@@ -7,6 +7,10 @@ under the daemon (docs/getting-started.md).
 Each step is one round: round start N -> rollouts (RolloutClient) -> round end N -> reward and
 a GRPO-style update (trainer/rl.py) -> the new weights pushed into every routable engine -> the
 version published. A ResyncAgent thread brings restarted engines to the published version.
+
+With --async (AsyncRLLoop, below RLLoop; the daemon in [weights] mode = "async") there
+are no rounds: the next batch streams while the trainer trains on the last one, and each step's
+version reaches the engines by an in-flight update (trainer/inflight.py) before it is published.
 A harness acts at a step's hook points by overriding them (harness/chaos.py injects faults
 there): before_round, during_round, rollout_round, after_round, train_and_push, push_all, push_into,
 after_run.
@@ -28,11 +32,14 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
 from vime.supervisor.protocol import RUNNING_STATES, EngineStatus, State
+from vime.supervisor.states import VersionRule, WeightsMode
 from vime.trainer.dumps import Sample, dump_path, load_rollout, save_rollout
 from vime.trainer.fingerprint import make_fingerprint
+from vime.trainer.inflight import InFlightUpdate, waves
 from vime.trainer.resync_agent import ResyncAgent, ResyncRecord
 from vime.trainer.rl import PROMPTS, TARGET, Policy, StepStats, reward
 from vime.trainer.rollout import RolloutClient, RolloutResult
+from vime.trainer.rollout_types import Engine
 from vime.trainer.trace import DaemonEventRecorder, Tracer
 
 if TYPE_CHECKING:  # imported where it is used: it needs torch
@@ -65,6 +72,11 @@ class StepRecord:
     tokens_reused: int = 0
     tokens_regenerated: int = 0
     continued: int = 0               # samples continued on another engine from their streamed tokens
+    # --async only: samples left out of training because a token was more than max_staleness
+    # versions behind the version trained from (`version`), and each trained sample's pieces'
+    # versions (RolloutResult.splits, in token order).
+    past_staleness: int = 0
+    span_versions: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +90,10 @@ class Report:
     seconds: float = 0.0
     stopped: str | None = None       # why the run stopped before its last step (None: it did not)
     signal: int | None = None        # the signal that stopped it (SIGINT, SIGTERM), if one did
+    mode: str = "sync"               # "async" with --async
+    max_staleness: int = 0           # the daemon's bound in force (0 in sync mode)
+    updates: list[dict[str, Any]] = field(default_factory=list)  # --async: each in-flight update
+    stale_regenerated: int = 0       # --async: samples the rollout client regenerated for staleness
 
     def as_dict(self) -> dict[str, Any]:
         return {"steps": [asdict(s) for s in self.steps],
@@ -88,6 +104,9 @@ class Report:
                 "tokens_regenerated": sum(s.tokens_regenerated for s in self.steps),
                 "requests_continued": sum(s.continued for s in self.steps),
                 "seconds": self.seconds, "stopped": self.stopped, "signal": self.signal,
+                "mode": self.mode, "max_staleness": self.max_staleness, "updates": self.updates,
+                "samples_past_staleness": sum(s.past_staleness for s in self.steps),
+                "stale_regenerated": self.stale_regenerated,
                 "reward_first": self.steps[0].reward_mean if self.steps else None,
                 "reward_last": self.steps[-1].reward_mean if self.steps else None}
 
@@ -163,14 +182,16 @@ class Pusher:
         self.senders: dict[str, Any] = {}
         self.fleet: FleetSender | None = None  # one broadcast group into many engines, made on first use
 
-    def push(self, url: str, tensors, version: int) -> str:
+    def push(self, url: str, tensors, version: int, *, pause_mode: str | None = "abort") -> str:
         """One version into one engine: "ok", "poisoned: ..." (it holds half a version) or
-        "failed: ..." (it died or went away)."""
+        "failed: ..." (it died or went away). pause_mode None: the caller paused the engine
+        and resumes it (an in-flight update)."""
         from vime.weight_sync.sender import WeightSender
 
         self._leave_fleet(url)
         sender = self.senders.get(url) or self.senders.setdefault(
             url, WeightSender(url, backend=self.backend, master_address=self.master_address))
+        sender.pause_mode = pause_mode  # the group is the engine's, whoever pauses it
         return self.push_with(sender, url, tensors, version)
 
     def push_many(self, urls: list[str], tensors, version: int, *,
@@ -492,10 +513,10 @@ class RLLoop:
         train = not a.debug_rollout_only
         try:
             await self.connect()
-            if train and self.published is not None:
+            if train and self.publish_first():
                 # Another run published before us: the engines hold its weights. Ours go
                 # out first as the next version, so every round below is on-policy.
-                self.base = self.published + 1
+                self.base = 0 if self.published is None else self.published + 1
                 await asyncio.to_thread(self._locked_push_and_publish)
             try:
                 for step in range(1, a.num_rollout + 1):
@@ -535,6 +556,11 @@ class RLLoop:
             client.close()
             if a.cluster:
                 client.shutdown()  # the node agents too
+
+    def publish_first(self) -> bool:
+        """Do our weights go out as a version before the first rollout? When another run
+        published before us (the engines hold its weights)."""
+        return self.published is not None
 
     # -- one step --------------------------------------------------------------------------
 
@@ -680,6 +706,207 @@ class RLLoop:
             return make_fingerprint(self.policy.model)
 
 
+# -- the async loop (--async) --------------------------------------------------------------
+
+
+# After an engine failed its update: how long the daemon has to take it out of routing (and
+# promote a spare in its place) before the update's second pass reads who serves. A death is
+# acted on at once; a live engine whose push failed stays routable at its old version.
+FILL_WAIT = 5.0
+
+
+class AsyncModeError(ValueError):
+    """--async against a daemon whose [weights] rule cannot serve it."""
+
+
+def check_async_rule(rule: VersionRule) -> None:
+    """--async needs the daemon in async mode with max_staleness >= 1: the batch trained at
+    each step streamed while the last version was pushed, so some of its tokens are one
+    version behind the one it is trained from."""
+    if rule.mode is not WeightsMode.ASYNC:
+        raise AsyncModeError('--async needs the daemon in async mode: set [weights] mode = "async" and '
+                             "max_staleness = 1 (or more) in its config and reload it (supervisorctl reload, or "
+                             "SIGHUP); or run without --async")
+    if rule.bound < 1:
+        raise AsyncModeError("--async trains on a batch that streamed while the last version was pushed (one "
+                             "version behind): set [weights] max_staleness = 1 (or more) in the daemon's config "
+                             "and reload it")
+
+
+def piece_versions(sample: Sample) -> list[Any]:
+    """The versions of a sample's pieces, in token order (the one it was answered at when it
+    has no pieces)."""
+    return [s.get("weight_version") for s in sample.splits] or [sample.weight_version]
+
+
+class AsyncRLLoop(RLLoop):
+    """--async: generation and training overlap, with no rounds. Step k trains on batch k
+    while batch k+1 streams; its version then reaches every routable engine by an in-flight
+    update (trainer/inflight.py: paused with abort, pushed, verified, resumed; the cut
+    requests continue on the new weights and their splits say which tokens each version made),
+    the warm spares are pushed too, and the version is published. A sample with a token more
+    than max_staleness versions behind the version it would be trained from is left out
+    (counted: past_staleness). Faults are the daemon's and the rollout client's, as in the
+    sync loop: with no round open a failed engine is restarted (or a spare promoted) at once,
+    and an engine that fails its update is left to the daemon."""
+
+    def __init__(self, args: argparse.Namespace):
+        super().__init__(args)
+        self.report.mode = "async"
+        self.pending: asyncio.Future | None = None  # the next batch, streaming while we train
+
+    # -- hook points -------------------------------------------------------------------------
+
+    async def push_in_flight(self, engine: Engine, tensors, version: int) -> str:
+        """One engine's push during an in-flight update (it is paused; the update resumes it),
+        as push_into says it."""
+        def locked() -> str:
+            with self.policy.lock:
+                return self.pusher.push(engine.url, tensors, version, pause_mode=None)
+        return await asyncio.to_thread(locked)
+
+    # -- setup and teardown ------------------------------------------------------------------
+
+    def publish_first(self) -> bool:
+        return True  # the first batch is generated at a published version, as every later one
+
+    async def connect(self) -> None:
+        await super().connect()
+        assert self.rollout is not None
+        check_async_rule(self.rollout.rule)  # before anything is pushed
+        self.report.max_staleness = self.rollout.rule.bound
+
+    async def disconnect(self) -> None:
+        if self.pending is not None and not self.pending.done():  # the run stopped early
+            self.pending.cancel()
+            await asyncio.gather(self.pending, return_exceptions=True)
+        if self.rollout is not None:
+            self.report.stale_regenerated = self.rollout.stats.stale_samples
+        await super().disconnect()
+
+    # -- one step ----------------------------------------------------------------------------
+
+    async def step(self, step: int, train: bool) -> None:
+        a = self.args
+        t0 = time.monotonic()
+        await self.before_round(step)
+        if self.pending is None:  # the first step: nothing streamed yet
+            assert self.rollout is not None
+            await self.rollout.refresh(force=True)  # the engines at the version just published
+            self.pending = asyncio.ensure_future(self.rollout_batch(step))
+        out = await self.pending
+        self.pending = asyncio.ensure_future(self.rollout_batch(step + 1)) if step < a.num_rollout else None
+        await self.after_round(step, None)
+        trained_from = self.published
+        fresh = [s for s in out.samples if not self.past_bound(s)]
+        if a.save_debug_rollout_data and fresh:
+            save_rollout(a.save_debug_rollout_data, step, fresh, weight_version=trained_from, target=a.target)
+        stats: StepStats | None = None
+        pushed: dict[str, str] = {}
+        if fresh:
+            with self.tracer.span(f"train step {step}"):
+                stats = await asyncio.to_thread(self.policy.train_step, fresh)
+            with self.tracer.span(f"update v{self.base + self.policy.version}"):
+                pushed = await self.update_and_publish()
+        rec = self.record(step, None, trained_from, out._replace(samples=fresh), stats, pushed, t0)
+        rec.past_staleness = len(out.samples) - len(fresh)
+        rec.span_versions = [piece_versions(s) for s in fresh]
+        if rec.past_staleness:
+            self.log(f"step {step}: {rec.past_staleness} sample(s) past max_staleness "
+                     f"{self.report.max_staleness} of v{trained_from}: not trained on")
+
+    def past_bound(self, sample: Sample) -> bool:
+        """A token more than max_staleness versions behind the version trained from."""
+        assert self.rollout is not None
+        return any(self.rollout.rule.too_old(v, self.published) for v in piece_versions(sample))
+
+    async def rollout_batch(self, step: int) -> Rollouts:
+        """One batch, no round: an error loses it (counted as a lost round, as in the sync loop)."""
+        prompts = self.prompts()
+        results: list[RolloutResult] = []
+        lost, error = False, None
+        try:
+            results = await asyncio.wait_for(self.generate(step, prompts), self.args.round_timeout)
+        except asyncio.TimeoutError:
+            lost, error = True, f"the batch did not end within --round-timeout {self.args.round_timeout:g}s"
+        except Exception as e:  # noqa: BLE001 - the batch is lost; it is counted (and may stop the run)
+            lost, error = True, f"{type(e).__name__}: {e}"
+        for r in results:
+            self.tracer.add_request(r, round=None, splits=[f"{s.engine}@{s.weight_version} [{s.offset}+{s.tokens}] "
+                                                           f"{s.outcome}" for s in r.splits])
+        return Rollouts(self.score(results, prompts) if results else [], results, 0, lost, error)
+
+    # -- the update ----------------------------------------------------------------------------
+
+    async def update_and_publish(self) -> dict[str, str]:
+        """The policy's version into every routable engine while requests stream (in waves of
+        --serving-fraction), then into the warm spares, then published. A second pass takes an
+        engine that became routable during the first (a spare promoted in a failed engine's
+        place: the daemon is given FILL_WAIT to act on the failure first). name -> outcome; a
+        poisoned engine is reported (the daemon restarts it)."""
+        assert self.rollout is not None
+        version = self.base + self.policy.version
+        tensors = self.policy.named_tensors()  # unchanged until the next step trains, after the publish
+        outcomes: dict[str, str] = {}
+        failed: set[str] = set()  # reported already
+
+        async def push(engine: Engine, v: int) -> None:
+            outcomes[engine.name] = outcome = await self.push_in_flight(engine, tensors, v)
+            if outcome != "ok":
+                raise RuntimeError(outcome)
+
+        for _ in range(2):
+            await self.rollout.refresh()
+            behind = [e for e in self.rollout.engines if e.weight_version != version and e.name not in outcomes]
+            if not behind:
+                break
+            update = InFlightUpdate([self.rollout], push=push, engines=behind, timeout=self.args.sync_wait,
+                                    serving_fraction=self.serving_fraction([e.name for e in behind]))
+            done = await update.run(version)
+            for name, why in done.failed.items():
+                outcomes.setdefault(name, f"failed: {why}")
+                failed.add(name)
+            self.report.updates.append({"version": version, "waves": done.waves, "seconds": done.seconds,
+                                        "serving_min": done.serving_min, "failed": done.failed})
+            if not done.failed:
+                break
+            self.log(f"update to v{version}: failed in {', '.join(f'{n} ({w})' for n, w in done.failed.items())}")
+            await asyncio.to_thread(self.report_poisoned, {n: outcomes[n] for n in done.failed}, version)
+            await asyncio.to_thread(self.view.wait, lambda: not set(done.failed) & self.routable_names(), FILL_WAIT)
+        outcomes.update(await asyncio.to_thread(self.push_spares, tensors, version))
+        await asyncio.to_thread(self.report_poisoned, {n: o for n, o in outcomes.items() if n not in failed}, version)
+        await asyncio.to_thread(self.client.publish_weights, version, fingerprint=self.fingerprint())
+        self.published = version
+        return outcomes
+
+    def routable_names(self) -> set[str]:
+        return {e["name"] for e in self.client.routable_engines()["engines"]}
+
+    def serving_fraction(self, names: list[str]) -> float:
+        """--serving-fraction, or 0 (all at once) when these engines are too few to keep it."""
+        try:
+            waves(names, self.args.serving_fraction)
+            return self.args.serving_fraction
+        except ValueError:
+            return 0.0
+
+    def push_spares(self, tensors, version: int) -> dict[str, str]:
+        """The warm spares (STANDBY: nothing in flight) to `version`, so that one promoted in a
+        failed engine's place serves at once at an allowed version."""
+        spares = [e for e in self.view.engines() if e["state"] == State.STANDBY and e.get("weight_version") != version]
+        with self.policy.lock:
+            return {e["name"]: self.pusher.push(e["url"], tensors, version) for e in spares}
+
+    def report_poisoned(self, outcomes: dict[str, str], version: int) -> None:
+        for name, outcome in outcomes.items():
+            if "poisoned" in outcome:
+                self.log(f"push of v{version} into {name}: {outcome}; reporting it poisoned")
+                try:
+                    self.client.report_failure(name, f"push of v{version} failed midway: {outcome}", poisoned=True)
+                except SupervisorError as e:
+                    self.log(f"could not report {name} poisoned: {e}")
+
+
 # -- output --------------------------------------------------------------------------------
 
 
@@ -709,6 +936,11 @@ def format_end(rep: Report) -> list[str]:
                          + ("  (warm spare: synced when promoted)" if e["state"] == State.STANDBY else ""))
     if rep.stopped:
         lines += ["", f"STOPPED EARLY: {rep.stopped}"]
+    if rep.mode == "async":
+        failed = sum(len(u["failed"]) for u in rep.updates)
+        lines += ["", f"async: {len(rep.updates)} in-flight update(s) ({failed} engine update(s) failed)   "
+                      f"samples past max_staleness {rep.max_staleness}: {sum(s.past_staleness for s in rep.steps)} "
+                      f"not trained on, {rep.stale_regenerated} regenerated by the rollout client"]
     cut = sum(s.tokens_cut for s in rep.steps)
     lines += ["", f"rounds lost {rep.rounds_lost}   stale responses {rep.stale_responses}   "
               f"tokens cut by faults {cut} (reused {sum(s.tokens_reused for s in rep.steps)} in "
@@ -764,6 +996,13 @@ def build_parser(prog: str = "python -m vime.trainer.rl_loop", description: str 
     g.add_argument("--no-fingerprint", dest="fingerprint", action="store_false",
                    help="publish versions without a fingerprint: engines are then routable on their /weight_info "
                         "label alone (docs/weights.md#fingerprints)")
+    g = ap.add_argument_group("async (the daemon in [weights] mode = \"async\", max_staleness >= 1)")
+    g.add_argument("--async", dest="async_", action="store_true",
+                   help="no rounds: the next batch streams while the trainer trains on the last one; each "
+                        "version reaches the engines by an in-flight update (abort + continue), then is published")
+    g.add_argument("--serving-fraction", type=float, default=0.0, metavar="F",
+                   help="with --async: the share of engines that keep serving while the others update (waves; "
+                        "default 0: all at once; too few engines to keep it: all at once)")
     g = ap.add_argument_group("waits and when to stop early")
     g.add_argument("--sync-wait", type=float, default=60.0, help="longest wait in a gap for engines being synced")
     g.add_argument("--final-wait", type=float, default=300.0, help="longest wait at the end for every engine to be current")
@@ -788,6 +1027,14 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--debug-train-only needs --load-debug-rollout-data PATH_WITH_{rollout_id}")
     if args.debug_train_only and args.debug_rollout_only:
         ap.error("--debug-train-only and --debug-rollout-only exclude each other")
+    if not 0 <= args.serving_fraction < 1:
+        ap.error(f"--serving-fraction must be in [0, 1), got {args.serving_fraction:g}")
+    if args.async_:
+        for flag, on in (("--debug-train-only", args.debug_train_only), ("--debug-rollout-only", args.debug_rollout_only),
+                         ("--load-debug-rollout-data", args.load_debug_rollout_data), ("--cluster", args.cluster)):
+            if on:
+                ap.error(f"--async and {flag} exclude each other (--async trains and pushes while live rollouts "
+                         "stream from this node's daemon)")
 
 
 def exit_status(args: argparse.Namespace, rep: Report) -> int:
@@ -820,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
-    return run_and_report(RLLoop, args, "rl_loop")
+    return run_and_report(AsyncRLLoop if args.async_ else RLLoop, args, "rl_loop")
 
 
 if __name__ == "__main__":

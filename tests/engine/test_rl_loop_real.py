@@ -13,8 +13,10 @@ a core on this 2-core machine and slow every boot on it). ~5 minutes, most of it
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -168,3 +170,86 @@ def test_bad_flags_are_refused_with_what_to_do(tiny_model):
     proc = subprocess.run([sys.executable, "-m", "vime.trainer.rl_loop", "--model", str(tiny_model), "--debug-train-only"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "needs --load-debug-rollout-data" in proc.stderr
+
+
+# -- the async loop (trainer/rl_loop.py --async) on this module's engines ----------------------
+
+ASYNC_STEPS = 4
+
+
+def test_async_against_a_sync_daemon_says_what_to_set(world, tiny_model, tmp_path):
+    """--async against this module's daemon in sync mode: exit 2 with what to set, before
+    anything is pushed or published."""
+    sock = world[2]
+    before = SupervisorClient(sock).status()
+    proc = subprocess.run([sys.executable, "-m", "vime.trainer.rl_loop", "--model", str(tiny_model), "--socket", sock,
+                           "--out", str(tmp_path), "--async"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert 'set [weights] mode = "async" and max_staleness = 1' in proc.stderr, proc.stderr
+    assert SupervisorClient(sock).status()["weight_version"] == before["weight_version"]
+
+
+def test_async_loop_with_a_kill_during_an_update(world, tiny_model, tmp_path):
+    """`--async` on the same two engines, the daemon reloaded in place (SIGHUP: the engines are
+    re-adopted, not booted again) into [weights] mode = "async", max_staleness = 1: no rounds,
+    each step's batch streams while the last one trains, each version goes out by an in-flight
+    update. During the update of step 2 the serving engine is killed -9 once paused: the
+    update goes on without it, the spare takes its place and is updated in the same update,
+    the daemon restarts the killed one at once. Every trained sample is within the bound of
+    the version it was trained from; the run finishes with the fleet on the last version."""
+    from vime.harness.demo import async_parser, judge_async, update_kill_loop
+    from vime.supervisor.states import VersionRule
+    from vime.trainer.rl_loop import format_report as loop_report
+
+    root, daemon, sock = world
+    cfg = root / "supervisor.toml"
+    cfg.write_text(cfg.read_text() + '\n[weights]\nmode = "async"\nmax_staleness = 1\n')
+    mark = daemon.mark()
+    daemon.proc.send_signal(signal.SIGHUP)
+    daemon.wait_for(lambda e: e.get("event") == "supervisor.started" and e.get("generation") == 1, 120, after=mark)
+    client = SupervisorClient(sock)
+    until = time.monotonic() + 60
+    while sorted(e["state"] for e in client.status()["engines"]) != ["RUNNING", "STANDBY"]:
+        assert time.monotonic() < until, client.status()["engines"]
+        time.sleep(0.5)
+    assert VersionRule.from_answer(client.routable_engines()).bound == 1
+    assert not [e for e in daemon.events[mark:] if e.get("event") == "engine.spawned"]  # no boot
+    before = client.status()
+    restarts = sum(e["restarts"] for e in before["engines"])
+
+    args = async_parser().parse_args([
+        "--model", str(tiny_model), "--socket", sock, "--out", str(tmp_path), "--async",
+        "--num-rollout", str(ASYNC_STEPS), "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+        "--rollout-max-response-len", "48", "--kill-during-update", "2", "--final-wait", str(BOOT)])
+    loop = update_kill_loop()(args)
+    rep = loop.run()
+    print(loop_report(rep))
+    kill = loop.kill
+    assert kill is not None and kill["seen"].startswith("EXITED"), kill
+    assert kill.get("spare") is not None, kill  # the spare took the killed engine's place at once
+    assert judge_async(rep, kill, True) == []
+    base = 0 if before["weight_version"] is None else before["weight_version"] + 1  # ours went out first
+    assert rep.final_version == base + ASYNC_STEPS and rep.mode == "async" and rep.max_staleness == 1
+    assert len(rep.steps) == ASYNC_STEPS and not any(s.lost for s in rep.steps)
+    for s in rep.steps:  # trained from v(base + step - 1), on samples within one version of it
+        assert s.version == base + s.step - 1
+        assert s.samples + s.past_staleness == SAMPLES
+        for versions in s.span_versions:
+            assert versions == sorted(versions) and all(0 <= s.version - v <= 1 for v in versions), (s.step, versions)
+    # Cut requests (by the updates' pauses, by the kill) continued from their streamed tokens:
+    # none generated twice, none regenerated for staleness; some sample spans two versions.
+    assert sum(s.continued for s in rep.steps) >= 1
+    assert sum(s.tokens_regenerated for s in rep.steps) == 0 and rep.stale_regenerated == 0
+    assert any(len(set(v)) > 1 for s in rep.steps for v in s.span_versions)
+    # The update of the kill's version failed in the killed engine alone; a second pass updated the spare.
+    upd = [u for u in rep.updates if u["version"] == kill["version"]]
+    assert [sorted(u["failed"]) for u in upd] == [[kill["engine"]], []], upd
+    assert kill["spare"] in upd[1]["seconds"]
+    # The daemon agrees: every engine on the last version (the killed one back as the spare).
+    status = client.status()
+    assert status["weight_version"] == rep.final_version and not status["round_open"]
+    assert sorted((e["state"], e["weight_version"] if e["state"] == "RUNNING" else None)
+                  for e in status["engines"]) == [("RUNNING", rep.final_version), ("STANDBY", None)]
+    assert sum(e["restarts"] for e in status["engines"]) == restarts + 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mode"] == "async" and summary["samples_past_staleness"] == sum(s.past_staleness for s in rep.steps)
