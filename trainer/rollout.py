@@ -36,7 +36,7 @@ __all__ = [
     "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine", "Split", "StartOver", "Progress",
     "continuation_blocker", "continuation_sampling", "continuation_seed",
     "RolloutError", "NoEngineAvailable", "RolloutRequestError", "RolloutFailed",
-    "RolloutResponseTooLarge", "StaleSample", "classify_status", "MAX_LINE_BYTES", "STALE_SAMPLES",
+    "RolloutResponseTooLarge", "StaleSample", "classify_status", "MAX_LINE_BYTES", "STALE_SAMPLES", "KEPT",
 ]
 
 log = logging.getLogger("vime.rollout")
@@ -54,6 +54,7 @@ MALFORMED = "malformed"  # a stream line that is not JSON, a chunk of the wrong 
 TOO_LARGE = "too_large"  # a streamed line over max_line_bytes: not retried, not reported
 NO_TEXT = "no_text"      # answered, but the text across a split could not be built (/detokenize): started over
 STALE = "stale"          # answered, but a token is older than max_staleness (async mode): not returned as useful
+KEPT = "kept"            # the stream went on past an in-flight update in keep mode: the next piece is mixed (kv_version)
 
 # What the client does with a sample past the staleness bound (async mode): start it over from
 # its prompt on the engines the rule allows now, or raise StaleSample (the caller drops it).
@@ -125,12 +126,13 @@ class RolloutResult:
     @property
     def continued(self) -> bool:
         """The sample was made of more than one attempt's tokens."""
-        return len(self.splits) > 1
+        return any(s.outcome != KEPT for s in self.splits[:-1])
 
     @property
     def tokens_reused(self) -> int:
-        """Output tokens received before a fault and kept (every piece but the last)."""
-        return sum(s.tokens for s in self.splits[:-1])
+        """Output tokens received before a fault and kept (every piece but the last, but those a
+        keep-mode update split off the same stream)."""
+        return sum(s.tokens for s in self.splits[:-1] if s.outcome != KEPT)
 
     @property
     def tokens_regenerated(self) -> int:
@@ -387,6 +389,7 @@ class RolloutClient(Continuation):
         # those it verified at a newer version than the daemon lists yet are listed at it.
         self._held: set[str] = set()
         self._verified: dict[tuple[str, int | None], int] = {}  # (engine, incarnation) -> version
+        self._kept: dict[str, list[tuple[int, int]]] = {}  # request id -> (output tokens, version) where a keep went on
         # Every failure report and the daemon's answer (or the error): (engine, detail, answer).
         self.reports: collections.deque[tuple[str, str, Any]] = collections.deque(maxlen=1000)
         self._outstanding: dict[str, int] = collections.defaultdict(int)
@@ -498,6 +501,32 @@ class RolloutClient(Continuation):
                 self._verified[(name, e.incarnation)] = version
         self.engines = [dataclasses.replace(e, weight_version=version) if e.name == name else e for e in self.engines]
         self._held.discard(name)
+
+    def kept(self, name: str, version: int, read: Mapping[str, int]) -> None:
+        """`name` resumes its requests on `version`'s weights over the KV cache its old weights
+        computed (`/pause?mode=keep`): of each request in `read` (request id -> output tokens
+        read when the engine froze) still streaming from it, the tokens after those are
+        `version`'s over mixed KV, and its pieces say so (Split.kv_version)."""
+        for rid, at in read.items():
+            held = self._progress.get(rid)
+            if held is not None and held[0] == name:
+                self._kept.setdefault(rid, []).append((at, version))
+
+    def _kept_pieces(self, rid: str, piece: Split) -> list[Split]:
+        """An attempt's piece, split where keep-mode updates went on under it: each later piece
+        at the update's version, with the attempt's version as its kv_version."""
+        marks = self._kept.pop(rid, None)
+        if not marks:
+            return [piece]
+        out, start, version, kv, end = [], piece.offset, piece.weight_version, None, piece.offset + piece.tokens
+        for at, new in marks:
+            at = min(max(at, start), end)
+            if at > start:
+                out.append(piece._replace(weight_version=version, offset=start, tokens=at - start, outcome=KEPT,
+                                          dropped=0, kv_version=kv))
+            start, version, kv = at, new, piece.weight_version
+        out.append(piece._replace(weight_version=version, offset=start, tokens=end - start, kv_version=kv))
+        return out
 
     def released(self, name: str) -> None:
         """An update of `name` ended without a new version (failed): it takes attempts again at
@@ -733,20 +762,21 @@ class RolloutClient(Continuation):
             raise
         except BaseException:
             self._attempt_over(engine, rid)
+            self._kept.pop(rid, None)
             raise
         self._attempt_over(engine, rid)
         finished = time.time()
         n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
-        last = Split(engine.name, engine.weight_version, prefix, n, OK, sampling.get("seed"))
-        self._check_staleness(rid, engine, state, last, answer, attempts)
+        pieces = self._kept_pieces(rid, Split(engine.name, engine.weight_version, prefix, n, OK, sampling.get("seed")))
+        self._check_staleness(rid, engine, state, pieces[0], answer, attempts)  # the oldest: versions only grow
         text, token_ids, logprobs, prompt_ids = await self._joined(engine, rid, answer, state, attempts, aborted)
         attempts.append(Attempt(engine.name, OK))
         return RolloutResult(
             request_id=rid, text=text, finish_reason=answer.finish_reason or "",
             engine=engine.name, url=engine.url, token_ids=token_ids, logprobs=logprobs, prompt_token_ids=prompt_ids,
             n_tokens=prefix + n, attempts=list(attempts), sent=sent, attempt_sent=attempt_sent,
-            first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=engine.weight_version,
-            splits=state.splits + [last], started_over=list(state.started_over))
+            first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=pieces[-1].weight_version,
+            splits=state.splits + pieces, started_over=list(state.started_over))
 
     def _check_staleness(self, rid: str, engine: Engine, state: Partial, last: Split, answer: Answer,
                          attempts: list[Attempt]) -> None:
@@ -834,7 +864,11 @@ class RolloutClient(Continuation):
         """Note a failed attempt: its tokens kept (or thrown away) in `state`, the failure
         reported, the engine excluded (or a last resort), the membership read again."""
         attempts.append(Attempt(engine.name, r.outcome))
+        kept = len(state.splits)
         self._keep(rid, state, engine, published, answer, r.outcome, seed)
+        if len(state.splits) > kept:  # this attempt's piece: split where a keep-mode update went on
+            state.splits[kept:] = self._kept_pieces(rid, state.splits[kept])
+        self._kept.pop(rid, None)
         self._on_failure(engine, r, rid)
         if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded
             aborted.add(engine.name)
