@@ -515,10 +515,11 @@ class RolloutClient(Continuation):
     def _kept_pieces(self, rid: str, piece: Split) -> list[Split]:
         """An attempt's piece, split where keep-mode updates went on under it: each later piece
         at the update's version, with the attempt's version as its kv_version."""
-        marks = self._kept.pop(rid, None)
+        end = piece.offset + piece.tokens
+        marks = [(at, v) for at, v in self._kept.pop(rid, ()) if at < end]  # none made after a mark past the end
         if not marks:
             return [piece]
-        out, start, version, kv, end = [], piece.offset, piece.weight_version, None, piece.offset + piece.tokens
+        out, start, version, kv = [], piece.offset, piece.weight_version, None
         for at, new in marks:
             at = min(max(at, start), end)
             if at > start:

@@ -695,6 +695,19 @@ async def until_streaming(client: RolloutClient, batch: asyncio.Future, n: int, 
     assert not batch.done(), f"the batch ended before {n} requests had streamed {tokens} tokens"
 
 
+def greedy_tokens_salted(url: str, ids: list[int], n: int, salt: str) -> tuple[list[int], list[float]]:
+    """greedy_tokens with a `cache_salt` of its own: no prefix-cache block is shared with any
+    other request (each token's KV computed by the weights the engine holds now)."""
+    import json
+
+    body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0, "logprobs": 1,
+                       "ignore_eos": True, "return_token_ids": True, "cache_salt": salt}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        choice = json.loads(resp.read())["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
 async def check_exact_spans(f, results, before, v1: int, v2: int, engine: str) -> float:
     """Each piece is what its version alone makes from the prefix before it: at v1 the same
     request run before the update, at v2 the greedy run of `engine` (at v2 now) from that
@@ -766,14 +779,24 @@ async def test_inflight_update_keep_mode_is_labelled_mixed_at_the_exact_token(fl
         assert r.token_ids[k] != b.token_ids[k] or abs(r.logprobs[k] - b.logprobs[k]) > 1e-3, (
             "the first token labelled v2 is v1's: the split came late")
         checks.append((r, k))
-    pure = await asyncio.gather(*(asyncio.to_thread(greedy_tokens, f.url["A"], r.prompt_token_ids + r.token_ids[:k],
-                                                    MAX_TOKENS - k) for r, k in checks))
+    # What v2 alone makes from each prefix: a request with a cache salt of its own, so that no
+    # block of vLLM's prefix cache (the frozen requests' v1 blocks are still there) is reused.
+    pure = await asyncio.gather(*(asyncio.to_thread(greedy_tokens_salted, f.url[r.engine], r.prompt_token_ids
+                                                    + r.token_ids[:k], MAX_TOKENS - k, f"v2-{r.request_id}")
+                                  for r, k in checks))
     differs = [r.request_id for (r, k), (ids, lps) in zip(checks, pure)
                if ids != r.token_ids[k:] or r.logprobs[k:] != pytest.approx(lps, abs=1e-3)]
     assert differs, "every mixed piece equals what v2 alone makes: the KV cache made no difference"
+    # Without a salt, a new request with that prefix reuses the v1 blocks (keep clears no cache):
+    # it is mixed as well, and equals the kept sample (docs/weights.md says so).
+    cached = await asyncio.gather(*(asyncio.to_thread(greedy_tokens, f.url[r.engine], r.prompt_token_ids
+                                                      + r.token_ids[:k], MAX_TOKENS - k) for r, k in checks))
+    reused = sum(ids == r.token_ids[k:] for (r, k), (ids, _) in zip(checks, cached))
+    assert reused == len(checks), f"{reused} of {len(checks)}: the prefix cache no longer serves v1 blocks after keep"
     print(f"\nkeep: waves {report.waves}, pause to serving {report.seconds}; {len(mixed)} of 8 samples split where "
           f"their engine froze (at tokens {sorted(k for _, k in checks)}), {len(differs)} of them not what v2 alone "
-          f"makes from the prefix; 0 tokens recomputed")
+          f"makes from the prefix; 0 tokens recomputed; {reused} new unsalted requests with a frozen prefix reused "
+          f"its v1 blocks")
 
 
 async def test_inflight_update_a_hang_mid_stream_is_continued_on_the_updated_engine(fleet, tmp_path):
