@@ -13,7 +13,9 @@ the daemon. What happens to the requests in flight on a paused engine is the mod
   piece's version or newer, the first one back if every other is held; the prefix's KV cache
   is recomputed by that engine's weights, so each piece is what its version alone makes.
 - "keep" (PipelineRL's; mixed): the requests freeze and resume on the new weights with the KV
-  cache the old ones computed. Nothing is recomputed, but the tokens after the update are not
+  cache the old ones computed (`/pause?mode=keep&clear_cache=false`: with vLLM 0.32's default
+  clear_cache=true a keep resets the caches and preempts the frozen requests, which are then
+  recomputed on the new weights: exact, but not a keep). Nothing is recomputed, but the tokens after the update are not
   what either version alone makes: the client splits each such sample where the engine froze
   (the tokens it had read once the engine paused and its streams went quiet) and labels the
   piece after it with `kv_version`, the version whose KV cache it attended to
@@ -128,8 +130,10 @@ class InFlightUpdate:
         ok = False
         try:
             read: dict[str, int] = {}
-            if self.mode != "abort":
-                await self._post(session, engine, f"/pause?mode={self.mode}")  # "wait" returns once drained
+            if self.mode == "keep":  # vLLM 0.32 clears the caches on a keep too unless told not to
+                await self._post(session, engine, "/pause?mode=keep&clear_cache=false")
+            elif self.mode == "wait":
+                await self._post(session, engine, "/pause?mode=wait")  # returns once drained
             if self.mode == "keep":
                 read = await self._frozen_at(engine)
             await self._pause_until_clear(session, engine, skip=set(read))
