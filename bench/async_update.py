@@ -113,6 +113,9 @@ async def one_trial(urls: dict[str, str], version: int, ckpt: Path, args: argpar
         while not all(any(p.engine == e and p.tokens >= args.after for p in client.progress().values())
                       for e in urls):
             if all(t.done() for t in tasks):
+                errors = [t.exception() for t in tasks if t.exception() is not None]
+                if errors:
+                    raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}")
                 raise RuntimeError(f"the batch ended before each engine had a request with {args.after} tokens "
                                    f"read: lower --after")
             await asyncio.sleep(0.005)
