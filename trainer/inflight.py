@@ -1,15 +1,31 @@
-"""An in-flight weight update (async mode, abort + continue): the engines take a new version
-while requests stream, in waves, so that the fleet never drops below a serving fraction.
+"""An in-flight weight update (async mode): the engines take a new version while requests
+stream, in waves, so that the fleet never drops below a serving fraction (0: all at once).
 
 For each wave, for each of its engines at once: the rollout clients hold it (no new attempt
-goes to it), `POST /pause?mode=abort` ends every request in flight on it with finish reason
-"abort" and the tokens so far (again until the clients have no attempt left on it: one sent
-just before the hold may reach it paused), the weights are pushed (`push`, the caller's:
+goes to it), it is paused (`mode`, below), the weights are pushed (`push`, the caller's:
 weight_sync's sender, a checkpoint reload), `/weight_info` must say the version, `POST /resume`,
-and the clients list it at the new version. A cut request is a cut request: the client
-continues it from its streamed tokens (trainer/continuation.py) on an engine at its last
-piece's version or newer, the first one back if every other is held, so its `splits` say which
-tokens each version made. After the last wave the version is published to the daemon.
+and the clients list it at the new version. After the last wave the version is published to
+the daemon. What happens to the requests in flight on a paused engine is the mode's
+(vLLM's `/pause?mode=`):
+
+- "abort" (default; exact): every request ends with finish reason "abort" and the tokens so
+  far; the client continues it from them (trainer/continuation.py) on an engine at its last
+  piece's version or newer, the first one back if every other is held; the prefix's KV cache
+  is recomputed by that engine's weights, so each piece is what its version alone makes.
+- "keep" (PipelineRL's; mixed): the requests freeze and resume on the new weights with the KV
+  cache the old ones computed (`/pause?mode=keep&clear_cache=false`: with vLLM 0.32's default
+  clear_cache=true a keep resets the caches and preempts the frozen requests, which are then
+  recomputed on the new weights: exact, but not a keep). Nothing is recomputed, but the tokens after the update are not
+  what either version alone makes: the client splits each such sample where the engine froze
+  (the tokens it had read once the engine paused and its streams went quiet) and labels the
+  piece after it with `kv_version`, the version whose KV cache it attended to
+  (RolloutResult.splits; outcome KEPT on the piece before).
+- "wait" (drain): the engine finishes its requests on the old weights first; nothing is cut
+  or mixed, and the fleet waits for the longest of them.
+
+An attempt sent just before the hold may reach the engine once it is paused (every mode queues
+it until the resume, where it would run on the new weights under the old version's label): it
+is aborted, again until no client has an attempt left on the engine, and re-sent elsewhere.
 
     update = InFlightUpdate([rollout], push=push_into, serving_fraction=0.5)
     report = await update.run(7, supervisor=AsyncSupervisorClient())
@@ -30,9 +46,10 @@ from vime.supervisor.states import VersionRule
 from .rollout import RolloutClient
 from .rollout_types import Engine
 
-__all__ = ["InFlightUpdate", "UpdateReport", "waves"]
+__all__ = ["MODES", "InFlightUpdate", "UpdateReport", "waves"]
 
 Push = Callable[[Engine, int], Awaitable[None]]
+MODES = ("abort", "keep", "wait")
 
 
 def waves(names: Sequence[str], serving_fraction: float) -> list[list[str]]:
@@ -52,14 +69,18 @@ def waves(names: Sequence[str], serving_fraction: float) -> list[list[str]]:
 
 @dataclass
 class UpdateReport:
-    """What one update did: its waves, each engine's time from pause to serving again, the
-    fewest engines serving at any point, and the engines whose update failed (why)."""
+    """What one update did: its mode and waves, each engine's time from pause to serving again,
+    the fewest engines serving at any point, the engines whose update failed (why), and in
+    keep mode the requests each engine resumed on the new weights over the old KV cache
+    (request id -> output tokens made before the update)."""
 
     version: int
     waves: list[list[str]]
+    mode: str = "abort"
     seconds: dict[str, float] = field(default_factory=dict)
     serving_min: int = 0
     failed: dict[str, str] = field(default_factory=dict)
+    kept: dict[str, dict[str, int]] = field(default_factory=dict)
     published: Any = None  # the daemon's answer to the publish
 
 
@@ -67,12 +88,20 @@ class InFlightUpdate:
     """`clients`: the rollout clients sending to these engines (each holds and relists them);
     `engines`: default the first client's routable engines; `push(engine, version)`: puts the
     version's weights into the paused engine; `serving_fraction`: the share that keeps serving
-    (waves); `api_key`: the engines' key, as the rollout client's."""
+    (waves); `mode`: "abort", "keep" or "wait" (the module docstring); `settle`: keep mode,
+    seconds without a token from a frozen engine's streams before its requests' split points
+    are read; `timeout`: seconds one engine's pause (a drain included) may take;
+    `api_key`: the engines' key, as the rollout client's."""
 
     def __init__(self, clients: Sequence[RolloutClient], *, push: Push, engines: Sequence[Engine] | None = None,
-                 serving_fraction: float = 0.5, timeout: float = 60.0, api_key: str | None = None):
+                 serving_fraction: float = 0.5, mode: str = "abort", settle: float = 0.2, timeout: float = 60.0,
+                 api_key: str | None = None):
         if not clients:
             raise ValueError("give the rollout clients that send to these engines (they hold and relist them)")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)} (abort + continue, keep the KV cache, "
+                             f"wait for the requests to drain), got {mode!r}")
+        self.mode, self.settle = mode, settle
         self.clients, self.push, self.timeout = list(clients), push, timeout
         self.engines = list(engines) if engines is not None else list(clients[0].engines)
         waves([e.name for e in self.engines], serving_fraction)  # refused now, not mid-update
@@ -84,7 +113,7 @@ class InFlightUpdate:
         AsyncSupervisorClient) when given. An engine whose update fails is resumed as it was
         and named in `failed` (its /weight_info decides what the daemon makes of it)."""
         plan = waves([e.name for e in self.engines], self.serving_fraction)
-        report = UpdateReport(version, plan, serving_min=len(self.engines))
+        report = UpdateReport(version, plan, self.mode, serving_min=len(self.engines))
         by_name = {e.name: e for e in self.engines}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
             for wave in plan:
@@ -100,11 +129,22 @@ class InFlightUpdate:
         t0 = time.monotonic()
         ok = False
         try:
-            await self._pause_until_clear(session, engine)
+            read: dict[str, int] = {}
+            if self.mode == "keep":  # vLLM 0.32 clears the caches on a keep too unless told not to
+                await self._post(session, engine, "/pause?mode=keep&clear_cache=false")
+            elif self.mode == "wait":
+                await self._post(session, engine, "/pause?mode=wait")  # returns once drained
+            if self.mode == "keep":
+                read = await self._frozen_at(engine)
+            await self._pause_until_clear(session, engine, skip=set(read))
             await self.push(engine, version)
             got = await self._weight_version(session, engine)
             if VersionRule.lag(got, version) != 0:
                 raise RuntimeError(f"/weight_info says {got!r} after the push, not {version}")
+            if read:  # before the resume: the first token on the new weights is then labelled
+                for c in self.clients:
+                    c.kept(engine.name, version, read)
+                report.kept[engine.name] = read
             ok = True
         except Exception as e:
             report.failed[engine.name] = f"{type(e).__name__}: {e}"
@@ -121,17 +161,45 @@ class InFlightUpdate:
                     c.released(engine.name)
             report.seconds[engine.name] = round(time.monotonic() - t0, 4)
 
-    async def _pause_until_clear(self, session: aiohttp.ClientSession, engine: Engine) -> None:
-        """Paused with abort, again until no client has an attempt on it (an attempt sent just
-        before the hold may reach the engine after the pause, and wait there for the resume)."""
+    async def _frozen_at(self, engine: Engine) -> dict[str, int]:
+        """Keep mode, the engine paused: each request in flight on it -> the output tokens the
+        clients have read, once its streams have gone `settle` seconds without a token (what
+        the engine made before the pause may still be on its way)."""
+        def read() -> dict[str, int]:
+            return {rid: p.tokens for c in self.clients for rid, p in c.progress().items() if p.engine == engine.name}
+
+        last, quiet_since = read(), time.monotonic()
+        deadline = quiet_since + self.timeout
+        while time.monotonic() - quiet_since < self.settle:
+            await asyncio.sleep(min(0.02, self.settle))
+            now = read()
+            if now != last:
+                last, quiet_since = now, time.monotonic()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{engine.name}'s streams still moved {self.timeout:g}s after its pause (keep)")
+        return last
+
+    async def _pause_until_clear(self, session: aiohttp.ClientSession, engine: Engine, skip: set[str]) -> None:
+        """Paused with abort (abort mode), again until no client has an attempt on it but those
+        in `skip` (keep mode's frozen requests): an attempt sent just before the hold may reach
+        the engine after the pause, and would wait there for the resume. In keep and wait mode
+        an abort is sent only for such a late attempt (it aborts every request on the engine:
+        keep's frozen ones too, which are then continued, not mixed)."""
         deadline = time.monotonic() + self.timeout
         while True:
-            await self._post(session, engine, "/pause?mode=abort")
-            if not any(c.outstanding().get(engine.name) for c in self.clients):
+            late = self._attempts_on(engine, skip)
+            if self.mode == "abort" or late:
+                await self._post(session, engine, "/pause?mode=abort")
+                late = self._attempts_on(engine, skip)
+            if not late:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests still in flight on {engine.name} {self.timeout:g}s after its pause")
             await asyncio.sleep(0.02)
+
+    def _attempts_on(self, engine: Engine, skip: set[str]) -> int:
+        return sum(1 for c in self.clients for rid, p in c.progress().items() if p.engine == engine.name
+                   and rid not in skip)
 
     async def _post(self, session: aiohttp.ClientSession, engine: Engine, path: str) -> None:
         async with session.post(f"{engine.url}{path}", headers=self._auth) as r:

@@ -37,7 +37,7 @@ __all__ = [
     "RolloutClient", "RolloutResult", "RolloutStats", "Attempt", "Engine", "Split", "StartOver", "Progress",
     "continuation_blocker", "continuation_sampling", "continuation_seed",
     "RolloutError", "NoEngineAvailable", "RolloutRequestError", "RolloutFailed",
-    "RolloutResponseTooLarge", "StaleSample", "classify_status", "MAX_LINE_BYTES", "STALE_SAMPLES",
+    "RolloutResponseTooLarge", "StaleSample", "classify_status", "MAX_LINE_BYTES", "STALE_SAMPLES", "KEPT",
     "SPAN_READ", "SPAN_BRACKET", "SPAN_SENT", "SPAN_LISTED",
 ]
 
@@ -56,6 +56,7 @@ MALFORMED = "malformed"  # a stream line that is not JSON, a chunk of the wrong 
 TOO_LARGE = "too_large"  # a streamed line over max_line_bytes: not retried, not reported
 NO_TEXT = "no_text"      # answered, but the text across a split could not be built (/detokenize): started over
 STALE = "stale"          # answered, but a token is older than max_staleness (async mode): not returned as useful
+KEPT = "kept"            # the stream went on past an in-flight update in keep mode: the next piece is mixed (kv_version)
 
 # What the client does with a sample past the staleness bound (async mode): start it over from
 # its prompt on the engines the rule allows now, or raise StaleSample (the caller drops it).
@@ -133,12 +134,13 @@ class RolloutResult:
     @property
     def continued(self) -> bool:
         """The sample was made of more than one attempt's tokens."""
-        return len(self.splits) > 1
+        return any(s.outcome != KEPT for s in self.splits[:-1])
 
     @property
     def tokens_reused(self) -> int:
-        """Output tokens received before a fault and kept (every piece but the last)."""
-        return sum(s.tokens for s in self.splits[:-1])
+        """Output tokens received before a fault and kept (every piece but the last, but those a
+        keep-mode update split off the same stream)."""
+        return sum(s.tokens for s in self.splits[:-1] if s.outcome != KEPT)
 
     @property
     def tokens_regenerated(self) -> int:
@@ -403,6 +405,7 @@ class RolloutClient(Continuation):
         # those it verified at a newer version than the daemon lists yet are listed at it.
         self._held: set[str] = set()
         self._verified: dict[tuple[str, int | None], int] = {}  # (engine, incarnation) -> version
+        self._kept: dict[str, list[tuple[int, int]]] = {}  # request id -> (output tokens, version) where a keep went on
         # Every failure report and the daemon's answer (or the error): (engine, detail, answer).
         self.reports: collections.deque[tuple[str, str, Any]] = collections.deque(maxlen=1000)
         self._outstanding: dict[str, int] = collections.defaultdict(int)
@@ -530,6 +533,39 @@ class RolloutClient(Continuation):
         names = set(names)
         for key in [k for k in self._version_reads if k[0] in names]:
             del self._version_reads[key]
+
+    def kept(self, name: str, version: int, read: Mapping[str, int]) -> None:
+        """`name` resumes its requests on `version`'s weights over the KV cache its old weights
+        computed (`/pause?mode=keep`): of each request in `read` (request id -> output tokens
+        read when the engine froze) still streaming from it, the tokens after those are
+        `version`'s over mixed KV, and its pieces say so (Split.kv_version)."""
+        for rid, at in read.items():
+            held = self._progress.get(rid)
+            if held is not None and held[0] == name:
+                self._kept.setdefault(rid, []).append((at, version))
+
+    def _kept_pieces(self, rid: str, piece: Split) -> list[Split]:
+        """An attempt's piece, split where keep-mode updates went on under it: each later piece
+        at the update's version, with the attempt's version as its kv_version."""
+        end = piece.offset + piece.tokens
+        marks = [(at, v) for at, v in self._kept.pop(rid, ()) if at < end]  # none made after a mark past the end
+        if not marks:
+            return [piece]
+        # Each mark is the update's own read of the engine (/weight_info said `new` before it
+        # resumed): the pieces between marks are exact; the last keeps a bracket only where the
+        # read after its stream saw a newer version still.
+        out, start, version, kv = [], piece.offset, piece.weight_version, None
+        for at, new in marks:
+            at = min(max(at, start), end)
+            if at > start:
+                out.append(piece._replace(weight_version=version, offset=start, tokens=at - start, outcome=KEPT,
+                                          dropped=0, kv_version=kv, span=SPAN_READ, weight_version_end=None))
+            start, version, kv = at, new, piece.weight_version
+        newer = piece.span == SPAN_BRACKET and piece.weight_version_end != version
+        out.append(piece._replace(weight_version=version, offset=start, tokens=end - start, kv_version=kv,
+                                  span=SPAN_BRACKET if newer else SPAN_READ,
+                                  weight_version_end=piece.weight_version_end if newer else None))
+        return out
 
     def released(self, name: str) -> None:
         """An update of `name` ended without a new version (failed): it takes attempts again at
@@ -836,7 +872,15 @@ class RolloutClient(Continuation):
         after = UNREAD
         if answer_tokens(answer) and outcome == OK and before is not UNREAD:
             after = await self._engine_version(engine, time.monotonic())
-        return piece_version(engine.weight_version, before, after)
+        version, span, end = piece_version(engine.weight_version, before, after)
+        if span == SPAN_SENT:
+            # A cut piece's tokens may come from an update that went on under the request (a
+            # keep-mode pause nobody told this client of): the engine listed newer by the time
+            # of the cut bounds them, so its continuation never goes back to older weights.
+            listed = next((e.weight_version for e in self.engines if e.name == engine.name), None)
+            if isinstance(listed, int) and isinstance(version, int) and listed > version:
+                return version, SPAN_BRACKET, listed
+        return version, span, end
 
     async def _attempt(self, engine: Engine, path: str, payload: dict[str, Any], sampling: dict[str, Any],
                        chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
@@ -867,21 +911,23 @@ class RolloutClient(Continuation):
             raise
         except BaseException:
             self._attempt_over(engine, rid)
+            self._kept.pop(rid, None)
             raise
         self._attempt_over(engine, rid)
         finished = time.time()
         n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
         version, span, end = await self._made_on(engine, before, answer, OK)
-        last = Split(engine.name, version, prefix, n, OK, sampling.get("seed"), span=span, weight_version_end=end)
-        self._check_staleness(rid, engine, state, last, answer, attempts)
+        pieces = self._kept_pieces(rid, Split(engine.name, version, prefix, n, OK, sampling.get("seed"), span=span,
+                                              weight_version_end=end))
+        self._check_staleness(rid, engine, state, pieces[0], answer, attempts)  # the oldest: versions only grow
         text, token_ids, logprobs, prompt_ids = await self._joined(engine, rid, answer, state, attempts, aborted)
         attempts.append(Attempt(engine.name, OK))
         return RolloutResult(
             request_id=rid, text=text, finish_reason=answer.finish_reason or "",
             engine=engine.name, url=engine.url, token_ids=token_ids, logprobs=logprobs, prompt_token_ids=prompt_ids,
             n_tokens=prefix + n, attempts=list(attempts), sent=sent, attempt_sent=attempt_sent,
-            first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=engine.weight_version,
-            splits=state.splits + [last], started_over=list(state.started_over))
+            first_token=answer.first_token, finished=finished, epoch=epoch, weight_version=pieces[-1].weight_version,
+            splits=state.splits + pieces, started_over=list(state.started_over))
 
     def _check_staleness(self, rid: str, engine: Engine, state: Partial, last: Split, answer: Answer,
                          attempts: list[Attempt]) -> None:
@@ -964,7 +1010,11 @@ class RolloutClient(Continuation):
         `made_on`, the failure reported, the engine excluded (or a last resort), the membership
         read again."""
         attempts.append(Attempt(engine.name, r.outcome))
+        kept = len(state.splits)
         self._keep(rid, state, engine, published, answer, r.outcome, seed, made_on)
+        if len(state.splits) > kept:  # this attempt's piece: split where a keep-mode update went on
+            state.splits[kept:] = self._kept_pieces(rid, state.splits[kept])
+        self._kept.pop(rid, None)
         self._on_failure(engine, r, rid)
         if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded
             aborted.add(engine.name)

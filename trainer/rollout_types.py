@@ -104,6 +104,11 @@ class Split(NamedTuple):
     dropped: int = 0  # tokens received after `tokens`, thrown away (a split inside a character, no /detokenize)
     span: str = SPAN_LISTED
     weight_version_end: Any = None  # SPAN_BRACKET: the newest version its tokens may come from
+    # None: the piece's KV cache was computed by its own weights (exact: what `weight_version`
+    # alone makes from the prefix). Else the version whose KV cache it attended to: an
+    # in-flight update in keep mode resumed the request on new weights over the old KV
+    # (mixed; the piece before it ends with outcome "kept").
+    kv_version: Any = None
 
     @property
     def newest_version(self) -> Any:

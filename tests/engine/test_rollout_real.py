@@ -764,3 +764,287 @@ async def test_staleness_bound_reached_for_real_no_sample_past_it_is_returned(fl
           f"{len(regenerated)} of 4 regenerated ({stats.stale_tokens} tokens), {len(stale)} of 4 dropped as "
           f"StaleSample; admission held a request {rc.stats.admission_wait_ms - stats.admission_wait_ms} ms; "
           f"fleet ready in {t_fleet:.1f}s, test {time.monotonic() - t0:.1f}s")
+
+
+# -- in-flight updates: keep mode, a kill -9 and a hang during an update (trainer/inflight.py) --
+# Each test starts from inflight_fleet(): both engines up and holding the model's own weights
+# at a new version both report, published (so it also runs alone, and leaves the fleet as the
+# module's tests expect it). The client reads a stand-in's routable answer in async mode
+# (tests/support/standin_inproc.py; this module's daemon runs in sync mode), as in
+# test_inflight_update_mid_batch_every_span_is_exact; the update goes to version base + 1, a
+# perturbed checkpoint, in waves [A], [B].
+
+
+def inflight_fleet(f) -> int:
+    """Both engines started (one stopped or killed by an earlier test is waited for), reloaded
+    from the model's own directory at a new version, published: RUNNING. The version."""
+    from vime.weight_sync.checkpoint import reload_from_checkpoint
+    from support.polling import wait_until
+
+    sup = SupervisorClient(f.socket)
+    states = lambda: {e["name"]: e["state"] for e in sup.status()["engines"]}  # noqa: E731
+    for name, state in states().items():
+        if state in ("STOPPED", "EXITED", "FATAL"):
+            try:
+                sup.start(name)
+            except Exception:  # the daemon was restarting it already (a round ended)
+                pass
+    wait_until(lambda: set(states().values()) <= {"RUNNING", "STALE"}, BOOT, "both engines up")
+    version = (sup.status()["weight_version"] or 0) + 1
+    for url in f.url.values():
+        reload_from_checkpoint(url, f.model, version)
+    answer = sup.publish_weights(version)
+    assert answer["changed"] and "stale" not in answer["message"], answer
+    wait_until(lambda: set(states().values()) == {"RUNNING"}, 30, "both engines RUNNING at the new version")
+    return version
+
+
+def inflight_checkpoint(f, tmp_path) -> str:
+    """The model's weights plus N(0, 0.05) noise (seed 0), saved once for the module."""
+    if getattr(f, "inflight_ckpt", None) is None:
+        from transformers import LlamaForCausalLM
+
+        from vime.weight_sync.checkpoint import save_checkpoint
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM.from_pretrained(f.model, torch_dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        save_checkpoint(model, f.model, tmp_path / "ckpt-inflight")
+        f.inflight_ckpt = str(tmp_path / "ckpt-inflight")
+    return f.inflight_ckpt
+
+
+def inflight_daemon(f, version: int):
+    from support.standin_inproc import DaemonAnswers
+
+    return DaemonAnswers([{"name": n, "url": u, "model": "tiny", "weight_version": version, "incarnation": 1}
+                          for n, u in f.url.items()], version=version, max_staleness=1)
+
+
+def checkpoint_push(ckpt: str, before=None):
+    """The update's push: the checkpoint reloaded into the paused engine at the version;
+    `before(engine)` first, when given (where a test injects its fault)."""
+    import aiohttp
+
+    from vime.weight_sync.checkpoint import reload_from_checkpoint_async
+
+    async def push(engine, version: int) -> None:
+        if before is not None:
+            await before(engine)
+        async with aiohttp.ClientSession() as s:
+            await reload_from_checkpoint_async(s, engine.url, ckpt, version, pause_mode=None)
+    return push
+
+
+async def until_streaming(client: RolloutClient, batch: asyncio.Future, n: int, tokens: int = 8,
+                          engine: str | None = None, fresh: bool = False) -> None:
+    """Until n requests (on `engine`, when given) have `tokens` output tokens read (`fresh`: of
+    their current attempt, past its continued prefix)."""
+    def streaming() -> int:
+        return sum(1 for p in client.progress().values() if (engine is None or p.engine == engine)
+                   and p.tokens - (p.prefix if fresh else 0) >= tokens)
+    await until(lambda: batch.done() or streaming() >= n, 120)
+    assert not batch.done(), f"the batch ended before {n} requests had streamed {tokens} tokens"
+
+
+def greedy_tokens_salted(url: str, ids: list[int], n: int, salt: str) -> tuple[list[int], list[float]]:
+    """greedy_tokens with a `cache_salt` of its own: no prefix-cache block is shared with any
+    other request (each token's KV computed by the weights the engine holds now)."""
+    import json
+
+    body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0, "logprobs": 1,
+                       "ignore_eos": True, "return_token_ids": True, "cache_salt": salt}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        choice = json.loads(resp.read())["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+async def check_exact_spans(f, results, before, v1: int, v2: int, engine: str) -> float:
+    """Each piece is what its version alone makes from the prefix before it: at v1 the same
+    request run before the update, at v2 the greedy run of `engine` (at v2 now) from that
+    prefix, tokens exactly, logprobs within 1e-3. The largest logprob difference."""
+    worst, checks = 0.0, []
+    for r, b in zip(results, before):
+        assert len(r.token_ids) == MAX_TOKENS and not r.started_over and r.splits[-1].outcome == OK
+        assert [s.weight_version for s in r.splits] == sorted(s.weight_version for s in r.splits)
+        assert {s.weight_version for s in r.splits} <= {v1, v2} and all(s.kv_version is None for s in r.splits)
+        assert [s.offset for s in r.splits] == [sum(s.tokens for s in r.splits[:i]) for i in range(len(r.splits))]
+        for s in r.splits:
+            if s.weight_version == v1:
+                assert r.token_ids[s.offset:s.offset + s.tokens] == b.token_ids[s.offset:s.offset + s.tokens]
+                assert r.logprobs[s.offset:s.offset + s.tokens] == pytest.approx(
+                    b.logprobs[s.offset:s.offset + s.tokens], abs=1e-3)
+            else:
+                checks.append((r, s))
+    made = await asyncio.gather(*(asyncio.to_thread(greedy_tokens, f.url[engine],
+                                                    r.prompt_token_ids + r.token_ids[:s.offset], s.tokens)
+                                  for r, s in checks))
+    for (r, s), (ids, lps) in zip(checks, made):
+        assert r.token_ids[s.offset:s.offset + s.tokens] == ids, (r.request_id, s)
+        got = r.logprobs[s.offset:s.offset + s.tokens]
+        assert got == pytest.approx(lps, abs=1e-3), (r.request_id, s)
+        worst = max([worst] + [abs(x - y) for x, y in zip(got, lps)])
+    return worst
+
+
+async def test_inflight_update_keep_mode_is_labelled_mixed_at_the_exact_token(fleet, tmp_path):
+    """Keep mode (`/pause?mode=keep`, PipelineRL's): the requests freeze, the weights change,
+    they resume over the KV cache the old weights computed. Nothing is cut or recomputed; each
+    such sample is split where its engine froze: tokens before it at v1 (equal to the run
+    before the update, logprobs within 1e-3: all made by v1), the rest at v2 with kv_version
+    v1. The split is at the exact token: the first token after it is not v1's (another token,
+    or the same one with another logprob). And the label is needed: some mixed piece is not
+    what v2 alone makes from its prefix."""
+    from vime.trainer.inflight import InFlightUpdate
+    from vime.trainer.rollout import KEPT
+
+    f = fleet
+    v1 = await asyncio.to_thread(inflight_fleet, f)
+    ckpt = inflight_checkpoint(f, tmp_path)
+    daemon = inflight_daemon(f, v1)
+    prompts = batch_prompts("keep", 8)
+    async with RolloutClient(daemon, backoff_initial=0.01, **FAULT_CLIENT) as client:
+        before = await client.gather(prompts, **GREEDY)
+        batch = asyncio.create_task(client.gather(prompts, **GREEDY))
+        await until_streaming(client, batch, 8)
+        report = await InFlightUpdate([client], push=checkpoint_push(ckpt), serving_fraction=0.5, mode="keep",
+                                      timeout=300).run(v1 + 1, supervisor=daemon)
+        results = await asyncio.wait_for(batch, 300)
+        st = copy.copy(client.stats)
+    assert not report.failed and report.mode == "keep" and report.waves == [["A"], ["B"]], report
+    assert st.aborted == 0 and st.continued == 0 and st.tokens_before_fault == st.tokens_regenerated == 0
+    mixed = [(r, b) for r, b in zip(results, before) if len(r.splits) > 1]
+    assert len(mixed) >= 4, "A's requests were frozen mid-stream and resumed on the new weights"
+    checks = []
+    for r, b in zip(results, before):
+        assert len(r.token_ids) == MAX_TOKENS and not r.continued and r.tokens_reused == 0
+        if len(r.splits) == 1:  # ended before its engine's wave
+            assert r.splits[0][:2] == (r.engine, v1) and r.token_ids == b.token_ids
+            continue
+        old, new = r.splits
+        assert (old.weight_version, old.kv_version, old.outcome) == (v1, None, KEPT)
+        assert (new.weight_version, new.kv_version, new.outcome, new.engine) == (v1 + 1, v1, OK, old.engine)
+        k = old.tokens
+        assert k == report.kept[r.engine][r.request_id] and 0 < k < MAX_TOKENS and r.weight_version == v1 + 1
+        assert r.token_ids[:k] == b.token_ids[:k] and r.logprobs[:k] == pytest.approx(b.logprobs[:k], abs=1e-3)
+        assert r.token_ids[k] != b.token_ids[k] or abs(r.logprobs[k] - b.logprobs[k]) > 1e-3, (
+            "the first token labelled v2 is v1's: the split came late")
+        checks.append((r, k))
+    # What v2 alone makes from each prefix: a request with a cache salt of its own, so that no
+    # block of vLLM's prefix cache (the frozen requests' v1 blocks are still there) is reused.
+    pure = await asyncio.gather(*(asyncio.to_thread(greedy_tokens_salted, f.url[r.engine], r.prompt_token_ids
+                                                    + r.token_ids[:k], MAX_TOKENS - k, f"v2-{r.request_id}")
+                                  for r, k in checks))
+    differs = [r.request_id for (r, k), (ids, lps) in zip(checks, pure)
+               if ids != r.token_ids[k:] or r.logprobs[k:] != pytest.approx(lps, abs=1e-3)]
+    assert differs, "every mixed piece equals what v2 alone makes: the KV cache made no difference"
+    # Without a salt, a new request with that prefix may reuse the v1 blocks of vLLM's prefix
+    # cache (a keep clears no cache): counted, for docs/weights.md.
+    cached = await asyncio.gather(*(asyncio.to_thread(greedy_tokens, f.url[r.engine], r.prompt_token_ids
+                                                      + r.token_ids[:k], MAX_TOKENS - k) for r, k in checks))
+    reused = sum(ids != pure_ids for (ids, _), (pure_ids, _) in zip(cached, pure))
+    print(f"\nkeep: waves {report.waves}, pause to serving {report.seconds}; {len(mixed)} of 8 samples split where "
+          f"their engine froze (at tokens {sorted(k for _, k in checks)}), {len(differs)} of them not what v2 alone "
+          f"makes from the prefix; 0 tokens recomputed; {reused} new unsalted requests with a frozen prefix not "
+          f"what v2 alone makes (v1 blocks of the prefix cache)")
+
+
+async def test_inflight_update_a_hang_mid_stream_is_continued_on_the_updated_engine(fleet, tmp_path):
+    """A hang during an update: A (already at v2, serving the requests B's pause cut) has its
+    EngineCore SIGSTOPped while B takes v2. A's streams stop; the client's request timeout cuts
+    them, and each continues on B once B is back at v2, from every token read: none
+    regenerated, every piece exact (v1 pieces as the run before, v2 pieces as v2 alone makes
+    from their prefix, logprobs within 1e-3)."""
+    from vime.trainer.inflight import InFlightUpdate
+    from vime.trainer.rollout import TIMEOUT
+
+    f = fleet
+    v1 = await asyncio.to_thread(inflight_fleet, f)
+    ckpt = inflight_checkpoint(f, tmp_path)
+    daemon = inflight_daemon(f, v1)
+    prompts = batch_prompts("hang", 8)
+    core = child_pids(f.daemon.last_pid("A"), "VLLM::EngineCor")[0]
+    stopped: list[float] = []
+
+    async with RolloutClient(daemon, backoff_initial=0.01, request_timeout=15.0, **FAULT_CLIENT) as client:
+        async def hang_a(engine) -> None:
+            if engine.name == "B":  # A serves B's cut requests on v2: stop its core mid-stream
+                await until_streaming(client, batch, 4, engine="A", fresh=True)
+                os.kill(core, signal.SIGSTOP)
+                stopped.append(time.monotonic())
+
+        before = await client.gather(prompts, **GREEDY)
+        batch = asyncio.create_task(client.gather(prompts, **GREEDY))
+        await until_streaming(client, batch, 8)
+        try:
+            report = await InFlightUpdate([client], push=checkpoint_push(ckpt, hang_a), serving_fraction=0.5,
+                                          timeout=300).run(v1 + 1, supervisor=daemon)
+            await until(lambda: batch.done() or not client.outstanding().get("A"), 60, "A's attempts cut")
+        finally:
+            os.kill(core, signal.SIGCONT)
+        results = await asyncio.wait_for(batch, 300)
+        st = copy.copy(client.stats)
+        worst = await check_exact_spans(f, results, before, v1, v1 + 1, "B")
+    assert stopped and not report.failed and report.waves == [["A"], ["B"]], report
+    timed_out = [r for r in results if any(s[:2] == ("A", v1 + 1) and s.outcome == TIMEOUT for s in r.splits)]
+    assert len(timed_out) >= 4, [r.splits for r in results]
+    for r in timed_out:  # continued on B at v2 after the hang
+        i = next(i for i, s in enumerate(r.splits) if s.outcome == TIMEOUT)
+        assert r.splits[i + 1][:2] == ("B", v1 + 1) and r.splits[i].tokens > 0
+    assert st.tokens_regenerated == 0 and st.started_over == 0 and st.tokens_before_fault == st.tokens_reused > 0
+    assert {e for e, _ in daemon.reports} == {"A"}  # the timeouts were reported, on A only
+    print(f"\nhang during an update: {len(timed_out)} of 8 cut by the request timeout on A (SIGSTOPped) and continued "
+          f"on B at v{v1 + 1}; {st.tokens_reused} tokens reused, 0 regenerated; worst logprob difference {worst:.1e}")
+
+
+async def test_inflight_update_a_kill9_mid_stream_is_continued_on_the_updated_engine(fleet, tmp_path):
+    """A kill -9 during an update: A's server (already at v2, serving the requests B's pause
+    cut) is killed mid-stream while B takes v2. Each cut request continues on B once it is back
+    at v2, from every token read: none regenerated, every piece exact. The daemon restarts A;
+    the fleet is restored (inflight_fleet) for the tests after this one."""
+    from vime.trainer.inflight import InFlightUpdate
+
+    f = fleet
+    d = f.daemon
+    v1 = await asyncio.to_thread(inflight_fleet, f)
+    ckpt = inflight_checkpoint(f, tmp_path)
+    daemon = inflight_daemon(f, v1)
+    prompts = batch_prompts("killed", 8)
+    mark = d.mark()
+    killed: list[float] = []
+
+    async with RolloutClient(daemon, backoff_initial=0.01, **FAULT_CLIENT) as client:
+        async def kill_a(engine) -> None:
+            if engine.name == "B":
+                await until_streaming(client, batch, 4, engine="A", fresh=True)
+                os.kill(d.last_pid("A"), signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        before = await client.gather(prompts, **GREEDY)
+        batch = asyncio.create_task(client.gather(prompts, **GREEDY))
+        await until_streaming(client, batch, 8)
+        report = await InFlightUpdate([client], push=checkpoint_push(ckpt, kill_a), serving_fraction=0.5,
+                                      timeout=300).run(v1 + 1, supervisor=daemon)
+        results = await asyncio.wait_for(batch, 300)
+        st = copy.copy(client.stats)
+        worst = await check_exact_spans(f, results, before, v1, v1 + 1, "B")
+    assert killed and not report.failed and report.waves == [["A"], ["B"]], report
+    died = [r for r in results if any(s[:2] == ("A", v1 + 1) and s.outcome in (DIED, MALFORMED) for s in r.splits)]
+    assert len(died) >= 4, [r.splits for r in results]
+    for r in died:
+        i = next(i for i, s in enumerate(r.splits) if s.outcome in (DIED, MALFORMED))
+        assert r.splits[i + 1][:2] == ("B", v1 + 1) and r.splits[i].tokens > 0
+    assert st.tokens_regenerated == 0 and st.started_over == 0 and st.tokens_before_fault == st.tokens_reused > 0
+    assert {e for e, _ in daemon.reports} == {"A"}
+    await asyncio.to_thread(d.wait_for, lambda e: e.get("event") == "engine.spawned" and e.get("engine") == "A",
+                            60, after=mark)  # restarted
+    t0 = time.monotonic()
+    v = await asyncio.to_thread(inflight_fleet, f)  # A restarted by the daemon, both reloaded and published
+    assert sorted((e["name"], e["weight_version"]) for e in SupervisorClient(f.socket).routable_engines()["engines"]
+                  ) == [("A", v), ("B", v)]
+    print(f"\nkill -9 during an update: {len(died)} of 8 cut on A (killed) and continued on B at v{v1 + 1}; "
+          f"{st.tokens_reused} tokens reused, 0 regenerated; worst logprob difference {worst:.1e}; fleet restored "
+          f"{time.monotonic() - t0:.1f}s after the batch")

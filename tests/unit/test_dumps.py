@@ -260,9 +260,9 @@ def _continued_result():
 def test_continued_sample_round_trips_its_splits(tmp_path):
     s = Sample.from_rollout(_continued_result(), prompt="p", reward=1.0)
     assert s.splits == [{"engine": "A", "weight_version": 4, "offset": 0, "tokens": 2, "outcome": "died", "seed": 7,
-                         "dropped": 0, "span": "sent", "weight_version_end": None},
+                         "dropped": 0, "span": "sent", "weight_version_end": None, "kv_version": None},
                         {"engine": "B", "weight_version": 5, "offset": 2, "tokens": 1, "outcome": "ok", "seed": 99,
-                         "dropped": 0, "span": "bracket", "weight_version_end": 6}]
+                         "dropped": 0, "span": "bracket", "weight_version_end": 6, "kv_version": None}]
     assert s.started_over == [{"engine": "A", "weight_version": 3, "tokens": 5,
                                "reason": "the weight version changed"}]
     path = save_rollout(tmp_path / "r_{rollout_id}.jsonl", 1, [s] + make_samples())

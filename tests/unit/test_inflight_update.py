@@ -76,3 +76,74 @@ async def test_a_publish_while_requests_stream_continues_them_with_exact_spans()
     assert cut >= 4  # the requests on the first wave's engines were cut and continued on v4
     st = rollout.stats
     assert st.tokens_regenerated == 0 and st.stale_samples == 0 and st.aborted >= 4
+
+
+HALF = (0.5, 2, [["e0", "e1"], ["e2", "e3"]])
+ALL_AT_ONCE = (0.0, 0, [["e0", "e1", "e2", "e3"]])
+ONE_BY_ONE = (0.75, 3, [["e0"], ["e1"], ["e2"], ["e3"]])
+FLOORS = [(m, *f) for m in ("abort", "keep", "wait") for f in (HALF, ALL_AT_ONCE)] + [("abort", *ONE_BY_ONE)]
+
+
+@pytest.mark.parametrize("mode,fraction,floor,plan", FLOORS,
+                         ids=[f"{m}-{f:g}" for m, f, _, _ in FLOORS])
+async def test_which_engines_serve_through_an_update_never_drops_below_the_floor(mode, fraction, floor, plan):
+    """Which engines serve (not paused, as the engines themselves say) is sampled every 2 ms
+    through an update whose push takes 50 ms: never fewer than the floor, every engine paused
+    once, all four at once when the fraction is 0. And each mode's samples: abort, every
+    piece exact; keep, no request cut, the tokens after the update labelled mixed (kv_version)
+    and split where the engine froze; wait, every sample made whole by one version."""
+    async with InProcessEngines([3, 3, 3, 3], step_s=0.02) as engines:
+        daemon = DaemonAnswers([engines.entry(i) for i in range(4)], version=3, max_staleness=1)
+        seen: list[frozenset[str]] = []
+
+        async def sample() -> None:
+            while True:
+                seen.append(frozenset(f"e{i}" for i, e in enumerate(engines.emulated) if e.paused is None))
+                await asyncio.sleep(0.002)
+
+        async def slow_push(engine: Engine, version: int) -> None:
+            await asyncio.sleep(0.05)
+            await push_version(engine, version)
+
+        async with RolloutClient(daemon, backoff_initial=0.001, backoff_max=0.01, refresh_interval=60.0) as rollout:
+            prompts = [[9 + i, 6, 7] for i in range(8)]
+            batch = asyncio.ensure_future(asyncio.gather(*(rollout.complete(p, max_tokens=N, logprobs=1)
+                                                           for p in prompts)))
+            await until(lambda: len(rollout.progress()) == 8 and all(p.tokens >= 3 for p in rollout.progress().values()),
+                        timeout=20)
+            sampler = asyncio.ensure_future(sample())
+            report = await InFlightUpdate([rollout], push=slow_push, serving_fraction=fraction, mode=mode).run(
+                4, supervisor=daemon)
+            sampler.cancel()
+            results = await asyncio.wait_for(batch, 60)
+
+    assert report.waves == plan and report.mode == mode and not report.failed and report.serving_min == floor
+    assert min(len(s) for s in seen) == floor  # reached, never crossed
+    assert set().union(*({f"e{i}" for i in range(4)} - s for s in seen)) == {f"e{i}" for i in range(4)}
+    assert [e.label for e in engines.emulated] == ["4"] * 4
+    st = rollout.stats
+    assert st.tokens_regenerated == 0 and st.started_over == 0
+    for p, r in zip(prompts, results):
+        assert r.token_ids is not None and len(r.token_ids) == N
+        assert [s.offset for s in r.splits] == [sum(s.tokens for s in r.splits[:i]) for i in range(len(r.splits))]
+        for s in r.splits:  # the emulator's tokens depend on the context and the weights, not on the KV
+            assert r.token_ids[s.offset:s.offset + s.tokens] == engines.tokens(
+                0, p + r.token_ids[:s.offset], s.tokens, s.weight_version), (r.splits, s)
+        versions = [s.weight_version for s in r.splits]
+        assert versions == sorted(versions) and r.weight_version == versions[-1]
+    mixed = [r for r in results if any(s.kv_version is not None for s in r.splits)]
+    if mode == "abort":
+        assert not mixed and st.aborted >= 4 and sum(r.continued for r in results) >= 4
+    elif mode == "keep":
+        # The first wave's requests were frozen mid-stream and went on over their old KV: 2
+        # pieces, the second at 4 over 3's KV (a later wave's may have ended before it); none
+        # cut, none continued.
+        assert len(mixed) >= 2 * len(plan[0]) and st.aborted == 0 and st.continued == 0
+        assert not any(r.continued for r in results)
+        assert all(len(r.splits) == 1 and r.weight_version == 3 for r in results if r not in mixed)
+        for r in mixed:
+            assert [(s.weight_version, s.kv_version, s.outcome) for s in r.splits] == [(3, None, "kept"), (4, 3, "ok")]
+            assert r.splits[0].tokens == report.kept[r.engine][r.request_id] >= 3 and r.tokens_reused == 0
+    else:  # drained on the old weights: every sample one version's, nothing cut
+        assert not mixed and st.continued == 0 and all(len(r.splits) == 1 for r in results)
+        assert {r.weight_version for r in results} == {3}
