@@ -135,8 +135,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--only takes policy names, comma-separated, not {a.only!r}")
     if a.mutation and a.only is not None:
         ap.error("--mutation runs one policy of its own (defaults, no fault): leave --only out")
-    if a.time_scale is not None and not a.time_scale > 0:
-        ap.error(f"--time-scale must be > 0, not {a.time_scale}")
+    if a.time_scale is not None and not (math.isfinite(a.time_scale) and a.time_scale > 0):
+        ap.error(f"--time-scale must be a finite number > 0 (wall seconds per engine second), not {a.time_scale}")
     return a
 
 
@@ -191,7 +191,7 @@ def plan_of(a: argparse.Namespace) -> Plan:
                          if v is not None})
     seeds = list(range(a.seeds if a.seeds is not None else (1 if a.quick else MIN_SEEDS)))
     mtbf = a.mtbf if a.mtbf is not None else (QUICK_MTBF_S if a.quick else HEADLINE_MTBF_S)
-    spares = a.spares if a.spares is not None else (QUICK_SPARES if a.quick else sized_spares(w.engines, mtbf, w.restart_s))
+    spares = a.spares if a.spares is not None else (min(QUICK_SPARES, w.engines) if a.quick else sized_spares(w.engines, mtbf, w.restart_s))
     pols = policies(spares)
     if a.mutation:
         # One policy, no fault injected: whatever the must-be-zero figure counts is the mutation's.

@@ -1029,6 +1029,9 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--debug-train-only and --debug-rollout-only exclude each other")
     if not 0 <= args.serving_fraction < 1:
         ap.error(f"--serving-fraction must be in [0, 1), got {args.serving_fraction:g}")
+    if args.serving_fraction and not args.async_:
+        ap.error("--serving-fraction sets the waves of --async's in-flight updates: add --async, or drop it "
+                 "(the sync loop updates its engines in the gap between rounds)")
     if args.async_:
         for flag, on in (("--debug-train-only", args.debug_train_only), ("--debug-rollout-only", args.debug_rollout_only),
                          ("--load-debug-rollout-data", args.load_debug_rollout_data), ("--cluster", args.cluster)):

@@ -835,10 +835,10 @@ class EngineRunner:
         if not (fsm.probed or fsm.state is S.SYNCING):
             return
         incarnation, state = fsm.incarnation, fsm.state
-        read = await self.prober.weight_version()
-        if fsm.incarnation != incarnation or fsm.state is not state:
-            return
-        fsm.weight_version = relabel(fsm.weight_version, read, checked=checked == incarnation,
+        read = await self.prober.read_weight_version()
+        if not read.readable or fsm.incarnation != incarnation or fsm.state is not state:
+            return  # an answer that could not be read says nothing: the label stands (as at a push's end)
+        fsm.weight_version = relabel(fsm.weight_version, read.version, checked=checked == incarnation,
                                      fingerprinted=fingerprinted, rule=self.policy.rule)
 
     def round_ended(self, n: int) -> None:

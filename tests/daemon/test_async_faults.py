@@ -242,3 +242,21 @@ def test_a_publish_during_a_spare_promotion_never_leaves_the_spare_routable_outs
     finally:
         kill_all([node.d] if node else [])
         router.close()
+
+
+def test_an_unreadable_weight_info_at_a_publish_leaves_an_engine_within_the_bound_routable(tmp_path):
+    """A publish's re-read of /weight_info that cannot be read (a 503) keeps the engine's label:
+    e0, one version behind within max_staleness 1, stays routable (not relabelled base weights)."""
+    router = StandinRouter()
+    node = None
+    try:
+        node = Node(tmp_path, ("e0", "e1"), router)  # both report version=1
+        c = node.c
+        wait_until(lambda: sorted(node.states().values()) == ["RUNNING", "RUNNING"], 30, "both serving")
+        c.publish_weights(1)
+        node.modes["e0"].write_text("weights_down")  # /weight_info answers 503; probes still pass
+        c.publish_weights(2)  # e0 holds v1: one behind, within max_staleness 1
+        assert node.routable() == {"e0": 1, "e1": 1}, c.status()["engines"]
+    finally:
+        kill_all([node.d] if node else [])
+        router.close()
