@@ -196,7 +196,7 @@ def plan_of(a: argparse.Namespace) -> Plan:
     if a.mutation:
         # One policy, no fault injected: whatever the must-be-zero figure counts is the mutation's.
         return Plan(w, seeds, mtbf, spares, {"defaults": replace(pols["defaults"], faults=False)}, ["defaults"])
-    wanted = [n.strip() for n in (a.only or ",".join(pols)).split(",") if n.strip()]
+    wanted = list(dict.fromkeys(n.strip() for n in (a.only or ",".join(pols)).split(",") if n.strip()))  # once each
     unknown = sorted(set(wanted) - set(pols))
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(pols)}")

@@ -38,3 +38,8 @@ def test_rl_loop_refuses_serving_fraction_without_async():
     with pytest.raises(SystemExit) as e:
         rl_loop.check_args(ap, args)
     assert e.value.code == 2
+
+
+def test_goodput_runs_a_policy_named_twice_once():
+    g = _goodput()
+    assert g.plan_of(g.parse(["--quick", "--only", "slime,slime"])).names == ["fault-free", "slime"]
