@@ -308,7 +308,7 @@ class Verbs:
     def sync_begin(name: str, version: int) -> Call[SyncBeginResult]:
         """The sync agent takes a STALE engine to push `version` into it ({"engine", "url",
         "version"}); the engine is SYNCING, never probed, until sync_end. ConflictError if the
-        version is not current, the engine is not STALE, or a round is open. Not repeated after
+        version is not current, the engine is not STALE, or (sync mode) a round is open. Not repeated after
         a dropped connection (the repeat would answer 409: check status())."""
         return _post(engine_sync_path(name, SyncPhase.BEGIN), {"version": int(version)}, idempotent=False)
 
