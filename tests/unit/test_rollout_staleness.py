@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from vime.trainer.rollout import (OK, SPAN_BRACKET, SPAN_READ, STALE, Attempt, NoEngineAvailable, RolloutClient, Split,
+from vime.trainer.rollout import (OK, SERVER_ERROR, SPAN_BRACKET, SPAN_READ, STALE, Attempt, NoEngineAvailable, RolloutClient, Split,
                                   StaleSample)
 
 from support.polling import until
@@ -107,6 +107,56 @@ async def test_a_cut_request_never_continues_on_older_weights():
     (thrown,) = r.started_over
     assert thrown.engine == "e0" and thrown.reason.startswith("no routable engine left at weight version 4 or newer")
     assert r.token_ids == engines.tokens(1, PROMPT, N, 3)
+
+
+async def cut_after_an_update_it_was_not_told_of(rollout: RolloutClient, daemon: DaemonAnswers,
+                                                 engines: InProcessEngines) -> asyncio.Future:
+    """e0 and e1 at v3 (max_staleness 1), the request on e0; mid-stream e0 is updated to v4
+    keeping the request (a keep-mode pause this client was not told of) and v4 is published
+    (e0 listed at 4, e1 at 3); e0 dies after making tokens on v4. The request, running."""
+    rollout.pick = first_on(rollout, "e0")
+    task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=16))
+    await until(lambda: any(p.tokens >= 3 for p in rollout.progress().values()), timeout=10)
+    engines.emulated[0].set_version("4")
+    daemon.publish(4, [engines.entry(0, 4), engines.entry(1, 3)])
+    await until(lambda: rollout.weight_version == 4, timeout=10)
+    at_v4 = max(p.tokens for p in rollout.progress().values())
+    await until(lambda: any(p.tokens >= at_v4 + 3 for p in rollout.progress().values()), timeout=10)
+    engines.emulated[0].add_fault("die")
+    return task
+
+
+async def test_a_piece_cut_after_an_update_it_was_not_told_of_is_continued_at_the_listed_version():
+    """(An outside review's case.) The cut piece is bracketed v3..v4 by e0's listing at the cut,
+    so it is not continued on e1 at v3 (its versions would go back); e1 admits no new request
+    either (one version behind, max_staleness 1): the request waits, and once e1 is moved up
+    to v4 it is continued there, nothing regenerated."""
+    async with InProcessEngines([3, 3], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=3, max_staleness=1)
+        async with client(daemon) as rollout:
+            task = await cut_after_an_update_it_was_not_told_of(rollout, daemon, engines)
+            await until(lambda: rollout.stats.held_at_admission == 1, timeout=10)
+            assert not task.done()
+            engines.emulated[1].set_version("4")
+            daemon.publish(4, [engines.entry(1, 4)])  # e0 dead; e1 updated and listed at v4
+            r = await asyncio.wait_for(task, 30)
+    first, last = r.splits
+    assert (first.engine, first.weight_version, first.span, first.weight_version_end) == ("e0", 3, SPAN_BRACKET, 4)
+    assert first.outcome == SERVER_ERROR and r.token_ids[:first.tokens] != engines.tokens(0, PROMPT, first.tokens, 3)
+    assert last == Split("e1", 4, first.tokens, 16 - first.tokens, OK, span=SPAN_READ)
+    assert r.token_ids[first.tokens:] == engines.tokens(1, PROMPT + r.token_ids[:first.tokens], last.tokens, 4)
+    assert r.started_over == [] and rollout.stats.tokens_regenerated == 0
+
+
+async def test_a_cut_request_no_engine_can_continue_or_admit_in_time_is_raised_saying_why():
+    async with InProcessEngines([3, 3], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=3, max_staleness=1)
+        async with client(daemon, request_timeout=2.0) as rollout:
+            task = await cut_after_an_update_it_was_not_told_of(rollout, daemon, engines)
+            with pytest.raises(NoEngineAvailable, match=r"e1 not admitted in 2s.*; not continued: no routable engine "
+                                                         r"left at weight version 4 or newer to continue on"):
+                await asyncio.wait_for(task, 30)
+    assert (rollout.stats.held_at_admission, rollout.stats.failed) == (1, 1)
 
 
 def first_on(rollout: RolloutClient, name: str):
