@@ -272,3 +272,22 @@ async def test_a_burst_of_requests_shares_its_version_reads():
             results = await rollout.gather([PROMPT] * 16, max_tokens=4)
     assert all(r.splits == [Split("e0", 3, 0, 4, OK, span=SPAN_READ)] for r in results)
     assert reads < 16, reads
+
+
+def test_a_cut_piece_split_at_a_keep_mark_is_exact_only_before_the_mark():
+    """A piece cut after a keep-mode update this client was told of (a mark at token 4, the
+    update's read said 4): before the mark exact at 3; after it no read bounds it from above
+    but the listing at the cut (5: another update since), so a bracket 4..5; with the engine
+    listed at 4, known from the mark's read alone (sent)."""
+    from vime.trainer.rollout import KEPT
+    from vime.trainer.rollout_types import SPAN_SENT, Engine
+
+    rollout = RolloutClient(None)
+    cut = Split("e0", 3, 0, 10, SERVER_ERROR, span=SPAN_SENT)
+    for listed, tail in ((5, (SPAN_BRACKET, 5)), (4, (SPAN_SENT, None))):
+        e0 = Engine("e0", "http://e0", weight_version=listed, incarnation=1)
+        rollout.engines = [e0]
+        rollout._kept["r"] = [(4, 4)]
+        assert rollout._listing_bound(e0, rollout._kept_pieces("r", cut)) == [
+            Split("e0", 3, 0, 4, KEPT, span=SPAN_READ),
+            Split("e0", 4, 4, 6, SERVER_ERROR, kv_version=3, span=tail[0], weight_version_end=tail[1])]
