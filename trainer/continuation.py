@@ -157,7 +157,11 @@ class Continuation:
             if engine is not None:
                 return engine, ""
         deadline = time.monotonic() + self.request_timeout
-        while self._held and time.monotonic() < deadline:
+        while True:
+            if self._stale_pieces(state.splits):  # a publish read meanwhile took the prefix past the bound
+                return None, self._stale_prefix_why(state)
+            if not (self._held and time.monotonic() < deadline):
+                break
             # Those left are being updated (an in-flight update cut this request): the first
             # one back, on its new weights, continues it.
             await asyncio.sleep(0.01)

@@ -109,13 +109,16 @@ async def test_a_cut_request_never_continues_on_older_weights():
     assert r.token_ids == engines.tokens(1, PROMPT, N, 3)
 
 
+LONG = 32  # 1.6 s of stream: the publish is read and e0 makes tokens on v4 before it ends, even on a loaded CI
+
+
 async def cut_after_an_update_it_was_not_told_of(rollout: RolloutClient, daemon: DaemonAnswers,
                                                  engines: InProcessEngines) -> asyncio.Future:
     """e0 and e1 at v3 (max_staleness 1), the request on e0; mid-stream e0 is updated to v4
     keeping the request (a keep-mode pause this client was not told of) and v4 is published
     (e0 listed at 4, e1 at 3); e0 dies after making tokens on v4. The request, running."""
     rollout.pick = first_on(rollout, "e0")
-    task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=16))
+    task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=LONG))
     await until(lambda: any(p.tokens >= 3 for p in rollout.progress().values()), timeout=10)
     engines.emulated[0].set_version("4")
     daemon.publish(4, [engines.entry(0, 4), engines.entry(1, 3)])
@@ -143,7 +146,7 @@ async def test_a_piece_cut_after_an_update_it_was_not_told_of_is_continued_at_th
     first, last = r.splits
     assert (first.engine, first.weight_version, first.span, first.weight_version_end) == ("e0", 3, SPAN_BRACKET, 4)
     assert first.outcome == SERVER_ERROR and r.token_ids[:first.tokens] != engines.tokens(0, PROMPT, first.tokens, 3)
-    assert last == Split("e1", 4, first.tokens, 16 - first.tokens, OK, span=SPAN_READ)
+    assert last == Split("e1", 4, first.tokens, LONG - first.tokens, OK, span=SPAN_READ)
     assert r.token_ids[first.tokens:] == engines.tokens(1, PROMPT + r.token_ids[:first.tokens], last.tokens, 4)
     assert r.started_over == [] and rollout.stats.tokens_regenerated == 0
 
@@ -151,9 +154,10 @@ async def test_a_piece_cut_after_an_update_it_was_not_told_of_is_continued_at_th
 async def test_a_cut_request_no_engine_can_continue_or_admit_in_time_is_raised_saying_why():
     async with InProcessEngines([3, 3], step_s=0.05) as engines:
         daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=3, max_staleness=1)
-        async with client(daemon, request_timeout=2.0) as rollout:
+        async with client(daemon) as rollout:
             task = await cut_after_an_update_it_was_not_told_of(rollout, daemon, engines)
-            with pytest.raises(NoEngineAvailable, match=r"e1 not admitted in 2s.*; not continued: no routable engine "
+            rollout.request_timeout = 1.0  # the wait's bound from here (the streams had the default)
+            with pytest.raises(NoEngineAvailable, match=r"e1 not admitted in 1s.*; not continued: no routable engine "
                                                          r"left at weight version 4 or newer to continue on"):
                 await asyncio.wait_for(task, 30)
     assert (rollout.stats.held_at_admission, rollout.stats.failed) == (1, 1)
