@@ -138,8 +138,7 @@ class Continuation:
         for read in (False, True):
             if read:
                 await self.refresh()  # the daemon may list engines we do not know of yet
-            other = {e.name for e in self.engines if e.weight_version != state.version}
-            engine = self.pick(failed | other, aborted)
+            engine = self._continuation_pick(failed, aborted, state)
             if engine is not None:
                 return engine, ""
         listed = ", ".join(f"{e.name} {e.weight_version!r}" for e in self.engines) or "none"
@@ -148,37 +147,55 @@ class Continuation:
 
     async def _async_continuation_engine(self, failed: set[str], aborted: set[str], state: Partial
                                          ) -> tuple[Engine | None, str]:
-        old = self._stale_pieces(state.splits)
-        if old:  # the caller counts it (RolloutClient._choose) and regenerates or drops it
-            return None, (f"{STALE_PREFIX} the tokens so far include ones from {old[0].weight_version!r}, more than "
-                          f"max_staleness ({self.rule.max_staleness}) versions behind the current "
-                          f"{self.weight_version!r}")
+        if self._stale_pieces(state.splits):  # the caller counts it (RolloutClient._choose): regenerated or dropped
+            return None, self._stale_prefix_why(state)
+        last = state.splits[-1].newest_version
+        for read in (False, True):
+            if read:
+                await self.refresh()
+            engine = self._continuation_pick(failed, aborted, state)
+            if engine is not None:
+                return engine, ""
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            if self._stale_pieces(state.splits):  # a publish read meanwhile took the prefix past the bound
+                return None, self._stale_prefix_why(state)
+            if not (self._held and time.monotonic() < deadline):
+                break
+            # Those left are being updated (an in-flight update cut this request): the first
+            # one back, on its new weights, continues it.
+            await asyncio.sleep(0.01)
+            engine = self._continuation_pick(failed, aborted, state)
+            if engine is not None:
+                return engine, ""
+        listed = ", ".join(f"{e.name} {e.weight_version!r}" for e in self.engines) or "none"
+        return None, (f"no routable engine left at weight version {last!r} or newer to continue on (listed: "
+                      f"{listed}; failed this request: {', '.join(sorted(failed)) or 'none'})")
+
+    def _continuation_pick(self, failed: set[str], aborted: set[str], state: Partial) -> Engine | None:
+        """An engine listed now that may continue `state` (no read, no wait), or None. Sync mode:
+        one at the version the tokens were made on, while the published version is unchanged.
+        Async mode: one at the last piece's newest version or newer (never back to older
+        weights: the pieces' versions do not decrease), while the prefix is within the bound."""
+        if self.rule.mode is not WeightsMode.ASYNC:
+            if self.weight_version != state.published:
+                return None
+            return self.pick(failed | {e.name for e in self.engines if e.weight_version != state.version}, aborted)
+        if self._stale_pieces(state.splits):
+            return None
         last = state.splits[-1].newest_version
 
         def behind(version: Any) -> bool:  # older than the last piece's (a label: any other)
             lag = VersionRule.lag(version, last if isinstance(last, int) else None)
             return version != last if lag is None else lag > 0
 
-        for read in (False, True):
-            if read:
-                await self.refresh()
-            # Never back to older weights: the pieces' versions do not decrease.
-            older = {e.name for e in self.engines if behind(e.weight_version)}
-            engine = self.pick(failed | older, aborted)
-            if engine is not None:
-                return engine, ""
-        deadline = time.monotonic() + self.request_timeout
-        while self._held and time.monotonic() < deadline:
-            # Those left are being updated (an in-flight update cut this request): the first
-            # one back, on its new weights, continues it.
-            await asyncio.sleep(0.01)
-            older = {e.name for e in self.engines if behind(e.weight_version)}
-            engine = self.pick(failed | older, aborted)
-            if engine is not None:
-                return engine, ""
-        listed = ", ".join(f"{e.name} {e.weight_version!r}" for e in self.engines) or "none"
-        return None, (f"no routable engine left at weight version {last!r} or newer to continue on (listed: "
-                      f"{listed}; failed this request: {', '.join(sorted(failed)) or 'none'})")
+        return self.pick(failed | {e.name for e in self.engines if behind(e.weight_version)}, aborted)
+
+    def _stale_prefix_why(self, state: Partial) -> str:
+        """Why a cut request whose tokens so far are past the bound is not continued."""
+        old = self._stale_pieces(state.splits)
+        return (f"{STALE_PREFIX} the tokens so far include ones from {old[0].weight_version!r}, more than "
+                f"max_staleness ({self.rule.max_staleness}) versions behind the current {self.weight_version!r}")
 
     def _stale_pieces(self, splits: list[Split]) -> list[Split]:
         """The pieces whose tokens are more than max_staleness behind the current version (async

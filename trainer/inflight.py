@@ -5,8 +5,12 @@ For each wave, for each of its engines at once: the rollout clients hold it (no 
 goes to it), it is paused (`mode`, below), the weights are pushed (`push`, the caller's:
 weight_sync's sender, a checkpoint reload), `/weight_info` must say the version, `POST /resume`,
 and the clients list it at the new version. After the last wave the version is published to
-the daemon. What happens to the requests in flight on a paused engine is the mode's
-(vLLM's `/pause?mode=`):
+the daemon. With a supervisor client given, each wave is an announced push (`push_begin` of
+the wave's engines before it, `push_end` after, its failed engines named; docs/control-socket.md
+"Announced pushes"): the daemon excuses their pauses until the push's deadline and, at its end,
+reads each one's /weight_info again, so its listing follows the engines wave by wave, before the
+publish. What happens to the requests in flight on a paused engine is the mode's (vLLM's
+`/pause?mode=`):
 
 - "abort" (default; exact): every request ends with finish reason "abort" and the tokens so
   far; the client continues it from them (trainer/continuation.py) on an engine at its last
@@ -27,7 +31,7 @@ An attempt sent just before the hold may reach the engine once it is paused (eve
 it until the resume, where it would run on the new weights under the old version's label): it
 is aborted, again until no client has an attempt left on the engine, and re-sent elsewhere.
 
-    update = InFlightUpdate([rollout], push=push_into, serving_fraction=0.5)
+    update = InFlightUpdate([rollout], push=push_into, serving_fraction=0.5, nbytes=model_bytes)
     report = await update.run(7, supervisor=AsyncSupervisorClient())
 """
 
@@ -72,7 +76,8 @@ class UpdateReport:
     """What one update did: its mode and waves, each engine's time from pause to serving again,
     the fewest engines serving at any point, the engines whose update failed (why), and in
     keep mode the requests each engine resumed on the new weights over the old KV cache
-    (request id -> output tokens made before the update)."""
+    (request id -> output tokens made before the update); with a supervisor, the daemon's
+    answer to each wave's push_end (or the error it raised, as text)."""
 
     version: int
     waves: list[list[str]]
@@ -82,6 +87,7 @@ class UpdateReport:
     failed: dict[str, str] = field(default_factory=dict)
     kept: dict[str, dict[str, int]] = field(default_factory=dict)
     published: Any = None  # the daemon's answer to the publish
+    pushes: list[Any] = field(default_factory=list)
 
 
 class InFlightUpdate:
@@ -91,11 +97,14 @@ class InFlightUpdate:
     (waves); `mode`: "abort", "keep" or "wait" (the module docstring); `settle`: keep mode,
     seconds without a token from a frozen engine's streams before its requests' split points
     are read; `timeout`: seconds one engine's pause (a drain included) may take;
-    `api_key`: the engines' key, as the rollout client's."""
+    `api_key`: the engines' key, as the rollout client's. Announced to a supervisor (run):
+    `nbytes`, the bytes one engine receives; `push_deadline`, seconds a wave may take (its
+    engines still paused past it are condemned), default 3 x timeout: a drain, the push and
+    the resume."""
 
     def __init__(self, clients: Sequence[RolloutClient], *, push: Push, engines: Sequence[Engine] | None = None,
                  serving_fraction: float = 0.5, mode: str = "abort", settle: float = 0.2, timeout: float = 60.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, nbytes: int = 0, push_deadline: float | None = None):
         if not clients:
             raise ValueError("give the rollout clients that send to these engines (they hold and relist them)")
         if mode not in MODES:
@@ -106,24 +115,45 @@ class InFlightUpdate:
         self.engines = list(engines) if engines is not None else list(clients[0].engines)
         waves([e.name for e in self.engines], serving_fraction)  # refused now, not mid-update
         self.serving_fraction = serving_fraction
+        self.nbytes = nbytes
+        self.push_deadline = 3 * timeout if push_deadline is None else push_deadline
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    async def run(self, version: int, *, supervisor: Any = None) -> UpdateReport:
-        """Update every engine to `version` wave by wave; then publish it to `supervisor` (an
-        AsyncSupervisorClient) when given. An engine whose update fails is resumed as it was
-        and named in `failed` (its /weight_info decides what the daemon makes of it)."""
+    async def run(self, version: int, *, supervisor: Any = None, publish: bool = True) -> UpdateReport:
+        """Update every engine to `version` wave by wave, each wave announced to `supervisor`
+        (an AsyncSupervisorClient) when given, as a push of its engines; then publish it there
+        (unless `publish` is False: the caller publishes). An engine whose update fails is
+        resumed as it was and named in `failed`, and in its wave's push_end (its /weight_info
+        decides what the daemon makes of it). A refused announcement (an engine in another
+        push, an older version) raises before that wave's engines are touched."""
         plan = waves([e.name for e in self.engines], self.serving_fraction)
         report = UpdateReport(version, plan, self.mode, serving_min=len(self.engines))
         by_name = {e.name: e for e in self.engines}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
             for wave in plan:
+                push = None
+                if supervisor is not None:
+                    push = await supervisor.push_begin(version, wave, self.nbytes, self.push_deadline)
                 for c in self.clients:
                     c.hold(wave)
                 report.serving_min = min(report.serving_min, len(self.engines) - len(wave))
                 await asyncio.gather(*(self._one(session, by_name[n], version, report) for n in wave))
-        if supervisor is not None:
+                if push is not None:
+                    report.pushes.append(await self._push_end(supervisor, push, wave, report))
+        if supervisor is not None and publish:
             report.published = await supervisor.publish_weights(version)
         return report
+
+    @staticmethod
+    async def _push_end(supervisor: Any, push: str, wave: list[str], report: UpdateReport) -> Any:
+        """End a wave's announced push, its failed engines named: the daemon's answer, once it
+        has read each engine's /weight_info again; an error (the push expired) as its text,
+        which leaves the update going (the engines are resumed; the publish reads them)."""
+        failed = {n: report.failed[n] for n in wave if n in report.failed}
+        try:
+            return await supervisor.push_end(push, ok=not failed, failed=failed or None)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            return f"push_end {push}: {type(e).__name__}: {e}"
 
     async def _one(self, session: aiohttp.ClientSession, engine: Engine, version: int, report: UpdateReport) -> None:
         t0 = time.monotonic()

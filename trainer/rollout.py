@@ -552,19 +552,24 @@ class RolloutClient(Continuation):
         if not marks:
             return [piece]
         # Each mark is the update's own read of the engine (/weight_info said `new` before it
-        # resumed): the pieces between marks are exact; the last keeps a bracket only where the
-        # read after its stream saw a newer version still.
+        # resumed): the pieces between marks are exact (the first: as its version was known,
+        # read or listed). The last is exact only where a read after its stream saw the same;
+        # a newer read keeps the bracket; a cut piece (no read after) has the mark's read as
+        # its only bound (span sent, bounded by the listing: _listing_bound).
         out, start, version, kv = [], piece.offset, piece.weight_version, None
+        span = SPAN_LISTED if piece.span == SPAN_LISTED else SPAN_READ
         for at, new in marks:
             at = min(max(at, start), end)
             if at > start:
                 out.append(piece._replace(weight_version=version, offset=start, tokens=at - start, outcome=KEPT,
-                                          dropped=0, kv_version=kv, span=SPAN_READ, weight_version_end=None))
-            start, version, kv = at, new, piece.weight_version
-        newer = piece.span == SPAN_BRACKET and piece.weight_version_end != version
+                                          dropped=0, kv_version=kv, span=span, weight_version_end=None))
+            start, version, kv, span = at, new, piece.weight_version, SPAN_READ
+        if piece.span == SPAN_BRACKET and piece.weight_version_end != version:
+            last_span, last_end = SPAN_BRACKET, piece.weight_version_end
+        else:
+            last_span, last_end = (SPAN_READ if piece.span in (SPAN_READ, SPAN_BRACKET) else SPAN_SENT), None
         out.append(piece._replace(weight_version=version, offset=start, tokens=end - start, kv_version=kv,
-                                  span=SPAN_BRACKET if newer else SPAN_READ,
-                                  weight_version_end=piece.weight_version_end if newer else None))
+                                  span=last_span, weight_version_end=last_end))
         return out
 
     def released(self, name: str) -> None:
@@ -776,6 +781,16 @@ class RolloutClient(Continuation):
                          "publish", rid, ", ".join(sorted(late)))
             # Every engine left is being updated, or too far behind to start on: wait for one.
             await asyncio.sleep(0.01)
+            if why and not why.startswith(STALE_PREFIX):
+                # A cut request waiting here had no engine to continue on: an update or a
+                # publish that moves one up to its tokens' version continues it (nothing is
+                # regenerated), unless a publish took its tokens past the bound meanwhile.
+                if self._stale_pieces(state.splits):
+                    why = self._stale_prefix_why(state)
+                    self._stale(rid, state, why, attempts, 0)  # counted; raised when dropping
+                elif (engine := self._continuation_pick(failed, aborted, state)) is not None:
+                    why = ""
+                    break
             engine = self.pick(failed | self._late(), aborted)
         if held_since is not None:
             self.stats.admission_wait_ms += int((time.monotonic() - held_since) * 1000)
@@ -788,7 +803,8 @@ class RolloutClient(Continuation):
             raise NoEngineAvailable(
                 f"no engine left for request {rid}: tried {len(set(a.engine for a in attempts))} engine(s) "
                 f"in {len(attempts)} attempt(s) [{tried}]; the daemon lists {len(self.engines)} routable "
-                f"engine(s) at epoch {self.epoch} [{listed}]{refused}. Check `supervisorctl status`",
+                f"engine(s) at epoch {self.epoch} [{listed}]{refused}{'; not continued: ' + why if why else ''}. "
+                f"Check `supervisorctl status`",
                 request_id=rid, attempts=attempts)
         if why:  # an engine to start over on (with none at all, nothing is regenerated)
             self._start_over(rid, state, why)
@@ -872,15 +888,21 @@ class RolloutClient(Continuation):
         after = UNREAD
         if answer_tokens(answer) and outcome == OK and before is not UNREAD:
             after = await self._engine_version(engine, time.monotonic())
-        version, span, end = piece_version(engine.weight_version, before, after)
-        if span == SPAN_SENT:
-            # A cut piece's tokens may come from an update that went on under the request (a
-            # keep-mode pause nobody told this client of): the engine listed newer by the time
-            # of the cut bounds them, so its continuation never goes back to older weights.
-            listed = next((e.weight_version for e in self.engines if e.name == engine.name), None)
-            if isinstance(listed, int) and isinstance(version, int) and listed > version:
-                return version, SPAN_BRACKET, listed
-        return version, span, end
+        return piece_version(engine.weight_version, before, after)
+
+    def _listing_bound(self, engine: Engine, pieces: list[Split]) -> list[Split]:
+        """An attempt's pieces, the last one bounded by the listing: a piece known from a read
+        before it only (span sent: cut, or no usable read after) may hold tokens of an update
+        that went on under the request (a keep-mode pause nobody told this client of); the
+        engine listed newer by now bounds them (a bracket up to it), so a continuation never
+        goes back to older weights. Matched by name, not incarnation: a restarted engine's
+        listing only widens the bracket, which is safe for that rule."""
+        last = pieces[-1]
+        listed = next((e.weight_version for e in self.engines if e.name == engine.name), None)
+        if (last.span == SPAN_SENT and isinstance(listed, int) and isinstance(last.weight_version, int)
+                and listed > last.weight_version):
+            pieces[-1] = last._replace(span=SPAN_BRACKET, weight_version_end=listed)
+        return pieces
 
     async def _attempt(self, engine: Engine, path: str, payload: dict[str, Any], sampling: dict[str, Any],
                        chat: bool, rid: str, attempts: list[Attempt], failed: set[str], aborted: set[str],
@@ -917,8 +939,8 @@ class RolloutClient(Continuation):
         finished = time.time()
         n = answer.usage_tokens if answer.usage_tokens is not None else len(answer.token_ids or ())
         version, span, end = await self._made_on(engine, before, answer, OK)
-        pieces = self._kept_pieces(rid, Split(engine.name, version, prefix, n, OK, sampling.get("seed"), span=span,
-                                              weight_version_end=end))
+        pieces = self._listing_bound(engine, self._kept_pieces(
+            rid, Split(engine.name, version, prefix, n, OK, sampling.get("seed"), span=span, weight_version_end=end)))
         self._check_staleness(rid, engine, state, pieces[0], answer, attempts)  # the oldest: versions only grow
         text, token_ids, logprobs, prompt_ids = await self._joined(engine, rid, answer, state, attempts, aborted)
         attempts.append(Attempt(engine.name, OK))
@@ -1013,7 +1035,7 @@ class RolloutClient(Continuation):
         kept = len(state.splits)
         self._keep(rid, state, engine, published, answer, r.outcome, seed, made_on)
         if len(state.splits) > kept:  # this attempt's piece: split where a keep-mode update went on
-            state.splits[kept:] = self._kept_pieces(rid, state.splits[kept])
+            state.splits[kept:] = self._listing_bound(engine, self._kept_pieces(rid, state.splits[kept]))
         self._kept.pop(rid, None)
         self._on_failure(engine, r, rid)
         if r.outcome in (ABORT, BUSY):  # the engine is fine: a last resort, not excluded

@@ -196,3 +196,38 @@ def test_sighup_waits_for_an_announced_push_in_flight(fleet):
     st = c.status()
     assert st["daemon"]["reloads"] == 1 and c.pushes() == []
     assert {e["name"]: e["state"] for e in st["engines"]} == {"a": "RUNNING", "b": "RUNNING"}
+
+
+async def test_an_inflight_update_announces_each_wave_and_names_its_failed_engine(fleet):
+    """trainer/inflight.py's waves, each an announced push (the daemon's events): [a] ended ok,
+    [b], whose push failed, ended not ok naming b; each answered after the re-read."""
+    import aiohttp
+
+    from vime.supervisor.client import AsyncSupervisorClient
+    from vime.trainer.inflight import InFlightUpdate
+    from vime.trainer.rollout import RolloutClient
+
+    d, c = fleet.daemon, fleet.client
+    for name in ENGINES:
+        wait_state(c, name, {"RUNNING"}, timeout=30)
+    version = max(3, c.status()["weight_version"] or 0) + 1  # past the pushes announced above
+
+    async def push(engine, v: int) -> None:
+        if engine.name == "b":
+            raise RuntimeError("collective timed out")
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{engine.url}/update_weight_version", json={"new_version": str(v)}) as r:
+                assert r.status == 200
+
+    mark = d.mark()
+    sup = AsyncSupervisorClient(fleet.sock)
+    async with RolloutClient(sup, follow_events=False) as rollout:
+        report = await InFlightUpdate([rollout], push=push, serving_fraction=0.5, timeout=10.0, nbytes=4096).run(
+            version, supervisor=sup, publish=False)
+    begun = [e for e in d.events[mark:] if e.get("event") == "push.begin"]
+    ended = [e for e in d.events[mark:] if e.get("event") == "push.end"]
+    assert [(e["engines"], e["version"], e["bytes"]) for e in begun] == [(["a"], version, 4096), (["b"], version, 4096)]
+    assert [(e["push"], e["outcome"], e["failed"]) for e in ended] == [
+        (begun[0]["push"], "ok", {}), (begun[1]["push"], "failed", {"b": "RuntimeError: collective timed out"})]
+    assert [sorted(a["weight_versions"]) for a in report.pushes] == [["a"], ["b"]] and c.pushes() == []
+    assert report.failed == {"b": "RuntimeError: collective timed out"}

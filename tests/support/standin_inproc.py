@@ -73,6 +73,7 @@ class DaemonAnswers:
         self.view: dict[str, Any] = {"epoch": 1, "weight_version": version,
                                      "weights": {"mode": mode, "max_staleness": max_staleness}, "engines": engines}
         self.reports: list[tuple[str, str]] = []
+        self.pushes: list[dict[str, Any]] = []  # each announced push: begin's arguments, then end's
         self.queue: asyncio.Queue = asyncio.Queue()
 
     async def routable_engines(self) -> dict:
@@ -86,6 +87,17 @@ class DaemonAnswers:
         yield {"event": "hello", **copy.deepcopy(self.view)}
         while True:
             yield await self.queue.get()
+
+    async def push_begin(self, version: int, engines: list[str], nbytes: int, deadline_s: float) -> str:
+        """Records the announcement (the daemon's excuse and re-read are tested on the real one,
+        tests/daemon/test_push_announce.py)."""
+        self.pushes.append({"version": version, "engines": list(engines), "bytes": nbytes, "deadline_s": deadline_s,
+                            "ended": None})
+        return f"p{len(self.pushes)}"
+
+    async def push_end(self, push: str, ok: bool, failed: dict[str, str] | None = None) -> dict:
+        self.pushes[int(push[1:]) - 1]["ended"] = {"ok": ok, "failed": dict(failed or {})}
+        return {"push": push, "outcome": "ok" if ok else "failed"}
 
     async def publish_weights(self, version: int) -> dict:
         """As the daemon's verb after a push into every engine: all listed at `version`."""

@@ -62,6 +62,10 @@ async def test_a_publish_while_requests_stream_continues_them_with_exact_spans()
             sampler.cancel()
 
     assert report.waves == [["e0", "e1"], ["e2", "e3"]] and not report.failed and report.serving_min == 2
+    # Each wave announced to the daemon as a push of its engines, and ended ok.
+    assert [(p["version"], p["engines"], p["ended"]) for p in daemon.pushes] == [
+        (4, ["e0", "e1"], {"ok": True, "failed": {}}), (4, ["e2", "e3"], {"ok": True, "failed": {}})]
+    assert len(report.pushes) == 2
     assert min(serving) >= 2  # the fleet never below its floor, as the engines themselves said
     assert [e.label for e in engines.emulated] == ["4"] * 4 and daemon.view["weight_version"] == 4
     cut = 0
@@ -147,3 +151,28 @@ async def test_which_engines_serve_through_an_update_never_drops_below_the_floor
     else:  # drained on the old weights: every sample one version's, nothing cut
         assert not mixed and st.continued == 0 and all(len(r.splits) == 1 for r in results)
         assert {r.weight_version for r in results} == {3}
+
+
+async def test_each_wave_is_an_announced_push_and_a_failed_engine_is_reported_in_its_end():
+    """Waves [e0], [e1]; e1's push fails. Each push is pushed inside its own wave's announcement
+    (begun, not yet ended), and e1's wave ends not ok, naming it; e1 is resumed at v3."""
+    async with InProcessEngines([3, 3]) as engines:
+        daemon = DaemonAnswers([engines.entry(i) for i in range(2)], version=3, max_staleness=1)
+        open_at_push: list[tuple[str, list[str]]] = []
+
+        async def push(engine: Engine, version: int) -> None:
+            (current,) = [p for p in daemon.pushes if p["ended"] is None]
+            open_at_push.append((engine.name, current["engines"]))
+            if engine.name == "e1":
+                raise RuntimeError("collective timed out")
+            await push_version(engine, version)
+
+        async with RolloutClient(daemon, refresh_interval=60.0) as rollout:
+            report = await InFlightUpdate([rollout], push=push, serving_fraction=0.5, timeout=5.0,
+                                          nbytes=1234).run(4, supervisor=daemon)
+    assert open_at_push == [("e0", ["e0"]), ("e1", ["e1"])]
+    assert [(p["engines"], p["bytes"], p["deadline_s"], p["ended"]) for p in daemon.pushes] == [
+        (["e0"], 1234, 15.0, {"ok": True, "failed": {}}),
+        (["e1"], 1234, 15.0, {"ok": False, "failed": {"e1": "RuntimeError: collective timed out"}})]
+    assert report.failed == {"e1": "RuntimeError: collective timed out"}
+    assert [e.label for e in engines.emulated] == ["4", "3"]

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from vime.trainer.rollout import (OK, SPAN_BRACKET, SPAN_READ, STALE, Attempt, NoEngineAvailable, RolloutClient, Split,
+from vime.trainer.rollout import (OK, SERVER_ERROR, SPAN_BRACKET, SPAN_READ, STALE, Attempt, NoEngineAvailable, RolloutClient, Split,
                                   StaleSample)
 
 from support.polling import until
@@ -107,6 +107,60 @@ async def test_a_cut_request_never_continues_on_older_weights():
     (thrown,) = r.started_over
     assert thrown.engine == "e0" and thrown.reason.startswith("no routable engine left at weight version 4 or newer")
     assert r.token_ids == engines.tokens(1, PROMPT, N, 3)
+
+
+LONG = 32  # 1.6 s of stream: the publish is read and e0 makes tokens on v4 before it ends, even on a loaded CI
+
+
+async def cut_after_an_update_it_was_not_told_of(rollout: RolloutClient, daemon: DaemonAnswers,
+                                                 engines: InProcessEngines) -> asyncio.Future:
+    """e0 and e1 at v3 (max_staleness 1), the request on e0; mid-stream e0 is updated to v4
+    keeping the request (a keep-mode pause this client was not told of) and v4 is published
+    (e0 listed at 4, e1 at 3); e0 dies after making tokens on v4. The request, running."""
+    rollout.pick = first_on(rollout, "e0")
+    task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=LONG))
+    await until(lambda: any(p.tokens >= 3 for p in rollout.progress().values()), timeout=10)
+    engines.emulated[0].set_version("4")
+    daemon.publish(4, [engines.entry(0, 4), engines.entry(1, 3)])
+    await until(lambda: rollout.weight_version == 4, timeout=10)
+    at_v4 = max(p.tokens for p in rollout.progress().values())
+    await until(lambda: any(p.tokens >= at_v4 + 3 for p in rollout.progress().values()), timeout=10)
+    engines.emulated[0].add_fault("die")
+    return task
+
+
+async def test_a_piece_cut_after_an_update_it_was_not_told_of_is_continued_at_the_listed_version():
+    """(An outside review's case.) The cut piece is bracketed v3..v4 by e0's listing at the cut,
+    so it is not continued on e1 at v3 (its versions would go back); e1 admits no new request
+    either (one version behind, max_staleness 1): the request waits, and once e1 is moved up
+    to v4 it is continued there, nothing regenerated."""
+    async with InProcessEngines([3, 3], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=3, max_staleness=1)
+        async with client(daemon) as rollout:
+            task = await cut_after_an_update_it_was_not_told_of(rollout, daemon, engines)
+            await until(lambda: rollout.stats.held_at_admission == 1, timeout=10)
+            assert not task.done()
+            engines.emulated[1].set_version("4")
+            daemon.publish(4, [engines.entry(1, 4)])  # e0 dead; e1 updated and listed at v4
+            r = await asyncio.wait_for(task, 30)
+    first, last = r.splits
+    assert (first.engine, first.weight_version, first.span, first.weight_version_end) == ("e0", 3, SPAN_BRACKET, 4)
+    assert first.outcome == SERVER_ERROR and r.token_ids[:first.tokens] != engines.tokens(0, PROMPT, first.tokens, 3)
+    assert last == Split("e1", 4, first.tokens, LONG - first.tokens, OK, span=SPAN_READ)
+    assert r.token_ids[first.tokens:] == engines.tokens(1, PROMPT + r.token_ids[:first.tokens], last.tokens, 4)
+    assert r.started_over == [] and rollout.stats.tokens_regenerated == 0
+
+
+async def test_a_cut_request_no_engine_can_continue_or_admit_in_time_is_raised_saying_why():
+    async with InProcessEngines([3, 3], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=3, max_staleness=1)
+        async with client(daemon) as rollout:
+            task = await cut_after_an_update_it_was_not_told_of(rollout, daemon, engines)
+            rollout.request_timeout = 1.0  # the wait's bound from here (the streams had the default)
+            with pytest.raises(NoEngineAvailable, match=r"e1 not admitted in 1s.*; not continued: no routable engine "
+                                                         r"left at weight version 4 or newer to continue on"):
+                await asyncio.wait_for(task, 30)
+    assert (rollout.stats.held_at_admission, rollout.stats.failed) == (1, 1)
 
 
 def first_on(rollout: RolloutClient, name: str):
@@ -222,3 +276,22 @@ async def test_a_burst_of_requests_shares_its_version_reads():
             results = await rollout.gather([PROMPT] * 16, max_tokens=4)
     assert all(r.splits == [Split("e0", 3, 0, 4, OK, span=SPAN_READ)] for r in results)
     assert reads < 16, reads
+
+
+def test_a_cut_piece_split_at_a_keep_mark_is_exact_only_before_the_mark():
+    """A piece cut after a keep-mode update this client was told of (a mark at token 4, the
+    update's read said 4): before the mark exact at 3; after it no read bounds it from above
+    but the listing at the cut (5: another update since), so a bracket 4..5; with the engine
+    listed at 4, known from the mark's read alone (sent)."""
+    from vime.trainer.rollout import KEPT
+    from vime.trainer.rollout_types import SPAN_SENT, Engine
+
+    rollout = RolloutClient(None)
+    cut = Split("e0", 3, 0, 10, SERVER_ERROR, span=SPAN_SENT)
+    for listed, tail in ((5, (SPAN_BRACKET, 5)), (4, (SPAN_SENT, None))):
+        e0 = Engine("e0", "http://e0", weight_version=listed, incarnation=1)
+        rollout.engines = [e0]
+        rollout._kept["r"] = [(4, 4)]
+        assert rollout._listing_bound(e0, rollout._kept_pieces("r", cut)) == [
+            Split("e0", 3, 0, 4, KEPT, span=SPAN_READ),
+            Split("e0", 4, 4, 6, SERVER_ERROR, kv_version=3, span=tail[0], weight_version_end=tail[1])]
