@@ -160,6 +160,7 @@ def test_mismatches_are_counted_by_where_they_were_seen():
     stats.fingerprint_mismatch("publish")
     stats.fingerprint_mismatch("publish")
     stats.fingerprint_mismatch("sync")
+    stats.fingerprint_mismatch("push")
     fleet = SimpleNamespace(runners={}, policy=FleetPolicy(min_healthy=0), stats=stats,
                             is_routable=lambda r: False, routable=lambda: [])
     samples = {(s.name, s.labels.get("at")): s.value
@@ -167,6 +168,7 @@ def test_mismatches_are_counted_by_where_they_were_seen():
                for s in fam.samples if s.name.startswith("vime_fingerprint")}
     assert samples == {("vime_fingerprint_mismatches_total", "publish"): 2.0,
                        ("vime_fingerprint_mismatches_total", "sync"): 1.0,
+                       ("vime_fingerprint_mismatches_total", "push"): 1.0,
                        ("vime_fingerprint_mismatches_total", "ready"): 0.0}
 
 
