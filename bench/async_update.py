@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import copy
 import logging
 import os
@@ -92,6 +93,17 @@ def perturbed(model: Path, out: Path) -> Path:
     return out
 
 
+async def push_all(urls: dict[str, str], ckpt: Path, version: int) -> None:
+    """`ckpt` as `version` on every engine (a checkpoint reload, no request in flight)."""
+    import aiohttp
+
+    from vime.weight_sync.checkpoint import reload_from_checkpoint_async
+
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(*(reload_from_checkpoint_async(s, u, ckpt, version, pause_mode=None)
+                               for u in urls.values()))
+
+
 async def one_trial(urls: dict[str, str], version: int, ckpt: Path, args: argparse.Namespace, mode: str,
                     fraction: float) -> dict:
     """One batch with one update to `version` + 1 in `mode`: the row, or RuntimeError."""
@@ -110,14 +122,18 @@ async def one_trial(urls: dict[str, str], version: int, ckpt: Path, args: argpar
         t0 = time.monotonic()
         tasks = [asyncio.ensure_future(client.complete(p, max_tokens=m, ignore_eos=True, temperature=1.0, logprobs=1))
                  for p, m in items]
+        seen: dict[str, int] = {}  # engine -> the most tokens read of a request on it
         while not all(any(p.engine == e and p.tokens >= args.after for p in client.progress().values())
                       for e in urls):
+            for p in client.progress().values():
+                seen[p.engine] = max(seen.get(p.engine, 0), p.tokens)
             if all(t.done() for t in tasks):
                 errors = [t.exception() for t in tasks if t.exception() is not None]
                 if errors:
                     raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}")
                 raise RuntimeError(f"the batch ended before each engine had a request with {args.after} tokens "
-                                   f"read: lower --after")
+                                   f"read (most read per engine: {seen}, "
+                                   f"finished per engine: {dict(collections.Counter(r.engine for r in (t.result() for t in tasks)))}): lower --after")
             await asyncio.sleep(0.005)
         u0 = time.monotonic()
         report = await InFlightUpdate([client], push=push, serving_fraction=fraction, mode=mode, timeout=600).run(
@@ -167,6 +183,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    load_start = os.getloadavg()
     logging.getLogger("vime.rollout").setLevel(logging.ERROR)  # one line per re-send: the table counts them
     fractions = (args.serving_fraction, 0.0)
     rows: dict[tuple[str, float], list[dict]] = {(m, f): [] for m in MODES for f in fractions}
@@ -186,8 +203,16 @@ def main() -> None:
                 if not wait_healthy(urls[name], BOOT, proc):
                     sys.exit(f"engine {name} did not come up in {BOOT}s: see {tmp / (name + '.log')}")
             version = 0
-            # Warm-up (first-use compilation, a first reload), untimed.
-            asyncio.run(one_trial(urls, version, ckpts[0], args, "abort", 0.0))
+            # Version 0 on both engines first, as a trainer's first push: an engine at its base
+            # weights answers /weight_info "default", a label no published version is within
+            # max_staleness of, so every token it made would be stale once 0 is published.
+            asyncio.run(push_all(urls, ckpts[1], version))
+            # Warm-up (first-use compilation, a first reload), untimed; a failure here fails the run.
+            try:
+                asyncio.run(one_trial(urls, version, ckpts[0], args, "abort", 0.0))
+            except Exception as e:  # noqa: BLE001
+                failed.append(f"warm-up: {type(e).__name__}: {e}"[:300])
+                print(f"  FAILED: {failed[-1]}", flush=True)
             version += 1
             for trial in range(args.trials):
                 for f in fractions:
@@ -216,6 +241,8 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
     report(args, rows, fractions)
+    print("host load average (1/5/15 min): " + " / ".join(f"{x:.2f}" for x in load_start) + " at the start, "
+          + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + f" at the end; {os.cpu_count()} CPUs")
     if failed:
         print(f"FAILED: {len(failed)} trial(s): " + " | ".join(failed))
         sys.exit(1)

@@ -1,0 +1,90 @@
+"""bench/async_update.py's run around its trials, engines stood in for (the trials themselves
+need real ones: the bench runs them): a failed trial, or a failed warm-up, is printed and the
+exit status is 1; the table's ratios are to wait-for-drain's median of the same run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "async_update.py"
+
+
+@pytest.fixture
+def bench(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_async_update", PATH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Proc:
+        pid = -1
+
+        def wait(self, timeout=None):
+            return 0
+
+    async def push_all(urls, ckpt, version):
+        return None
+
+    monkeypatch.setattr(mod, "build_tiny_model", lambda p: p)
+    monkeypatch.setattr(mod, "perturbed", lambda model, out: out)
+    monkeypatch.setattr(mod, "bare_engine", lambda model, log, engine_env: (Proc(), "http://127.0.0.1:9"))
+    monkeypatch.setattr(mod, "wait_healthy", lambda url, boot, proc: True)
+    monkeypatch.setattr(mod, "push_all", push_all)
+    monkeypatch.setattr(mod.os, "killpg", lambda pid, sig: None)  # Proc's pid -1: never signalled
+    return mod
+
+
+def trials(fail: set[tuple[str, float]] | None = None, warm_up_fails: bool = False):
+    calls: list[tuple[str, float]] = []
+
+    async def one_trial(urls, version, ckpt, args, mode, fraction):
+        calls.append((mode, fraction))
+        if len(calls) == 1:
+            if warm_up_fails:
+                raise RuntimeError("1 request(s) failed: boom")
+            return {}
+        if (mode, fraction) in (fail or set()):
+            raise RuntimeError("the update failed on {'A': 'x'}")
+        update = {"wait": 4.0, "abort": 1.0, "keep": 2.0}[mode]
+        return {"update": update, "engine": update / 2, "batch": 9.0, "recomputed": 10 if mode == "abort" else 0,
+                "mixed": 5 if mode == "keep" else 0, "cut": 2, "split": 1}
+    return one_trial, calls
+
+
+def run_main(bench, monkeypatch, one_trial) -> int:
+    monkeypatch.setattr(bench, "one_trial", one_trial)
+    monkeypatch.setattr(sys, "argv", ["async_update.py", "--trials", "3"])
+    try:
+        bench.main()
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def test_every_trial_ok_exits_0_with_ratios_to_wait(bench, monkeypatch, capsys):
+    one_trial, calls = trials()
+    assert run_main(bench, monkeypatch, one_trial) == 0
+    assert len(calls) == 1 + 3 * 2 * 3  # the warm-up, then trials x fractions x modes
+    out = capsys.readouterr().out
+    assert "| 0.5 | abort | 1.00 (1.00-1.00) | 0.50 (0.50-0.50) | 0.25 |" in out
+    assert "| 0 | keep | 2.00 (2.00-2.00) | 1.00 (1.00-1.00) | 0.50 |" in out
+    assert "host load average (1/5/15 min)" in out and "FAILED" not in out
+
+
+def test_a_failed_trial_is_printed_and_exits_1(bench, monkeypatch, capsys):
+    one_trial, _ = trials(fail={("keep", 0.0)})
+    assert run_main(bench, monkeypatch, one_trial) == 1
+    out = capsys.readouterr().out
+    assert "| 0 | keep | no trial succeeded |" in out
+    assert "FAILED: 3 trial(s): keep, fraction 0, trial 1: RuntimeError: the update failed" in out
+
+
+def test_a_failed_warm_up_is_printed_and_exits_1(bench, monkeypatch, capsys):
+    one_trial, calls = trials(warm_up_fails=True)
+    assert run_main(bench, monkeypatch, one_trial) == 1
+    assert len(calls) == 19  # the trials still ran
+    assert "FAILED: 1 trial(s): warm-up: RuntimeError: 1 request(s) failed: boom" in capsys.readouterr().out
