@@ -75,8 +75,8 @@ def test_every_trial_ok_exits_0_with_ratios_to_wait(bench, monkeypatch, capsys):
     assert run_main(bench, monkeypatch, one_trial) == 0
     assert len(calls) == 1 + 3 * 2 * 3  # the warm-up, then trials x fractions x modes
     out = capsys.readouterr().out
-    assert "| 0.5 | abort | 1.00 (1.00-1.00) | 0.50 (0.50-0.50) | 0.25 |" in out
-    assert "| 0 | keep | 2.00 (2.00-2.00) | 1.00 (1.00-1.00) | 0.50 |" in out
+    assert "| 0.5 | abort | 3 | 1.00 (1.00-1.00) | 0.50 (0.50-0.50) | 0.25 |" in out
+    assert "| 0 | keep | 3 | 2.00 (2.00-2.00) | 1.00 (1.00-1.00) | 0.50 |" in out
     assert "host load average (1/5/15 min)" in out and "FAILED" not in out
 
 
@@ -84,7 +84,7 @@ def test_a_failed_trial_is_printed_and_exits_1(bench, monkeypatch, capsys):
     one_trial, calls = trials(bench, fail={("keep", 0.0)})
     assert run_main(bench, monkeypatch, one_trial) == 1
     out = capsys.readouterr().out
-    assert "| 0 | keep | no trial succeeded |" in out
+    assert "| 0 | keep | 0 | no trial succeeded |" in out
     assert "FAILED: 3 trial(s): keep, fraction 0, trial 1: RuntimeError: the update failed" in out
     # after each failure the engines are brought to the next version, and the next trial starts there
     assert bench.pushed == [0, 7, 13, 19]
