@@ -185,7 +185,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--short", type=int, default=12, help="short requests in the batch")
     ap.add_argument("--long-tokens", type=int, default=224, help="max_tokens of a long request (context 256)")
     ap.add_argument("--short-tokens", type=int, default=24)
-    ap.add_argument("--after", type=int, default=48, help="update once each engine has a long request this far")
+    ap.add_argument("--after", type=int, default=24, help="update once each engine has a long request this far")
     args = ap.parse_args()
     if args.trials < 3:
         sys.exit("--trials must be at least 3 (medians with a spread)")
