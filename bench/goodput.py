@@ -230,6 +230,7 @@ class Bench:
         self.a, self.plan, self.doc = a, plan, doc
         self.failed: list[str] = []
         self.ledgers: dict[str, list[tuple[Ledger, bool]]] = {n: [] for n in plan.names}
+        self.base_invalid: str | None = None  # why this seed's fault-free run is invalid (its ETTRs with it)
         self.keep = Path(a.keep) if a.keep else None
         self.failed_dir = self.keep or Path(a.out).resolve().parent / "goodput-failed-runs"
 
@@ -240,6 +241,7 @@ class Bench:
         schedule = FaultClock(seed=seed, engines=w.engines, duration_s=horizon, mtbf_s=self.plan.mtbf,
                               scale=w.scale).schedule()
         base_wall: float | None = None
+        self.base_invalid = None
         for name in self.plan.names:
             base_wall = self.one(name, seed, schedule, base_wall)
 
@@ -262,9 +264,15 @@ class Bench:
         except BaseException:
             _keep(tmp, self.failed_dir)
             raise
+        ettr_invalid = None
         if name == "fault-free" or a.mutation:
             base_wall = out.record.end - (out.record.work_start or out.record.launched_at)
-        g = account(out.record, base_wall)
+            if name == "fault-free" and not a.mutation:
+                self.base_invalid = out.invalid
+        elif self.base_invalid is not None:
+            ettr_invalid = f"the fault-free run of seed {seed} is invalid ({self.base_invalid})"
+        # ETTR is against the seed's fault-free wall time: an invalid baseline leaves it out.
+        g = account(out.record, None if ettr_invalid else base_wall)
         # A run that broke a must-be-zero figure keeps its folder (the daemon's and engines' logs)
         suspect = not a.mutation and any(getattr(g, f) for f in MUST_BE_ZERO)
         _keep(tmp, self.failed_dir if self.keep is not None or suspect or out.problems else None)
@@ -272,18 +280,20 @@ class Bench:
         if out.problems:
             self.failed.append(f"{name} seed {seed}: {out.problems}")
         self.doc["runs"].append({"policy": name, "seed": seed, "took_s": round(time.monotonic() - t0, 1),
-                                 "invalid": out.invalid, "loop_lag_p99_s": out.lag_p99_s,
+                                 "invalid": out.invalid, "ettr_invalid": ettr_invalid,
+                                 "loop_lag_p99_s": out.lag_p99_s,
                                  "sched_delay_p99_s": out.delay_p99_s, "loop_lag_hist": out.lag_hist,
                                  "sched_delay_hist": out.delay_hist, "intervals_s": out.intervals,
                                  "daemon_config": out.daemon_config, "faults": out.faults_injected,
                                  "problems": out.problems, "ledger": ledger_dict(g)})
-        print(run_line(g, out.invalid), flush=True)
+        print(run_line(g, out.invalid) + (f"; ETTR not reported: {ettr_invalid}" if ettr_invalid else ""), flush=True)
         return base_wall
 
 
 def summary(ledgers: dict[str, list[tuple[Ledger, bool]]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Per policy: the table's row (over its valid runs, or all of them when none is valid)
-    and the JSON's figures (reported only with MIN_SEEDS valid runs)."""
+    and the JSON's figures (reported only with MIN_SEEDS valid runs; ETTR only with MIN_SEEDS
+    of them against a valid fault-free run: the others' ETTR is None)."""
     rows: dict[str, dict[str, Any]] = {}
     figures: dict[str, Any] = {}
     for name, got in ledgers.items():
@@ -291,7 +301,10 @@ def summary(ledgers: dict[str, list[tuple[Ledger, bool]]]) -> tuple[dict[str, di
         use = valid or [g for g, _ in got]
         sp = over_seeds(use, min_seeds=1) if use else None
         rows[name] = {"runs": f"{len(valid)}/{len(got)} valid", "spread": sp}
-        figures[name] = {"runs": len(got), "valid": len(valid), "reported": bool(valid) and len(valid) >= MIN_SEEDS,
+        reported = bool(valid) and len(valid) >= MIN_SEEDS
+        ettr = None if sp is None else sp["ettr"]
+        figures[name] = {"runs": len(got), "valid": len(valid), "reported": reported,
+                         "ettr_reported": reported and ettr is not None and ettr.n >= MIN_SEEDS,
                          "spread": None if sp is None else {k: None if v is None else asdict(v) for k, v in sp.items()}}
     return rows, figures
 

@@ -506,9 +506,23 @@ def showcase_async(rep: Report, kill: dict | None) -> list[str]:
     return lines
 
 
+SYNC_ALL_GOOD = "all good: every fault detected and recovered from, no round lost"
+
+
+def async_all_good(rep: Report, kill: dict | None) -> str:
+    """The closing line of an async run that judge_async found nothing wrong with: what it
+    checked (an async run has no rounds: its batches stream across in-flight updates)."""
+    kill_part = (f"the kill of {kill['engine']} during the update to v{kill['version']} seen and restarted, "
+                 if kill is not None else "")
+    return (f"all good: {kill_part}{len(rep.steps)} batch(es) trained, none lost, across {len(rep.updates)} "
+            f"in-flight update(s); every trained sample within max_staleness {rep.max_staleness}; every engine "
+            f"on the trainer's v{rep.final_version}")
+
+
 def _run_async_loop(keeper: DaemonKeeper, model: Path, sock: Path, out: Path, loop_argv: list[str], *,
-                    sig: _Signals, record: _Record) -> list[str]:
-    """The async loop with its kill during an update; what it showed, printed; its problems."""
+                    sig: _Signals, record: _Record) -> tuple[list[str], str]:
+    """The async loop with its kill during an update; what it showed, printed; its problems
+    and its closing line when there are none."""
     from vime.trainer.rl_loop import check_args, format_report
 
     ap = async_parser()
@@ -528,10 +542,10 @@ def _run_async_loop(keeper: DaemonKeeper, model: Path, sock: Path, out: Path, lo
     print("\n".join(showcase_async(rep, loop.kill)))
     if rep.signal is not None:
         raise Interrupted(rep.signal)
-    return judge_async(rep, loop.kill, bool(args.kill_during_update))
+    return judge_async(rep, loop.kill, bool(args.kill_during_update)), async_all_good(rep, loop.kill)
 
 
-def _exit_status(problems: list[str], signum: int | None) -> int:
+def _exit_status(problems: list[str], signum: int | None, all_good: str = SYNC_ALL_GOOD) -> int:
     """0 when nothing went wrong, else 128 + the signal that stopped it, else 1; said."""
     status = 0 if not problems else 128 + signum if signum is not None else 1
     if problems:
@@ -540,7 +554,7 @@ def _exit_status(problems: list[str], signum: int | None) -> int:
             print(f"  - {p}")
         print(f"demo exit status {status}")
     else:
-        print("\nall good: every fault detected and recovered from, no round lost; demo exit status 0")
+        print(f"\n{all_good}; demo exit status 0")
     return status
 
 
@@ -559,6 +573,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
     sig.raising()
     problems: list[str] = []
     signum: int | None = None
+    all_good = SYNC_ALL_GOOD  # the closing line when nothing went wrong (the async run's says what it checked)
     keeper: DaemonKeeper | None = None  # the daemon now, and each one a daemon fault replaced
     log_file = None
     names = [f"engine-{i}" for i in range(engines)]
@@ -578,7 +593,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
                                     on_tick=lambda: record.save(engine_pids=keeper.spawned_pids()))
         record.save(engine_pids=keeper.spawned_pids())
         if not problems and async_:
-            problems = _run_async_loop(keeper, model, sock, out, loop_argv, sig=sig, record=record)
+            problems, all_good = _run_async_loop(keeper, model, sock, out, loop_argv, sig=sig, record=record)
             _supervisorctl_status(sock)
         elif not problems:
             report = _run_loop(keeper, model, sock, out, loop_argv, engines=engines, spares=spares,
@@ -609,7 +624,7 @@ def run(out: Path, loop_argv: list[str], *, engines: int, interval: float, timeo
             problems.append(f"{len(left)} engine process(es) outlived the daemon and were killed")
         print(f"\ndaemon exit status {rc}; engine processes left {len(left)}")
     print(f"config, daemon log, engine logs, trace.json (Perfetto), summary.json, dumps: {out}")
-    status = _exit_status(problems, signum)
+    status = _exit_status(problems, signum, all_good)
     record.save(ok=not problems, problems=problems, daemon_exit=rc, processes_left=len(left), exit_status=status)
     write_for_run(out, say=_say)  # the picture of the run, failed or not
     return status

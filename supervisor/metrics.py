@@ -68,8 +68,9 @@ PUSH_OUTCOMES = ("ok", "failed", "expired")
 PUSH_FAILURE_CAUSES = ("reported", "deadline")
 # vime_fingerprint_mismatches_total{at}: engines whose outputs did not match the published
 # fingerprint while /weight_info said the version: when the version was published, after a sync,
-# or as the engine became ready or recovered (a restart, an attach, a daemon restart's re-adoption).
-FINGERPRINT_CHECKS_AT = ("publish", "sync", "ready")
+# at a push's end (a receiver's /weight_info read again), or as the engine became ready or
+# recovered (a restart, an attach, a daemon restart's re-adoption).
+FINGERPRINT_CHECKS_AT = ("publish", "sync", "push", "ready")
 
 
 # vime_engine_restarts_total{cause}: why the incarnation before a restart ended (the cause of

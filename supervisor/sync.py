@@ -556,8 +556,8 @@ class PushCoordinator(Listener):
             if not read.readable or not taken_up_after_push(held, read.version, push.version, fleet.current_version):
                 return
             # A fingerprint of the current version is run as on a ready engine (a mismatch:
-            # counted with the syncs' checks, handled as fingerprint_mismatch says).
-            verdict = await fleet.verify_content(runner, read.version, at="sync")
+            # counted at="push", handled as fingerprint_mismatch says).
+            verdict = await fleet.verify_content(runner, read.version, at="push")
             if not same(runner, push.incarnations.get(name)) or runner.weight_version is not held:
                 return  # moved meanwhile (a death, a publish's read, a sync): that verdict stands
             log.info("push.reread", engine=name, push=push.id, held=held, read=read.version, label=verdict.version,

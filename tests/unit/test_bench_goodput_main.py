@@ -83,3 +83,38 @@ def test_the_daemon_gets_the_policys_weights_mode_and_only_sync_runs():
     assert daemon_tables(Workload(engines=2), Policy("defaults"))["weights"] == {"mode": "sync"}
     with pytest.raises(ValueError, match="sync mode only"):
         Policy("async", weights_mode="async")
+
+
+def test_an_invalid_fault_free_run_leaves_its_seeds_ettrs_out(bench, monkeypatch, tmp_path, capsys):
+    """ETTR is against the seed's fault-free run: when that run is invalid (an overloaded
+    host), every other policy's ETTR of the seed is None and said to be left out, while their
+    own validity (and their other figures) stand; a seed with a valid baseline keeps its ETTR."""
+    from types import SimpleNamespace
+
+    from vime.harness.goodput_ledger import RunRecord
+
+    walls = {"fault-free": 10.0, "slime": 20.0}
+
+    def run(w, pol, schedule, seed, tmp, **kw):
+        name = "fault-free" if not pol.faults else "slime"
+        invalid = "loop lag p99 0.9 s > 0.1 x 2 s" if (name, seed) == ("fault-free", 0) else None
+        record = RunRecord(policy=name, seed=seed, target=1, launched_at=0.0, end=walls[name], injections=(),
+                           serving=())
+        return SimpleNamespace(record=record, invalid=invalid, problems=[], lag_p99_s=0.0, delay_p99_s=0.0,
+                               lag_hist={}, delay_hist={}, intervals={}, daemon_config={}, faults_injected=[])
+
+    monkeypatch.setattr(bench.fleet_run, "run", run)
+    a = bench.parse(["--quick", "--only", "slime", "--seeds", "2", "--out", str(tmp_path / "g.json")])
+    b = bench.Bench(a, bench.plan_of(a), {"runs": []})
+    b.seed(0)
+    b.seed(1)
+    (ff0, ok_ff0), (ff1, _) = b.ledgers["fault-free"]
+    (s0, ok_s0), (s1, ok_s1) = b.ledgers["slime"]
+    assert not ok_ff0 and ok_s0 and ok_s1  # the baseline's invalidity is its own, not slime's
+    assert s0.ettr is None and s0.useful_tps == s1.useful_tps  # left out; the other figures stand
+    assert s1.ettr == 0.5  # against seed 1's valid fault-free run
+    slime0 = next(r for r in b.doc["runs"] if (r["policy"], r["seed"]) == ("slime", 0))
+    assert slime0["ettr_invalid"] == "the fault-free run of seed 0 is invalid (loop lag p99 0.9 s > 0.1 x 2 s)"
+    assert "ETTR not reported: the fault-free run of seed 0 is invalid" in capsys.readouterr().out
+    _, figures = bench.summary(b.ledgers)
+    assert figures["slime"]["ettr_reported"] is False  # one seed's ETTR: fewer than MIN_SEEDS

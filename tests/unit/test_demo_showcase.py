@@ -72,3 +72,21 @@ def test_a_daemon_kill_is_judged_to_restart_no_engine():
     assert judge(rep) == []
     engines["engine-1"]["restarts"] = 1  # a restart neither fault explains
     assert [p for p in judge(rep) if "2 engine restart(s) for 1 injected engine fault(s)" in p]
+
+
+def test_the_async_runs_closing_line_says_what_it_checked_not_rounds(capsys):
+    from vime.harness.demo import SYNC_ALL_GOOD, _exit_status, async_all_good
+    from vime.trainer.rl_loop import Report
+
+    rep = Report(steps=[_step(n) for n in range(1, 5)], final_version=4, mode="async", max_staleness=1,
+                 updates=[{"version": v, "waves": [["engine-0"]], "seconds": {}, "failed": {}} for v in (2, 3, 4)])
+    kill = {"engine": "engine-1", "version": 3, "step": 2, "seen": "EXITED: killed by SIGKILL"}
+    line = async_all_good(rep, kill)
+    assert line == ("all good: the kill of engine-1 during the update to v3 seen and restarted, 4 batch(es) trained, "
+                    "none lost, across 3 in-flight update(s); every trained sample within max_staleness 1; every "
+                    "engine on the trainer's v4")
+    assert "round" not in async_all_good(rep, None)
+    assert _exit_status([], None, line) == 0
+    assert capsys.readouterr().out.strip() == f"{line}; demo exit status 0"
+    _exit_status([], None)
+    assert capsys.readouterr().out.strip() == f"{SYNC_ALL_GOOD}; demo exit status 0"

@@ -160,6 +160,7 @@ def test_mismatches_are_counted_by_where_they_were_seen():
     stats.fingerprint_mismatch("publish")
     stats.fingerprint_mismatch("publish")
     stats.fingerprint_mismatch("sync")
+    stats.fingerprint_mismatch("push")
     fleet = SimpleNamespace(runners={}, policy=FleetPolicy(min_healthy=0), stats=stats,
                             is_routable=lambda r: False, routable=lambda: [])
     samples = {(s.name, s.labels.get("at")): s.value
@@ -167,6 +168,7 @@ def test_mismatches_are_counted_by_where_they_were_seen():
                for s in fam.samples if s.name.startswith("vime_fingerprint")}
     assert samples == {("vime_fingerprint_mismatches_total", "publish"): 2.0,
                        ("vime_fingerprint_mismatches_total", "sync"): 1.0,
+                       ("vime_fingerprint_mismatches_total", "push"): 1.0,
                        ("vime_fingerprint_mismatches_total", "ready"): 0.0}
 
 
@@ -418,3 +420,23 @@ def test_the_snapshot_carries_the_current_versions_fingerprint(tmp_path):
     snap = journal.snapshot(fleet)
     assert snap["weight_fingerprint"] == {"version": 7, **fp().to_json()}
     assert journal.validate(snap) == [] and journal.fingerprint_of(snap) == fp()
+
+
+async def test_a_mismatch_found_at_a_pushs_end_counts_at_push(tmp_path):
+    """Async mode: v6 published with a fingerprint the emulated engines cannot match (PROTOCOL
+    STAND-INS, tests/support/standin_inproc.py), then pushed to e0; at the push's end the daemon
+    reads e0's /weight_info again (v6) and runs the fingerprint: the mismatch counts at="push"."""
+    from test_async_fault_rules import fingerprint, set_label
+    from test_version_rule import fleets
+
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([5, 5], mode="async", max_staleness=1, fingerprint_mismatch="warn")
+        await sup.fleet.publish_weights(5, None)
+        await sup.fleet.publish_weights(6, None, fingerprint())
+        push = sup.pushes.begin(6, ["e0"], 0, 30.0)["push"]
+        await set_label(sup.fleet.runners["e0"].spec.base_url, 6)
+        answer = await sup.pushes.end(push, True, {})
+        assert answer is not None and answer["weight_versions"] == {"e0": 6}
+        assert sup.stats.fingerprint_mismatches == {"push": 1}
+        await sup.sync.close()
+        await sup.pushes.close()
