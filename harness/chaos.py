@@ -614,13 +614,11 @@ def main(argv: list[str] | None = None) -> int:
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """rl_loop's checks, and what the chaos loop cannot do (argparse's exit status 2). Its
     parser is rl_loop's, so it lists --async and --serving-fraction; ChaosLoop runs rounds
-    (sync mode) only, so it refuses them rather than run a sync loop under an async flag."""
+    (sync mode) only, so it refuses --async (rl_loop refuses --serving-fraction without it)."""
     rl_loop.check_args(ap, args)
     if args.async_:
         ap.error("--async: the chaos loop injects its faults around rounds (sync mode) only; for an async run use "
                  "python -m vime.trainer.rl_loop --async (or the demo: python -m vime.harness.demo --async)")
-    if args.serving_fraction:
-        ap.error("--serving-fraction goes with --async, which the chaos loop does not run (sync mode only): drop it")
     if args.load_debug_rollout_data and (args.kill_at or args.hang_at or args.fail_push_at or args.fault):
         ap.error("faults need live rollouts: drop --load-debug-rollout-data")
 

@@ -13,7 +13,7 @@ BASE = ["--model", "m", "--socket", "s"]
 
 @pytest.mark.parametrize("flags, says", [
     (["--async"], "--async: the chaos loop injects its faults around rounds (sync mode) only"),
-    (["--serving-fraction", "0.5"], "--serving-fraction goes with --async"),
+    (["--serving-fraction", "0.5"], "--serving-fraction sets the waves of --async"),
     (["--async", "--serving-fraction", "0.5"], "--async: the chaos loop"),
 ])
 def test_async_flags_are_refused_with_exit_status_2(flags, says, capsys):
