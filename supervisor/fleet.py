@@ -305,6 +305,14 @@ class Fleet(Listener):
         await asyncio.gather(*(r.refresh_version(checked=taken.get(r.name),
                                                  fingerprinted=None if fingerprint is None else version)
                                for r in runners))
+        # The fingerprint's verdicts first: an engine that failed the check is handled as
+        # fingerprint_mismatch says (its cause), not as merely behind V.
+        acted = self._fingerprint_mismatched(runners, version, mismatched)
+        for r in runners:  # not verified, not condemned: synced again, and checked then
+            if r.name in unchecked and r.probed:
+                r.fingerprint_mismatch(version, f"/weight_info says {vlabel(version)}, but {unchecked[r.name]}; "
+                                                "synced again")
+                acted.append(r.name)
         # Those at a version the mode no longer allows (sync: any but V; async: more than
         # max_staleness behind V); spares too when they are kept current (spares_sync =
         # "publish"), otherwise a spare is synced only if it is ever promoted. In async mode the
@@ -315,12 +323,6 @@ class Fleet(Listener):
         for r in runners:
             if r.name in behind:
                 r.mark_outdated(version)
-        acted = self._fingerprint_mismatched(runners, version, mismatched)
-        for r in runners:  # not verified, not condemned: synced again, and checked then
-            if r.name in unchecked and r.probed:
-                r.fingerprint_mismatch(version, f"/weight_info says {vlabel(version)}, but {unchecked[r.name]}; "
-                                                "synced again")
-                acted.append(r.name)
         self._membership_changed()
         self.persist()
         log.info("weights.published", version=version, checkpoint=checkpoint, stale=behind, lagging=lagging,
