@@ -448,10 +448,11 @@ def async_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def judge_async(rep: Report, kill: dict | None, planned: bool) -> list[str]:
+def judge_async(rep: Report, kill: dict | None, planned: bool, restarts_before: int = 0) -> list[str]:
     """What went wrong in an async run ([] when nothing did): an early stop, lost batches, the
     kill not done or not seen as an exit, a trained sample past max_staleness, engines not on
-    the trainer's version, restarts the kill does not explain."""
+    the trainer's version, restarts the kill does not explain (`restarts_before`: the
+    daemon's count when the run began; the status counts every restart since the daemon's)."""
     problems = []
     if rep.stopped:
         problems.append(f"the loop {rep.stopped}")
@@ -473,7 +474,7 @@ def judge_async(rep: Report, kill: dict | None, planned: bool) -> list[str]:
     for name, e in sorted(rep.engines.items()):
         if e["state"] != "STANDBY" and (e["state"] != "RUNNING" or e.get("weight_version") != rep.final_version):
             problems.append(f"{name} ends {e['state']} on v{e.get('weight_version')} (trainer at v{rep.final_version})")
-    restarts = sum(e.get("restarts") or 0 for e in rep.engines.values())
+    restarts = sum(e.get("restarts") or 0 for e in rep.engines.values()) - restarts_before
     if rep.engines and restarts != (kill is not None):
         problems.append(f"{restarts} engine restart(s) for {int(kill is not None)} kill(s)")
     return problems
