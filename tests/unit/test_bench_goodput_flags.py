@@ -3,26 +3,14 @@ with a message that says what to pass (argparse's exit 2), before anything start
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "goodput.py"
+from support.bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(PATH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_goodput_flags", PATH)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(str(PATH.parent))
+    return load_bench("goodput", siblings=True)
 
 
 @pytest.mark.parametrize("argv, said", [

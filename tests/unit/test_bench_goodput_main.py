@@ -4,29 +4,17 @@ histograms a run's JSON keeps."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from vime.harness.fleet_plan import per_bucket
 from vime.harness.goodput_ledger import Ledger
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "goodput.py"
+from support.bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(PATH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_goodput_main", PATH)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(str(PATH.parent))
+    return load_bench("goodput", siblings=True)
 
 
 def ledger(policy: str, seed: int, *, ettr: float = 1.0, stale: int = 0, false_restarts: int = 0) -> Ledger:

@@ -3,21 +3,15 @@ trainer/rl_loop.py. Parsing only (nothing runs)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from vime.trainer import rl_loop
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "goodput.py"
+from support.bench_scripts import load_bench
 
 
 def _goodput():
-    spec = importlib.util.spec_from_file_location("review2_goodput", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("goodput", siblings=True)
 
 
 def test_goodput_refuses_an_infinite_time_scale():
