@@ -1,0 +1,241 @@
+"""Where each policy falls below ETTR 0.95: bench/goodput.py over fault rates and fleet sizes
+(issue 36's sweep).
+
+    python bench/goodput_sweep.py                                   # 8 and 64 engines x headline, stress, 900 s
+    python bench/goodput_sweep.py --engines 8,64,256 --mtbf headline,stress,900 --dir sweep
+    python bench/goodput_sweep.py --dir sweep --report-only         # the table from the cells already run
+
+Each cell (a fleet size and a per-engine MTBF) is one `bench/goodput.py --engines N --mtbf M
+--seeds S --out DIR/cell-N-M.json` run in a child process, its output in DIR/cell-N-M.log: every
+policy on the same faults, ETTR against the seed's fault-free run, invalid runs left out
+(bench/goodput.py's rules). A cell whose JSON is already in DIR with the same workload, rate and seeds
+is read, not run again, so an interrupted sweep resumes and a run made by hand can be put in its place.
+
+A cell whose fault clock strikes nothing inside any seed's work (a small fleet at the headline
+rate: 8 engines meet a fault per 3 engine-hours, a run's work is minutes) is not run: with no
+fault every policy does the fault-free run's work, and the table says "no fault" rather than an
+ETTR of 1 measured on noise.
+
+The table: per fleet size, a row per policy and a column per MTBF, each cell the median ETTR
+over the valid seeds [min-max] and the count of them; then, per policy and size, the lowest
+fault rate swept at which the median ETTR is below 0.95. Exit 1 when a cell's run failed or
+broke a must-be-zero figure (bench/goodput.py exited non-zero), 2 on bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from vime.harness.emulated_model import PARAMETERS
+from vime.harness.fault_clock import HEADLINE_MTBF_S, STRESS_MTBF_S, FaultClock
+from vime.harness.fleet_plan import Workload, round_s
+
+HERE = Path(__file__).resolve().parent
+THRESHOLD = 0.95
+# The share of a run's nominal work time (steps x (round + training)) a fault may land in and
+# still count: a faulted run lasts longer than its nominal time (lost rounds, a fleet short).
+HORIZON_SLACK = 3.0
+
+
+def mtbf_value(text: str) -> float:
+    named = {"headline": HEADLINE_MTBF_S, "stress": STRESS_MTBF_S}
+    if text in named:
+        return named[text]
+    v = float(text)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{text!r}")
+    return v
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="8,64", help="fleet sizes, comma-separated (default 8,64)")
+    ap.add_argument("--mtbf", default="headline,stress,900",
+                    help="per-engine MTBFs: headline, stress or engine seconds, comma-separated "
+                         "(default headline,stress,900)")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per cell (default 3)")
+    ap.add_argument("--rounds", type=int, default=6, help="steps per run (default 6, bench/goodput.py's)")
+    ap.add_argument("--time-scale", type=float, help="passed to bench/goodput.py (its default 0.2)")
+    ap.add_argument("--only", help="policies, passed to bench/goodput.py (fault-free always runs)")
+    ap.add_argument("--dir", default="goodput-sweep", help="the cells' JSON and logs (default goodput-sweep)")
+    ap.add_argument("--report-only", action="store_true", help="run nothing; the table from the cells in --dir")
+    a = ap.parse_args(argv)
+    try:
+        a.sizes = sorted({int(x) for x in a.engines.split(",") if x.strip()})
+        a.mtbfs = sorted({mtbf_value(x.strip()) for x in a.mtbf.split(",") if x.strip()}, reverse=True)
+    except ValueError as e:
+        ap.error(f"--engines takes integers and --mtbf headline, stress or seconds, comma-separated: {e}")
+    if not a.sizes or min(a.sizes) < 1:
+        ap.error(f"--engines must name fleet sizes of at least 1, not {a.engines!r}")
+    if not a.mtbfs:
+        ap.error(f"--mtbf must name at least one rate, not {a.mtbf!r}")
+    if a.seeds < 1 or a.rounds < 1:
+        ap.error("--seeds and --rounds must be at least 1")
+    if a.time_scale is not None and not (math.isfinite(a.time_scale) and a.time_scale > 0):
+        ap.error(f"--time-scale must be a finite number > 0, not {a.time_scale}")
+    return a
+
+
+# -- pure -------------------------------------------------------------------------------------
+
+
+def cell_args(engines: int, mtbf: float, a: argparse.Namespace) -> list[str]:
+    args = ["--engines", str(engines), "--mtbf", f"{mtbf:g}", "--seeds", str(a.seeds), "--rounds", str(a.rounds)]
+    if a.time_scale is not None:
+        args += ["--time-scale", f"{a.time_scale:g}"]
+    if a.only:
+        args += ["--only", a.only]
+    return args
+
+
+def same_cell(doc: Mapping[str, Any], engines: int, mtbf: float, a: argparse.Namespace) -> bool:
+    """Whether a bench/goodput.py JSON is this cell's run (by what it ran, not how it was typed)."""
+    w = doc.get("workload") or {}
+    seeds = {r.get("seed") for r in doc.get("runs", ())}
+    return (w.get("engines") == engines and w.get("rounds") == a.rounds and doc.get("mtbf_s") == mtbf
+            and seeds == set(range(a.seeds)) and not doc.get("mutation")
+            and (a.time_scale is None or w.get("scale") == a.time_scale))
+
+
+def faults_in_work(engines: int, mtbf: float, seeds: int, rounds: int) -> int:
+    """Faults the clock strikes, over all seeds, inside a run's work (its nominal time x
+    HORIZON_SLACK): 0 means no policy of the cell would meet one."""
+    w = replace(Workload(), engines=engines, rounds=rounds)
+    step = round_s(w, PARAMETERS["step_base_s"].value, PARAMETERS["step_per_seq_s"].value) + w.train_s
+    horizon = HORIZON_SLACK * rounds * step
+    return sum(len(FaultClock(seed=s, engines=engines, duration_s=horizon, mtbf_s=mtbf).schedule())
+               for s in range(seeds))
+
+
+def ettrs(doc: Mapping[str, Any]) -> dict[str, list[float]]:
+    """Per policy, the ETTRs of its valid runs whose fault-free baseline was valid."""
+    out: dict[str, list[float]] = {}
+    for r in doc.get("runs", ()):
+        if "error" in r:
+            continue
+        out.setdefault(r["policy"], [])
+        e = (r.get("ledger") or {}).get("ettr")
+        if r.get("invalid") is None and r.get("ettr_invalid") is None and e is not None:
+            out[r["policy"]].append(float(e))
+    return out
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def cell_text(values: list[float] | None, seeds: int, note: str | None = None) -> str:
+    if note:
+        return note
+    if not values:
+        return f"- (0/{seeds} valid)"
+    m = f"{median(values):.3f}"
+    rng = "" if len(values) == 1 or min(values) == max(values) else f" [{min(values):.2f}-{max(values):.2f}]"
+    return f"{m}{rng} ({len(values)}/{seeds})"
+
+
+def falls_below(cells: Mapping[float, list[float] | None], threshold: float = THRESHOLD,
+                min_seeds: int = 3) -> str:
+    """The lowest fault rate (largest MTBF) swept at which the median ETTR over at least
+    min_seeds valid seeds is below threshold; what is known when none is."""
+    judged = [(m, v) for m, v in sorted(cells.items(), reverse=True) if v and len(v) >= min_seeds]
+    below = [m for m, v in judged if median(v) < threshold]
+    if below:
+        return f"below {threshold:g} from MTBF {_mtbf_name(below[0])}"
+    if not judged:
+        return f"not judged (fewer than {min_seeds} valid seeds in every cell)"
+    return f"at or above {threshold:g} down to MTBF {_mtbf_name(judged[-1][0])}"
+
+
+def _mtbf_name(m: float) -> str:
+    return {HEADLINE_MTBF_S: "24 h (headline)", STRESS_MTBF_S: "1 h (stress)"}.get(m, f"{m:g} s")
+
+
+def table(sizes: Iterable[int], mtbfs: list[float], results: Mapping[tuple[int, float], Any], seeds: int) -> list[str]:
+    """results[(engines, mtbf)]: a doc's ettrs() dict, or a str (why the cell has no figure)."""
+    lines: list[str] = []
+    for n in sizes:
+        pols: list[str] = []
+        for m in mtbfs:
+            r = results.get((n, m))
+            if isinstance(r, dict):
+                pols += [p for p in r if p not in pols]
+        head = [f"{n} engines", *[f"MTBF {_mtbf_name(m)}" for m in mtbfs], f"ETTR {THRESHOLD:g}"]
+        body = []
+        for p in pols or ["(every policy)"]:
+            row, cells = [p], {}
+            for m in mtbfs:
+                r = results.get((n, m))
+                if isinstance(r, dict):
+                    cells[m] = r.get(p)
+                    row.append(cell_text(r.get(p), seeds))
+                else:
+                    row.append(cell_text(None, seeds, note=r or "not run"))
+            row.append("-" if p == "fault-free" else falls_below(cells))
+            body.append(row)
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+        lines += ["  ".join(str(x).rjust(w) for x, w in zip(line, widths)) for line in [head, *body]] + [""]
+    return lines
+
+
+# -- the runs ---------------------------------------------------------------------------------
+
+
+def run_cell(engines: int, mtbf: float, a: argparse.Namespace, folder: Path) -> tuple[Any, int]:
+    """(the cell's ettrs dict or why it has none, bench/goodput.py's exit status)."""
+    args = cell_args(engines, mtbf, a)
+    out = folder / f"cell-{engines}-{mtbf:g}.json"
+    if out.exists():
+        doc = json.loads(out.read_text())
+        if same_cell(doc, engines, mtbf, a):
+            return ettrs(doc), 1 if doc.get("failed") or doc.get("must_be_zero") else 0
+    if faults_in_work(engines, mtbf, a.seeds, a.rounds) == 0:
+        return "no fault", 0
+    if a.report_only:
+        return "not run", 0
+    cmd = [sys.executable, str(HERE / "goodput.py"), *args, "--out", str(out)]
+    print(f"cell {engines} engines, MTBF {_mtbf_name(mtbf)}: {' '.join(cmd[1:])}", flush=True)
+    with open(folder / f"cell-{engines}-{mtbf:g}.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    if not out.exists():
+        return f"failed (exit {rc})", rc or 1
+    return ettrs(json.loads(out.read_text())), rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    folder = Path(a.dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    results: dict[tuple[int, float], Any] = {}
+    failed: list[str] = []
+    for n in a.sizes:
+        for m in a.mtbfs:
+            results[(n, m)], rc = run_cell(n, m, a, folder)
+            if rc:
+                failed.append(f"{n} engines, MTBF {_mtbf_name(m)}: bench/goodput.py exited {rc} "
+                              f"(see {folder}/cell-{n}-{m:g}.log)")
+    print()
+    print("\n".join(table(a.sizes, a.mtbfs, results, a.seeds)))
+    print(f"  each cell: the median ETTR over the valid seeds [range] (valid seeds/{a.seeds}); "
+          "'no fault': the clock struck nothing inside any seed's work, so no policy differs from fault-free")
+    (folder / "sweep.json").write_text(json.dumps(
+        {"sizes": a.sizes, "mtbfs": a.mtbfs, "seeds": a.seeds, "rounds": a.rounds, "failed": failed,
+         "cells": {f"{n}/{m:g}": r for (n, m), r in results.items()}}, indent=1) + "\n")
+    for line in failed:
+        print(f"  FAIL: {line}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""bench/goodput_sweep.py's pure parts: which cells meet a fault, what a cell's JSON gives, where a
+policy falls below the threshold, and the flags it refuses (nothing is run)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tests.support.bench_scripts import load_bench
+
+sweep = load_bench("goodput_sweep", siblings=True)
+
+
+def _doc(runs: list[dict], engines: int = 8, rounds: int = 6, mtbf: float = 3600.0, scale: float = 0.2) -> dict:
+    return {"workload": {"engines": engines, "rounds": rounds, "scale": scale}, "mtbf_s": mtbf, "mutation": None,
+            "runs": runs}
+
+
+def _run(policy: str, seed: int, ettr: float | None, invalid: str | None = None, ettr_invalid: str | None = None):
+    return {"policy": policy, "seed": seed, "invalid": invalid, "ettr_invalid": ettr_invalid, "ledger": {"ettr": ettr}}
+
+
+def test_ettrs_keep_only_valid_runs_against_a_valid_baseline() -> None:
+    doc = _doc([_run("fault-free", 0, 1.0), _run("slime", 0, 0.9), _run("slime", 1, 0.8, invalid="lag"),
+                _run("slime", 2, 0.7, ettr_invalid="baseline invalid"), {"policy": "slime", "seed": 3, "error": "x"}])
+    assert sweep.ettrs(doc) == {"fault-free": [1.0], "slime": [0.9]}
+
+
+def test_falls_below_names_the_lowest_rate_with_a_median_under_the_threshold() -> None:
+    cells = {86400.0: [1.0, 0.99, 1.0], 3600.0: [0.97, 0.96, 0.98], 900.0: [0.9, 0.93, 0.96]}
+    assert sweep.falls_below(cells) == "below 0.95 from MTBF 900 s"
+    cells[3600.0] = [0.94, 0.9, 0.99]
+    assert sweep.falls_below(cells) == "below 0.95 from MTBF 1 h (stress)"
+
+
+def test_falls_below_says_how_far_it_held_or_that_it_could_not_judge() -> None:
+    assert sweep.falls_below({86400.0: [1.0] * 3, 900.0: [0.96] * 3}) == "at or above 0.95 down to MTBF 900 s"
+    # two valid seeds are not enough to judge a cell
+    assert sweep.falls_below({900.0: [0.5, 0.5]}).startswith("not judged")
+    assert sweep.falls_below({900.0: None}).startswith("not judged")
+
+
+def test_a_cell_with_no_fault_in_any_seeds_work_is_known_before_it_runs() -> None:
+    assert sweep.faults_in_work(8, sweep.HEADLINE_MTBF_S, 3, 6) == 0   # 8 engines meet a fault per 3 engine-hours
+    assert sweep.faults_in_work(64, 900.0, 3, 6) > 0
+
+
+def test_a_run_made_by_hand_is_taken_for_its_cell_by_what_it_ran() -> None:
+    a = argparse.Namespace(rounds=6, seeds=3, time_scale=None)
+    doc = _doc([_run("fault-free", s, 1.0) for s in range(3)], engines=64, mtbf=3600.0)
+    assert sweep.same_cell(doc, 64, 3600.0, a)
+    assert not sweep.same_cell(doc, 8, 3600.0, a)
+    assert not sweep.same_cell(doc, 64, 900.0, a)
+    assert not sweep.same_cell(_doc([_run("fault-free", 0, 1.0)], engines=64), 64, 3600.0, a)  # one seed of three
+    assert not sweep.same_cell(doc, 64, 3600.0, argparse.Namespace(rounds=6, seeds=3, time_scale=0.1))
+
+
+def test_the_table_has_a_row_per_policy_and_says_why_a_cell_has_no_figure() -> None:
+    results = {(8, 86400.0): "no fault",
+               (8, 3600.0): {"fault-free": [1.0, 1.0, 1.0], "slime": [0.9, 0.92, 0.97]}}
+    lines = sweep.table([8], [86400.0, 3600.0], results, 3)
+    text = "\n".join(lines)
+    assert "no fault" in text
+    assert "0.920 [0.90-0.97] (3/3)" in text
+    assert "below 0.95 from MTBF 1 h (stress)" in text
+
+
+@pytest.mark.parametrize("argv", [["--engines", "0"], ["--engines", "a"], ["--mtbf", "-5"], ["--mtbf", "nan"],
+                                  ["--seeds", "0"], ["--time-scale", "inf"], ["--mtbf", ","]])
+def test_bad_flags_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        sweep.parse(argv)
+    assert e.value.code == 2
+
+
+def test_rates_are_swept_from_the_rarest_fault_down() -> None:
+    a = sweep.parse(["--mtbf", "900,headline,stress", "--engines", "64,8"])
+    assert a.mtbfs == [86400.0, 3600.0, 900.0] and a.sizes == [8, 64]
