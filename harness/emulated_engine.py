@@ -893,6 +893,11 @@ class EmulatedEngine:
 
     async def h_fault(self, request: web.Request) -> web.Response:
         body = await self._body(request)
+        # A fault meant for another engine that held this port before (a run beside this one
+        # picked the same ports) must not strike this one: the sender names the pid it means.
+        if body.get("pid") is not None and body.get("pid") != os.getpid():
+            raise HttpError(409, f"this engine is pid {os.getpid()}, not {body.get('pid')}: the fault is not for it",
+                            param="pid")
         try:
             self.add_fault(str(body.get("fault")))
         except ValueError as e:
@@ -1150,11 +1155,17 @@ def make_app(**kw: Any) -> web.Application:
     return app
 
 
-def free_port_range(n: int, start: int = 20000) -> int:
-    """The first port of n consecutive free ports on loopback, for n emulated engines."""
+def free_port_range(n: int, start: int | None = None) -> int:
+    """The first port of n consecutive free ports on loopback, for n emulated engines. Without
+    `start`, the search begins at a random place in 20000-60000: two runs side by side pick
+    their ports before their engines bind them, so a fixed first place gave both the same."""
+    import random
     import socket
 
-    for base in range(start, 60000 - n, 2048):
+    lo, hi = 20000, 60000 - n
+    first = start if start is not None else random.randrange(lo, max(lo + 1, hi))
+    bases = [*range(first, hi, 2048), *range(lo if start is None else first, first, 2048)]
+    for base in bases:
         ok = True
         for p in range(base, base + n):
             with socket.socket() as s:

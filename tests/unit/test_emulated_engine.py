@@ -559,3 +559,20 @@ def test_a_chunk_vllm_merged_has_the_shape_of_the_chunks_it_merged():
     as_sent = [shape(c) for c in separate]
     assert collapse([shape(p) for c in merged for p in unmerge(c)]) == collapse(as_sent)
     assert collapse([shape(c) for c in merged]) != collapse(as_sent)  # what unmerge is for
+
+
+async def test_a_fault_that_names_another_pid_is_refused_and_strikes_nothing():
+    e = em.EmulatedEngine(exit_on_death=False, params=FAST)
+    async with Running(e) as s:   # served in this process: its pid is ours
+        code, err = await s.post("/emulator/fault", {"fault": "poison", "pid": os.getpid() + 1})
+        assert code == 409 and "not for it" in err["error"]["message"]
+        assert e.poisoned is None
+        code, _ = await s.post("/emulator/fault", {"fault": "poison", "pid": os.getpid()})
+        assert code == 200 and e.poisoned is not None
+
+
+def test_free_port_ranges_of_runs_side_by_side_start_apart():
+    bases = {em.free_port_range(8) for _ in range(5)}
+    assert len(bases) > 1          # a fixed first place gave every run the same ports
+    assert all(20000 <= b <= 60000 - 8 for b in bases)
+    assert em.free_port_range(1, start=29000) >= 29000
