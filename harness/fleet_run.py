@@ -123,7 +123,7 @@ class FleetRun:
             overrides[("health_check", "max_busy")] = 0.05
             warmup = {"requests": 1}
         self.tables = daemon_tables(w, self.policy, overrides=overrides)
-        self.metrics_port = emulated_engine.free_port_range(1, start=29000)
+        self.metrics_port = emulated_engine.free_port_range(1)
         base = emulated_engine.free_port_range(len(self.names))
         sup = {"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "python": str(python),
                "metrics_address": f"127.0.0.1:{self.metrics_port}", **self.tables["supervisor"]}
@@ -135,7 +135,7 @@ class FleetRun:
         if self.router:  # the daemon spawns vllm-router and keeps its list; no request goes through it
             from .router_proc import VIME_FLAGS
 
-            rport = emulated_engine.free_port_range(2, start=29100)
+            rport = emulated_engine.free_port_range(2)
             pport = rport + 1
             self.config_router_url = f"http://127.0.0.1:{rport}"
             sections["router"] = {"url": self.config_router_url, "spawn": True,
@@ -182,6 +182,8 @@ class FleetRun:
             states = await asyncio.gather(*(state(n) for n in self.names))
             listed = {e["name"]: e for e in st.get("engines", ())}
             for name, s in zip(self.names, states):
+                if s is not None and self.pids.get(name) not in (None, s.get("pid")):
+                    s = None  # another process on this engine's port: not this run's engine
                 healthy = s is not None and not (s["dead"] or s["hung"] or s["poisoned"])
                 e = listed.get(name, {})
                 self.observed[name].points.append((t, healthy and bool(e.get("routable")),
@@ -217,8 +219,11 @@ class FleetRun:
                 os.kill(pid, signal.SIGKILL)
 
     async def _emulator_fault(self, session: Any, name: str, fault: str) -> None:
+        # The pid the daemon gave for the engine: whatever else answers on its port (a run
+        # beside this one that picked the same ports) refuses the fault.
         with contextlib.suppress(Exception):
-            async with session.post(self.urls[name] + "/emulator/fault", json={"fault": fault}) as r:
+            async with session.post(self.urls[name] + "/emulator/fault",
+                                    json={"fault": fault, "pid": self.pids.get(name)}) as r:
                 await r.read()
 
     async def _inject(self, session: Any, t0: float) -> None:
