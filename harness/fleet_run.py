@@ -379,7 +379,10 @@ class FleetRun:
                 tasks.append(asyncio.ensure_future(self._observe(watch, client)))
                 while await self._routable(client) < self.w.engines:
                     if time.time() - t_launch > ready_within:
-                        raise RuntimeError(f"fewer than {self.w.engines} engines routable after {ready_within:g} s")
+                        states = sorted(f"{e['name']}:{e.get('state')}" for e in self.status.get("engines", ())
+                                        if not e.get("routable"))
+                        raise RuntimeError(f"fewer than {self.w.engines} engines routable after {ready_within:g} s; "
+                                           f"not routable: {', '.join(states[:12]) or 'no status read'}")
                     await asyncio.sleep(self.w.poll_s)
                 t0 = time.time()
                 self.t_ready = t0 - t_launch
@@ -401,6 +404,9 @@ class FleetRun:
                     if d.proc.poll() is None:
                         await asyncio.to_thread(d.terminate, 60)
                 self._sweep()
+                # the daemons' own lines, for a run whose folder is kept
+                (self.tmp / "daemon.log").write_text("".join(line if line.endswith("\n") else line + "\n"
+                                                             for d in self.daemons for line in d.raw))
         for t in tasks:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 self.problems.append(f"{t.get_name()}: {t.exception()!r}")
