@@ -1052,11 +1052,61 @@ def exit_status(args: argparse.Namespace, rep: Report) -> int:
     return 0 if ok else 1
 
 
+def check_model(model: str) -> str | None:
+    """Why `model` is not a model directory the policy can load (None: it looks like one)."""
+    path = Path(model)
+    what = ("no such directory" if not path.exists() else "not a directory" if not path.is_dir()
+            else "not a model directory (no config.json in it)" if not (path / "config.json").is_file() else None)
+    if what is None:
+        return None
+    return (f"--model {model}: {what}; pass the policy's model directory, a Hugging Face save_pretrained "
+            "folder (python -m vime.trainer.tiny_model DIR builds a tiny one)")
+
+
+def mode_refusal(rule: VersionRule, async_: bool, trains: bool = True) -> str | None:
+    """Why a loop cannot run against a daemon whose answers carry `rule` (None: it can): --async
+    needs async mode with max_staleness >= 1 (check_async_rule); the round loop, training,
+    needs sync mode (in async mode a restarted engine serves a version behind inside a round,
+    and rounds gate nothing)."""
+    if async_:
+        try:
+            check_async_rule(rule)
+        except AsyncModeError as e:
+            return str(e)
+        return None
+    if trains and rule.mode is WeightsMode.ASYNC:
+        return ('the daemon is in async mode ([weights] mode = "async"): add --async, or set [weights] mode = '
+                '"sync" in its config and reload it (supervisorctl reload, or SIGHUP)')
+    return None
+
+
+def preflight(args: argparse.Namespace) -> str | None:
+    """What the run cannot start with, found before the model is loaded: a --model that is not
+    a model directory, no daemon at --socket, a daemon whose [weights] mode the loop cannot
+    run against (its status answer). None: go on (--cluster asks each node's daemon as it
+    connects; --debug-train-only needs none)."""
+    if why := check_model(args.model):
+        return why
+    if args.debug_train_only or args.cluster:
+        return None
+    client = SupervisorClient(args.socket)
+    try:
+        rule = VersionRule.from_answer(client.status())
+    except SupervisorError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        client.close()
+    return mode_refusal(rule, args.async_, trains=not args.debug_rollout_only)
+
+
 def run_and_report(loop: type[RLLoop], args: argparse.Namespace, name: str,
                    fmt: Callable[[Report], str] = format_report) -> int:
     """Build and run the loop, print its report with fmt, and return the exit status (2: it
-    could not run)."""
+    could not run; said in one line, before the model is loaded where preflight finds why)."""
     quiet_rollout_log()
+    if why := preflight(args):
+        print(f"{name}: {why}", file=sys.stderr)
+        return 2
     try:
         rep = loop(args).run()
     except (OSError, ValueError, SupervisorError) as e:  # a missing or bad dump, no daemon
