@@ -840,13 +840,16 @@ class AsyncRLLoop(RLLoop):
 
     async def update_and_publish(self) -> dict[str, str]:
         """The policy's version into every routable engine while requests stream (in waves of
-        --serving-fraction), then into the warm spares, then published. A second pass takes an
-        engine that became routable during the first (a spare promoted in a failed engine's
-        place: the daemon is given FILL_WAIT to act on the failure first). name -> outcome; a
-        poisoned engine is reported (the daemon restarts it)."""
+        --serving-fraction), then into the warm spares, then published. Each wave is announced
+        to the daemon as a push (InFlightUpdate.run's supervisor): its engines' pauses are
+        excused for the push's bound, and at its end the daemon reads their /weight_info
+        again. A second pass takes an engine that became routable during the first (a spare
+        promoted in a failed engine's place: the daemon is given FILL_WAIT to act on the
+        failure first). name -> outcome; a poisoned engine is reported (the daemon restarts it)."""
         assert self.rollout is not None
         version = self.base + self.policy.version
         tensors = self.policy.named_tensors()  # unchanged until the next step trains, after the publish
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         outcomes: dict[str, str] = {}
         failed: set[str] = set()  # reported already
 
@@ -861,13 +864,15 @@ class AsyncRLLoop(RLLoop):
             if not behind:
                 break
             update = InFlightUpdate([self.rollout], push=push, engines=behind, timeout=self.args.sync_wait,
-                                    serving_fraction=self.serving_fraction([e.name for e in behind]))
-            done = await update.run(version)
+                                    serving_fraction=self.serving_fraction([e.name for e in behind]), nbytes=nbytes)
+            # Published below, once the spares hold it too, with the policy's fingerprint.
+            done = await update.run(version, supervisor=self.rollout.supervisor, publish=False)
             for name, why in done.failed.items():
                 outcomes.setdefault(name, f"failed: {why}")
                 failed.add(name)
             self.report.updates.append({"version": version, "waves": done.waves, "seconds": done.seconds,
-                                        "serving_min": done.serving_min, "failed": done.failed})
+                                        "serving_min": done.serving_min, "failed": done.failed,
+                                        "pushes": done.pushes})
             if not done.failed:
                 break
             self.log(f"update to v{version}: failed in {', '.join(f'{n} ({w})' for n, w in done.failed.items())}")
