@@ -64,8 +64,8 @@ def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
 # The FSM's weights clauses (engine/fsm.py): "base weights"; "weights v3, verified" (with ", 1
 # behind v4 (within max_staleness)" in async mode); "weights v3, current v5"; "weights v3" (a
 # spare kept behind). Labels hold no space, comma or semicolon.
-_CLAUSE = re.compile(r"\bbase weights\b|\bweights (?P<held>v[^\s,;]+|base)"
-                     r"(?P<shape>, verified(?:, \d+ behind v\d+ \(within max_staleness\))?|, current (?:v[^\s,;:]+|base))?")
+_CLAUSE = re.compile(r"\bbase weights\b|\bweights (?P<held>v[^\s,;]+|base)(?P<shape>"
+                     r", verified(?:, \d+ behind v\d+ \(within max_staleness\))?|, current (?:v[^\s,;:]+|base))?")
 
 
 def reason_now(reason: str, state: State, held: int | str | None, current: int | None, rule: VersionRule) -> str:
