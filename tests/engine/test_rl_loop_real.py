@@ -13,9 +13,11 @@ a core on this 2-core machine and slow every boot on it). ~5 minutes, most of it
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -245,6 +247,16 @@ def test_async_loop_with_a_kill_during_an_update(world, tiny_model, tmp_path):
     upd = [u for u in rep.updates if u["version"] == kill["version"]]
     assert [sorted(u["failed"]) for u in upd] == [[kill["engine"]], []], upd
     assert kill["spare"] in upd[1]["seconds"]
+    # Each wave was announced to the daemon as a push (its pauses excused for the push's bound)
+    # and ended with its failed engines named; the daemon's answers (read again) are the pushes.
+    for u in rep.updates:
+        assert all(isinstance(p, dict) for p in u["pushes"]), u  # not an error's text
+        assert [(p["version"], sorted(p["engines"]), sorted(p["failed"])) for p in u["pushes"]] == [
+            (u["version"], sorted(w), sorted(set(w) & set(u["failed"]))) for w in u["waves"]], u
+    versions = {u["version"] for u in rep.updates}
+    begun = [e for e in daemon.events[mark:] if e.get("event") == "push.begin" and e.get("version") in versions]
+    assert sorted((e["version"], sorted(e["engines"])) for e in begun) == sorted(
+        (u["version"], sorted(w)) for u in rep.updates for w in u["waves"]), begun
     # The daemon agrees: every engine on the last version (the killed one back as the spare).
     status = client.status()
     assert status["weight_version"] == rep.final_version and not status["round_open"]
@@ -253,3 +265,145 @@ def test_async_loop_with_a_kill_during_an_update(world, tiny_model, tmp_path):
     assert sum(e["restarts"] for e in status["engines"]) == restarts + 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mode"] == "async" and summary["samples_past_staleness"] == sum(s.past_staleness for s in rep.steps)
+
+
+# -- a restarted engine and later publishes (async mode), on this module's engines ------------
+
+
+class RoutableSampler:
+    """The daemon's routable answer (what the rollout client reads) and its status (each
+    engine's `routable` flag and version), read every `every` seconds by a thread, each read
+    with the last version the test had seen published before it began."""
+
+    def __init__(self, sock: str, every: float = 0.05):
+        self.client = SupervisorClient(sock)
+        self.every = every
+        self.published: int | None = None  # set by the test once each publish has answered
+        self.samples: list[tuple[float, int | None, dict, dict]] = []  # (t, published before, routable, status)
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            before = self.published
+            t = time.monotonic()
+            try:
+                self.samples.append((t, before, self.client.routable_engines(), self.client.status()))
+            except Exception as e:  # noqa: BLE001 - said by the test, not lost with the thread
+                self.errors.append(f"{t:.2f}: {type(e).__name__}: {e}")
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.client.close()
+
+
+def test_a_restarted_engine_is_never_routable_outside_the_rule_as_later_versions_are_published(world, tiny_model):
+    """The daemon in async mode (max_staleness 1; the test above's reload, here with spares = 0
+    and two versions published so that both engines serve, at v). kill -9 of a serving engine:
+    it restarts at once, and while it boots v+1 is published (with a checkpoint: the model's own
+    directory, the label being what is checked); booted on the model's weights it is behind,
+    and the daemon's own path (no trainer agent: a reload from the published checkpoint,
+    verified) brings it to v+1, where it is routable at once. v+2: it serves on, one behind;
+    v+3: two behind, out until reloaded and verified at v+3. The routable answer (what the
+    rollout client reads) and the status, sampled every 50 ms throughout, never list an engine
+    at a version more than max_staleness behind the current one, nor judge by a current
+    version older than the last one published."""
+    from vime.supervisor.states import VersionRule, WeightsMode
+
+    root, daemon, sock = world
+    client = SupervisorClient(sock)
+    cfg = root / "supervisor.toml"
+    text = cfg.read_text().replace("spares = 1\n", "spares = 0\n")
+    if 'mode = "async"' not in text:  # this test run alone: the reload the test above makes
+        text += '\n[weights]\nmode = "async"\nmax_staleness = 1\n'
+    cfg.write_text(text)
+    mark = daemon.mark()
+    daemon.proc.send_signal(signal.SIGHUP)
+    daemon.wait_for(lambda e: e.get("event") == "supervisor.started", 120, after=mark)
+    rule = VersionRule.from_answer(client.routable_engines())
+    assert (rule.mode, rule.bound) == (WeightsMode.ASYNC, 1)
+    victim, other = "engine-0", "engine-1"
+    ckpt = str(tiny_model)
+
+    def routable_at(name: str) -> int | str | None:
+        return next((e["weight_version"] for e in client.routable_engines()["engines"] if e["name"] == name), "-")
+
+    # The spare serves once two versions are published (kept current, it goes STALE two behind,
+    # is reloaded from the checkpoint and, no spare wanted now, serves); so does the other.
+    start = client.status()["weight_version"] or 0
+    for v in (start + 1, start + 2):
+        client.publish_weights(v, checkpoint=ckpt)
+    base = start + 2
+    until = time.monotonic() + 120
+    while not routable_at(victim) == routable_at(other) == base:
+        assert time.monotonic() < until, client.status()["engines"]
+        time.sleep(0.2)
+
+    t0 = time.monotonic()
+    sampler = RoutableSampler(sock)
+    sampler.published = client.status()["weight_version"]
+
+    def publish(v: int) -> None:
+        client.publish_weights(v, checkpoint=ckpt)
+        sampler.published = v
+
+    try:
+        mark = daemon.mark()
+        killed_at = time.monotonic()
+        os.kill(daemon.last_pid(victim), signal.SIGKILL)
+        daemon.transition(victim, "EXITED", 10, after=mark)
+        daemon.transition(victim, "STARTING", 10, after=mark)  # at once: async mode waits for no gap
+        publish(base + 1)  # lands while it boots
+        running = daemon.transition(victim, "RUNNING", BOOT, after=mark)
+        assert running["reason"] == f"weights v{base + 1}, verified", running
+        assert any(e.get("event") == "engine.transition" and e.get("engine") == victim
+                   and e.get("to_state") == "SYNCING" and "from checkpoint" in e.get("reason", "")
+                   for e in daemon.events[mark:])
+        assert routable_at(victim) == base + 1
+        back_at = time.monotonic()
+        publish(base + 2)  # one behind: it serves on
+        assert routable_at(victim) == base + 1
+        e = next(e for e in client.status()["engines"] if e["name"] == victim)
+        assert e["routable"] and e["version_lag"] == 1
+        # Its reason says the present (supervisor/status.py), not the v+1 its sync ended at.
+        assert e["reason"] == f"weights v{base + 1}, verified, 1 behind v{base + 2} (within max_staleness)", e
+        time.sleep(0.5)  # sampled serving one behind
+        mark2 = daemon.mark()
+        publish(base + 3)  # two behind: out at once, until reloaded and verified at v+3
+        assert routable_at(victim) == "-"
+        daemon.transition(victim, "RUNNING", 120, after=mark2)
+        until = time.monotonic() + 120  # the other one at v+2 (reloaded at v+2's publish) or v+3
+        while not (routable_at(victim) == base + 3 and routable_at(other) in (base + 2, base + 3)):
+            assert time.monotonic() < until, client.status()["engines"]
+            time.sleep(0.2)
+        time.sleep(0.3)  # a few samples of the end
+    finally:
+        sampler.stop()
+
+    samples = sampler.samples
+    gaps = [b[0] - a[0] for a, b in zip(samples, samples[1:])]
+    print(f"\n{len(samples)} samples over {time.monotonic() - t0:.1f}s (gap median "
+          f"{sorted(gaps)[len(gaps) // 2] * 1000:.0f} ms, max {max(gaps) * 1000:.0f} ms); the victim routable "
+          f"again {back_at - killed_at:.1f}s after the kill")
+    assert not sampler.errors and len(samples) >= 100, sampler.errors
+    seen: list[tuple[int, int | str | None]] = []  # (current, the victim's listed version) while listed
+    for t, published, routable, status in samples:
+        current = routable["weight_version"]
+        assert published is None or current >= published, (published, routable)
+        for e in routable["engines"]:
+            assert rule.allows(e["weight_version"], current), (t - t0, routable)
+            if e["name"] == victim and t > killed_at:
+                seen.append((current, e["weight_version"]))
+        assert published is None or status["weight_version"] >= published, (published, status["weight_version"])
+        for e in status["engines"]:
+            if e["routable"]:
+                assert e["state"] in ("RUNNING", "SUSPECT"), (t - t0, e)
+                assert rule.allows(e["weight_version"], status["weight_version"]), (t - t0, e)
+    # Listed only at versions it was verified at, each within the bound: v+1 under v+1 and
+    # v+2, then v+3; never under v+3 at v+1.
+    assert set(seen) <= {(base + 1, base + 1), (base + 2, base + 1), (base + 3, base + 3)}, sorted(set(seen))
+    assert {(base + 2, base + 1), (base + 3, base + 3)} <= set(seen), sorted(set(seen))

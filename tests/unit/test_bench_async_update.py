@@ -4,21 +4,16 @@ exit status is 1; the table's ratios are to wait-for-drain's median of the same 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "async_update.py"
+from support.bench_scripts import load_bench
 
 
 @pytest.fixture
 def bench(monkeypatch, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_async_update", PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("async_update")
 
     class Proc:
         pid = -1
