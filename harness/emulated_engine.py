@@ -1155,16 +1155,31 @@ def make_app(**kw: Any) -> web.Application:
     return app
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (Linux: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_range(n: int, start: int | None = None) -> int:
     """The first port of n consecutive free ports on loopback, for n emulated engines. Without
-    `start`, the search begins at a random place in 20000-60000: two runs side by side pick
-    their ports before their engines bind them, so a fixed first place gave both the same."""
+    `start`, the search begins at a random place from 20000 up to the kernel's ephemeral range:
+    two runs side by side pick their ports before their engines bind them, so a fixed first place
+    gave both the same; and a port in the ephemeral range may be taken meanwhile by an outgoing
+    connection's (a 64-engine fleet's probes and polls make thousands)."""
     import random
     import socket
 
-    lo, hi = 20000, 60000 - n
-    first = start if start is not None else random.randrange(lo, max(lo + 1, hi))
-    bases = [*range(first, hi, 2048), *range(lo if start is None else first, first, 2048)]
+    lo = 20000
+    hi = max(lo + n + 1, _ephemeral_low()) - n
+    if start is not None:  # the caller's first place, as before
+        bases = list(range(start, 60000 - n, 2048))
+    else:
+        first = random.randrange(lo, max(lo + 1, hi))
+        bases = [*range(first, hi, 2048), *range(lo, first, 2048)]
     for base in bases:
         ok = True
         for p in range(base, base + n):
