@@ -292,7 +292,8 @@ class FleetSampler(Sampler):
         self.run = run
         self._written: dict[int, int] = {}  # id(daemon) -> its lines already written
 
-    def take(self) -> dict[str, Any]:
+    def write_log(self) -> None:
+        """Append the daemons' lines not yet written to daemon.log."""
         with (self.root / "daemon.log").open("a") as log:
             for d in list(self.run.daemons):
                 raw = d.raw
@@ -301,6 +302,9 @@ class FleetSampler(Sampler):
                 if end > n:
                     log.write("".join(line + "\n" for line in raw[n:end]))
                     self._written[id(d)] = end
+
+    def take(self) -> dict[str, Any]:
+        self.write_log()
         return super().take()
 
 
@@ -520,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - reported and judged: the run broke off
         error = f"{type(e).__name__}: {e}"
         print(f"the run broke off: {error}", flush=True)
+    if run.sampler is not None:
+        run.sampler.write_log()  # the lines after the last sample, for the record
     samples = run.growth_samples
     growth_rep = None
     if samples:
