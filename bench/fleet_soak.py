@@ -62,8 +62,9 @@ from vime.harness.soak import HOURS_RETENTION, Sampler, retention_limits
 
 DEFAULT_ENGINES = 256
 DEFAULT_HOURS = 2.0
-# Wall seconds per engine second. See docs/testing.md ("The emulated fleet's long run") for the
-# measurement behind it.
+# Wall seconds per engine second: GPU time. The engines' decoding, the daemon's probes and the
+# faults per wall hour fall as it grows; the emulated compiles' CPU per wall hour does not. At 1,
+# 12 engines used 0.03 of a core (median of 20-s windows); 256 not measured yet (docs/testing.md).
 DEFAULT_SCALE = 1.0
 DEFAULT_DAEMON_EVERY_MIN = 30.0
 # The observer reads every engine's /emulator/state this often (wall seconds): each read costs
