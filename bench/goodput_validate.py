@@ -103,6 +103,8 @@ class RunResult:
     faults: list[dict[str, Any]] = field(default_factory=list)
     took_s: float = 0.0
     error: str | None = None
+    false: list[str] = field(default_factory=list)        # the ledger's false restarts (engine@t:cause)
+    unanswered: list[str] = field(default_factory=list)   # struck engines no restart answered
 
 
 class CalibratedFleetRun(fleet_run.FleetRun):
@@ -188,7 +190,7 @@ def result_of(fleet: str, name: str, seed: int, out: fleet_run.Outcome, base_wal
         figs[f] = None if v is None else in_engine_time(f, float(v), scale)
     back, never = record_restart_to_ready(out.record)
     return RunResult(fleet, name, seed, figs, [x / scale for x in back], never, out.invalid, list(out.problems),
-                     out.faults_injected)
+                     out.faults_injected, false=list(g.false), unanswered=list(g.unanswered))
 
 
 class Bench:
@@ -232,7 +234,8 @@ class Bench:
         f = r.figures
         print(f"    {r.took_s:.0f} s: ETTR {_num(f.get('ettr'), '{:.3f}')}, failures {_num(f.get('failures'), '{:.0f}')}, "
               f"capacity lost {_num(f.get('capacity_lost_s'), '{:.1f}')} s, restarts back after "
-              f"{[round(x, 1) for x in r.restart_to_ready_s]} s" + (f"; INVALID: {r.invalid}" if r.invalid else ""),
+              f"{[round(x, 1) for x in r.restart_to_ready_s]} s" + (f"; false restarts {r.false}" if r.false else "")
+              + (f"; INVALID: {r.invalid}" if r.invalid else ""),
               flush=True)
         return r, base_wall
 
