@@ -204,6 +204,9 @@ class Bench:
         self.keep = Path(a.keep) if a.keep else None
         self.failed_dir = self.keep or Path(a.out).resolve().parent / "goodput-validate-failed"
         self.failed: list[str] = []
+        # The emulated engines' own starts, read as the real ones' are (engine seconds): how
+        # closely the calibrated boot and warm-up came out under the daemon.
+        self.emulated_starts = Measured()
 
     def schedule(self, seed: int) -> list[ScheduledFault]:
         return FaultClock(seed=seed, engines=self.w.engines, duration_s=self.a.window, mtbf_s=self.a.mtbf).schedule()
@@ -277,9 +280,13 @@ class Bench:
 
                 def go(tmp: Path, pol: Policy = pol, seed: int = seed, sched: list[ScheduledFault] = sched
                        ) -> fleet_run.Outcome:
-                    return asyncio.run(CalibratedFleetRun(w, pol, sched, seed, tmp, None,
-                                                          lambda m: print(m, flush=True), False,
-                                                          params=params).run(300.0))
+                    run = CalibratedFleetRun(w, pol, sched, seed, tmp, mutation=None,
+                                             say=lambda m: print(m, flush=True), router=False, params=params)
+                    out = asyncio.run(run.run(300.0))
+                    boots, warms = boots_from_events([ev for d in run.daemons for ev in d.events], _event_at)
+                    self.emulated_starts.boot_s.extend(b / scale for b in boots)
+                    self.emulated_starts.warmup_s.extend(x / scale for x in warms)
+                    return out
                 r, base = self.one("emulated", name, seed, base, go, scale)
                 results.append(r)
         return results
@@ -408,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k} = {v:.6g}  ({s})", flush=True)
     emulated = bench.emulated(params)
     doc["emulated"] = [asdict(r) for r in emulated]
+    es = bench.emulated_starts
+    doc["emulated_starts"] = {"boot_s": es.boot_s, "warmup_s": es.warmup_s}
+    if es.boot_s and es.warmup_s:
+        print(f"the emulated engines' starts under the daemon: boot median {statistics.median(es.boot_s):.1f} s "
+              f"({len(es.boot_s)}), warm-up {statistics.median(es.warmup_s):.2f} s (calibrated {params['boot_s']:.1f} "
+              f"and a first batch of {params['first_batch_s']:.2f})", flush=True)
     print()
     print("\n".join(table(real, emulated, bench.names)))
     print("  median [range] over the seeds; seconds are engine seconds (the emulated fleet's wall / "

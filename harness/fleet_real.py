@@ -142,7 +142,7 @@ class RealFleetRun(FleetRun):
                  versions: Versions, cache_dir: Path, *, probe: bool = False, say: Any = print):
         if w.scale != 1.0:
             raise ValueError(f"real engines run at time scale 1, not {w.scale}")
-        super().__init__(w, policy, schedule, seed, tmp, None, say, False)
+        super().__init__(w, policy, schedule, seed, tmp, mutation=None, say=say, router=False)
         self.versions, self.cache_dir, self.probe = versions, cache_dir, probe
         self.poisoned: set[int] = set()     # API server pids this run poisoned
         self.cores: dict[int, int] = {}     # API server pid -> its VLLM::EngineCore pid
