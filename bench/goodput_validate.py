@@ -37,7 +37,8 @@ real figures measured, the calibrated parameters with their sources, and every r
 --reuse-real reads its real half back and runs only the emulated one.
 
 Flags: --seeds N (default 3; --quick 1), --only POLICIES (comma-separated; fault-free always
-runs), --rounds N (default 5; --quick 4), --mtbf S (default 36), --window S (default 45),
+runs), --rounds N (default 5; --quick 4), --mtbf S (default 36; --quick 24), --window S (default
+45; --quick 30),
 --emulated-scale S (default 0.5), --work DIR (the versions' checkpoints and the engines'
 compile cache, kept across benches; default goodput-validate-work), --keep DIR (every run's
 folder; a failed run's is kept there anyway, default goodput-validate-failed), --out PATH.
@@ -74,7 +75,8 @@ FULL = Workload(engines=2, rounds=5, samples_per_engine=4, median_tokens=24, tai
                 seqs_per_request=1, train_s=8.0, scale=1.0, poll_s=0.5, boot_s=45.0, first_batch_s=3.0)
 QUICK = replace(FULL, rounds=4)
 MTBF_S = 36.0       # per engine: 2.5 faults expected over the window on 2 engines
-WINDOW_S = 45.0     # engine seconds of work the faults are drawn over
+WINDOW_S = 45.0     # engine seconds of work the faults are drawn over (5 steps: about 60 s)
+QUICK_MTBF_S, QUICK_WINDOW_S = 24.0, 30.0   # the same 2.5 expected, inside 4 steps
 EMULATED_SCALE = 0.5
 SPARES = 1
 QUICK_POLICIES = ("fault-free", "defaults")
@@ -139,9 +141,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, help="seeds (default 3; --quick 1)")
     ap.add_argument("--only", help="policies, comma-separated (fault-free always runs)")
     ap.add_argument("--rounds", type=int, help="steps per run (default 5; --quick 4)")
-    ap.add_argument("--mtbf", type=float, default=MTBF_S, help=f"per-engine MTBF, engine seconds (default {MTBF_S:g})")
-    ap.add_argument("--window", type=float, default=WINDOW_S,
-                    help=f"engine seconds of work the faults are drawn over (default {WINDOW_S:g})")
+    ap.add_argument("--mtbf", type=float, help=f"per-engine MTBF, engine seconds (default {MTBF_S:g}; --quick "
+                                               f"{QUICK_MTBF_S:g})")
+    ap.add_argument("--window", type=float, help=f"engine seconds of work the faults are drawn over (default "
+                                                 f"{WINDOW_S:g}; --quick {QUICK_WINDOW_S:g})")
     ap.add_argument("--emulated-scale", type=float, default=EMULATED_SCALE,
                     help=f"the emulated fleet's time scale (default {EMULATED_SCALE:g})")
     ap.add_argument("--work", default="goodput-validate-work", help="versions and compile caches, kept")
@@ -153,6 +156,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         v = getattr(a, name)
         if v is not None and v < 1:
             ap.error(f"--{name} must be at least 1, not {v}")
+    if a.mtbf is None:
+        a.mtbf = QUICK_MTBF_S if a.quick else MTBF_S
+    if a.window is None:
+        a.window = QUICK_WINDOW_S if a.quick else WINDOW_S
     for name in ("mtbf", "window", "emulated_scale"):
         if not getattr(a, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(a, name)}")
