@@ -11,9 +11,11 @@ The same RL-shaped run as bench/goodput.py (harness/fleet_run.py), twice per pol
    splits on engines the daemon verified by fingerprint);
 2. on emulated engines (harness/emulated_engine.py) at the same size, their timing calibrated
    from what the real engines measured in this same bench (fleet_validation.calibrate): the
-   boot, the warm-up's first batch, the decode step at batch 1 and 8, the prefill per token and
-   the weight reload, all from the real fault-free runs (the step times from a probe each such
-   run makes before its work, outside its wall time). The emulated fleet runs at
+   boot and the warm-up's first batch of the real restarts (an engine started after the work
+   began; the launch's engines boot together and compile cold, which no restart does), the
+   decode step at batch 1 and 8, the prefill per token and the weight reload from the real
+   fault-free runs (the step times from a probe each makes before its work, outside its wall
+   time). The emulated fleet runs at
    --emulated-scale (0.5 by default: its figures are given in engine seconds).
 
 Policies: fault-free, slime, defaults, everything-on (1 warm spare), as fleet_plan.policies.
@@ -211,7 +213,7 @@ class Bench:
         self.keep = Path(a.keep) if a.keep else None
         self.failed_dir = self.keep or Path(a.out).resolve().parent / "goodput-validate-failed"
         self.failed: list[str] = []
-        # The emulated engines' own starts, read as the real ones' are (engine seconds): how
+        # The emulated engines' own restarts, read as the real ones' are (engine seconds): how
         # closely the calibrated boot and warm-up came out under the daemon.
         self.emulated_starts = Measured()
 
@@ -264,11 +266,16 @@ class Bench:
                        ) -> fleet_run.Outcome:
                     out, run = fleet_real.run(self.w, pol, sched, seed, tmp, versions, cache,
                                               probe=pol.name == "fault-free", say=lambda m: print(m, flush=True))
-                    if pol.name == "fault-free":  # the calibration reads the fault-free runs
-                        boots, warms = boots_from_events([ev for d in run.daemons for ev in d.events], _event_at)
-                        run.measured.boot_s.extend(boots)
-                        run.measured.warmup_s.extend(warms)
-                        measured.merge(run.measured)
+                    # The boot and warm-up of every restart (a start after the work began), and
+                    # of the launch's starts apart; the step, prefill and push of the fault-free runs.
+                    events = [ev for d in run.daemons for ev in d.events]
+                    restarts = boots_from_events(events, _event_at, after=run.t0)
+                    launches = boots_from_events(events, _event_at, before=run.t0)
+                    got = Measured(boot_s=restarts[0], warmup_s=restarts[1], launch_boot_s=launches[0],
+                                   launch_warmup_s=launches[1])
+                    if pol.name == "fault-free":
+                        got.merge(run.measured)
+                    measured.merge(got)
                     return out
                 r, base = self.one("real", name, seed, base, go, 1.0)
                 results.append(r)
@@ -290,7 +297,8 @@ class Bench:
                     run = CalibratedFleetRun(w, pol, sched, seed, tmp, mutation=None,
                                              say=lambda m: print(m, flush=True), router=False, params=params)
                     out = asyncio.run(run.run(300.0))
-                    boots, warms = boots_from_events([ev for d in run.daemons for ev in d.events], _event_at)
+                    boots, warms = boots_from_events([ev for d in run.daemons for ev in d.events], _event_at,
+                                                     after=run.t0)
                     self.emulated_starts.boot_s.extend(b / scale for b in boots)
                     self.emulated_starts.warmup_s.extend(x / scale for x in warms)
                     return out
@@ -417,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     params = {k: v for k, (v, _) in cal.items()}
     params["max_num_seqs"] = 8  # local_daemon.ENGINE_ARGS' --max-num-seqs
     doc["calibrated"] = {k: {"value": v, "source": s} for k, (v, s) in cal.items()}
-    print("calibrated from the real fault-free runs:", flush=True)
+    print("calibrated from the real runs (the boot and warm-up of their restarts; the step, prefill and push of "
+          "the fault-free runs):", flush=True)
     for k, (v, s) in cal.items():
         print(f"  {k} = {v:.6g}  ({s})", flush=True)
     emulated = bench.emulated(params)
@@ -425,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     es = bench.emulated_starts
     doc["emulated_starts"] = {"boot_s": es.boot_s, "warmup_s": es.warmup_s}
     if es.boot_s and es.warmup_s:
-        print(f"the emulated engines' starts under the daemon: boot median {statistics.median(es.boot_s):.1f} s "
+        print(f"the emulated engines' restarts under the daemon: boot median {statistics.median(es.boot_s):.1f} s "
               f"({len(es.boot_s)}), warm-up {statistics.median(es.warmup_s):.2f} s (calibrated {params['boot_s']:.1f} "
               f"and a first batch of {params['first_batch_s']:.2f})", flush=True)
     print()

@@ -22,15 +22,20 @@ from .goodput_ledger import Restart, RunRecord, Serving
 class Measured:
     """What real engines measured on this machine, over the runs the calibration reads.
 
-    boot_s: an engine's spawn to its first /health 200 (the daemon's engine.spawned to its
-    engine.warmup); warmup_s: the daemon's warm-up batch (engine.warmup to engine.warmed_up),
-    `warm_requests` requests of `warm_tokens` tokens each; the step probe's per-token times at a
+    boot_s: a restarted engine's spawn to its first /health 200 (the daemon's engine.spawned to
+    its engine.warmup, for a start after the work began); warmup_s: the daemon's warm-up batch
+    (engine.warmup to engine.warmed_up), `warm_requests` requests of `warm_tokens` tokens each;
+    launch_boot_s, launch_warmup_s: the same of the fleet's starts at its launch (engines booting
+    together, the bench's first compile among them: not what a restart costs, kept to compare
+    and used only when no restart came back); the step probe's per-token times at a
     batch of 1 and of `batch`, and the prefill per prompt token; push_s: one engine's share of a
     step's weights (the whole reload: pause, reload, version, resume, read back); reload_s: the
     reload route alone (what the daemon's reload of a restarted engine costs)."""
 
     boot_s: list[float] = field(default_factory=list)
     warmup_s: list[float] = field(default_factory=list)
+    launch_boot_s: list[float] = field(default_factory=list)
+    launch_warmup_s: list[float] = field(default_factory=list)
     step_1_s: list[float] = field(default_factory=list)
     step_batch_s: list[float] = field(default_factory=list)
     batch: int = 8
@@ -41,7 +46,8 @@ class Measured:
     warm_tokens: int = 16
 
     def merge(self, other: "Measured") -> None:
-        for name in ("boot_s", "warmup_s", "step_1_s", "step_batch_s", "prefill_token_s", "push_s", "reload_s"):
+        for name in ("boot_s", "warmup_s", "launch_boot_s", "launch_warmup_s", "step_1_s", "step_batch_s",
+                     "prefill_token_s", "push_s", "reload_s"):
             getattr(self, name).extend(getattr(other, name))
 
 
@@ -61,19 +67,23 @@ def fit_step(step_1_s: float, step_batch_s: float, batch: int) -> tuple[float, f
 SPAWNED, WARMUP, WARMED_UP = "engine.spawned", "engine.warmup", "engine.warmed_up"
 
 
-def boots_from_events(events: Iterable[Mapping[str, Any]], at_of: Callable[[Mapping[str, Any]], float]
-                      ) -> tuple[list[float], list[float]]:
-    """(boot seconds, warm-up seconds) of every start in a daemon's log: each engine.spawned to
-    that engine's next engine.warmup (the first /health 200), and that to its engine.warmed_up.
-    A start that never reached its warm-up (it crashed, was killed) gives neither."""
+def boots_from_events(events: Iterable[Mapping[str, Any]], at_of: Callable[[Mapping[str, Any]], float],
+                      after: float | None = None, before: float | None = None) -> tuple[list[float], list[float]]:
+    """(boot seconds, warm-up seconds) of every start in a daemon's log spawned in [after,
+    before): each engine.spawned to that engine's next engine.warmup (the first /health 200),
+    and that to its engine.warmed_up. A start that never reached its warm-up (it crashed, was
+    killed) gives neither."""
     spawned: dict[str, float] = {}
     warming: dict[str, float] = {}
     boots, warms = [], []
     for ev in events:
         kind, engine = ev.get("event"), str(ev.get("engine"))
         if kind == SPAWNED:
-            spawned[engine] = at_of(ev)
+            t = at_of(ev)
             warming.pop(engine, None)
+            spawned.pop(engine, None)
+            if (after is None or t >= after) and (before is None or t < before):
+                spawned[engine] = t
         elif kind == WARMUP and engine in spawned:
             t = at_of(ev)
             boots.append(t - spawned.pop(engine))
@@ -96,8 +106,11 @@ def calibrate(m: Measured, model_bytes: float) -> dict[str, tuple[float, str]]:
     bandwidths are set to move it in the time the real engines took."""
     s1, sb = _median(m.step_1_s, "the decode step at batch 1"), _median(m.step_batch_s, f"the step at batch {m.batch}")
     base, per_seq = fit_step(s1, sb, m.batch)
-    boot = _median(m.boot_s, "the boot")
-    warm = _median(m.warmup_s, "the warm-up")
+    restarts = bool(m.boot_s and m.warmup_s)
+    boots, warms = (m.boot_s, m.warmup_s) if restarts else (m.launch_boot_s, m.launch_warmup_s)
+    starts = "real restarts" if restarts else "real starts at the fleet's launch (no restart came back)"
+    boot = _median(boots, "the boot")
+    warm = _median(warms, "the warm-up")
     # The warm-up batch is the first batch: what it took beyond its decode steps is the compile.
     warm_decode = m.warm_tokens * (base + per_seq * m.warm_requests)
     first = max(0.0, warm - warm_decode)
@@ -106,8 +119,8 @@ def calibrate(m: Measured, model_bytes: float) -> dict[str, tuple[float, str]]:
     prefill = max(0.0, _median(m.prefill_token_s, "the prefill per token"))
     n = len
     return {
-        "boot_s": (boot, f"median spawn to first /health 200 of {n(m.boot_s)} real starts"),
-        "first_batch_s": (first, f"median warm-up batch ({n(m.warmup_s)} real starts: {warm:.3f} s) less its "
+        "boot_s": (boot, f"median spawn to first /health 200 of {n(boots)} {starts}"),
+        "first_batch_s": (first, f"median warm-up batch ({n(warms)} {starts}: {warm:.3f} s) less its "
                                  f"{m.warm_tokens} decode steps at batch {m.warm_requests} ({warm_decode:.3f} s)"),
         "step_base_s": (base, f"fit through the real decode step at batch 1 ({s1 * 1e3:.2f} ms) and "
                               f"{m.batch} ({sb * 1e3:.2f} ms), medians of {n(m.step_1_s)} probes"),

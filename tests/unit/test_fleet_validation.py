@@ -40,6 +40,9 @@ def test_boots_and_warm_ups_are_read_per_start_from_the_daemons_events() -> None
            {"event": "engine.warmup", "engine": "e0", "t": 90.0}]    # no spawn before it: not a start
     boots, warms = boots_from_events(evs, lambda ev: ev["t"])
     assert boots == [30.0, 35.0] and warms == [3.0, 1.5]
+    # the restarts (spawned after the work began at 10) apart from the launch's starts
+    assert boots_from_events(evs, lambda ev: ev["t"], after=10.0) == ([35.0], [1.5])
+    assert boots_from_events(evs, lambda ev: ev["t"], before=10.0) == ([30.0], [3.0])
 
 
 def test_calibration_from_known_real_figures() -> None:
@@ -55,6 +58,10 @@ def test_calibration_from_known_real_figures() -> None:
     assert cal["reload_bytes_per_s"] == pytest.approx(16e9 / 0.15)
     with pytest.raises(ValueError, match="no measurement of the decode step"):
         calibrate(Measured(), 16e9)
+    # no restart came back: the launch's starts, and the source says so
+    m.boot_s, m.warmup_s, m.launch_boot_s, m.launch_warmup_s = [], [], [88.0], [16.7]
+    boot, source = calibrate(m, 16e9)["boot_s"]
+    assert boot == 88.0 and "launch" in source
 
 
 def test_restart_to_ready_from_the_daemons_start_to_the_engine_back_in_service() -> None:
