@@ -269,6 +269,7 @@ class Bench:
                     # The boot and warm-up of every restart (a start after the work began), and
                     # of the launch's starts apart; the step, prefill and push of the fault-free runs.
                     events = [ev for d in run.daemons for ev in d.events]
+                    _save_events(tmp, events)
                     restarts = boots_from_events(events, _event_at, after=run.t0)
                     launches = boots_from_events(events, _event_at, before=run.t0)
                     got = Measured(boot_s=restarts[0], warmup_s=restarts[1], launch_boot_s=launches[0],
@@ -296,7 +297,10 @@ class Bench:
                        ) -> fleet_run.Outcome:
                     run = CalibratedFleetRun(w, pol, sched, seed, tmp, mutation=None,
                                              say=lambda m: print(m, flush=True), router=False, params=params)
-                    out = asyncio.run(run.run(300.0))
+                    try:
+                        out = asyncio.run(run.run(300.0))
+                    finally:
+                        _save_events(tmp, [ev for d in run.daemons for ev in d.events])
                     boots, warms = boots_from_events([ev for d in run.daemons for ev in d.events], _event_at,
                                                      after=run.t0)
                     self.emulated_starts.boot_s.extend(b / scale for b in boots)
@@ -305,6 +309,13 @@ class Bench:
                 r, base = self.one("emulated", name, seed, base, go, scale)
                 results.append(r)
         return results
+
+
+def _save_events(tmp: Path, events: list[dict[str, Any]]) -> None:
+    """The daemons' log, one JSON event a line, into the run's folder (kept with it)."""
+    with open(tmp / "daemon-events.jsonl", "w") as f:
+        for ev in events:
+            f.write(json.dumps(ev, default=str) + "\n")
 
 
 def _event_at(ev: Mapping[str, Any]) -> float:
