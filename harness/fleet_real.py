@@ -7,7 +7,7 @@ What changes from the emulated run, and how:
 - the engines: `python -m vllm.entrypoints.openai.api_server` of the tiny model
   (trainer/tiny_model.py; local_daemon.ENGINE_ARGS/ENGINE_ENV), each bound to a core, their
   compile caches shared across the bench's runs (engine_cache_dir, as a host's daemon keeps its
-  state_dir), started through a launcher that arms a crash at start;
+  state_dir), started through a launcher that can crash one start;
 - a step's weights: version v is the tiny model built with seed v, its checkpoint reloaded into
   every routable engine (vLLM's /collective_rpc reload_weights: pause, reload, version, resume;
   announced to the daemon as a push), then published with that checkpoint and its fingerprint
@@ -16,8 +16,9 @@ What changes from the emulated run, and how:
 - the faults, real: kill -9 of the engine's API server (kill, node); SIGSTOP of its
   VLLM::EngineCore child (hang: /health still 200); a reload from a path that does not exist
   (push: vLLM answers 500 with the weights half-replaced, and the next generation kills the
-  engine, as a push failing midway poisons it); kill -9 with the next start given a model vLLM
-  cannot load (crash-start: the start exits 1); kill -9 of the daemon (started again 1 s later);
+  engine, as a push failing midway poisons it); kill -9 with the next start exiting 1 before
+  vLLM loads (crash-start, armed in the engine's launcher as the emulated engine's fault file
+  arms it); kill -9 of the daemon (started again 1 s later);
 - the sample check: a real engine's tokens cannot be recomputed here, so a sample's version is
   the one its pieces were made at as the rollout client read it from each engine (its splits),
   on engines the daemon routed only once verified at the version by its fingerprint;
@@ -52,22 +53,24 @@ from .local_daemon import ENGINE_ARGS, ENGINE_ENV, child_pids, live_pids_in_grou
 
 # The engine's environment variable naming its fault file (read and removed at its start).
 FAULT_ENV = "VIME_FLEET_FAULT_FILE"
-# A model vLLM refuses at start (harness/soak.py's broken model): the crash-start fault's.
-BROKEN_CONFIG = '{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"}'
-# The engine's interpreter: arms a crash at start from the fault file, then runs vLLM (exec: the
-# daemon's child is the engine itself, same pid, same process group).
+# The engine's interpreter: runs vLLM (exec: the daemon's child is the engine itself, same pid,
+# same process group), unless its fault file armed a crash at start: then it exits 1, as the
+# emulated engine's crash-at-start does. (A real vLLM start given a model it refuses fails with
+# a config error, which the daemon does not retry: a FATAL engine, another fault than this
+# transient one.)
 LAUNCHER = '''#!{python}
-import os, sys
-argv = sys.argv[1:]
+import os, sys, time
 path = os.environ.get("{env}")
 try:
     armed = open(path).read().split() if path else []
     os.unlink(path)
 except (OSError, TypeError):
     armed = []
-if "crash-at-start" in armed and "--model" in argv:
-    argv[argv.index("--model") + 1] = {broken!r}
-os.execv(sys.executable, [sys.executable, *argv])
+if "crash-at-start" in armed:
+    time.sleep(0.5)
+    print("crash at start, injected by the goodput bench (its fault file)", file=sys.stderr)
+    sys.exit(1)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 '''
 # The step probe: output tokens per timed request, the batch it measures, the long prompt.
 PROBE_TOKENS = 64
@@ -158,12 +161,9 @@ class RealFleetRun(FleetRun):
         self.model = tmp / "model"
         if not self.model.is_symlink():
             self.model.symlink_to(self.versions.base.resolve())
-        broken = tmp / "broken-model"
-        broken.mkdir(exist_ok=True)
-        (broken / "config.json").write_text(BROKEN_CONFIG)
         (tmp / "faults").mkdir(exist_ok=True)
         python = tmp / "engine-python"
-        python.write_text(LAUNCHER.format(python=sys.executable, env=FAULT_ENV, broken=str(broken)))
+        python.write_text(LAUNCHER.format(python=sys.executable, env=FAULT_ENV))
         python.chmod(0o755)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.tables = daemon_tables(w, self.policy)
