@@ -79,7 +79,7 @@ QUICK = replace(FULL, rounds=4)
 MTBF_S = 36.0       # per engine: 2.5 faults expected over the window on 2 engines
 WINDOW_S = 45.0     # engine seconds of work the faults are drawn over (5 steps: about 60 s)
 QUICK_MTBF_S, QUICK_WINDOW_S = 24.0, 30.0   # the same 2.5 expected, inside 4 steps
-EMULATED_SCALE = 1.0  # unscaled, as the real fleet: at 0.5 the calibrated round (0.4 s) left its loop-lag bound at 43 ms
+EMULATED_SCALE = 1.0  # unscaled, as the real fleet (at 0.5 the calibrated round left a 43 ms loop-lag bound)
 SPARES = 1
 QUICK_POLICIES = ("fault-free", "defaults")
 CHECKED = ("ettr", "useful_tps", "capacity_lost_s", "tokens_lost_per_fault", "mean_recover_s")
