@@ -244,7 +244,8 @@ class Bench:
         if out.problems:
             self.failed.append(f"{fleet} {name} seed {seed}: {out.problems}")
         f = r.figures
-        print(f"    {r.took_s:.0f} s: ETTR {_num(f.get('ettr'), '{:.3f}')}, failures {_num(f.get('failures'), '{:.0f}')}, "
+        print(f"    {r.took_s:.0f} s: ETTR {_num(f.get('ettr'), '{:.3f}')}, "
+              f"failures {_num(f.get('failures'), '{:.0f}')}, "
               f"capacity lost {_num(f.get('capacity_lost_s'), '{:.1f}')} s, restarts back after "
               f"{[round(x, 1) for x in r.restart_to_ready_s]} s" + (f"; false restarts {r.false}" if r.false else "")
               + (f"; INVALID: {r.invalid}" if r.invalid else ""),
@@ -360,7 +361,8 @@ def table(real: list[RunResult], emulated: list[RunResult], names: list[str]) ->
                     row.append("-")
                     continue
                 m = spec.format(statistics.median(xs))
-                row.append(m if len(xs) == 1 or min(xs) == max(xs) else f"{m} [{spec.format(min(xs))}-{spec.format(max(xs))}]")
+                lo, hi = spec.format(min(xs)), spec.format(max(xs))
+                row.append(m if len(xs) == 1 or min(xs) == max(xs) else f"{m} [{lo}-{hi}]")
             body.append(row)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     return ["  ".join(str(x).rjust(w) for x, w in zip(line, widths)) for line in [head, *body]]

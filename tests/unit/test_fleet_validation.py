@@ -117,7 +117,8 @@ def test_emulated_figures_in_engine_time() -> None:
 
 def test_the_seeds_are_the_first_whose_draw_has_two_or_three_faults() -> None:
     seeds = fault_seeds(3, engines=2, window_s=45.0, mtbf_s=36.0)
-    counts = {s: len(FaultClock(seed=s, engines=2, duration_s=45.0, mtbf_s=36.0).schedule()) for s in range(seeds[-1] + 1)}
+    counts = {s: len(FaultClock(seed=s, engines=2, duration_s=45.0, mtbf_s=36.0).schedule())
+              for s in range(seeds[-1] + 1)}
     assert [s for s, k in counts.items() if 2 <= k <= 3] == seeds
     with pytest.raises(ValueError, match="fewer than 1 seeds"):
         fault_seeds(1, engines=2, window_s=1.0, mtbf_s=1e9, limit=50)
