@@ -16,6 +16,7 @@ from vime.harness.fleet_real import FAULT_ENV, LAUNCHER, sample_version
 from vime.harness.fleet_validation import (Measured, boots_from_events, calibrate, fault_seeds, fit_step,
                                            in_engine_time, ordering, restart_to_ready, within)
 from vime.harness.goodput_ledger import Restart, Serving
+from vime.supervisor.engine.process import classify_failure
 from vime.trainer.rollout_types import Split
 
 
@@ -143,5 +144,6 @@ def test_the_launcher_crashes_one_armed_start(tmp_path: Path) -> None:
     first = subprocess.run(argv, env=env, capture_output=True, text=True)
     second = subprocess.run(argv, env=env, capture_output=True, text=True)
     assert first.returncode == 1 and "crash at start" in first.stderr and not armed.exists()
+    assert classify_failure(first.stderr)[0] is False   # the daemon retries it, as the emulated one's
     # read and removed: the next start runs the engine's command line as given
     assert second.returncode == 0 and second.stdout.strip() == str(["--model", "/the/model"])
