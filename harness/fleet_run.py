@@ -149,8 +149,6 @@ class FleetRun:
     # -- observing ----------------------------------------------------------------------------
 
     async def _observe(self, session: Any, client: Any) -> None:
-        import aiohttp
-
         tick = 0
         while True:
             t = time.time()
@@ -166,20 +164,7 @@ class FleetRun:
             except Exception:  # the daemon is away (killed, restarting): its last answer stands
                 st = self.status
 
-            async def state(name: str) -> dict | None:
-                # Kept-alive connections (a fleet polled on new ones costs the host more CPU
-                # than the workload); a connection a restart broke is retried once on a new one.
-                for _ in range(2):
-                    try:
-                        async with session.get(self.urls[name] + "/emulator/state",
-                                               timeout=aiohttp.ClientTimeout(total=max(1.0, 4 * self.w.poll_s))) as r:
-                            return await r.json() if r.status == 200 else None
-                    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                        continue
-                    except Exception:
-                        return None
-                return None
-            states = await asyncio.gather(*(state(n) for n in self.names))
+            states = await asyncio.gather(*(self._engine_state(session, n) for n in self.names))
             listed = {e["name"]: e for e in st.get("engines", ())}
             for name, s in zip(self.names, states):
                 if s is not None and self.pids.get(name) not in (None, s.get("pid")):
@@ -195,6 +180,25 @@ class FleetRun:
                 await self._read_lag(session)
             tick += 1
             await asyncio.sleep(max(0.0, self.w.poll_s - (time.time() - t)))
+
+    async def _engine_state(self, session: Any, name: str) -> dict | None:
+        """One engine as observed: {"dead", "hung", "poisoned"} (and "sched_delay", "pid" where
+        the engine says), None when unknown. Here the emulated engine's /emulator/state; a
+        subclass observes real engines from outside (harness/fleet_real.py)."""
+        import aiohttp
+
+        # Kept-alive connections (a fleet polled on new ones costs the host more CPU than the
+        # workload); a connection a restart broke is retried once on a new one.
+        for _ in range(2):
+            try:
+                async with session.get(self.urls[name] + "/emulator/state",
+                                       timeout=aiohttp.ClientTimeout(total=max(1.0, 4 * self.w.poll_s))) as r:
+                    return await r.json() if r.status == 200 else None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                continue
+            except Exception:
+                return None
+        return None
 
     async def _read_lag(self, session: Any) -> None:
         try:
