@@ -12,9 +12,9 @@ Each run (harness/fleet_run.py; its pure part harness/fleet_plan.py) has the rea
 the emulated engines (harness/emulated_engine.py: protocol stand-ins for vLLM with a GPU timing
 model, not vLLM; docs/emulated-engine.md), time-scaled, the daemon's timings scaled with them;
 the real rollout client sends each round's requests (one long tail); a step is a round, a
-training phase, an emulated push and a publish (sync mode; the async rows below). Faults (harness/fault_clock.py: kill, engine-core
-hang, poisoned push, crash at start, daemon kill -9, a node's engines) strike at their scaled
-times; nothing waits for a whole fleet. What each run saw goes into harness/goodput_ledger.py.
+training phase, an emulated push and a publish (sync mode; the async rows below). Faults
+(harness/fault_clock.py: kill, engine-core hang, poisoned push, crash at start, daemon kill -9,
+a node's engines) strike at their scaled times; nothing waits for a whole fleet. What each run saw goes into harness/goodput_ledger.py.
 
 Policies (--only takes the names):
   fault-free     the same work with no fault: the baseline of ETTR, per seed;
@@ -50,9 +50,9 @@ did not keep the time scale. Exit status 1 when a run failed, or when a must-be-
 does not show its figure non-zero; else 0.
 
 Flags: --weights sync|async|both (default sync: the sync rows; async: the sync fault-free run
-and the async rows; both: all), --engines N (serving engines; default 64, --quick 6: with everything-on's 2 spares 8
-engines in all), --seeds N (default 3, --quick 1), --mtbf, --rounds, --time-scale, --spares,
---only, --mutation, --out, --keep DIR (keep each run's folder: the daemon's log, the engines'
+and the async rows; both: all; --mutation takes sync or async), --engines N (serving engines;
+default 64, --quick 6: with everything-on's 2 spares 8 engines in all), --seeds N (default 3,
+--quick 1), --mtbf, --rounds, --time-scale, --spares, --only, --mutation, --out, --keep DIR (keep each run's folder: the daemon's log, the engines'
 logs, sup.toml; without it, a run that failed or broke a must-be-zero figure is kept in
 goodput-failed-runs beside --out),
 --router (the daemon also spawns and feeds vllm-router; the rollout client routes itself, so no
