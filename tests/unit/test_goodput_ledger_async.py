@@ -74,3 +74,28 @@ def test_the_sync_rule_and_the_counts_are_unchanged_and_async_samples_count_by_t
     assert g.stale_samples == 2 and g.stale_regenerated == 4
     assert account(RunRecord(policy="d", seed=0, target=1, launched_at=0.0, end=1.0, injections=(),
                              serving=())).stale_regenerated == 0
+
+
+def test_the_async_run_judges_a_result_by_its_splits_against_the_publish_before_its_return(tmp_path):
+    """fleet_run.AsyncFleetRun._judge: the version current at a result's return is the one
+    whose publish began last before it; a bracket split's range is passed on."""
+    from types import SimpleNamespace
+
+    from vime.harness.fleet_plan import Policy, Workload
+    from vime.harness.fleet_run import AsyncFleetRun
+    from vime.trainer.rollout_types import SPAN_BRACKET, SPAN_READ, Split
+
+    run = AsyncFleetRun(Workload(engines=2), Policy("defaults-async", weights_mode="async"), [], 0, tmp_path)
+    run.choices = CHOICES
+    run.publishes = [(100.0, 1), (200.0, 2), (300.0, 3)]
+    out = continued(("1", 4), ("2", 3))
+    splits = [Split("e0", 1, 0, 4, "abort", span=SPAN_READ), Split("e1", 2, 4, 3, "ok", span=SPAN_READ)]
+
+    def result(finished: float, sp=splits) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=out, splits=sp, finished=finished)
+    assert run._judge(result(250.0), PROMPT) == Sample(1, 2, 1)
+    assert run._judge(result(300.0), PROMPT).stale  # version 3's publish had begun: 1 is 2 behind
+    bracket = [splits[0], Split("e1", 1, 4, 3, "ok", span=SPAN_BRACKET, weight_version_end=2)]
+    assert run._judge(result(250.0, bracket), PROMPT) == Sample(1, 2, 1)
+    listed_only = [splits[0], Split("e1", 1, 4, 3, "ok", weight_version_end=2)]  # not a bracket: 1 claimed
+    assert run._judge(result(250.0, listed_only), PROMPT).stale
