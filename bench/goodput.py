@@ -336,9 +336,11 @@ class Bench:
                                  "sched_delay_p99_s": out.delay_p99_s, "loop_lag_hist": out.lag_hist,
                                  "sched_delay_hist": out.delay_hist, "intervals_s": out.intervals,
                                  "daemon_config": out.daemon_config, "faults": out.faults_injected,
-                                 "updates": out.updates,
+                                 "updates": out.updates, "samples_cut": out.samples_cut,
                                  "problems": out.problems, "ledger": ledger_dict(g)})
-        print(run_line(g, out.invalid, vs_sync if pol.is_async else None)
+        cut = (f"; samples continued {out.samples_cut.get('continued', 0)}, spanning versions "
+               f"{out.samples_cut.get('spanning_versions', 0)}") if pol.is_async else ""
+        print(run_line(g, out.invalid, vs_sync if pol.is_async else None) + cut
               + (f"; ETTR not reported: {ettr_invalid}" if ettr_invalid else ""), flush=True)
 
 

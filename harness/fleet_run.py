@@ -64,6 +64,7 @@ class Outcome:
     lag_hist: dict[str, float] = field(default_factory=dict)
     delay_hist: dict[str, int] = field(default_factory=dict)
     updates: list[dict[str, Any]] = field(default_factory=list)   # async: the in-flight updates
+    samples_cut: dict[str, int] = field(default_factory=dict)     # async: samples continued, spanning versions
 
 
 def _checkpoint(folder: Path, model: Path) -> Path:
@@ -102,6 +103,7 @@ class FleetRun:
         self.published = 0
         self.stale_regenerated = 0
         self.updates: list[dict[str, Any]] = []  # async: each in-flight update's waves, seconds, failures
+        self.pieces: dict[str, int] = {}  # async: samples continued, and spanning versions
         self.publishes: list[tuple[float, int]] = []  # (wall time its publish began, version)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -485,7 +487,7 @@ class FleetRun:
                        faults_injected=[f for f in self.injected if f["wall_offset_s"] <= t_end - self.t0],
                        problems=self.problems, lag_hist=per_bucket(self.lag),
                        delay_hist={f"{b:g}": c for b, c in zip([*le, float("inf")], counts) if c},
-                       updates=self.updates)
+                       updates=self.updates, samples_cut=dict(self.pieces))
 
 
 class AsyncFleetRun(FleetRun):
@@ -499,6 +501,10 @@ class AsyncFleetRun(FleetRun):
     what the version its split claims makes from the prefix, its oldest within max_staleness of
     the version current when it was returned; a sample past the bound the rollout client
     regenerates (counted: stale_regenerated)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pieces.update(continued=0, spanning_versions=0)
 
     async def _steps(self, session: Any, client: Any) -> None:
         w = self.w
@@ -526,6 +532,9 @@ class AsyncFleetRun(FleetRun):
         if not self._tally(rnd, results):
             return False
         self.samples.extend(self._judge(res, p) for res, p in zip(results, prompts))
+        for res in results:  # how many samples an update or a fault cut, and how many span versions
+            self.pieces["continued"] += len(res.splits) > 1
+            self.pieces["spanning_versions"] += len({s.weight_version for s in res.splits}) > 1
         return True
 
     def _judge(self, result: Any, prompt: list[int]) -> Sample:

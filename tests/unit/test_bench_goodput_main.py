@@ -143,7 +143,7 @@ def test_async_rows_have_their_ettr_against_fault_free_async_and_their_wall_agai
                            injections=(), serving=())
         return SimpleNamespace(record=record, invalid=None, problems=[], lag_p99_s=0.0, delay_p99_s=0.0,
                                lag_hist={}, delay_hist={}, intervals={}, daemon_config={}, faults_injected=[],
-                               updates=[{"version": 2, "waves": 2}])
+                               updates=[{"version": 2, "waves": 2}], samples_cut={"continued": 1})
 
     monkeypatch.setattr(bench.fleet_run, "run", run)
     a = bench.parse(["--quick", "--weights", "async", "--only", "defaults-async", "--out", str(tmp_path / "g.json")])
@@ -158,7 +158,7 @@ def test_async_rows_have_their_ettr_against_fault_free_async_and_their_wall_agai
     assert over["defaults-async"]["runs"] == "1/1 valid" and over["defaults-async"]["spread"].median == 0.8
     run_doc = next(r for r in b.doc["runs"] if r["policy"] == "defaults-async")
     assert run_doc["weights_mode"] == "async" and run_doc["wall_vs_sync_fault_free"] == 0.8
-    assert run_doc["updates"] == [{"version": 2, "waves": 2}]
+    assert run_doc["updates"] == [{"version": 2, "waves": 2}] and run_doc["samples_cut"] == {"continued": 1}
     assert "wall / sync fault-free 0.800" in capsys.readouterr().out
 
 
@@ -179,7 +179,7 @@ def test_an_invalid_fault_free_run_leaves_its_seeds_ettrs_out(bench, monkeypatch
                            serving=())
         return SimpleNamespace(record=record, invalid=invalid, problems=[], lag_p99_s=0.0, delay_p99_s=0.0,
                                lag_hist={}, delay_hist={}, intervals={}, daemon_config={}, faults_injected=[],
-                               updates=[])
+                               updates=[], samples_cut={})
 
     monkeypatch.setattr(bench.fleet_run, "run", run)
     a = bench.parse(["--quick", "--only", "slime", "--seeds", "2", "--out", str(tmp_path / "g.json")])
