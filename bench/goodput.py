@@ -315,7 +315,7 @@ class Bench:
             self.base[name] = wall
             self.base_invalid[name] = None if a.mutation else out.invalid
         ettr_invalid = None
-        if self.base_invalid.get(baseline) is not None:
+        if name != baseline and self.base_invalid.get(baseline) is not None:
             ettr_invalid = f"the {baseline} run of seed {seed} is invalid ({self.base_invalid[baseline]})"
         # ETTR is against the seed's fault-free wall time of the mode: an invalid baseline leaves it out.
         g = account(out.record, None if ettr_invalid else self.base.get(baseline))

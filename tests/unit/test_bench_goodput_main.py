@@ -189,6 +189,7 @@ def test_an_invalid_fault_free_run_leaves_its_seeds_ettrs_out(bench, monkeypatch
     (ff0, ok_ff0), (ff1, _) = b.ledgers["fault-free"]
     (s0, ok_s0), (s1, ok_s1) = b.ledgers["slime"]
     assert not ok_ff0 and ok_s0 and ok_s1  # the baseline's invalidity is its own, not slime's
+    assert ff0.ettr == 1.0  # against itself, invalid or not
     assert s0.ettr is None and s0.useful_tps == s1.useful_tps  # left out; the other figures stand
     assert s1.ettr == 0.5  # against seed 1's valid fault-free run
     slime0 = next(r for r in b.doc["runs"] if (r["policy"], r["seed"]) == ("slime", 0))
