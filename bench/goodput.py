@@ -256,12 +256,12 @@ def header(a: argparse.Namespace, plan: Plan, command: str) -> dict[str, Any]:
         "runs": [], "figures": {}}
 
 
-def run_line(g: Ledger, invalid: str | None, vs_sync: float | None = None) -> str:
+def run_line(g: Ledger, invalid: str | None, is_async: bool = False, vs_sync: float | None = None) -> str:
     return (f"    wall {g.wall_s:.1f} s, ETTR {'-' if g.ettr is None else f'{g.ettr:.3f}'}, failures {g.failures}, "
             f"capacity lost {g.capacity_lost_s:.1f} s, rounds lost {g.rounds_lost}, stale {g.stale_samples}, "
             f"false restarts {g.false_restarts}" + (f" [{', '.join(g.false[:3])}]" if g.false else "")
-            + ("" if vs_sync is None else f", stale regenerated {g.stale_regenerated}, "
-                                          f"wall / sync fault-free {vs_sync:.3f}")
+            + (f", stale regenerated {g.stale_regenerated}" if is_async else "")
+            + ("" if vs_sync is None else f", wall / sync fault-free {vs_sync:.3f}")
             + (f"; INVALID: {invalid}" if invalid else ""))
 
 
@@ -273,7 +273,8 @@ class Bench:
         self.failed: list[str] = []
         self.ledgers: dict[str, list[tuple[Ledger, bool]]] = {n: [] for n in plan.names}
         # An async row's wall time over the sync fault-free run's of its seed (what overlap buys).
-        self.vs_sync: dict[str, list[tuple[float, bool]]] = {n: [] for n in plan.names if plan.pols[n].is_async}
+        self.vs_sync: dict[str, list[tuple[float, bool]]] = {n: [] for n in plan.names if plan.pols[n].is_async
+                                                              and SYNC_BASE in plan.names}
         # This seed's baselines: fault-free run name -> its work time, and why it is invalid (None: valid)
         self.base: dict[str, float] = {}
         self.base_invalid: dict[str, str | None] = {}
@@ -340,7 +341,7 @@ class Bench:
                                  "problems": out.problems, "ledger": ledger_dict(g)})
         cut = (f"; samples continued {out.samples_cut.get('continued', 0)}, spanning versions "
                f"{out.samples_cut.get('spanning_versions', 0)}") if pol.is_async else ""
-        print(run_line(g, out.invalid, vs_sync if pol.is_async else None) + cut
+        print(run_line(g, out.invalid, pol.is_async, vs_sync) + cut
               + (f"; ETTR not reported: {ettr_invalid}" if ettr_invalid else ""), flush=True)
 
 

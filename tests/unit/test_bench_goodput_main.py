@@ -159,7 +159,15 @@ def test_async_rows_have_their_ettr_against_fault_free_async_and_their_wall_agai
     run_doc = next(r for r in b.doc["runs"] if r["policy"] == "defaults-async")
     assert run_doc["weights_mode"] == "async" and run_doc["wall_vs_sync_fault_free"] == 0.8
     assert run_doc["updates"] == [{"version": 2, "waves": 2}] and run_doc["samples_cut"] == {"continued": 1}
-    assert "wall / sync fault-free 0.800" in capsys.readouterr().out
+    assert "stale regenerated 0, wall / sync fault-free 0.800" in capsys.readouterr().out
+    # an async mutation runs no sync fault-free run: no wall time ratio to give
+    a = bench.parse(["--quick", "--weights", "async", "--mutation", "stale", "--out", str(tmp_path / "m.json")])
+    walls["defaults-async"] = 8.0
+    m = bench.Bench(a, bench.plan_of(a), {"runs": []})
+    m.seed(0)
+    assert m.vs_sync == {} and m.ledgers["defaults-async"][0][0].ettr == 1.0
+    out = capsys.readouterr().out
+    assert "stale regenerated 0" in out and "wall / sync fault-free" not in out
 
 
 def test_an_invalid_fault_free_run_leaves_its_seeds_ettrs_out(bench, monkeypatch, tmp_path, capsys):
