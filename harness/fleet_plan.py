@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 from .goodput_ledger import Restart, Serving
@@ -44,6 +44,9 @@ WALL_FLOORS: dict[tuple[str, str], float] = {
 # delay, at their 99th percentile, exceeds this share of the smallest scaled interval.
 INVALID_SHARE = 0.1
 LAG_QUANTILE = 0.99
+WEIGHTS_MODES = ("sync", "async")
+# The policies with an async row (policies(): <name>-async).
+ASYNC_OF = ("fault-free", "defaults", "everything-on")
 
 
 @dataclass(frozen=True)
@@ -94,14 +97,26 @@ class Policy:
     spares: int = 0
     spares_sync: str = "promotion"
     continue_partial: bool = True       # the rollout client's continuation of a cut request
-    # The daemon's [weights] mode. Only "sync" runs: an async row also needs the ledger to judge
-    # a sample by the async rule (tokens up to max_staleness versions behind), not yet written.
+    # The daemon's [weights] mode. "async": generation and training overlap, each version goes
+    # into the engines by an in-flight update (trainer/inflight.py, abort + continue, in waves
+    # keeping serving_fraction of them serving) while requests stream; a sample's tokens may be
+    # up to max_staleness versions behind the current one (the ledger's async rule).
     weights_mode: str = "sync"
+    max_staleness: int = 1              # async only: the daemon's [weights] max_staleness
+    serving_fraction: float = 0.5       # async only: the share of engines serving during an update
 
     def __post_init__(self) -> None:
-        if self.weights_mode != "sync":
-            raise ValueError(f"weights_mode {self.weights_mode!r}: the bench runs sync mode only (its ledger "
-                             "counts a sample at any version but its round's as stale)")
+        if self.weights_mode not in WEIGHTS_MODES:
+            raise ValueError(f"weights_mode {self.weights_mode!r}: the bench runs {' or '.join(WEIGHTS_MODES)}")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be a whole number of versions >= 0, not {self.max_staleness!r}")
+        if not 0 <= self.serving_fraction < 1:
+            raise ValueError(f"serving_fraction must be in [0, 1) (the share of engines serving during an "
+                             f"update), not {self.serving_fraction!r}")
+
+    @property
+    def is_async(self) -> bool:
+        return self.weights_mode == "async"
 
     def settings(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "name"}
@@ -114,8 +129,12 @@ def spares_for(engines: int, mtbf_s: float, restart_s: float) -> int:
     return max(1, math.ceil(down + 2 * math.sqrt(down)))
 
 
-def policies(spares: int) -> dict[str, Policy]:
-    return {
+def policies(spares: int, weights: str = "sync") -> dict[str, Policy]:
+    """The policies of a weights mode: "sync", "async" (ASYNC_OF's, each named <name>-async)
+    or "both" (the sync ones, then the async ones)."""
+    if weights not in ("sync", "async", "both"):
+        raise ValueError(f"weights must be sync, async or both, not {weights!r}")
+    sync = {
         "fault-free": Policy("fault-free", faults=False),
         # slime: a dead engine waits for the round's end, a cut request is sent again whole, no spare
         "slime": Policy("slime", continue_partial=False),
@@ -123,6 +142,15 @@ def policies(spares: int) -> dict[str, Policy]:
         "everything-on": Policy("everything-on", restart_immediately=True, admit_mid_round=True, spares=spares,
                                 spares_sync="publish"),
     }
+    # slime has no async row: it tracks no weight versions (its issue #1800), so no staleness
+    # bound or exact spans can be asked of it; its async mode would be another policy.
+    asy = {f"{n}-async": replace(sync[n], name=f"{n}-async", weights_mode="async") for n in ASYNC_OF}
+    return {**(sync if weights != "async" else {}), **(asy if weights != "sync" else {})}
+
+
+def baseline_of(policy: Policy) -> str:
+    """The fault-free policy of `policy`'s weights mode (its ETTR's baseline)."""
+    return "fault-free-async" if policy.is_async else "fault-free"
 
 
 # -- the work ---------------------------------------------------------------------------------------
@@ -160,8 +188,10 @@ def daemon_tables(w: Workload, policy: Policy, *, overrides: Mapping[tuple[str, 
                   ) -> dict[str, dict[str, Any]]:
     """The daemon's config tables for this run: its timings scaled (with WALL_FLOORS), the
     policy's switches. `overrides` (wall seconds) replace a scaled timing (a mutation's)."""
-    tables: dict[str, dict[str, Any]] = {"supervisor": {}, "health_check": {}, "restart": {},
-                                         "weights": {"mode": policy.weights_mode}}
+    weights: dict[str, Any] = {"mode": policy.weights_mode}
+    if policy.is_async:
+        weights["max_staleness"] = policy.max_staleness
+    tables: dict[str, dict[str, Any]] = {"supervisor": {}, "health_check": {}, "restart": {}, "weights": weights}
     for key, engine_s in DAEMON_TIMINGS.items():
         tables[key[0]][key[1]] = round(max(w.wall(engine_s), WALL_FLOORS.get(key, 0.0)), 4)
     for key, wall in (overrides or {}).items():

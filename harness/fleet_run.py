@@ -44,7 +44,7 @@ from .emulated_model import PARAMETERS, Vocab, delay_quantile, generate
 from .fault_clock import ScheduledFault
 from .fleet_plan import (LAG_QUANTILE, Observed, Policy, Workload, daemon_tables, histogram_quantile, intervals_of,
                          invalid, lag_histogram, per_bucket, prompt_ids, restarts_from, round_lengths, serving_intervals)
-from .goodput_ledger import Injection, RunRecord, Sample
+from .goodput_ledger import Injection, Piece, RunRecord, Sample, async_sample
 from .local_daemon import Daemon, standin_model, standin_python, write_config
 
 MUTATIONS = ("stale", "false-restart")
@@ -63,6 +63,8 @@ class Outcome:
     # the two histograms behind the p99s: upper bound (s) -> count in that bucket alone
     lag_hist: dict[str, float] = field(default_factory=dict)
     delay_hist: dict[str, int] = field(default_factory=dict)
+    updates: list[dict[str, Any]] = field(default_factory=list)   # async: the in-flight updates
+    samples_cut: dict[str, int] = field(default_factory=dict)     # async: samples continued, spanning versions
 
 
 def _checkpoint(folder: Path, model: Path) -> Path:
@@ -99,6 +101,10 @@ class FleetRun:
         self.generated = self.discarded = 0
         self.rounds = self.rounds_lost = 0
         self.published = 0
+        self.stale_regenerated = 0
+        self.updates: list[dict[str, Any]] = []  # async: each in-flight update's waves, seconds, failures
+        self.pieces: dict[str, int] = {}  # async: samples continued, and spanning versions
+        self.publishes: list[tuple[float, int]] = []  # (wall time its publish began, version)
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -259,37 +265,52 @@ class FleetRun:
 
     # -- the workload ---------------------------------------------------------------------------
 
-    async def _push_and_publish(self, session: Any, client: Any, version: int) -> None:
+    def _push_wall(self) -> tuple[int, float]:
+        """(the bytes one engine receives, the wall seconds a push of them takes)."""
+        nbytes = int(PARAMETERS["model_bytes"].value)
+        return nbytes, self.w.wall(nbytes / PARAMETERS["push_bytes_per_s"].value)
+
+    async def _push_routes(self, session: Any, url: str, version: int) -> None:
+        """The emulated push of `version` into the engine at `url`: its weight-transfer routes
+        (raises what failed)."""
         import aiohttp
 
+        nbytes, push_wall = self._push_wall()
+        steps = [("/init_weight_transfer_engine", {"init_info": {"emulated": True}}),
+                 ("/start_weight_update", {}),
+                 ("/update_weights", {"update_info": {"emulated_bytes": nbytes}}),
+                 ("/finish_weight_update", {"weight_version": str(version)})]
+        for route, body in steps:
+            async with session.post(url.rstrip("/") + route, json=body,
+                                    timeout=aiohttp.ClientTimeout(total=10 * push_wall + 10.0)) as r:
+                if r.status >= 400:
+                    raise RuntimeError(f"{route}: {r.status} {(await r.text())[:200]}")
+                await r.read()
+
+    async def _push_and_publish(self, session: Any, client: Any, version: int) -> None:
         routable = (await client.routable_engines())["engines"]
         names = [e["name"] for e in routable]
-        nbytes = int(PARAMETERS["model_bytes"].value)
-        push_wall = self.w.wall(nbytes / PARAMETERS["push_bytes_per_s"].value)
+        nbytes, push_wall = self._push_wall()
         failed: dict[str, str] = {}
         push_id = None
         if names:
             push_id = await client.push_begin(version, names, nbytes, 10 * push_wall + 10.0)
 
         async def one(e: Mapping[str, Any]) -> None:
-            url = str(e["url"]).rstrip("/")
-            steps = [("/init_weight_transfer_engine", {"init_info": {"emulated": True}}),
-                     ("/start_weight_update", {}),
-                     ("/update_weights", {"update_info": {"emulated_bytes": nbytes}}),
-                     ("/finish_weight_update", {"weight_version": str(version)})]
             try:
-                for route, body in steps:
-                    async with session.post(url + route, json=body,
-                                            timeout=aiohttp.ClientTimeout(total=10 * push_wall + 10.0)) as r:
-                        if r.status >= 400:
-                            raise RuntimeError(f"{route}: {r.status} {(await r.text())[:200]}")
-                        await r.read()
+                await self._push_routes(session, str(e["url"]), version)
             except Exception as ex:
                 failed[e["name"]] = str(ex) or type(ex).__name__
         await asyncio.gather(*(one(e) for e in routable))
         if push_id is not None:
             with contextlib.suppress(Exception):  # a daemon restarted meanwhile no longer knows the push
                 await client.push_end(push_id, not failed, failed or None)
+        await self._publish(client, version)
+
+    async def _publish(self, client: Any, version: int) -> None:
+        """`version` published with the checkpoint, from which the daemon reloads every engine
+        the push missed; the time it began kept (a sample returned after it is judged against it)."""
+        self.publishes.append((time.time(), version))
         await client.publish_weights(version, checkpoint=str(self.ckpt))
         self.published = version
 
@@ -301,20 +322,18 @@ class FleetRun:
                 return v
         return 0 if generate(prompt, len(toks), "default", self.choices) == toks else -1
 
-    async def _round(self, client: Any, rnd: int) -> bool:
-        """One round's requests; False when the round is lost (a request could not be answered)."""
-        w = self.w
-        lengths = round_lengths(self.seed, rnd, w)
-        prompts = [prompt_ids(self.seed, rnd, i, w, self.choices) for i in range(len(lengths))]
-        self.rounds += 1
-        attempt = self.rounds
-        required = self.published
-        with contextlib.suppress(Exception):
-            await client.start_round(attempt)
-        results = await asyncio.gather(*(self.rollout.complete(p, max_tokens=n, temperature=1.0, ignore_eos=True)
-                                         for p, n in zip(prompts, lengths)), return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await client.end_round(attempt)
+    def _requests(self, rnd: int) -> tuple[list[int], list[list[int]]]:
+        """Step `rnd`'s requests (the same in every run of the seed): output lengths, prompts."""
+        lengths = round_lengths(self.seed, rnd, self.w)
+        return lengths, [prompt_ids(self.seed, rnd, i, self.w, self.choices) for i in range(len(lengths))]
+
+    async def _send(self, prompts: list[list[int]], lengths: list[int]) -> list[Any]:
+        return await asyncio.gather(*(self.rollout.complete(p, max_tokens=n, temperature=1.0, ignore_eos=True)
+                                      for p, n in zip(prompts, lengths)), return_exceptions=True)
+
+    def _tally(self, rnd: int, results: list[Any]) -> bool:
+        """Count a round's tokens; False (the round lost, its tokens discarded) when a request
+        could not be answered."""
         ok = [r for r in results if not isinstance(r, BaseException)]
         for r in ok:
             self.generated += r.n_tokens + r.tokens_regenerated
@@ -325,7 +344,22 @@ class FleetRun:
             errs = {type(x).__name__ + ": " + str(x)[:120] for x in results if isinstance(x, BaseException)}
             self.say(f"    round {rnd} lost ({len(results) - len(ok)} requests unanswered: {sorted(errs)[:2]})")
             return False
-        for res, p in zip(ok, prompts):  # every request answered: ok is results, in order
+        return True
+
+    async def _round(self, client: Any, rnd: int) -> bool:
+        """One round's requests; False when the round is lost (a request could not be answered)."""
+        lengths, prompts = self._requests(rnd)
+        self.rounds += 1
+        attempt = self.rounds
+        required = self.published
+        with contextlib.suppress(Exception):
+            await client.start_round(attempt)
+        results = await self._send(prompts, lengths)
+        with contextlib.suppress(Exception):
+            await client.end_round(attempt)
+        if not self._tally(rnd, results):
+            return False
+        for res, p in zip(results, prompts):  # every request answered, in order
             self.samples.append(Sample(version=self._check(res, p, required), expected=required))
         return True
 
@@ -341,16 +375,25 @@ class FleetRun:
         await self.rollout.start()
         try:
             await self._push_and_publish(session, client, 1)
-            for rnd in range(1, w.rounds + 1):
-                while not await self._round(client, rnd):
-                    # Lost: run it again once an engine serves (the policy decides when that is).
-                    while not (await self._routable(client)):
-                        await asyncio.sleep(w.poll_s)
-                self.say(f"    round {rnd} done at +{time.time() - self.t0:.1f} s")
-                await asyncio.sleep(w.wall(w.train_s))
-                await self._push_and_publish(session, client, rnd + 1)
+            await self._steps(session, client)
         finally:
+            self.stale_regenerated = self.rollout.stats.stale_samples
             await self.rollout.aclose()
+
+    async def _steps(self, session: Any, client: Any) -> None:
+        """Sync mode: round, training, push and publish, step after step."""
+        w = self.w
+        for rnd in range(1, w.rounds + 1):
+            while not await self._round(client, rnd):
+                await self._until_routable(client)  # lost: run it again once an engine serves
+            self.say(f"    round {rnd} done at +{time.time() - self.t0:.1f} s")
+            await asyncio.sleep(w.wall(w.train_s))
+            await self._push_and_publish(session, client, rnd + 1)
+
+    async def _until_routable(self, client: Any) -> None:
+        """Until an engine serves (the policy decides when that is)."""
+        while not (await self._routable(client)):
+            await asyncio.sleep(self.w.poll_s)
 
     async def _routable(self, client: Any) -> int:
         try:
@@ -444,7 +487,7 @@ class FleetRun:
             restarts=restarts,
             samples=self.samples, tokens_generated=self.generated, tokens_discarded=self.discarded,
             rounds=self.rounds, rounds_lost=self.rounds_lost, spares=self.policy.spares, work_start=self.t0,
-            spare_ready=serving_intervals(self.observed, spare=True))
+            spare_ready=serving_intervals(self.observed, spare=True), stale_regenerated=self.stale_regenerated)
         le: list[float] = []
         counts: list[int] = []
         for le_, c in self.delays.values():
@@ -458,11 +501,100 @@ class FleetRun:
                        intervals=ivals, daemon_config=self.tables,
                        faults_injected=[f for f in self.injected if f["wall_offset_s"] <= t_end - self.t0],
                        problems=self.problems, lag_hist=per_bucket(self.lag),
-                       delay_hist={f"{b:g}": c for b, c in zip([*le, float("inf")], counts) if c})
+                       delay_hist={f"{b:g}": c for b, c in zip([*le, float("inf")], counts) if c},
+                       updates=self.updates, samples_cut=dict(self.pieces))
+
+
+class AsyncFleetRun(FleetRun):
+    """The async workload (a policy in weights mode "async"), as trainer/rl_loop.py's
+    AsyncRLLoop runs it: step k+1's requests stream while step k trains; each version then goes
+    into the routable engines by an in-flight update (trainer/inflight.py: abort + continue, in
+    waves keeping the policy's serving_fraction serving, each wave a push announced to the
+    daemon) and is published with the checkpoint for the engines the update missed. The same
+    steps and requests as the sync run of the seed, one version published per step, no round
+    opened. Each sample is judged per piece (goodput_ledger.async_sample): every piece's tokens
+    what the version its split claims makes from the prefix, its oldest within max_staleness of
+    the version current when it was returned; a sample past the bound the rollout client
+    regenerates (counted: stale_regenerated)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pieces.update(continued=0, spanning_versions=0)
+
+    async def _steps(self, session: Any, client: Any) -> None:
+        w = self.w
+        pending: asyncio.Future | None = asyncio.ensure_future(self._batch(1))
+        try:
+            for rnd in range(1, w.rounds + 1):
+                assert pending is not None
+                while not await pending:  # lost: sent again once an engine serves, nothing beside it
+                    await self._until_routable(client)
+                    pending = asyncio.ensure_future(self._batch(rnd))
+                pending = asyncio.ensure_future(self._batch(rnd + 1)) if rnd < w.rounds else None
+                self.say(f"    step {rnd}'s samples in at +{time.time() - self.t0:.1f} s")
+                await asyncio.sleep(w.wall(w.train_s))  # training step rnd while step rnd + 1 streams
+                await self._update(session, client, rnd + 1)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+
+    async def _batch(self, rnd: int) -> bool:
+        """Step `rnd`'s requests, no round opened; False when one could not be answered."""
+        lengths, prompts = self._requests(rnd)
+        self.rounds += 1
+        results = await self._send(prompts, lengths)
+        if not self._tally(rnd, results):
+            return False
+        self.samples.extend(self._judge(res, p) for res, p in zip(results, prompts))
+        for res in results:  # how many samples an update or a fault cut, and how many span versions
+            self.pieces["continued"] += len(res.splits) > 1
+            self.pieces["spanning_versions"] += len({s.weight_version for s in res.splits}) > 1
+        return True
+
+    def _judge(self, result: Any, prompt: list[int]) -> Sample:
+        """The sample by the async rule, against the version whose publish began last before it
+        was returned."""
+        from vime.trainer.rollout_types import SPAN_BRACKET
+
+        current = max((v for t, v in self.publishes if t <= result.finished), default=0)
+        pieces = [Piece(s.offset, s.tokens, s.weight_version, s.weight_version_end if s.span == SPAN_BRACKET else None)
+                  for s in result.splits]
+        return async_sample(prompt, list(result.token_ids or ()), pieces,
+                            lambda ctx, n, v: generate(list(ctx), n, v, self.choices), current,
+                            self.policy.max_staleness)
+
+    async def _update(self, session: Any, client: Any, version: int) -> None:
+        """`version` into the routable engines while requests stream (an in-flight update), then
+        published with the checkpoint (the engines the update missed reload it)."""
+        from vime.trainer.inflight import InFlightUpdate, waves
+
+        await self.rollout.refresh(force=True)
+        behind = [e for e in self.rollout.engines if e.weight_version != version]
+        if behind:
+            nbytes, push_wall = self._push_wall()
+            try:  # too few engines to keep the floor: all at once, as AsyncRLLoop
+                waves([e.name for e in behind], self.policy.serving_fraction)
+                fraction = self.policy.serving_fraction
+            except ValueError:
+                fraction = 0.0
+
+            async def push(engine: Any, v: int) -> None:
+                await self._push_routes(session, engine.url, v)
+            update = InFlightUpdate([self.rollout], push=push, engines=behind, serving_fraction=fraction,
+                                    mode="abort", timeout=10 * push_wall + 10.0, nbytes=nbytes)
+            try:
+                done = await update.run(version, supervisor=client, publish=False)
+                self.updates.append({"version": version, "waves": len(done.waves), "serving_min": done.serving_min,
+                                     "seconds_max": max(done.seconds.values(), default=0.0), "failed": done.failed})
+            except Exception as e:  # a refused announcement, the daemon away: the publish reloads them
+                self.updates.append({"version": version, "error": f"{type(e).__name__}: {e}"[:300]})
+        await self._publish(client, version)
 
 
 def run(w: Workload, policy: Policy, schedule: Sequence[ScheduledFault], seed: int, tmp: Path, *,
         mutation: str | None = None, ready_within: float = 300.0, say: Any = print, router: bool = False) -> Outcome:
     """One run, in a fresh event loop; `tmp` holds its folders (the daemon's log among them).
     `router`: the daemon also spawns and feeds vllm-router (its list kept; no request sent through it)."""
-    return asyncio.run(FleetRun(w, policy, schedule, seed, tmp, mutation, say, router).run(ready_within))
+    cls = AsyncFleetRun if policy.is_async else FleetRun
+    return asyncio.run(cls(w, policy, schedule, seed, tmp, mutation, say, router).run(ready_within))

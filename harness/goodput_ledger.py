@@ -4,7 +4,9 @@ policy, and their spread over seeds.
 Pure, no engines. The record is what the bench saw, not what the daemon concluded: each
 engine's serving intervals as observed from outside (an emulated engine knows when its core
 hung), the faults with the times they were injected, the restarts the daemon made and why,
-the samples with the weight version they were generated at and the one their round required.
+the samples with the weight version they were generated at and the one their round required
+(sync mode), or judged piece by piece against the version each piece claims and the staleness
+bound (async mode: async_sample).
 How each figure is counted is in docs/benchmarks.md ("The emulated fleet's accounting").
 
 - Capacity lost is counted from the injection: a struck engine serves nothing from its
@@ -20,7 +22,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 # Clocks of the bench and of the daemon's event log are this host's; 10 ms as harness/goodput.py.
 TOLERANCE_S = 0.01
@@ -50,8 +52,65 @@ class Restart:
 
 @dataclass(frozen=True)
 class Sample:
-    version: int                    # the weight version its tokens were generated at
-    expected: int                   # the version its round required
+    """One returned sample. Sync rule (max_staleness None): `version` is the weight version its
+    tokens were generated at, `expected` the one its round required; stale when they differ.
+    Async rule (max_staleness given: the daemon's [weights] max_staleness): `version` is its
+    oldest piece's version, each piece's tokens checked (async_sample; -1 when a piece's tokens
+    are not what the version it claims makes), `expected` the version current when it was
+    returned; stale when a piece lied or the oldest is more than max_staleness behind."""
+
+    version: int
+    expected: int
+    max_staleness: int | None = None
+
+    @property
+    def stale(self) -> bool:
+        if self.max_staleness is None:
+            return self.version != self.expected
+        return self.version < 0 or self.expected - self.version > self.max_staleness
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of an async sample as its split claims it (trainer/rollout_types.Split):
+    output tokens [offset, offset + tokens) made by weight version `version`, or by one of
+    versions version..version_end (a bracket: the engine's two reads around it differed)."""
+
+    offset: int
+    tokens: int
+    version: Any                    # an int; anything else (base weights, a label) is no version of the run
+    version_end: Any = None
+
+
+# (context, n, version label) -> the n tokens that version's weights make after the context.
+Make = Callable[[Sequence[int], int, str], list[int]]
+
+
+def piece_made_by(prompt: Sequence[int], output: Sequence[int], p: Piece, make: Make) -> int | None:
+    """The version (of those `p` claims) whose weights alone make its tokens from the prompt and
+    the output before it, token for token; None: none of them (a stale or lying piece)."""
+    claimed = [p.version] if p.version_end is None else [p.version, p.version_end]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in claimed):
+        return None
+    ctx, toks = [*prompt, *output[:p.offset]], list(output[p.offset:p.offset + p.tokens])
+    return next((v for v in range(claimed[0], claimed[-1] + 1) if make(ctx, len(toks), str(v)) == toks), None)
+
+
+def async_sample(prompt: Sequence[int], output: Sequence[int], pieces: Sequence[Piece], make: Make, current: int,
+                 max_staleness: int) -> Sample:
+    """An async sample judged per token: its pieces must cover the output in order, each made
+    by a version it claims (piece_made_by); `current` is the version current when it was
+    returned. version -1 when a piece fails (stale whatever was reported)."""
+    at, made = 0, []
+    for p in pieces:
+        v = piece_made_by(prompt, output, p, make) if p.offset == at and p.tokens >= 0 else None
+        if v is None:
+            return Sample(-1, current, max_staleness)
+        made.append(v)
+        at += p.tokens
+    if at != len(output) or not made:
+        return Sample(-1, current, max_staleness)
+    return Sample(min(made), current, max_staleness)
 
 
 @dataclass
@@ -75,6 +134,9 @@ class RunRecord:
     # whose engines' start-up is not to scale (an emulated fleet's Python start-ups on a shared
     # host) starts it once the fleet first serves and reports the time to start apart.
     work_start: float | None = None
+    # Async mode: samples the rollout client did not return as useful (a token past
+    # max_staleness when answered): regenerated, their tokens in tokens_discarded.
+    stale_regenerated: int = 0
 
     def __post_init__(self) -> None:
         if self.target < 1:
@@ -109,6 +171,7 @@ class Ledger:
     spare_exhaustions: int          # injections into a policy with spares that found too few ready
     unanswered: list[str] = field(default_factory=list)   # struck engines no restart answered (kind@engine)
     false: list[str] = field(default_factory=list)        # false restarts (engine@t:cause)
+    stale_regenerated: int = 0      # async: samples past max_staleness the client regenerated
 
     @property
     def mean_recover_s(self) -> float | None:
@@ -271,7 +334,7 @@ def account(record: RunRecord, fault_free_s: float | None = None) -> Ledger:
         failures=len(injections), on_down=on_down,
         capacity_lost_s=_below(steps, t0 if ready is None else ready, t1, record.target),
         tokens_lost=record.tokens_discarded, rounds=record.rounds, rounds_lost=record.rounds_lost,
-        stale_samples=sum(1 for s in record.samples if s.version != s.expected),
+        stale_samples=sum(1 for s in record.samples if s.stale), stale_regenerated=record.stale_regenerated,
         false_restarts=len(false), spare_exhaustions=exhausted, unanswered=unanswered,
         false=[f"{r.engine}@{r.at:g}:{r.cause}" for r in false])
 
@@ -288,7 +351,8 @@ class Spread:
 
 MIN_SEEDS = 3
 FIGURES = ("ettr", "useful_tps", "time_to_start_s", "mean_recover_s", "failures", "capacity_lost_s",
-           "tokens_lost_per_fault", "rounds_lost", "stale_samples", "false_restarts", "spare_exhaustions")
+           "tokens_lost_per_fault", "rounds_lost", "stale_samples", "false_restarts", "spare_exhaustions",
+           "stale_regenerated")
 
 
 def spread(values: Sequence[float]) -> Spread:

@@ -6,9 +6,7 @@ mid-round and a trainer killed mid-push. And the configurations' flags and the s
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -16,19 +14,14 @@ import pytest
 
 from vime.harness.goodput import account
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.bench_scripts import load_bench
+
 T0 = 1_800_000_000.0
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_goodput", ROOT / "bench" / "goodput_real.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while being built
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    return load_bench("goodput_real")
 
 
 def at(t: float) -> str:
