@@ -129,8 +129,10 @@ class FleetRun:
             overrides[("health_check", "max_busy")] = 0.05
             warmup = {"requests": 1}
         self.tables = daemon_tables(w, self.policy, overrides=overrides)
-        self.metrics_port = emulated_engine.free_port_range(1)
-        base = emulated_engine.free_port_range(len(self.names))
+        # One range for all of the run's ports (the engines', then the daemon's metrics, then
+        # the router's two): ranges picked apart at random could overlap, nothing binding them yet.
+        base = emulated_engine.free_port_range(len(self.names) + 3)
+        self.metrics_port = base + len(self.names)
         sup = {"runtime_dir": str(tmp / "run"), "log_dir": str(tmp / "logs"), "python": str(python),
                "metrics_address": f"127.0.0.1:{self.metrics_port}", **self.tables["supervisor"]}
         sections: dict[str, dict[str, Any]] = {"supervisor": sup, "health_check": self.tables["health_check"],
@@ -141,7 +143,7 @@ class FleetRun:
         if self.router:  # the daemon spawns vllm-router and keeps its list; no request goes through it
             from .router_proc import VIME_FLAGS
 
-            rport = emulated_engine.free_port_range(2)
+            rport = self.metrics_port + 1
             pport = rport + 1
             self.config_router_url = f"http://127.0.0.1:{rport}"
             sections["router"] = {"url": self.config_router_url, "spawn": True,
