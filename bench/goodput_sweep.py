@@ -45,13 +45,18 @@ THRESHOLD = 0.95
 HORIZON_SLACK = 3.0
 
 
+# bench/goodput.py's floor (its --mtbf refuses less): below it every cell would fail there,
+# and the fault clock's draw over a cell's work grows without bound as the MTBF falls to 0.
+MIN_MTBF_S = 60.0
+
+
 def mtbf_value(text: str) -> float:
     named = {"headline": HEADLINE_MTBF_S, "stress": STRESS_MTBF_S}
     if text in named:
         return named[text]
     v = float(text)
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{text!r}")
+    if not (math.isfinite(v) and v >= MIN_MTBF_S):
+        raise ValueError(f"{text!r} (engine seconds, at least {MIN_MTBF_S:g})")
     return v
 
 
@@ -113,6 +118,30 @@ def faults_in_work(engines: int, mtbf: float, seeds: int, rounds: int) -> int:
     horizon = HORIZON_SLACK * rounds * step
     return sum(len(FaultClock(seed=s, engines=engines, duration_s=horizon, mtbf_s=mtbf).schedule())
                for s in range(seeds))
+
+
+def _run_shape(r: object) -> bool:
+    """A run of bench/goodput.py's JSON as ettrs() reads it."""
+    if not isinstance(r, dict):
+        return False
+    if "error" in r:
+        return True
+    ledger = r.get("ledger") or {}
+    ettr = ledger.get("ettr") if isinstance(ledger, dict) else "?"
+    return isinstance(r.get("policy"), str) and (ettr is None or (isinstance(ettr, (int, float)) and not isinstance(ettr, bool)))
+
+
+def read_cell(path: Path) -> dict[str, Any] | str:
+    """A cell's JSON already in --dir: the document, or why it is not one bench/goodput.py wrote
+    (it is then run again in its place, or, with --report-only, shown as that)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"unreadable {path.name} ({type(e).__name__})"
+    if not (isinstance(doc, dict) and isinstance(doc.get("workload"), dict) and isinstance(doc.get("runs"), list)
+            and all(_run_shape(r) for r in doc["runs"])):
+        return f"{path.name} is not bench/goodput.py's JSON"
+    return doc
 
 
 def ettrs(doc: Mapping[str, Any]) -> dict[str, list[float]]:
@@ -195,14 +224,13 @@ def run_cell(engines: int, mtbf: float, a: argparse.Namespace, folder: Path) -> 
     """(the cell's ettrs dict or why it has none, bench/goodput.py's exit status)."""
     args = cell_args(engines, mtbf, a)
     out = folder / f"cell-{engines}-{mtbf:g}.json"
-    if out.exists():
-        doc = json.loads(out.read_text())
-        if same_cell(doc, engines, mtbf, a):
-            return ettrs(doc), 1 if doc.get("failed") or doc.get("must_be_zero") else 0
+    found = read_cell(out) if out.exists() else None
+    if isinstance(found, dict) and same_cell(found, engines, mtbf, a):
+        return ettrs(found), 1 if found.get("failed") or found.get("must_be_zero") else 0
     if faults_in_work(engines, mtbf, a.seeds, a.rounds) == 0:
         return "no fault", 0
     if a.report_only:
-        return "not run", 0
+        return found if isinstance(found, str) else "not run", 0
     cmd = [sys.executable, str(HERE / "goodput.py"), *args, "--out", str(out)]
     print(f"cell {engines} engines, MTBF {_mtbf_name(mtbf)}: {' '.join(cmd[1:])}", flush=True)
     with open(folder / f"cell-{engines}-{mtbf:g}.log", "w") as log:

@@ -77,3 +77,21 @@ def test_bad_flags_are_refused(argv: list[str]) -> None:
 def test_rates_are_swept_from_the_rarest_fault_down() -> None:
     a = sweep.parse(["--mtbf", "900,headline,stress", "--engines", "64,8"])
     assert a.mtbfs == [86400.0, 3600.0, 900.0] and a.sizes == [8, 64]
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"workload": "x", "runs": []}', '{"workload": {}, "runs": [1]}',
+                                  '{"workload": {}, "runs": [{"policy": "slime", "ledger": {"ettr": "high"}}]}', "\xff"])
+def test_a_json_in_dir_that_is_not_a_cells_is_said_not_a_traceback(tmp_path, text: str) -> None:
+    """A corrupt or foreign file where a cell's JSON goes: --report-only names it in the cell."""
+    (tmp_path / "cell-64-3600.json").write_bytes(text.encode("latin-1"))
+    a = sweep.parse(["--engines", "64", "--mtbf", "stress", "--dir", str(tmp_path), "--report-only"])
+    got, rc = sweep.run_cell(64, 3600.0, a, tmp_path)
+    assert rc == 0 and isinstance(got, str) and "cell-64-3600.json" in got, got
+
+
+def test_a_rate_below_bench_goodputs_floor_is_refused() -> None:
+    """bench/goodput.py refuses an MTBF under a minute; the fault clock's draw for one grows without bound."""
+    with pytest.raises(SystemExit) as e:
+        sweep.parse(["--mtbf", "0.001"])
+    assert e.value.code == 2
+    assert sweep.parse(["--mtbf", "60"]).mtbfs == [60.0]
