@@ -895,8 +895,11 @@ class EmulatedEngine:
         body = await self._body(request)
         # A fault meant for another engine that held this port before (a run beside this one
         # picked the same ports) must not strike this one: the sender names the pid it means.
-        if body.get("pid") is not None and body.get("pid") != os.getpid():
-            raise HttpError(409, f"this engine is pid {os.getpid()}, not {body.get('pid')}: the fault is not for it",
+        pid = body.get("pid")
+        if pid is not None and (not isinstance(pid, int) or isinstance(pid, bool) or pid < 1):
+            raise HttpError(400, f"pid must be a process id (an integer >= 1), not {pid!r}", param="pid")
+        if pid is not None and pid != os.getpid():
+            raise HttpError(409, f"this engine is pid {os.getpid()}, not {pid}: the fault is not for it",
                             param="pid")
         try:
             self.add_fault(str(body.get("fault")))
@@ -1174,7 +1177,9 @@ def free_port_range(n: int, start: int | None = None) -> int:
     import socket
 
     lo = 20000
-    hi = max(lo + n + 1, _ephemeral_low()) - n
+    hi = _ephemeral_low() - n
+    if hi <= lo:  # a host whose outgoing connections start low (ip_local_port_range 1024 ...): no room below
+        hi = 60000 - n
     if start is not None:  # the caller's first place, as before
         bases = list(range(start, 60000 - n, 2048))
     else:

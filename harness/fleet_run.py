@@ -230,13 +230,17 @@ class FleetRun:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    async def _emulator_fault(self, session: Any, name: str, fault: str) -> None:
+    async def _emulator_fault(self, session: Any, name: str, fault: str) -> str | None:
+        """None when the fault landed (or the engine could not be reached: already down); the
+        name when another process on the engine's port refused it (409: not the daemon's pid)."""
         # The pid the daemon gave for the engine: whatever else answers on its port (a run
         # beside this one that picked the same ports) refuses the fault.
         with contextlib.suppress(Exception):
             async with session.post(self.urls[name] + "/emulator/fault",
                                     json={"fault": fault, "pid": self.pids.get(name)}) as r:
                 await r.read()
+                return name if r.status == 409 else None
+        return None
 
     async def _inject(self, session: Any, t0: float) -> None:
         for f in self.schedule:
@@ -250,10 +254,11 @@ class FleetRun:
                 for n in names:
                     (self.tmp / "faults" / n).write_text("crash-at-start\n")
                     self._kill(n)
-            elif f.kind == "hang":
-                await asyncio.gather(*(self._emulator_fault(session, n, "hang") for n in names))
+            refused: list[str | None] = []
+            if f.kind == "hang":
+                refused = await asyncio.gather(*(self._emulator_fault(session, n, "hang") for n in names))
             elif f.kind == "push":  # a push that failed midway: the engine left half-loaded
-                await asyncio.gather(*(self._emulator_fault(session, n, "poison") for n in names))
+                refused = await asyncio.gather(*(self._emulator_fault(session, n, "poison") for n in names))
             elif f.kind == "daemon":
                 d = self.daemons[-1]
                 d.killed_by_us = True
@@ -263,7 +268,7 @@ class FleetRun:
                 self.daemons.append(Daemon(self.cfg))
             self.injections.append(Injection(at=at, kind=f.kind, engines=names))
             self.injected.append({"seq": f.seq, "kind": f.kind, "engines": list(names), "at_engine_s": round(f.at_s, 3),
-                                  "wall_offset_s": round(at - t0, 3)})
+                                  "wall_offset_s": round(at - t0, 3), "refused": [n for n in refused if n]})
 
     # -- the workload ---------------------------------------------------------------------------
 

@@ -1028,6 +1028,9 @@ def build_parser(prog: str = "python -m vime.trainer.rl_loop", description: str 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse flags that exclude each other (argparse's exit status 2, with what to do)."""
+    for flag in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     if args.debug_train_only and not args.load_debug_rollout_data:
         ap.error("--debug-train-only needs --load-debug-rollout-data PATH_WITH_{rollout_id}")
     if args.debug_train_only and args.debug_rollout_only:

@@ -567,6 +567,10 @@ async def test_a_fault_that_names_another_pid_is_refused_and_strikes_nothing():
         code, err = await s.post("/emulator/fault", {"fault": "poison", "pid": os.getpid() + 1})
         assert code == 409 and "not for it" in err["error"]["message"]
         assert e.poisoned is None
+        for bad in (str(os.getpid()), True, 1.5, [os.getpid()], 0):
+            code, err = await s.post("/emulator/fault", {"fault": "poison", "pid": bad})
+            assert code == 400 and "must be a process id" in err["error"]["message"], bad
+        assert e.poisoned is None
         code, _ = await s.post("/emulator/fault", {"fault": "poison", "pid": os.getpid()})
         assert code == 200 and e.poisoned is not None
 
@@ -576,3 +580,8 @@ def test_free_port_ranges_of_runs_side_by_side_start_apart():
     assert len(bases) > 1          # a fixed first place gave every run the same ports
     assert all(20000 <= b and b + 8 <= em._ephemeral_low() for b in bases)  # below outgoing connections' ports
     assert em.free_port_range(1, start=29000) >= 29000
+
+
+def test_free_port_range_still_finds_ports_where_outgoing_connections_start_low(monkeypatch):
+    monkeypatch.setattr(em, "_ephemeral_low", lambda: 1024)   # ip_local_port_range = 1024 65535
+    assert 20000 <= em.free_port_range(8) <= 60000 - 8

@@ -37,3 +37,14 @@ def test_rl_loop_refuses_serving_fraction_without_async():
 def test_goodput_runs_a_policy_named_twice_once():
     g = _goodput()
     assert g.plan_of(g.parse(["--quick", "--only", "slime,slime"])).names == ["fault-free", "slime"]
+
+
+@pytest.mark.parametrize("flag", ["--num-rollout", "--rollout-batch-size", "--n-samples-per-prompt",
+                                  "--rollout-max-response-len"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_rl_loop_refuses_counts_below_one(flag: str, value: str, capsys):
+    ap = rl_loop.build_parser()
+    args = ap.parse_args(["--model", "m", flag, value])
+    with pytest.raises(SystemExit) as e:
+        rl_loop.check_args(ap, args)
+    assert e.value.code == 2 and f"{flag} must be at least 1" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from tests.support.bench_scripts import load_bench
+from support.bench_scripts import load_bench
 
 sweep = load_bench("goodput_sweep", siblings=True)
 
