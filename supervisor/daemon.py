@@ -290,7 +290,7 @@ class Supervisor:
         for i, spec in enumerate(cfg.engines):
             # Spread probes over the interval instead of firing them all at once.
             runner = EngineRunner(spec, cfg, self.policy, self.bus, session, phase=cfg.probe.interval * i / n,
-                                  persist=self.journal.flush)
+                                  persist=self.journal.write)
             runner.verify_content = self.fleet.verify_content  # by what it computes (docs/weights.md#fingerprints)
             if cfg.restart_load == "dummy":
                 # Only with someone to push every tensor, into a version that can be verified.

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -271,7 +273,14 @@ def engines_to_adopt(path: Path) -> int:
 
 class JournalWriter(Listener):
     """Writes the journal when the fleet changed, at most every `min_interval` seconds; a new
-    membership epoch at once, before any consumer can read it (a bus listener while started)."""
+    membership epoch at once, before any consumer can read it (a bus listener while started).
+
+    `write()` (awaited: a spawned engine's pid, the periodic write) takes the snapshot on the
+    loop and leaves json.dump and the fsyncs to one writer thread, so a slow disk (a trainer's
+    checkpoint) never stalls heartbeats or the control socket; `flush()` (whoever cannot await:
+    the bus listener, close) writes on the caller's thread. Every snapshot gets a sequence
+    number on the loop, and both write under one lock, the newest requested, only if newer than
+    the last attempted: the file is never an older snapshot after a newer one."""
 
     def __init__(self, fleet: Fleet, path: Path, min_interval: float = 0.1, *, router: RouterLink | None = None):
         self.fleet = fleet
@@ -282,12 +291,20 @@ class JournalWriter(Listener):
         self._task: asyncio.Task[None] | None = None
         self._writing = False  # between start() and close()
         self.writes = 0
+        self._lock = threading.Lock()  # one write at a time, and _attempted with it
+        self._seq = 0  # the newest snapshot taken (on the loop thread only)
+        self._attempted = 0  # the newest snapshot written, or whose write failed (logged)
+        self._pending: tuple[int, dict[str, Any]] | None = None  # the newest handed to the thread
+        self._thread: ThreadPoolExecutor | None = None  # created at the first write(), gone at close()
+        self._last: asyncio.Future[None] | None = None  # the thread's newest job, for close()
+        self._closed = False
 
     def mark(self) -> None:
         self._dirty.set()
 
     def start(self, tasks: TaskSet | None = None) -> None:
         """Write on every mark(), in a task of `tasks` (the daemon's) if given; close() ends it."""
+        self._closed = False
         self._task = (tasks.spawn(self._run(), name="journal") if tasks is not None
                       else asyncio.create_task(self._run(), name="journal"))
         if not self._writing:
@@ -296,6 +313,7 @@ class JournalWriter(Listener):
 
     def on_membership(self, routable: frozenset[str]) -> None:
         # The epoch moved in this turn; the event that says so reaches subscribers after it.
+        # Synchronous: a listener cannot await, and the bus hands the event on when it returns.
         if self._writing:
             self.flush()
 
@@ -303,18 +321,58 @@ class JournalWriter(Listener):
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            self.flush()
+            await self.write()
             await asyncio.sleep(self.min_interval)
 
+    def _take(self) -> tuple[int, dict[str, Any]]:
+        """The fleet as it is now, numbered (loop thread: it reads loop-owned state)."""
+        self._seq += 1
+        return self._seq, snapshot(self.fleet, self.router, path=self.path)
+
+    async def write(self) -> None:
+        """Returns once a snapshot at least as new as the fleet now is on disk (or its write
+        failed: logged, never raised), the loop free meanwhile. Requests that come while the
+        thread writes are coalesced into one write of the newest."""
+        if self._closed:  # after close(): no thread is started again
+            self.flush()
+            return
+        self._pending = self._take()
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vime-journal")
+        job = self._last = asyncio.wrap_future(self._thread.submit(self._write_pending))
+        # Shielded: a cancelled runner leaves the write to finish (close() waits for it).
+        await asyncio.shield(job)
+
+    def _write_pending(self) -> None:
+        with self._lock:
+            pending = self._pending  # the newest requested so far, read once
+            if pending is not None and pending[0] > self._attempted:
+                self._write(*pending)
+
     def flush(self) -> None:
+        """Write the fleet as it is now, on this thread (after any write the thread is doing)."""
+        seq, data = self._take()
+        with self._lock:
+            self._write(seq, data)
+
+    def _write(self, seq: int, data: dict[str, Any]) -> None:  # under self._lock
+        self._attempted = seq
         try:
-            write_atomic(self.path, snapshot(self.fleet, self.router, path=self.path))
+            write_atomic(self.path, data)
             self.writes += 1
         except OSError as e:  # a full disk must not take the daemon down; say so loudly
             # The epoch served goes on; the next daemon's wall-clock floor keeps it ahead.
-            log.error("journal.write_failed", path=str(self.path), error=str(e), epoch=self.fleet.epoch)
+            log.error("journal.write_failed", path=str(self.path), error=str(e), epoch=data.get("epoch"))
 
     async def close(self) -> None:
+        """The thread's last write, then a final one of the fleet as it is, then no thread left."""
         self._writing = False
+        self._closed = True
         await cancel_and_wait(self._task)
+        if self._last is not None:
+            await asyncio.wait({self._last})
+            self._last = None
         self.flush()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)  # its jobs are done: the flush above held the lock after them
+            self._thread = None

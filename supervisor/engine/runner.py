@@ -73,6 +73,10 @@ class RestartGate(Protocol):
     def spare_reason(self) -> str | None: ...
 
 
+async def _nothing() -> None:
+    """No journal (tests, tools): nothing to persist."""
+
+
 async def label_alone(runner: EngineRunner, version: int | str | None) -> Verdict:
     """No fingerprint to run: the engine holds what /weight_info says."""
     return Verdict(version)
@@ -81,12 +85,13 @@ async def label_alone(runner: EngineRunner, version: int | str | None) -> Verdic
 class EngineRunner:
     def __init__(self, spec: EngineSpec, cfg: Config, policy: RestartGate, bus: EventBus,
                  session: aiohttp.ClientSession, *, phase: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic, persist: Callable[[], None] = lambda: None):
+                 clock: Callable[[], float] = time.monotonic, persist: Callable[[], Awaitable[None]] = _nothing):
         self.spec = spec
         self.cfg = cfg
         self.policy = policy  # may it restart now, is it held out of routing, the current version
         self.bus = bus
-        # Called once a new process is spawned: its pid is on disk before anything else happens.
+        # Awaited once a new process is spawned: its pid is on disk before this runner goes on
+        # (the journal's writer thread does the fsyncs; other runners run meanwhile).
         self.persist = persist
         self.clock = clock
         self.phase = phase  # offset inside the interval, to spread probes across the fleet
@@ -412,7 +417,7 @@ class EngineRunner:
         except OSError as e:
             fsm.start_failed(f"spawn failed: {e}")
             return None
-        self.persist()  # the pid is on disk before anything else can happen
+        await self.persist()  # the pid is on disk before this engine goes on
         log.info("engine.spawned", engine=self.name, pid=proc.pid, incarnation=fsm.incarnation,
                  log=str(self.log_path), load="dummy" if self.dummy_weights else "model")
         # A new log is open: this engine's oldest beyond log_keep(_bytes) go, never this one
