@@ -68,6 +68,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -433,6 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bench.failed or bad else 0
 
 
+def _interrupt(signum: int, _frame: Any) -> None:
+    # SIGTERM as Ctrl-C: the run's cleanup (its daemon stopped, its engines swept) still runs;
+    # Python's default would leave the daemon and its fleet running, orphaned.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(main())
