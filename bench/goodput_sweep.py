@@ -93,7 +93,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def cell_args(engines: int, mtbf: float, a: argparse.Namespace) -> list[str]:
-    args = ["--engines", str(engines), "--mtbf", f"{mtbf:g}", "--seeds", str(a.seeds), "--rounds", str(a.rounds)]
+    args = ["--engines", str(engines), "--mtbf", f"{mtbf:.15g}", "--seeds", str(a.seeds), "--rounds", str(a.rounds)]
     if a.time_scale is not None:
         args += ["--time-scale", f"{a.time_scale:g}"]
     if a.only:
@@ -187,7 +187,7 @@ def falls_below(cells: Mapping[float, list[float] | None], threshold: float = TH
 
 
 def _mtbf_name(m: float) -> str:
-    return {HEADLINE_MTBF_S: "24 h (headline)", STRESS_MTBF_S: "1 h (stress)"}.get(m, f"{m:g} s")
+    return {HEADLINE_MTBF_S: "24 h (headline)", STRESS_MTBF_S: "1 h (stress)"}.get(m, f"{m:.15g} s")
 
 
 def table(sizes: Iterable[int], mtbfs: list[float], results: Mapping[tuple[int, float], Any], seeds: int) -> list[str]:
@@ -223,7 +223,7 @@ def table(sizes: Iterable[int], mtbfs: list[float], results: Mapping[tuple[int, 
 def run_cell(engines: int, mtbf: float, a: argparse.Namespace, folder: Path) -> tuple[Any, int]:
     """(the cell's ettrs dict or why it has none, bench/goodput.py's exit status)."""
     args = cell_args(engines, mtbf, a)
-    out = folder / f"cell-{engines}-{mtbf:g}.json"
+    out = folder / f"cell-{engines}-{mtbf:.15g}.json"
     found = read_cell(out) if out.exists() else None
     if isinstance(found, dict) and same_cell(found, engines, mtbf, a):
         return ettrs(found), 1 if found.get("failed") or found.get("must_be_zero") else 0
@@ -233,7 +233,7 @@ def run_cell(engines: int, mtbf: float, a: argparse.Namespace, folder: Path) -> 
         return found if isinstance(found, str) else "not run", 0
     cmd = [sys.executable, str(HERE / "goodput.py"), *args, "--out", str(out)]
     print(f"cell {engines} engines, MTBF {_mtbf_name(mtbf)}: {' '.join(cmd[1:])}", flush=True)
-    with open(folder / f"cell-{engines}-{mtbf:g}.log", "w") as log:
+    with open(folder / f"cell-{engines}-{mtbf:.15g}.log", "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     if not out.exists():
         return f"failed (exit {rc})", rc or 1
@@ -243,6 +243,10 @@ def run_cell(engines: int, mtbf: float, a: argparse.Namespace, folder: Path) -> 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     folder = Path(a.dir)
+    if a.report_only and not folder.is_dir():
+        print(f"--report-only reads the cells in --dir, and {folder} is not a folder: name the sweep's folder",
+              file=sys.stderr)
+        return 2
     folder.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[int, float], Any] = {}
     failed: list[str] = []
@@ -251,14 +255,14 @@ def main(argv: list[str] | None = None) -> int:
             results[(n, m)], rc = run_cell(n, m, a, folder)
             if rc:
                 failed.append(f"{n} engines, MTBF {_mtbf_name(m)}: bench/goodput.py exited {rc} "
-                              f"(see {folder}/cell-{n}-{m:g}.log)")
+                              f"(see {folder}/cell-{n}-{m:.15g}.log)")
     print()
     print("\n".join(table(a.sizes, a.mtbfs, results, a.seeds)))
     print(f"  each cell: the median ETTR over the valid seeds [range] (valid seeds/{a.seeds}); "
           "'no fault': the clock struck nothing inside any seed's work, so no policy differs from fault-free")
     (folder / "sweep.json").write_text(json.dumps(
         {"sizes": a.sizes, "mtbfs": a.mtbfs, "seeds": a.seeds, "rounds": a.rounds, "failed": failed,
-         "cells": {f"{n}/{m:g}": r for (n, m), r in results.items()}}, indent=1) + "\n")
+         "cells": {f"{n}/{m:.15g}": r for (n, m), r in results.items()}}, indent=1) + "\n")
     for line in failed:
         print(f"  FAIL: {line}")
     return 1 if failed else 0

@@ -95,3 +95,13 @@ def test_a_rate_below_bench_goodputs_floor_is_refused() -> None:
         sweep.parse(["--mtbf", "0.001"])
     assert e.value.code == 2
     assert sweep.parse(["--mtbf", "60"]).mtbfs == [60.0]
+
+
+def test_report_only_refuses_a_folder_that_is_not_there(tmp_path) -> None:
+    assert sweep.main(["--report-only", "--dir", str(tmp_path / "typo")]) == 2
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_rate_with_many_digits_keeps_them_in_its_cell() -> None:
+    a = sweep.parse(["--mtbf", "1234567"])
+    assert sweep.cell_args(8, 1234567.0, a)[3] == "1234567"
