@@ -384,19 +384,13 @@ class SoakRun(FleetRun):
     # -- the workload by the clock ---------------------------------------------------------------
 
     async def _workload(self, session: Any, client: Any) -> None:
-        """FleetRun's steps (its _workload's, with its rollout client) until the clock runs out."""
+        """FleetRun's steps (its _workload's, with its _rollout_client) until the clock runs out."""
         w = self.w
-        from vime.trainer.rollout import RolloutClient
-
         self.sampler = FleetSampler(self.out, self, self.sample_every)
         self.sampler.start = self.t0
         sampling = asyncio.ensure_future(self._sample_every())
         until = self.t0 + self.hours * 3600.0
-        self.rollout = RolloutClient(client, max_attempts=8, request_timeout=max(60.0, 40 * w.wall(w.restart_s)),
-                                     refresh_interval=max(0.5, w.wall(10.0)), max_concurrency=10_000,
-                                     backoff_initial=max(0.01, w.wall(0.5)), backoff_max=max(0.1, w.wall(10.0)),
-                                     cooldown=max(0.1, w.wall(5.0)), model="tiny",
-                                     continue_partial=self.policy.continue_partial)
+        self.rollout = self._rollout_client(client)
         await self.rollout.start()
         try:
             await self._push_and_publish(session, client, 1)

@@ -370,15 +370,19 @@ class FleetRun:
             self.samples.append(Sample(version=self._check(res, p, required), expected=required))
         return True
 
-    async def _workload(self, session: Any, client: Any) -> None:
-        w = self.w
+    def _rollout_client(self, client: Any) -> Any:
+        """The rollout client of this run: its timings scaled with the engines'."""
         from vime.trainer.rollout import RolloutClient
 
-        self.rollout = RolloutClient(client, max_attempts=8, request_timeout=max(60.0, 40 * w.wall(w.restart_s)),
-                                     refresh_interval=max(0.5, w.wall(10.0)), max_concurrency=10_000,
-                                     backoff_initial=max(0.01, w.wall(0.5)), backoff_max=max(0.1, w.wall(10.0)),
-                                     cooldown=max(0.1, w.wall(5.0)), model="tiny",
-                                     continue_partial=self.policy.continue_partial)
+        w = self.w
+        return RolloutClient(client, max_attempts=8, request_timeout=max(60.0, 40 * w.wall(w.restart_s)),
+                             refresh_interval=max(0.5, w.wall(10.0)), max_concurrency=10_000,
+                             backoff_initial=max(0.01, w.wall(0.5)), backoff_max=max(0.1, w.wall(10.0)),
+                             cooldown=max(0.1, w.wall(5.0)), model="tiny",
+                             continue_partial=self.policy.continue_partial)
+
+    async def _workload(self, session: Any, client: Any) -> None:
+        self.rollout = self._rollout_client(client)
         await self.rollout.start()
         try:
             await self._push_and_publish(session, client, 1)
