@@ -591,9 +591,16 @@ def fault_row(urls, victim, sig: str, pairs, bucket: int, rdv_s: float, stall_s:
             f"(stall window {stall_s:g}s; deadline {deadline:.1f}s = {rdv_s:g}s + "
             f"{nbytes(pairs) / MB:.0f} MB at the floor rate); whole push {took:.2f}s (bound "
             f"{bound:.1f}s); survivors at the version {ok}/{len(surv)} "
-            f"({redone} by the redo); faulted one {res[urls[1]].status}; the redo over the "
+            f"({redone} by the redo){_not_ok(surv)}; faulted one {res[urls[1]].status}; the redo over the "
             f"{len(surv)} survivors took {redo_s:.2f}s against {resync_s:.2f}s for resyncing each "
             f"over its own new group (resync / redo {resync_s / redo_s:.2f})")
+
+
+def _not_ok(results) -> str:
+    """The survivors that did not end at the version, with why (a loaded host's slow answer
+    shows here as `unreachable`, the attempt's end having cut it)."""
+    bad = [r for r in results if not r.ok]
+    return "".join(f"; {r.url} {r.status}: {r.error}" for r in bad)
 
 
 def resync_time(urls, pairs, bucket: int) -> float:

@@ -13,6 +13,7 @@ a core on this 2-core machine and slow every boot on it). ~5 minutes, most of it
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -191,7 +192,7 @@ def test_async_against_a_sync_daemon_says_what_to_set(world, tiny_model, tmp_pat
     assert SupervisorClient(sock).status()["weight_version"] == before["weight_version"]
 
 
-def test_async_loop_with_a_kill_during_an_update(world, tiny_model, tmp_path):
+def test_async_loop_with_a_kill_during_an_update(world, tiny_model, tmp_path, caplog):
     """`--async` on the same two engines, the daemon reloaded in place (SIGHUP: the engines are
     re-adopted, not booted again) into [weights] mode = "async", max_staleness = 1: no rounds,
     each step's batch streams while the last one trains, each version goes out by an in-flight
@@ -203,6 +204,7 @@ def test_async_loop_with_a_kill_during_an_update(world, tiny_model, tmp_path):
     from vime.supervisor.states import VersionRule
     from vime.trainer.rl_loop import format_report as loop_report
 
+    caplog.set_level(logging.INFO, logger="vime.rollout")  # each start-over's why, for the assertion below
     root, daemon, sock = world
     cfg = root / "supervisor.toml"
     cfg.write_text(cfg.read_text() + '\n[weights]\nmode = "async"\nmax_staleness = 1\n')
@@ -241,7 +243,8 @@ def test_async_loop_with_a_kill_during_an_update(world, tiny_model, tmp_path):
     # Cut requests (by the updates' pauses, by the kill) continued from their streamed tokens:
     # none generated twice, none regenerated for staleness; some sample spans two versions.
     assert sum(s.continued for s in rep.steps) >= 1
-    assert sum(s.tokens_regenerated for s in rep.steps) == 0 and rep.stale_regenerated == 0
+    over = [r.getMessage() for r in caplog.records if "starting over" in r.getMessage() or "no engine" in r.getMessage()]
+    assert sum(s.tokens_regenerated for s in rep.steps) == 0 and rep.stale_regenerated == 0, over[:4]
     assert any(len(set(v)) > 1 for s in rep.steps for v in s.span_versions)
     # The update of the kill's version failed in the killed engine alone; a second pass updated the spare.
     upd = [u for u in rep.updates if u["version"] == kill["version"]]
@@ -356,6 +359,9 @@ def test_a_restarted_engine_is_never_routable_outside_the_rule_as_later_versions
         killed_at = time.monotonic()
         os.kill(daemon.last_pid(victim), signal.SIGKILL)
         daemon.transition(victim, "EXITED", 10, after=mark)
+        # Until the daemon sees the death it lists the victim where it was (at v, under v): the
+        # samples judged below are those taken once it was seen.
+        exited_at = time.monotonic()
         daemon.transition(victim, "STARTING", 10, after=mark)  # at once: async mode waits for no gap
         publish(base + 1)  # lands while it boots
         running = daemon.transition(victim, "RUNNING", BOOT, after=mark)
@@ -396,7 +402,7 @@ def test_a_restarted_engine_is_never_routable_outside_the_rule_as_later_versions
         assert published is None or current >= published, (published, routable)
         for e in routable["engines"]:
             assert rule.allows(e["weight_version"], current), (t - t0, routable)
-            if e["name"] == victim and t > killed_at:
+            if e["name"] == victim and t > exited_at:
                 seen.append((current, e["weight_version"]))
         assert published is None or status["weight_version"] >= published, (published, status["weight_version"])
         for e in status["engines"]:

@@ -21,7 +21,7 @@ def test_fleet_short_form_prints_the_table_and_the_fault_rows():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "weight_push.py"), "--fleet", "1,2",
                           "--fleet-mb", "8", "--bucket-mb", "1", "--repeat", "1",
-                          "--fault-rendezvous-s", "2"],
+                          "--fault-rendezvous-s", "4"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     table = out.stdout.split("\n\n")[-1].splitlines()
