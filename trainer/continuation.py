@@ -223,8 +223,8 @@ class Continuation:
         a character (vLLM holds back the text of a token that ends inside a multi-byte
         character, and its detokenizer, primed with a prompt that ends inside one, streams the
         whole prompt's text again), keep every token anyway: the text across the split is
-        built from token ids with the engine's /detokenize (_window_text). Only when
-        /detokenize does not answer is the prefix cut back to where its text is whole, and
+        built from token ids with the engine's /detokenize (_window_text). Only when no
+        listed engine answers /detokenize is the prefix cut back to where its text is whole, and
         the tokens after it thrown away (Split.dropped, counted as regenerated)."""
         if state.piece is not None:
             start, texts, bounds = state.piece
@@ -234,7 +234,10 @@ class Continuation:
         dropped = len(state) - keep
         if not dropped:
             return
-        if await self._detokenize(engine, self._context(state, keep) + state.token_ids[keep:]) is not None:
+        # Any listed engine's tokenizer will do (the same model's): the one picked may be the
+        # one just killed, still listed until the daemon sees it, and its silence is no reason
+        # to throw the tokens away.
+        if await self._detokenize_any(engine, self._context(state, keep) + state.token_ids[keep:]) is not None:
             log.info("rollout: %s: the last %d token(s) end inside a character; kept, their text is built "
                      "from token ids", rid, dropped)
             return
@@ -404,6 +407,14 @@ class Continuation:
         log.warning("rollout: the text of output tokens [%d, %d) built from ids does not match the text streamed "
                     "around it; kept as /detokenize gives it", lo, hi)
         return text
+
+    async def _detokenize_any(self, engine: Engine, ids: list[int]) -> str | None:
+        """`engine`'s /detokenize of `ids`, else the first other listed engine's that answers."""
+        for e in [engine] + [e for e in self.engines if e.name != engine.name]:
+            text = await self._detokenize(e, ids)
+            if text is not None:
+                return text
+        return None
 
     async def _detokenize(self, engine: Engine, ids: list[int]) -> str | None:
         """The engine's text of `ids` (vLLM's POST /detokenize), or None if it does not answer."""

@@ -854,6 +854,19 @@ async def test_no_detokenize_cuts_the_split_back_to_a_whole_character(engines):
     assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated) == (2, 1, 1)
 
 
+async def test_a_split_is_built_by_another_listed_engine_when_the_picked_one_does_not_detokenize(engines):
+    """The engine picked to continue does not answer /detokenize (the one picked may be the
+    engine just killed, still listed until the daemon sees it): another listed engine's
+    tokenizer builds the text across the split, and every token is kept."""
+    a, b = engines
+    a.split_char = b.split_char = True
+    b.detok_answers = 0
+    r, st = await cut_on_a(engines, "die", max_tokens=4, logprobs=1)
+    assert b.requests[0]["prompt"] == [112, 100, 101] and a.detokenized  # A built it: nothing cut back
+    assert r.token_ids == [100, 101, 102, 103] and r.text == "w0 w1 w2 w3 "
+    assert (st.tokens_before_fault, st.tokens_reused, st.tokens_regenerated) == (2, 2, 0)
+
+
 async def test_detokenize_gone_after_the_split_starts_over(engines):
     """/detokenize answered at the split, then no engine answers it for the text: the
     continued sample cannot be given its text, so the request starts over (and says so)."""
