@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -1071,6 +1072,36 @@ def check_model(model: str) -> str | None:
             "folder (python -m vime.trainer.tiny_model DIR builds a tiny one)")
 
 
+def check_dumps(template: str, steps: int) -> str | None:
+    """Why rounds 1..steps cannot all be read from the dumps --load-debug-rollout-data names
+    (None: each is a readable file). Found before the model loads, so a dump missing at round
+    20 does not cost 19 rounds of training first."""
+    flag = f"--load-debug-rollout-data {template}"
+    try:
+        paths = [dump_path(template, step) for step in range(1, steps + 1)]
+    except ValueError as e:
+        return f"{flag}: {e}"
+    bad = [(p, why) for p in paths if (why := _unreadable(p))]
+    if not bad:
+        return None
+    path, why = bad[0]
+    more = f" ({len(bad)} of the {steps} rounds' dumps cannot be read)" if len(bad) > 1 else ""
+    return (f"{flag}: {path}: {why}{more}; pass the template --save-debug-rollout-data wrote "
+            "({rollout_id} is the round, 1 to --num-rollout), or lower --num-rollout to the rounds saved")
+
+
+def _unreadable(path: Path) -> str | None:
+    if not path.parent.is_dir():
+        return f"no folder {path.parent}"
+    if not path.exists():
+        return "no such file"
+    if not path.is_file():
+        return "not a file"
+    if not os.access(path, os.R_OK):
+        return "not readable (permissions)"
+    return None
+
+
 def mode_refusal(rule: VersionRule, async_: bool, trains: bool = True) -> str | None:
     """Why a loop cannot run against a daemon whose answers carry `rule` (None: it can): --async
     needs async mode with max_staleness >= 1 (check_async_rule); the round loop, training,
@@ -1090,10 +1121,12 @@ def mode_refusal(rule: VersionRule, async_: bool, trains: bool = True) -> str | 
 
 def preflight(args: argparse.Namespace) -> str | None:
     """What the run cannot start with, found before the model is loaded: a --model that is not
-    a model directory, no daemon at --socket, a daemon whose [weights] mode the loop cannot
-    run against (its status answer). None: go on (--cluster asks each node's daemon as it
-    connects; --debug-train-only needs none)."""
+    a model directory, a --load-debug-rollout-data dump missing or unreadable, no daemon at
+    --socket, a daemon whose [weights] mode the loop cannot run against (its status answer).
+    None: go on (--cluster asks each node's daemon as it connects; --debug-train-only needs none)."""
     if why := check_model(args.model):
+        return why
+    if args.load_debug_rollout_data and (why := check_dumps(args.load_debug_rollout_data, args.num_rollout)):
         return why
     if args.debug_train_only or args.cluster:
         return None
