@@ -1,5 +1,6 @@
 """What the blocking and asyncio transports share: connect-failure mapping, the retry policy,
-the server's uid check, and the event stream's line handling. No I/O of its own."""
+the server's uid check, and the event stream's line handling. No I/O of its own but the stat
+of a socket path that refused a connect (path_mode) and the uid check's getsockopt."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import struct
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -27,6 +29,7 @@ from .errors import (
     Forbidden,
     SupervisorError,
     forbidden_socket_message,
+    not_a_socket_message,
     unreachable_message,
 )
 
@@ -46,11 +49,25 @@ class Dropped(Exception):
     """The connection broke after the request was (perhaps) sent."""
 
 
-def connect_failure(path: str, err: OSError) -> Exception:
+def path_mode(path: str) -> int | None:
+    """os.stat's st_mode of path (None: nothing there, or it cannot be stat'ed)."""
+    try:
+        return os.stat(path).st_mode
+    except OSError:
+        return None
+
+
+def connect_failure(path: str, err: OSError, mode: int | None = None) -> Exception:
+    """What a failed connect to path means; `mode` is path_mode(path), taken after the failure."""
     if isinstance(err, FileNotFoundError) or err.errno == errno.ENOENT:
         return NotConnected("no such socket (the daemon is not running, or uses another runtime_dir)")
     if isinstance(err, PermissionError) or err.errno in (errno.EACCES, errno.EPERM):
         return Forbidden(forbidden_socket_message(path, err), code=ClientCode.SOCKET_PERMISSION)
+    if mode is not None and not stat.S_ISSOCK(mode):
+        # Linux answers ECONNREFUSED for a regular file: not a stale socket, and waiting will
+        # not make it one; refused at once.
+        what = "a regular file" if stat.S_ISREG(mode) else "a directory" if stat.S_ISDIR(mode) else "not a socket"
+        return DaemonUnreachable(not_a_socket_message(path, what), code=ClientCode.UNREACHABLE)
     if isinstance(err, ConnectionRefusedError) or err.errno == errno.ECONNREFUSED:
         return NotConnected("connection refused (a stale socket: the daemon is not listening)")
     if err.errno == errno.ENOTSOCK:

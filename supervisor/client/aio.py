@@ -26,6 +26,7 @@ from ._transport import (
     connect_failure,
     event_lines,
     give_up,
+    path_mode,
     reconnected,
     retry_predicate,
     stop_within,
@@ -89,7 +90,7 @@ class AsyncSupervisorClient(ClientSettings, Verbs):
 
     def _map_client_error(self, e: Exception) -> Exception:
         if isinstance(e, aiohttp.ClientConnectorError):
-            return connect_failure(self.socket_path, e.os_error)
+            return connect_failure(self.socket_path, e.os_error, path_mode(self.socket_path))
         if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)):
             return Dropped(why(e))
         return SupervisorError(f"{type(e).__name__}: {e}", code=ClientCode.CLIENT_ERROR)

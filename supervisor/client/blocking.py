@@ -26,6 +26,7 @@ from ._transport import (
     check_server,
     connect_failure,
     give_up,
+    path_mode,
     reconnected,
     retry_predicate,
     stop_within,
@@ -99,7 +100,7 @@ class SupervisorClient(ClientSettings, Verbs):
         try:
             conn.connect()
         except OSError as e:
-            raise connect_failure(self.socket_path, e) from None
+            raise connect_failure(self.socket_path, e, path_mode(self.socket_path)) from None
         return conn
 
     def _once(self, call: Call[Any]) -> tuple[int, bytes, dict[str, str]]:

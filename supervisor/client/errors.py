@@ -100,6 +100,11 @@ def unreachable_message(path: str, why: str) -> str:
             f"(<runtime_dir>/supervisor.sock; ${ENV_SOCKET} chooses another)")
 
 
+def not_a_socket_message(path: str, what: str) -> str:
+    return (f"{path} is {what}, not the vime-supervisor daemon's control socket: give the socket the "
+            f"daemon listens on (<runtime_dir>/supervisor.sock; ${ENV_SOCKET} chooses another)")
+
+
 def forbidden_socket_message(path: str, err: OSError) -> str:
     return (f"permission denied connecting to {path} ({err.strerror}): the socket is mode 0660; "
             f"run as the daemon's user or a member of its supervisor.socket_group, and have the uid "
