@@ -97,3 +97,12 @@ def test_a_stopped_or_exited_engine_keeps_why_it_stopped():
     fsm.exited("exit 0")
     assert fsm.state is State.EXITED and "weights v3, current v3" in fsm.reason
     assert now(fsm, 7) == fsm.reason
+
+
+def test_an_engine_reporting_a_version_before_any_publish_says_that_version_not_base_weights():
+    """Attached with weights of its own: /weight_info reads v7 while nothing is published."""
+    fsm = ready(7, None)
+    assert (fsm.state, fsm.weight_version, fsm.reason) == (State.RUNNING, 7, "ready in 1.5s; base weights")
+    assert now(fsm, None) == "ready in 1.5s; weights v7 (read from /weight_info), none published yet"
+    assert now(fsm, 7) == "ready in 1.5s; weights v7, verified"  # then published as v7
+    assert now(ready(None, None), None) == "ready in 1.5s; base weights"  # reporting none: base weights
