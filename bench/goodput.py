@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from vime.harness import fleet_run  # noqa: E402  (bench/ is on sys.path when run; vime installed)
+from vime.harness.bench_runs import SYNC_BASE, policy_names
 from vime.harness.emulated_model import PARAMETERS
 from vime.harness.fault_clock import DEFAULT_WEIGHTS, HEADLINE_MTBF_S, STRESS_MTBF_S, FaultClock, ScheduledFault
 from vime.harness.fleet_plan import (INVALID_SHARE, WALL_FLOORS, Policy, Workload, baseline_of, policies, round_s,
@@ -99,7 +100,6 @@ COLUMNS = [("ettr", "ETTR", "{:.3f}"), ("useful_tps", "useful tok/s", "{:.0f}"),
            ("spare_exhaustions", "spares out", "{:.0f}"), ("stale_regenerated", "stale regen", "{:.0f}")]
 assert {c for c, _, _ in COLUMNS} == set(FIGURES)
 ASYNC_ONLY = ("stale_regenerated",)  # columns a table without async rows leaves out (always 0 there)
-SYNC_BASE = "fault-free"  # every invocation runs it: ETTR's baseline in sync mode, the async rows' wall reference
 
 
 # Below one fault per engine-minute every engine is down more than it serves (a restart takes
@@ -226,21 +226,11 @@ def plan_of(a: argparse.Namespace) -> Plan:
     mtbf = a.mtbf if a.mtbf is not None else (QUICK_MTBF_S if a.quick else HEADLINE_MTBF_S)
     spares = a.spares if a.spares is not None else (min(QUICK_SPARES, w.engines) if a.quick else sized_spares(w.engines, mtbf, w.restart_s))
     every = policies(spares, "both")
-    offered = policies(spares, a.weights)
     if a.mutation:
         # One policy, no fault injected: whatever the must-be-zero figure counts is the mutation's.
         name = "defaults-async" if a.weights == "async" else "defaults"
         return Plan(w, seeds, mtbf, spares, {name: replace(every[name], faults=False)}, [name])
-    wanted = list(dict.fromkeys(n.strip() for n in (a.only or ",".join(offered)).split(",") if n.strip()))  # once each
-    unknown = sorted(set(wanted) - set(offered))
-    if unknown:
-        other = [n for n in unknown if n in every]
-        hint = (f"; {', '.join(other)} {'is' if len(other) == 1 else 'are'} of the other weights mode: "
-                f"pass --weights {'sync' if a.weights == 'async' else 'async'} or both") if other else ""
-        raise ValueError(f"unknown policies {unknown} with --weights {a.weights}; known: {', '.join(offered)}{hint}")
-    names = [SYNC_BASE, *[n for n in wanted if not every[n].is_async and n != SYNC_BASE]]
-    if a.weights != "sync":  # each async row after its baseline
-        names += ["fault-free-async", *[n for n in wanted if every[n].is_async and n != "fault-free-async"]]
+    names = policy_names(a.only, a.weights)
     return Plan(w, seeds, mtbf, spares, {n: every[n] for n in names}, names)
 
 
