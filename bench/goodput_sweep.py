@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from vime.harness.bench_runs import policy_names
+from vime.harness.bench_runs import MIN_MTBF_S, policy_names
 from vime.harness.emulated_model import PARAMETERS
 from vime.harness.fault_clock import HEADLINE_MTBF_S, STRESS_MTBF_S, FaultClock
 from vime.harness.fleet_plan import Workload, round_s
@@ -47,9 +47,8 @@ THRESHOLD = 0.95
 HORIZON_SLACK = 3.0
 
 
-# bench/goodput.py's floor (its --mtbf refuses less): below it every cell would fail there,
-# and the fault clock's draw over a cell's work grows without bound as the MTBF falls to 0.
-MIN_MTBF_S = 60.0
+# bench/goodput.py's floor, MIN_MTBF_S (its --mtbf refuses less): below it every cell would fail
+# there, and the fault clock's draw over a cell's work grows without bound as the MTBF falls to 0.
 
 
 def mtbf_value(text: str) -> float:
