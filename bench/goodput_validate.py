@@ -53,18 +53,18 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import statistics
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping
 
-from vime.harness import fleet_real, fleet_run
+from vime.harness import bench_runs, fleet_real, fleet_run
+from vime.harness.bench_runs import RunFolders, finish, run_header
 from vime.harness.emulated_model import PARAMETERS
 from vime.harness.fault_clock import DEFAULT_WEIGHTS, FaultClock, ScheduledFault
 from vime.harness.fleet_plan import Policy, Workload, intervals_of, invalid, policies
@@ -165,12 +165,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("mtbf", "window", "emulated_scale"):
         if not getattr(a, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0, not {getattr(a, name)}")
-    known = policies(SPARES)
     if a.only is not None:
-        wanted = [n.strip() for n in a.only.split(",") if n.strip()]
-        unknown = sorted(set(wanted) - set(known))
-        if not wanted or unknown:
-            ap.error(f"--only takes policies from {', '.join(known)}, comma-separated, not {a.only!r}")
+        try:  # bench/goodput.py's check: its sync policies are this bench's
+            bench_runs.policy_names(a.only, "sync")
+        except ValueError:
+            ap.error(f"--only takes policies from {', '.join(policies(SPARES))}, comma-separated, not {a.only!r}")
     if a.reuse_real and not Path(a.reuse_real).is_file():
         ap.error(f"--reuse-real {a.reuse_real}: no such file (a former bench's --out)")
     return a
@@ -180,14 +179,6 @@ def policy_names(a: argparse.Namespace) -> list[str]:
     names = [n.strip() for n in a.only.split(",") if n.strip()] if a.only else \
         list(QUICK_POLICIES if a.quick else policies(SPARES))
     return ["fault-free", *[n for n in dict.fromkeys(names) if n != "fault-free"]]
-
-
-def _keep(tmp: Path, into: Path | None) -> None:
-    if into is not None and tmp.exists():
-        into.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(tmp, into / tmp.name, dirs_exist_ok=True, symlinks=True,
-                        ignore=shutil.ignore_patterns("*.sock"))
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def result_of(fleet: str, name: str, seed: int, out: fleet_run.Outcome, base_wall: float | None,
@@ -210,9 +201,7 @@ class Bench:
         n = a.seeds if a.seeds is not None else (1 if a.quick else 3)
         self.seeds = fault_seeds(n, self.w.engines, a.window, a.mtbf)
         self.pols = policies(SPARES)
-        self.keep = Path(a.keep) if a.keep else None
-        self.failed_dir = self.keep or Path(a.out).resolve().parent / "goodput-validate-failed"
-        self.failed: list[str] = []
+        self.folders = RunFolders(a.keep, a.out, "goodput-validate-failed", symlinks=True)
         # The emulated engines' own restarts, read as the real ones' are (engine seconds): how
         # closely the calibrated boot and warm-up came out under the daemon.
         self.emulated_starts = Measured()
@@ -229,20 +218,17 @@ class Bench:
             out = go(tmp)
         except Exception as e:
             traceback.print_exc()
-            self.failed.append(f"{fleet} {name} seed {seed}: {e}")
-            _keep(tmp, self.failed_dir)
+            self.folders.broke(tmp, f"{fleet} {name} seed {seed}: {e}")
             return RunResult(fleet, name, seed, error=str(e), took_s=time.monotonic() - t0), base_wall
         except BaseException:
-            _keep(tmp, self.failed_dir)
+            self.folders.interrupted(tmp)
             raise
         if name == "fault-free":
             base_wall = out.record.end - (out.record.work_start or out.record.launched_at)
         r = result_of(fleet, name, seed, out, base_wall, scale)
         r.took_s = round(time.monotonic() - t0, 1)
-        bad = out.problems or any(r.figures.get(f) for f in MUST_BE_ZERO)
-        _keep(tmp, self.failed_dir if self.keep is not None or bad else None)
-        if out.problems:
-            self.failed.append(f"{fleet} {name} seed {seed}: {out.problems}")
+        self.folders.ran(tmp, f"{fleet} {name} seed {seed}", out.problems,
+                         any(r.figures.get(f) for f in MUST_BE_ZERO))
         f = r.figures
         print(f"    {r.took_s:.0f} s: ETTR {_num(f.get('ettr'), '{:.3f}')}, "
               f"failures {_num(f.get('failures'), '{:.0f}')}, "
@@ -411,9 +397,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{w.rounds} rounds; emulated at scale {a.emulated_scale:g}", flush=True)
     t_bench = time.monotonic()
     doc: dict[str, Any] = {
-        "command": " ".join(["python", "bench/goodput_validate.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
+        **run_header("goodput_validate.py", sys.argv[1:] if argv is None else argv),
         "workload": asdict(w), "mtbf_s": a.mtbf, "window_s": a.window, "fault_weights": dict(DEFAULT_WEIGHTS),
         "seeds": bench.seeds, "schedules": {s: [asdict(f) for f in bench.schedule(s)] for s in bench.seeds},
         "policies": {n: asdict(bench.pols[n]) for n in bench.names}, "emulated_scale": a.emulated_scale}
@@ -477,13 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             bad.append(f"restart to ready: {restart.get('why') or 'ratio %.2f' % restart['ratio']}")
     doc["checks"] = {"pairs": [{**asdict(p), "judged": p.judged, "ok": p.ok} for p in pairs],
                      "restart_to_ready": restart, "judged": judged}
-    doc["failed"], doc["bad"] = bench.failed, bad
-    doc["took_s"] = round(time.monotonic() - t_bench, 1)
-    Path(a.out).write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    print(f"\n  took {doc['took_s']:.0f} s; JSON: {a.out}")
-    for line in bench.failed + bad:
-        print(f"  FAIL: {line}")
-    return 1 if bench.failed or bad else 0
+    doc["failed"], doc["bad"] = bench.folders.failed, bad
+    return finish(doc, a.out, t_bench, bench.folders.failed + bad, gap="\n")
 
 
 if __name__ == "__main__":

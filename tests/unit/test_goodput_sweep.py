@@ -4,6 +4,7 @@ policy falls below the threshold, and the flags it refuses (nothing is run)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -12,9 +13,13 @@ from support.bench_scripts import load_bench
 sweep = load_bench("goodput_sweep", siblings=True)
 
 
-def _doc(runs: list[dict], engines: int = 8, rounds: int = 6, mtbf: float = 3600.0, scale: float = 0.2) -> dict:
+EVERY_SYNC = ("fault-free", "slime", "defaults", "everything-on")
+
+
+def _doc(runs: list[dict], engines: int = 8, rounds: int = 6, mtbf: float = 3600.0, scale: float = 0.2,
+         policies: tuple[str, ...] = EVERY_SYNC) -> dict:
     return {"workload": {"engines": engines, "rounds": rounds, "scale": scale}, "mtbf_s": mtbf, "mutation": None,
-            "runs": runs}
+            "policies": {p: {} for p in policies}, "runs": runs}
 
 
 def _run(policy: str, seed: int, ettr: float | None, invalid: str | None = None, ettr_invalid: str | None = None):
@@ -47,13 +52,13 @@ def test_a_cell_with_no_fault_in_any_seeds_work_is_known_before_it_runs() -> Non
 
 
 def test_a_run_made_by_hand_is_taken_for_its_cell_by_what_it_ran() -> None:
-    a = argparse.Namespace(rounds=6, seeds=3, time_scale=None)
+    a = argparse.Namespace(rounds=6, seeds=3, time_scale=None, only=None)
     doc = _doc([_run("fault-free", s, 1.0) for s in range(3)], engines=64, mtbf=3600.0)
     assert sweep.same_cell(doc, 64, 3600.0, a)
     assert not sweep.same_cell(doc, 8, 3600.0, a)
     assert not sweep.same_cell(doc, 64, 900.0, a)
     assert not sweep.same_cell(_doc([_run("fault-free", 0, 1.0)], engines=64), 64, 3600.0, a)  # one seed of three
-    assert not sweep.same_cell(doc, 64, 3600.0, argparse.Namespace(rounds=6, seeds=3, time_scale=0.1))
+    assert not sweep.same_cell(doc, 64, 3600.0, argparse.Namespace(rounds=6, seeds=3, time_scale=0.1, only=None))
 
 
 def test_the_table_has_a_row_per_policy_and_says_why_a_cell_has_no_figure() -> None:
@@ -105,3 +110,32 @@ def test_report_only_refuses_a_folder_that_is_not_there(tmp_path) -> None:
 def test_a_rate_with_many_digits_keeps_them_in_its_cell() -> None:
     a = sweep.parse(["--mtbf", "1234567"])
     assert sweep.cell_args(8, 1234567.0, a)[3] == "1234567"
+
+
+@pytest.mark.parametrize("only", ["bogus", "slime,bogus", ",", "defaults-async"])
+def test_a_bad_only_is_refused_before_any_cell_runs(tmp_path, capsys, only: str) -> None:
+    """bench/goodput.py's own check, once, up front: not every cell's goodput.py exiting 1."""
+    assert sweep.main(["--only", only, "--engines", "64", "--mtbf", "stress", "--dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert not (tmp_path / "d").exists()  # refused before the folder, so before any cell
+    assert len(err.splitlines()) == 1 and err.startswith("--only: "), err
+    if only != ",":
+        assert "known: fault-free, slime, defaults, everything-on" in err and "--weights" not in err, err
+
+
+def test_a_cell_run_with_other_policies_is_run_again_not_reused(tmp_path) -> None:
+    """A cell's JSON is reused only when it ran the policies this --only names."""
+    every = _doc([_run(p, s, 1.0) for p in EVERY_SYNC for s in range(3)], engines=64)
+    (tmp_path / "cell-64-3600.json").write_text(json.dumps(every))
+    argv = ["--engines", "64", "--mtbf", "stress", "--dir", str(tmp_path), "--report-only"]
+    got, _ = sweep.run_cell(64, 3600.0, sweep.parse(argv), tmp_path)
+    assert isinstance(got, dict) and set(got) == set(EVERY_SYNC)
+    got, _ = sweep.run_cell(64, 3600.0, sweep.parse([*argv, "--only", "slime"]), tmp_path)
+    assert got == "not run"  # without --report-only, run again in its place
+    slime = _doc([_run(p, s, 1.0) for p in ("fault-free", "slime") for s in range(3)], engines=64,
+                 policies=("fault-free", "slime"))
+    (tmp_path / "cell-64-3600.json").write_text(json.dumps(slime))
+    got, _ = sweep.run_cell(64, 3600.0, sweep.parse([*argv, "--only", "slime,fault-free"]), tmp_path)
+    assert isinstance(got, dict) and set(got) == {"fault-free", "slime"}
+    got, _ = sweep.run_cell(64, 3600.0, sweep.parse(argv), tmp_path)
+    assert got == "not run"
