@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -362,61 +363,74 @@ def process_start_time(pid: int) -> int | None:
     return None if st is None or st.state == "Z" else st.start_time
 
 
+def _start(cmd: list[str], env: dict[str, str], log_path: Path, own_session: bool) -> "subprocess.Popen[bytes]":
+    """fork + exec (in a thread: ChildProcess.spawn). No Python runs in the child: setpgid
+    (or setsid) is done by CPython's C code between the fork and the exec."""
+    with open(log_path, "ab") as log:
+        if own_session:
+            return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    close_fds=True, start_new_session=True)
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                close_fds=True, process_group=0)
+
+
 class ChildProcess:
     """One process the daemon supervises, an engine's incarnation or the spawned router:
-    spawned by us, or adopted from a previous daemon (adoption.take_over)."""
+    spawned by us, or adopted from a previous daemon (adoption.take_over). Either way its exit
+    is seen when its pidfd turns readable, and it is reaped then if it is our child."""
 
-    def __init__(self, pid: int, log_path: Path, proc: asyncio.subprocess.Process | None = None):
+    def __init__(self, pid: int, log_path: Path, *, adopted: bool = True):
         self.pid = pid
         self.log_path = log_path
-        self.proc = proc
         self.start_time = process_start_time(pid)
-        self._exited: asyncio.Future[int | None] | None = None  # adopted: resolved when its pidfd is readable
+        self._adopted = adopted
+        self._exited: asyncio.Future[int | None] | None = None  # resolved when its pidfd is readable
         self._fd: int | None = None
-        self._status: int | None = None  # adopted and our child (after a reload): its exit, as returncode
+        self._status: int | None = None  # its exit, as returncode, when it was our child to reap
+        self._popen: subprocess.Popen[bytes] | None = None  # spawned: told of the reaping (below)
 
     @property
     def adopted(self) -> bool:
-        return self.proc is None
+        return self._adopted
 
     @property
     def returncode(self) -> int | None:
         """None while running. An adopted engine that is not our child (a previous daemon's,
         re-parented) exits with a status we cannot read: -1, and status_unknown says so."""
-        if self.proc is not None:
-            return self.proc.returncode
         if self._exited is None or not self._exited.done():
             return None
         return -1 if self._status is None else self._status
 
     @property
     def status_unknown(self) -> bool:
-        return self.proc is None and self._status is None
+        return self._status is None
 
     @classmethod
     async def spawn(cls, cmd: list[str], env: dict[str, str], log_path: Path, *,
                     own_session: bool = False) -> "ChildProcess":
         """Its own process group (pgid == pid), in our session (above), or in a session of its
         own if `own_session` (the router: it rewrites its environment, SPAWN_MARK with it, so
-        leading its session is what marks it ours)."""
+        leading its session is what marks it ours).
+
+        The fork and exec run in a thread: the event loop waits for neither (a spawn on the
+        loop held it until the child had exec'd, 25-35 ms each on a loaded host, measured,
+        and a node fault spawns several at once)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd, env={**env, SPAWN_MARK: "1"}, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                # uvloop takes no process_group; setpgrp is one system call in the child.
-                **({"start_new_session": True} if own_session else {"preexec_fn": os.setpgrp}),
-            )
+        popen = await asyncio.to_thread(_start, cmd, {**env, SPAWN_MARK: "1"}, log_path, own_session)
+        # Opened before anything reaps it (we only reap on its pidfd), so it names this process.
+        self = cls._watching(popen.pid, os.pidfd_open(popen.pid), log_path, adopted=False)
+        self._popen = popen
         # The spawn returns after the exec, so the group is final: one that is not its own
         # could never be signalled (every stop goes to the group), so it is not kept.
         try:
-            own = os.getpgid(proc.pid) == proc.pid
+            own = os.getpgid(popen.pid) == popen.pid
         except ProcessLookupError:
             own = True  # already gone: its exit is seen as any other
         if not own:
-            proc.kill()
-            await proc.wait()
-            raise OSError(f"{cmd[0]} did not start in a process group of its own (preexec_fn not run)")
-        return cls(proc.pid, log_path, proc)
+            os.kill(popen.pid, signal.SIGKILL)
+            await self.wait()
+            raise OSError(f"{cmd[0]} did not start in a process group of its own")
+        return self
 
     @classmethod
     def watch(cls, pid: int, fd: int, log_path: Path) -> "ChildProcess":
@@ -426,7 +440,11 @@ class ChildProcess:
         After a reload (an exec in place) it is still our child: it is reaped then, and its
         exit status is known. A previous daemon's re-parented process is not ours to reap
         (ChildProcessError) and its status stays unknown."""
-        self = cls(pid, log_path)
+        return cls._watching(pid, fd, log_path, adopted=True)
+
+    @classmethod
+    def _watching(cls, pid: int, fd: int, log_path: Path, *, adopted: bool) -> "ChildProcess":
+        self = cls(pid, log_path, adopted=adopted)
         loop = asyncio.get_running_loop()
         exited = self._exited = loop.create_future()
         self._fd = fd
@@ -436,6 +454,8 @@ class ChildProcess:
             os.close(fd)
             self._fd = None
             self._status = reap_child(pid)
+            if self._popen is not None:  # reaped here: Popen must never wait on the pid again
+                self._popen.returncode = -1 if self._status is None else self._status
             if not exited.done():
                 exited.set_result(self.returncode)
 
@@ -452,10 +472,8 @@ class ChildProcess:
             self._fd = None
 
     async def wait(self) -> int | None:
-        """Returns when the server process exits (the child watcher or a pidfd, no polling)."""
-        if self.proc is not None:
-            return await self.proc.wait()
-        assert self._exited is not None  # no child: watch() made the pidfd's future
+        """Returns when the server process exits (its pidfd, no polling)."""
+        assert self._exited is not None  # _watching made the pidfd's future
         return await asyncio.shield(self._exited)
 
     def _signal_group(self, sig: int) -> bool:
