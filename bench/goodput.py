@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = plan_of(a)
     except ValueError as e:
-        print(e, file=sys.stderr)
+        print(f"--only: {e}", file=sys.stderr)
         return 2
     w = plan.w
     print(f"goodput on an emulated fleet: {w.engines} serving engines, {len(plan.seeds)} seed(s), MTBF {plan.mtbf:g} "

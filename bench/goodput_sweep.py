@@ -62,9 +62,12 @@ def mtbf_value(text: str) -> float:
     named = {"headline": HEADLINE_MTBF_S, "stress": STRESS_MTBF_S}
     if text in named:
         return named[text]
-    v = float(text)
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(repr(text)) from None
     if not (math.isfinite(v) and v >= MIN_MTBF_S):
-        raise ValueError(f"{text!r} (engine seconds, at least {MIN_MTBF_S:g})")
+        raise ValueError(repr(text))
     return v
 
 
@@ -83,9 +86,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     try:
         a.sizes = sorted({int(x) for x in a.engines.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--engines takes fleet sizes, integers, comma-separated, not {a.engines!r}")
+    try:
         a.mtbfs = sorted({mtbf_value(x.strip()) for x in a.mtbf.split(",") if x.strip()}, reverse=True)
     except ValueError as e:
-        ap.error(f"--engines takes integers and --mtbf headline, stress or seconds, comma-separated: {e}")
+        ap.error(f"--mtbf takes headline, stress or engine seconds (at least {MIN_MTBF_S:g}), comma-separated, "
+                 f"not {e}")
     if not a.sizes or min(a.sizes) < 1:
         ap.error(f"--engines must name fleet sizes of at least 1, not {a.engines!r}")
     if not a.mtbfs:

@@ -82,6 +82,14 @@ def test_bad_flags_are_refused(argv: list[str]) -> None:
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("argv, said", [(["--mtbf", "900,bogus"], "--mtbf takes headline, stress or engine seconds"),
+                                        (["--mtbf", "5"], "--mtbf takes"), (["--engines", "8,x"], "--engines takes")])
+def test_a_bad_list_is_refused_naming_its_flag(capsys, argv: list[str], said: str) -> None:
+    with pytest.raises(SystemExit):
+        sweep.parse(argv)
+    assert f"error: {said}" in capsys.readouterr().err
+
+
 def test_rates_are_swept_from_the_rarest_fault_down() -> None:
     a = sweep.parse(["--mtbf", "900,headline,stress", "--engines", "64,8"])
     assert a.mtbfs == [86400.0, 3600.0, 900.0] and a.sizes == [8, 64]
