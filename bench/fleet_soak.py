@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policy = soak_policy(a.policy, a.engines, a.mtbf, w, a.spares)
     except ValueError as e:
-        print(e, file=sys.stderr)
+        print(f"--policy: {e}", file=sys.stderr)
         return 2
     schedule = soak_schedule(seed=a.seed, engines=a.engines, hours=a.hours, mtbf_s=a.mtbf, scale=a.time_scale,
                              daemon_every_min=a.daemon_every)

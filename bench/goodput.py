@@ -76,7 +76,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from vime.harness import fleet_run  # noqa: E402  (bench/ is on sys.path when run; vime installed)
-from vime.harness.bench_runs import SYNC_BASE, RunFolders, finish, mtbf_of, policy_names, run_header
+from vime.harness.bench_runs import (SYNC_BASE, RunFolders, finish, mtbf_of, out_file_error, policy_names,
+                                      run_header)
 from vime.harness.emulated_model import PARAMETERS
 from vime.harness.fault_clock import DEFAULT_WEIGHTS, HEADLINE_MTBF_S, FaultClock, ScheduledFault
 from vime.harness.fleet_plan import (INVALID_SHARE, WALL_FLOORS, Policy, Workload, baseline_of, policies, round_s,
@@ -141,6 +142,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--mutation runs one policy of its own: pick its weights mode, --weights sync or --weights async")
     if a.time_scale is not None and not (math.isfinite(a.time_scale) and a.time_scale > 0):
         ap.error(f"--time-scale must be a finite number > 0 (wall seconds per engine second), not {a.time_scale}")
+    if (out_error := out_file_error(a.out)) is not None:  # refused now, not when the runs end
+        ap.error(out_error)
     return a
 
 
@@ -354,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = plan_of(a)
     except ValueError as e:
-        print(e, file=sys.stderr)
+        print(f"--only: {e}", file=sys.stderr)
         return 2
     w = plan.w
     print(f"goodput on an emulated fleet: {w.engines} serving engines, {len(plan.seeds)} seed(s), MTBF {plan.mtbf:g} "

@@ -8,8 +8,14 @@
 Each cell (a fleet size and a per-engine MTBF) is one `bench/goodput.py --engines N --mtbf M
 --seeds S --out DIR/cell-N-M.json` run in a child process, its output in DIR/cell-N-M.log: every
 policy on the same faults, ETTR against the seed's fault-free run, invalid runs left out
-(bench/goodput.py's rules). A cell whose JSON is already in DIR with the same workload, rate, seeds
-and policies (--only) is read, not run again, so an interrupted sweep resumes and a run made by hand can be put in its place.
+(bench/goodput.py's rules). A cell whose JSON is already in DIR with the same workload, rate and
+seeds, and every policy --only names among those it ran (more is fine: the table shows the wanted
+ones), is read, not run again, so an interrupted sweep resumes and a run made by hand can be put in
+its place. A cell that must run while another JSON is in its place (other policies, another
+workload, a corrupt file) first moves that JSON and its log aside, to cell-N-M.replaced-<n>.json
+and .log, and says so: nothing a sweep wrote is written over. --report-only runs and writes
+nothing (sweep.json stays the last run's); a cell lacking a wanted policy shows the ones it ran
+and says which it did not ("ran fault-free, slime; not defaults").
 
 A cell whose fault clock strikes nothing inside any seed's work (a small fleet at the headline
 rate: 8 engines meet a fault per 3 engine-hours, a run's work is minutes) is not run: with no
@@ -19,8 +25,9 @@ ETTR of 1 measured on noise.
 The table: per fleet size, a row per policy and a column per MTBF, each cell the median ETTR
 over the valid seeds [min-max] and the count of them; then, per policy and size, the lowest
 fault rate swept at which the median ETTR is below 0.95. Exit 1 when a cell's run failed or
-broke a must-be-zero figure (bench/goodput.py exited non-zero), 2 on bad flags (an unknown policy
-in --only among them, refused before any cell runs).
+broke a must-be-zero figure (bench/goodput.py exited non-zero; a run that wrote no JSON is failed),
+2 on bad flags (an unknown policy in --only, a --dir that cannot be a folder, refused before any cell
+runs).
 """
 
 from __future__ import annotations
@@ -55,9 +62,12 @@ def mtbf_value(text: str) -> float:
     named = {"headline": HEADLINE_MTBF_S, "stress": STRESS_MTBF_S}
     if text in named:
         return named[text]
-    v = float(text)
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(repr(text)) from None
     if not (math.isfinite(v) and v >= MIN_MTBF_S):
-        raise ValueError(f"{text!r} (engine seconds, at least {MIN_MTBF_S:g})")
+        raise ValueError(repr(text))
     return v
 
 
@@ -76,9 +86,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     try:
         a.sizes = sorted({int(x) for x in a.engines.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--engines takes fleet sizes, integers, comma-separated, not {a.engines!r}")
+    try:
         a.mtbfs = sorted({mtbf_value(x.strip()) for x in a.mtbf.split(",") if x.strip()}, reverse=True)
     except ValueError as e:
-        ap.error(f"--engines takes integers and --mtbf headline, stress or seconds, comma-separated: {e}")
+        ap.error(f"--mtbf takes headline, stress or engine seconds (at least {MIN_MTBF_S:g}), comma-separated, "
+                 f"not {e}")
     if not a.sizes or min(a.sizes) < 1:
         ap.error(f"--engines must name fleet sizes of at least 1, not {a.engines!r}")
     if not a.mtbfs:
@@ -102,16 +116,44 @@ def cell_args(engines: int, mtbf: float, a: argparse.Namespace) -> list[str]:
     return args
 
 
+def wanted(a: argparse.Namespace) -> list[str]:
+    """The policies --only asks of each cell (fault-free always), in bench/goodput.py's order."""
+    return policy_names(a.only, "sync")
+
+
 def same_cell(doc: Mapping[str, Any], engines: int, mtbf: float, a: argparse.Namespace) -> bool:
-    """Whether a bench/goodput.py JSON is this cell's run (by what it ran, not how it was typed):
-    its policies too, those --only names (a JSON without them is run again)."""
+    """Whether a bench/goodput.py JSON is this cell's run, its policies aside (by what it ran, not
+    how it was typed): fleet size, rounds, rate, seeds and time scale."""
     w = doc.get("workload") or {}
     seeds = {r.get("seed") for r in doc.get("runs", ())}
-    pols = doc.get("policies")
     return (w.get("engines") == engines and w.get("rounds") == a.rounds and doc.get("mtbf_s") == mtbf
             and seeds == set(range(a.seeds)) and not doc.get("mutation")
-            and isinstance(pols, dict) and set(pols) == set(policy_names(a.only, "sync"))
             and (a.time_scale is None or w.get("scale") == a.time_scale))
+
+
+def ran_policies(doc: Mapping[str, Any]) -> list[str]:
+    pols = doc.get("policies")
+    return list(pols) if isinstance(pols, dict) else []
+
+
+def missing_policies(doc: Mapping[str, Any], a: argparse.Namespace) -> list[str]:
+    """The policies --only wants that a cell's JSON did not run (none: it covers them, and is
+    read in their place; the policies it ran beyond them are left out of the table)."""
+    ran = set(ran_policies(doc))
+    return [p for p in wanted(a) if p not in ran]
+
+
+def ran_note(doc: Mapping[str, Any], missing: list[str]) -> str:
+    """What a cell's JSON ran and which wanted policies it lacks: "ran fault-free, slime; not defaults"."""
+    return f"ran {', '.join(ran_policies(doc)) or 'no policy'}; not {', '.join(missing)}"
+
+
+def wanted_ettrs(doc: Mapping[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """ettrs() of the policies --only wants; a wanted policy the JSON did not run gets a note
+    saying what it ran instead."""
+    got = ettrs(doc)
+    missing = missing_policies(doc, a)
+    return {p: (ran_note(doc, missing) if p in missing else got.get(p, [])) for p in wanted(a)}
 
 
 def faults_in_work(engines: int, mtbf: float, seeds: int, rounds: int) -> int:
@@ -195,7 +237,8 @@ def _mtbf_name(m: float) -> str:
 
 
 def table(sizes: Iterable[int], mtbfs: list[float], results: Mapping[tuple[int, float], Any], seeds: int) -> list[str]:
-    """results[(engines, mtbf)]: a doc's ettrs() dict, or a str (why the cell has no figure)."""
+    """results[(engines, mtbf)]: per policy its ETTRs (or a str: why the cell has none of it),
+    or a str (why the cell has no figure)."""
     lines: list[str] = []
     for n in sizes:
         pols: list[str] = []
@@ -209,9 +252,10 @@ def table(sizes: Iterable[int], mtbfs: list[float], results: Mapping[tuple[int, 
             row, cells = [p], {}
             for m in mtbfs:
                 r = results.get((n, m))
-                if isinstance(r, dict):
-                    cells[m] = r.get(p)
-                    row.append(cell_text(r.get(p), seeds))
+                if isinstance(r, dict):  # a policy's ETTRs, or why the cell has none of it
+                    v = r.get(p)
+                    cells[m] = v if isinstance(v, list) else None
+                    row.append(cell_text(cells[m], seeds, note=v if isinstance(v, str) else None))
                 else:
                     row.append(cell_text(None, seeds, note=r or "not run"))
             row.append("-" if p == "fault-free" else falls_below(cells))
@@ -224,24 +268,48 @@ def table(sizes: Iterable[int], mtbfs: list[float], results: Mapping[tuple[int, 
 # -- the runs ---------------------------------------------------------------------------------
 
 
+def cell_path(folder: Path, engines: int, mtbf: float, ext: str = "json") -> Path:
+    return folder / f"cell-{engines}-{mtbf:.15g}.{ext}"
+
+
+def move_aside(folder: Path, engines: int, mtbf: float) -> str:
+    """Move a cell's JSON and its log out of a new run's way, to cell-N-M.replaced-<n>.json and
+    .log (n the first free): what they hold is kept. The name it got."""
+    n = 1
+    while any(cell_path(folder, engines, mtbf, f"replaced-{n}.{x}").exists() for x in ("json", "log")):
+        n += 1
+    for x in ("json", "log"):
+        src = cell_path(folder, engines, mtbf, x)
+        if src.exists():
+            src.rename(cell_path(folder, engines, mtbf, f"replaced-{n}.{x}"))
+    return cell_path(folder, engines, mtbf, f"replaced-{n}.json").name
+
+
 def run_cell(engines: int, mtbf: float, a: argparse.Namespace, folder: Path) -> tuple[Any, int]:
-    """(the cell's ettrs dict or why it has none, bench/goodput.py's exit status)."""
+    """(the cell's ettrs of the wanted policies, or why it has none; bench/goodput.py's exit status)."""
     args = cell_args(engines, mtbf, a)
-    out = folder / f"cell-{engines}-{mtbf:.15g}.json"
+    out = cell_path(folder, engines, mtbf)
     found = read_cell(out) if out.exists() else None
-    if isinstance(found, dict) and same_cell(found, engines, mtbf, a):
-        return ettrs(found), 1 if found.get("failed") or found.get("must_be_zero") else 0
+    this_cell = isinstance(found, dict) and same_cell(found, engines, mtbf, a)
+    if isinstance(found, dict) and this_cell and (a.report_only or not missing_policies(found, a)):
+        return wanted_ettrs(found, a), 1 if found.get("failed") or found.get("must_be_zero") else 0
     if faults_in_work(engines, mtbf, a.seeds, a.rounds) == 0:
         return "no fault", 0
     if a.report_only:
         return found if isinstance(found, str) else "not run", 0
+    name = f"cell {engines} engines, MTBF {_mtbf_name(mtbf)}"
+    if found is not None:  # never written over: it may hold hours of runs
+        why = (found if isinstance(found, str) else ran_note(found, missing_policies(found, a)) if this_cell
+               else "another workload, rate or seeds")
+        print(f"{name}: {out.name} ({why}) moved to {move_aside(folder, engines, mtbf)}, its log too", flush=True)
     cmd = [sys.executable, str(HERE / "goodput.py"), *args, "--out", str(out)]
-    print(f"cell {engines} engines, MTBF {_mtbf_name(mtbf)}: {' '.join(cmd[1:])}", flush=True)
-    with open(folder / f"cell-{engines}-{mtbf:.15g}.log", "w") as log:
+    print(f"{name}: {' '.join(cmd[1:])}", flush=True)
+    with open(cell_path(folder, engines, mtbf, "log"), "w") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-    if not out.exists():
-        return f"failed (exit {rc})", rc or 1
-    return ettrs(json.loads(out.read_text())), rc
+    got = read_cell(out) if out.exists() else "no JSON written"
+    if isinstance(got, str):
+        return f"failed (exit {rc}: {got})", rc or 1
+    return wanted_ettrs(got, a), rc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--report-only reads the cells in --dir, and {folder} is not a folder: name the sweep's folder",
               file=sys.stderr)
         return 2
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a regular file there or above it, no permission
+        print(f"--dir {folder}: cannot hold the cells ({e.strerror or type(e).__name__}): name a folder",
+              file=sys.stderr)
+        return 2
     results: dict[tuple[int, float], Any] = {}
     failed: list[str] = []
     for n in a.sizes:
@@ -264,14 +337,15 @@ def main(argv: list[str] | None = None) -> int:
             results[(n, m)], rc = run_cell(n, m, a, folder)
             if rc:
                 failed.append(f"{n} engines, MTBF {_mtbf_name(m)}: bench/goodput.py exited {rc} "
-                              f"(see {folder}/cell-{n}-{m:.15g}.log)")
+                              f"(see {cell_path(folder, n, m, 'log')})")
     print()
     print("\n".join(table(a.sizes, a.mtbfs, results, a.seeds)))
     print(f"  each cell: the median ETTR over the valid seeds [range] (valid seeds/{a.seeds}); "
           "'no fault': the clock struck nothing inside any seed's work, so no policy differs from fault-free")
-    (folder / "sweep.json").write_text(json.dumps(
-        {"sizes": a.sizes, "mtbfs": a.mtbfs, "seeds": a.seeds, "rounds": a.rounds, "failed": failed,
-         "cells": {f"{n}/{m:.15g}": r for (n, m), r in results.items()}}, indent=1) + "\n")
+    if not a.report_only:  # a report writes nothing: sweep.json stays the last run's, its failures too
+        (folder / "sweep.json").write_text(json.dumps(
+            {"sizes": a.sizes, "mtbfs": a.mtbfs, "seeds": a.seeds, "rounds": a.rounds, "failed": failed,
+             "cells": {f"{n}/{m:.15g}": r for (n, m), r in results.items()}}, indent=1) + "\n")
     for line in failed:
         print(f"  FAIL: {line}")
     return 1 if failed else 0

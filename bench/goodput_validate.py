@@ -172,6 +172,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--only takes policies from {', '.join(policies(SPARES))}, comma-separated, not {a.only!r}")
     if a.reuse_real and not Path(a.reuse_real).is_file():
         ap.error(f"--reuse-real {a.reuse_real}: no such file (a former bench's --out)")
+    if (out_error := bench_runs.out_file_error(a.out)) is not None:  # refused now, not when the runs end
+        ap.error(out_error)
     return a
 
 

@@ -1,5 +1,5 @@
 """What the emulated fleet's benches share (bench/goodput.py, goodput_sweep.py, goodput_validate.py,
-fleet_soak.py): the --mtbf flag, the --only check of bench/goodput.py's policies, each run's
+fleet_soak.py): the --mtbf flag, the --only check of bench/goodput.py's policies, the --out check, each run's
 folder kept or removed and the failed runs counted, and the JSON's first and last keys."""
 
 from __future__ import annotations
@@ -64,6 +64,19 @@ def mtbf_of(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--mtbf must be a finite number of engine seconds, at least "
                                          f"{MIN_MTBF_S:g} (one fault per engine-minute), not {text!r}")
     return v
+
+
+def out_file_error(out: str) -> str | None:
+    """Why a bench's --out (a JSON it writes when its runs end, hours later) cannot be written
+    there, said at parse time; None when it can be."""
+    path = Path(out)
+    if path.is_dir():
+        return f"--out {out} is a folder: name a file (the JSON) in it"
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        return f"--out {out}: the folder {parent} {what}: create it or name another"
+    return None
 
 
 def run_header(script: str, argv: Sequence[str]) -> dict[str, Any]:

@@ -177,3 +177,10 @@ def test_the_daemon_config_keeps_the_soak_s_retention(soak, tmp_path):
     assert retention_limits(cfg) == HOURS_RETENTION
     assert [e["name"] for e in doc["engines"]] == ["e0", "e1"]
     assert doc["health_check"]["interval"] == 10.0  # the daemon's timings scaled (1.0) as FleetRun writes them
+
+
+def test_an_unknown_policy_is_refused_naming_the_flag(soak, capsys, tmp_path) -> None:
+    assert soak.main(["--policy", "bogus", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("--policy: unknown policy 'bogus'") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

@@ -36,3 +36,11 @@ def test_accepted_and_spares_never_outnumber_the_fleet(bench):
     from vime.harness.fleet_plan import spares_for
     assert spares_for(6, 60.0, 100.0) > 6 and bench.sized_spares(6, 60.0, 100.0) == 6
     assert bench.sized_spares(64, 86400.0, 100.0) == spares_for(64, 86400.0, 100.0) < 64
+
+
+def test_an_out_in_a_folder_not_there_is_refused_before_any_run(bench, capsys, tmp_path):
+    with pytest.raises(SystemExit) as ei:
+        bench.parse(["--out", str(tmp_path / "typo" / "g.json")])
+    assert ei.value.code == 2
+    assert f"error: --out {tmp_path}/typo/g.json: the folder {tmp_path}/typo does not exist" in capsys.readouterr().err
+    assert bench.parse(["--out", str(tmp_path / "g.json")]).out == str(tmp_path / "g.json")

@@ -205,3 +205,10 @@ def test_an_invalid_fault_free_run_leaves_its_seeds_ettrs_out(bench, monkeypatch
     assert "ETTR not reported: the fault-free run of seed 0 is invalid" in capsys.readouterr().out
     _, figures = bench.summary(b.ledgers)
     assert figures["slime"]["ettr_reported"] is False  # one seed's ETTR: fewer than MIN_SEEDS
+
+
+def test_an_unknown_policy_is_refused_naming_the_flag(bench, capsys, tmp_path) -> None:
+    assert bench.main(["--only", "bogus", "--out", str(tmp_path / "g.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("--only: unknown policies ['bogus']") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "g.json").exists()

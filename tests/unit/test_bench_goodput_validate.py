@@ -55,3 +55,10 @@ def test_a_failed_run_adds_no_figure_and_the_table_shows_both_fleets() -> None:
     assert len(lines) == 5 and lines[0].split()[:3] == ["policy", "fleet", "runs"]
     row = lines[3].split()
     assert row[:4] == ["defaults", "real", "1/2", "0.600"] and row[-1] == "45.0"
+
+
+def test_an_out_in_a_folder_not_there_is_refused_before_any_run(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    with pytest.raises(SystemExit) as e:
+        gv.parse(["--out", str(tmp_path / "typo" / "v.json")])
+    assert e.value.code == 2
+    assert f"error: --out {tmp_path}/typo/v.json: the folder {tmp_path}/typo does not exist" in capsys.readouterr().err

@@ -78,3 +78,14 @@ def test_finish_writes_the_json_and_exits_1_on_any_failure(tmp_path: Path, capsy
     assert br.finish(doc, str(out), time.monotonic(), ["slime seed 0: boom"], gap="\n") == 1
     said = capsys.readouterr().out
     assert said.startswith("\n  took ") and "  FAIL: slime seed 0: boom" in said
+
+
+def test_an_out_the_json_cannot_be_written_to_is_said_at_once(tmp_path: Path) -> None:
+    assert br.out_file_error(str(tmp_path / "g.json")) is None
+    assert br.out_file_error("goodput.json") is None  # the working folder
+    assert br.out_file_error(str(tmp_path / "typo" / "g.json")) == \
+        f"--out {tmp_path}/typo/g.json: the folder {tmp_path}/typo does not exist: create it or name another"
+    (tmp_path / "f").write_text("x")
+    assert br.out_file_error(str(tmp_path / "f" / "g.json")) == \
+        f"--out {tmp_path}/f/g.json: the folder {tmp_path}/f is not a folder: create it or name another"
+    assert br.out_file_error(str(tmp_path)) == f"--out {tmp_path} is a folder: name a file (the JSON) in it"

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -79,6 +82,14 @@ def test_bad_flags_are_refused(argv: list[str]) -> None:
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("argv, said", [(["--mtbf", "900,bogus"], "--mtbf takes headline, stress or engine seconds"),
+                                        (["--mtbf", "5"], "--mtbf takes"), (["--engines", "8,x"], "--engines takes")])
+def test_a_bad_list_is_refused_naming_its_flag(capsys, argv: list[str], said: str) -> None:
+    with pytest.raises(SystemExit):
+        sweep.parse(argv)
+    assert f"error: {said}" in capsys.readouterr().err
+
+
 def test_rates_are_swept_from_the_rarest_fault_down() -> None:
     a = sweep.parse(["--mtbf", "900,headline,stress", "--engines", "64,8"])
     assert a.mtbfs == [86400.0, 3600.0, 900.0] and a.sizes == [8, 64]
@@ -123,19 +134,97 @@ def test_a_bad_only_is_refused_before_any_cell_runs(tmp_path, capsys, only: str)
         assert "known: fault-free, slime, defaults, everything-on" in err and "--weights" not in err, err
 
 
-def test_a_cell_run_with_other_policies_is_run_again_not_reused(tmp_path) -> None:
-    """A cell's JSON is reused only when it ran the policies this --only names."""
-    every = _doc([_run(p, s, 1.0) for p in EVERY_SYNC for s in range(3)], engines=64)
-    (tmp_path / "cell-64-3600.json").write_text(json.dumps(every))
-    argv = ["--engines", "64", "--mtbf", "stress", "--dir", str(tmp_path), "--report-only"]
-    got, _ = sweep.run_cell(64, 3600.0, sweep.parse(argv), tmp_path)
-    assert isinstance(got, dict) and set(got) == set(EVERY_SYNC)
-    got, _ = sweep.run_cell(64, 3600.0, sweep.parse([*argv, "--only", "slime"]), tmp_path)
-    assert got == "not run"  # without --report-only, run again in its place
-    slime = _doc([_run(p, s, 1.0) for p in ("fault-free", "slime") for s in range(3)], engines=64,
+def _child(monkeypatch, writes: dict | None, rc: int = 0) -> list[list[str]]:
+    """bench/goodput.py's child stood in for: it writes `writes` to --out (None: nothing) and
+    exits rc; the commands it was given, returned."""
+    calls: list[list[str]] = []
+
+    def run(cmd, stdout, stderr):
+        calls.append(cmd)
+        if writes is not None:
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(writes))
+        return subprocess.CompletedProcess(cmd, rc)
+
+    monkeypatch.setattr(sweep, "subprocess", SimpleNamespace(run=run, STDOUT=subprocess.STDOUT))
+    return calls
+
+
+CELL = ["--engines", "64", "--mtbf", "stress"]
+
+
+def _every(ettr: float = 1.0) -> dict:
+    return _doc([_run(p, s, ettr) for p in EVERY_SYNC for s in range(3)], engines=64)
+
+
+def test_a_cell_that_ran_more_policies_than_only_wants_is_read_not_run(tmp_path, monkeypatch) -> None:
+    """A cell's JSON covers --only when it ran every policy --only names (more is fine): read, only
+    those policies' figures taken, and the file left as it is."""
+    calls = _child(monkeypatch, None)
+    (tmp_path / "cell-64-3600.json").write_text(json.dumps(_every(0.9)))
+    before = (tmp_path / "cell-64-3600.json").read_text()
+    got, rc = sweep.run_cell(64, 3600.0, sweep.parse([*CELL, "--dir", str(tmp_path), "--only", "slime"]), tmp_path)
+    assert calls == [] and rc == 0
+    assert got == {"fault-free": [0.9] * 3, "slime": [0.9] * 3}
+    assert (tmp_path / "cell-64-3600.json").read_text() == before
+
+
+def test_a_cell_lacking_a_wanted_policy_is_run_with_the_old_json_and_log_moved_aside(tmp_path, monkeypatch, capsys) -> None:
+    slime = _doc([_run(p, s, 0.5) for p in ("fault-free", "slime") for s in range(3)], engines=64,
                  policies=("fault-free", "slime"))
     (tmp_path / "cell-64-3600.json").write_text(json.dumps(slime))
-    got, _ = sweep.run_cell(64, 3600.0, sweep.parse([*argv, "--only", "slime,fault-free"]), tmp_path)
-    assert isinstance(got, dict) and set(got) == {"fault-free", "slime"}
-    got, _ = sweep.run_cell(64, 3600.0, sweep.parse(argv), tmp_path)
-    assert got == "not run"
+    (tmp_path / "cell-64-3600.log").write_text("the slime run's log")
+    calls = _child(monkeypatch, _every(0.9))
+    a = sweep.parse([*CELL, "--dir", str(tmp_path)])
+    got, rc = sweep.run_cell(64, 3600.0, a, tmp_path)
+    assert len(calls) == 1 and rc == 0 and got == {p: [0.9] * 3 for p in EVERY_SYNC}
+    assert json.loads((tmp_path / "cell-64-3600.replaced-1.json").read_text()) == slime
+    assert (tmp_path / "cell-64-3600.replaced-1.log").read_text() == "the slime run's log"
+    said = [line for line in capsys.readouterr().out.splitlines() if "moved to" in line]
+    assert said == ["cell 64 engines, MTBF 1 h (stress): cell-64-3600.json (ran fault-free, slime; not defaults, "
+                    "everything-on) moved to cell-64-3600.replaced-1.json, its log too"], said
+    # another workload in its place is moved aside too, to the next free name
+    (tmp_path / "cell-64-3600.json").write_text(json.dumps(_doc([_run("fault-free", 0, 1.0)], engines=64)))
+    sweep.run_cell(64, 3600.0, a, tmp_path)
+    assert (tmp_path / "cell-64-3600.replaced-2.json").exists() and (tmp_path / "cell-64-3600.replaced-1.json").exists()
+
+
+def test_a_rerun_that_writes_no_json_is_failed_not_the_old_figures(tmp_path, monkeypatch) -> None:
+    (tmp_path / "cell-64-3600.json").write_text(json.dumps(_doc([_run("fault-free", 0, 1.0)], engines=64)))
+    _child(monkeypatch, None, rc=1)
+    got, rc = sweep.run_cell(64, 3600.0, sweep.parse([*CELL, "--dir", str(tmp_path)]), tmp_path)
+    assert rc == 1 and got == "failed (exit 1: no JSON written)", got
+    assert not (tmp_path / "cell-64-3600.json").exists()
+    _child(monkeypatch, None, rc=0)  # exiting 0 without one is no better
+    assert sweep.run_cell(64, 3600.0, sweep.parse([*CELL, "--dir", str(tmp_path)]), tmp_path)[1] == 1
+
+
+def test_report_only_shows_the_wanted_policies_a_cell_ran_and_names_those_it_did_not(tmp_path, monkeypatch) -> None:
+    calls = _child(monkeypatch, None)
+    slime = _doc([_run(p, s, 0.9) for p in ("fault-free", "slime") for s in range(3)], engines=64,
+                 policies=("fault-free", "slime"))
+    (tmp_path / "cell-64-3600.json").write_text(json.dumps(slime))
+    a = sweep.parse([*CELL, "--dir", str(tmp_path), "--report-only", "--only", "slime,defaults"])
+    got, rc = sweep.run_cell(64, 3600.0, a, tmp_path)
+    assert calls == [] and rc == 0
+    assert got == {"fault-free": [0.9] * 3, "slime": [0.9] * 3, "defaults": "ran fault-free, slime; not defaults"}
+    text = "\n".join(sweep.table([64], [3600.0], {(64, 3600.0): got}, 3))
+    assert "0.900 (3/3)" in text and "ran fault-free, slime; not defaults" in text, text
+
+
+def test_report_only_writes_nothing(tmp_path, monkeypatch) -> None:
+    """sweep.json keeps the last run's cells and failures."""
+    _child(monkeypatch, None)
+    (tmp_path / "cell-64-3600.json").write_text(json.dumps(_every()))
+    (tmp_path / "sweep.json").write_text('{"failed": ["64 engines, MTBF 900 s: exited 1"]}\n')
+    assert sweep.main([*CELL, "--dir", str(tmp_path), "--report-only"]) == 0
+    assert (tmp_path / "sweep.json").read_text() == '{"failed": ["64 engines, MTBF 900 s: exited 1"]}\n'
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["cell-64-3600.json", "sweep.json"]
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_dir_that_is_a_file_or_under_one_is_refused_in_a_line(tmp_path, monkeypatch, capsys, under: str) -> None:
+    calls = _child(monkeypatch, None)
+    (tmp_path / "f").write_text("x")
+    assert sweep.main([*CELL, "--dir", str(tmp_path / "f" / under)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert calls == [] and len(err.splitlines()) == 1 and err.startswith(f"--dir {tmp_path / 'f'}"), err
