@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from vime.supervisor.client import AsyncSupervisorClient, ClientCode, DaemonUnreachable, SupervisorClient
+from vime.supervisor.client import AsyncSupervisorClient, ClientCode, DaemonUnreachable, SupervisorClient, dispatch
 from vime.supervisor.client.cli import EXIT_UNKNOWN, main
 
 NOT_THE_SOCKET = (" not the vime-supervisor daemon's control socket: give the socket the daemon listens on "
@@ -118,3 +118,14 @@ def test_a_stale_socket_is_still_called_one(tmp_path):
         SupervisorClient(path, connect_timeout=0.1).status()
     assert "a stale socket: the daemon is not listening" in e.value.message
     assert "not the vime-supervisor daemon's control socket" not in e.value.message
+
+
+def test_an_empty_socket_variable_is_answered_by_ours_beside_a_supervisord_config(tmp_path):
+    """The dispatcher would otherwise read it as our default socket, find none, and hand an
+    ambiguous `status` to supervisord: ours refuses the empty variable instead."""
+    conf = tmp_path / "supervisord.conf"
+    conf.write_text("[supervisord]\n")
+    assert dispatch.choose(["status"], {"VIME_SUPERVISOR_SOCKET": ""}, installed=True, searchpaths=[str(conf)]) == (
+        dispatch.VIME, "$VIME_SUPERVISOR_SOCKET is set and empty")
+    assert dispatch.choose(["reread"], {"VIME_SUPERVISOR_SOCKET": ""}, installed=True,
+                           searchpaths=[str(conf)])[0] == dispatch.SUPERVISORD  # its own action: still its
