@@ -75,15 +75,15 @@ def reason_now(reason: str, state: State, held: int | str | None, current: int |
     a push's end or a publish's read): in a probed state (STALE, RUNNING, SUSPECT, STANDBY) the
     reason's weights clause is said again from the present, as supervisord's description of a
     running process says its uptime now. Other states keep theirs (why it stopped, as it was).
-    Before any publish an engine that reports a version (one attached with weights of its own)
-    is said to hold that version, not the base weights the FSM's clause names."""
+    Before any publish, an engine whose clause says base weights while it reports a version (one
+    attached with weights of its own) is said to hold that version."""
     if state not in PROBED:
         return reason
     allowed = rule.allows(held, current)
 
     def present(m: re.Match[str]) -> str:
-        if current is None and held is not None:
-            return f"weights {vlabel(held)} (read from /weight_info), none published yet"
+        if m.group(0) == "base weights" and current is None and held is not None:
+            return f"weights {vlabel(held)} (the engine's own label), none published yet"
         verified = m.group(0) == "base weights" or (m.group("shape") or "").startswith(", verified")
         if allowed and (verified or state in ROUTABLE or state is State.STANDBY):
             return allowed_weights(current, held)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import string
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "DumpFormatError", "Sample", "RolloutDump",
-    "dump_path", "save_rollout", "load_rollout", "build_training_batch", "batch_differences",
+    "dump_path", "template_error", "save_rollout", "load_rollout", "read_header", "build_training_batch",
+    "batch_differences",
 ]
 
 FORMAT = "vime-rollout-dump"
@@ -204,18 +206,34 @@ class RolloutDump:
         return len(self.samples)
 
 
-def dump_path(path_template: str | os.PathLike[str], rollout_id: Any) -> Path:
-    """The template with `{rollout_id}` filled in. ValueError if it has no `{rollout_id}` (every
-    round would overwrite the last) or other placeholders."""
+def template_error(path_template: str | os.PathLike[str], *, saving: bool = True) -> str | None:
+    """Pure: why `path_template` cannot name one dump per round (None: it can). It must hold
+    `{rollout_id}` and no other placeholder; `saving` words what a template without it does."""
     tmpl = os.fspath(path_template)
     if "{rollout_id}" not in tmpl and "{rollout_id:" not in tmpl:
-        raise ValueError(f"dump path template {tmpl!r} must contain {{rollout_id}} "
-                         f"(e.g. 'dumps/rollout_{{rollout_id}}.jsonl'), or every round overwrites the last")
+        why = "or every round overwrites the last" if saving else "each round reads its own dump"
+        return (f"dump path template {tmpl!r} must contain {{rollout_id}} "
+                f"(e.g. 'dumps/rollout_{{rollout_id}}.jsonl'), {why}")
     try:
-        return Path(tmpl.format(rollout_id=rollout_id))
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"dump path template {tmpl!r}: only {{rollout_id}} may be used ({e!r}); "
-                         f"write a literal brace as '{{{{' or '}}}}'") from None
+        tmpl.format(rollout_id=1)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:
+        try:
+            others = [f"{{{name}}}" for _, name, _, _ in string.Formatter().parse(tmpl)
+                      if name is not None and name != "rollout_id"]
+        except ValueError:
+            others = []
+        found = f"not {', '.join(others)}" if others else f"{str(e).rstrip('.')}"
+        return (f"dump path template {tmpl!r}: only {{rollout_id}} may be used ({found}); "
+                f"write a literal brace as '{{{{' or '}}}}'")
+    return None
+
+
+def dump_path(path_template: str | os.PathLike[str], rollout_id: Any) -> Path:
+    """The template with `{rollout_id}` filled in. ValueError (template_error's sentence) if it
+    has no `{rollout_id}` (every round would overwrite the last) or other placeholders."""
+    if why := template_error(path_template):
+        raise ValueError(why)
+    return Path(os.fspath(path_template).format(rollout_id=rollout_id))
 
 
 def _json_line(obj: Any) -> str:
@@ -259,27 +277,21 @@ def save_rollout(path_template: str | os.PathLike[str], rollout_id: Any, samples
     return path
 
 
-def load_rollout(path: str | os.PathLike[str]) -> RolloutDump:
-    """Read a dump written by save_rollout; see the module docstring for what is checked."""
-    p = Path(path)
+def _decoded(p: Path, raw: bytes) -> str:
     try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"rollout dump {p} does not exist (save_rollout writes "
-                                f"path_template.format(rollout_id=...); check the template and the id)") from None
-    try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DumpFormatError(f"{p}: not UTF-8 text at byte {e.start}: not a rollout dump") from None
-    if not text.strip():
-        raise DumpFormatError(f"{p}: empty file: no header line (a truncated or unfinished dump)")
-    lines = text.split("\n")
-    ends_with_newline = lines[-1] == ""
-    if ends_with_newline:
-        lines.pop()
 
+
+def _empty(p: Path) -> DumpFormatError:
+    return DumpFormatError(f"{p}: empty file: no header line (a truncated or unfinished dump)")
+
+
+def _header(p: Path, line: str) -> dict[str, Any]:
+    """The header line's checks, load_rollout's and read_header's."""
     try:
-        header = json.loads(lines[0])
+        header = json.loads(line)
     except ValueError as e:
         raise DumpFormatError(f"{p}:1: the header line is not JSON ({e}): not a {FORMAT} file, "
                               f"or a truncated one") from None
@@ -297,6 +309,42 @@ def load_rollout(path: str | os.PathLike[str]) -> RolloutDump:
     n = header["num_samples"]
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise DumpFormatError(f"{p}:1: num_samples must be a non-negative int, got {n!r}")
+    return header
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A dump's header, checked as load_rollout checks it, reading its first line only: a
+    preflight over many rounds' dumps without loading their samples. DumpFormatError as
+    load_rollout's; OSError if it cannot be read."""
+    p = Path(path)
+    with p.open("rb") as f:
+        first = f.readline()
+        if not first.strip():  # a blank first line: an empty file, or a header that is not JSON
+            first += f.read()
+    text = _decoded(p, first)
+    if not text.strip():
+        raise _empty(p)
+    return _header(p, text.split("\n", 1)[0])
+
+
+def load_rollout(path: str | os.PathLike[str]) -> RolloutDump:
+    """Read a dump written by save_rollout; see the module docstring for what is checked."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"rollout dump {p} does not exist (save_rollout writes "
+                                f"path_template.format(rollout_id=...); check the template and the id)") from None
+    text = _decoded(p, raw)
+    if not text.strip():
+        raise _empty(p)
+    lines = text.split("\n")
+    ends_with_newline = lines[-1] == ""
+    if ends_with_newline:
+        lines.pop()
+
+    header = _header(p, lines[0])
+    n = header["num_samples"]
 
     body = lines[1:]
     samples: list[Sample] = []

@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from vime.supervisor.client import AsyncSupervisorClient, SupervisorClient, SupervisorError
 from vime.supervisor.protocol import RUNNING_STATES, EngineStatus, State
 from vime.supervisor.states import VersionRule, WeightsMode
-from vime.trainer.dumps import Sample, dump_path, load_rollout, save_rollout
+from vime.trainer.dumps import (
+    DumpFormatError, Sample, dump_path, load_rollout, read_header, save_rollout, template_error,
+)
 from vime.trainer.fingerprint import make_fingerprint
 from vime.trainer.inflight import InFlightUpdate, waves
 from vime.trainer.resync_agent import ResyncAgent, ResyncRecord
@@ -1074,20 +1076,26 @@ def check_model(model: str) -> str | None:
 
 def check_dumps(template: str, steps: int) -> str | None:
     """Why rounds 1..steps cannot all be read from the dumps --load-debug-rollout-data names
-    (None: each is a readable file). Found before the model loads, so a dump missing at round
-    20 does not cost 19 rounds of training first."""
+    (None: each is a file whose header load_rollout reads). Found before the model loads, so a
+    dump missing or corrupt at round 20 does not cost 19 rounds of training first. The rounds
+    are looked at in order up to the first that fails."""
     flag = f"--load-debug-rollout-data {template}"
-    try:
-        paths = [dump_path(template, step) for step in range(1, steps + 1)]
-    except ValueError as e:
-        return f"{flag}: {e}"
-    bad = [(p, why) for p in paths if (why := _unreadable(p))]
-    if not bad:
-        return None
-    path, why = bad[0]
-    more = f" ({len(bad)} of the {steps} rounds' dumps cannot be read)" if len(bad) > 1 else ""
-    return (f"{flag}: {path}: {why}{more}; pass the template --save-debug-rollout-data wrote "
-            "({rollout_id} is the round, 1 to --num-rollout), or lower --num-rollout to the rounds saved")
+    if why := template_error(template, saving=False):
+        return f"{flag}: {why}"
+    for step in range(1, steps + 1):
+        path = dump_path(template, step)
+        if why := _unreadable(path):
+            why = f"{path}: {why}"
+        else:
+            try:
+                read_header(path)
+                continue
+            except (DumpFormatError, OSError) as e:
+                why = str(e)  # it names the path
+        later = f" (round {step} of {steps}; later rounds not checked)" if step < steps else ""
+        return (f"{flag}: {why}{later}; pass the template --save-debug-rollout-data wrote "
+                "({rollout_id} is the round, 1 to --num-rollout), or lower --num-rollout to the rounds saved")
+    return None
 
 
 def _unreadable(path: Path) -> str | None:
@@ -1121,13 +1129,16 @@ def mode_refusal(rule: VersionRule, async_: bool, trains: bool = True) -> str | 
 
 def preflight(args: argparse.Namespace) -> str | None:
     """What the run cannot start with, found before the model is loaded: a --model that is not
-    a model directory, a --load-debug-rollout-data dump missing or unreadable, no daemon at
-    --socket, a daemon whose [weights] mode the loop cannot run against (its status answer).
+    a model directory, a --load-debug-rollout-data dump missing or unreadable (its header read
+    as load_rollout reads it), a --save-debug-rollout-data template dump_path would refuse at the
+    first save, no daemon at --socket, a daemon whose [weights] mode the loop cannot run against.
     None: go on (--cluster asks each node's daemon as it connects; --debug-train-only needs none)."""
     if why := check_model(args.model):
         return why
     if args.load_debug_rollout_data and (why := check_dumps(args.load_debug_rollout_data, args.num_rollout)):
         return why
+    if args.save_debug_rollout_data and (why := template_error(args.save_debug_rollout_data)):
+        return f"--save-debug-rollout-data {args.save_debug_rollout_data}: {why}"
     if args.debug_train_only or args.cluster:
         return None
     client = SupervisorClient(args.socket)

@@ -1,6 +1,6 @@
 """What the blocking and asyncio transports share: connect-failure mapping, the retry policy,
 the server's uid check, and the event stream's line handling. No I/O of its own but the stat
-of a socket path that refused a connect (path_mode) and the uid check's getsockopt."""
+of a socket path that refused a connect (path_mode, file_on_the_way) and the uid check's getsockopt."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import tenacity
 from tenacity import stop_after_delay, wait_exponential, wait_random
 from tenacity.stop import stop_base
 
-from vime.supervisor.protocol import Event, ReconnectedEvent, default_socket_path
+from vime.supervisor.protocol import ENV_SOCKET, Event, ReconnectedEvent, default_socket_path
 
 if TYPE_CHECKING:
     import aiohttp
@@ -28,7 +28,10 @@ from .errors import (
     DaemonUnreachable,
     Forbidden,
     SupervisorError,
+    empty_socket_message,
     forbidden_socket_message,
+    long_socket_message,
+    not_a_folder_message,
     not_a_socket_message,
     unreachable_message,
 )
@@ -57,17 +60,51 @@ def path_mode(path: str) -> int | None:
         return None
 
 
+# sun_path is 108 bytes on Linux, its path NUL-terminated: 107 bytes of path at most.
+SUN_PATH_MAX = 107
+
+
+def file_on_the_way(path: str) -> str | None:
+    """The nearest existing folder above path that is a regular file instead (ENOTDIR), if any."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent != os.path.dirname(parent):
+        if os.path.isfile(parent):
+            return parent
+        parent = os.path.dirname(parent)
+    return None
+
+
+def _bad_path(message: str) -> DaemonUnreachable:
+    return DaemonUnreachable(message, code=ClientCode.BAD_SOCKET_PATH)
+
+
+def _what_is_there(mode: int) -> str:
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "a file of another kind"
+
+
 def connect_failure(path: str, err: OSError, mode: int | None = None) -> Exception:
-    """What a failed connect to path means; `mode` is path_mode(path), taken after the failure."""
+    """What a failed connect to path means; `mode` is path_mode(path), taken after the failure.
+    A path that cannot be the daemon's socket (empty, too long, under a regular file, not a
+    socket) is refused at once, code bad_socket_path: waiting will not make it one."""
+    if not path:  # Linux: EINVAL
+        return _bad_path(empty_socket_message())
+    size = len(os.fsencode(path))
+    if size > SUN_PATH_MAX:  # Python: "AF_UNIX path too long", or the kernel's ENOENT past the NUL
+        return _bad_path(long_socket_message(path, size, SUN_PATH_MAX))
+    if isinstance(err, NotADirectoryError) or err.errno == errno.ENOTDIR:
+        return _bad_path(not_a_folder_message(path, file_on_the_way(path)))
     if isinstance(err, FileNotFoundError) or err.errno == errno.ENOENT:
         return NotConnected("no such socket (the daemon is not running, or uses another runtime_dir)")
     if isinstance(err, PermissionError) or err.errno in (errno.EACCES, errno.EPERM):
         return Forbidden(forbidden_socket_message(path, err), code=ClientCode.SOCKET_PERMISSION)
     if mode is not None and not stat.S_ISSOCK(mode):
-        # Linux answers ECONNREFUSED for a regular file: not a stale socket, and waiting will
-        # not make it one; refused at once.
-        what = "a regular file" if stat.S_ISREG(mode) else "a directory" if stat.S_ISDIR(mode) else "not a socket"
-        return DaemonUnreachable(not_a_socket_message(path, what), code=ClientCode.UNREACHABLE)
+        # Linux answers ECONNREFUSED for a regular file or a FIFO: not a stale socket.
+        return _bad_path(not_a_socket_message(path, _what_is_there(mode)))
     if isinstance(err, ConnectionRefusedError) or err.errno == errno.ECONNREFUSED:
         return NotConnected("connection refused (a stale socket: the daemon is not listening)")
     if err.errno == errno.ENOTSOCK:
@@ -165,7 +202,10 @@ class ClientSettings:
 
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, *, connect_timeout: float = 10.0,
                  timeout: float = 60.0, read_timeout: float = 30.0):
-        self.socket_path = os.fspath(socket_path) if socket_path is not None else default_socket_path()
+        if socket_path is not None:
+            self.socket_path = os.fspath(socket_path)
+        else:  # $VIME_SUPERVISOR_SOCKET set but empty is a mistake to say, not the default
+            self.socket_path = "" if os.environ.get(ENV_SOCKET) == "" else default_socket_path()
         self.connect_timeout = connect_timeout
         self.timeout = timeout
         self.read_timeout = read_timeout

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, cast
 
 from . import (
     BadRequest,
+    ClientCode,
     ConflictError,
     DaemonUnreachable,
     Forbidden,
@@ -39,7 +40,6 @@ from ..protocol import (
     Event,
     State,
     to_deadline,
-    default_socket_path,
     parse_signal,
 )
 
@@ -264,7 +264,7 @@ class _Reaching:
 
 def _unreachable(e: SupervisorError) -> int:
     _err(f"{PROG}: {e.message}")
-    if isinstance(e, DaemonUnreachable):
+    if isinstance(e, DaemonUnreachable) and e.code != ClientCode.BAD_SOCKET_PATH:  # that one says what to give
         _err(f"{PROG}: choose the socket with --socket PATH or ${ENV_SOCKET} (default {DEFAULT_SOCKET})")
     return EXIT_UNKNOWN
 
@@ -769,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     # Every command's "daemon unreachable or refuses us" is answered once, below.
     client = cast(SupervisorClient, _Reaching(SupervisorClient(
-        args.socket or default_socket_path(), connect_timeout=args.connect_timeout, timeout=args.timeout)))
+        args.socket, connect_timeout=args.connect_timeout, timeout=args.timeout)))
     try:
         return COMMANDS[args.command](client, args)
     except KeyboardInterrupt:

@@ -263,6 +263,8 @@ def choose(argv: Sequence[str], environ: Mapping[str, str] | None = None, *,
             return SUPERVISORD, f"{scan.action!r} is supervisord's action and {found} exists"
     from vime.supervisor.client import DEFAULT_SOCKET, ENV_SOCKET
 
+    if scan.socket is None and env.get(ENV_SOCKET) == "":  # ours, set wrong: ours says so
+        return VIME, f"${ENV_SOCKET} is set and empty"
     sock = scan.socket or env.get(ENV_SOCKET) or DEFAULT_SOCKET
     if _our_socket_is_there(sock):
         return VIME, f"our socket {sock} is there"

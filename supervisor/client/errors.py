@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from enum import StrEnum
 
-from vime.supervisor.protocol import ENV_SOCKET, ErrorCode
+from vime.supervisor.protocol import DEFAULT_SOCKET, ENV_SOCKET, ErrorCode
 
 __all__ = [
     "SupervisorError", "DaemonUnreachable", "ConnectionLost", "ConflictError", "UnknownEngine",
@@ -29,6 +29,7 @@ class ClientCode(StrEnum):
     UNTRUSTED_SERVER = "untrusted_server"  # SO_PEERCRED: the server's uid is not trusted
     BAD_ANSWER = "bad_answer"  # an answer that is not JSON
     CLIENT_ERROR = "client_error"  # any other aiohttp client error
+    BAD_SOCKET_PATH = "bad_socket_path"  # the path cannot be the daemon's socket: empty, too long, not a socket
 
 
 class SupervisorError(Exception):
@@ -103,6 +104,23 @@ def unreachable_message(path: str, why: str) -> str:
 def not_a_socket_message(path: str, what: str) -> str:
     return (f"{path} is {what}, not the vime-supervisor daemon's control socket: give the socket the "
             f"daemon listens on (<runtime_dir>/supervisor.sock; ${ENV_SOCKET} chooses another)")
+
+
+def empty_socket_message() -> str:
+    return (f"the control socket path is empty (--socket '', socket_path='' or ${ENV_SOCKET} set to ''): "
+            f"give the socket the daemon listens on (<runtime_dir>/supervisor.sock), or leave "
+            f"${ENV_SOCKET} unset for {DEFAULT_SOCKET}")
+
+
+def long_socket_message(path: str, size: int, limit: int) -> str:
+    return (f"{path} is {size} bytes, longer than a Unix socket path may be ({limit} bytes): put the "
+            f"daemon's runtime_dir on a shorter path, or connect through a shorter symlink to the socket")
+
+
+def not_a_folder_message(path: str, file: str | None) -> str:
+    where = f"{file} is a regular file, not a folder" if file else "a folder on the way to it is not one"
+    return (f"{path} cannot be a socket: {where}; give the socket the daemon listens on "
+            f"(<runtime_dir>/supervisor.sock; ${ENV_SOCKET} chooses another)")
 
 
 def forbidden_socket_message(path: str, err: OSError) -> str:

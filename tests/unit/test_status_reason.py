@@ -103,6 +103,17 @@ def test_an_engine_reporting_a_version_before_any_publish_says_that_version_not_
     """Attached with weights of its own: /weight_info reads v7 while nothing is published."""
     fsm = ready(7, None)
     assert (fsm.state, fsm.weight_version, fsm.reason) == (State.RUNNING, 7, "ready in 1.5s; base weights")
-    assert now(fsm, None) == "ready in 1.5s; weights v7 (read from /weight_info), none published yet"
+    assert now(fsm, None) == "ready in 1.5s; weights v7 (the engine's own label), none published yet"
     assert now(fsm, 7) == "ready in 1.5s; weights v7, verified"  # then published as v7
     assert now(ready(None, None), None) == "ready in 1.5s; base weights"  # reporting none: base weights
+
+
+@pytest.mark.parametrize("reason, state, held, expected", [
+    ("weights v5, current v7", State.STALE, 5, "weights v5, current base"),
+    ("ready in 1.5s; weights v7, verified", State.RUNNING, 7, "ready in 1.5s; base weights"),
+    ("ready in 1.5s; weights v2; spares full", State.STANDBY, 2, "ready in 1.5s; base weights; spares full"),
+])
+def test_only_a_base_weights_clause_is_said_as_the_engines_own_label_before_any_publish(reason, state, held, expected):
+    """With nothing published, a clause naming a version reads as it did before that wording
+    existed: only "base weights" on an engine that reports a version becomes its own label."""
+    assert reason_now(reason, state, held, None, SYNC_RULE) == expected
