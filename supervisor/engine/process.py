@@ -365,13 +365,20 @@ def process_start_time(pid: int) -> int | None:
 
 def _start(cmd: list[str], env: dict[str, str], log_path: Path, own_session: bool) -> "subprocess.Popen[bytes]":
     """fork + exec (in a thread: ChildProcess.spawn). No Python runs in the child: setpgid
-    (or setsid) is done by CPython's C code between the fork and the exec."""
-    with open(log_path, "ab") as log:
-        if own_session:
+    (or setsid) is done by CPython's C code between the fork and the exec. The child keeps the
+    spawning thread's signal mask, so it is emptied around the fork: a worker thread made while a
+    reload held SIGTERM blocked (reexec.hold_signals) would otherwise hand that on to an engine,
+    which would then sit out every SIGTERM until the SIGKILL."""
+    held = signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    try:
+        with open(log_path, "ab") as log:
+            if own_session:
+                return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                        close_fds=True, start_new_session=True)
             return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    close_fds=True, start_new_session=True)
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                close_fds=True, process_group=0)
+                                    close_fds=True, process_group=0)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 class ChildProcess:
