@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Awaitable, Callable, NamedTuple
@@ -381,6 +382,19 @@ def _start(cmd: list[str], env: dict[str, str], log_path: Path, own_session: boo
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def _kill_abandoned(forking: "asyncio.Future[subprocess.Popen[bytes]]") -> None:
+    """A spawn whose caller was cancelled (a shutdown) while its thread forked: SIGKILL to the
+    new group, reaped in a thread of its own."""
+    if forking.cancelled() or forking.exception() is not None:
+        return
+    popen = forking.result()
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    threading.Thread(target=popen.wait, name="reap-abandoned-spawn", daemon=True).start()
+
+
 class ChildProcess:
     """One process the daemon supervises, an engine's incarnation or the spawned router:
     spawned by us, or adopted from a previous daemon (adoption.take_over). Either way its exit
@@ -423,7 +437,14 @@ class ChildProcess:
         loop held it until the child had exec'd, 25-35 ms each on a loaded host, measured,
         and a node fault spawns several at once)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        popen = await asyncio.to_thread(_start, cmd, {**env, SPAWN_MARK: "1"}, log_path, own_session)
+        forking = asyncio.ensure_future(asyncio.to_thread(_start, cmd, {**env, SPAWN_MARK: "1"}, log_path,
+                                                          own_session))
+        try:
+            popen = await asyncio.shield(forking)
+        except asyncio.CancelledError:
+            # The fork goes on in its thread: what it starts is killed, never left running unrecorded.
+            forking.add_done_callback(_kill_abandoned)
+            raise
         # Opened before anything reaps it (we only reap on its pidfd), so it names this process.
         self = cls._watching(popen.pid, os.pidfd_open(popen.pid), log_path, adopted=False)
         self._popen = popen

@@ -874,6 +874,9 @@ class EngineRunner:
             if fsm.state is S.STOPPING:
                 fsm.stopped(f"supervisor shut down; stopped ({how})", Cause.SHUTDOWN)
             self.proc = None
+        elif fsm.state is S.STARTING:  # cancelled before its process was there (a port wait, the spawn)
+            fsm.stopping("supervisor shutting down", Cause.SHUTDOWN)
+            fsm.stopped("supervisor shut down before its process started", Cause.SHUTDOWN)
 
     # -- attached engines ------------------------------------------------------------------
 

@@ -45,3 +45,42 @@ def test_a_child_spawned_from_a_thread_with_sigterm_blocked_does_not_block_it(tm
         if popen.poll() is None:
             popen.kill()
             popen.wait(10)
+
+
+def _running_with(marker: str) -> list[int]:
+    """Live processes whose argv holds `marker`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and marker in process.cmdline(int(d.name)):
+            st = process.proc_stat(int(d.name))
+            if st is not None and st.state != "Z":
+                out.append(int(d.name))
+    return out
+
+
+async def test_a_spawn_cancelled_while_its_thread_forks_leaves_no_process(tmp_path):
+    """A shutdown cancels an engine's start while the fork runs in its thread: what the thread
+    starts is killed, never left running with no record of it."""
+    import asyncio
+    import os
+    import time
+
+    marker = f"vime-cancelled-spawn-{os.getpid()}"
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)", marker]
+    for attempt, delay in enumerate((0.0, 0.001, 0.005, 0.02)):
+        log = tmp_path / f"{attempt}.log"
+        task = asyncio.ensure_future(process.ChildProcess.spawn(cmd, dict(os.environ), log))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            child = await task
+        except asyncio.CancelledError:
+            if not log.exists():  # cancelled before its thread began: nothing to see
+                continue
+            deadline = time.monotonic() + 10
+            while _running_with(marker) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert _running_with(marker) == []
+            return
+        await child.stop(5)  # the spawn had ended before the cancel: try a shorter delay
+    raise AssertionError("no attempt cancelled a spawn while its thread forked")
