@@ -98,3 +98,36 @@ def test_a_transient_start_failure_backs_off_until_the_budget_is_spent(tmp_path,
     assert seen == [("STARTING", "start"), ("BACKOFF", "start_failed"), ("STARTING", "retry"),
                     ("BACKOFF", "start_failed"), ("STARTING", "retry"), ("FATAL", "start_failed")]
     assert d.terminate(30) == 0
+
+
+def test_a_shutdown_while_an_engine_waits_for_its_port_ends_it_stopped(tmp_path, daemons):
+    """SIGTERM while the engine's start waits for its port (held here by another socket): no
+    process of it exists yet, and the shutdown ends it STOPPED, not left STARTING."""
+    import socket
+    import time
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        model = tmp_path / "model"
+        model.mkdir()
+        (model / "config.json").write_text('{"model_type": "standin"}')
+        cfg = write_config(
+            tmp_path / "sup.toml",
+            supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
+                        "python": str(failing_python(tmp_path, *TRANSIENT)), "stop_timeout": 10.0},
+            engines=[{"name": "e0", "model": str(model), "served_model_name": "tiny", "port": port}],
+        )
+        d = Daemon(cfg)
+        daemons.append(d)
+        d.transition("e0", "STARTING", 30)
+        time.sleep(0.5)  # inside the port wait (stop_timeout + 5 s)
+        assert d.terminate(30) == 0
+        last = transitions(d, "e0")[-1]
+        assert (last["to_state"], last["cause"]) == ("STOPPED", "shutdown"), last
+        assert last["reason"] == "supervisor shut down before its process started"
+        assert d.spawned_pids() == []
+    finally:
+        holder.close()
