@@ -41,7 +41,7 @@ def failing_python(tmp_path: Path, lines: str, status: int) -> Path:
     return p
 
 
-def start(tmp_path: Path, python: Path, start_retries: int) -> Daemon:
+def start(tmp_path: Path, python: Path, start_retries: int, port: int | None = None) -> Daemon:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "standin"}')
@@ -51,7 +51,7 @@ def start(tmp_path: Path, python: Path, start_retries: int) -> Daemon:
                     "python": str(python), "stop_timeout": 2.0},
         health_check={"first_wait": 20.0, "interval": 0.5, "timeout": 0.4, "failure_threshold": 2},
         restart={"start_retries": start_retries, "backoff_initial": 0.2, "backoff_max": 0.5},
-        engines=[{"name": "e0", "model": str(model), "served_model_name": "tiny", "port": free_port()}],
+        engines=[{"name": "e0", "model": str(model), "served_model_name": "tiny", "port": port or free_port()}],
     )
     return Daemon(cfg)
 
@@ -111,19 +111,10 @@ def test_a_shutdown_while_an_engine_waits_for_its_port_ends_it_stopped(tmp_path,
     holder.listen()
     port = holder.getsockname()[1]
     try:
-        model = tmp_path / "model"
-        model.mkdir()
-        (model / "config.json").write_text('{"model_type": "standin"}')
-        cfg = write_config(
-            tmp_path / "sup.toml",
-            supervisor={"runtime_dir": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
-                        "python": str(failing_python(tmp_path, *TRANSIENT)), "stop_timeout": 10.0},
-            engines=[{"name": "e0", "model": str(model), "served_model_name": "tiny", "port": port}],
-        )
-        d = Daemon(cfg)
+        d = start(tmp_path, failing_python(tmp_path, *TRANSIENT), start_retries=1, port=port)
         daemons.append(d)
         d.transition("e0", "STARTING", 30)
-        time.sleep(0.5)  # inside the port wait (stop_timeout + 5 s)
+        time.sleep(0.5)  # inside the port wait (stop_timeout + 5 s: 7 s)
         assert d.terminate(30) == 0
         last = transitions(d, "e0")[-1]
         assert (last["to_state"], last["cause"]) == ("STOPPED", "shutdown"), last
