@@ -95,15 +95,18 @@ def error_from_response(status: int, body: bytes) -> SupervisorError:
     return cls(message, status=status, code=code)
 
 
+# Where the daemon's socket is, as every "not this path" message says it.
+WHICH_SOCKET = f"(<runtime_dir>/supervisor.sock; ${ENV_SOCKET} chooses another)"
+
+
 def unreachable_message(path: str, why: str) -> str:
     return (f"cannot reach the vime-supervisor daemon at {path}: {why}. Check that the daemon is "
-            f"running (`systemctl status vime-supervisor`) and that this is its socket "
-            f"(<runtime_dir>/supervisor.sock; ${ENV_SOCKET} chooses another)")
+            f"running (`systemctl status vime-supervisor`) and that this is its socket {WHICH_SOCKET}")
 
 
 def not_a_socket_message(path: str, what: str) -> str:
     return (f"{path} is {what}, not the vime-supervisor daemon's control socket: give the socket the "
-            f"daemon listens on (<runtime_dir>/supervisor.sock; ${ENV_SOCKET} chooses another)")
+            f"daemon listens on {WHICH_SOCKET}")
 
 
 def empty_socket_message() -> str:
@@ -119,8 +122,7 @@ def long_socket_message(path: str, size: int, limit: int) -> str:
 
 def not_a_folder_message(path: str, file: str | None) -> str:
     where = f"{file} is a regular file, not a folder" if file else "a folder on the way to it is not one"
-    return (f"{path} cannot be a socket: {where}; give the socket the daemon listens on "
-            f"(<runtime_dir>/supervisor.sock; ${ENV_SOCKET} chooses another)")
+    return f"{path} cannot be a socket: {where}; give the socket the daemon listens on {WHICH_SOCKET}"
 
 
 def forbidden_socket_message(path: str, err: OSError) -> str:
