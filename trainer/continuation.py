@@ -334,7 +334,7 @@ class Continuation:
             if isinstance(seg, str):
                 out.append(seg)
                 continue
-            for e in [engine] + [e for e in self.engines if e.name != engine.name]:
+            for e in self._engine_first(engine):
                 text = await self._window_text(e, state, *seg, stop_token=stop_token and seg[1] == len(state))
                 if text is not None:
                     break
@@ -408,9 +408,13 @@ class Continuation:
                     "around it; kept as /detokenize gives it", lo, hi)
         return text
 
+    def _engine_first(self, engine: Engine) -> list[Engine]:
+        """`engine`, then every other listed engine: any of them has the model's tokenizer."""
+        return [engine] + [e for e in self.engines if e.name != engine.name]
+
     async def _detokenize_any(self, engine: Engine, ids: list[int]) -> str | None:
         """`engine`'s /detokenize of `ids`, else the first other listed engine's that answers."""
-        for e in [engine] + [e for e in self.engines if e.name != engine.name]:
+        for e in self._engine_first(engine):
             text = await self._detokenize(e, ids)
             if text is not None:
                 return text
