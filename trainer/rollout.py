@@ -764,15 +764,25 @@ class RolloutClient(Continuation):
                 self._stale(rid, state, why, attempts, 0)  # counted; raised when dropping
         # A new generation (a first attempt, or one started over): admitted only where it can
         # finish inside the bound (_late).
+        continuing = bool(why) and not why.startswith(STALE_PREFIX)
         engine = self.pick(failed | self._late(), aborted)
         if engine is None:
             await self.refresh()  # the daemon may list engines we do not know of yet
+            # One it lists now (a spare promoted in a dead engine's place) may continue the
+            # cut request: tried before starting over on it.
+            if continuing and (engine := self._continuation_pick(failed, aborted, state)) is not None:
+                self.stats.retried += 1
+                return engine
             engine = self.pick(failed | self._late(), aborted)
         deadline = time.monotonic() + self.request_timeout
         held_since = None
         while engine is None and time.monotonic() < deadline:
             late = self._late() - failed
-            if not (self._held or late):
+            # Async mode: a cut request with no engine left to go to waits for the daemon to
+            # list one (with no rounds it restarts or promotes a spare at once): starting over
+            # would need one too. In sync mode a round may be what the restart waits for.
+            orphaned = self._orphaned(continuing, failed)
+            if not (self._held or late or orphaned):
                 break
             if late and held_since is None:
                 held_since = time.monotonic()
@@ -781,12 +791,12 @@ class RolloutClient(Continuation):
                          "publish", rid, ", ".join(sorted(late)))
             # Every engine left is being updated, or too far behind to start on: wait for one.
             await asyncio.sleep(0.01)
-            if why and not why.startswith(STALE_PREFIX):
+            if continuing:
                 # A cut request waiting here had no engine to continue on: an update or a
                 # publish that moves one up to its tokens' version continues it (nothing is
                 # regenerated), unless a publish took its tokens past the bound meanwhile.
                 if self._stale_pieces(state.splits):
-                    why = self._stale_prefix_why(state)
+                    why, continuing = self._stale_prefix_why(state), False
                     self._stale(rid, state, why, attempts, 0)  # counted; raised when dropping
                 elif (engine := self._continuation_pick(failed, aborted, state)) is not None:
                     why = ""
@@ -800,6 +810,8 @@ class RolloutClient(Continuation):
             late = self._late() - failed
             refused = (f"; {', '.join(sorted(late))} not admitted in {self.request_timeout:g}s: a sample started "
                        f"there would be past max_staleness after the next publish" if late else "")
+            if self._orphaned(continuing, failed):
+                refused += f"; no other engine listed in {self.request_timeout:g}s"
             raise NoEngineAvailable(
                 f"no engine left for request {rid}: tried {len(set(a.engine for a in attempts))} engine(s) "
                 f"in {len(attempts)} attempt(s) [{tried}]; the daemon lists {len(self.engines)} routable "
@@ -811,6 +823,11 @@ class RolloutClient(Continuation):
         if attempts:
             self.stats.retried += 1
         return engine
+
+    def _orphaned(self, continuing: bool, failed: set[str]) -> bool:
+        """A cut request (async mode) with no listed engine that has not failed it."""
+        return (continuing and self.rule.mode is WeightsMode.ASYNC
+                and not any(e.name not in failed for e in self.engines))
 
     def _late(self) -> set[str]:
         """Admission (async mode): the routable engines a new generation must not start on. A

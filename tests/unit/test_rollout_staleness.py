@@ -109,6 +109,41 @@ async def test_a_cut_request_never_continues_on_older_weights():
     assert r.token_ids == engines.tokens(1, PROMPT, N, 3)
 
 
+async def test_a_cut_request_whose_engine_died_waits_for_the_one_listed_in_its_place():
+    """e0 (v4), the only listed engine, dies after tokens; e1 (v4, a warm spare) is listed in
+    its place a moment later, as the daemon promotes a spare or restarts an engine. The cut
+    request waits for it (starting over would need an engine too) and continues there:
+    nothing regenerated."""
+    async with InProcessEngines([4, 4], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
+        async with client(daemon) as rollout:
+            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
+            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
+            engines.emulated[0].add_fault("die")
+            await until(lambda: daemon.reports, timeout=10)  # e0's failure seen: nothing else listed
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            daemon.publish(4, [engines.entry(1, 4)])  # the spare, listed in e0's place
+            r = await asyncio.wait_for(task, 30)
+    first, last = r.splits
+    assert (first.engine, last.engine, first.tokens + last.tokens) == ("e0", "e1", N)
+    assert r.token_ids == engines.tokens(0, PROMPT, N, 4)  # as if never cut
+    assert r.started_over == [] and rollout.stats.tokens_regenerated == 0
+
+
+async def test_a_cut_request_with_no_engine_listed_in_time_is_raised_saying_why():
+    async with InProcessEngines([4], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
+        async with client(daemon, request_timeout=1.0) as rollout:
+            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
+            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
+            engines.emulated[0].add_fault("die")
+            with pytest.raises(NoEngineAvailable, match=r"no other engine listed in 1s; not continued: no routable "
+                                                         r"engine left at weight version 4 or newer"):
+                await asyncio.wait_for(task, 30)
+    assert rollout.stats.tokens_regenerated == 0
+
+
 LONG = 32  # 1.6 s of stream: the publish is read and e0 makes tokens on v4 before it ends, even on a loaded CI
 
 
