@@ -168,6 +168,18 @@ def test_a_cell_that_ran_more_policies_than_only_wants_is_read_not_run(tmp_path,
     assert (tmp_path / "cell-64-3600.json").read_text() == before
 
 
+def test_a_read_cell_fails_only_for_the_policies_only_wants(tmp_path, monkeypatch) -> None:
+    """A reused cell whose JSON records a failed run or a broken must-be-zero figure of a policy
+    --only does not ask for is no failure of this sweep; one of a wanted policy is."""
+    calls = _child(monkeypatch, None)
+    doc = {**_every(0.9), "failed": ["defaults seed 1: the daemon did not start"],
+           "must_be_zero": ["everything-on seed 2: stale = 1 (must be 0)"]}
+    (tmp_path / "cell-64-3600.json").write_text(json.dumps(doc))
+    for only, want in (("slime", 0), ("defaults", 1), ("everything-on", 1)):
+        got, rc = sweep.run_cell(64, 3600.0, sweep.parse([*CELL, "--dir", str(tmp_path), "--only", only]), tmp_path)
+        assert (calls, rc) == ([], want), only
+
+
 def test_a_cell_lacking_a_wanted_policy_is_run_with_the_old_json_and_log_moved_aside(tmp_path, monkeypatch, capsys) -> None:
     slime = _doc([_run(p, s, 0.5) for p in ("fault-free", "slime") for s in range(3)], engines=64,
                  policies=("fault-free", "slime"))
