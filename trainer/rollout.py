@@ -165,6 +165,12 @@ class RolloutError(Exception):
         self.attempts = list(attempts)
 
 
+# How long a cut request (async mode) whose only engines left all failed it, and are all still
+# listed, waits for the daemon to take one out of routing: a spawned engine's death is seen on
+# its pidfd at once, an attached one's at its next probe (an interval of 10 s at slime's defaults).
+ORPHAN_GRACE_S = 15.0
+
+
 class NoEngineAvailable(RolloutError):
     """No routable engine is left that has not already failed this request."""
 
@@ -755,6 +761,7 @@ class RolloutClient(Continuation):
     async def _choose(self, rid: str, failed: set[str], aborted: set[str], attempts: list[Attempt],
                       state: Partial) -> Engine:
         why = None
+        self._restarted(failed, state)
         if state.token_ids:
             engine, why = await self._continuation_engine(failed, aborted, state)
             if engine is not None:
@@ -768,20 +775,26 @@ class RolloutClient(Continuation):
         engine = self.pick(failed | self._late(), aborted)
         if engine is None:
             await self.refresh()  # the daemon may list engines we do not know of yet
-            # One it lists now (a spare promoted in a dead engine's place) may continue the
-            # cut request: tried before starting over on it.
-            if continuing and (engine := self._continuation_pick(failed, aborted, state)) is not None:
+            self._restarted(failed, state)
+            # One it lists now (a spare promoted in a dead engine's place, a restart) may continue
+            # the cut request: tried before starting over on it, unless the read took its tokens
+            # past the bound.
+            if continuing and self._stale_pieces(state.splits):
+                why, continuing = self._stale_prefix_why(state), False
+                self._stale(rid, state, why, attempts, 0)  # counted; raised when dropping
+            elif continuing and (engine := self._continuation_pick(failed, aborted, state)) is not None:
                 self.stats.retried += 1
                 return engine
             engine = self.pick(failed | self._late(), aborted)
-        deadline = time.monotonic() + self.request_timeout
+        waiting_since = time.monotonic()
+        deadline = waiting_since + self.request_timeout
         held_since = None
         while engine is None and time.monotonic() < deadline:
             late = self._late() - failed
             # Async mode: a cut request with no engine left to go to waits for the daemon to
             # list one (with no rounds it restarts or promotes a spare at once): starting over
             # would need one too. In sync mode a round may be what the restart waits for.
-            orphaned = self._orphaned(continuing, failed)
+            orphaned = self._orphaned(continuing, failed, time.monotonic() - waiting_since)
             if not (self._held or late or orphaned):
                 break
             if late and held_since is None:
@@ -789,8 +802,11 @@ class RolloutClient(Continuation):
                 self.stats.held_at_admission += 1
                 log.info("rollout: %s: held at admission: %s would be past max_staleness after the next "
                          "publish", rid, ", ".join(sorted(late)))
-            # Every engine left is being updated, or too far behind to start on: wait for one.
-            await asyncio.sleep(0.01)
+            # Every engine left is being updated, or too far behind to start on: wait for one
+            # (an orphaned request alone waits for a listing, read on the daemon's events: a
+            # slower poll, as many requests may wait at once).
+            await asyncio.sleep(0.01 if self._held or late else 0.1)
+            self._restarted(failed, state)
             if continuing:
                 # A cut request waiting here had no engine to continue on: an update or a
                 # publish that moves one up to its tokens' version continues it (nothing is
@@ -810,8 +826,9 @@ class RolloutClient(Continuation):
             late = self._late() - failed
             refused = (f"; {', '.join(sorted(late))} not admitted in {self.request_timeout:g}s: a sample started "
                        f"there would be past max_staleness after the next publish" if late else "")
-            if self._orphaned(continuing, failed):
-                refused += f"; no other engine listed in {self.request_timeout:g}s"
+            if self._orphaned(continuing, failed, 0.0):
+                refused += (f"; no other engine listed in {time.monotonic() - waiting_since:.3g}s (failed this "
+                            f"request: {', '.join(sorted(failed))})")
             raise NoEngineAvailable(
                 f"no engine left for request {rid}: tried {len(set(a.engine for a in attempts))} engine(s) "
                 f"in {len(attempts)} attempt(s) [{tried}]; the daemon lists {len(self.engines)} routable "
@@ -824,10 +841,23 @@ class RolloutClient(Continuation):
             self.stats.retried += 1
         return engine
 
-    def _orphaned(self, continuing: bool, failed: set[str]) -> bool:
-        """A cut request (async mode) with no listed engine that has not failed it."""
-        return (continuing and self.rule.mode is WeightsMode.ASYNC
-                and not any(e.name not in failed for e in self.engines))
+    def _restarted(self, failed: set[str], state: Partial) -> None:
+        """An engine that failed this request and is listed now as another incarnation (the
+        daemon restarted it under the same name) is a new process: it may take the request."""
+        for e in self.engines:
+            if e.name in failed and e.name in state.failed_on and e.incarnation != state.failed_on[e.name]:
+                failed.discard(e.name)
+
+    def _orphaned(self, continuing: bool, failed: set[str], waited: float) -> bool:
+        """Whether a cut request (async mode) with no listed engine that has not failed it waits
+        for one: while the daemon has taken one of those out of routing (it restarts it or
+        promotes a spare at once), else for ORPHAN_GRACE_S (the daemon may not have seen the
+        death yet; one still listed after that is alive and failed the request otherwise)."""
+        if not (continuing and self.rule.mode is WeightsMode.ASYNC
+                and not any(e.name not in failed for e in self.engines)):
+            return False
+        listed = {e.name for e in self.engines}
+        return bool(failed - listed) or waited < ORPHAN_GRACE_S
 
     def _late(self) -> set[str]:
         """Admission (async mode): the routable engines a new generation must not start on. A
@@ -1059,6 +1089,7 @@ class RolloutClient(Continuation):
             aborted.add(engine.name)
         else:
             failed.add(engine.name)
+            state.failed_on[engine.name] = engine.incarnation
         await self.refresh()  # the epoch may have changed
 
     async def _joined(self, engine: Engine, rid: str, answer: Answer, state: Partial, attempts: list[Attempt],

@@ -186,6 +186,7 @@ class Partial:
         self.limit: int | None = None     # its max_tokens
         self.want_logprobs = False
         self.keep_stop = False            # include_stop_str_in_output: a stop token's text is in the output
+        self.failed_on: dict[str, int | None] = {}  # engine -> the incarnation that failed it (a restart has not)
 
     def __len__(self) -> int:
         return len(self.token_ids)

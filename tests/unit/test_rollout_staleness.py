@@ -138,10 +138,45 @@ async def test_a_cut_request_with_no_engine_listed_in_time_is_raised_saying_why(
             task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
             await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
             engines.emulated[0].add_fault("die")
-            with pytest.raises(NoEngineAvailable, match=r"no other engine listed in 1s; not continued: no routable "
-                                                         r"engine left at weight version 4 or newer"):
+            with pytest.raises(NoEngineAvailable, match=r"no other engine listed in [\d.]+s \(failed this request: "
+                                                         r"e0\); not continued: no routable engine left at weight "
+                                                         r"version 4 or newer"):
                 await asyncio.wait_for(task, 30)
     assert rollout.stats.tokens_regenerated == 0
+
+
+async def test_a_cut_request_continues_on_its_engine_restarted_under_the_same_name():
+    """e0 dies after tokens and the daemon restarts it in place: the same name, a new
+    incarnation (here served at e1's address). The new process has not failed the request: it
+    is continued there, nothing regenerated."""
+    async with InProcessEngines([4, 4], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
+        async with client(daemon, request_timeout=10.0) as rollout:
+            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
+            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
+            engines.emulated[0].add_fault("die")
+            await until(lambda: daemon.reports, timeout=10)
+            await asyncio.sleep(0.2)
+            daemon.publish(4, [{**engines.entry(1, 4), "name": "e0", "incarnation": 2}])
+            r = await asyncio.wait_for(task, 30)
+    assert [s.engine for s in r.splits] == ["e0", "e0"] and r.token_ids == engines.tokens(0, PROMPT, N, 4)
+    assert r.started_over == [] and rollout.stats.tokens_regenerated == 0
+
+
+async def test_a_cut_request_whose_failed_engine_stays_listed_waits_only_the_grace(monkeypatch):
+    """The only engine fails the request and the daemon keeps it listed (the same incarnation:
+    alive, or its death not seen): the request waits ORPHAN_GRACE_S for the daemon to act, not
+    the whole request_timeout."""
+    from vime.trainer import rollout as rollout_module
+    monkeypatch.setattr(rollout_module, "ORPHAN_GRACE_S", 0.3)
+    async with InProcessEngines([4], step_s=0.05) as engines:
+        daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
+        async with client(daemon, request_timeout=60.0) as rollout:
+            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
+            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
+            engines.emulated[0].add_fault("die")
+            with pytest.raises(NoEngineAvailable, match="no other engine listed in"):
+                await asyncio.wait_for(task, 20)  # well inside request_timeout
 
 
 LONG = 32  # 1.6 s of stream: the publish is read and e0 makes tokens on v4 before it ends, even on a loaded CI
