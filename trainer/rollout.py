@@ -771,7 +771,7 @@ class RolloutClient(Continuation):
                 self._stale(rid, state, why, attempts, 0)  # counted; raised when dropping
         # A new generation (a first attempt, or one started over): admitted only where it can
         # finish inside the bound (_late).
-        continuing = bool(why) and not why.startswith(STALE_PREFIX)
+        continuing = why is not None and bool(why) and not why.startswith(STALE_PREFIX)
         engine = self.pick(failed | self._late(), aborted)
         if engine is None:
             await self.refresh()  # the daemon may list engines we do not know of yet
