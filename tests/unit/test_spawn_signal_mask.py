@@ -65,17 +65,26 @@ async def test_a_spawn_cancelled_while_its_thread_forks_leaves_no_process(tmp_pa
     import os
     import time
 
+    from concurrent.futures import ThreadPoolExecutor
+
     marker = f"vime-cancelled-spawn-{os.getpid()}"
     cmd = [sys.executable, "-c", "import time; time.sleep(60)", marker]
+    loop = asyncio.get_running_loop()
     for attempt, delay in enumerate((0.0, 0.001, 0.005, 0.02)):
         log = tmp_path / f"{attempt}.log"
+        pool = ThreadPoolExecutor(1)  # the spawn's thread (asyncio.to_thread), to be waited for below
+        loop.set_default_executor(pool)
         task = asyncio.ensure_future(process.ChildProcess.spawn(cmd, dict(os.environ), log))
         await asyncio.sleep(delay)
         task.cancel()
         try:
             child = await task
         except asyncio.CancelledError:
-            if not log.exists():  # cancelled before its thread began: nothing to see
+            # The fork's thread ends before anything is judged: only then is its process (if it
+            # made one) there to be found, and the spawn's clean-up due.
+            pool.shutdown(wait=True)
+            await asyncio.sleep(0.05)
+            if not log.exists():  # cancelled before its thread began: nothing started
                 continue
             deadline = time.monotonic() + 10
             while _running_with(marker) and time.monotonic() < deadline:
