@@ -169,7 +169,11 @@ def test_a_receiver_faulted_mid_broadcast_costs_that_receiver_only(stand_ins, si
         # transfer.
         fs = FleetSender(bucket_bytes=1 << 20, floor_mbps=50, rendezvous_s=60, http_timeout=3)
         assert fs.push(urls, model(0), 0)[victim].ok
-        fs.rendezvous_s = 4
+        fs.rendezvous_s = 6
+        # The stall window inside the deadline (7 s by default, more than this whole push's
+        # deadline): a survivor stalled behind the faulted rank fails its hop and answers before
+        # the attempt ends, as it does under a real push's deadline of 30 s or more.
+        fs.stall_s = 3
         deadline = fs.deadline_for(sum(t.numel() * t.element_size() for _, t in BIG))
         fs.progress = fault
         t0 = time.monotonic()
