@@ -777,14 +777,14 @@ class RolloutClient(Continuation):
             await self.refresh()  # the daemon may list engines we do not know of yet
             self._restarted(failed, state)
             # One it lists now (a spare promoted in a dead engine's place, a restart) may continue
-            # the cut request: tried before starting over on it, unless the read took its tokens
-            # past the bound.
-            if continuing and self._stale_pieces(state.splits):
-                why, continuing = self._stale_prefix_why(state), False
-                self._stale(rid, state, why, attempts, 0)  # counted; raised when dropping
-            elif continuing and (engine := self._continuation_pick(failed, aborted, state)) is not None:
-                self.stats.retried += 1
-                return engine
+            # the cut request: tried before starting over on it.
+            if continuing:
+                engine, stale = self._continue_after_a_read(rid, state, failed, aborted, attempts)
+                if engine is not None:
+                    self.stats.retried += 1
+                    return engine
+                if stale:
+                    why, continuing = stale, False
             engine = self.pick(failed | self._late(), aborted)
         waiting_since = time.monotonic()
         deadline = waiting_since + self.request_timeout
@@ -810,13 +810,13 @@ class RolloutClient(Continuation):
             if continuing:
                 # A cut request waiting here had no engine to continue on: an update or a
                 # publish that moves one up to its tokens' version continues it (nothing is
-                # regenerated), unless a publish took its tokens past the bound meanwhile.
-                if self._stale_pieces(state.splits):
-                    why, continuing = self._stale_prefix_why(state), False
-                    self._stale(rid, state, why, attempts, 0)  # counted; raised when dropping
-                elif (engine := self._continuation_pick(failed, aborted, state)) is not None:
+                # regenerated).
+                engine, stale = self._continue_after_a_read(rid, state, failed, aborted, attempts)
+                if engine is not None:
                     why = ""
                     break
+                if stale:
+                    why, continuing = stale, False
             engine = self.pick(failed | self._late(), aborted)
         if held_since is not None:
             self.stats.admission_wait_ms += int((time.monotonic() - held_since) * 1000)
@@ -841,6 +841,17 @@ class RolloutClient(Continuation):
             self.stats.retried += 1
         return engine
 
+    def _continue_after_a_read(self, rid: str, state: Partial, failed: set[str], aborted: set[str],
+                               attempts: list[Attempt]) -> tuple[Engine | None, str | None]:
+        """A cut request waiting for an engine, after the listing or the version moved: (an engine
+        listed now that may continue it, None), or (None, why) when the current version took its
+        tokens past the bound (counted; raised when dropping), or (None, None)."""
+        if self._stale_pieces(state.splits):
+            why = self._stale_prefix_why(state)
+            self._stale(rid, state, why, attempts, 0)
+            return None, why
+        return self._continuation_pick(failed, aborted, state), None
+
     def _restarted(self, failed: set[str], state: Partial) -> None:
         """An engine that failed this request and is listed now as another incarnation (the
         daemon restarted it under the same name) is a new process: it may take the request."""
@@ -853,10 +864,9 @@ class RolloutClient(Continuation):
         for one: while the daemon has taken one of those out of routing (it restarts it or
         promotes a spare at once), else for ORPHAN_GRACE_S (the daemon may not have seen the
         death yet; one still listed after that is alive and failed the request otherwise)."""
-        if not (continuing and self.rule.mode is WeightsMode.ASYNC
-                and not any(e.name not in failed for e in self.engines)):
-            return False
         listed = {e.name for e in self.engines}
+        if not continuing or self.rule.mode is not WeightsMode.ASYNC or listed - failed:
+            return False
         return bool(failed - listed) or waited < ORPHAN_GRACE_S
 
     def _late(self) -> set[str]:

@@ -91,6 +91,15 @@ async def test_sync_mode_applies_no_bound_on_samples():
     assert r.attempts == [Attempt("e0", OK)] and rollout.stats.stale_samples == 0
 
 
+async def killed_mid_stream(rollout: RolloutClient, engines: InProcessEngines) -> asyncio.Future:
+    """A request of N tokens, e0 killed once it has streamed 2 of them (the request is on e0:
+    the only engine listed, or the client's pick made so). The request, running."""
+    task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
+    await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
+    engines.emulated[0].add_fault("die")
+    return task
+
+
 async def test_a_cut_request_never_continues_on_older_weights():
     """e0 (v4) dies after tokens; e1 is listed at v3 (within the bound of v4, so routable, and
     admitting new requests with max_staleness 2) but older than the tokens so far: the request
@@ -99,9 +108,7 @@ async def test_a_cut_request_never_continues_on_older_weights():
         daemon = DaemonAnswers([engines.entry(0), engines.entry(1)], version=4, max_staleness=2)
         async with client(daemon) as rollout:
             rollout.pick = first_on(rollout, "e0")
-            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
-            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
-            engines.emulated[0].add_fault("die")
+            task = await killed_mid_stream(rollout, engines)
             r = await asyncio.wait_for(task, 30)
     assert r.splits == [Split("e1", 3, 0, N, OK, span=SPAN_READ)]
     (thrown,) = r.started_over
@@ -117,9 +124,7 @@ async def test_a_cut_request_whose_engine_died_waits_for_the_one_listed_in_its_p
     async with InProcessEngines([4, 4], step_s=0.05) as engines:
         daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
         async with client(daemon) as rollout:
-            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
-            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
-            engines.emulated[0].add_fault("die")
+            task = await killed_mid_stream(rollout, engines)
             await until(lambda: daemon.reports, timeout=10)  # e0's failure seen: nothing else listed
             await asyncio.sleep(0.3)
             assert not task.done()
@@ -135,9 +140,7 @@ async def test_a_cut_request_with_no_engine_listed_in_time_is_raised_saying_why(
     async with InProcessEngines([4], step_s=0.05) as engines:
         daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
         async with client(daemon, request_timeout=1.0) as rollout:
-            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
-            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
-            engines.emulated[0].add_fault("die")
+            task = await killed_mid_stream(rollout, engines)
             with pytest.raises(NoEngineAvailable, match=r"no other engine listed in [\d.]+s \(failed this request: "
                                                          r"e0\); not continued: no routable engine left at weight "
                                                          r"version 4 or newer"):
@@ -152,9 +155,7 @@ async def test_a_cut_request_continues_on_its_engine_restarted_under_the_same_na
     async with InProcessEngines([4, 4], step_s=0.05) as engines:
         daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
         async with client(daemon, request_timeout=10.0) as rollout:
-            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
-            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
-            engines.emulated[0].add_fault("die")
+            task = await killed_mid_stream(rollout, engines)
             await until(lambda: daemon.reports, timeout=10)
             await asyncio.sleep(0.2)
             daemon.publish(4, [{**engines.entry(1, 4), "name": "e0", "incarnation": 2}])
@@ -172,9 +173,7 @@ async def test_a_cut_request_whose_failed_engine_stays_listed_waits_only_the_gra
     async with InProcessEngines([4], step_s=0.05) as engines:
         daemon = DaemonAnswers([engines.entry(0)], version=4, max_staleness=1)
         async with client(daemon, request_timeout=60.0) as rollout:
-            task = asyncio.ensure_future(rollout.complete(PROMPT, max_tokens=N))
-            await until(lambda: any(p.tokens >= 2 for p in rollout.progress().values()), timeout=10)
-            engines.emulated[0].add_fault("die")
+            task = await killed_mid_stream(rollout, engines)
             with pytest.raises(NoEngineAvailable, match="no other engine listed in"):
                 await asyncio.wait_for(task, 20)  # well inside request_timeout
 
