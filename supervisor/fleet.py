@@ -298,13 +298,16 @@ class Fleet(Listener):
         # Checked before V is current: no engine is routable at V while its check runs.
         mismatched, unchecked, taken = (await self._check_at_publish(runners, version, fingerprint) if fingerprint
                                         else ({}, {}, {}))
+        # Every engine's version read again before V is current, and applied with V, no await
+        # between: a reader (status, /routable, the router's feed) sees the old routable set
+        # or the new one, never every engine out while its read is on the way.
+        reads = await asyncio.gather(*(r.read_version() for r in runners))
         self.policy.publish(version, checkpoint)
         self.fingerprint = None if fingerprint is None else (version, fingerprint)
-        # Read again, never believed further than a read goes: an unverified engine stays so, and
-        # a label at V counts only where V's fingerprint, if it has one, was run on it (relabel).
-        await asyncio.gather(*(r.refresh_version(checked=taken.get(r.name),
-                                                 fingerprinted=None if fingerprint is None else version)
-                               for r in runners))
+        # Never believed further than a read goes: an unverified engine stays so, and a label
+        # at V counts only where V's fingerprint, if it has one, was run on it (relabel).
+        for r, read in zip(runners, reads):
+            r.take_version(read, checked=taken.get(r.name), fingerprinted=None if fingerprint is None else version)
         # The fingerprint's verdicts first: an engine that failed the check is handled as
         # fingerprint_mismatch says (its cause), not as merely behind V.
         acted = self._fingerprint_mismatched(runners, version, mismatched)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Protocol
 
@@ -58,6 +59,17 @@ class StartFailed(Exception):
         super().__init__(error)
         self.error = error
         self.permanent = permanent
+
+
+@dataclass(frozen=True)
+class VersionRead:
+    """One engine's /weight_info read at a publish, with the incarnation and state it was read
+    in (read_version, then take_version: the fleet reads every engine, then applies them all
+    at once with the version they are judged against)."""
+
+    incarnation: int
+    state: State
+    version: int | str | None
 
 
 class RestartGate(Protocol):
@@ -828,22 +840,29 @@ class EngineRunner:
         self._stop_reason = None
         return "stopped" if fsm.state is S.STOPPED else f"not stopped: {fsm.state.value}"
 
-    async def refresh_version(self, *, checked: int | None = None, fingerprinted: int | None = None) -> None:
-        """Read the engine's weight version (vLLM /weight_info) again if it is up (a publish).
-        `checked`: the incarnation the published version's fingerprint (`fingerprinted`, when
-        it has one) was run on at this publish and that is taken to hold it (it matched, or
-        fingerprint_mismatch = "warn"). What is read is taken as
+    async def read_version(self) -> VersionRead | None:
+        """Read the engine's weight version (vLLM /weight_info) again if it is up (a publish),
+        for take_version to apply; None when there is nothing to read or the answer could not
+        be read (it says nothing: the label stands, as at a push's end)."""
+        fsm = self.fsm
+        if not (fsm.probed or fsm.state is S.SYNCING):
+            return None
+        incarnation, state = fsm.incarnation, fsm.state
+        read = await self.prober.read_weight_version()
+        return VersionRead(incarnation, state, read.version) if read.readable else None
+
+    def take_version(self, read: VersionRead | None, *, checked: int | None = None,
+                     fingerprinted: int | None = None) -> None:
+        """Apply a read_version. `checked`: the incarnation the published version's fingerprint
+        (`fingerprinted`, when it has one) was run on at this publish and that is taken to hold
+        it (it matched, or fingerprint_mismatch = "warn"). What is read is taken as
         fingerprint.relabel says (an unverified engine stays unverified), and only by the
         incarnation, in the state, it was read for: a read that raced a death, a sync's end or
         a promotion says nothing of what came after it."""
         fsm = self.fsm
-        if not (fsm.probed or fsm.state is S.SYNCING):
+        if read is None or fsm.incarnation != read.incarnation or fsm.state is not read.state:
             return
-        incarnation, state = fsm.incarnation, fsm.state
-        read = await self.prober.read_weight_version()
-        if not read.readable or fsm.incarnation != incarnation or fsm.state is not state:
-            return  # an answer that could not be read says nothing: the label stands (as at a push's end)
-        fsm.weight_version = relabel(fsm.weight_version, read.version, checked=checked == incarnation,
+        fsm.weight_version = relabel(fsm.weight_version, read.version, checked=checked == read.incarnation,
                                      fingerprinted=fingerprinted, rule=self.policy.rule)
 
     def round_ended(self, n: int) -> None:
