@@ -705,22 +705,31 @@ class EngineRunner:
     async def verify_weights(self, version: int, incarnation: int) -> tuple[bool, str | None]:
         """After a sync: does the engine report `version` (/weight_info) and answer the deep
         probe? (False, None) if this sync is no longer current (the engine died or was stopped,
-        or another incarnation runs); else (True, None) or (True, what failed)."""
+        or another incarnation runs); else (True, None) or (True, what failed). A read that
+        answers another version fails it at once; a read or a probe that got no answer (a
+        loaded host, a slow first batch) says nothing of the weights, and is judged as the
+        heartbeat judges one: failure_threshold of them in a row before the sync fails."""
 
         def still_this_sync() -> bool:
             return self.fsm.state is S.SYNCING and self.fsm.incarnation == incarnation
 
-        reported = await self.prober.weight_version()
-        if not still_this_sync():
-            return False, None
-        if reported != version:
-            return True, f"/weight_info says {vlabel(reported)}, not {vlabel(version)}"
-        probe = await self.prober.generate()
-        if not still_this_sync():
-            return False, None
-        if not probe.ok:
-            return True, f"the deep probe failed: {probe.detail}"
-        return True, None
+        problem: str | None = None
+        for _ in range(max(1, self.cfg.probe.failure_threshold)):
+            read = await self.prober.read_weight_version()
+            if not still_this_sync():
+                return False, None
+            if not read.readable:
+                problem = f"no answer could be read: {read.detail}"
+                continue
+            if read.version != version:
+                return True, f"/weight_info says {vlabel(read.version)}, not {vlabel(version)}"
+            probe = await self.prober.generate()
+            if not still_this_sync():
+                return False, None
+            if probe.ok:
+                return True, None
+            problem = f"the deep probe failed: {probe.detail}"
+        return True, problem
 
     def finish_sync(self, version: int, hold: str | None = None) -> None:
         self.dummy_weights = False  # every tensor pushed and verified: real weights from here on

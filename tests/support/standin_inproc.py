@@ -23,9 +23,10 @@ class InProcessEngines:
     """One emulated engine per version given, each loaded with that version (its tokens are
     made with it, /weight_info says it), serving at once; a decode step takes `step_s`."""
 
-    def __init__(self, versions: list[int], *, step_s: float = 0.0):
+    def __init__(self, versions: list[int], *, step_s: float = 0.0, engine: type[EmulatedEngine] = EmulatedEngine):
         self.versions = versions
         self.step_s = step_s
+        self.engine = engine  # a subclass of the stand-in for a fault it has no mode for
         self.emulated: list[EmulatedEngine] = []
         self.urls: list[str] = []
         self._runners: list[web.AppRunner] = []
@@ -33,7 +34,7 @@ class InProcessEngines:
     async def __aenter__(self) -> "InProcessEngines":
         zero = {k: 0.0 for k in ("boot_s", "first_batch_s", "step_per_seq_s", "prefill_token_s")}
         for v in self.versions:
-            e = EmulatedEngine(time_scale=1.0, exit_on_death=False, params={**zero, "step_base_s": self.step_s})
+            e = self.engine(time_scale=1.0, exit_on_death=False, params={**zero, "step_base_s": self.step_s})
             e.set_version(str(v))
             runner = web.AppRunner(e.app(), access_log=None)
             await runner.setup()
