@@ -98,6 +98,7 @@ class Fleet(Listener):
         self._routable_sorted: list[str] = []
         self._routable_moved = False  # changed since the policy was last told
         self._counted_version: int | None = None  # the current version the parts were counted at
+        self._publishing = asyncio.Lock()
         # The current version's fingerprint, when it was published with one (journaled: a
         # restarted daemon still checks engines by what they compute).
         self.fingerprint: tuple[int, Fingerprint] | None = None
@@ -281,6 +282,14 @@ class Fleet(Listener):
         """Record version V as current. Engines that do not report V (vLLM /weight_info) go STALE.
         With a fingerprint, engines that report V are checked first: one whose outputs do not
         match is handled as `fingerprint_mismatch` says (it never joins routing at V)."""
+        # One publish at a time: each awaits (the checkpoint's check, the fingerprint's, the
+        # engines' reads) between finding that V may become current and making it so, and two
+        # side by side could leave the older version current.
+        async with self._publishing:
+            return await self._publish_weights(version, checkpoint, fingerprint)
+
+    async def _publish_weights(self, version: int, checkpoint: str | None,
+                               fingerprint: Fingerprint | None) -> tuple[bool, str]:
         check_version("version", version)
         if checkpoint is not None:
             models = [r.spec.model for r in self.runners.values() if r.spec.spawned]
@@ -306,8 +315,17 @@ class Fleet(Listener):
         self.fingerprint = None if fingerprint is None else (version, fingerprint)
         # Never believed further than a read goes: an unverified engine stays so, and a label
         # at V counts only where V's fingerprint, if it has one, was run on it (relabel).
+        fingerprinted = None if fingerprint is None else version
         for r, read in zip(runners, reads):
-            r.take_version(read, checked=taken.get(r.name), fingerprinted=None if fingerprint is None else version)
+            r.take_version(read, checked=taken.get(r.name), fingerprinted=fingerprinted)
+        # Those V leaves behind are read once more: a read answered before a push that ended
+        # meanwhile (the push's end leaves the label as it was while V is not yet published).
+        # The others stay routable through it.
+        again = [r for r in runners if (r.serving or keep and r.state is State.STANDBY) and not self.policy.allows(r.weight_version)]
+        if again:
+            reads = await asyncio.gather(*(r.read_version() for r in again))
+            for r, read in zip(again, reads):
+                r.take_version(read, checked=taken.get(r.name), fingerprinted=fingerprinted)
         # The fingerprint's verdicts first: an engine that failed the check is handled as
         # fingerprint_mismatch says (its cause), not as merely behind V.
         acted = self._fingerprint_mismatched(runners, version, mismatched)

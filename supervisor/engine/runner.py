@@ -69,6 +69,7 @@ class VersionRead:
 
     incarnation: int
     state: State
+    held: int | str | None  # the label when it was read: a label moved since (a push's end) stands
     version: int | str | None
 
 
@@ -706,30 +707,36 @@ class EngineRunner:
         """After a sync: does the engine report `version` (/weight_info) and answer the deep
         probe? (False, None) if this sync is no longer current (the engine died or was stopped,
         or another incarnation runs); else (True, None) or (True, what failed). A read that
-        answers another version fails it at once; a read or a probe that got no answer (a
-        loaded host, a slow first batch) says nothing of the weights, and is judged as the
-        heartbeat judges one: failure_threshold of them in a row before the sync fails."""
+        answers another version fails it at once. One that got no answer (a loaded host, a
+        503) says nothing of the weights: it is tried again as the heartbeat re-probes, one
+        timeout after the last try began, failure_threshold in a row before the sync fails
+        (at most failure_threshold x timeout of reads)."""
 
         def still_this_sync() -> bool:
             return self.fsm.state is S.SYNCING and self.fsm.incarnation == incarnation
 
-        problem: str | None = None
-        for _ in range(max(1, self.cfg.probe.failure_threshold)):
+        probe_cfg = self.cfg.probe
+        for attempt in range(max(1, probe_cfg.failure_threshold)):
+            began = time.monotonic()
             read = await self.prober.read_weight_version()
             if not still_this_sync():
                 return False, None
-            if not read.readable:
-                problem = f"no answer could be read: {read.detail}"
-                continue
-            if read.version != version:
-                return True, f"/weight_info says {vlabel(read.version)}, not {vlabel(version)}"
-            probe = await self.prober.generate()
-            if not still_this_sync():
-                return False, None
-            if probe.ok:
-                return True, None
-            problem = f"the deep probe failed: {probe.detail}"
-        return True, problem
+            if read.readable:
+                break
+            if attempt + 1 < max(1, probe_cfg.failure_threshold):
+                await asyncio.sleep(max(0.0, began + probe_cfg.timeout - time.monotonic()))
+                if not still_this_sync():
+                    return False, None
+        else:
+            return True, f"no answer could be read: {read.detail}"
+        if read.version != version:
+            return True, f"/weight_info says {vlabel(read.version)}, not {vlabel(version)}"
+        probe = await self.prober.generate()
+        if not still_this_sync():
+            return False, None
+        if not probe.ok:
+            return True, f"the deep probe failed: {probe.detail}"
+        return True, None
 
     def finish_sync(self, version: int, hold: str | None = None) -> None:
         self.dummy_weights = False  # every tensor pushed and verified: real weights from here on
@@ -856,9 +863,9 @@ class EngineRunner:
         fsm = self.fsm
         if not (fsm.probed or fsm.state is S.SYNCING):
             return None
-        incarnation, state = fsm.incarnation, fsm.state
+        incarnation, state, held = fsm.incarnation, fsm.state, fsm.weight_version
         read = await self.prober.read_weight_version()
-        return VersionRead(incarnation, state, read.version) if read.readable else None
+        return VersionRead(incarnation, state, held, read.version) if read.readable else None
 
     def take_version(self, read: VersionRead | None, *, checked: int | None = None,
                      fingerprinted: int | None = None) -> None:
@@ -866,10 +873,11 @@ class EngineRunner:
         (`fingerprinted`, when it has one) was run on at this publish and that is taken to hold
         it (it matched, or fingerprint_mismatch = "warn"). What is read is taken as
         fingerprint.relabel says (an unverified engine stays unverified), and only by the
-        incarnation, in the state, it was read for: a read that raced a death, a sync's end or
-        a promotion says nothing of what came after it."""
+        incarnation, in the state and label, it was read for: a read that raced a death, a sync's
+        end, a promotion or a push's end says nothing of what came after it."""
         fsm = self.fsm
-        if read is None or fsm.incarnation != read.incarnation or fsm.state is not read.state:
+        if (read is None or fsm.incarnation != read.incarnation or fsm.state is not read.state
+                or fsm.weight_version != read.held):
             return
         fsm.weight_version = relabel(fsm.weight_version, read.version, checked=checked == read.incarnation,
                                      fingerprinted=fingerprinted, rule=self.policy.rule)

@@ -13,8 +13,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from vime.cluster.view import ClusterView
+from vime.harness.emulated_engine import EmulatedEngine
 from vime.supervisor.config import Config, EngineSpec, ProbePolicy, RestartPolicy, RouterConfig, WeightsPolicy
 from vime.supervisor.daemon import Supervisor
 from vime.supervisor.engine.fsm import EngineFSM
@@ -157,11 +159,12 @@ async def fleets(tmp_path):
     made: list[Supervisor] = []
 
     async def make(versions: list[int], mode: str = "sync", max_staleness: int = 1,
-                   router: RouterConfig | None = None, **settings: Any) -> Supervisor:
+                   router: RouterConfig | None = None, engine: type[EmulatedEngine] = EmulatedEngine,
+                   **settings: Any) -> Supervisor:
         nonlocal engines
         session = aiohttp.ClientSession()  # on the test's loop
         sessions.append(session)
-        engines = await InProcessEngines(versions).__aenter__()
+        engines = await InProcessEngines(versions, engine=engine).__aenter__()
         specs = tuple(EngineSpec(f"e{i}", url=u) for i, u in enumerate(engines.urls))
         cfg = Config(engines=specs, state_dir=str(tmp_path), log_dir=str(tmp_path), runtime_dir=str(tmp_path),
                      min_healthy=0, weights=WeightsPolicy(mode, max_staleness), router=router, **settings)
@@ -234,6 +237,55 @@ async def test_a_reader_during_a_publish_sees_the_routable_set_before_it_or_afte
         assert {s for s, _ in seen} == {everyone} and {n for _, n in seen} == {3}, seen
         assert states(sup) == {"e0": "RUNNING", "e1": "RUNNING", "e2": "RUNNING"}
         assert {r.fsm.weight_version for r in sup.fleet.runners.values()} == {5}
+
+
+async def test_two_publishes_side_by_side_leave_the_newer_current(tmp_path):
+    # Each awaits its engines' reads between finding it may become current and becoming so: the
+    # older one, let in beside the newer, would end current. One at a time, it is refused.
+    async with fleets(tmp_path) as fleet_at:
+        sup = await fleet_at([4, 4, 4])
+        await sup.fleet.publish_weights(4, None)
+        newer = asyncio.ensure_future(sup.fleet.publish_weights(6, None))
+        older = asyncio.ensure_future(sup.fleet.publish_weights(5, None))
+        results = await asyncio.gather(newer, older, return_exceptions=True)
+        assert results[0] == (True, "version 6 is current; stale (not routable until synced): e0, e1, e2")
+        assert "weight version 5 is stale: the current version is 6" in str(results[1])
+        assert sup.fleet.current_version == 6
+
+
+class PushEndsAfterTheRead(EmulatedEngine):
+    """PROTOCOL STAND-IN: once `then` is set, /weight_info answers what the engine holds and
+    then it holds `then` (a push into it that ends just after the publish read it)."""
+
+    made: list["PushEndsAfterTheRead"] = []
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.then: str | None = None
+        type(self).made.append(self)
+
+    async def h_weight_info(self, request: web.Request) -> web.Response:
+        answer = await super().h_weight_info(request)
+        if self.then is not None:
+            self.set_version(self.then)
+            self.then = None
+        return answer
+
+
+async def test_a_push_that_ends_during_the_publishs_reads_is_read_again(tmp_path):
+    # The publish reads each engine before the version is current; a push that ends after that
+    # read (its end leaves the label, the version not yet published) would leave the engine
+    # STALE on an old read. Those the version leaves behind are read once more.
+    async with fleets(tmp_path) as fleet_at:
+        engine = type("Pushed", (PushEndsAfterTheRead,), {"made": []})
+        sup = await fleet_at([4, 4], engine=engine)
+        await sup.fleet.publish_weights(4, None)
+        for e in engine.made:
+            e.then = "5"
+        changed, message = await sup.fleet.publish_weights(5, None)
+        assert changed and message == "version 5 is current"
+        assert states(sup) == {"e0": "RUNNING", "e1": "RUNNING"}
+        assert [r.fsm.weight_version for r in sup.fleet.runners.values()] == [5, 5]
 
 
 async def test_an_async_publish_leaves_the_engines_within_the_bound_serving(tmp_path):
