@@ -404,7 +404,7 @@ RULE = "vime.supervisor.states"  # VersionRule: which weight versions may serve
 # version, acknowledged or not: not an engine's, so it is judged on asking the rule only).
 VERDICTS = {
     "vime.supervisor.policy": ("FleetPolicy.allows",),
-    "vime.supervisor.fleet": ("Fleet.publish_weights",),
+    "vime.supervisor.fleet": ("Fleet._publish_weights",),
     "vime.supervisor.sync": ("SyncCoordinator.promote_spares", "SyncCoordinator.sync_spares",
                              "SyncCoordinator.consider", "SyncCoordinator._verify"),
     "vime.supervisor.engine.fsm": ("EngineFSM.became_ready", "EngineFSM.release", "EngineFSM.promote",
