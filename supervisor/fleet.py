@@ -24,7 +24,7 @@ from .config import Config
 from .engine import fingerprint as fingerprints
 from .engine.fingerprint import Fingerprint, Verdict
 from .engine.fsm import vlabel
-from .engine.runner import EngineRunner
+from .engine.runner import EngineRunner, VersionRead
 from .errors import BadRequest, Conflict
 from .tasks import within
 from .events import EventBus, Listener, Subscription
@@ -316,16 +316,24 @@ class Fleet(Listener):
         # Never believed further than a read goes: an unverified engine stays so, and a label
         # at V counts only where V's fingerprint, if it has one, was run on it (relabel).
         fingerprinted = None if fingerprint is None else version
-        for r, read in zip(runners, reads):
-            r.take_version(read, checked=taken.get(r.name), fingerprinted=fingerprinted)
+
+        def take(rs: list[EngineRunner], reads: list[VersionRead | None]) -> None:
+            for r, read in zip(rs, reads):
+                r.take_version(read, checked=taken.get(r.name), fingerprinted=fingerprinted)
+
+        # Those at a version the mode no longer allows (sync: any but V; async: more than
+        # max_staleness behind V); spares too when they are kept current (spares_sync =
+        # "publish"), otherwise a spare is synced only if it is ever promoted.
+        def left_behind(r: EngineRunner) -> bool:
+            return (r.serving or keep and r.state is State.STANDBY) and not self.policy.allows(r.weight_version)
+
+        take(runners, reads)
         # Those V leaves behind are read once more: a read answered before a push that ended
         # meanwhile (the push's end leaves the label as it was while V is not yet published).
         # The others stay routable through it.
-        again = [r for r in runners if (r.serving or keep and r.state is State.STANDBY) and not self.policy.allows(r.weight_version)]
+        again = [r for r in runners if left_behind(r)]
         if again:
-            reads = await asyncio.gather(*(r.read_version() for r in again))
-            for r, read in zip(again, reads):
-                r.take_version(read, checked=taken.get(r.name), fingerprinted=fingerprinted)
+            take(again, await asyncio.gather(*(r.read_version() for r in again)))
         # The fingerprint's verdicts first: an engine that failed the check is handled as
         # fingerprint_mismatch says (its cause), not as merely behind V.
         acted = self._fingerprint_mismatched(runners, version, mismatched)
@@ -334,12 +342,8 @@ class Fleet(Listener):
                 r.fingerprint_mismatch(version, f"/weight_info says {vlabel(version)}, but {unchecked[r.name]}; "
                                                 "synced again")
                 acted.append(r.name)
-        # Those at a version the mode no longer allows (sync: any but V; async: more than
-        # max_staleness behind V); spares too when they are kept current (spares_sync =
-        # "publish"), otherwise a spare is synced only if it is ever promoted. In async mode the
-        # engines within the bound keep serving (`lagging`).
-        behind = [r.name for r in runners
-                  if (r.serving or keep and r.state is State.STANDBY) and not self.policy.allows(r.weight_version)]
+        # In async mode the engines within the bound keep serving (`lagging`).
+        behind = [r.name for r in runners if left_behind(r)]
         lagging = [r.name for r in runners if r.serving and r.name not in behind and (self.policy.lag(r.weight_version) or 0) > 0]
         for r in runners:
             if r.name in behind:

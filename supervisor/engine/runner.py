@@ -715,16 +715,16 @@ class EngineRunner:
         def still_this_sync() -> bool:
             return self.fsm.state is S.SYNCING and self.fsm.incarnation == incarnation
 
-        probe_cfg = self.cfg.probe
-        for attempt in range(max(1, probe_cfg.failure_threshold)):
+        tries, timeout = max(1, self.cfg.probe.failure_threshold), self.cfg.probe.timeout
+        for attempt in range(tries):
             began = time.monotonic()
             read = await self.prober.read_weight_version()
             if not still_this_sync():
                 return False, None
             if read.readable:
                 break
-            if attempt + 1 < max(1, probe_cfg.failure_threshold):
-                await asyncio.sleep(max(0.0, began + probe_cfg.timeout - time.monotonic()))
+            if attempt + 1 < tries:
+                await asyncio.sleep(max(0.0, began + timeout - time.monotonic()))
                 if not still_this_sync():
                     return False, None
         else:
