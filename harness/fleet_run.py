@@ -242,9 +242,15 @@ class FleetRun:
                 return name if r.status == 409 else None
         return None
 
-    async def _inject(self, session: Any, t0: float) -> None:
+    async def _inject(self, session: Any, t0: float, stop: asyncio.Event) -> None:
+        """Strike the schedule's faults on the clock until `stop` is set at the work's end. A
+        strike under way then (a hang's or a poisoned push's request, a daemon's restart) ends and
+        is recorded: it began inside the run, and the daemon's answer to it is counted."""
         for f in self.schedule:
-            await asyncio.sleep(max(0.0, t0 + f.wall_s(self.w.scale) - time.time()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, t0 + f.wall_s(self.w.scale) - time.time()))
+            if stop.is_set():
+                return
             names = tuple(f"e{i}" for i in f.engines)
             at = time.time()
             if f.kind in ("kill", "node"):
@@ -449,14 +455,16 @@ class FleetRun:
                 await self._read_lag(session)
                 self.lag.clear()
                 self.t0 = t0
-                inject = asyncio.ensure_future(self._inject(session, t0))
+                stop = asyncio.Event()
+                inject = asyncio.ensure_future(self._inject(session, t0, stop))
                 tasks.append(inject)
                 await self._workload(session, client)
                 t_end = time.time()
-                # The clock strikes nothing after the last step: a fault then is no part of the run
-                # (left out of its injections), yet the daemon's restart of it would be counted,
-                # unbacked: a false restart that the bench, not the daemon, made.
-                inject.cancel()
+                # The clock strikes nothing after the last step: a fault then would be no part of
+                # the run (left out of its injections), yet the daemon's restart of it would count,
+                # unbacked: a false restart the bench made. Not cancelled: a strike under way is
+                # finished and recorded.
+                stop.set()
                 await asyncio.gather(inject, return_exceptions=True)
                 await asyncio.sleep(self.w.poll_s)  # one more observation after the end
                 await self._read_lag(session)
