@@ -39,6 +39,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from vime.supervisor.tasks import wait_event
+
 from . import emulated_engine
 from .emulated_model import PARAMETERS, Vocab, delay_quantile, generate
 from .fault_clock import ScheduledFault
@@ -247,9 +249,7 @@ class FleetRun:
         strike under way then (a hang's or a poisoned push's request, a daemon's restart) ends and
         is recorded: it began inside the run, and the daemon's answer to it is counted."""
         for f in self.schedule:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), max(0.0, t0 + f.wall_s(self.w.scale) - time.time()))
-            if stop.is_set():
+            if await wait_event(stop, max(0.0, t0 + f.wall_s(self.w.scale) - time.time())):
                 return
             names = tuple(f"e{i}" for i in f.engines)
             at = time.time()
