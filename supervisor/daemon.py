@@ -311,11 +311,12 @@ class Supervisor:
         for runner in self.fleet.runners.values():
             if not runner.retired:
                 runner.start(self.tasks)
-        if self.generation:
-            # After a reload the socket is served once the adopted engines are checked
-            # again, so a call (waiting in its backlog) sees the fleet as the previous
-            # image left it.
-            await self._readopted(RELOAD_SETTLE)
+        # After a reload or a daemon restart the socket is served once the adopted engines
+        # are checked again, so a call sees the fleet as the previous daemon left it, never
+        # empty while they are checked: a rollout client that read an empty list would fail
+        # every request it holds. Meanwhile a call waits in the backlog (a reload) or its
+        # connect is refused and retried, and clients keep the membership they last read.
+        await self._readopted(RELOAD_SETTLE)
         if self.router_feed is not None:
             self._feed_task = self.tasks.spawn(self._feed_router(self.router_feed), name="router-feed")
 

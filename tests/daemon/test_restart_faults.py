@@ -233,6 +233,32 @@ def test_attached_engine_keeps_serving_its_round_across_a_daemon_crash(tmp_path,
         assert d2.terminate(30) == 0
 
 
+def test_a_restarted_daemons_first_answer_lists_the_engines_it_readopts(tmp_path, fake_python, cleanup):
+    """After a kill -9 the next daemon serves its socket once the engines it re-adopts have
+    been checked again: its first routable answer lists them. An empty first answer made a
+    rollout client fail every request it held (a whole round lost on a 256-engine fleet)."""
+    ports = [free_port(), free_port()]
+    cfg = config(tmp_path, fake_python, [spawned(f"e{i}", model_dir(tmp_path / "model"), p)
+                                         for i, p in enumerate(ports)])
+    d = start(cfg, cleanup)
+    for name in ("e0", "e1"):
+        d.transition(name, "RUNNING", 30)
+        cleanup[1].add(d.last_pid(name))
+    client = SupervisorClient(sock(tmp_path), connect_timeout=0.2)
+    client.start_round(1)
+    kill9(d)
+
+    d2 = start(cfg, cleanup)
+    (first,) = wait_until(lambda: _routable_or_none(client), 30, "the restarted daemon answers")
+    assert sorted(e["name"] for e in first["engines"]) == ["e0", "e1"], first
+    events = list(d2.events)
+    listening = next(i for i, e in enumerate(events) if e.get("event") == "control.listening")
+    checked = [i for i, e in enumerate(events) if e.get("event") == "engine.transition"
+               and e.get("from_state") == "STARTING" and e.get("to_state") == "RUNNING"]
+    assert len(checked) == 2 and max(checked) < listening, events
+    assert d2.terminate(30) == 0
+
+
 # -- fault 5 --------------------------------------------------------------------------------
 
 def test_fault5_corrupt_journal_stops_old_engines(tmp_path, fake_python, cleanup):
@@ -495,6 +521,13 @@ def test_journal_epoch_at_its_ceiling_or_bad_keeps_the_journal(tmp_path, fake_py
 def _epoch_or_none(client: SupervisorClient) -> tuple[int] | None:
     try:
         return (client.routable_engines()["epoch"],)
+    except DaemonUnreachable:  # not listening yet
+        return None
+
+
+def _routable_or_none(client: SupervisorClient) -> tuple[dict[str, Any]] | None:
+    try:
+        return (dict(client.routable_engines()),)
     except DaemonUnreachable:  # not listening yet
         return None
 
