@@ -52,8 +52,8 @@ from .tasks import TaskSet, cancel_and_wait, wait_event
 log = structlog.get_logger("vime.supervisor")
 
 DEFAULT_CONFIG = "/etc/vime-supervisor/config.toml"
-# After a reload, how long the socket waits for the adopted engines' first check (a healthy
-# one answers in milliseconds); clients retry their connect for 10 s by default.
+# After a reload or a daemon restart, how long the socket waits for the adopted engines' first
+# check (a healthy one answers in milliseconds); clients retry their connect for 10 s by default.
 RELOAD_SETTLE = 5.0
 EXTEND_WINDOW = 30.0  # seconds each EXTEND_TIMEOUT_USEC buys while first starts run
 

@@ -263,7 +263,7 @@ class Adoption:
     routable: bool = False  # it was serving when the previous daemon died
     unwarmed: bool = False  # it was still STARTING: its warm-up may not have run
     standby: bool = False  # it was a spare: it stays one
-    up: bool = False  # it had been up (not STARTING): a reload's socket waits for its check
+    up: bool = False  # it had been up (not STARTING): the socket waits for its check (a reload, a restart)
     state: State | None = None  # the state the journal gave it when adopted
     age: float = 0.0  # seconds since its spawn, when it was adopted STARTING (first_wait goes on)
     after: str = ""  # "a daemon restart" or "a reload", for the transition's reason

@@ -145,6 +145,7 @@ class EngineRunner:
         # Fleet.verify_content): it is not routable at the version before that.
         self.verify_content: Callable[[EngineRunner, int | str | None], Awaitable[Verdict]] = label_alone
         self._restored = False  # a previous daemon's journal named it
+        self._recheck_pending = False  # attached and restored: its first check has not concluded
         self.start_stopped = False  # the journal says an operator stopped it: stay stopped
         self._start_pending: str | None = None  # a start asked for while a dead group is cleaned up
         self.first_start_begun = False  # this daemon has begun its first start (READY waits)
@@ -226,8 +227,8 @@ class EngineRunner:
     def readopting(self) -> bool:
         """An engine a previous daemon image left running (adopted, or attached), taken over
         but not yet checked again."""
-        if not self.spec.spawned:
-            return self._restored and self.fsm.state is S.STARTING
+        if not self.spec.spawned:  # pending from the journal's word until its first check ends
+            return self._recheck_pending
         if not self.adoption.up:  # it was still starting: nothing to wait for
             return False
         return self.adoption.proc is not None or (self.fsm.state is S.STARTING and self.proc is not None
@@ -784,6 +785,7 @@ class EngineRunner:
             # An attached engine outlives the daemon as an adopted process does: it goes on
             # serving the round it was serving (its version is checked when it answers).
             self.adoption.routable = routable
+            self._recheck_pending = not retired
         # Incarnations go on counting across daemon restarts: a failure report or a log file
         # names one process, never two.
         self.fsm.incarnation = incarnation
@@ -931,8 +933,10 @@ class EngineRunner:
         self.first_start_begun = True
         self._poke()
         # Spread over one interval as the heartbeats are: thousands of attached engines' first
-        # checks sent in the same instant time out in waves on the daemon's own loop.
-        await asyncio.sleep(self.phase)
+        # checks sent in the same instant time out in waves on the daemon's own loop. Engines
+        # re-attached after a daemon restart are spread over one second instead: the socket
+        # waits for their checks (daemon.py's RELOAD_SETTLE).
+        await asyncio.sleep(self.phase / probe.interval if self._recheck_pending and probe.interval else self.phase)
         try:
             await within(self._wait_ready(), probe.first_wait or None)  # 0: no deadline
             hold = None if self.adoption.routable else self.policy.hold_reason()
@@ -943,6 +947,10 @@ class EngineRunner:
                 self.condemn_and_stop(verdict.condemn, Cause.FINGERPRINT)
         except asyncio.TimeoutError:
             fsm.exited(f"not answering within first_wait ({probe.first_wait:g}s)", Cause.SLOW_START)
+        finally:
+            if self._recheck_pending:
+                self._recheck_pending = False
+                self._poke()  # a wait on the re-adoptions (daemon.py) looks again
         await asyncio.sleep(self.phase)
         ok_streak = 0
         schedule = self.heartbeat.restart()

@@ -249,14 +249,43 @@ def test_a_restarted_daemons_first_answer_lists_the_engines_it_readopts(tmp_path
     kill9(d)
 
     d2 = start(cfg, cleanup)
+    _assert_served_after_the_checks(d2, client, ["e0", "e1"])
+    assert d2.terminate(30) == 0
+
+
+def test_a_restarted_daemons_first_answer_lists_the_engines_it_reattaches(tmp_path, fake_python, cleanup):
+    """The same for attached engines, whose first checks after a restart are spread over one
+    second, not over the probe interval (20 s here: the second engine's would come 10 s on,
+    past the socket's wait)."""
+    ports = [free_port(), free_port()]
+    with standin_server(ports[0]), standin_server(ports[1]):
+        cfg = standin_config(tmp_path, fake_python, [{"name": f"r{i}", "url": f"http://127.0.0.1:{p}",
+                                                       "served_model_name": "tiny"} for i, p in enumerate(ports)],
+                             health_check={"interval": 20.0, "timeout": 2.0})
+        d = start(cfg, cleanup)
+        for name in ("r0", "r1"):
+            d.transition(name, "RUNNING", 60)
+        client = SupervisorClient(sock(tmp_path), connect_timeout=0.2)
+        client.start_round(1)
+        kill9(d)
+
+        d2 = start(cfg, cleanup)
+        _assert_served_after_the_checks(d2, client, ["r0", "r1"])
+        assert not [e for e in d2.events if e.get("event") == "supervisor.readoption_slow"]
+        assert d2.terminate(30) == 0
+
+
+def _assert_served_after_the_checks(d: Daemon, client: SupervisorClient, names: list[str]) -> None:
+    """`d`'s first routable answer lists `names`, and its socket listened only after each
+    one's check after the restart (STARTING -> RUNNING)."""
     (first,) = wait_until(lambda: _routable_or_none(client), 30, "the restarted daemon answers")
-    assert sorted(e["name"] for e in first["engines"]) == ["e0", "e1"], first
-    events = list(d2.events)
+    assert sorted(e["name"] for e in first["engines"]) == names, first
+    d.wait_for(lambda e: e.get("event") == "control.listening", 10)
+    events = list(d.events)
     listening = next(i for i, e in enumerate(events) if e.get("event") == "control.listening")
     checked = [i for i, e in enumerate(events) if e.get("event") == "engine.transition"
                and e.get("from_state") == "STARTING" and e.get("to_state") == "RUNNING"]
-    assert len(checked) == 2 and max(checked) < listening, events
-    assert d2.terminate(30) == 0
+    assert len(checked) == len(names) and max(checked) < listening, events
 
 
 # -- fault 5 --------------------------------------------------------------------------------
