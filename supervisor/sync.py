@@ -74,6 +74,8 @@ class SyncCoordinator(Listener):
         self._silent: dict[str, int] = {}  # engine -> version the agents never answered for
         self.agent_timeout = min(AGENT_ANSWER_TIMEOUT, sync_timeout)
         self._watchdogs: dict[str, asyncio.Task[None]] = {}  # engine -> its push's deadline (in _tasks)
+        # engine -> ((incarnation, the version it holds ahead of the current one), wait until)
+        self._ahead: dict[str, tuple[tuple[int, int | str | None], float]] = {}
         self._tasks = TaskSet("sync")
 
     # -- what the bus tells it -------------------------------------------------------------
@@ -182,6 +184,8 @@ class SyncCoordinator(Listener):
         if allowed or version is None:  # nothing published: every version is allowed
             runner.release(_when(fleet), version)
             return
+        if self._awaits_its_publish(runner, have, version):
+            return
         if fleet.policy.gated:
             # Admitted mid-round once verified at the round's version. A checkpoint reload is
             # exactly that version; the trainer agent's push waits for the gap, as the tensors
@@ -221,6 +225,30 @@ class SyncCoordinator(Listener):
         else:
             runner.note(f"weights {vlabel(have)}, current {vlabel(version)}; waiting for a "
                         "trainer agent (no checkpoint published to reload from)")
+
+    def _awaits_its_publish(self, runner: EngineRunner, have: int | str | None, version: int) -> bool:
+        """An engine verified at a version ahead of the current one holds a push whose publish
+        this daemon has not heard: it was killed between the trainer's push and its publish, and
+        the trainer publishes again once it reconnects. Kept STALE (never routed) for
+        agent_timeout instead of synced back to the older version and forward again at the
+        publish, which left the next round with no engine at all."""
+        lag = VersionRule.lag(have, version)
+        if lag is None or lag >= 0:
+            self._ahead.pop(runner.name, None)
+            return False
+        held = self._ahead.get(runner.name)
+        if held is None or held[0] != (runner.incarnation, have):
+            held = self._ahead[runner.name] = ((runner.incarnation, have), time.monotonic() + self.agent_timeout)
+            self._tasks.spawn(self._look_again(runner, held[1]))
+        if time.monotonic() >= held[1]:
+            return False
+        runner.note(f"weights {vlabel(have)}, ahead of current {vlabel(version)}: pushed before a publish this "
+                    f"daemon has not heard; waiting up to {self.agent_timeout:g}s for it before syncing back")
+        return True
+
+    async def _look_again(self, runner: EngineRunner, at: float) -> None:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        self.consider(runner)
 
     async def _agent_deadline(self, runner: EngineRunner, incarnation: int, version: int) -> None:
         """A connected agent that never calls sync/begin must not hold the engine STALE for

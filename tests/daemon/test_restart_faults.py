@@ -28,6 +28,8 @@ from vime.harness.local_daemon import (
     Daemon, free_port, kill_all, live_pids_in_groups, standin_config, standin_model)
 
 from support.polling import wait_until
+from support.requests import post
+from test_input_faults import write_safetensors  # noqa: E402  (a checkpoint on disk, without torch)
 from support.standins import standin_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,6 +277,47 @@ def test_a_restarted_daemons_first_answer_lists_the_engines_it_reattaches(tmp_pa
         assert d2.terminate(30) == 0
 
 
+def test_engines_pushed_ahead_of_a_publish_the_restarted_daemon_never_heard_wait_for_it(
+        tmp_path, fake_python, cleanup):
+    """The daemon killed between the trainer's push of v2 and its publish: the next one finds
+    its engines at v2 while v1 is current. They wait unrouted for the publish, saying so, instead
+    of being reloaded back to v1 from the checkpoint (and forward again at the publish, which
+    cost the 256-engine run's next round every engine); the publish routes them at once."""
+    model = model_dir(tmp_path / "model")
+    ports = [free_port(), free_port()]
+    cfg = config(tmp_path, fake_python, [spawned(f"e{i}", model, p) for i, p in enumerate(ports)])
+    d = start(cfg, cleanup)
+    for name in ("e0", "e1"):
+        d.transition(name, "RUNNING", 30)
+        cleanup[1].add(d.last_pid(name))
+    client = SupervisorClient(sock(tmp_path))
+    ckpt = model_dir(tmp_path / "ckpt")  # the served model's config, and weights
+    write_safetensors(ckpt / "model.safetensors", {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+                      b"\0" * 8)
+    mark = d.mark()
+    client.publish_weights(1, checkpoint=str(ckpt))
+    for name in ("e0", "e1"):  # reloaded from the checkpoint, verified at v1
+        d.transition(name, "RUNNING", 30, after=mark)
+    for port in ports:  # the trainer's push of v2 lands; the daemon dies before the publish
+        post(f"http://127.0.0.1:{port}/update_weight_version", {"new_version": "2"})
+    kill9(d)
+
+    d2 = start(cfg, cleanup)
+    for name in ("e0", "e1"):
+        stale = d2.transition(name, "STALE", 30)
+        assert "weights v2, current v1" in stale["reason"], stale
+    (st,) = wait_until(lambda: _status_or_none(client), 30, "the restarted daemon answers")
+    assert st["routable"] == 0
+    assert all("ahead of current v1" in e["reason"] for e in st["engines"]), st["engines"]
+    mark = d2.mark()
+    client.publish_weights(2, checkpoint=str(ckpt))
+    for name in ("e0", "e1"):
+        running = d2.transition(name, "RUNNING", 30, after=mark)
+        assert "v2" in running["reason"], running
+    assert not [e for e in d2.events if e.get("to_state") == "SYNCING"], "an engine ahead was synced back"
+    assert d2.terminate(30) == 0
+
+
 def _assert_served_after_the_checks(d: Daemon, client: SupervisorClient, names: list[str]) -> None:
     """`d`'s first routable answer lists `names`, and its socket listened only after each
     one's check after the restart (STARTING -> RUNNING)."""
@@ -496,7 +539,9 @@ def test_membership_epoch_goes_on_past_a_daemon_restart_even_after_a_failed_jour
     cleanup[1].add(d.last_pid("e0"))
     client = SupervisorClient(sock(tmp_path))
     blocker = journal_path(tmp_path).with_name("journal.json.tmp")
-    blocker.mkdir()  # every write fails from here
+    # Every write fails from here (made between two of the journal's writes: its own
+    # temporary file may be there for a moment).
+    wait_until(lambda: _made(blocker), 10, "the journal's write in progress ended")
     mark = d.mark()
     os.kill(d.last_pid("e0"), signal.SIGKILL)  # out of routing and back: the epoch moves twice
     d.transition("e0", "RUNNING", 30, after=mark)
@@ -552,6 +597,14 @@ def _epoch_or_none(client: SupervisorClient) -> tuple[int] | None:
         return (client.routable_engines()["epoch"],)
     except DaemonUnreachable:  # not listening yet
         return None
+
+
+def _made(folder: Path) -> bool:
+    try:
+        folder.mkdir()
+        return True
+    except FileExistsError:
+        return False
 
 
 def _routable_or_none(client: SupervisorClient) -> tuple[dict[str, Any]] | None:
