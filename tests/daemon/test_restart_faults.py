@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -283,9 +284,42 @@ def test_engines_pushed_ahead_of_a_publish_the_restarted_daemon_never_heard_wait
     its engines at v2 while v1 is current. They wait unrouted for the publish, saying so, instead
     of being reloaded back to v1 from the checkpoint (and forward again at the publish, which
     cost the 256-engine run's next round every engine); the publish routes them at once."""
+    d2, client, ckpt = _restarted_with_engines_ahead(tmp_path, fake_python, cleanup)
+    (st,) = wait_until(lambda: _status_or_none(client), 30, "the restarted daemon answers")
+    assert st["routable"] == 0
+    assert all("ahead of current v1" in e["reason"] for e in st["engines"]), st["engines"]
+    mark = d2.mark()
+    client.publish_weights(2, checkpoint=str(ckpt))
+    for name in ("e0", "e1"):
+        running = d2.transition(name, "RUNNING", 30, after=mark)
+        assert "v2" in running["reason"], running
+    assert not [e for e in d2.events if e.get("to_state") == "SYNCING"], "an engine ahead was synced back"
+    assert d2.terminate(30) == 0
+
+
+def test_engines_ahead_whose_publish_never_comes_are_synced_back_after_the_wait(tmp_path, fake_python, cleanup):
+    """No publish of v2 within the wait (agent_timeout: sync_timeout, 3 s here): the engines are
+    reloaded to the current v1 from the checkpoint and verified, as any STALE engine is."""
+    d2, client, _ = _restarted_with_engines_ahead(tmp_path, fake_python, cleanup, sync_timeout=3.0)
+    for name in ("e0", "e1"):
+        stale = d2.transition(name, "STALE", 30)
+        syncing = d2.transition(name, "SYNCING", 30)
+        assert "reloading v1" in syncing["reason"], syncing
+        waited = (datetime.fromisoformat(syncing["timestamp"]) - datetime.fromisoformat(stale["timestamp"]))
+        assert waited.total_seconds() >= 2.9, (stale, syncing)  # after the wait, by the daemon's clock
+        running = d2.transition(name, "RUNNING", 30)
+        assert "v1" in running["reason"], running
+    assert d2.terminate(30) == 0
+
+
+def _restarted_with_engines_ahead(tmp_path: Path, fake_python: Path, cleanup, **supervisor: Any
+                                  ) -> tuple[Daemon, SupervisorClient, Path]:
+    """Two spawned engines at the published v1 take the trainer's push of v2 (their label), and
+    the daemon is killed -9 before the publish: the next daemon, once it has found both STALE
+    (weights v2, current v1); its client; the checkpoint."""
     model = model_dir(tmp_path / "model")
     ports = [free_port(), free_port()]
-    cfg = config(tmp_path, fake_python, [spawned(f"e{i}", model, p) for i, p in enumerate(ports)])
+    cfg = config(tmp_path, fake_python, [spawned(f"e{i}", model, p) for i, p in enumerate(ports)], **supervisor)
     d = start(cfg, cleanup)
     for name in ("e0", "e1"):
         d.transition(name, "RUNNING", 30)
@@ -306,16 +340,7 @@ def test_engines_pushed_ahead_of_a_publish_the_restarted_daemon_never_heard_wait
     for name in ("e0", "e1"):
         stale = d2.transition(name, "STALE", 30)
         assert "weights v2, current v1" in stale["reason"], stale
-    (st,) = wait_until(lambda: _status_or_none(client), 30, "the restarted daemon answers")
-    assert st["routable"] == 0
-    assert all("ahead of current v1" in e["reason"] for e in st["engines"]), st["engines"]
-    mark = d2.mark()
-    client.publish_weights(2, checkpoint=str(ckpt))
-    for name in ("e0", "e1"):
-        running = d2.transition(name, "RUNNING", 30, after=mark)
-        assert "v2" in running["reason"], running
-    assert not [e for e in d2.events if e.get("to_state") == "SYNCING"], "an engine ahead was synced back"
-    assert d2.terminate(30) == 0
+    return d2, client, ckpt
 
 
 def _assert_served_after_the_checks(d: Daemon, client: SupervisorClient, names: list[str]) -> None:
