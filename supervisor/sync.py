@@ -247,7 +247,9 @@ class SyncCoordinator(Listener):
         return True
 
     async def _look_again(self, runner: EngineRunner, at: float) -> None:
-        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        # sleep_until, not one sleep: ending a moment early would find the wait not yet over,
+        # with no timer left to look again.
+        await sleep_until(at, time.monotonic)
         self.consider(runner)
 
     async def _agent_deadline(self, runner: EngineRunner, incarnation: int, version: int) -> None:
