@@ -1,6 +1,6 @@
 """The emulated fleet's long run (issue 36, "The long run, clean"): hours of the RL-shaped
 workload on an emulated GPU fleet under the real daemon, faults on the clock all along, the
-daemon sampled every minute and judged by harness/growth.py's bounds.
+daemon sampled every 30 s and judged by harness/growth.py's bounds.
 
     python bench/fleet_soak.py --out fleet-soak-2h                # 256 engines, 2 h, the stress rate
     python bench/fleet_soak.py --engines 8 --hours 0.1 --out /tmp/fleet-soak-smoke
@@ -421,7 +421,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--spares", type=int, default=None, help="everything-on's warm spares (default: sized from the MTBF)")
     ap.add_argument("--daemon-every", type=float, default=DEFAULT_DAEMON_EVERY_MIN, metavar="MIN",
                     help=f"mean wall minutes between the daemon's kills -9 (default {DEFAULT_DAEMON_EVERY_MIN:g})")
-    ap.add_argument("--sample-every", type=float, default=60.0, metavar="S", help="seconds between samples (default 60)")
+    ap.add_argument("--sample-every", type=float, default=30.0, metavar="S", help="seconds between samples (default 30)")
     ap.add_argument("--warmup", type=float, default=None, metavar="MIN",
                     help=f"minutes skipped before fitting slopes (default {growth.WARMUP_S / 60:g}, or the first "
                          f"{growth.WARMUP_SHARE * 100:.0f}%% of a shorter run)")

@@ -48,8 +48,9 @@ class Quantity:
 QUANTITIES: tuple[Quantity, ...] = (
     Quantity("daemon_rss", "daemon RSS", "MiB", MIB, 4.0, True,
              "under 672 MiB over a week; a leak of 350 KiB per fault is 4 MiB/h"),
-    Quantity("daemon_fds", "daemon open fds", "fds", 1, 2.0, True,
-             "one descriptor leaked per fault is 12/h; the sampled count moves with connections in flight"),
+    Quantity("daemon_fds", "daemon open fds, pools aside", "fds", 1, 2.0, True,
+             "one descriptor leaked per fault is 12/h; the HTTP pools' live connections, which follow "
+             "the probes' phase, are left out (a leaked one counts once its peer closes it)"),
     Quantity("daemon_threads", "daemon threads", "threads", 1, 0.5, True,
              "the thread count is flat once the executor has its threads; one per fault is 12/h"),
     Quantity("loop_lag_ms", "loop lag (status round trip)", "ms", 1, 10.0, True,
@@ -69,6 +70,11 @@ REPORTED: tuple[Quantity, ...] = (
     Quantity("engine_logs_bytes", "engines' logs", "MiB", MIB, math.inf, False, "retention rules"),
     Quantity("incidents_bytes", "incidents", "MiB", MIB, math.inf, False, "retention rules"),
     Quantity("log_bytes", "log volume (all)", "MiB", MIB, math.inf, False, "daemon.log + engines' logs + incidents"),
+    Quantity("daemon_fds_all", "daemon open fds (all)", "fds", 1, math.inf, True, "the pools' connections too"),
+    Quantity("daemon_tcp_out", "daemon's pooled connections", "conns", 1, math.inf, True,
+             "live outbound TCP connections: the probes' and the router's HTTP pools"),
+    Quantity("daemon_tcp_out_per_peer_max", "pooled conns to one peer, most", "conns", 1, math.inf, True,
+             "the engines' pool holds at most 4 per engine (limit_per_host)"),
 )
 
 # (sample field, config key, what): each sample's value must stay within the key's limit (0: none).

@@ -453,15 +453,18 @@ class HoursLoop(SoakLoop):
         return time.time() >= self.until
 
 
+TRIP_GAP_S = 0.5  # between the five status round trips of one sample
+
+
 class Sampler:
     """Every `every` seconds, one line of samples.jsonl: the daemon's RSS, open descriptors,
     threads and event-loop lag, the journal's size, the log volume, the engines' RSS.
 
     The daemon has no loop-lag probe: the lag's proxy is the round trip of `GET /v1/status`
-    (the least of five, no retry), which waits for the loop like every request does. The
-    daemon's pid and start come from that answer (`daemon.pid`, `daemon.uptime`), so a
-    restarted daemon is followed and marked (`daemon_restarted`); while it does not answer,
-    the harness's own child is read and the lag is missing."""
+    (the least of five, half a second apart, no retry), which waits for the loop like every
+    request does. The daemon's pid and start come from that answer (`daemon.pid`,
+    `daemon.uptime`), so a restarted daemon is followed and marked (`daemon_restarted`); while
+    it does not answer, the harness's own child is read and the lag is missing."""
 
     def __init__(self, root: Path, cfg: Path, keeper: Keeper, every: float, plan: list[faults.Fault]):
         sup = tomllib.loads(cfg.read_text())["supervisor"]
@@ -498,7 +501,9 @@ class Sampler:
 
     def _status(self) -> tuple[dict[str, Any] | None, float | None]:
         trips, status = [], None
-        for _ in range(5):
+        for k in range(5):
+            if k:
+                time.sleep(TRIP_GAP_S)
             t0 = time.monotonic()
             try:
                 code, body = one_call(self.keeper.sock, "GET", "/v1/status", timeout=10)
@@ -507,8 +512,10 @@ class Sampler:
             if code == 200:
                 trips.append(time.monotonic() - t0)
                 status = body
-        # The least of five: what the loop itself adds, less the harness's own scheduling on
-        # a shared host (a booting engine slowed the median of three by 250 ms/h in a 12-min run).
+        # The least of five, spread over two seconds: what the loop itself adds, less the
+        # harness's own scheduling on a shared host (a booting engine slowed the median of three
+        # by 250 ms/h in a 12-min run) and less a burst of the daemon's own work (a round's
+        # start, a fault) that five back-to-back trips all fall into.
         return status, (min(trips) * 1000 if trips else None)
 
     def take(self) -> dict[str, Any]:
@@ -538,14 +545,54 @@ class Sampler:
         return s
 
 
+TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"  # /proc/net/tcp's st column
+
+
+def outbound_connections(pid: int) -> tuple[set[str], dict[str, int]]:
+    """The process's open TCP connections that it made itself and that are live: the inodes of
+    its sockets in ESTABLISHED state from a local port it does not listen on (its HTTP clients'
+    pooled connections; an accepted one has the listener's port), and their count per peer
+    (address:port, hex as /proc writes it)."""
+    rows: list[list[str]] = []
+    for table in ("tcp", "tcp6"):
+        try:
+            rows += [line.split() for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]]
+        except OSError:
+            continue
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed while listed
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    rows = [f for f in rows if len(f) >= 10 and f[9] in inodes]
+    listening = {f[1].rpartition(":")[2] for f in rows if f[3] == TCP_LISTEN}
+    mine = {f[9]: f[2] for f in rows if f[3] == TCP_ESTABLISHED and f[1].rpartition(":")[2] not in listening}
+    per_peer: dict[str, int] = {}
+    for peer in mine.values():
+        per_peer[peer] = per_peer.get(peer, 0) + 1
+    return set(mine), per_peer
+
+
 def proc_sample(pid: int) -> dict[str, Any]:
-    """A process's RSS (bytes), open descriptors and threads, from /proc (None if it is gone)."""
+    """A process's RSS (bytes), open descriptors and threads, from /proc (None if it is gone).
+
+    `daemon_fds` leaves out the live outbound TCP connections (the HTTP clients' pools: one or
+    two per engine, opened and closed with the probes' phase, 560 to 830 for 256 engines), so
+    that its slope reads leaks, not traffic; a leaked connection still counts once its peer has
+    closed it (CLOSE_WAIT). The whole count and the pools' are reported beside it."""
     try:
         fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        total = len(os.listdir(f"/proc/{pid}/fd"))
+        pooled, per_peer = outbound_connections(pid)
         return {"daemon_rss": int(fields["VmRSS"].split()[0]) * 1024, "daemon_threads": int(fields["Threads"]),
-                "daemon_fds": len(os.listdir(f"/proc/{pid}/fd"))}
+                "daemon_fds": total - len(pooled), "daemon_fds_all": total, "daemon_tcp_out": len(pooled),
+                "daemon_tcp_out_per_peer_max": max(per_peer.values(), default=0)}
     except (OSError, KeyError, ValueError):
-        return {"daemon_rss": None, "daemon_threads": None, "daemon_fds": None}
+        return {"daemon_rss": None, "daemon_threads": None, "daemon_fds": None, "daemon_fds_all": None,
+                "daemon_tcp_out": None, "daemon_tcp_out_per_peer_max": None}
 
 
 def group_rss(pgids: list[int]) -> int:

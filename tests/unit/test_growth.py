@@ -1,15 +1,20 @@
 """The long soak's growth report (harness/growth.py) on synthetic series: a flat series with
 noise passes, a leak beyond its bound fails, a daemon restart that resets the RSS is not read as
-a fall (or a rise), the warm-up is skipped, and the retention rules are checked exactly."""
+a fall (or a rise), the warm-up is skipped, and the retention rules are checked exactly; the
+descriptors sampled leave the live HTTP pools out (real sockets)."""
 
 from __future__ import annotations
 
+import os
 import random
+import socket
+import time
 
 import pytest
 
 from vime.harness import growth
 from vime.harness.growth import MIB, fit, judge, report
+from vime.harness.soak import proc_sample
 
 LIMITS = {"log_keep": 3, "log_keep_bytes": 1 << 20, "incidents_keep": 5, "incidents_keep_bytes": 1 << 20}
 
@@ -132,3 +137,32 @@ def test_the_table_says_each_verdict():
     assert "daemon RSS" in text and "GROWS" in text and "growth verdict: FAIL" in text
     assert "FAIL" not in growth.format_report(report(series(seed=10), warmup_s=600, limits=LIMITS)).replace(
         "growth verdict: FAIL", "")
+
+
+def test_the_fds_judged_leave_out_live_outbound_connections_only():
+    """proc_sample on this process with real sockets: a connection it made is left out while
+    live and counted once its peer has closed it (a leak looks like that); a connection it
+    accepted is counted, as are the listener and every other descriptor."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        base = proc_sample(os.getpid())
+        made = [socket.create_connection(srv.getsockname()) for _ in range(3)]
+        accepted = [srv.accept()[0] for _ in range(3)]
+        try:
+            live = proc_sample(os.getpid())
+            assert live["daemon_fds_all"] == base["daemon_fds_all"] + 6
+            assert live["daemon_tcp_out"] == base["daemon_tcp_out"] + 3
+            assert live["daemon_fds"] == base["daemon_fds"] + 3  # the accepted ones
+            assert live["daemon_tcp_out_per_peer_max"] >= 3
+            for a in accepted:
+                a.close()
+            deadline = time.monotonic() + 5
+            while (closed := proc_sample(os.getpid()))["daemon_tcp_out"] > base["daemon_tcp_out"] and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert closed["daemon_tcp_out"] == base["daemon_tcp_out"]
+            assert closed["daemon_fds"] == base["daemon_fds"] + 3  # the made ones, now CLOSE_WAIT
+        finally:
+            for c in made:
+                c.close()
