@@ -64,7 +64,9 @@ GAP_RESTARTS = {"daemon-term": "SIGTERM then start (clean restart)",
                 "daemon-corrupt": "kill -9, journal torn, then start"}
 # The short form CI runs: the faults no other engine test makes. An engine's kill -9 (in a
 # round, in a gap) and its resync are tests/engine's (engines, resync, rl_loop); each costs a boot.
-SHORT = ["daemon", "disconnect", "crash-start", "poison-reload", "daemon-term", "daemon-corrupt"]
+# So does the clean restart (daemon-term: the long form's), whose halves are tested apart on
+# real engines (SIGTERM stops every engine: test_engines_real; a start boots them).
+SHORT = ["daemon", "disconnect", "crash-start", "poison-reload", "daemon-corrupt"]
 # The mid-push faults (faults.MID_PUSH) run in the long form only: each costs a push's bound or
 # a restart of every engine, more than CI's budget; so does the forged push (an engine's
 # restart; its catch is tests/engine/test_fingerprint_real.py's in CI).

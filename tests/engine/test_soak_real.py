@@ -1,9 +1,9 @@
 """The chaos soak, short form: the RL loop on two real engines under the daemon while a seeded
-schedule kills the daemon (restarted as systemd would),
-restarts the daemon cleanly (SIGTERM, then start) and after a torn journal (kill -9, journal
-corrupted, then start) in round gaps, disconnects the trainer mid-round, crashes an engine at
-start and poisons a checkpoint reload, with fuzzed requests at the control socket all along. Every check of harness/soak.py
-must hold, exactly. The long form is `python -m vime.harness.soak --long` (every fault kind, twice).
+schedule kills the daemon (restarted as systemd would), restarts it after a torn journal
+(kill -9, journal corrupted, then start) in a round gap, disconnects the trainer mid-round,
+crashes an engine at start and poisons a checkpoint reload, with fuzzed requests at the control
+socket all along. Every check of harness/soak.py must hold, exactly. The long form is
+`python -m vime.harness.soak --long` (every fault kind, twice, the clean restart among them).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def test_soak_short_form(tiny_model, tmp_path):
     assert f["steps (rounds)"] >= 12 and f["requests answered"] == f["steps (rounds)"] * 8
     saved = json.loads((tmp_path / "soak" / "soak.json").read_text())
     assert all(c["ok"] for c in saved["checks"].values())
-    # The clean and the corrupt-journal restart each happened, and left no old engine behind.
+    # The corrupt-journal restart happened, and left no old engine behind.
     restarts = [x for x in saved["faults"] if x["kind"] == "daemon" and "then start" in x["note"]]
-    assert len(restarts) == 2 and all(x["confirmed"] for x in restarts), restarts
+    assert len(restarts) == 1 and all(x["confirmed"] for x in restarts), restarts
     # The picture of the run (harness/timeline.py), drawn from what it recorded: a valid PNG with
     # every fault placed on it.
     w, h = png_size(tmp_path / "soak" / "timeline.png")
