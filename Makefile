@@ -58,18 +58,11 @@ test-tools:
 	        || { tail -5 .venv/test-tools.log; echo "apt-get could not install$$missing: the tests that need them skip"; }; \
 	fi
 
-# The suite in two streams at once: the tests that boot engines or load the host (engine, cluster,
-# heavy) one after another, and beside them the light ones (sockets, stand-ins, pure logic),
-# which wait more than they compute; the light stream's output follows. Both must pass.
-# `pytest` alone runs it all in one stream.
-HEAVY := engine or cluster or heavy
+# The suite in two pytest sessions at once (tests/streams.py): the tests that boot engines or load
+# the host (markers engine, cluster, heavy) one after another, the light ones beside them.
+# `pytest` alone runs it all in one session.
 test: supervisorctl-ours test-tools
-	@$(BIN)/python -m pytest -p no:cacheprovider -m "not ($(HEAVY))" > $(VENV)/test-light.log 2>&1 & light=$$!; \
-	$(BIN)/python -m pytest -m "$(HEAVY)"; heavy=$$?; \
-	wait $$light; light_rc=$$?; \
-	echo; echo "== the light stream, run beside it (not $(HEAVY)): exit $$light_rc"; cat $(VENV)/test-light.log; \
-	echo "== exit: heavy stream $$heavy, light stream $$light_rc"; \
-	test $$heavy = 0 && test $$light_rc = 0
+	$(BIN)/python tests/streams.py
 
 # Pure and socket-level tests only (no vLLM engine boots).
 test-fast: supervisorctl-ours

@@ -72,9 +72,12 @@ REPORTED: tuple[Quantity, ...] = (
     Quantity("log_bytes", "log volume (all)", "MiB", MIB, math.inf, False, "daemon.log + engines' logs + incidents"),
     Quantity("daemon_fds_all", "daemon open fds (all)", "fds", 1, math.inf, True, "the pools' connections too"),
     Quantity("daemon_tcp_out", "daemon's pooled connections", "conns", 1, math.inf, True,
-             "live outbound TCP connections: the probes' and the router's HTTP pools"),
+             "live outbound TCP connections: the probes', the warm-up's and the router's HTTP pools; "
+             "one taken and never given back still counts against its pool's limit, so such a leak "
+             "is bounded and stalls the pool's calls rather than growing"),
     Quantity("daemon_tcp_out_per_peer_max", "pooled conns to one peer, most", "conns", 1, math.inf, True,
-             "the engines' pool holds at most 4 per engine (limit_per_host)"),
+             "the probes' pool holds at most 4 per engine (limit_per_host), the warm-up's its "
+             "requests, the router's 8"),
 )
 
 # (sample field, config key, what): each sample's value must stay within the key's limit (0: none).

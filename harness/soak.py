@@ -550,11 +550,11 @@ class Sampler:
 TCP_ESTABLISHED, TCP_LISTEN = "01", "0A"  # /proc/net/tcp's st column
 
 
-def outbound_connections(pid: int) -> tuple[set[str], dict[str, int]]:
+def outbound_connections(pid: int, fds: list[str] | None = None) -> tuple[set[str], dict[str, int]]:
     """The process's open TCP connections that it made itself and that are live: the inodes of
     its sockets in ESTABLISHED state from a local port it does not listen on (its HTTP clients'
     pooled connections; an accepted one has the listener's port), and their count per peer
-    (address:port, hex as /proc writes it)."""
+    (address:port, hex as /proc writes it). `fds`: the names in /proc/PID/fd, if listed already."""
     rows: list[list[str]] = []
     for table in ("tcp", "tcp6"):
         try:
@@ -562,7 +562,7 @@ def outbound_connections(pid: int) -> tuple[set[str], dict[str, int]]:
         except OSError:
             continue
     inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
+    for fd in os.listdir(f"/proc/{pid}/fd") if fds is None else fds:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
@@ -587,8 +587,9 @@ def proc_sample(pid: int) -> dict[str, Any]:
     closed it (CLOSE_WAIT). The whole count and the pools' are reported beside it."""
     try:
         fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-        total = len(os.listdir(f"/proc/{pid}/fd"))
-        pooled, per_peer = outbound_connections(pid)
+        fds = os.listdir(f"/proc/{pid}/fd")
+        total = len(fds)
+        pooled, per_peer = outbound_connections(pid, fds)
         return {"daemon_rss": int(fields["VmRSS"].split()[0]) * 1024, "daemon_threads": int(fields["Threads"]),
                 "daemon_fds": total - len(pooled), "daemon_fds_all": total, "daemon_tcp_out": len(pooled),
                 "daemon_tcp_out_per_peer_max": max(per_peer.values(), default=0)}

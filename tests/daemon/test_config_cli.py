@@ -189,6 +189,12 @@ def test_the_daemon_logs_its_config_warnings(tmp_path):
         assert warnings[0].startswith("health_check.first_wait = 0: no startup deadline")
         assert warnings[1].startswith("health_check: interval (10s) is not less than")
         assert all(e.get("level") == "warning" for e in events if e.get("event") == "config.warning")
+        # Its signal handlers are in place once it serves its socket (a SIGTERM before that, on a
+        # loaded host, ends it by the default action, -15).
+        while not os.path.exists(os.path.join(run_dir, "supervisor.sock")):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the control socket never appeared:\n" + log.read_text()
+            time.sleep(0.1)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
