@@ -58,11 +58,8 @@ test-tools:
 	        || { tail -5 .venv/test-tools.log; echo "apt-get could not install$$missing: the tests that need them skip"; }; \
 	fi
 
-# The suite in two pytest sessions at once (tests/streams.py): the tests that boot engines or load
-# the host (markers engine, cluster, heavy) one after another, the light ones beside them.
-# `pytest` alone runs it all in one session.
 test: supervisorctl-ours test-tools
-	$(BIN)/python tests/streams.py
+	$(BIN)/python -m pytest
 
 # Pure and socket-level tests only (no vLLM engine boots).
 test-fast: supervisorctl-ours

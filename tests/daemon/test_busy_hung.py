@@ -28,8 +28,6 @@ from support.mode_fleet import mode_fleet
 
 from test_client_ctl import engines_by_name, listening, wait_state
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 PROBE = {"first_wait": 15.0, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2, "max_busy": 10.0}
 # How long the counters-only rule took to stop a busy engine: interval + 2 x (timeout + window).
 OLD_RULE_STOP = PROBE["interval"] + 2 * (PROBE["timeout"] + PROGRESS_WINDOW)

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 ROOT = Path(__file__).resolve().parents[2]
 HEADERS = ("ETTR", "useful tok/s", "start s", "recover s", "failures", "cap lost s", "tok lost/fault", "rounds lost",
            "stale", "false restarts", "spares out", "stale regen")

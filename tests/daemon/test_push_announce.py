@@ -32,8 +32,6 @@ from support.mode_fleet import mode_fleet
 
 from test_client_ctl import engines_by_name, wait_state
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 PROBE = {"first_wait": 15.0, "interval": 1.0, "timeout": 2.0, "failure_threshold": 2, "max_busy": 10.0}
 SYNC_TIMEOUT = 60.0  # the excuse of a paused engine in no push: far longer than these tests
 DEADLINE = 4.0  # the announced push's

@@ -31,8 +31,6 @@ from test_control_socket import (  # noqa: F401  (the fixtures are used by name)
     status,
 )
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 EXAMPLES = int(os.environ.get("VIME_ABUSE_EXAMPLES", "10300"))  # ~10,100 reach the daemon
 
 

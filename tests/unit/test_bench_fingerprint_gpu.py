@@ -11,8 +11,6 @@ import pytest
 
 from support.bench_scripts import load_bench
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 
 
 @pytest.fixture(scope="module")

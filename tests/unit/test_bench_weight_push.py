@@ -13,8 +13,6 @@ import pytest
 
 from support.bench_scripts import load_bench
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 ROOT = Path(__file__).resolve().parents[2]
 
 

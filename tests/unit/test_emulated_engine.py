@@ -24,8 +24,6 @@ from vime.harness.local_daemon import free_port
 from support.polling import until, wait_until
 from support.protocol_exchange import collapse, drift, shape, unmerge
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 FAST = {"boot_s": 0, "first_batch_s": 0, "step_base_s": 0.01, "step_per_seq_s": 0.0, "prefill_token_s": 0.0}
 
 

@@ -13,8 +13,6 @@ import pytest
 
 from vime.weight_sync.vllm_plugin import spin_seconds
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 # One interpreter imports vLLM (about 13 s here), then forks a child per case: each child is a
 # process in which vLLM was imported and our plugin then loaded, as in an engine process.
 CASES = {"bounded": ("0.05", False), "unset": (None, False), "bad": ("soon", False), "wrapped": ("0.05", True)}
@@ -23,7 +21,6 @@ import functools, json, os, sys
 import vllm, zmq
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition as C
 import vllm.distributed.weight_transfer.factory  # what register() imports: once, before the forks
-
 tmp, cases = sys.argv[1], json.loads(sys.argv[2])
 for name, (value, wrapped) in cases.items():
     sys.stdout.flush(); sys.stderr.flush()

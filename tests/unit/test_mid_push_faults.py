@@ -15,8 +15,6 @@ import torch
 from vime.harness import chaos, faults, soak
 from vime.supervisor.protocol import Cause
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 
 def test_each_mid_push_kind_is_in_the_catalogue_with_its_detection():
     assert faults.MID_PUSH == ("kill-mid-push", "stop-mid-push", "trainer-dies-mid-push")

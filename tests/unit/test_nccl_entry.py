@@ -14,8 +14,6 @@ import pytest
 from vime.weight_sync.errors import WeightSyncError
 from vime.weight_sync.sender import NCCL_VERSIONS, resolve_trainer_init
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 
 def factory_init(*a, **kw):
     return "factory"

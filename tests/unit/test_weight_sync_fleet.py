@@ -27,8 +27,8 @@ from vime.weight_sync.broadcast import FleetSender
 from vime.weight_sync.sender import push_deadline
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.heavy, pytest.mark.skipif(
-    __import__("importlib").util.find_spec("vllm") is None, reason="the stand-ins need vLLM")]
+pytestmark = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("vllm") is None, reason="the stand-ins need vLLM")
 
 
 def start_stand_ins(n: int) -> list[tuple[subprocess.Popen, str]]:

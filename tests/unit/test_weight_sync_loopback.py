@@ -16,8 +16,6 @@ from vime.weight_sync.errors import PoisonedEngine, WeightSyncError
 from vime.weight_sync.packing import iter_buckets, plan_update, unpack_bucket
 from vime.weight_sync.sender import WeightSender
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 
 def mixed_tensors():
     g = torch.Generator().manual_seed(0)

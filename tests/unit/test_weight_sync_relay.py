@@ -19,8 +19,6 @@ import torch
 
 from vime.weight_sync.packing import RECV_AHEAD, RELAY_WINDOW, ChainRelay, chunk_bounds
 
-pytestmark = pytest.mark.heavy  # loads the host or times itself: make test runs it beside no light test
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
