@@ -572,10 +572,7 @@ def outbound_connections(pid: int, fds: list[str] | None = None) -> tuple[set[st
     rows = [f for f in rows if len(f) >= 10 and f[9] in inodes]
     listening = {f[1].rpartition(":")[2] for f in rows if f[3] == TCP_LISTEN}
     mine = {f[9]: f[2] for f in rows if f[3] == TCP_ESTABLISHED and f[1].rpartition(":")[2] not in listening}
-    per_peer: dict[str, int] = {}
-    for peer in mine.values():
-        per_peer[peer] = per_peer.get(peer, 0) + 1
-    return set(mine), per_peer
+    return set(mine), Counter(mine.values())
 
 
 def proc_sample(pid: int) -> dict[str, Any]:

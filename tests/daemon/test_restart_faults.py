@@ -30,7 +30,7 @@ from vime.harness.local_daemon import (
 
 from support.polling import wait_until
 from support.requests import post
-from test_input_faults import write_safetensors  # noqa: E402  (a checkpoint on disk, without torch)
+from test_input_faults import write_safetensors  # a checkpoint on disk, without torch
 from support.standins import standin_server
 
 ROOT = Path(__file__).resolve().parents[2]
