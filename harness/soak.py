@@ -535,7 +535,7 @@ class Sampler:
                              "daemon_restarted": prev is not None and prev["daemon_pid"] != pid,
                              "daemon_answered": status is not None, "loop_lag_ms": lag,
                              "faults_injected": sum(f.injected_at is not None for f in list(self.plan))}
-        s.update(proc_sample(pid))
+        s.update(proc_sample(pid, reads=FD_READS))
         engines = [e["pid"] for e in (status or {}).get("engines", []) if e.get("pid")]
         s["engines_rss"] = group_rss(engines) if status is not None else None
         journal = self.state_dir / "journal.json"
@@ -575,13 +575,35 @@ def outbound_connections(pid: int, fds: list[str] | None = None) -> tuple[set[st
     return set(mine), Counter(mine.values())
 
 
-def proc_sample(pid: int) -> dict[str, Any]:
+FD_READS, FD_GAP_S = 3, 0.25  # the judged descriptors: the least of three reads this far apart
+
+
+def least_fds(reads: list[dict[str, Any]]) -> dict[str, Any]:
+    """One sample from several reads of proc_sample: the first read's figures, with `daemon_fds`
+    the least of the reads' and `daemon_fds_max` the most. A leaked descriptor is open at every
+    read; one the daemon holds for a moment (a connection being made, a spawned engine's pipes,
+    a file being written) is missing from one read at least. A read of a process gone is None."""
+    first = dict(reads[0])
+    judged = [r["daemon_fds"] for r in reads if r.get("daemon_fds") is not None]
+    first["daemon_fds"] = min(judged, default=None)
+    first["daemon_fds_max"] = max(judged, default=None)
+    return first
+
+
+def proc_sample(pid: int, reads: int = 1, gap: float = FD_GAP_S) -> dict[str, Any]:
     """A process's RSS (bytes), open descriptors and threads, from /proc (None if it is gone).
 
     `daemon_fds` leaves out the live outbound TCP connections (the HTTP clients' pools: one or
     two per engine, opened and closed with the probes' phase, 560 to 830 for 256 engines), so
     that its slope reads leaks, not traffic; a leaked connection still counts once its peer has
-    closed it (CLOSE_WAIT). The whole count and the pools' are reported beside it."""
+    closed it (CLOSE_WAIT). The whole count and the pools' are reported beside it. With `reads`
+    above 1, the descriptors are read that many times `gap` seconds apart (least_fds)."""
+    if reads > 1:
+        samples = [proc_sample(pid)]
+        for _ in range(reads - 1):
+            time.sleep(gap)
+            samples.append(proc_sample(pid))
+        return least_fds(samples)
     try:
         fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
         fds = os.listdir(f"/proc/{pid}/fd")

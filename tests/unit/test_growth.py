@@ -13,7 +13,7 @@ import pytest
 
 from vime.harness import growth
 from vime.harness.growth import MIB, fit, judge, report
-from vime.harness.soak import outbound_connections, proc_sample
+from vime.harness.soak import least_fds, outbound_connections, proc_sample
 
 from support.polling import wait_until
 
@@ -169,3 +169,16 @@ def test_the_fds_judged_leave_out_live_outbound_connections_only():
                     c.close()
     sample = proc_sample(os.getpid())
     assert sample["daemon_fds"] == sample["daemon_fds_all"] - sample["daemon_tcp_out"]
+
+
+def test_the_fds_judged_are_the_least_of_the_reads():
+    """A descriptor held at one read only (a spawn's pipes, a connection being made) is not
+    counted; one held at every read (a leak) is; a read of a process gone is skipped."""
+    reads = [{"daemon_rss": 1, "daemon_fds": 300, "daemon_fds_all": 800}, {"daemon_rss": 2, "daemon_fds": 290},
+             {"daemon_rss": 3, "daemon_fds": None}]
+    assert least_fds(reads) == {"daemon_rss": 1, "daemon_fds": 290, "daemon_fds_all": 800, "daemon_fds_max": 300}
+    assert least_fds([{"daemon_fds": None}]) == {"daemon_fds": None, "daemon_fds_max": None}
+    # Read three times from /proc: the judged count is the least, the first read's figures stand.
+    sample = proc_sample(os.getpid(), reads=3, gap=0.01)
+    assert sample["daemon_fds"] <= sample["daemon_fds_max"]
+    assert sample["daemon_fds"] <= sample["daemon_fds_all"] - sample["daemon_tcp_out"]
