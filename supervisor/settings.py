@@ -402,7 +402,7 @@ class Config:
         100, flag="--incidents-keep", metavar="N", bound=_NO_LIMIT,
         help="the newest N incident folders are kept; 0: no limit (default {default})",
         doc="the newest N post-mortem folders under `<log_dir>/incidents/` (all engines together) are kept, the "
-            "oldest removed first when one is written; the one just written never; `0`: no limit")
+            "oldest removed first, room made before one is written; the one being written never; `0`: no limit")
     incidents_keep_bytes: int = knob(
         256 << 20, flag="--incidents-keep-bytes", metavar="BYTES", bound=_NO_LIMIT,
         help="the incident folders within BYTES, oldest removed first; 0: no limit (default {default})",

@@ -42,6 +42,10 @@ async def capture(runner: EngineView, reason: str, *, budget: float = 10.0) -> P
     """Save the incident folder; returns it (None if even creating it failed)."""
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     folder = incident_dir(runner.cfg.log_dir) / f"{stamp}-{runner.name}-{runner.fsm.incarnation}"
+    rule = retention.incidents_rule(runner.cfg)
+    if folder.parent.is_dir():
+        # Room first, so that incidents_keep holds while this one is written, not only after.
+        await asyncio.to_thread(retention.prune_incidents, folder.parent, set(_writing), rule, 1)
     try:
         folder.mkdir(parents=True, exist_ok=False)
     except OSError as e:
@@ -53,8 +57,7 @@ async def capture(runner: EngineView, reason: str, *, budget: float = 10.0) -> P
     finally:
         _writing.discard(folder)
     # The oldest beyond incidents_keep(_bytes) go; this one and any still being written stay.
-    await asyncio.to_thread(retention.prune_incidents, folder.parent, {folder} | _writing,
-                            retention.incidents_rule(runner.cfg))
+    await asyncio.to_thread(retention.prune_incidents, folder.parent, {folder} | _writing, rule)
     return folder
 
 

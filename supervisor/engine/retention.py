@@ -49,12 +49,13 @@ def incidents_rule(cfg: Config) -> Rule:
     return Rule(cfg.incidents_keep, cfg.incidents_keep_bytes)
 
 
-def to_remove(items: Sequence[Item], rule: Rule, live: Iterable[str] = ()) -> list[str]:
+def to_remove(items: Sequence[Item], rule: Rule, live: Iterable[str] = (), room: int = 0) -> list[str]:
     """The names to remove, oldest first, until the rest is within the rule. A live item is
     never removed but counts toward both limits (it is on the disk all the same), so when it
-    alone is over the byte limit everything older goes and it stays."""
+    alone is over the byte limit everything older goes and it stays. `room`: items about to be
+    added, counted against `keep` as if there already."""
     keep_live = set(live)
-    count = len(items)
+    count = len(items) + room
     total = sum(i.size for i in items)
     out: list[str] = []
     for item in sorted(items, key=lambda i: i.order):
@@ -131,12 +132,13 @@ def prune_logs(log_dir: str, engine: str, live: Path | None, rule: Rule) -> list
     return removed
 
 
-def prune_incidents(root: Path, live: Iterable[Path], rule: Rule) -> list[str]:
-    """Remove the oldest incident folders beyond `rule`, never one of `live`."""
+def prune_incidents(root: Path, live: Iterable[Path], rule: Rule, room: int = 0) -> list[str]:
+    """Remove the oldest incident folders beyond `rule`, never one of `live`; `room`: folders
+    about to be written, made room for."""
     if not rule.keep and not rule.keep_bytes:
         return []
     try:
-        names = to_remove(incident_folders(root), rule, [p.name for p in live])
+        names = to_remove(incident_folders(root), rule, [p.name for p in live], room)
     except OSError as e:
         log.error("retention.failed", what="incidents", error=str(e))
         return []

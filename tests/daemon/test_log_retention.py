@@ -74,7 +74,8 @@ def test_old_engine_logs_are_removed_and_the_live_one_kept(tmp_path, daemons):
 
 def test_an_incident_folder_written_removes_the_oldest_beyond_the_count(tmp_path, daemons):
     """A hung engine (SIGSTOP) gets a post-mortem before its stop; with incidents_keep = 1 the
-    older folder goes (by the time stamp its name starts with) and the new one stays."""
+    older folder goes (by the time stamp its name starts with), before the new one is written,
+    and the new one stays."""
     fake = tmp_path / "fake-python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
@@ -96,6 +97,9 @@ def test_an_incident_folder_written_removes_the_oldest_beyond_the_count(tmp_path
     saved = d.wait_for(lambda e: e.get("event") == "postmortem.saved", 30, after=mark)
     removed = d.wait_for(lambda e: e.get("event") == "retention.removed", 30, after=mark)
     assert removed["what"] == "incidents" and removed["folders"][0] == old.name
+    # Room is made before the new one is written: incidents_keep holds at every moment.
+    events = list(d.events)
+    assert events.index(removed) < events.index(saved), (removed, saved)
     assert not old.exists() and (root / "keep-me").is_dir()
     wait_until(lambda: Path(saved["folder"]).is_dir(), 5, "the new incident folder is kept")
     assert d.terminate(30) == 0

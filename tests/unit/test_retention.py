@@ -112,3 +112,13 @@ def test_prune_incidents_oldest_first_across_engines_never_the_live_ones(tmp_pat
     # Bytes: the folder's files summed; the newest stays even when it alone is over.
     assert retention.prune_incidents(root, [new], Rule(keep_bytes=10)) == [writing.name]
     assert new.exists()
+
+
+def test_room_is_made_for_items_about_to_be_added():
+    # An incident about to be written: with keep = 4 and 4 on disk, the oldest goes first, so
+    # that the limit holds while the new one is written (not only after).
+    assert to_remove(logs(1, 1, 1, 1), Rule(keep=4), room=1) == ["e0.1.log"]
+    assert to_remove(logs(1, 1, 1), Rule(keep=4), room=1) == []
+    # keep = 1: everything goes but the live ones; no limit: nothing.
+    assert to_remove(logs(1, 1), Rule(keep=1), live=["e0.2.log"], room=1) == ["e0.1.log"]
+    assert to_remove(logs(1, 1), Rule(keep=0), room=1) == []
