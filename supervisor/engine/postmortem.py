@@ -43,21 +43,23 @@ async def capture(runner: EngineView, reason: str, *, budget: float = 10.0) -> P
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     folder = incident_dir(runner.cfg.log_dir) / f"{stamp}-{runner.name}-{runner.fsm.incarnation}"
     rule = retention.incidents_rule(runner.cfg)
-    if folder.parent.is_dir():
-        # Room first, so that incidents_keep holds while this one is written, not only after.
-        await asyncio.to_thread(retention.prune_incidents, folder.parent, set(_writing), rule, 1)
-    try:
-        folder.mkdir(parents=True, exist_ok=False)
-    except OSError as e:
-        log.error("postmortem.failed", engine=runner.name, error=str(e))
-        return None
+    # Live before it exists: a prune that scans the folder (this capture's or a concurrent one's)
+    # reads the live set after its scan, so it never removes a folder being written.
     _writing.add(folder)
     try:
+        if folder.parent.is_dir():
+            # Room first, so that incidents_keep holds while this one is written, not only after.
+            await asyncio.to_thread(retention.prune_incidents, folder.parent, _writing, rule, 1)
+        try:
+            folder.mkdir(parents=True, exist_ok=False)
+        except OSError as e:
+            log.error("postmortem.failed", engine=runner.name, error=str(e))
+            return None
         await _capture(runner, reason, folder, budget)
+        # The oldest beyond incidents_keep(_bytes) go; this one and any still being written stay.
+        await asyncio.to_thread(retention.prune_incidents, folder.parent, _writing, rule)
     finally:
         _writing.discard(folder)
-    # The oldest beyond incidents_keep(_bytes) go; this one and any still being written stay.
-    await asyncio.to_thread(retention.prune_incidents, folder.parent, {folder} | _writing, rule)
     return folder
 
 

@@ -138,7 +138,10 @@ def prune_incidents(root: Path, live: Iterable[Path], rule: Rule, room: int = 0)
     if not rule.keep and not rule.keep_bytes:
         return []
     try:
-        names = to_remove(incident_folders(root), rule, [p.name for p in live], room)
+        found = incident_folders(root)
+        # The live ones read after the scan (a capture marks its folder live before creating it,
+        # so any folder the scan saw being written is among them); a copy taken in one step.
+        names = to_remove(found, rule, [p.name for p in frozenset(live)], room)
     except OSError as e:
         log.error("retention.failed", what="incidents", error=str(e))
         return []

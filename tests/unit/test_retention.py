@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from vime.supervisor.engine import retention
-from vime.supervisor.engine.retention import Item, Rule, to_remove
+from vime.supervisor.engine.retention import Item, Rule, prune_incidents, to_remove
 
 
 def logs(*sizes: int) -> list[Item]:
@@ -122,3 +122,13 @@ def test_room_is_made_for_items_about_to_be_added():
     # keep = 1: everything goes but the live ones; no limit: nothing.
     assert to_remove(logs(1, 1), Rule(keep=1), live=["e0.2.log"], room=1) == ["e0.1.log"]
     assert to_remove(logs(1, 1), Rule(keep=0), room=1) == []
+
+
+def test_prune_incidents_makes_room_and_never_removes_a_folder_being_written(tmp_path):
+    names = ["20260101T000000-e0-1", "20260101T000001-e1-1", "20260101T000002-e2-1"]
+    for n in names:
+        (tmp_path / n).mkdir()
+    writing = {tmp_path / names[0], tmp_path / "20260101T000003-e3-1"}  # the oldest still written; one to come
+    # keep = 2 and one about to be written: one may stay besides; the oldest is live, so the others go.
+    assert prune_incidents(tmp_path, writing, Rule(keep=2), room=1) == names[1:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names[:1]
