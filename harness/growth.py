@@ -73,7 +73,7 @@ REPORTED: tuple[Quantity, ...] = (
     Quantity("incidents_bytes", "incidents", "MiB", MIB, math.inf, False, "retention rules"),
     Quantity("log_bytes", "log volume (all)", "MiB", MIB, math.inf, False, "daemon.log + engines' logs + incidents"),
     Quantity("daemon_fds_all", "daemon open fds (all)", "fds", 1, math.inf, True, "the pools' connections too"),
-    Quantity("daemon_fds_max", "daemon open fds, pools aside, most of 3 reads", "fds", 1, math.inf, True,
+    Quantity("daemon_fds_max", "daemon fds, most of 3 reads", "fds", 1, math.inf, True,
              "the judged count's reads: what the daemon held for a moment shows here"),
     Quantity("daemon_tcp_out", "daemon's pooled connections", "conns", 1, math.inf, True,
              "live outbound TCP connections: the probes', the warm-up's and the router's HTTP pools; "
