@@ -27,7 +27,7 @@ from pathlib import Path
 
 from vime.harness import emulated_engine
 from vime.harness.local_daemon import free_port, standin_config
-from vime.harness.soak import Fuzzer
+from vime.harness.soak import Fuzzer, proc_sample
 from vime.supervisor.client import SupervisorClient
 
 WRAPPER = r'''
@@ -49,10 +49,6 @@ sys.exit(main())
 class NoOutage:
     def in_outage(self, t: float) -> bool:
         return False
-
-
-def rss_kib(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0])
 
 
 def snapshot(d: subprocess.Popen, tmp: Path, k: int, timeout: float = 120) -> Path:
@@ -129,7 +125,7 @@ def run(a: argparse.Namespace) -> int:
             if (not snaps and el >= a.warm) or (len(snaps) == 1 and el >= total - 5):
                 snaps.append((steps, fuzz.sent, snapshot(d, tmp, len(snaps) + 1)))
             if steps % 200 == 0:
-                rss.append((round(el), steps, fuzz.sent, rss_kib(d.pid)))
+                rss.append((round(el), steps, fuzz.sent, proc_sample(d.pid)["daemon_rss"] // 1024))
         fuzz.stop()
         if len(snaps) < 2:
             print("fewer than two snapshots: --minutes must leave time after --warm", file=sys.stderr)
